@@ -1,0 +1,5 @@
+import sys
+
+from umrt.cli import main
+
+sys.exit(main())

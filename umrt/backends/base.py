@@ -1,0 +1,79 @@
+"""The act layer's interface: what a policy or the runtime may ask of a GPU.
+
+Two backends implement it: ``cuda`` (real managed memory through the CUDA
+runtime) and ``sim`` (the Unified Memory simulator). Callers never know
+which one they drive. Addresses and sizes are plain integers; a *range* is a
+``(ptr, nbytes)`` pair inside one managed allocation.
+
+Device ids follow the CUDA runtime: ``0..n-1`` are GPUs, :data:`HOST` (-1,
+``cudaCpuDeviceId``) is host memory.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+HOST = -1  # cudaCpuDeviceId
+
+Range = tuple[int, int]  # (ptr, nbytes)
+
+
+class Advice(enum.IntEnum):
+    """cudaMemoryAdvise values (CUDA runtime API, identical in CUDA 12 and 13)."""
+
+    SET_READ_MOSTLY = 1
+    UNSET_READ_MOSTLY = 2
+    SET_PREFERRED_LOCATION = 3
+    UNSET_PREFERRED_LOCATION = 4
+    SET_ACCESSED_BY = 5
+    UNSET_ACCESSED_BY = 6
+
+
+class Backend(ABC):
+    """A GPU with managed memory, real or simulated.
+
+    All calls are asynchronous in the CUDA sense: they are ordered on the
+    backend's copy stream, and :meth:`launch` orders a kernel after every
+    prefetch issued before it that touches its ranges.
+    """
+
+    name: str = "backend"
+    device: int = 0
+
+    @abstractmethod
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` of managed memory; return its address."""
+
+    @abstractmethod
+    def free(self, ptr: int) -> None:
+        """Free an allocation made by :meth:`malloc`."""
+
+    @abstractmethod
+    def prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        """Migrate ranges to ``device`` (a GPU id or :data:`HOST`) on the copy stream."""
+
+    @abstractmethod
+    def discard(self, ranges: Sequence[Range]) -> None:
+        """Declare the ranges' contents dead: a later migration copies nothing."""
+
+    @abstractmethod
+    def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
+        """cudaMemAdvise on each range."""
+
+    @abstractmethod
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int) -> None:
+        """A kernel is about to run on these ranges.
+
+        The ``sim`` backend executes it (faults, migrations, compute time);
+        the ``cuda`` backend only orders the compute stream after pending
+        prefetches (the real kernel is launched by the framework).
+        """
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all outstanding copies and kernels."""
+
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory as the backend sees them."""
+        raise NotImplementedError

@@ -1,0 +1,51 @@
+"""The plan layer's interface.
+
+A policy consumes the event stream one event at a time, in program order, and
+acts on a :class:`~umrt.backends.base.Backend` (prefetch, pre-evict, discard,
+advise). It sees an event only when the program issues it — never the
+future — unless it is explicitly an oracle that was handed the trace.
+
+The driver calls :meth:`Policy.on_event` *before* the backend executes a
+:class:`~umrt.trace.events.Launch`, and *after* a
+:class:`~umrt.trace.events.Alloc` has been given an address (so
+``layout.address(obj)`` works inside the call), and *before* a
+:class:`~umrt.trace.events.Free` releases it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from umrt.backends.base import Backend
+    from umrt.memory.base import Layout
+    from umrt.trace.events import Event
+
+
+@dataclass
+class PolicyContext:
+    """What a runtime legitimately knows about its environment."""
+
+    backend: "Backend"
+    layout: "Layout"
+    budget_bytes: int  # GPU memory the policy may plan to use
+    profile: object | None = None  # umrt.hardware.HardwareProfile, for time-based windows
+
+
+class Policy(ABC):
+    """Decides what to move, and when."""
+
+    name: str = "policy"
+
+    def attach(self, ctx: PolicyContext) -> None:
+        """Called once before the first event."""
+        self.ctx = ctx
+
+    @abstractmethod
+    def on_event(self, event: "Event") -> None:
+        """Observe one event and issue backend calls if needed."""
+
+    def report(self) -> dict:
+        """Policy-specific counters for reports (prefetches issued, ...)."""
+        return {}

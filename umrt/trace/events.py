@@ -1,0 +1,157 @@
+"""The event model every umrt layer speaks.
+
+A trace is a flat sequence of events, in the order the program issued them:
+
+* :class:`Alloc` / :class:`Free` — an object (one storage, i.e. one allocation
+  the caching allocator or umrt's pool would serve) comes to life or dies.
+* :class:`Launch` — one kernel (one aten op), with the byte ranges of the
+  objects it reads and writes, its FLOPs and the module it ran in.
+* :class:`IterationBoundary` — iteration ``index`` starts here. A trace of N
+  complete iterations holds N + 1 boundaries: the last one closes iteration
+  N - 1. Events before the first boundary are set-up (parameters created,
+  the model moved to the device).
+* :class:`LayerEnter` / :class:`LayerExit` — a module's forward or backward
+  starts or ends (module boundaries; the runtime acts at these by default).
+
+Objects are identified by small integers unique within a trace. Views never
+appear: the recorder resolves them to their storage plus a byte offset.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence, Union
+
+
+class Kind(enum.IntEnum):
+    """What an object holds, as far as the recorder actually knows it."""
+
+    PARAMETER = 0
+    GRADIENT = 1
+    OPTIMIZER_STATE = 2
+    ACTIVATION = 3  # saved by forward, used again in backward
+    TEMPORARY = 4  # born and dead within a short span (workspaces, intermediates)
+    INPUT = 5  # batch data and labels
+    OTHER = 6  # anything else that is long-lived (buffers, step counters)
+
+    @property
+    def persistent(self) -> bool:
+        """Lives across iterations (parameters, gradients, optimizer state)."""
+        return self in (Kind.PARAMETER, Kind.GRADIENT, Kind.OPTIMIZER_STATE, Kind.OTHER)
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """A byte range of one object that a launch reads or writes."""
+
+    obj: int
+    offset: int
+    length: int
+    write: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch."""
+
+    seq: int  # position among the trace's launches, from 0
+    exec_id: int  # stable across iterations, processes and machines; see execution_id()
+    op: str  # aten overload name, e.g. "aten::mm.default"
+    accesses: tuple[Access, ...]
+    flops: int
+    bytes: int  # bytes moved to or from device memory (roofline input)
+    module: str = ""  # dotted module path it ran in ("" at top level)
+
+    @property
+    def reads(self) -> tuple[Access, ...]:
+        return tuple(a for a in self.accesses if not a.write)
+
+    @property
+    def writes(self) -> tuple[Access, ...]:
+        return tuple(a for a in self.accesses if a.write)
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """An object is created."""
+
+    obj: int
+    nbytes: int
+    kind: Kind
+    launch: int = -1  # seq of the launch that created it, -1 if none yet
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """An object dies; its bytes are dead from here on."""
+
+    obj: int
+
+
+@dataclass(frozen=True, slots=True)
+class IterationBoundary:
+    """Iteration ``index`` starts here (and iteration ``index - 1`` ends)."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerEnter:
+    module: str
+    phase: str = "forward"  # "forward" or "backward"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerExit:
+    module: str
+    phase: str = "forward"
+
+
+Event = Union[Launch, Alloc, Free, IterationBoundary, LayerEnter, LayerExit]
+
+
+def execution_id(op: str, shapes: Iterable[Sequence[int]], dtypes: Iterable[str], module: str) -> int:
+    """A launch's execution id: a 63-bit digest of what identifies the kernel.
+
+    Built from the op overload name, argument shapes, dtypes and the module
+    path — never from Python's ``hash`` (randomised per process), so the same
+    launch gets the same id in every iteration, process and machine.
+    """
+    text = "|".join([op, ";".join("x".join(map(str, s)) for s in shapes), ",".join(dtypes), module])
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class TraceHeader:
+    """What a trace file says about itself."""
+
+    format_version: int
+    umrt_version: str
+    model: str
+    torch_version: str
+    device: str  # where it was recorded: "meta", "cpu" or "cuda"
+    iterations: int  # complete iterations in the trace
+    notes: list[str] = field(default_factory=list)  # known differences from a CUDA run
+    meta: dict = field(default_factory=dict)  # free-form: batch, seq, argv, ...
+
+
+@dataclass
+class Trace:
+    """A header plus the events, in program order."""
+
+    header: TraceHeader
+    events: list[Event]
+
+    def iteration_spans(self) -> list[tuple[int, int]]:
+        """Event-index spans ``[start, stop)`` of the complete iterations.
+
+        ``start`` is the index of the iteration's boundary event, ``stop``
+        the index of the next boundary.
+        """
+        marks = [i for i, e in enumerate(self.events) if isinstance(e, IterationBoundary)]
+        return list(zip(marks[:-1], marks[1:]))
+
+    def launches(self) -> list[Launch]:
+        return [e for e in self.events if isinstance(e, Launch)]
