@@ -46,6 +46,13 @@ class Policy(ABC):
     def on_event(self, event: "Event") -> None:
         """Observe one event and issue backend calls if needed."""
 
+    def make_layout(self, backend: "Backend") -> "Layout":
+        """The address layout this policy runs with: by default a model of
+        PyTorch's caching allocator (umrt's own runtime uses its pool)."""
+        from umrt.memory.caching import CachingAllocatorLayout
+
+        return CachingAllocatorLayout(backend)
+
     def report(self) -> dict:
         """Policy-specific counters for reports (prefetches issued, ...)."""
         return {}
