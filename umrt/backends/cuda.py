@@ -1,0 +1,493 @@
+"""The ``cuda`` backend: real CUDA managed memory.
+
+:class:`CudaBackend` implements :class:`umrt.backends.base.Backend` over one
+of two thin adapters that make the actual runtime calls:
+
+* :class:`CupyApi` (CUDA 12): ``cupy.cuda.runtime`` with the CUDA 12 call
+  shapes, where a destination is a device id and ``cudaCpuDeviceId`` (-1) is
+  the host. CUDA 12 has no batched prefetch (we loop) and no discard.
+* :class:`BindingsApi` (CUDA 13): ``cuda.bindings.runtime``. CUDA 13 changed
+  ``cudaMemPrefetchAsync``/``cudaMemAdvise`` to take a ``cudaMemLocation``
+  ``{type, id}``; host targets need ``type=cudaMemLocationTypeHost``
+  (cupy-cuda13x always builds a *device* location, so -1 would not reach the
+  host). It also has ``cudaMemPrefetchBatchAsync``, ``cudaMemDiscardBatchAsync``
+  and ``cudaMemDiscardAndPrefetchBatchAsync``, which umrt uses.
+
+Why not cuda-core (1.2.2)? Its ``ManagedBuffer.prefetch`` and
+``utils.prefetch_batch/discard_batch/discard_prefetch_batch`` act on whole
+``Buffer`` objects (the batch forms need two or more), while umrt moves
+sub-ranges of pooled slabs; the bindings take raw ranges directly.
+
+Discard on CUDA 12 (documented fallback): :meth:`CudaBackend.discard` is a
+no-op, and umrt's pool reuses a dead range *in place* for the next
+allocation of that size, so its stale pages are never migrated back and
+forth only to be overwritten.
+
+Ordering: every prefetch, eviction and discard runs on a dedicated
+non-blocking *copy stream*. After each one the backend records an event;
+:meth:`CudaBackend.launch` makes the *compute stream* (the framework's stream,
+see :meth:`CudaBackend.set_compute_stream`) wait on the latest event that
+touched the kernel's ranges. Evictions and discards first make the copy stream
+wait for the work already queued on the compute stream, so no page moves
+while a kernel still uses it.
+
+Without concurrent managed access (Windows, WSL, pre-Pascal GPUs) the
+driver rejects prefetch and advice; they become no-ops with one warning.
+"""
+from __future__ import annotations
+
+import bisect
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.errors import CudaError
+
+#: Discards are shrunk inward to this alignment: the driver drops whole pages,
+#: and a partial page may hold a live neighbour (64 KiB = GPU UVM page size).
+DISCARD_ALIGN = 64 * 1024
+CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
+CUDA13 = 13000
+
+
+# ---------------------------------------------------------------------------
+# Adapters: one method per runtime call, nothing else.
+# ---------------------------------------------------------------------------
+class CudaApi(ABC):
+    """The runtime calls the backend makes; handles (streams, events) are opaque."""
+
+    #: CUDA runtime version (``12080``, ``13000``, ...).
+    version: int
+    #: True when the batched and discard entry points exist (CUDA 13+).
+    has_batch: bool = False
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+    @abstractmethod
+    def set_device(self, device: int) -> None: ...
+    @abstractmethod
+    def concurrent_managed_access(self, device: int) -> bool: ...
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]: ...
+    @abstractmethod
+    def malloc_managed(self, nbytes: int) -> int: ...
+    @abstractmethod
+    def free(self, ptr: int) -> None: ...
+    @abstractmethod
+    def create_stream(self) -> Any: ...
+    @abstractmethod
+    def create_event(self) -> Any: ...
+    @abstractmethod
+    def record_event(self, event: Any, stream: Any) -> None: ...
+    @abstractmethod
+    def stream_wait_event(self, stream: Any, event: Any) -> None: ...
+    @abstractmethod
+    def stream_synchronize(self, stream: Any) -> None: ...
+    @abstractmethod
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: Any) -> None: ...
+    @abstractmethod
+    def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None: ...
+
+    def prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
+        raise NotImplementedError("cudaMemPrefetchBatchAsync needs CUDA 13")
+
+    def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
+        raise NotImplementedError("cudaMemDiscardBatchAsync needs CUDA 13")
+
+    def discard_and_prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
+        raise NotImplementedError("cudaMemDiscardAndPrefetchBatchAsync needs CUDA 13")
+
+
+class CupyApi(CudaApi):
+    """CUDA 12 through ``cupy.cuda.runtime`` (errors are ``CUDARuntimeError``)."""
+
+    def __init__(self, runtime: Any = None) -> None:
+        if runtime is None:
+            import cupy.cuda.runtime as runtime  # noqa: PLC0415 (GPU-only import)
+        self.rt = runtime
+        self.version = self._call("cudaRuntimeGetVersion", runtime.runtimeGetVersion)
+
+    def _call(self, name: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except self.rt.CUDARuntimeError as exc:
+            raise CudaError(f"{name} failed: {exc}") from exc
+
+    def device_count(self) -> int:
+        return self._call("cudaGetDeviceCount", self.rt.getDeviceCount)
+
+    def set_device(self, device: int) -> None:
+        self._call("cudaSetDevice", self.rt.setDevice, device)
+
+    def concurrent_managed_access(self, device: int) -> bool:
+        return bool(self._call("cudaDeviceGetAttribute", self.rt.deviceGetAttribute,
+                               CONCURRENT_MANAGED_ACCESS_ATTR, device))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._call("cudaMemGetInfo", self.rt.memGetInfo)
+        return int(free), int(total)
+
+    def malloc_managed(self, nbytes: int) -> int:
+        return int(self._call("cudaMallocManaged", self.rt.mallocManaged, nbytes, self.rt.cudaMemAttachGlobal))
+
+    def free(self, ptr: int) -> None:
+        self._call("cudaFree", self.rt.free, ptr)
+
+    def create_stream(self) -> int:
+        return self._call("cudaStreamCreateWithFlags", self.rt.streamCreateWithFlags, self.rt.streamNonBlocking)
+
+    def create_event(self) -> int:
+        return self._call("cudaEventCreateWithFlags", self.rt.eventCreateWithFlags, self.rt.eventDisableTiming)
+
+    def record_event(self, event: int, stream: int) -> None:
+        self._call("cudaEventRecord", self.rt.eventRecord, event, stream)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._call("cudaStreamWaitEvent", self.rt.streamWaitEvent, stream, event, 0)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._call("cudaStreamSynchronize", self.rt.streamSynchronize, stream)
+
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> None:
+        # CUDA 12 shape: (devPtr, count, dstDevice, stream); -1 = cudaCpuDeviceId.
+        self._call("cudaMemPrefetchAsync", self.rt.memPrefetchAsync, ptr, nbytes, device, stream)
+
+    def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None:
+        self._call("cudaMemAdvise", self.rt.memAdvise, ptr, nbytes, int(advice), device)
+
+
+class BindingsApi(CudaApi):
+    """CUDA 13 through ``cuda.bindings.runtime`` (every call returns ``(err, *results)``)."""
+
+    has_batch = True
+
+    def __init__(self, runtime: Any = None) -> None:
+        if runtime is None:
+            from cuda.bindings import runtime  # noqa: PLC0415 (GPU-only import)
+        self.rt = runtime
+        (self.version,) = self._call("cudaRuntimeGetVersion")
+
+    def _call(self, name: str, *args: Any) -> tuple:
+        out = getattr(self.rt, name)(*args)
+        err, rest = out[0], tuple(out[1:])
+        if err != self.rt.cudaError_t.cudaSuccess:
+            _, label = self.rt.cudaGetErrorName(err)
+            label = label.decode() if isinstance(label, bytes) else str(label)
+            raise CudaError(f"{name} failed: {label} ({int(err)})")
+        return rest
+
+    def _location(self, device: int) -> Any:
+        loc = self.rt.cudaMemLocation()
+        kinds = self.rt.cudaMemLocationType
+        if device == HOST:
+            loc.type = kinds.cudaMemLocationTypeHost
+            loc.id = 0  # ignored for Host
+        else:
+            loc.type = kinds.cudaMemLocationTypeDevice
+            loc.id = device
+        return loc
+
+    def device_count(self) -> int:
+        return int(self._call("cudaGetDeviceCount")[0])
+
+    def set_device(self, device: int) -> None:
+        self._call("cudaSetDevice", device)
+
+    def concurrent_managed_access(self, device: int) -> bool:
+        attr = self.rt.cudaDeviceAttr.cudaDevAttrConcurrentManagedAccess
+        return bool(self._call("cudaDeviceGetAttribute", attr, device)[0])
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._call("cudaMemGetInfo")
+        return int(free), int(total)
+
+    def malloc_managed(self, nbytes: int) -> int:
+        return int(self._call("cudaMallocManaged", nbytes, self.rt.cudaMemAttachGlobal)[0])
+
+    def free(self, ptr: int) -> None:
+        self._call("cudaFree", ptr)
+
+    def create_stream(self) -> Any:
+        return self._call("cudaStreamCreateWithFlags", self.rt.cudaStreamNonBlocking)[0]
+
+    def create_event(self) -> Any:
+        return self._call("cudaEventCreateWithFlags", self.rt.cudaEventDisableTiming)[0]
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        self._call("cudaEventRecord", event, stream)
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        self._call("cudaStreamWaitEvent", stream, event, 0)
+
+    def stream_synchronize(self, stream: Any) -> None:
+        self._call("cudaStreamSynchronize", stream)
+
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: Any) -> None:
+        # CUDA 13 shape: (devPtr, count, cudaMemLocation, flags, stream).
+        self._call("cudaMemPrefetchAsync", ptr, nbytes, self._location(device), 0, stream)
+
+    def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None:
+        self._call("cudaMemAdvise", ptr, nbytes, self.rt.cudaMemoryAdvise(int(advice)), self._location(device))
+
+    def prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
+        ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
+        # One location that applies from operation 0 onwards.
+        self._call("cudaMemPrefetchBatchAsync", ptrs, sizes, len(ranges),
+                   [self._location(device)], [0], 1, 0, stream)
+
+    def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
+        ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
+        self._call("cudaMemDiscardBatchAsync", ptrs, sizes, len(ranges), 0, stream)
+
+    def discard_and_prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
+        ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
+        self._call("cudaMemDiscardAndPrefetchBatchAsync", ptrs, sizes, len(ranges),
+                   [self._location(device)], [0], 1, 0, stream)
+
+
+def default_api() -> CudaApi:
+    """Pick the adapter for this machine: cuda-bindings on a CUDA 13 driver, else CuPy.
+
+    Raises :class:`CudaError` when neither can reach a GPU.
+    """
+    try:
+        from cuda.bindings import runtime as brt  # noqa: PLC0415
+        err, driver = brt.cudaDriverGetVersion()
+        if err == brt.cudaError_t.cudaSuccess and driver >= CUDA13 and hasattr(brt, "cudaMemDiscardBatchAsync"):
+            return BindingsApi(brt)
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001 - e.g. no libcuda; CuPy gets its chance and reports
+        pass
+    try:
+        return CupyApi()
+    except ImportError:
+        raise CudaError(
+            "no CUDA Python runtime found: install umrt[cuda12] (cupy-cuda12x) or umrt[cuda13] "
+            "(cupy-cuda13x, cuda-bindings)"
+        ) from None
+
+
+# ---------------------------------------------------------------------------
+# The backend.
+# ---------------------------------------------------------------------------
+class CudaBackend(Backend):
+    """Managed memory on one CUDA device.
+
+    Args:
+        device: CUDA device index.
+        api: the runtime adapter; default :func:`default_api` (tests pass a fake).
+        compute_stream: the stream kernels run on (``0`` = legacy default
+            stream); the torch allocator sets torch's current stream.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0) -> None:
+        self.api = api or default_api()
+        count = self.api.device_count()
+        if not 0 <= device < count:
+            raise CudaError(f"CUDA device {device} does not exist; this machine has {count} device(s)")
+        self.device = device
+        self.api.set_device(device)
+        self.concurrent = self.api.concurrent_managed_access(device)
+        self._warned = False
+        self.copy_stream = self.api.create_stream()
+        self.compute_stream = compute_stream
+        self._allocs: dict[int, int] = {}  # ptr -> nbytes
+        self._starts: list[int] = []  # sorted allocation starts, for range lookups
+        self._pending: list[tuple[Any, list[Range]]] = []  # (event, ranges) queued on the copy stream
+        self._spare_events: list[Any] = []
+        # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.discarded_bytes = 0
+
+    # -- allocation ----------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        if nbytes <= 0:
+            raise ValueError(f"malloc of {nbytes} bytes")
+        ptr = self.api.malloc_managed(nbytes)
+        self._allocs[ptr] = nbytes
+        bisect.insort(self._starts, ptr)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        if ptr not in self._allocs:
+            raise CudaError(f"cudaFree: {ptr:#x} is not an allocation of this backend")
+        # A prefetch or discard may still be queued on it.
+        self.api.stream_synchronize(self.copy_stream)
+        self._pending.clear()
+        self.api.free(ptr)
+        del self._allocs[ptr]
+        self._starts.pop(bisect.bisect_left(self._starts, ptr))
+
+    def allocation_of(self, ptr: int) -> tuple[int, int] | None:
+        """``(base, nbytes)`` of the managed allocation holding ``ptr``, or None."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return None
+        base = self._starts[i]
+        size = self._allocs[base]
+        return (base, size) if ptr < base + size else None
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.api.mem_get_info()
+
+    # -- migration -------------------------------------------------------------
+    def prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        ranges = self._checked("cudaMemPrefetchAsync", ranges)
+        self._check_device(device)
+        if not ranges or not self._can_migrate():
+            return
+        if device == HOST:
+            # An eviction: wait for kernels already queued that may use these pages.
+            self._copy_after_compute()
+        if self.api.has_batch and len(ranges) > 1:
+            self.api.prefetch_batch(ranges, device, self.copy_stream)
+        else:
+            for ptr, n in ranges:
+                self.api.prefetch(ptr, n, device, self.copy_stream)
+        moved = sum(n for _, n in ranges)
+        if device == HOST:
+            self.d2h_bytes += moved
+        else:
+            self.h2d_bytes += moved
+        self._mark(ranges)
+
+    def discard(self, ranges: Sequence[Range]) -> None:
+        ranges = [r for r in (_shrink(p, n) for p, n in self._checked("cudaMemDiscardBatchAsync", ranges)) if r]
+        if not ranges or not self.api.has_batch or not self._can_migrate():
+            return  # CUDA 12: documented no-op; the pool reuses dead ranges in place
+        self._copy_after_compute()  # touching a range while its discard runs is undefined
+        self.api.discard_batch(ranges, self.copy_stream)
+        self.discarded_bytes += sum(n for _, n in ranges)
+        self._mark(ranges)
+
+    def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        """Make ranges resident on ``device`` without copying their dead contents.
+
+        CUDA 13: ``cudaMemDiscardAndPrefetchBatchAsync``; CUDA 12: a plain
+        prefetch (correct, it just copies bytes nobody reads).
+        """
+        checked = self._checked("cudaMemDiscardAndPrefetchBatchAsync", ranges)
+        self._check_device(device)
+        aligned = [r for r in (_shrink(p, n) for p, n in checked) if r]
+        if not self.api.has_batch or not aligned or aligned != checked:
+            self.prefetch(checked, device)
+            return
+        if not self._can_migrate():
+            return
+        self._copy_after_compute()
+        self.api.discard_and_prefetch_batch(aligned, device, self.copy_stream)
+        self._mark(aligned)
+
+    def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
+        ranges = self._checked("cudaMemAdvise", ranges)
+        advice = _advice(advice)
+        self._check_device(device)
+        if not self._can_migrate():
+            return
+        for ptr, n in ranges:
+            self.api.advise(ptr, n, advice, device)
+
+    # -- ordering --------------------------------------------------------------
+    def set_compute_stream(self, stream: Any) -> None:
+        """The stream the framework launches kernels on (torch: ``current_stream().cuda_stream``)."""
+        self.compute_stream = stream
+
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0) -> None:
+        touched = list(reads) + list(writes)
+        last = -1
+        for i, (_, ranges) in enumerate(self._pending):
+            if _overlaps(ranges, touched):
+                last = i
+        if last < 0:
+            return
+        # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
+        event = self._pending[last][0]
+        self.api.stream_wait_event(self.compute_stream, event)
+        for ev, _ in self._pending[: last + 1]:
+            self._spare_events.append(ev)
+        del self._pending[: last + 1]
+
+    def synchronize(self) -> None:
+        self.api.stream_synchronize(self.copy_stream)
+        self.api.stream_synchronize(self.compute_stream)
+        self._spare_events.extend(ev for ev, _ in self._pending)
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Free every allocation still held (at process exit or session end)."""
+        self.api.stream_synchronize(self.copy_stream)
+        for ptr in list(self._allocs):
+            self.free(ptr)
+
+    # -- helpers ----------------------------------------------------------------
+    def _event(self) -> Any:
+        return self._spare_events.pop() if self._spare_events else self.api.create_event()
+
+    def _mark(self, ranges: list[Range]) -> None:
+        event = self._event()
+        self.api.record_event(event, self.copy_stream)
+        self._pending.append((event, list(ranges)))
+
+    def _copy_after_compute(self) -> None:
+        event = self._event()
+        self.api.record_event(event, self.compute_stream)
+        self.api.stream_wait_event(self.copy_stream, event)
+        # Recording an event only snapshots the stream's work, so it can be reused at once.
+        self._spare_events.append(event)
+
+    def _can_migrate(self) -> bool:
+        if self.concurrent:
+            return True
+        if not self._warned:
+            warnings.warn(
+                f"umrt: CUDA device {self.device} lacks concurrent managed access "
+                "(Windows, WSL or a pre-Pascal GPU); prefetch, advice and discard are disabled "
+                "and pages migrate on demand only",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned = True
+        return False
+
+    def _check_device(self, device: int) -> None:
+        if device != HOST and device != self.device:
+            raise CudaError(f"device {device} is not valid here; use {self.device} (this backend's GPU) or -1 (host)")
+
+    def _checked(self, call: str, ranges: Sequence[Range]) -> list[Range]:
+        """Validate that each range lies inside one allocation; merge adjacent ranges."""
+        out: list[Range] = []
+        for ptr, n in sorted((int(p), int(n)) for p, n in ranges):
+            if n <= 0:
+                raise CudaError(f"{call}: empty or negative range ({ptr:#x}, {n})")
+            alloc = self.allocation_of(ptr)
+            if alloc is None or ptr + n > alloc[0] + alloc[1]:
+                raise CudaError(f"{call}: range ({ptr:#x}, {n}) is not inside one managed allocation of this backend")
+            if out and out[-1][0] + out[-1][1] >= ptr and self.allocation_of(out[-1][0]) == alloc:
+                start = out[-1][0]
+                out[-1] = (start, max(out[-1][0] + out[-1][1], ptr + n) - start)
+            else:
+                out.append((ptr, n))
+        return out
+
+
+def _advice(advice: Advice | int) -> Advice:
+    try:
+        return Advice(int(advice))
+    except ValueError:
+        raise CudaError(f"cudaMemAdvise: {advice!r} is not a cudaMemoryAdvise value (1..6)") from None
+
+
+def _shrink(ptr: int, nbytes: int) -> Range | None:
+    start = -(-ptr // DISCARD_ALIGN) * DISCARD_ALIGN
+    end = (ptr + nbytes) // DISCARD_ALIGN * DISCARD_ALIGN
+    return (start, end - start) if end > start else None
+
+
+def _overlaps(a: Sequence[Range], b: Sequence[Range]) -> bool:
+    return any(p < q + m and q < p + n for p, n in a for q, m in b)

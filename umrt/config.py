@@ -1,0 +1,256 @@
+"""umrt's configuration: every knob is a ``UMRT_*`` environment variable.
+
+:func:`from_env` reads and validates them all up front, so a typo fails at
+start-up with a message that names the variable and the values it accepts,
+never half-way through a training run. ``umrt.enable(**overrides)`` and the
+CLI flags override the environment through :meth:`Config.replace`.
+
+==========================  =========================================  ===========
+Variable                    Meaning                                    Default
+==========================  =========================================  ===========
+``UMRT``                    switch umrt on (1/true/yes/on)              off
+``UMRT_GPU_MEMORY``         budget: ``80%`` of device memory or bytes  ``90%``
+                            (``12GiB``, ``500MB``, ``1073741824``)
+``UMRT_PROFILE``            hardware profile name or JSON path          auto
+``UMRT_POLICY``             policy name                                 ``umrt``
+``UMRT_DEVICE``             CUDA device index                           ``0``
+``UMRT_SIMULATE``           profile name: shadow mode (no GPU needed)   unset
+``UMRT_GRANULARITY``        ``module`` or ``op``                        ``module``
+``UMRT_LEARN_ITERATIONS``   iterations observed before planning         ``1``
+``UMRT_TELEMETRY``          NVML sampling during the run (bool)         off
+``UMRT_LOG_LEVEL``          debug/info/warning/error                    ``warning``
+``UMRT_SHORT_LIVED_ARENA``  arena for short-lived tensors: bytes/``%``  ``0`` (off)
+                            or ``off``
+==========================  =========================================  ===========
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from umrt.errors import ConfigError
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+GRANULARITIES = ("module", "op")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class Amount:
+    """A memory amount: either absolute ``bytes`` or a ``fraction`` of a total."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+
+    def resolve(self, total: int) -> int:
+        """Bytes this amount means for a device (or trace) of ``total`` bytes."""
+        if self.bytes is not None:
+            return self.bytes
+        return int(total * (self.fraction or 0.0))
+
+    def __str__(self) -> str:
+        if self.bytes is not None:
+            return format_bytes(self.bytes)
+        return f"{(self.fraction or 0.0) * 100:g}%"
+
+
+def parse_bool(value: str, name: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off/empty`` -> False, else :class:`ConfigError`."""
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ConfigError(
+        f"{name}={value!r} is not a valid switch; use one of {', '.join(TRUE_WORDS)} to enable "
+        f"or {', '.join(w for w in FALSE_WORDS if w)} (or leave it unset) to disable"
+    )
+
+
+def parse_amount(value: str | int | float, name: str, *, allow_percent: bool = True) -> Amount:
+    """Parse ``"80%"``, ``"12GiB"``, ``"500MB"`` or a byte count."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is not a memory amount")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{name}={value} must be a positive number of bytes")
+        return Amount(bytes=value)
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ConfigError(f"{name}={value} as a fraction must be in (0, 1]")
+        return Amount(fraction=value)
+    text = str(value)
+    m = _PCT_RE.match(text)
+    if m:
+        if not allow_percent:
+            raise ConfigError(f"{name}={text!r}: a percentage is not allowed here; give bytes like 12GiB")
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise ConfigError(f"{name}={text!r}: a percentage must be in (0%, 100%]")
+        return Amount(fraction=pct / 100.0)
+    m = _SIZE_RE.match(text)
+    if m and m.group(2).lower() in _UNITS:
+        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        if nbytes <= 0:
+            raise ConfigError(f"{name}={text!r} must be more than zero bytes")
+        return Amount(bytes=nbytes)
+    raise ConfigError(
+        f"{name}={text!r} is not a memory amount; use a percentage of device memory like '80%' "
+        f"or a size like '12GiB', '500MB' or a plain byte count"
+    )
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'``: binary units, as nvidia-smi and torch print them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated umrt settings; build with :func:`from_env` and adjust with :meth:`replace`."""
+
+    enabled: bool = False
+    gpu_memory: Amount = Amount(fraction=0.9)
+    profile: str | None = None
+    policy: str = "umrt"
+    device: int = 0
+    simulate: str | None = None
+    granularity: str = "module"
+    learn_iterations: int = 1
+    telemetry: bool = False
+    log_level: str = "warning"
+    short_lived_arena: Amount | None = None
+
+    @property
+    def shadow(self) -> bool:
+        """True when umrt should run in shadow mode (simulate instead of managing a GPU)."""
+        return self.simulate is not None
+
+    def replace(self, **overrides: object) -> Config:
+        """A copy with ``overrides`` applied and validated like the env vars.
+
+        Keys are field names (``gpu_memory="20%"``, ``policy="um"``); values may
+        be strings as in the environment or already-typed values.
+        """
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ConfigError(f"unknown umrt option(s): {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        values = {k: _coerce(k, v) for k, v in overrides.items() if v is not None}
+        return dataclasses.replace(self, **values)
+
+
+_ENV = {  # field -> environment variable
+    "enabled": "UMRT",
+    "gpu_memory": "UMRT_GPU_MEMORY",
+    "profile": "UMRT_PROFILE",
+    "policy": "UMRT_POLICY",
+    "device": "UMRT_DEVICE",
+    "simulate": "UMRT_SIMULATE",
+    "granularity": "UMRT_GRANULARITY",
+    "learn_iterations": "UMRT_LEARN_ITERATIONS",
+    "telemetry": "UMRT_TELEMETRY",
+    "log_level": "UMRT_LOG_LEVEL",
+    "short_lived_arena": "UMRT_SHORT_LIVED_ARENA",
+}
+ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
+
+
+def _coerce(field: str, value: object, name: str | None = None) -> object:
+    """Validate one setting; ``name`` is what error messages call it."""
+    name = name or field
+    if field in ("enabled", "telemetry"):
+        return value if isinstance(value, bool) else parse_bool(str(value), name)
+    if field == "gpu_memory":
+        return value if isinstance(value, Amount) else parse_amount(value, name)  # type: ignore[arg-type]
+    if field == "short_lived_arena":
+        if value is None or isinstance(value, Amount):
+            return value
+        if str(value).strip().lower() in FALSE_WORDS:
+            return None
+        return parse_amount(value, name)  # type: ignore[arg-type]
+    if field in ("device", "learn_iterations"):
+        try:
+            number = int(str(value).strip())
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} must be a whole number") from None
+        low = 0 if field == "device" else 1
+        if number < low:
+            raise ConfigError(f"{name}={value!r} must be >= {low}")
+        return number
+    if field == "granularity":
+        word = str(value).strip().lower()
+        if word not in GRANULARITIES:
+            raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(GRANULARITIES)}")
+        return word
+    if field == "log_level":
+        word = str(value).strip().lower()
+        if word not in LOG_LEVELS:
+            raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(LOG_LEVELS)}")
+        return word
+    if field in ("profile", "simulate"):
+        text = str(value).strip()
+        return text or None
+    if field == "policy":
+        text = str(value).strip()
+        if not text:
+            raise ConfigError(f"{name} is empty; give a policy name such as 'umrt'")
+        _check_policy(text, name)
+        return text
+    raise AssertionError(field)
+
+
+def _check_policy(name_value: str, name: str) -> None:
+    """Reject unknown policy names early when the registry is importable."""
+    try:
+        from umrt.policy import POLICY_NAMES  # type: ignore[attr-defined]
+    except ImportError:  # registry not available: the runtime checks later
+        return
+    if name_value not in POLICY_NAMES:
+        raise ConfigError(f"{name}={name_value!r} is not a known policy; use one of {', '.join(POLICY_NAMES)}")
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Config:
+    """Read and validate every ``UMRT_*`` variable; raise :class:`ConfigError` on the first bad one.
+
+    Unknown ``UMRT_*`` variables draw a warning: a misspelt knob should not
+    be silently ignored, but other tools may share the prefix.
+    """
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith("UMRT_") and k not in ENV_VARS)
+    if unknown:
+        warnings.warn(
+            f"umrt: ignoring unknown variable(s) {', '.join(unknown)}; known: {', '.join(ENV_VARS)}",
+            stacklevel=2,
+        )
+    values: dict[str, object] = {}
+    for field, var in _ENV.items():
+        if var in env:
+            coerced = _coerce(field, env[var], var)
+            if coerced is not None or field in ("short_lived_arena", "profile", "simulate"):
+                values[field] = coerced
+    return dataclasses.replace(Config(), **values)
+
+
+def enabled_in_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Cheap check of ``UMRT`` alone (the site hook calls this in every Python start)."""
+    env = os.environ if environ is None else environ
+    return parse_bool(env.get("UMRT", ""), "UMRT")
