@@ -1,0 +1,274 @@
+"""LifetimePool: valid, block-aligned, lifetime-segregated, and stable after planning."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from umrt.errors import UmrtError
+from umrt.memory.pool import ARENAS, BLOCK, LifetimePool
+from umrt.trace.events import (
+    Alloc,
+    Free,
+    IterationBoundary,
+    Kind,
+    LayerEnter,
+    LayerExit,
+    Launch,
+)
+
+MiB = 1 << 20
+
+
+class BumpBackend:
+    """A bump allocator; ``misalign`` makes it return pointers that are not block-aligned."""
+
+    def __init__(self, misalign: int = 0) -> None:
+        self.next = (1 << 32) + misalign
+        self.live: dict[int, int] = {}
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self.next
+        self.next += nbytes + 4096
+        self.live[ptr] = nbytes
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        del self.live[ptr]
+
+
+def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at: int | None = None):
+    """A small training loop: params at set-up; per iteration input, per-layer forward
+    (saved activation + temporaries), backward (gradients, freed at the next zero_grad)."""
+    ids = itertools.count()
+    seq = itertools.count()
+    ev: list = []
+    params = []
+    for i in range(layers):
+        p = next(ids)
+        ev.append(Alloc(p, (i + 1) * 300_000, Kind.PARAMETER))
+        params.append(p)
+    grads: list[int] = []
+    for it in range(iterations):
+        b = batch * (2 if change_at is not None and it >= change_at else 1)
+        ev.append(IterationBoundary(it))
+        for g in grads:  # zero_grad(set_to_none=True)
+            ev.append(Free(g))
+        grads = []
+        x = next(ids)
+        ev.append(Alloc(x, b * 1_000_000, Kind.INPUT))
+        saved = []
+        for i in range(layers):
+            ev.append(LayerEnter(f"layer{i}"))
+            t = next(ids)
+            ev.append(Alloc(t, b * 700_000 + 512 * i, Kind.TEMPORARY))
+            ev.append(Launch(next(seq), 1000 + i, "aten::mm", (), 1, 1, f"layer{i}"))
+            a = next(ids)
+            ev.append(Alloc(a, b * 3_000_000 + 1000 * i, Kind.ACTIVATION))
+            ev.append(Launch(next(seq), 2000 + i, "aten::gelu", (), 1, 1, f"layer{i}"))
+            ev.append(Free(t))
+            ev.append(LayerExit(f"layer{i}"))
+            saved.append(a)
+        ev += [LayerEnter("head"), LayerExit("head"), LayerEnter("head", "backward"),
+               LayerExit("head", "backward")]
+        for i in reversed(range(layers)):
+            ev.append(LayerEnter(f"layer{i}", "backward"))
+            t = next(ids)
+            ev.append(Alloc(t, b * 1_500_000, Kind.TEMPORARY))
+            ev.append(Launch(next(seq), 3000 + i, "aten::mm", (), 1, 1, f"layer{i}"))
+            g = next(ids)
+            ev.append(Alloc(g, (i + 1) * 300_000, Kind.GRADIENT))
+            grads.append(g)
+            ev.append(Free(t))
+            ev.append(Free(saved.pop()))
+            ev.append(LayerExit(f"layer{i}", "backward"))
+        ev.append(Free(x))
+    ev.append(IterationBoundary(iterations))
+    return ev
+
+
+def drive(pool: LifetimePool, events, *, observe: bool = True, check=None):
+    """Replay events the way the simulator does; returns {(iteration, alloc ordinal): address}."""
+    sizes: dict[int, int] = {}
+    addresses: dict[tuple[int, int], int] = {}
+    iteration, ordinal = -1, 0
+    for e in events:
+        if isinstance(e, Alloc):
+            addresses[(iteration, ordinal)] = pool.alloc(e.obj, e.nbytes, e.kind)
+            ordinal += 1
+            sizes[e.obj] = e.nbytes
+            if check:
+                check(pool, sizes)
+        elif isinstance(e, Free):
+            pool.free(e.obj)
+            del sizes[e.obj]
+        elif isinstance(e, IterationBoundary):
+            iteration, ordinal = e.index, 0
+            pool.observe(e) if observe else pool.on_iteration_boundary(e.index)
+        elif observe:
+            pool.observe(e)
+    return addresses
+
+
+def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
+    spans = sorted((pool.address(o), pool.address(o) + max(n, 1), o) for o, n in sizes.items())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        assert end <= start, f"live objects {a} and {b} overlap"
+    ranges = pool.arena_ranges()
+    assert set(ranges) == set(ARENAS)
+    for name, rs in ranges.items():
+        for ptr, n in rs:
+            assert ptr % BLOCK == 0 and n % BLOCK == 0, f"{name} arena range not block-aligned"
+    flat = sorted((p, p + n, name) for name, rs in ranges.items() for p, n in rs)
+    for (_, end, a), (start, _, b) in zip(flat, flat[1:]):
+        assert end <= start, f"arenas {a} and {b} share memory"
+    for o, n in sizes.items():
+        p = pool.address(o)
+        assert p % 512 == 0, "objects are 512-B aligned like PyTorch's blocks"
+        assert any(lo <= p and p + n <= lo + m for lo, m in ranges[pool.arena_of(o)])
+    assert pool.footprint() >= sum(n for rs in ranges.values() for _, n in rs)
+
+
+@pytest.mark.parametrize("observe", [True, False])
+def test_valid_and_stable_after_first_iteration(observe):
+    pool = LifetimePool(BumpBackend())
+    addrs = drive(pool, model_events(iterations=4), observe=observe, check=check_layout)
+    assert pool.planned and pool.plans_made == 1
+    for ordinal in itertools.count():
+        if (1, ordinal) not in addrs:
+            break
+        assert addrs[(1, ordinal)] == addrs[(2, ordinal)] == addrs[(3, ordinal)], ordinal
+    assert ordinal > 10
+    stats = pool.report()["last_iteration"]
+    assert stats["plan_misses"] == 0 and stats["plan_hits"] > 0
+    assert pool.arena_ranges()["learning"] == []  # returned once empty
+
+
+def test_lifetime_classes_get_their_arenas():
+    pool = LifetimePool(BumpBackend())
+    seen: dict[Kind, set[str]] = {}
+    events = model_events(iterations=3)
+    kinds = {e.obj: e.kind for e in events if isinstance(e, Alloc)}
+
+    def record(pool, sizes):
+        if pool.planned:  # every allocation since the first boundary after learning
+            for o in sizes:
+                seen.setdefault(kinds[o], set()).add(pool.arena_of(o))
+
+    drive(pool, events, check=record)
+    assert seen[Kind.PARAMETER] == seen[Kind.GRADIENT] == {"persistent"}
+    assert seen[Kind.TEMPORARY] == {"short-lived"}
+    assert seen[Kind.ACTIVATION] == {"long-lived"}
+
+
+def test_short_lived_cap_spills_to_long_lived():
+    pool = LifetimePool(BumpBackend(), short_lived_bytes=1 * MiB)
+    drive(pool, model_events(iterations=3), check=check_layout)
+    assert sum(n for _, n in pool.arena_ranges()["short-lived"]) <= BLOCK
+
+
+def test_misaligned_backend_still_gives_aligned_arenas():
+    backend = BumpBackend(misalign=4096)
+    pool = LifetimePool(backend)
+    drive(pool, model_events(iterations=3), check=check_layout)
+    assert pool.footprint() == sum(backend.live.values())
+
+
+def test_unknown_allocations_are_served_then_replanned():
+    pool = LifetimePool(BumpBackend())
+    addrs = drive(pool, model_events(iterations=6, change_at=3), check=check_layout)
+    assert pool.plans_made == 2  # the batch change re-plans once
+    n = sum(1 for k in addrs if k[0] == 4)
+    assert [addrs[(4, i)] for i in range(n)] == [addrs[(5, i)] for i in range(n)]
+
+
+def test_unknown_allocations_without_replanning_use_overflow():
+    pool = LifetimePool(BumpBackend(), replan_threshold=None)
+    overflow = []
+
+    def spy(pool, sizes):
+        overflow.extend(o for o in sizes if pool.arena_of(o) == "overflow")
+        check_layout(pool, sizes)
+
+    drive(pool, model_events(iterations=5, change_at=3), check=spy)
+    assert pool.plans_made == 1 and overflow
+
+
+def test_footprint_is_tight_on_repeating_iterations():
+    pool = LifetimePool(BumpBackend())
+    drive(pool, model_events(iterations=4))
+    caching_like_bound = 2 * pool.peak_live_bytes
+    assert pool.footprint() < caching_like_bound
+
+
+def test_planned_range_still_occupied_goes_to_overflow():
+    """A double-buffered input: iteration i+1's batch is allocated before iteration i's is freed."""
+    events: list = []
+    prev = None
+    for it in range(4):
+        events.append(IterationBoundary(it))
+        events.append(Alloc(100 + it, 3 * MiB, Kind.INPUT))
+        if prev is not None:
+            events.append(Free(prev))
+        prev = 100 + it
+        events += [Alloc(200 + it, MiB, Kind.TEMPORARY), Free(200 + it)]
+    events.append(IterationBoundary(4))
+    pool = LifetimePool(BumpBackend())
+    drive(pool, events, check=check_layout)
+    # Iteration 2's batch finds iteration 1's at its planned offset (iteration 1's was in the plan).
+    assert pool.planned and pool.report()["total"]["conflicts"] >= 1
+
+
+def test_bad_calls_raise_clear_errors():
+    pool = LifetimePool(BumpBackend())
+    pool.alloc(1, 10, Kind.TEMPORARY)
+    with pytest.raises(UmrtError, match="already live"):
+        pool.alloc(1, 10, Kind.TEMPORARY)
+    with pytest.raises(UmrtError, match="not live"):
+        pool.free(2)
+    with pytest.raises(UmrtError):
+        pool.arena_of(2)
+    with pytest.raises(UmrtError):
+        LifetimePool(BumpBackend(), block=1000, alignment=512)
+
+
+script = st.lists(
+    st.tuples(st.integers(1, 3 * MiB), st.integers(1, 12), st.sampled_from(list(Kind)), st.booleans()),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(script, st.integers(0, 3))
+def test_random_repeating_iterations(objs, cross):
+    """Random iterations (some objects outliving the boundary): never overlapping, never failing,
+    and after planning every iteration identical to the previous one."""
+    events: list = []
+    ids = itertools.count()
+    carried: list[int] = []
+    for it in range(4):
+        events.append(IterationBoundary(it))
+        for o in carried:
+            events.append(Free(o))
+        carried = []
+        pending: list[tuple[int, int]] = []  # (free at step, obj)
+        for step, (size, life, kind, layer) in enumerate(objs):
+            for _, o in [p for p in pending if p[0] <= step]:
+                events.append(Free(o))
+            pending = [p for p in pending if p[0] > step]
+            if layer:
+                events.append(LayerEnter(f"m{step}"))
+            o = next(ids)
+            events.append(Alloc(o, size, kind))
+            pending.append((step + life, o))
+        for k, (_, o) in enumerate(sorted(pending)):
+            (carried.append(o) if k < cross else events.append(Free(o)))
+    events.append(IterationBoundary(4))
+    pool = LifetimePool(BumpBackend())
+    addrs = drive(pool, events, check=check_layout)
+    assert pool.planned == any(not k.persistent for _, _, k, _ in objs)
+    n = len(objs)
+    # The persistent arena is online best fit; everything recurs identically from iteration 2.
+    assert [addrs[(2, i)] for i in range(n)] == [addrs[(3, i)] for i in range(n)]

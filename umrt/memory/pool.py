@@ -1,0 +1,519 @@
+"""umrt's lifetime-aware managed pool (Sentinel's arenas + SmartPool's plan).
+
+:class:`LifetimePool` is the :class:`~umrt.memory.base.Layout` umrt's runtime
+runs with. It sub-allocates objects from managed segments obtained with
+``backend.malloc``, in arenas segregated by lifetime so that no 2 MB block
+(the unit the UVM driver migrates) is ever shared by two lifetime classes:
+
+``persistent``
+    Parameters, gradients, optimizer state (:attr:`Kind.persistent`): an
+    online best-fit arena; these objects recur with the same sizes in the
+    same order, so best fit gives them the same addresses every iteration.
+``short-lived``
+    Temporaries that die within ``short_ticks`` layer events of their birth
+    (or, without layer events, :attr:`Kind.TEMPORARY`): one SmartPool-planned
+    arena, meant to stay resident on the GPU (Sentinel's reserved region).
+    ``short_lived_bytes`` caps it; what does not fit goes to ``long-lived``.
+``long-lived``
+    Activations and other objects that live across layers, grouped by the
+    layer events they live across (Sentinel packs tensors alive in the same
+    layers together). Each group is packed with SmartPool, then the groups
+    themselves are placed with SmartPool as 2 MB-aligned super-objects, so
+    groups that are never alive together reuse the same memory.
+``learning`` / ``overflow``
+    Online best-fit arenas: ``learning`` serves non-persistent objects until a
+    plan exists (it is returned to the backend once it empties after
+    planning); ``overflow`` serves allocations the plan does not know (a new
+    shape, a changed batch) or whose planned range is still occupied, so an
+    allocation never fails.
+
+Planning. The first complete iteration is learned online: every
+non-persistent allocation is recorded with its lifetime on the pool's event
+clock. At the next iteration boundary the plan is computed, and from then on
+every recurring allocation gets the same address in every iteration. Object
+ids differ between iterations, so the plan is keyed by
+
+    ``(context, nbytes, kind, ordinal)``
+
+where ``context`` is the execution id of the last :class:`Launch` observed
+before the allocation in this iteration (``None`` before the first launch, or
+when the pool is not fed events), and ``ordinal`` counts earlier allocations
+with the same ``(context, nbytes, kind)`` in the iteration. An extra or
+missing allocation elsewhere therefore shifts no other key.
+
+Iteration boundaries come from :meth:`LifetimePool.on_iteration_boundary` or
+from the event stream fed to :meth:`LifetimePool.observe` (which also reads
+launches and layer events; allocations and frees arrive through the
+:class:`Layout` methods, never through ``observe``). An object still alive at
+the end of the learned iteration is planned as alive for the whole cycle.
+If more than ``replan_threshold`` of an iteration's planned-class bytes miss
+the plan, the pool re-plans from that iteration (fresh arenas; the old ones
+are returned once empty).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable
+
+from umrt.memory.base import Layout
+from umrt.memory.caching import LayoutError
+from umrt.memory.smartpool import Lifetime, plan
+from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit, Launch
+
+__all__ = ["LifetimePool", "BLOCK", "ARENAS"]
+
+BLOCK = 2 << 20  # the UVM driver's migration unit, 2 MB (uvm-model.md)
+ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
+ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
+
+PlanKey = tuple  # (context exec id | None, nbytes, kind, ordinal)
+
+
+def _up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+class _Online:
+    """Best-fit sub-allocator over block-aligned segments of one arena.
+
+    Blocks are split exactly and coalesced with free neighbours inside the
+    same segment; segments are kept until :meth:`release`.
+    """
+
+    def __init__(self, pool: "LifetimePool", name: str) -> None:
+        self.pool, self.name = pool, name
+        self.segments: list[tuple[int, int]] = []
+        self._seg_starts: set[int] = set()
+        self._seg_ends: set[int] = set()
+        self._free_keys: list[tuple[int, int]] = []  # sorted (size, ptr)
+        self._free_at: dict[int, int] = {}  # ptr -> size
+        self._free_end: dict[int, int] = {}  # end -> ptr
+        self.used: dict[int, int] = {}  # ptr -> size
+
+    def alloc(self, size: int) -> int:
+        i = bisect.bisect_left(self._free_keys, (size, -1))
+        if i == len(self._free_keys):
+            seg = _up(size, self.pool.block)
+            ptr = self.pool._malloc(seg)
+            self.segments.append((ptr, seg))
+            self._seg_starts.add(ptr)
+            self._seg_ends.add(ptr + seg)
+            self._add_free(ptr, seg)
+            i = bisect.bisect_left(self._free_keys, (size, -1))
+        fsize, ptr = self._free_keys[i]
+        self._del_free(ptr, fsize)
+        if fsize > size:
+            self._add_free(ptr + size, fsize - size)
+        self.used[ptr] = size
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        size = self.used.pop(ptr)
+        end = ptr + size
+        if end not in self._seg_ends and end in self._free_at:
+            nsize = self._free_at[end]
+            self._del_free(end, nsize)
+            size += nsize
+        if ptr not in self._seg_starts and ptr in self._free_end:
+            pptr = self._free_end[ptr]
+            psize = self._free_at[pptr]
+            self._del_free(pptr, psize)
+            ptr, size = pptr, psize + size
+        self._add_free(ptr, size)
+
+    def release(self) -> None:
+        """Return every segment to the backend (only when nothing is live)."""
+        assert not self.used
+        for ptr, _ in self.segments:
+            self.pool._release(ptr)
+        self.__init__(self.pool, self.name)
+
+    def _add_free(self, ptr: int, size: int) -> None:
+        bisect.insort(self._free_keys, (size, ptr))
+        self._free_at[ptr] = size
+        self._free_end[ptr + size] = ptr
+
+    def _del_free(self, ptr: int, size: int) -> None:
+        del self._free_keys[bisect.bisect_left(self._free_keys, (size, ptr))]
+        del self._free_at[ptr]
+        del self._free_end[ptr + size]
+
+
+@dataclass(slots=True)
+class _Record:
+    """One non-persistent allocation of the iteration being observed."""
+
+    key: PlanKey
+    size: int  # aligned bytes
+    kind: Kind
+    start: int  # clock, relative to the iteration start
+    tick: int  # layer events seen before it, in this iteration
+    end: int | None = None
+    end_tick: int | None = None
+
+
+@dataclass(slots=True)
+class _Region:
+    """A planned arena: one aligned backend allocation."""
+
+    name: str
+    ptr: int
+    nbytes: int
+    live: int = 0
+    retired: bool = False
+
+
+@dataclass(slots=True)
+class _Live:
+    arena: str
+    ptr: int
+    size: int
+    nbytes: int
+    region: _Region | None = None  # planned objects
+    record: _Record | None = None
+    iteration: int | None = None
+
+
+@dataclass
+class _IterStats:
+    eligible_bytes: int = 0
+    missed_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    conflicts: int = 0
+
+
+class LifetimePool(Layout):
+    """Lifetime-segregated, SmartPool-planned managed pool (see the module docstring).
+
+    Parameters
+    ----------
+    backend:
+        Anything with ``malloc(nbytes) -> ptr`` and ``free(ptr)``.
+    short_lived_bytes:
+        Cap on the short-lived arena (the region a runtime keeps resident);
+        ``None``: as large as the plan needs.
+    block:
+        Arena alignment and segment granularity (the 2 MB UVM block).
+    alignment:
+        Alignment of objects inside arenas.
+    short_ticks:
+        An object that lives across at most this many layer events
+        (:class:`LayerEnter`/:class:`LayerExit`) is short-lived.
+    min_group_bytes:
+        Long-lived groups of consecutive layer spans are merged until each
+        holds at least this many bytes (default ``4 * block``), bounding the
+        2 MB rounding per group.
+    replan_threshold:
+        Re-plan when more than this fraction of an iteration's planned-class
+        bytes missed the plan (``None``: never re-plan).
+    """
+
+    def __init__(
+        self,
+        backend,
+        *,
+        short_lived_bytes: int | None = None,
+        block: int = BLOCK,
+        alignment: int = ALIGN,
+        short_ticks: int = 2,
+        min_group_bytes: int | None = None,
+        replan_threshold: float | None = 0.5,
+    ) -> None:
+        if block <= 0 or alignment <= 0 or block % alignment:
+            raise LayoutError(f"block ({block}) must be a positive multiple of alignment ({alignment})")
+        if short_lived_bytes is not None and short_lived_bytes < 0:
+            raise LayoutError(f"short_lived_bytes must be >= 0, got {short_lived_bytes}")
+        self.backend = backend
+        self.block, self.alignment = block, alignment
+        self.short_lived_bytes = short_lived_bytes
+        self.short_ticks = short_ticks
+        self.min_group_bytes = 4 * block if min_group_bytes is None else min_group_bytes
+        self.replan_threshold = replan_threshold
+
+        self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
+        self._footprint = 0
+        self.peak_footprint = 0
+        self._online = {name: _Online(self, name) for name in ("persistent", "learning", "overflow")}
+        self._regions: list[_Region] = []
+        self._live: dict[int, _Live] = {}
+        self._live_planned: list[tuple[int, int]] = []  # sorted (ptr, end) of live planned objects
+        self._plan: dict[PlanKey, tuple[_Region, int]] = {}
+        self.planned = False
+        self.plans_made = 0
+
+        self._clock = 0
+        self._iteration: int | None = None  # None: set-up, before the first boundary
+        self._iter_clock = 0
+        self._tick = 0
+        self._context: int | None = None
+        self._ordinals: dict[tuple, int] = {}
+        self._records: list[_Record] = []
+        self._stats = _IterStats()
+        self.last_iteration_stats: _IterStats | None = None
+        self.totals = _IterStats()  # over the pool's life
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+
+    # -- Layout -----------------------------------------------------------------
+
+    def alloc(self, obj: int, nbytes: int, kind: Kind) -> int:
+        if obj in self._live:
+            raise LayoutError(f"object {obj} is already live in the pool")
+        if nbytes < 0:
+            raise LayoutError(f"object {obj}: negative size {nbytes}")
+        kind = Kind(kind)
+        size = _up(max(nbytes, 1), self.alignment)
+        self._clock += 1
+        if kind.persistent:
+            live = _Live("persistent", self._online["persistent"].alloc(size), size, nbytes)
+        else:
+            live = self._alloc_transient(size, nbytes, kind)
+        self._live[obj] = live
+        self.live_bytes += nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        return live.ptr
+
+    def free(self, obj: int) -> None:
+        live = self._live.pop(obj, None)
+        if live is None:
+            raise LayoutError(f"free of object {obj}, which is not live in the pool")
+        self._clock += 1
+        self.live_bytes -= live.nbytes
+        rec = live.record
+        if rec is not None and live.iteration == self._iteration:
+            rec.end, rec.end_tick = self._clock - self._iter_clock, self._tick
+        if live.region is not None:
+            i = bisect.bisect_left(self._live_planned, (live.ptr, live.ptr + live.size))
+            del self._live_planned[i]
+            live.region.live -= 1
+            if live.region.retired and live.region.live == 0:
+                self._release(live.region.ptr)
+                self._regions.remove(live.region)
+        else:
+            arena = self._online[live.arena]
+            arena.free(live.ptr)
+            if live.arena == "learning" and self.planned and not arena.used:
+                arena.release()
+
+    def address(self, obj: int) -> int:
+        try:
+            return self._live[obj].ptr
+        except KeyError:
+            raise LayoutError(f"object {obj} is not live in the pool") from None
+
+    def footprint(self) -> int:
+        return self._footprint
+
+    # -- what the runtime asks ------------------------------------------------
+
+    def arena_of(self, obj: int) -> str:
+        """Name of the arena serving live ``obj`` (one of :data:`ARENAS`)."""
+        try:
+            return self._live[obj].arena
+        except KeyError:
+            raise LayoutError(f"object {obj} is not live in the pool") from None
+
+    def arena_ranges(self) -> dict[str, list[tuple[int, int]]]:
+        """``name -> [(ptr, nbytes), ...]`` of the managed memory each arena holds.
+
+        Every range is block-aligned in address and size; e.g. a runtime keeps
+        ``arena_ranges()["short-lived"]`` resident on the GPU.
+        """
+        out: dict[str, list[tuple[int, int]]] = {name: [] for name in ARENAS}
+        for name, arena in self._online.items():
+            out[name].extend(arena.segments)
+        for region in self._regions:
+            out[region.name].append((region.ptr, region.nbytes))
+        return out
+
+    def on_iteration_boundary(self, index: int) -> None:
+        """Iteration ``index`` starts now (and the previous one, if any, is complete)."""
+        if index == self._iteration:
+            return  # told twice (driver and event stream)
+        if self._iteration is not None:
+            self._finish_iteration()
+        self._iteration = index
+        self._iter_clock = self._clock
+        self._tick = 0
+        self._context = None
+        self._ordinals = {}
+        self._records = []
+        self._stats = _IterStats()
+
+    def observe(self, event: Event) -> None:
+        """Feed one event of the program's stream (boundaries, launches, layer events)."""
+        if isinstance(event, IterationBoundary):
+            self.on_iteration_boundary(event.index)
+        elif isinstance(event, Launch):
+            self._clock += 1
+            self._context = event.exec_id
+        elif isinstance(event, (LayerEnter, LayerExit)):
+            self._clock += 1
+            self._tick += 1
+
+    def observe_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.observe(event)
+
+    def report(self) -> dict:
+        """Counters for reports: footprint, peak live bytes, plan hits/misses, arena sizes."""
+        st = self.last_iteration_stats or _IterStats()
+        return {
+            "planned": self.planned,
+            "plans_made": self.plans_made,
+            "footprint": self._footprint,
+            "peak_footprint": self.peak_footprint,
+            "peak_live_bytes": self.peak_live_bytes,
+            "arena_bytes": {k: sum(n for _, n in v) for k, v in self.arena_ranges().items()},
+            "last_iteration": {
+                "plan_hits": st.hits, "plan_misses": st.misses, "conflicts": st.conflicts,
+                "missed_bytes": st.missed_bytes, "eligible_bytes": st.eligible_bytes,
+            },
+            "total": {
+                "plan_hits": self.totals.hits, "plan_misses": self.totals.misses,
+                "conflicts": self.totals.conflicts, "missed_bytes": self.totals.missed_bytes,
+            },
+        }
+
+    # -- internals --------------------------------------------------------------
+
+    def _alloc_transient(self, size: int, nbytes: int, kind: Kind) -> _Live:
+        record = None
+        if self._iteration is not None:
+            ctx = (self._context, size, int(kind))
+            ordinal = self._ordinals.get(ctx, 0)
+            self._ordinals[ctx] = ordinal + 1
+            record = _Record((*ctx, ordinal), size, kind, self._clock - self._iter_clock, self._tick)
+            self._records.append(record)
+            self._stats.eligible_bytes += size
+        if not self.planned:
+            ptr = self._online["learning"].alloc(size)
+            return _Live("learning", ptr, size, nbytes, record=record, iteration=self._iteration)
+        hit = self._plan.get(record.key) if record is not None else None
+        if hit is not None:
+            region, offset = hit
+            ptr = region.ptr + offset
+            i = bisect.bisect_left(self._live_planned, (ptr, ptr + size))
+            free_before = i == 0 or self._live_planned[i - 1][1] <= ptr
+            free_after = i == len(self._live_planned) or self._live_planned[i][0] >= ptr + size
+            if free_before and free_after:
+                self._live_planned.insert(i, (ptr, ptr + size))
+                region.live += 1
+                self._stats.hits += 1
+                self.totals.hits += 1
+                return _Live(region.name, ptr, size, nbytes, region, record, self._iteration)
+            self._stats.conflicts += 1
+            self.totals.conflicts += 1
+        self._stats.misses += 1
+        self._stats.missed_bytes += size
+        self.totals.misses += 1
+        self.totals.missed_bytes += size
+        ptr = self._online["overflow"].alloc(size)
+        return _Live("overflow", ptr, size, nbytes, record=record, iteration=self._iteration)
+
+    def _finish_iteration(self) -> None:
+        st = self._stats
+        self.last_iteration_stats = st
+        if not self._records:
+            return
+        if not self.planned:
+            self._make_plan()
+        elif self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes:
+            self._make_plan()
+
+    def _make_plan(self) -> None:
+        old_regions = list(self._regions)
+        length = self._clock - self._iter_clock
+        saw_layers = self._tick > 0
+        short: list[_Record] = []
+        groups: dict[tuple, list[_Record]] = {}
+        for r in self._records:
+            if r.end is None:  # alive across the boundary: planned as alive all along
+                r_start, r_end, span = 0, length, (0, self._tick + 1)
+            else:
+                r_start, r_end, span = r.start, r.end, (r.tick, r.end_tick)
+                if (span[1] - span[0] <= self.short_ticks) if saw_layers else r.kind == Kind.TEMPORARY:
+                    short.append(r)
+                    continue
+            groups.setdefault(span if saw_layers else (), []).append(r)
+
+        def lifetime(r: _Record) -> Lifetime:
+            return Lifetime(0, length, r.size) if r.end is None else Lifetime(r.start, r.end, r.size)
+
+        new_plan: dict[PlanKey, tuple[_Region, int]] = {}
+        # Short-lived: one arena, capped; what does not fit joins the long-lived groups.
+        short_offsets: dict[int, int] = {}
+        if short:
+            placement = plan([lifetime(r) for r in short], alignment=self.alignment, limit=self.short_lived_bytes)
+            for r, off in zip(short, placement.offsets):
+                if off is None:
+                    groups.setdefault((r.tick, r.end_tick) if saw_layers else (), []).append(r)
+                else:
+                    short_offsets[id(r)] = off
+            short_region = self._new_region("short-lived", placement.footprint) if placement.footprint else None
+            for r in short:
+                if id(r) in short_offsets:
+                    new_plan[r.key] = (short_region, short_offsets[id(r)])
+
+        # Long-lived: merge consecutive layer spans into groups of >= min_group_bytes,
+        # pack each group, then place the groups as block-aligned super-objects.
+        merged: list[list[_Record]] = []
+        acc: list[_Record] = []
+        for span in sorted(groups):
+            acc.extend(groups[span])
+            if sum(r.size for r in acc) >= self.min_group_bytes:
+                merged.append(acc)
+                acc = []
+        if acc:
+            merged.append(acc)
+        packed = []
+        for members in merged:
+            lts = [lifetime(r) for r in members]
+            p = plan(lts, alignment=self.alignment)
+            span = (min(lt.start for lt in lts), max(max(lt.end, lt.start + 1) for lt in lts))
+            packed.append((members, p.offsets, Lifetime(span[0], span[1], _up(p.footprint, self.block))))
+        if packed:
+            outer = plan([g for _, _, g in packed], alignment=self.block)
+            region = self._new_region("long-lived", outer.footprint)
+            for (members, offsets, _), base in zip(packed, outer.offsets):
+                for r, off in zip(members, offsets):
+                    new_plan[r.key] = (region, base + off)
+
+        for old in old_regions:  # the previous plan's arenas go once their objects die
+            old.retired = True
+            if old.live == 0:
+                self._release(old.ptr)
+                self._regions.remove(old)
+        self._plan = new_plan
+        self.planned = True
+        self.plans_made += 1
+        learning = self._online["learning"]
+        if learning.segments and not learning.used:
+            learning.release()
+
+    def _new_region(self, name: str, nbytes: int) -> _Region:
+        nbytes = _up(max(nbytes, 1), self.block)
+        region = _Region(name, self._malloc(nbytes), nbytes)
+        self._regions.append(region)
+        return region
+
+    def _malloc(self, nbytes: int) -> int:
+        """A block-aligned backend allocation of ``nbytes`` (a multiple of ``block``)."""
+        ptr = self.backend.malloc(nbytes)
+        raw, raw_n = ptr, nbytes
+        if ptr % self.block:
+            self.backend.free(ptr)
+            raw_n = nbytes + self.block
+            raw = self.backend.malloc(raw_n)
+            ptr = _up(raw, self.block)
+        self._raw[ptr] = (raw, raw_n)
+        self._footprint += raw_n
+        self.peak_footprint = max(self.peak_footprint, self._footprint)
+        return ptr
+
+    def _release(self, ptr: int) -> None:
+        raw, raw_n = self._raw.pop(ptr)
+        self.backend.free(raw)
+        self._footprint -= raw_n
