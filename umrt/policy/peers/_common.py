@@ -210,7 +210,13 @@ class IterationProfiler:
             p.launch_bytes.append(event.bytes)
         elif isinstance(event, Alloc):
             k = self.keys.key(event.obj)
-            p.objects[k] = ObjectProfile(event.nbytes, event.kind, n, -1)
+            o = p.objects.get(k)
+            if o is None:
+                p.objects[k] = ObjectProfile(event.nbytes, event.kind, n, -1)
+            else:
+                # Born at the end of the iteration for the next one (an input batch):
+                # the same key that was freed earlier, so it is live across the boundary.
+                o.free_at = -1
         elif isinstance(event, Free):
             o = p.objects.get(self.keys.key(event.obj))
             if o is not None:

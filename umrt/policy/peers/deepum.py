@@ -203,7 +203,7 @@ class DeepUMPolicy(Policy):
         if table is None:
             table = self._tables[self._prev_exec] = BlockCorrelationTable()
         table.record(faults)
-        for b in faults:
+        for b in faults:  # a fault is a migration: the block is now the most recent
             self._migrated[b] = None
             self._migrated.move_to_end(b)
 
@@ -233,6 +233,8 @@ class DeepUMPolicy(Policy):
             nxt = self._predict(tuple(hist[-HISTORY:]))
             if nxt is None:
                 return
+            if self._window and (len(self._protected) + len(self._walk(nxt))) * BLOCK > self._capacity():
+                return  # the window would not fit in GPU memory: chaining further only thrashes
             blocks = self._issue(self._walk(nxt))
             if blocks is None:
                 return  # memory full of blocks the window needs: stop chaining for now
@@ -252,9 +254,9 @@ class DeepUMPolicy(Policy):
                     return None
             self.ctx.backend.prefetch(block_ranges(missing), self.ctx.backend.device)
             self.counters["prefetched_blocks"] += len(missing)
-        for b in walk:
+        for b in missing:  # only a migration moves a block in the driver's eviction order
             self._migrated[b] = None
-            self._migrated.move_to_end(b)
+        for b in walk:
             self._protected[b] = self._protected.get(b, 0) + 1
         return walk
 
@@ -281,6 +283,12 @@ class DeepUMPolicy(Policy):
         self.ctx.backend.prefetch(block_ranges(victims), HOST)
         self.counters["pre_evicted_blocks"] += len(victims)
         return len(victims) * BLOCK
+
+    def _capacity(self) -> int:
+        try:
+            return self.ctx.backend.mem_info()[1]
+        except NotImplementedError:
+            return self.ctx.budget_bytes
 
     def _free_bytes(self) -> int:
         """Free device memory as the driver sees it, less what this policy already claimed."""

@@ -113,7 +113,8 @@ def build_plan(p: IterationProfile, limit_bytes: int, genes: Genes) -> SwapPlan:
         if used > limit_bytes:
             needed = set(need)
             cands = sorted(((distance(k, t), k) for k in resident
-                            if k not in needed and objs[k].kind != Kind.TEMPORARY), reverse=True)
+                            if k not in needed and objs[k].kind != Kind.TEMPORARY),
+                           key=lambda c: c[0], reverse=True)
             for d, k in cands:
                 if used <= limit_bytes or d < 0:
                     break
@@ -206,7 +207,7 @@ class SwapAdvisorPolicy(Policy):
             return scores[g]
 
         def rand() -> Genes:
-            return Genes(limit=rng.uniform(0.6, 1.0),
+            return Genes(limit=rng.uniform(0.4, 1.0),
                          lookahead=rng.choice([n // 64 + 1, n // 16 + 1, n // 4 + 1, 1 << 30]),
                          weights=tuple(rng.choice(WEIGHTS) for _ in range(WEIGHTED)))
 
@@ -227,7 +228,7 @@ class SwapAdvisorPolicy(Policy):
             while len(elite) + len(children) < self.population:
                 a, b = rng.sample(elite, 2)
                 child = Genes(
-                    limit=min(1.0, max(0.5, rng.choice([a.limit, b.limit]) + rng.gauss(0, 0.03))),
+                    limit=min(1.0, max(0.3, rng.choice([a.limit, b.limit]) + rng.gauss(0, 0.03))),
                     lookahead=rng.choice([a.lookahead, b.lookahead]),
                     weights=tuple(rng.choice(WEIGHTS) if rng.random() < 0.05 else rng.choice(pair)
                                   for pair in zip(a.weights, b.weights)),
