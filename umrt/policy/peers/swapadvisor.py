@@ -24,10 +24,13 @@ which every policy shares.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
@@ -83,66 +86,78 @@ def build_plan(p: IterationProfile, limit_bytes: int, genes: Genes) -> SwapPlan:
             used += o.nbytes
         if o.free_at >= 0:
             frees.setdefault(o.free_at, []).append(k)
-    mem = [0] * n
-    out_at: dict = {}  # key -> launch ordinal the current swap-out was issued at
-    ins: list[tuple[int, int, tuple]] = []  # (use, earliest, key)
+    # Belady victims from a max-heap of (priority, tiebreak, key, version), lazily invalidated.
+    heap: list = []
+    version: dict = {}
+    tie = 0
 
-    def distance(k, t):
+    def push(k, t) -> None:
+        nonlocal tie
         o = objs[k]
+        if o.kind == Kind.TEMPORARY:
+            return
         u = next_use(o.uses, t)
         if u is None:
             if o.free_at >= 0:
-                return -1.0  # dead until freed: nothing to gain by moving it
+                return  # dead until freed: moving it saves nothing
             u = (o.uses[0] + n) if o.uses else 2 * n
-        return (u - t) * weight.get(k, 1.0)
+        v = version[k] = version.get(k, 0) + 1
+        tie += 1
+        heapq.heappush(heap, (-(t + (u - t) * weight.get(k, 1.0)), tie, k, v))
 
+    for k in resident:
+        push(k, -1)
+    mem = np.zeros(n, np.int64)
+    out_at: dict = {}  # key -> launch ordinal its current swap-out was issued at
+    last_use: dict = {}
+    ins: list[tuple[int, int, int, tuple]] = []  # (use, earliest, tiebreak, key)
     for t in range(n):
         for k in frees.get(t, ()):
             if k in resident:
                 resident.discard(k)
                 used -= objs[k].nbytes
+                version[k] = version.get(k, 0) + 1
         for k in allocs.get(t, ()):
             resident.add(k)
             used += objs[k].nbytes
+            push(k, t - 1)
         need = p.launch_keys[t]
         for k in need:
             if k not in resident:
                 resident.add(k)
                 used += objs[k].nbytes
-                ins.append((t, out_at.pop(k, -1) + 1, k))
-        if used > limit_bytes:
-            needed = set(need)
-            cands = sorted(((distance(k, t), k) for k in resident
-                            if k not in needed and objs[k].kind != Kind.TEMPORARY),
-                           key=lambda c: c[0], reverse=True)
-            for d, k in cands:
-                if used <= limit_bytes or d < 0:
-                    break
-                resident.discard(k)
-                used -= objs[k].nbytes
-                uses = objs[k].uses
-                prev = uses[max(0, next_use_index(uses, t) - 1)] if uses and uses[0] < t else -1
-                at = min(prev + 1, t) if prev >= 0 else t
-                out_at[k] = at
-                plan.swap_out.setdefault(at, []).append(k)
+                ins.append((t, out_at.pop(k, -1) + 1, len(ins), k))
+        needed = set(need)
+        held = []
+        while used > limit_bytes and heap:
+            _, _, k, v = heapq.heappop(heap)
+            if version.get(k) != v or k not in resident:
+                continue
+            if k in needed:
+                held.append(k)
+                continue
+            resident.discard(k)
+            used -= objs[k].nbytes
+            version[k] += 1
+            at = last_use.get(k, t - 1) + 1  # right after its last use
+            out_at[k] = at
+            plan.swap_out.setdefault(at, []).append(k)
+        for k in need:
+            last_use[k] = t
+            push(k, t)
         mem[t] = used
-    # Swap-ins as early as safe: walk back from the use while the limit holds.
-    for use, earliest, k in sorted(ins):
+    # Swap-ins as early as safe: the earliest launch from which the planned
+    # resident bytes stay within the limit until the use.
+    for use, earliest, _, k in sorted(ins):
         size = objs[k].nbytes
-        s = use
         floor = max(earliest, use - genes.lookahead, 0)
-        while s - 1 >= floor and mem[s - 1] + size <= limit_bytes:
-            s -= 1
-        for tau in range(s, use):
-            mem[tau] += size
+        s = use
+        if floor < use:
+            bad = np.nonzero(mem[floor:use] + size > limit_bytes)[0]
+            s = floor + int(bad[-1]) + 1 if len(bad) else floor
+        mem[s:use] += size
         plan.swap_in.setdefault(s, []).append(k)
     return plan
-
-
-def next_use_index(uses: list[int], t: int) -> int:
-    import bisect
-
-    return bisect.bisect_left(uses, t)
 
 
 class SwapAdvisorPolicy(Policy):
