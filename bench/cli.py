@@ -1,0 +1,169 @@
+"""Command line of the bench (``python -m bench`` and ``umrt bench`` share it)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from umrt.errors import ConfigError, UmrtError
+
+from bench.grid import PRESETS, Grid, preset, run_grid, split_list
+
+__all__ = ["add_arguments", "run", "main", "build_parser"]
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+DESCRIPTION = """\
+Simulate a grid of models x budgets x GPU profiles x policies and write a JSON
+and a CSV of every cell, a markdown table (steady-state slowdown vs ideal,
+speedup vs um) and plots (throughput relative to ideal against budget). Traces
+are made on the meta device and cached under bench/.cache/. All results are
+simulated. The default grid finishes within about 5 minutes on 2 cores.
+"""
+
+EPILOG = """\
+presets:
+  default  gpt2 (batch 2, seq 256) and bert-base (batch 4, seq 128); 20%% and 50%%;
+           v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle
+  readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20%% and 50%%;
+           both profiles; ideal, um, um-advise, oracle (the README's first table)
+  targets  the same 4 models at 20%% on both profiles; ideal, um, oracle, umrt and the
+           peers deepum, sentinel, vdnn, swapadvisor (issue 4's targets; add --check-targets)
+
+examples:
+  python -m bench
+  python -m bench --models gpt2 --budgets 10%% 30%% --policies um oracle --json r.json
+  python -m bench --preset targets --check-targets
+  python -m bench --from-json bench/out/results.json --check-targets
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("grid (each option overrides the preset)")
+    g.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting grid (default: default)")
+    g.add_argument("--models", nargs="+", metavar="MODEL",
+                   help="zoo names (gpt2, gpt2-xl, bert-large, vit-large, resnet-152, ...) or hf:Config:k=v,... specs")
+    g.add_argument("--budgets", nargs="+", metavar="PCT", help="GPU memory budgets, as %% of peak live bytes (e.g. 20%%)")
+    g.add_argument("--profiles", nargs="+", metavar="GPU", help="hardware profiles (e.g. v100-pcie3-32g h100-pcie5-80g)")
+    g.add_argument("--policies", nargs="+", metavar="POLICY", help="policies (ideal, um, um-advise, oracle, umrt, peers)")
+    g.add_argument("--batch", nargs="+", metavar="[MODEL=]N", help="batch size for every model, or per model")
+    g.add_argument("--seq", nargs="+", metavar="[MODEL=]N", help="sequence length for every model, or per model")
+    g.add_argument("--iterations", type=int, metavar="N", help="iterations simulated per cell (default 3)")
+    o = p.add_argument_group("outputs")
+    o.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: bench/out)")
+    o.add_argument("--json", type=Path, metavar="FILE", help="results JSON (default: OUT/results.json)")
+    o.add_argument("--csv", type=Path, metavar="FILE", help="results CSV (default: OUT/results.csv)")
+    o.add_argument("--md", type=Path, metavar="FILE", help="markdown table (default: OUT/results.md)")
+    o.add_argument("--plots", type=Path, metavar="DIR", help="plot directory (default: OUT/plots)")
+    o.add_argument("--no-plots", action="store_true", help="skip the plots")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    x = p.add_argument_group("other")
+    x.add_argument("--check-targets", action="store_true",
+                   help="evaluate issue 4's targets on the result and print pass/fail/n-a per target; "
+                        "exit 1 if one fails")
+    x.add_argument("--from-json", type=Path, metavar="FILE",
+                   help="do not simulate: re-render (and --check-targets) an earlier results JSON")
+    x.add_argument("--refresh-traces", action="store_true", help="re-make cached traces")
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION, epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def _per_model(values: list[str] | None, models: tuple[str, ...], what: str) -> dict[str, int]:
+    if not values:
+        return {}
+    out: dict[str, int] = {}
+    for v in values:
+        model, sep, n = v.rpartition("=")  # hf: specs hold "=" too: only a grid model counts
+        if sep and model not in models:
+            raise ConfigError(f"--{what} {v!r}: {model!r} is not in the grid's models ({', '.join(models)})")
+        try:
+            number = int(n)
+        except ValueError:
+            raise ConfigError(f"--{what} {v!r}: expected N or MODEL=N with an integer N") from None
+        if number <= 0:
+            raise ConfigError(f"--{what} {v!r}: must be positive")
+        if sep:
+            out[model] = number
+        else:
+            out.update({m: number for m in models})
+    return out
+
+
+def grid_from_args(args: argparse.Namespace) -> Grid:
+    base = preset(args.preset)
+    models = split_list(args.models) if args.models else base.models
+    grid = replace(
+        base,
+        models=models,
+        budgets=split_list(args.budgets) if args.budgets else base.budgets,
+        profiles=split_list(args.profiles) if args.profiles else base.profiles,
+        policies=split_list(args.policies) if args.policies else base.policies,
+        batch={m: n for m, n in base.batch.items() if m in models} | _per_model(args.batch, models, "batch"),
+        seq={m: n for m, n in base.seq.items() if m in models} | _per_model(args.seq, models, "seq"),
+        iterations=args.iterations if args.iterations is not None else base.iterations,
+    )
+    if grid.iterations < 2:
+        raise ConfigError("--iterations must be at least 2 (the first iteration pays cold misses)")
+    from umrt.policy import POLICY_NAMES
+
+    unknown = [p for p in grid.policies if p not in POLICY_NAMES]
+    if unknown:
+        raise ConfigError(f"unknown policy {', '.join(map(repr, unknown))}; valid policies: {', '.join(POLICY_NAMES)}")
+    return grid
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench import report
+
+    out: Path = args.out
+    json_path = args.json or out / "results.json"
+    if args.from_json:
+        rows = report.load_rows(args.from_json)
+    else:
+        grid = grid_from_args(args)
+        from bench.grid import CACHE_DIR, trace_for
+
+        trace_fn = (lambda m, b, s: trace_for(m, b, s, cache_dir=CACHE_DIR, refresh=True)) if args.refresh_traces else None
+        rows = run_grid(grid, progress=not args.no_progress, trace_fn=trace_fn)
+        report.write_json(rows, json_path, meta={"grid": {
+            "models": grid.models, "budgets": grid.budgets, "profiles": grid.profiles,
+            "policies": grid.policies, "batch": grid.batch, "seq": grid.seq, "iterations": grid.iterations}})
+        report.write_csv(rows, args.csv or out / "results.csv")
+    md_path = args.md or out / "results.md"
+    report.write_markdown(rows, md_path)
+    written = [] if args.no_plots else report.write_plots(rows, args.plots or out / "plots")
+    print(report.markdown_table(rows))
+    if not args.from_json:
+        print(f"wrote {json_path}, {args.csv or out / 'results.csv'}, {md_path}"
+              + (f" and {len(written)} plot(s) in {args.plots or out / 'plots'}" if written else ""))
+    failed = sum(1 for r in rows if r.get("error"))
+    if failed:
+        print(f"{failed} of {len(rows)} cell(s) failed; see the error column", file=sys.stderr)
+    if args.check_targets:
+        results = report.check_targets(rows)
+        width = max(len(r.name) for r in results)
+        for r in results:
+            print(f"{r.status.upper():4}  {r.name:<{width}}  {r.detail}")
+        if any(r.status == "fail" for r in results):
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UmrtError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,259 @@
+"""The bench grid: models x budgets x profiles x policies, simulated cell by cell.
+
+Traces are made on the fly on the meta device (``umrt.zoo.trace_model``) and
+cached under ``bench/.cache/`` (``umrt.trace.fileformat``); every cell is one
+``umrt.sim.replay.simulate`` call. A cell that fails (a policy not built yet,
+a :class:`~umrt.errors.DataIntegrityError`) is recorded with its error and
+the run goes on.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from umrt.errors import ConfigError
+
+__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "CACHE_DIR"]
+
+CACHE_DIR = Path(__file__).resolve().parent / ".cache"
+PAPER_PROFILES = ("v100-pcie3-32g", "h100-pcie5-80g")
+TARGET_MODELS = ("gpt2-xl", "bert-large", "vit-large", "resnet-152")
+PEERS = ("deepum", "sentinel", "vdnn", "swapadvisor")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to run. ``batch``/``seq`` override the zoo's defaults per model (None = default)."""
+
+    models: tuple[str, ...]
+    budgets: tuple[str, ...]
+    profiles: tuple[str, ...]
+    policies: tuple[str, ...]
+    batch: dict[str, int] = field(default_factory=dict)
+    seq: dict[str, int] = field(default_factory=dict)
+    iterations: int = 3
+
+    def cells(self) -> list["Cell"]:
+        # Models outermost so each trace is made (or loaded) once; "ideal" first
+        # within a model so the reference exists when the others are read.
+        order = sorted(self.policies, key=lambda p: (p != "ideal", self.policies.index(p)))
+        return [
+            Cell(m, self.batch.get(m), self.seq.get(m), prof, b, pol)
+            for m in self.models
+            for prof in self.profiles
+            for b in self.budgets
+            for pol in order
+        ]
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    batch: int | None
+    seq: int | None
+    profile: str
+    budget: str
+    policy: str
+
+
+# The default grid must finish within 5 minutes on a 2-core machine: small
+# GPT-2 and BERT at reduced batch, two budgets, both paper profiles.
+PRESETS: dict[str, Grid] = {
+    "default": Grid(
+        models=("gpt2", "bert-base"),
+        budgets=("20%", "50%"),
+        profiles=PAPER_PROFILES,
+        policies=("ideal", "um", "um-advise", "oracle"),
+        batch={"gpt2": 2, "bert-base": 4},
+        seq={"gpt2": 256, "bert-base": 128},
+    ),
+    # The README's first table (issue 3).
+    "readme": Grid(
+        models=TARGET_MODELS,
+        budgets=("20%", "50%"),
+        profiles=PAPER_PROFILES,
+        policies=("ideal", "um", "um-advise", "oracle"),
+    ),
+    # Issue 4's targets, everything side by side in one run.
+    "targets": Grid(
+        models=TARGET_MODELS,
+        budgets=("20%",),
+        profiles=PAPER_PROFILES,
+        policies=("ideal", "um", "oracle", "umrt") + PEERS,
+    ),
+}
+
+
+def preset(name: str) -> Grid:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown bench preset {name!r}; valid: {', '.join(PRESETS)}") from None
+
+
+def parse_budget(text: str) -> float:
+    """A bench budget, ``"20%"``, as a fraction of the trace's peak live bytes."""
+    s = str(text).strip()
+    if not s.endswith("%"):
+        raise ConfigError(f"bench budgets are percentages of peak live bytes (e.g. 20%), got {text!r}")
+    try:
+        value = float(s[:-1])
+    except ValueError:
+        raise ConfigError(f"invalid budget {text!r}: expected a percentage such as 20%") from None
+    if not 0 < value <= 1000 or not math.isfinite(value):
+        raise ConfigError(f"invalid budget {text!r}: must be above 0% (and at most 1000%)")
+    return value / 100.0
+
+
+def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path = CACHE_DIR,
+              steps: int = 3, refresh: bool = False):
+    """The model's training trace on meta, from the cache or made now (and cached)."""
+    from umrt import __version__
+    from umrt.trace import fileformat
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    path = cache_dir / f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}.umrt"
+    if path.exists() and not refresh:
+        return fileformat.load(path)
+    from umrt.zoo import trace_model
+
+    trace = trace_model(model, batch=batch, seq=seq, device="meta", steps=steps, progress=False)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fileformat.save(trace, tmp)
+    tmp.replace(path)  # atomic: an interrupted run never leaves a half-written cache entry
+    return trace
+
+
+def _simulate(trace, policy, profile, budget, iterations):
+    from umrt.sim.replay import simulate
+
+    return simulate(trace, policy, profile, budget, iterations=iterations, progress=False)
+
+
+def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _simulate) -> dict:
+    """Simulate one cell; a failure is returned as the cell's ``error``, not raised."""
+    from umrt.policy import make_policy
+
+    row: dict = asdict(cell)
+    header_meta = getattr(getattr(trace, "header", None), "meta", {}) or {}
+    row["batch"] = cell.batch if cell.batch is not None else header_meta.get("batch")
+    row["seq"] = cell.seq if cell.seq is not None else header_meta.get("seq")
+    start = time.perf_counter()
+    try:
+        policy = make_policy(cell.policy, trace=trace)
+        result = simulate(trace, policy, profile, cell.budget, iterations)
+        data = result.to_json() if hasattr(result, "to_json") else dict(result)
+    except Exception as exc:  # noqa: BLE001 - one bad cell must not end the run
+        row.update(error=f"{type(exc).__name__}: {exc}", sim_wall_s=round(time.perf_counter() - start, 3))
+        return row
+    wall = time.perf_counter() - start
+    for key in ("iteration_time_s", "ideal_time_s", "h2d_bytes", "d2h_bytes", "faults", "fault_batches",
+                "evictions", "peak_resident_bytes", "budget_bytes", "page_events"):
+        if key in data:
+            row[key] = data[key]
+    if "breakdown" in data:
+        row["breakdown"] = data["breakdown"]
+    if policy_report := getattr(policy, "report", None):
+        try:
+            row["policy_report"] = policy_report()
+        except Exception:  # noqa: BLE001 - a report is optional decoration
+            pass
+    row["sim_wall_s"] = round(wall, 3)
+    events = data.get("page_events")
+    row["page_events_per_s"] = round(events / wall, 1) if events and wall > 0 else None
+    row["error"] = None
+    return row
+
+
+def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
+             trace_fn: Callable | None = None, simulate: Callable = _simulate,
+             on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every cell of ``grid``; returns one row (dict) per cell, in grid order."""
+    from umrt.hardware import load_profile
+
+    for b in grid.budgets:
+        parse_budget(b)
+    profiles = {name: load_profile(name) for name in grid.profiles}  # bad names fail before any work
+    cells = grid.cells()
+    traces: dict[tuple, object] = {}
+    rows: list[dict] = []
+    make_trace = trace_fn or (lambda m, b, s: trace_for(m, b, s, cache_dir=cache_dir))
+
+    with _progress(progress) as bar:
+        task = bar.add_task("bench", total=len(cells)) if bar else None
+        for cell in cells:
+            key = (cell.model, cell.batch, cell.seq)
+            if bar:
+                bar.update(task, description=f"{cell.model} {cell.profile} {cell.budget} {cell.policy}")
+            if key not in traces:
+                try:
+                    traces[key] = make_trace(*key)
+                except Exception as exc:  # noqa: BLE001 - the model's cells all report it
+                    traces[key] = exc
+            trace = traces[key]
+            if isinstance(trace, Exception):
+                row = asdict(cell) | {"error": f"trace failed: {type(trace).__name__}: {trace}"}
+            else:
+                row = run_cell(cell, trace, profiles[cell.profile], grid.iterations, simulate)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+            if bar:
+                bar.advance(task)
+    derive(rows)
+    return rows
+
+
+def derive(rows: list[dict]) -> None:
+    """Add slowdown vs ideal and speedup vs um to every successful row."""
+    um = {_group(r): r.get("iteration_time_s") for r in rows if r["policy"] == "um" and not r.get("error")}
+    for r in rows:
+        t, ideal = r.get("iteration_time_s"), r.get("ideal_time_s")
+        r["slowdown_vs_ideal"] = round(t / ideal, 4) if t and ideal else None
+        base = um.get(_group(r))
+        r["speedup_vs_um"] = round(base / t, 4) if t and base else None
+
+
+def _group(row: dict) -> tuple:
+    return (row["model"], row.get("batch"), row.get("seq"), row["profile"], row["budget"])
+
+
+class _progress:
+    """A rich progress bar, or nothing when disabled."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), transient=False)
+        self.bar.__enter__()
+        return self.bar
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def split_list(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"a,b c"`` -> ``("a", "b", "c")``; an ``hf:Config:k=v,k=v`` model spec stays whole."""
+    parts = text if not isinstance(text, str) else [text]
+    out: list[str] = []
+    for token in (t for chunk in parts for t in chunk.split()):
+        out.extend([token] if token.startswith("hf:") else [t for t in token.split(",") if t])
+    return tuple(out)

@@ -1,0 +1,201 @@
+"""The bench harness: grid, outputs, failing cells, target check, CLI."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from bench import report
+from bench.cli import build_parser, grid_from_args, main
+from bench.grid import Grid, parse_budget, preset, run_grid, split_list
+from umrt.errors import ConfigError, DataIntegrityError
+from umrt.trace.events import IterationBoundary, Trace, TraceHeader
+
+# -- fakes --------------------------------------------------------------------------
+
+# Iteration time per policy as a multiple of ideal, and budget sensitivity.
+SLOWDOWN = {"ideal": 1.0, "um": 4.0, "um-advise": 3.6, "oracle": 1.2}
+
+
+class FakeResult:
+    def __init__(self, data):
+        self.data = data
+
+    def to_json(self):
+        return self.data
+
+
+def fake_trace(model, batch, seq):
+    return Trace(TraceHeader(1, "0", model, "-", "meta", 1, meta={"batch": batch or 8, "seq": seq or 64}),
+                 [IterationBoundary(0), IterationBoundary(1)])
+
+
+def fake_simulate(trace, policy, profile, budget, iterations):
+    if policy.name == "um-advise" and budget == "50%":
+        raise DataIntegrityError("read of discarded object 7")
+    ideal = 0.1
+    factor = SLOWDOWN[policy.name] * (1.0 if budget == "20%" else 0.5) if policy.name != "ideal" else 1.0
+    t = ideal * max(factor, 1.0)
+    return FakeResult({"iteration_time_s": t, "ideal_time_s": ideal, "h2d_bytes": 10, "d2h_bytes": 5,
+                       "faults": 3, "fault_batches": 1, "evictions": 0, "peak_resident_bytes": 100,
+                       "page_events": 1000, "breakdown": {"compute_s": ideal}})
+
+
+def fake_profiles(monkeypatch):
+    import umrt.hardware as hardware
+
+    monkeypatch.setattr(hardware, "load_profile", lambda name: name, raising=False)
+
+
+GRID = Grid(models=("m1",), budgets=("20%", "50%"), profiles=("v100-pcie3-32g",),
+            policies=("um", "um-advise", "oracle", "ideal"), iterations=2)
+
+# -- tests --------------------------------------------------------------------------
+
+
+def test_grid_runs_every_cell_ideal_first_and_reports_failures(monkeypatch):
+    fake_profiles(monkeypatch)
+    rows = run_grid(GRID, progress=False, trace_fn=fake_trace, simulate=fake_simulate)
+    assert len(rows) == 8
+    assert [r["policy"] for r in rows[:4]] == ["ideal", "um", "um-advise", "oracle"]
+    failed = [r for r in rows if r["error"]]
+    assert len(failed) == 1 and failed[0]["error"].startswith("DataIntegrityError")
+    ok = {(r["budget"], r["policy"]): r for r in rows if not r["error"]}
+    assert ok[("20%", "oracle")]["slowdown_vs_ideal"] == pytest.approx(1.2)
+    assert ok[("20%", "oracle")]["speedup_vs_um"] == pytest.approx(4.0 / 1.2, rel=1e-3)
+    assert ok[("20%", "um")]["batch"] == 8  # from the trace header when not overridden
+    assert ok[("20%", "um")]["page_events_per_s"] > 0
+
+
+def test_unavailable_policy_is_a_failed_cell_not_a_crash(monkeypatch):
+    fake_profiles(monkeypatch)
+    import umrt.policy as registry
+
+    monkeypatch.setitem(registry.POLICIES, "ghost", "umrt.policy.not_built:Ghost")
+    grid = Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=("ghost",))
+    (row,) = run_grid(grid, progress=False, trace_fn=fake_trace, simulate=fake_simulate)
+    assert "unavailable" in row["error"]
+
+
+def test_a_failing_trace_fails_only_its_model(monkeypatch):
+    fake_profiles(monkeypatch)
+
+    def trace_fn(model, batch, seq):
+        if model == "bad":
+            raise ConfigError("unknown model 'bad'")
+        return fake_trace(model, batch, seq)
+
+    grid = Grid(models=("bad", "m1"), budgets=("20%",), profiles=("p",), policies=("ideal", "um"))
+    rows = run_grid(grid, progress=False, trace_fn=trace_fn, simulate=fake_simulate)
+    assert [bool(r["error"]) for r in rows] == [True, True, False, False]
+    assert "unknown model" in rows[0]["error"]
+
+
+def test_outputs_json_csv_markdown_plots(monkeypatch, tmp_path):
+    fake_profiles(monkeypatch)
+    rows = run_grid(GRID, progress=False, trace_fn=fake_trace, simulate=fake_simulate)
+    report.write_json(rows, tmp_path / "r.json", meta={"grid": {"models": ["m1"]}})
+    report.write_csv(rows, tmp_path / "r.csv")
+    report.write_markdown(rows, tmp_path / "r.md")
+    plots = report.write_plots(rows, tmp_path / "plots")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["simulated"] is True and len(doc["cells"]) == 8
+    for key in ("model", "batch", "profile", "budget", "policy", "iteration_time_s", "ideal_time_s",
+                "h2d_bytes", "d2h_bytes", "faults"):
+        assert key in doc["cells"][1]
+    with (tmp_path / "r.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 8 and table[0]["policy"] == "ideal"
+    md = (tmp_path / "r.md").read_text()
+    assert "| m1 |" in md and "1.20x (3.33x)" in md and "error: DataIntegrityError" in md
+    assert "simulat" in md.lower()
+    assert len(plots) == 1 and plots[0].stat().st_size > 1000
+    assert report.load_rows(tmp_path / "r.json") == json.loads(json.dumps(rows, default=str))
+
+
+def _target_rows(umrt_factor, peer_factor=None):
+    rows = []
+    for m in ("gpt2-xl", "bert-large", "vit-large", "resnet-152"):
+        for p in ("v100-pcie3-32g", "h100-pcie5-80g"):
+            times = {"ideal": 1.0, "um": 4.0, "oracle": 1.05, "umrt": umrt_factor}
+            if peer_factor:
+                times["deepum"] = peer_factor
+            for pol, t in times.items():
+                rows.append({"model": m, "batch": 8, "seq": 1024, "profile": p, "budget": "20%",
+                             "policy": pol, "iteration_time_s": t, "ideal_time_s": 1.0, "error": None})
+    return rows
+
+
+def test_check_targets_pass_and_fail():
+    good = {r.name: r.status for r in report.check_targets(_target_rows(1.08, peer_factor=1.3))}
+    assert set(good.values()) == {"pass"}
+    bad = {r.name: r for r in report.check_targets(_target_rows(1.4, peer_factor=1.3))}
+    assert bad["umrt >= 3.06x um (geomean)"].status == "fail"  # 4.0/1.4 = 2.86x
+    assert bad["umrt >= 0.95 oracle (every cell)"].status == "fail"
+    assert bad["umrt faster than every peer (every cell)"].status == "fail"
+    assert "deepum" in bad["umrt faster than every peer (every cell)"].detail
+    assert {r.status for r in report.check_targets([])} == {"n/a"}
+
+
+def test_cli_from_json_checks_targets_and_exit_code(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    report.write_json(_target_rows(1.08, peer_factor=1.3), path)
+    assert main(["--from-json", str(path), "--out", str(tmp_path), "--no-plots", "--check-targets"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    report.write_json(_target_rows(2.0), path)
+    assert main(["--from-json", str(path), "--out", str(tmp_path), "--no-plots", "--check-targets"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_input(capsys, tmp_path):
+    assert main(["--budgets", "twenty", "--out", str(tmp_path)]) == 2
+    assert "percentage" in capsys.readouterr().err
+    assert main(["--policies", "lru", "--out", str(tmp_path)]) == 2
+    assert "valid policies" in capsys.readouterr().err
+    assert main(["--from-json", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--preset", "nope"])
+
+
+def test_grid_options_override_the_preset():
+    args = build_parser().parse_args(["--models", "gpt2,bert-base", "hf:GPT2Config:n_layer=2,n_embd=64",
+                                      "--batch", "gpt2=3", "--iterations", "4", "--policies", "um", "oracle"])
+    grid = grid_from_args(args)
+    assert grid.models == ("gpt2", "bert-base", "hf:GPT2Config:n_layer=2,n_embd=64")
+    assert grid.batch["gpt2"] == 3 and grid.batch["bert-base"] == preset("default").batch["bert-base"]
+    assert grid.policies == ("um", "oracle") and grid.iterations == 4
+    with pytest.raises(ConfigError, match="not in the grid"):
+        grid_from_args(build_parser().parse_args(["--batch", "vit=3"]))
+    assert split_list(["20%,50%", "80%"]) == ("20%", "50%", "80%")
+    assert parse_budget("20%") == pytest.approx(0.2)
+    with pytest.raises(ConfigError):
+        parse_budget("0%")
+
+
+def test_presets_match_the_issues():
+    readme, targets = preset("readme"), preset("targets")
+    models = ("gpt2-xl", "bert-large", "vit-large", "resnet-152")
+    assert readme.models == models and readme.budgets == ("20%", "50%")
+    assert set(readme.policies) == {"ideal", "um", "um-advise", "oracle"}
+    assert targets.budgets == ("20%",) and {"umrt", "deepum", "sentinel", "vdnn", "swapadvisor"} <= set(targets.policies)
+    assert set(readme.profiles) == set(targets.profiles) == {"v100-pcie3-32g", "h100-pcie5-80g"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("umrt.sim.replay") is None or importlib.util.find_spec("umrt.zoo") is None,
+    reason="simulator or model zoo not built yet",
+)
+def test_bench_end_to_end_on_a_tiny_model(tmp_path):
+    model = "hf:GPT2Config:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=64"
+    code = main(["--models", model, "--batch", "2", "--seq", "32", "--budgets", "30%", "100%",
+                 "--profiles", "v100-pcie3-32g", "--policies", "ideal", "um", "oracle",
+                 "--iterations", "2", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert len(doc["cells"]) == 6
+    assert all(c["error"] is None for c in doc["cells"]), [c["error"] for c in doc["cells"]]
+    assert (tmp_path / "results.csv").exists() and (tmp_path / "results.md").exists()
+    assert list((tmp_path / "plots").glob("*.png"))
