@@ -1,0 +1,336 @@
+"""umrt's planner: a learned iteration in, a schedule of moves out.
+
+The runtime records one iteration in its stable key space
+(:class:`IterationRecord`: the launches in order with the objects each
+touches and its estimated compute time, where objects are born and die, and
+where module boundaries fall). :class:`Planner` turns it into a
+:class:`Plan`: at each *decision point* (the launch right after a module
+boundary, plus extra points where a segment is too long to plan as one), the
+objects to pre-evict to the host and the objects to prefetch to the GPU, and
+which objects to discard when they die.
+
+How a decision point is planned (a Belady schedule with prefetch):
+
+* **Window in time.** Walk the coming launches. Every launch up to the next
+  decision point must be covered (we cannot act again before it). Beyond it,
+  keep going while the copy engine's queue would drain before the next
+  decision point: ``link_free < t(next point) + slack``, where ``link_free``
+  is when the queued host-to-device bytes finish at the profile's link rate
+  and ``t(x)`` the predicted compute time to reach launch ``x``. So the
+  window is as long, in kernels, as the hardware needs to hide the missing
+  bytes — short on a fast link, long on a slow one.
+* **Prefetch** each missing object of a covered launch, in the order they
+  are needed (objects that are not born yet only reserve room: their first
+  write populates them on the GPU).
+* **Pre-evict** to make room, choosing resident objects whose next use is
+  farthest ahead and never one the window needs; if nothing qualifies the
+  window stops (capacity-bound), so the plan never holds more bytes than
+  ``budget * headroom`` and the driver never has to evict on a fault.
+* **Discard** objects when they die instead of letting the driver copy dead
+  bytes back; short-lived temporaries are never evicted (they stay resident).
+
+The schedule is cyclic: it is planned twice over the iteration and the
+second pass, which starts from the residency the first one ends with, is the
+steady-state plan.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from umrt.trace.events import Kind
+
+PAGE = 64 << 10  # the UVM driver's big page: residency and discard granularity (uvm-model.md)
+INF = float("inf")
+
+
+@dataclass
+class IterationRecord:
+    """One iteration in the runtime's key space (see :mod:`umrt.predict.tables`).
+
+    Launch ``i`` is the i-th launch of the iteration; positions of births,
+    deaths and boundaries are launch ordinals ("before launch i").
+    """
+
+    exec_ids: list[int] = field(default_factory=list)
+    uses: list[tuple[int, ...]] = field(default_factory=list)  # keys each launch touches
+    times: list[float] = field(default_factory=list)  # predicted compute seconds per launch
+    sizes: dict[int, int] = field(default_factory=dict)  # key -> bytes
+    kinds: dict[int, Kind] = field(default_factory=dict)
+    start_live: set[int] = field(default_factory=set)  # keys alive when the iteration starts
+    allocs: list[tuple[int, int]] = field(default_factory=list)  # (position, key)
+    frees: list[tuple[int, int]] = field(default_factory=list)  # (position, key)
+    boundaries: list[int] = field(default_factory=list)  # positions right after a module boundary
+    carried: dict[int, int] = field(default_factory=dict)  # survivor's key -> its key next iteration
+    alloc_counts: list[int] = field(default_factory=list)  # allocations before launch i (validation)
+    free_counts: list[int] = field(default_factory=list)  # frees before launch i
+    signature: int = 0
+
+    def __len__(self) -> int:
+        return len(self.exec_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What to do just before launch ``at`` (validated by its expected state)."""
+
+    at: int
+    exec_id: int  # the launch expected at this point
+    n_alloc: int  # allocations the iteration has made by then
+    n_free: int
+    evict: tuple[int, ...]  # keys to move to the host
+    prefetch: tuple[int, ...]  # keys to move to the GPU, in need order
+
+
+@dataclass
+class Plan:
+    """A compiled schedule for one iteration shape."""
+
+    signature: int
+    n_launches: int
+    actions: list[Action]
+    discard: frozenset[int]  # keys whose range is discarded when they die
+    stats: dict = field(default_factory=dict)
+
+    def action_at(self) -> dict[int, Action]:
+        return {a.at: a for a in self.actions}
+
+
+def _round(n: int) -> int:
+    return max(PAGE, -(-n // PAGE) * PAGE)
+
+
+class Planner:
+    """Compiles :class:`IterationRecord` into :class:`Plan` for a budget.
+
+    Parameters
+    ----------
+    budget_bytes:
+        GPU memory the plan may keep resident.
+    profile:
+        ``umrt.hardware.HardwareProfile`` (link rate for the time window);
+        ``None`` assumes a PCIe 3 link.
+    headroom:
+        Fraction of the budget the plan fills; the rest absorbs 2 MB-block
+        rounding and allocations the record did not see.
+    op_level:
+        Decide before every launch instead of at module boundaries.
+    max_segment_s:
+        Split segments whose predicted compute exceeds this (default: the
+        time to move an eighth of the budget over the link).
+    min_discard:
+        Objects smaller than this are not discarded (a call costs more than
+        it saves).
+    """
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        profile=None,
+        *,
+        headroom: float = 0.9,
+        op_level: bool = False,
+        max_segment_s: float | None = None,
+        min_discard: int = PAGE,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError("budget_bytes must be positive")
+        if not 0 < headroom <= 1:
+            raise ValueError("headroom must be in (0, 1]")
+        self.budget = budget_bytes
+        self.cap = int(budget_bytes * headroom)
+        self.profile = profile
+        self.rate = float(getattr(profile, "h2d_bandwidth", 12e9))
+        self.op_level = op_level
+        self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
+        self.min_discard = min_discard
+
+    # -- public ---------------------------------------------------------------
+
+    def decision_points(self, rec: IterationRecord) -> list[int]:
+        """Launch ordinals to act at: 0, after each module boundary, and
+        wherever a segment would otherwise run longer than ``max_segment_s``
+        or touch more than an eighth of the plan's capacity."""
+        n = len(rec)
+        if self.op_level:
+            return list(range(n))
+        marks = set(p for p in rec.boundaries if 0 <= p < n)
+        marks.add(0)
+        points: list[int] = []
+        seg_t = 0.0
+        seg_b = 0
+        limit_b = self.cap // 8
+        sizes = rec.sizes
+        for i in range(n):
+            if i in marks or seg_t >= self.max_segment_s or seg_b >= limit_b:
+                points.append(i)
+                seg_t, seg_b = 0.0, 0
+            seg_t += rec.times[i]
+            seg_b += sum(sizes.get(k, 0) for k in rec.uses[i])
+        return points
+
+    def plan(self, rec: IterationRecord) -> Plan:
+        n = len(rec)
+        if n == 0:
+            return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
+        points = self.decision_points(rec)
+        state = None
+        for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
+            actions, state, stats = self._pass(rec, points, state)
+        discard = frozenset(
+            k for _, k in rec.frees if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE)
+        )
+        stats["decision_points"] = len(points)
+        return Plan(rec.signature, n, actions, discard, stats)
+
+    # -- one pass over the iteration -----------------------------------------
+
+    def _pass(self, rec: IterationRecord, points: Sequence[int], start: set[int] | None):
+        n = len(rec)
+        uses_of: dict[int, list[int]] = {}
+        for i, keys in enumerate(rec.uses):
+            for k in keys:
+                lst = uses_of.setdefault(k, [])
+                if not lst or lst[-1] != i:
+                    lst.append(i)
+        size = {k: _round(b) for k, b in rec.sizes.items()}
+        born = {k: p for p, k in rec.allocs}
+        t = [0.0] * (n + 1)
+        for i, dt in enumerate(rec.times):
+            t[i + 1] = t[i] + dt
+        # Where a key is next needed after this iteration: persistent keys
+        # come back at their first use; survivors under their carried key.
+        dead = {k for _, k in rec.frees}
+        beyond: dict[int, float] = {}
+        for k, lst in uses_of.items():
+            if k in rec.start_live and k not in dead:
+                beyond[k] = n + lst[0]
+        for k, ck in rec.carried.items():
+            lst = uses_of.get(ck)
+            beyond[k] = n + lst[0] if lst else INF
+        pinned = {k for k, kind in rec.kinds.items() if kind == Kind.TEMPORARY}
+
+        ptr = {k: 0 for k in uses_of}
+
+        def next_use(k: int) -> float:
+            lst = uses_of.get(k)
+            j = ptr.get(k, 0)
+            if lst is not None and j < len(lst):
+                return lst[j]
+            return beyond.get(k, INF)
+
+        # residency: key -> bytes
+        resident: dict[int, int] = {}
+        if start:
+            for k in start:
+                if k in size:
+                    resident[k] = size[k]
+        used = sum(resident.values())
+        heap: list[tuple[float, int]] = []  # (-next use, key); lazily invalidated
+
+        def push(k: int) -> None:
+            heapq.heappush(heap, (-next_use(k), k))
+
+        for k in resident:
+            push(k)
+
+        frees = sorted(rec.frees)
+        fi = 0
+        actions: list[Action] = []
+        cap = self.cap
+        rate = self.rate
+        cursor = 0
+        link_free = 0.0
+        h2d = d2h = faults = 0
+        peak = used
+        ac = rec.alloc_counts or [0] * n
+        fc = rec.free_counts or [0] * n
+
+        for pi, d in enumerate(points):
+            nxt = points[pi + 1] if pi + 1 < len(points) else n
+            while fi < len(frees) and frees[fi][0] <= d:
+                k = frees[fi][1]
+                fi += 1
+                b = resident.pop(k, None)
+                if b is not None:
+                    used -= b
+            evict: list[int] = []
+            prefetch: list[int] = []
+            if cursor < d:
+                cursor = d
+            link_free = max(link_free, t[d])
+            horizon = t[nxt] + (t[nxt] - t[d])
+            while cursor < n and (cursor < nxt or link_free < horizon):
+                need = [k for k in rec.uses[cursor] if k not in resident and k in size]
+                nbytes = sum(size[k] for k in need)
+                if nbytes > cap:  # one launch larger than the budget: the driver must stream it
+                    cursor += 1
+                    continue
+                if used + nbytes > cap:
+                    used = self._make_room(heap, resident, used, cap - nbytes, cursor, next_use,
+                                           pinned, size, evict)
+                    if used + nbytes > cap:
+                        break  # capacity-bound: the window ends here
+                for k in need:
+                    resident[k] = size[k]
+                    used += size[k]
+                    push(k)
+                    if born.get(k, -1) <= d:  # alive now: move it; unborn: room only
+                        prefetch.append(k)
+                        link_free += size[k] / rate
+                cursor += 1
+            if used > peak:
+                peak = used
+            if evict or prefetch:
+                actions.append(Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(evict), tuple(prefetch)))
+                h2d += sum(size[k] for k in prefetch)
+                d2h += sum(size[k] for k in evict)
+            # Run the segment: what the window did not cover faults in.
+            for i in range(d, nxt):
+                while fi < len(frees) and frees[fi][0] <= i:
+                    k = frees[fi][1]
+                    fi += 1
+                    b = resident.pop(k, None)
+                    if b is not None:
+                        used -= b
+                for k in rec.uses[i]:
+                    if k not in size:
+                        continue
+                    if k not in resident:
+                        faults += 1
+                        resident[k] = size[k]
+                        used += size[k]
+                        if used > cap:  # the driver evicts; model it as farthest-first
+                            used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
+                    ptr[k] = ptr.get(k, 0) + 1
+                    push(k)
+        end = set(resident)
+        carried = {rec.carried.get(k, k) for k in end}
+        stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
+                 "planned_peak_bytes": peak, "capacity_bytes": cap}
+        return actions, carried, stats
+
+    @staticmethod
+    def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out) -> int:
+        """Evict farthest-next-use keys not needed before ``cursor`` until
+        ``used <= target``; returns the new ``used``."""
+        keep: list[tuple[float, int]] = []
+        while used > target and heap:
+            neg, k = heapq.heappop(heap)
+            if k not in resident:
+                continue
+            nu = next_use(k)
+            if -neg != nu:
+                continue  # stale entry; a fresher one is in the heap
+            if nu <= cursor or k in pinned:
+                keep.append((neg, k))
+                if nu <= cursor:
+                    break  # everything left is needed sooner
+                continue
+            del resident[k]
+            used -= size[k]
+            out.append(k)
+        for item in keep:
+            heapq.heappush(heap, item)
+        return used

@@ -1,0 +1,135 @@
+"""A tiny synthetic training loop as a trace, for tests and quick experiments.
+
+Real traces come from :mod:`umrt.capture` or :mod:`umrt.zoo`; this builds
+the same event shapes in microseconds: ``layers`` linear layers with
+parameters, AdamW-like state, activations saved in forward and freed in
+backward, a temporary per layer, gradients re-allocated every step
+(``zero_grad(set_to_none=True)``), module boundaries and iteration
+boundaries. Variations the runtime must survive are switches: sequence
+length per step, gradient accumulation, eval steps between train steps.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from umrt.trace.events import (
+    Access, Alloc, Event, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace,
+    TraceHeader, execution_id,
+)
+
+MB = 1 << 20
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.next_obj = 0
+        self.seq = 0
+
+    def alloc(self, nbytes: int, kind: Kind) -> int:
+        obj = self.next_obj
+        self.next_obj += 1
+        self.events.append(Alloc(obj, nbytes, kind, self.seq))
+        return obj
+
+    def free(self, obj: int) -> None:
+        self.events.append(Free(obj))
+
+    def launch(self, op: str, module: str, shape: Sequence[int], reads: Iterable[tuple[int, int]],
+               writes: Iterable[tuple[int, int]], flops: int) -> None:
+        acc = tuple(Access(o, 0, n, False) for o, n in reads) + tuple(Access(o, 0, n, True) for o, n in writes)
+        moved = sum(a.length for a in acc)
+        eid = execution_id(op, [shape], ["float32"], module)
+        self.events.append(Launch(self.seq, eid, op, acc, flops, moved, module))
+        self.seq += 1
+
+
+def training_trace(
+    *,
+    layers: int = 8,
+    param_mb: int = 8,
+    act_mb: int = 4,
+    steps: int = 3,
+    seqs: Sequence[int] | None = None,
+    accum: int = 1,
+    eval_every: int = 0,
+    flops_per_mb: int = 2 * 10**9,
+) -> Trace:
+    """A trace of ``steps`` training iterations (see the module docstring).
+
+    ``seqs`` gives each step's sequence length (activation size scales with
+    it, and the shapes in execution ids change); ``accum`` micro-batches per
+    step; with ``eval_every=k`` a forward-only eval pass runs before every
+    k-th step, inside that step's iteration.
+    """
+    b = _Builder()
+    P, A = param_mb * MB, act_mb * MB
+    params = [b.alloc(P, Kind.PARAMETER) for _ in range(layers)]
+    states = [(b.alloc(P, Kind.OPTIMIZER_STATE), b.alloc(P, Kind.OPTIMIZER_STATE)) for _ in range(layers)]
+    grads: list[int] = []
+    seqs = list(seqs) if seqs else [128] * steps
+    for step in range(steps):
+        s = seqs[step % len(seqs)]
+        a = A * s // 128
+        b.events.append(IterationBoundary(step))
+        for g in grads:  # zero_grad(set_to_none=True)
+            b.free(g)
+        grads = []
+        if eval_every and step % eval_every == eval_every - 1:
+            _forward(b, params, a, s, flops_per_mb, P, train=False)
+        for micro in range(accum):
+            x, acts = _forward(b, params, a, s, flops_per_mb, P, train=True)
+            new = _backward(b, params, acts, x, a, s, flops_per_mb, grads, P)
+            if not grads:
+                grads = new
+        for l in range(layers):
+            m1, m2 = states[l]
+            b.launch("aten::_fused_adamw_.default", "", (P,),
+                     [(grads[l], P)], [(params[l], P), (m1, P), (m2, P)], 10 * P // 4)
+    b.events.append(IterationBoundary(steps))
+    header = TraceHeader(1, "synthetic", "synthetic", "", "meta", steps,
+                         meta={"layers": layers, "seqs": seqs, "accum": accum})
+    return Trace(header, b.events)
+
+
+def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
+    x = b.alloc(a, Kind.INPUT)
+    b.launch("aten::copy_.default", "", (s,), [], [(x, a)], 0)
+    acts = []
+    prev = x
+    for l, p in enumerate(params):
+        mod = f"layers.{l}"
+        b.events.append(LayerEnter(mod, "forward"))
+        out = b.alloc(a, Kind.ACTIVATION)
+        tmp = b.alloc(a // 2, Kind.TEMPORARY)
+        b.launch("aten::mm.default", mod, (s, l), [(prev, a), (p, P)], [(tmp, a // 2)], fpm * a // MB)
+        b.launch("aten::gelu.default", mod, (s,), [(tmp, a // 2)], [(out, a)], fpm * a // MB // 8)
+        b.free(tmp)
+        b.events.append(LayerExit(mod, "forward"))
+        if not train and prev is not x:
+            b.free(prev)
+        acts.append(out)
+        prev = out
+    b.launch("aten::sum.default", "", (s,), [(prev, a)], [], a)
+    if not train:
+        b.free(prev)
+        b.free(x)
+        return x, []
+    return x, acts
+
+
+def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P):
+    new = []
+    for l in reversed(range(len(params))):
+        mod = f"layers.{l}"
+        b.events.append(LayerEnter(mod, "backward"))
+        g = grads[l] if grads else b.alloc(P, Kind.GRADIENT)
+        inp = acts[l - 1] if l else x
+        b.launch("aten::mm.default", mod + ".bwd", (s, l), [(acts[l], a), (inp, a), (params[l], P)],
+                 [(g, P)], 2 * fpm * a // MB)
+        b.free(acts[l])
+        b.events.append(LayerExit(mod, "backward"))
+        new.append(g)
+    b.free(x)
+    new.reverse()
+    return new

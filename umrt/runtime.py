@@ -1,0 +1,402 @@
+"""The umrt runtime: events in, prefetch / pre-evict / discard out.
+
+:class:`Runtime` is a :class:`~umrt.policy.base.Policy` (registered as
+``"umrt"``). It consumes the program's event stream one event at a time —
+from the live :class:`umrt.capture.Recorder`, or from a replay in the
+simulator — and drives any :class:`~umrt.backends.base.Backend` through that
+interface only. It never looks ahead in the stream.
+
+Life cycle, per iteration (between two :class:`IterationBoundary` events):
+
+``learn``
+    Record the iteration in stable keys (:mod:`umrt.predict.tables`): every
+    launch, what it touches, where objects are born and die, where module
+    boundaries fall; feed the correlation and data tables. The runtime does
+    nothing to memory (plain managed-memory behaviour). At the boundary the
+    iteration's signature is known; :class:`~umrt.policy.planner.Planner`
+    compiles a :class:`~umrt.policy.planner.Plan` for it (cached per
+    signature, so a few iteration shapes — eval steps, sequence-length
+    buckets — are each learned once).
+``act``
+    The variant table predicts which shape comes next; its plan runs. The
+    per-event work is a counter for launches and a dictionary update for
+    allocations and frees; the real work happens only at the plan's decision
+    points (module boundaries by default), where the expected launch and
+    allocation counts are checked before any move is issued. A mismatch is
+    a deviation: the runtime stops acting for the rest of the iteration and
+    learns the next one.
+``guard``
+    If deviations keep coming (``guard_failures`` of the last
+    ``guard_window`` acted iterations), predictions are not paying: the
+    runtime drops its plans, does nothing for ``guard_cooldown`` iterations
+    and re-learns.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
+
+from umrt.backends.base import HOST, Backend
+from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.planner import PAGE, Action, IterationRecord, Plan, Planner
+from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys, VariantTable
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, LayerExit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from umrt.memory.base import Layout
+    from umrt.trace.events import Event, Trace
+
+__all__ = ["Runtime"]
+
+_MASK = (1 << 63) - 1
+
+
+class Runtime(Policy):
+    """umrt's runtime policy (see the module docstring).
+
+    Parameters
+    ----------
+    trace:
+        Ignored: the runtime learns from the events it is given, never from a
+        trace's future (the argument exists for the policy registry).
+    op_level:
+        Act before every launch instead of at module boundaries.
+    headroom:
+        Fraction of the budget a plan may fill.
+    learn_iterations:
+        Iterations to learn before acting the first time.
+    guard_window, guard_failures, guard_cooldown:
+        The misprediction guard (see the module docstring).
+    max_variants:
+        Compiled plans kept (one per iteration shape; least recently used dropped).
+    use_pool:
+        Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
+        the caching-allocator layout.
+    """
+
+    name = "umrt"
+
+    def __init__(
+        self,
+        trace: "Trace | None" = None,
+        *,
+        op_level: bool = False,
+        headroom: float = 0.9,
+        learn_iterations: int = 1,
+        guard_window: int = 4,
+        guard_failures: int = 2,
+        guard_cooldown: int = 2,
+        max_variants: int = 8,
+        use_pool: bool = True,
+    ) -> None:
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        if learn_iterations < 1:
+            raise ValueError("learn_iterations must be >= 1")
+        self.op_level = op_level
+        self.headroom = headroom
+        self.learn_iterations = learn_iterations
+        self.guard_window = guard_window
+        self.guard_failures = guard_failures
+        self.guard_cooldown = guard_cooldown
+        self.max_variants = max_variants
+        self.use_pool = use_pool
+
+        self.keys = ObjectKeys()
+        self.correlation = CorrelationTable()
+        self.data = DataTable()
+        self.variants = VariantTable()
+        self.plans: OrderedDict[int, Plan] = OrderedDict()
+
+        self._nbytes: dict[int, int] = {}  # live obj -> bytes
+        self._kind: dict[int, object] = {}
+        self._mode = "learn"
+        self._iteration: int | None = None
+        self._learned = 0
+        self._cooldown = 0
+        self._relearn = False
+        self._outcomes: deque[bool] = deque(maxlen=guard_window)
+        self._rec: IterationRecord | None = None
+        self._sig = 0
+        self._plan: Plan | None = None
+        self._actions: list[Action] = []
+        self._ai = 0
+        self._next_at = -1
+        self._nl = 0
+        self._nf = 0
+        self._pool_observe = None
+        self.counters = {
+            "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
+            "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0,
+        }
+        self.log: list[dict] = []  # one line per iteration: mode, signature, moves
+
+    # -- Policy -----------------------------------------------------------------
+
+    def attach(self, ctx: PolicyContext) -> None:
+        super().attach(ctx)
+        self.backend: Backend = ctx.backend
+        self.layout: "Layout" = ctx.layout
+        self.profile = ctx.profile
+        observe = getattr(ctx.layout, "observe", None)
+        self._pool_observe = observe if callable(observe) else None
+        self.set_budget(ctx.budget_bytes)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the GPU memory the runtime plans for (plans are recompiled
+        lazily). Shadow mode sets it once the peak is known."""
+        self.ctx.budget_bytes = int(budget_bytes)
+        self.planner = Planner(max(1, int(budget_bytes)), self.profile, headroom=self.headroom,
+                               op_level=self.op_level)
+        self.plans.clear()
+        if self._mode == "act":
+            self._mode = "off"
+
+    def make_layout(self, backend: Backend) -> "Layout":
+        """umrt's lifetime-aware pool (falls back to the caching-allocator
+        model with ``use_pool=False`` or where the pool is not built)."""
+        if self.use_pool:
+            try:
+                from umrt.memory.pool import LifetimePool
+            except ImportError:  # pragma: no cover - pool not in this checkout
+                pass
+            else:
+                return LifetimePool(backend)
+        return super().make_layout(backend)
+
+    def on_event(self, event: "Event") -> None:
+        t = type(event)
+        if t is Launch:
+            if self._pool_observe is not None:
+                self._pool_observe(event)
+            if self._mode == "act":
+                n = self._nl
+                self._nl = n + 1
+                if n == self._next_at:
+                    self._decide(event)
+            elif self._mode == "learn":
+                self._learn_launch(event)
+            else:
+                self._nl += 1
+        elif t is Alloc:
+            obj = event.obj
+            key = self.keys.alloc(obj)
+            self._nbytes[obj] = event.nbytes
+            self._kind[obj] = event.kind
+            if self._mode == "learn":
+                rec = self._rec
+                if rec is not None:
+                    rec.allocs.append((self._nl, key))
+                    rec.sizes[key] = event.nbytes
+                    rec.kinds[key] = event.kind
+        elif t is Free:
+            obj = event.obj
+            key = self.keys.free(obj)
+            self._nf += 1
+            if self._mode == "act":
+                if key in self._plan.discard:
+                    self._discard(obj)
+            elif self._mode == "learn" and self._rec is not None and key is not None:
+                self._rec.frees.append((self._nl, key))
+            self._nbytes.pop(obj, None)
+            self._kind.pop(obj, None)
+        elif t is LayerEnter or t is LayerExit:
+            if self._pool_observe is not None:
+                self._pool_observe(event)
+            if self._mode == "learn" and self._rec is not None:
+                self._rec.boundaries.append(self._nl)
+        elif t is IterationBoundary:
+            if self._pool_observe is not None:
+                self._pool_observe(event)
+            self._boundary(event.index)
+
+    def report(self) -> dict:
+        """Counters: iterations learned / acted, deviations, moves, table sizes."""
+        out = dict(self.counters)
+        out.update(
+            mode=self._mode,
+            variants=len(self.plans),
+            correlation_rows=len(self.correlation),
+            correlation_accuracy=round(self.correlation.accuracy, 4),
+            data_rows=len(self.data),
+        )
+        if self._plan is not None:
+            out["plan"] = dict(self._plan.stats)
+        return out
+
+    # -- learning ---------------------------------------------------------------
+
+    def _learn_launch(self, ev: Launch) -> None:
+        rec = self._rec
+        self._nl += 1
+        if rec is None:  # set-up, before the first boundary: nothing to plan
+            return
+        key_of = self.keys.key_of
+        seen: dict[int, None] = {}
+        for a in ev.accesses:
+            k = key_of.get(a.obj)
+            if k is not None:
+                seen[k] = None
+        keys = tuple(seen)
+        rec.exec_ids.append(ev.exec_id)
+        rec.uses.append(keys)
+        rec.times.append(self._compute_time(ev.flops, ev.bytes))
+        rec.alloc_counts.append(self.keys.ordinal)
+        rec.free_counts.append(self._nf)
+        self.correlation.observe(ev.exec_id)
+        self.data.observe(ev.exec_id, keys)
+        # The signature covers the launch sequence and where objects are born
+        # and die, so two shapes that launch alike but allocate differently differ.
+        self._sig = ((self._sig * 1000003) ^ ev.exec_id ^ (self.keys.ordinal << 20) ^ self._nf) & _MASK
+
+    def _compute_time(self, flops: int, nbytes: int) -> float:
+        prof = self.profile
+        if prof is not None:
+            return prof.compute_time(flops, nbytes)
+        return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
+
+    # -- iteration boundaries -----------------------------------------------------
+
+    def _boundary(self, index: int) -> None:
+        c = self.counters
+        if self._iteration is not None:
+            c["iterations"] += 1
+            self._finish_iteration()
+        self._iteration = index
+        # The signature of the iteration that just ended names its survivors.
+        sig = self._sig if self._mode == "learn" else (self._plan.signature if self._plan else 0)
+        if self._mode not in ("learn", "act"):
+            sig = self._sig ^ 0x5A5A  # a shape we never finished; its keys must not clash
+        moved = self.keys.boundary(sig)
+        if self._rec is not None and self._mode == "learn":
+            self._rec.carried = moved
+            self._compile(self._rec)
+        self._start_iteration()
+
+    def _finish_iteration(self) -> None:
+        mode = self._mode
+        entry = {"iteration": self._iteration, "mode": mode}
+        if mode == "act":
+            self._outcomes.append(True)
+            self.variants.observe(self._plan.signature)
+            self.counters["acted"] += 1
+            entry["signature"] = self._plan.signature
+        elif mode == "off":
+            self.variants.last = None  # an unknown shape: predict from scratch, learn next
+            self._relearn = True
+        elif mode == "learn" and self._rec is not None:
+            self._rec.signature = self._sig
+            self.variants.observe(self._sig)
+            self.counters["learned"] += 1
+            self._learned += 1
+            entry["signature"] = self._sig
+        self.log.append(entry)
+        if len(self.log) > 256:
+            del self.log[:128]
+
+    def _compile(self, rec: IterationRecord) -> None:
+        sig = rec.signature
+        if sig in self.plans:
+            self.plans.move_to_end(sig)
+            return
+        plan = self.planner.plan(rec)
+        self.counters["plans_compiled"] += 1
+        self.plans[sig] = plan
+        while len(self.plans) > self.max_variants:
+            self.plans.popitem(last=False)
+
+    def _start_iteration(self) -> None:
+        self._nl = 0
+        self._nf = 0
+        self._sig = 0
+        self._rec = None
+        self._plan = None
+        # Misprediction guard: too many recent deviations -> do nothing, re-learn.
+        if sum(1 for ok in self._outcomes if not ok) >= self.guard_failures:
+            self.counters["guard_trips"] += 1
+            self._outcomes.clear()
+            self.plans.clear()
+            self._cooldown = self.guard_cooldown
+        plan = None
+        if self._cooldown > 0:
+            self._cooldown -= 1
+        elif self._relearn:
+            self._relearn = False
+        elif self._learned >= self.learn_iterations:
+            for sig in self.variants.predict():
+                plan = self.plans.get(sig)
+                if plan is not None:
+                    break
+        if plan is not None and plan.actions:
+            self._mode = "act"
+            self._plan = plan
+            self._actions = plan.actions
+            self._ai = 0
+            self._next_at = plan.actions[0].at
+            self.plans.move_to_end(plan.signature)
+        else:
+            self._mode = "learn"
+            self._rec = IterationRecord(start_live=set(self.keys.obj_of))
+            rec = self._rec
+            for k, obj in self.keys.obj_of.items():
+                rec.sizes[k] = self._nbytes.get(obj, 0)
+                rec.kinds[k] = self._kind.get(obj)
+
+    # -- acting -----------------------------------------------------------------
+
+    def _decide(self, ev: Launch) -> None:
+        a = self._actions[self._ai]
+        if ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc or self._nf != a.n_free:
+            self._deviate()
+            return
+        self._ai += 1
+        self._next_at = self._actions[self._ai].at if self._ai < len(self._actions) else -1
+        c = self.counters
+        c["decisions"] += 1
+        obj_of = self.keys.obj_of
+        nbytes = self._nbytes
+        address = self.layout.address
+        if a.evict:
+            ranges = []
+            for k in a.evict:
+                obj = obj_of.get(k)
+                if obj is not None:
+                    r = _inner(address(obj), nbytes[obj])
+                    if r is not None:
+                        ranges.append(r)
+            if ranges:
+                self.backend.prefetch(ranges, HOST)
+                c["prefetch_calls"] += 1
+                c["evicted_bytes"] += sum(n for _, n in ranges)
+        if a.prefetch:
+            ranges = []
+            for k in a.prefetch:
+                obj = obj_of.get(k)
+                if obj is not None and nbytes[obj] > 0:
+                    ranges.append((address(obj), nbytes[obj]))
+            if ranges:
+                self.backend.prefetch(ranges, self.backend.device)
+                c["prefetch_calls"] += 1
+                c["prefetched_bytes"] += sum(n for _, n in ranges)
+
+    def _deviate(self) -> None:
+        """The program left the plan: stop acting until the next boundary."""
+        self.counters["deviations"] += 1
+        self._outcomes.append(False)
+        self._mode = "off"
+        self._plan = None
+
+    def _discard(self, obj: int) -> None:
+        r = _inner(self.layout.address(obj), self._nbytes.get(obj, 0))
+        if r is not None:
+            self.backend.discard([r])
+            self.counters["discarded_bytes"] += r[1]
+
+
+def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:
+    """The whole pages inside ``[ptr, ptr + nbytes)``: moving a page out or
+    discarding it must never touch a neighbour's bytes."""
+    start = -(-ptr // PAGE) * PAGE
+    end = (ptr + nbytes) // PAGE * PAGE
+    return (start, end - start) if end > start else None
