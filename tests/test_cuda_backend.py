@@ -165,3 +165,14 @@ def test_free_and_mem_info(cuda_backend, fake_gpu):
     assert ptr not in fake_gpu.allocs
     with pytest.raises(CudaError):
         cuda_backend.prefetch([(ptr, 16)], 0)
+
+
+def test_resident_bytes_tracks_what_umrt_placed(cuda_backend):
+    a = cuda_backend.malloc(8 * MiB)
+    cuda_backend.prefetch([(a, 4 * MiB)], 0)
+    cuda_backend.prefetch([(a + 2 * MiB, 4 * MiB)], 0)  # overlaps: 6 MiB in all
+    assert cuda_backend.resident_bytes() == 6 * MiB
+    cuda_backend.prefetch([(a + MiB, MiB)], HOST)  # a hole in the middle
+    assert cuda_backend.resident_bytes() == 5 * MiB
+    cuda_backend.free(a)
+    assert cuda_backend.resident_bytes() == 0

@@ -304,6 +304,7 @@ class CudaBackend(Backend):
         self.h2d_bytes = 0
         self.d2h_bytes = 0
         self.discarded_bytes = 0
+        self._resident: list[Range] = []  # disjoint, sorted: what umrt placed on the GPU
 
     # -- allocation ----------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
@@ -321,6 +322,7 @@ class CudaBackend(Backend):
         self.api.stream_synchronize(self.copy_stream)
         self._pending.clear()
         self.api.free(ptr)
+        self._place([(ptr, self._allocs[ptr])], on_device=False)
         del self._allocs[ptr]
         self._starts.pop(bisect.bisect_left(self._starts, ptr))
 
@@ -335,6 +337,10 @@ class CudaBackend(Backend):
 
     def mem_info(self) -> tuple[int, int]:
         return self.api.mem_get_info()
+
+    def resident_bytes(self) -> int:
+        """Bytes umrt placed on the GPU and has not evicted (demand faults are not seen)."""
+        return sum(n for _, n in self._resident)
 
     # -- migration -------------------------------------------------------------
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
@@ -355,6 +361,7 @@ class CudaBackend(Backend):
             self.d2h_bytes += moved
         else:
             self.h2d_bytes += moved
+        self._place(ranges, on_device=device != HOST)
         self._mark(ranges)
 
     def discard(self, ranges: Sequence[Range]) -> None:
@@ -364,6 +371,7 @@ class CudaBackend(Backend):
         self._copy_after_compute()  # touching a range while its discard runs is undefined
         self.api.discard_batch(ranges, self.copy_stream)
         self.discarded_bytes += sum(n for _, n in ranges)
+        self._place(ranges, on_device=False)  # discarded pages are released
         self._mark(ranges)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
@@ -382,6 +390,8 @@ class CudaBackend(Backend):
             return
         self._copy_after_compute()
         self.api.discard_and_prefetch_batch(aligned, device, self.copy_stream)
+        self.discarded_bytes += sum(n for _, n in aligned)
+        self._place(aligned, on_device=device != HOST)
         self._mark(aligned)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
@@ -426,6 +436,28 @@ class CudaBackend(Backend):
             self.free(ptr)
 
     # -- helpers ----------------------------------------------------------------
+    def _place(self, ranges: Sequence[Range], on_device: bool) -> None:
+        """Add ``ranges`` to (or cut them from) the sorted, disjoint residency set."""
+        res = self._resident
+        for ptr, n in ranges:
+            end = ptr + n
+            i = bisect.bisect_right(res, (ptr, float("inf"))) - 1
+            if i < 0 or res[i][0] + res[i][1] <= ptr:
+                i += 1
+            j = bisect.bisect_left(res, (end, -1))
+            hit = res[i:j]  # intervals overlapping [ptr, end)
+            if on_device:
+                if hit:
+                    ptr, end = min(ptr, hit[0][0]), max(end, hit[-1][0] + hit[-1][1])
+                res[i:j] = [(ptr, end - ptr)]
+            else:
+                pieces = []
+                if hit and hit[0][0] < ptr:
+                    pieces.append((hit[0][0], ptr - hit[0][0]))
+                if hit and hit[-1][0] + hit[-1][1] > end:
+                    pieces.append((end, hit[-1][0] + hit[-1][1] - end))
+                res[i:j] = pieces
+
     def _event(self) -> Any:
         return self._spare_events.pop() if self._spare_events else self.api.create_event()
 

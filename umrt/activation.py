@@ -1,0 +1,194 @@
+"""``UMRT=1 python train.py``: switching umrt on with no code change.
+
+A one-line ``umrt-activate.pth`` file in site-packages runs at every Python
+start-up. It costs one environment lookup: only when ``UMRT`` is set to
+something other than an off word (unset, empty, 0, false, no, off) does it
+import this module and call :func:`activate_from_env`, which
+
+1. validates every ``UMRT_*`` variable: a bad value prints one
+   ``umrt: error: ...`` line and exits with status 2 before the script runs
+   (``sys.exit`` is not possible while ``site`` runs: it is a fatal error there);
+2. with ``UMRT_SIMULATE=PROFILE`` and a script path on the command line,
+   runs the script in shadow mode (:func:`umrt.shadow.run_shadow`) and exits
+   with its status;
+3. otherwise waits, at no cost, for the program to import ``torch`` (or
+   ``cupy``) and calls :func:`umrt.enable` right after that import, which is
+   before the program can have made a CUDA allocation. A program that never
+   imports either runs untouched.
+
+Install the hook with the package (see the README) or by hand with
+``python -m umrt.activation --install``.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+PTH_NAME = "umrt-activate.pth"
+#: The .pth line: site runs lines that start with ``import``. Kept to one cheap test.
+PTH_LINE = (
+    "import os; exec('import umrt.activation as _umrt_activation; _umrt_activation.activate_from_env()') "
+    "if os.environ.get('UMRT', '').strip().lower() not in ('', '0', 'false', 'no', 'off') else None\n"
+)
+HOOKED_MODULES = ("torch", "cupy")
+
+_state: dict[str, Any] = {"activated": False, "enabled_by": None}
+
+
+def _fail(message: str) -> None:
+    sys.stdout.flush()
+    print(f"umrt: error: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def activate_from_env() -> None:
+    """What the .pth hook calls; idempotent (a venv may list site-packages twice)."""
+    if _state["activated"]:
+        return
+    _state["activated"] = True
+    from umrt.config import from_env
+    from umrt.errors import UmrtError
+
+    try:
+        cfg = from_env()
+    except UmrtError as exc:
+        _fail(str(exc))
+        return
+    if not cfg.enabled:
+        return
+    if cfg.shadow:
+        _run_shadow_and_exit(cfg)
+        return
+    install_import_hook()
+
+
+def _run_shadow_and_exit(cfg: Any) -> None:
+    argv = list(getattr(sys, "argv", []) or [])
+    if not argv or not argv[0] or argv[0].startswith("-") or not os.path.isfile(argv[0]):
+        print(
+            f"umrt: UMRT_SIMULATE={cfg.simulate} needs a script (python script.py ...); "
+            "for -m/-c use `umrt run --simulate PROFILE script.py`. Running unchanged.",
+            file=sys.stderr,
+        )
+        return
+    from umrt.errors import UmrtError
+
+    try:
+        from umrt.shadow import run_shadow
+
+        rc = run_shadow(argv[0], argv[1:], profile=cfg.simulate,
+                        gpu_memory=str(cfg.gpu_memory), policy=cfg.policy)
+    except UmrtError as exc:
+        _fail(str(exc))
+        return
+    except ImportError as exc:
+        _fail(f"shadow mode is not available in this umrt build ({exc})")
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(rc or 0))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls :func:`_on_import` once a watched top-level module has finished importing."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in HOOKED_MODULES:
+            return None
+        sys.meta_path.remove(self)  # find the real spec without ourselves
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            _on_import(name)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_finder = _AfterImport()
+
+
+def install_import_hook() -> None:
+    """Enable umrt right after torch or cupy is imported (or now, if one already is)."""
+    if any(name in sys.modules for name in HOOKED_MODULES):
+        _on_import(next(n for n in HOOKED_MODULES if n in sys.modules))
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+def _on_import(name: str) -> None:
+    if _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    if _state["enabled_by"] is not None:
+        return
+    _state["enabled_by"] = name
+    import umrt
+    from umrt.errors import UmrtError
+
+    try:
+        session = umrt.enable()
+    except UmrtError as exc:
+        _fail(str(exc))
+        return
+    if session.active and "cupy" in sys.modules:
+        import cupy
+
+        from umrt.allocators.cupy import allocator
+
+        cupy.cuda.set_allocator(allocator)
+
+
+def enabled_by() -> str | None:
+    """Which import switched umrt on (``"torch"``/``"cupy"``), or None."""
+    return _state["enabled_by"]
+
+
+def site_packages() -> Path:
+    """Where the .pth file belongs (this interpreter's purelib)."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def install_pth(directory: str | Path | None = None) -> Path:
+    """Write ``umrt-activate.pth`` into ``directory`` (default: site-packages)."""
+    target = Path(directory or site_packages()) / PTH_NAME
+    target.write_text(PTH_LINE)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m umrt.activation",
+                                     description="Install or remove the UMRT=1 start-up hook.")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--install", action="store_true", help=f"write {PTH_NAME} into site-packages")
+    group.add_argument("--uninstall", action="store_true", help=f"remove {PTH_NAME}")
+    group.add_argument("--print", action="store_true", help="print the .pth line")
+    args = parser.parse_args(argv)
+    if args.print:
+        sys.stdout.write(PTH_LINE)
+    elif args.install:
+        print(f"umrt: wrote {install_pth()}")
+    else:
+        path = site_packages() / PTH_NAME
+        path.unlink(missing_ok=True)
+        print(f"umrt: removed {path}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

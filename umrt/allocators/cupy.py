@@ -1,0 +1,87 @@
+"""Put CuPy arrays in umrt's managed pool.
+
+    import cupy, umrt
+    umrt.enable()
+    cupy.cuda.set_allocator(umrt.allocators.cupy.allocator)
+
+:func:`allocator` has the shape ``cupy.cuda.set_allocator`` expects
+(``nbytes -> cupy.cuda.MemoryPointer``); memory comes from the pool of the
+active umrt session (:func:`umrt.enable`) and returns to it when CuPy drops
+the array, and every block is reported to the pool's ``listeners`` (the
+runtime's object registry). CuPy runs ``MemoryHook`` callbacks only inside its
+own ``MemoryPool``, so :func:`make_hook` (a ``cupy.cuda.MemoryHook`` feeding
+the same registry) is for code that keeps CuPy's pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from umrt.errors import UmrtError
+
+_state: dict[str, Any] = {"pool": None}
+
+
+def set_pool(pool: Any) -> None:
+    """Use ``pool`` (``malloc(nbytes, stream)`` / ``free(ptr)``) for :func:`allocator`."""
+    _state["pool"] = pool
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise UmrtError("umrt's CuPy allocator needs CuPy: pip install umrt[cuda12] (or [cuda13])") from None
+    return cupy
+
+
+class _PoolMemory:
+    """A ``cupy.cuda.memory.BaseMemory``-like owner that frees into the pool when dropped."""
+
+    def __init__(self, pool: Any, ptr: int, size: int, device_id: int) -> None:
+        self.pool, self.ptr, self.size, self.device_id = pool, ptr, size, device_id
+
+    def __del__(self) -> None:
+        if self.ptr:
+            self.pool.free(self.ptr)
+            self.ptr = 0
+
+
+def allocator(nbytes: int) -> Any:
+    """``cupy.cuda.set_allocator`` target: a MemoryPointer into umrt's managed pool."""
+    cupy = _cupy()
+    pool = _state["pool"]
+    if pool is None:
+        raise UmrtError("umrt is not enabled: call umrt.enable() before using umrt's CuPy allocator")
+    stream = cupy.cuda.get_current_stream().ptr
+    try:
+        ptr = pool.malloc(nbytes, stream)
+    except UmrtError as exc:
+        raise cupy.cuda.memory.OutOfMemoryError(nbytes, pool.reserved_bytes(), 0) from exc
+    device = cupy.cuda.runtime.getDevice()
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, _PoolMemory(pool, ptr, nbytes, device), device)
+    return cupy.cuda.MemoryPointer(mem, 0)
+
+
+def make_hook(on_event: Callable[[str, int, int], None]) -> Any:
+    """A ``cupy.cuda.MemoryHook`` that calls ``on_event(kind, ptr, nbytes)`` after malloc/free.
+
+    Use it as a context manager (hooks are per thread in CuPy)::
+
+        with umrt.allocators.cupy.make_hook(registry.on_memory):
+            ...
+    """
+    cupy = _cupy()
+
+    class RegistryHook(cupy.cuda.MemoryHook):
+        name = "UmrtRegistryHook"
+
+        # CuPy calls hooks with keyword arguments only.
+        def malloc_postprocess(self, **kw: Any) -> None:
+            if kw["mem_ptr"]:  # 0 when malloc failed
+                on_event("alloc", int(kw["mem_ptr"]), int(kw["mem_size"]))
+
+        def free_postprocess(self, **kw: Any) -> None:
+            on_event("free", int(kw["mem_ptr"]), int(kw["mem_size"]))
+
+    return RegistryHook()

@@ -1,0 +1,118 @@
+"""umrt's managed pool: the seam between framework allocators and the backend.
+
+Framework shims (:mod:`umrt.allocators.torch`, :mod:`umrt.allocators.cupy`)
+only need ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``.
+:class:`ManagedPool` provides them over any :class:`umrt.memory.base.Layout`
+placed on a backend's managed memory: umrt's ``LifetimePool`` when it is
+available, else the model of PyTorch's caching allocator
+(``CachingAllocatorLayout``), which is also what makes the CUDA 12 discard
+fallback work: a dead block is reused *in place* by the next allocation of
+its size, so its stale pages are overwritten where they are instead of being
+migrated.
+
+Blocks are reused only on the stream they were allocated on (one layout per
+stream), which keeps reuse stream-ordered without synchronising, like
+PyTorch's caching allocator without ``record_stream``.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from umrt import stats
+from umrt.errors import CudaError
+from umrt.trace.events import Kind
+
+
+class ManagedOutOfMemoryError(CudaError):
+    """The backend could not allocate more managed memory (host and device are full)."""
+
+
+def default_layout_factory(backend: Any) -> Any:
+    """``LifetimePool(backend)`` when engineer MEMORY's pool is importable, else the caching layout."""
+    try:
+        from umrt.memory.pool import LifetimePool  # type: ignore[import-not-found]
+
+        return LifetimePool(backend)
+    except ImportError:
+        from umrt.memory.caching import CachingAllocatorLayout
+
+        return CachingAllocatorLayout(backend)
+
+
+class ManagedPool:
+    """Managed-memory pool over a backend.
+
+    Args:
+        backend: a :class:`umrt.backends.base.Backend` (``CudaBackend`` on a GPU).
+        layout_factory: ``callable(backend) -> Layout``; default :func:`default_layout_factory`.
+
+    ``listeners`` receive ``("alloc", ptr, nbytes)`` / ``("free", ptr, nbytes)``
+    (the object registry of the runtime subscribes here).
+    """
+
+    def __init__(self, backend: Any, layout_factory: Callable[[Any], Any] | None = None) -> None:
+        self.backend = backend
+        self._factory = layout_factory or default_layout_factory
+        self._layouts: dict[Any, Any] = {}  # stream -> layout
+        self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (stream, obj, nbytes)
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()  # torch frees from the autograd thread too
+        self.listeners: list[Callable[[str, int, int], None]] = []
+
+    def malloc(self, nbytes: int, stream: Any = 0) -> int:
+        """A managed block of at least ``nbytes``; ``0`` for a zero-byte request."""
+        if nbytes < 0:
+            raise ValueError(f"malloc of {nbytes} bytes")
+        if nbytes == 0:
+            return 0
+        with self._lock:
+            layout = self._layouts.get(stream)
+            if layout is None:
+                layout = self._layouts[stream] = self._factory(self.backend)
+            obj = next(self._ids)
+            try:
+                ptr = layout.alloc(obj, nbytes, Kind.OTHER)
+            except CudaError as exc:
+                raise ManagedOutOfMemoryError(
+                    f"out of managed memory allocating {nbytes} bytes "
+                    f"(umrt holds {self.reserved_bytes()} bytes): {exc}"
+                ) from exc
+            self._live[ptr] = (stream, obj, nbytes)
+        stats.record_alloc(nbytes)
+        for listener in self.listeners:
+            listener("alloc", ptr, nbytes)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        """Return a block; it stays cached for reuse on its stream."""
+        if ptr == 0:
+            return
+        with self._lock:
+            try:
+                stream, obj, nbytes = self._live.pop(ptr)
+            except KeyError:
+                raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
+            self._layouts[stream].free(obj)
+        stats.record_free(nbytes)
+        for listener in self.listeners:
+            listener("free", ptr, nbytes)
+
+    def size_of(self, ptr: int) -> int:
+        """Requested bytes of a live block."""
+        return self._live[ptr][2]
+
+    def reserved_bytes(self) -> int:
+        """Managed bytes obtained from the backend (the layouts' footprints)."""
+        with self._lock:
+            return sum(layout.footprint() for layout in self._layouts.values())
+
+    def empty_cache(self) -> None:
+        """Give cached, unused memory back where the layout supports it (``release()``)."""
+        with self._lock:
+            for layout in self._layouts.values():
+                release = getattr(layout, "release", None)
+                if callable(release):
+                    release()

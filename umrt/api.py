@@ -1,0 +1,213 @@
+"""Switching umrt on in code: :func:`enable`, :func:`session`, :func:`disable`.
+
+    import umrt
+    umrt.enable(gpu_memory="20%")          # before the first CUDA tensor
+    ...train...
+
+    with umrt.session(policy="um-advise"):  # or scoped
+        ...
+
+:func:`enable` reads the ``UMRT_*`` variables (:mod:`umrt.config`), applies
+keyword overrides, and on a CUDA machine builds the managed-memory backend,
+umrt's pool, routes torch's (and CuPy's) allocations into it and starts the
+runtime policy. Without a GPU it says so once and returns an inactive
+:class:`Session`: the program runs unchanged.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from umrt import stats
+from umrt.config import Config, from_env
+from umrt.errors import ConfigError, CudaError
+
+log = logging.getLogger("umrt")
+
+_lock = threading.Lock()
+_current: Session | None = None
+_said_no_gpu = False
+
+
+@dataclass
+class Session:
+    """An enabled umrt: what it runs on and with which settings.
+
+    ``active`` is False when there is no GPU (the program runs unchanged).
+    """
+
+    config: Config
+    active: bool = False
+    backend: Any = None  # umrt.backends.cuda.CudaBackend
+    pool: Any = None  # umrt.allocators.managed.ManagedPool
+    budget_bytes: int = 0
+    runtime: Any = None  # what umrt.runtime.attach(session) returned, if anything
+    telemetry: Any = None  # umrt.telemetry.Sampler
+    notes: list[str] = field(default_factory=list)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        disable()
+
+
+def gpu_count() -> int:
+    """CUDA devices this process can use (0 without a driver, runtime or device)."""
+    try:
+        from umrt.backends.cuda import default_api
+
+        return default_api().device_count()
+    except (CudaError, ImportError):
+        return 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
+        return 0
+
+
+def say_no_gpu_once(what: str = "running unchanged") -> None:
+    """The one-line note printed when umrt is asked for but there is no GPU."""
+    global _said_no_gpu
+    if not _said_no_gpu:
+        print(f"umrt: no CUDA GPU found; {what}", file=sys.stderr)
+        _said_no_gpu = True
+
+
+def enable(config: Config | None = None, **overrides: Any) -> Session:
+    """Switch umrt on for this process and return the :class:`Session`.
+
+    Args:
+        config: a :class:`~umrt.config.Config`; default :func:`umrt.config.from_env`.
+        **overrides: any ``Config`` field, e.g. ``gpu_memory="20%"``, ``policy="um"``,
+            ``device=1``, ``telemetry=True``.
+
+    Raises:
+        ConfigError: a bad setting, or shadow mode requested in code.
+        AllocatorError: torch already allocated CUDA memory.
+    """
+    global _current
+    cfg = (config or from_env()).replace(enabled=True, **overrides)
+    if cfg.shadow:
+        raise ConfigError(
+            f"UMRT_SIMULATE={cfg.simulate!r} asks for shadow mode, which simulates a whole script: "
+            f"use `umrt run --simulate {cfg.simulate} script.py` or "
+            f"`UMRT=1 UMRT_SIMULATE={cfg.simulate} python script.py`"
+        )
+    with _lock:
+        if _current is not None:
+            if _current.config != cfg:
+                log.warning("umrt is already enabled; keeping the first settings")
+            return _current
+        logging.getLogger("umrt").setLevel(cfg.log_level.upper())
+        if gpu_count() == 0:
+            say_no_gpu_once()
+            _current = Session(cfg, active=False, notes=["no CUDA GPU"])
+            return _current
+        _current = _start(cfg)
+        return _current
+
+
+def _start(cfg: Config) -> Session:
+    from umrt.allocators import cupy as cupy_alloc
+    from umrt.allocators.managed import ManagedPool
+    from umrt.backends.cuda import CudaBackend
+
+    backend = CudaBackend(cfg.device)
+    _, total = backend.mem_info()
+    budget = cfg.gpu_memory.resolve(total)
+    arena = cfg.short_lived_arena.resolve(budget) if cfg.short_lived_arena else None
+    pool = ManagedPool(backend, _layout_factory(arena))
+    session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget)
+    stats.attach(pool=pool, backend=backend)
+    cupy_alloc.set_pool(pool)
+    _install_torch(session)
+    session.runtime = _attach_runtime(session)
+    if cfg.telemetry:
+        from umrt.telemetry import Sampler
+
+        session.telemetry = Sampler(cfg.device).start()
+        atexit.register(session.telemetry.stop_and_report)
+    return session
+
+
+def _layout_factory(arena: int | None) -> Any:
+    from umrt.allocators.managed import default_layout_factory
+
+    if arena is None:
+        return default_layout_factory
+
+    def factory(backend: Any) -> Any:
+        try:
+            from umrt.memory.pool import LifetimePool
+
+            return LifetimePool(backend, short_lived_bytes=arena)
+        except ImportError:
+            return default_layout_factory(backend)
+
+    return factory
+
+
+def _install_torch(session: Session) -> None:
+    """Route torch if a CUDA build is importable; a CPU build is a note, not an error."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.version.cuda is None:
+        session.notes.append("torch is a CPU build: only CuPy allocations are managed")
+        return
+    from umrt.allocators import torch as torch_alloc
+
+    torch_alloc.install(session.pool)
+    session.backend.set_compute_stream(torch.cuda.current_stream(session.config.device).cuda_stream)
+
+
+def _attach_runtime(session: Session) -> Any:
+    """Start the runtime policy: ``umrt.runtime.attach(session)`` when the runtime provides it."""
+    try:
+        from umrt import runtime
+    except ImportError:
+        session.notes.append("umrt.runtime not available: managed memory without prefetching")
+        return None
+    attach = getattr(runtime, "attach", None)
+    return attach(session) if callable(attach) else None
+
+
+def current() -> Session | None:
+    """The enabled session, or None."""
+    return _current
+
+
+def disable() -> None:
+    """Stop the runtime policy and telemetry.
+
+    torch cannot swap its allocator back: tensors already made stay in
+    managed memory and new ones keep coming from umrt's pool (without
+    prefetching) until the process ends.
+    """
+    global _current
+    with _lock:
+        session, _current = _current, None
+    if session is None or not session.active:
+        return
+    close = getattr(session.runtime, "close", None)
+    if callable(close):
+        close()
+    if session.telemetry is not None:
+        session.telemetry.stop_and_report()
+    session.backend.synchronize()
+
+
+@contextlib.contextmanager
+def session(config: Config | None = None, **overrides: Any) -> Iterator[Session]:
+    """``with umrt.session(gpu_memory="20%") as s:`` - :func:`enable` for a block, then :func:`disable`."""
+    s = enable(config, **overrides)
+    try:
+        yield s
+    finally:
+        disable()

@@ -1,0 +1,149 @@
+"""Memory statistics for umrt's managed pool (torch's own stats do not work with
+a pluggable allocator, see pytorch #133281).
+
+* :func:`memory_stats` - a dict like ``torch.cuda.memory_stats`` for the
+  whole process: allocated, peak, reserved, resident and migrated bytes.
+* :func:`statistics` - a context manager in RMM's shape
+  (``rmm.statistics.statistics``): the counters of allocations made inside
+  the block, nestable; plus :func:`push_statistics`, :func:`pop_statistics`
+  and :func:`get_statistics`.
+
+``resident_bytes`` and ``migrated_bytes`` count what umrt itself placed and
+moved (prefetches, evictions); pages the driver migrates on demand faults
+are invisible to a CUDA program, so resident is a lower bound. NVML's device
+"memory used" (``umrt run`` telemetry) is the outside view.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(eq=False)
+class Statistics:
+    """Allocation counters (the fields of ``rmm.statistics.Statistics``)."""
+
+    current_bytes: int = 0
+    current_count: int = 0
+    peak_bytes: int = 0
+    peak_count: int = 0
+    total_bytes: int = 0
+    total_count: int = 0
+
+    def _alloc(self, nbytes: int) -> None:
+        self.current_bytes += nbytes
+        self.current_count += 1
+        self.total_bytes += nbytes
+        self.total_count += 1
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        self.peak_count = max(self.peak_count, self.current_count)
+
+    def _free(self, nbytes: int) -> None:
+        self.current_bytes -= nbytes
+        self.current_count -= 1
+
+
+_lock = threading.Lock()
+_process = Statistics()
+_stack: list[Statistics] = []
+_sources: dict[str, Any] = {"pool": None, "backend": None}
+
+
+def attach(*, pool: Any = None, backend: Any = None) -> None:
+    """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from."""
+    _sources["pool"], _sources["backend"] = pool, backend
+
+
+def record_alloc(nbytes: int) -> None:
+    """A pool handed out ``nbytes`` (requested size)."""
+    with _lock:
+        _process._alloc(nbytes)
+        for frame in _stack:
+            frame._alloc(nbytes)
+
+
+def record_free(nbytes: int) -> None:
+    """A pool took back an allocation of ``nbytes`` (requested size)."""
+    with _lock:
+        _process._free(nbytes)
+        for frame in _stack:
+            frame._free(nbytes)
+
+
+def memory_stats() -> dict[str, int]:
+    """Process-wide counters of umrt's pool and backend.
+
+    Keys: ``allocated_bytes`` (live, requested sizes), ``peak_allocated_bytes``,
+    ``allocation_count``, ``reserved_bytes`` (managed memory the pool holds),
+    ``resident_bytes`` (placed on the GPU by umrt; a lower bound),
+    ``migrated_bytes`` (= ``h2d_bytes + d2h_bytes`` moved by umrt's prefetches),
+    ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes``.
+    """
+    pool, backend = _sources["pool"], _sources["backend"]
+    h2d = int(getattr(backend, "h2d_bytes", 0))
+    d2h = int(getattr(backend, "d2h_bytes", 0))
+    resident = getattr(backend, "resident_bytes", None)
+    with _lock:
+        return {
+            "allocated_bytes": _process.current_bytes,
+            "peak_allocated_bytes": _process.peak_bytes,
+            "allocation_count": _process.current_count,
+            "reserved_bytes": int(pool.reserved_bytes()) if pool is not None else 0,
+            "resident_bytes": int(resident()) if callable(resident) else 0,
+            "migrated_bytes": h2d + d2h,
+            "h2d_bytes": h2d,
+            "d2h_bytes": d2h,
+            "discarded_bytes": int(getattr(backend, "discarded_bytes", 0)),
+        }
+
+
+def reset_peak_memory_stats() -> None:
+    """Set the process peak to the current allocated bytes (like torch's)."""
+    with _lock:
+        _process.peak_bytes = _process.current_bytes
+        _process.peak_count = _process.current_count
+
+
+def push_statistics() -> Statistics:
+    """Start a new frame of counters; allocations are counted in every open frame."""
+    frame = Statistics()
+    with _lock:
+        _stack.append(frame)
+    return frame
+
+
+def pop_statistics() -> Statistics:
+    """Close the innermost frame and return its counters."""
+    with _lock:
+        if not _stack:
+            raise RuntimeError("pop_statistics() without a matching push_statistics()")
+        return _stack.pop()
+
+
+def get_statistics() -> Statistics:
+    """A copy of the innermost frame (or of the process counters when none is open)."""
+    with _lock:
+        return dataclasses.replace(_stack[-1] if _stack else _process)
+
+
+@contextlib.contextmanager
+def statistics() -> Iterator[Statistics]:
+    """Count allocations made inside the block::
+
+        with umrt.statistics() as stats:
+            model(x).sum().backward()
+        print(stats.peak_bytes)
+    """
+    frame = push_statistics()
+    try:
+        yield frame
+    finally:
+        with _lock:
+            for i, open_frame in enumerate(_stack):
+                if open_frame is frame:  # identity: equal counters are not the same frame
+                    del _stack[i]
+                    break
