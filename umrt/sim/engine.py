@@ -1,0 +1,651 @@
+"""The simulator's hot loops: per-page Unified Memory state, in numba.
+
+Everything here works on flat numpy arrays indexed by 64 KB page number
+(page ``p`` covers bytes ``[p << 16, (p + 1) << 16)`` of the simulated VA
+space) and 2 MB VA-block number (block ``b`` holds pages ``32b .. 32b+31``).
+:class:`umrt.sim.backend.SimBackend` owns the arrays and calls these
+functions; nothing here allocates per call.
+
+Granularity (NVIDIA open-gpu-kernel-modules, kernel-open/nvidia-uvm):
+
+* 2 MB VA blocks (uvm_va_block_types.h) are the unit of eviction (a GPU
+  root chunk, uvm_pmm_gpu.c) and the span of the density prefetcher.
+* 64 KB big pages are the unit of migration: the driver widens a faulted
+  4 KB page to its 64 KB page (uvm_perf_prefetch.c), so one fault entry
+  here is one 64 KB page. The 4 KB base page matters only for the
+  transfer-rate curve, which the caller applies per contiguous run.
+
+Capacity is accounted in 64 KB pages (resident pages <= capacity) while
+eviction frees whole 2 MB blocks, victims taken in the driver's order
+(uvm_pmm_gpu.c): discarded blocks first, then least recently *migrated*
+(not accessed) — the used list is ordered by allocation/migration time.
+Thrashing throttling (uvm_perf_thrashing.c) is not modelled: it skips
+eviction-driven migrations, so single-GPU oversubscription is not throttled.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+PAGE_SHIFT = 16
+PAGE = 1 << PAGE_SHIFT  # 64 KB big page (uvm_va_block_types.h)
+BLOCK_SHIFT = 21
+BLOCK = 1 << BLOCK_SHIFT  # 2 MB VA block / root chunk
+PAGES_PER_BLOCK = BLOCK // PAGE
+GIB = float(1 << 30)
+
+# Per-page flag columns of ``pf`` (uint8, shape (pages, NFLAGS)).
+F_GPU = 0  # the GPU holds a copy (resident, possibly still in flight)
+F_VALID = 1  # content is populated; a migration copies it (0: never touched or discarded)
+F_HOSTCOPY = 2  # read-mostly duplicate: the host copy is still up to date
+F_RM = 3  # ReadMostly advice
+F_PREF = 4  # PreferredLocation advice: PREF_*
+F_ACCBY = 5  # AccessedBy(GPU) advice: host-resident data is read over the link
+F_REMOTE = 6  # the GPU holds a remote mapping to host memory (PreferredLocation=host fault)
+F_MAPPED = 7  # the page belongs to a live managed allocation
+NFLAGS = 8
+PREF_NONE, PREF_HOST, PREF_GPU = 0, 1, 2
+
+# Per-block columns of ``bi`` (int64, shape (blocks, NBCOLS)).
+B_RES = 0  # resident pages
+B_RESVALID = 1  # resident pages with valid content
+B_PREV = 2  # eviction-list links
+B_NEXT = 3
+B_LIST = 4  # LIST_*
+B_PIN = 5  # == G_PIN while being serviced: never the victim
+NBCOLS = 6
+LIST_NONE, LIST_USED, LIST_DISCARDED = -1, 0, 1
+
+# Scalars in ``g`` (int64).
+G_CAP = 0  # capacity, pages
+G_RES = 1  # resident pages
+G_PEND = 2  # pages whose D2H copy (prefetch to host) is still running: not free yet
+G_HEAD = 3  # list heads: G_HEAD + list
+G_TAIL = 5  # list tails: G_TAIL + list
+G_QHEAD = 7  # pending-free queue (ring)
+G_QTAIL = 8
+G_FAULTS = 9
+G_BATCHES = 10
+G_EVICTIONS = 11
+G_H2D = 12  # bytes
+G_D2H = 13
+G_PEAK = 14  # peak resident pages
+G_EVENTS = 15  # page events: pages visited by launches, migrations, evictions
+G_FLOG = 16  # faults logged (ring index)
+G_EPOCH = 17  # launch counter, for per-page de-duplication
+G_PIN = 18  # current pin id
+G_REMOTE_R = 19  # bytes read remotely over the link
+G_REMOTE_W = 20
+G_ERRPAGE = 21  # page of the last error
+NG = 22
+
+# Scalars in ``tf`` (float64).
+T_H2D = 0  # the H2D copy engine is busy until
+T_D2H = 1  # the D2H copy engine is busy until
+T_OUT = 2  # launch: time its faults are all serviced
+T_WAIT = 3  # launch: transfer wait
+NT = 4
+
+# Parameters in ``prm`` (float64), from the hardware profile.
+P_A = 0  # transfer_curve_a, GiB/s
+P_B = 1  # transfer_curve_b, per KB
+P_H2D = 2  # link caps, bytes/s
+P_D2H = 3
+P_BATCH = 4  # fault_batch_size
+P_LAT = 5  # fault_batch_latency_s
+P_THRESH = 6  # prefetch_threshold, percent
+NP = 7
+
+# Fault entry kinds.
+E_MIGRATE, E_MAPREMOTE, E_COLLAPSE = 0, 1, 2
+# Per-page classes within one launch.
+C_LOCAL, C_REMOTE = 0, 1
+
+ERR_UNMAPPED = 1  # a launch touched a page outside every allocation
+ERR_NO_VICTIM = 2  # capacity too small for one block
+
+
+def new_scalars(capacity_pages: int, queue: int) -> tuple[np.ndarray, np.ndarray]:
+    g = np.zeros(NG, np.int64)
+    g[G_CAP] = capacity_pages
+    g[G_HEAD : G_HEAD + 2] = -1
+    g[G_TAIL : G_TAIL + 2] = -1
+    tf = np.zeros(NT, np.float64)
+    return g, tf
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@njit(cache=True, inline="always")
+def _xfer(nbytes, prm, d2h):
+    """Seconds for one contiguous copy: UVMSmart's (2a/pi)*atan(b*KB) GiB/s, capped by the link."""
+    rate = (2.0 * prm[P_A] / math.pi) * math.atan(prm[P_B] * nbytes / 1024.0) * GIB
+    cap = prm[P_D2H] if d2h else prm[P_H2D]
+    if rate > cap:
+        rate = cap
+    return nbytes / rate
+
+
+@njit(cache=True)
+def _list_remove(bi, g, b):
+    lst = bi[b, B_LIST]
+    if lst < 0:
+        return
+    prev = bi[b, B_PREV]
+    nxt = bi[b, B_NEXT]
+    if prev >= 0:
+        bi[prev, B_NEXT] = nxt
+    else:
+        g[G_HEAD + lst] = nxt
+    if nxt >= 0:
+        bi[nxt, B_PREV] = prev
+    else:
+        g[G_TAIL + lst] = prev
+    bi[b, B_LIST] = LIST_NONE
+    bi[b, B_PREV] = -1
+    bi[b, B_NEXT] = -1
+
+
+@njit(cache=True)
+def _list_append(bi, g, b, lst):
+    tail = g[G_TAIL + lst]
+    bi[b, B_PREV] = tail
+    bi[b, B_NEXT] = -1
+    if tail >= 0:
+        bi[tail, B_NEXT] = b
+    else:
+        g[G_HEAD + lst] = b
+    g[G_TAIL + lst] = b
+    bi[b, B_LIST] = lst
+
+
+@njit(cache=True)
+def _touch_block(bi, g, b):
+    """Pages just migrated into ``b``: it moves to the tail of the used list."""
+    _list_remove(bi, g, b)
+    _list_append(bi, g, b, LIST_USED if bi[b, B_RESVALID] > 0 else LIST_DISCARDED)
+
+
+@njit(cache=True)
+def _refresh_block(bi, g, b):
+    """Keep ``b`` on the right list after its residency or validity changed."""
+    if bi[b, B_RES] == 0:
+        _list_remove(bi, g, b)
+    elif bi[b, B_RESVALID] == 0:
+        if bi[b, B_LIST] != LIST_DISCARDED:
+            _list_remove(bi, g, b)
+            _list_append(bi, g, b, LIST_DISCARDED)
+    elif bi[b, B_LIST] != LIST_USED:
+        _list_remove(bi, g, b)
+        _list_append(bi, g, b, LIST_USED)
+
+
+@njit(cache=True)
+def _retire(g, q_t, q_n, t):
+    """Pending D2H copies finished by ``t`` free their pages."""
+    size = q_t.shape[0]
+    while g[G_QHEAD] < g[G_QTAIL] and q_t[g[G_QHEAD] % size] <= t:
+        g[G_PEND] -= q_n[g[G_QHEAD] % size]
+        g[G_QHEAD] += 1
+
+
+@njit(cache=True)
+def push_pending(g, q_t, q_n, t_done, n):
+    size = q_t.shape[0]
+    if g[G_QTAIL] - g[G_QHEAD] >= size:  # ring full: the oldest copy is long done
+        g[G_PEND] -= q_n[g[G_QHEAD] % size]
+        g[G_QHEAD] += 1
+    q_t[g[G_QTAIL] % size] = t_done
+    q_n[g[G_QTAIL] % size] = n
+    g[G_QTAIL] += 1
+    g[G_PEND] += n
+
+
+@njit(cache=True)
+def _evict_block(pf, pready, bi, g, prm, b):
+    """Evict every resident page of block ``b``; return the D2H copy-back seconds.
+
+    Copy-back is skipped for invalid (never written, discarded) pages and for
+    clean read-mostly duplicates whose host copy is still current.
+    """
+    p0 = b * PAGES_PER_BLOCK
+    secs = 0.0
+    nbytes = 0
+    run = 0
+    for p in range(p0, p0 + PAGES_PER_BLOCK + 1):
+        copy = False
+        if p < p0 + PAGES_PER_BLOCK and pf[p, F_GPU]:
+            copy = pf[p, F_VALID] == 1 and pf[p, F_HOSTCOPY] == 0
+            pf[p, F_GPU] = 0
+            pf[p, F_HOSTCOPY] = 0
+            pready[p] = 0.0
+        if copy:
+            run += 1
+        elif run:
+            secs += _xfer(run * PAGE, prm, True)
+            nbytes += run * PAGE
+            run = 0
+    g[G_RES] -= bi[b, B_RES]
+    g[G_EVENTS] += bi[b, B_RES]
+    bi[b, B_RES] = 0
+    bi[b, B_RESVALID] = 0
+    _list_remove(bi, g, b)
+    g[G_EVICTIONS] += 1
+    g[G_D2H] += nbytes
+    return secs
+
+
+@njit(cache=True)
+def _victim(bi, g):
+    """Discarded blocks first, then the least recently migrated; never a pinned one."""
+    for lst in (LIST_DISCARDED, LIST_USED):
+        b = g[G_HEAD + lst]
+        while b >= 0 and bi[b, B_PIN] == g[G_PIN]:
+            b = bi[b, B_NEXT]
+        if b >= 0:
+            return b
+    return -1
+
+
+@njit(cache=True)
+def _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t, wait_first):
+    """Free capacity for ``n`` more pages at time ``t``.
+
+    Returns ``(t, evict_seconds)``: ``t`` moves forward when the room comes
+    from pending D2H copies (explicit prefetches to host) that must finish
+    first; ``evict_seconds`` is the copy-back time of on-demand evictions
+    (driver behaviour: evict only when an allocation fails). ``t < 0`` means
+    no victim exists (capacity below one block).
+    """
+    _retire(g, q_t, q_n, t)
+    secs = 0.0
+    size = q_t.shape[0]
+    while g[G_RES] + g[G_PEND] + n > g[G_CAP]:
+        pending = g[G_PEND] > 0
+        if wait_first and pending:
+            t = max(t, q_t[g[G_QHEAD] % size])
+            _retire(g, q_t, q_n, t)
+            continue
+        b = _victim(bi, g)
+        if b < 0:
+            if pending:
+                t = max(t, q_t[g[G_QHEAD] % size])
+                _retire(g, q_t, q_n, t)
+                continue
+            return -1.0, secs
+        secs += _evict_block(pf, pready, bi, g, prm, b)
+    return t, secs
+
+
+@njit(cache=True)
+def _prefetch_mask(pf, b, faulted, thresh, out):
+    """The density prefetcher of uvm_perf_prefetch.c over one 2 MB block.
+
+    Leaves are the block's pages that are resident on the GPU or faulted in
+    this batch; for each faulted page, walk its subtrees upward and keep the
+    largest whose occupied share exceeds ``thresh`` percent. The tree never
+    crosses the block and is clipped to the block's mapped pages. First touch
+    of a never-populated block whose PreferredLocation is the GPU takes the
+    whole block (the driver's first-touch fast path).
+    """
+    p0 = b * PAGES_PER_BLOCK
+    n = 0
+    populated = False
+    for i in range(PAGES_PER_BLOCK):
+        if pf[p0 + i, F_MAPPED]:
+            n = i + 1
+        if pf[p0 + i, F_VALID] or pf[p0 + i, F_GPU]:
+            populated = True
+    prefix = np.zeros(PAGES_PER_BLOCK + 1, np.int64)
+    for i in range(PAGES_PER_BLOCK):
+        occ = 1 if (faulted[i] or pf[p0 + i, F_GPU]) and i < n else 0
+        prefix[i + 1] = prefix[i] + occ
+        out[i] = 0
+    for i in range(n):
+        if not faulted[i]:
+            continue
+        if not populated and pf[p0 + i, F_PREF] == PREF_GPU:
+            for j in range(n):
+                out[j] = 1
+            return
+        lo, hi = i, i + 1
+        size = 2
+        while size <= PAGES_PER_BLOCK:
+            start = (i // size) * size
+            end = min(start + size, n)
+            count = prefix[end] - prefix[start]
+            if count * 100 > (end - start) * thresh:
+                lo, hi = start, end
+            size *= 2
+        for j in range(lo, hi):
+            out[j] = 1
+
+
+@njit(cache=True)
+def _land(pf, pready, bi, g, p, t_ready, written):
+    """Page ``p`` becomes resident (its copy completes at ``t_ready``)."""
+    dup = pf[p, F_RM] == 1 and pf[p, F_VALID] == 1 and not written
+    pf[p, F_GPU] = 1
+    pf[p, F_HOSTCOPY] = 1 if dup else 0
+    pf[p, F_VALID] = 1  # populated on the GPU: the driver copies it back from now on
+    pready[p] = t_ready
+    b = p // PAGES_PER_BLOCK
+    bi[b, B_RES] += 1
+    bi[b, B_RESVALID] += 1
+
+
+# ---------------------------------------------------------------- entry points
+
+
+@njit(cache=True)
+def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
+           a_start, a_end, a_write, t0, ebuf, etype):
+    """Run one kernel's memory side starting at GPU time ``t0``.
+
+    Pages still in flight from a prefetch make the kernel wait (transfer
+    wait, no fault); non-resident pages fault, in batches of ``P_BATCH``
+    entries each costing ``P_LAT`` plus its evictions and migrations.
+    Results: ``tf[T_OUT]`` (time the faults are done), ``tf[T_WAIT]``;
+    remote bytes accumulate in ``g``. Returns 0 or an ``ERR_*`` code.
+    """
+    g[G_EPOCH] += 1
+    epoch = g[G_EPOCH]
+    # Pass 1: the unique pages, in access order, and whether the kernel writes them.
+    nu = 0
+    for k in range(a_start.shape[0]):
+        if a_end[k] <= a_start[k]:
+            continue
+        for p in range(a_start[k] >> PAGE_SHIFT, ((a_end[k] - 1) >> PAGE_SHIFT) + 1):
+            if pmark[p] != epoch:
+                if not pf[p, F_MAPPED]:
+                    g[G_ERRPAGE] = p
+                    return ERR_UNMAPPED
+                pmark[p] = epoch
+                pwmark[p] = 0
+                ebuf[nu] = p  # reuse ebuf as the unique-page list for now
+                nu += 1
+            if a_write[k]:
+                pwmark[p] = 1
+    g[G_EVENTS] += nu
+    # Pass 2: classify; fault entries go to the front of ebuf (in place: ne <= index).
+    wait_until = t0
+    ne = 0
+    for i in range(nu):
+        p = ebuf[i]
+        pclass[p] = C_LOCAL
+        if pf[p, F_GPU]:
+            if pready[p] > wait_until:
+                wait_until = pready[p]
+            if pwmark[p] and pf[p, F_HOSTCOPY]:
+                ebuf[ne] = p
+                etype[ne] = E_COLLAPSE  # a write to a read-duplicated page revokes the copies
+                ne += 1
+        elif pf[p, F_REMOTE] or (pf[p, F_ACCBY] and pf[p, F_VALID]):
+            pclass[p] = C_REMOTE  # mapped over the link: no fault, no migration
+        elif pf[p, F_PREF] == PREF_HOST:
+            pclass[p] = C_REMOTE
+            ebuf[ne] = p
+            etype[ne] = E_MAPREMOTE  # faults once, then maps host memory instead of migrating
+            ne += 1
+        else:
+            ebuf[ne] = p
+            etype[ne] = E_MIGRATE
+            ne += 1
+    tf[T_WAIT] = wait_until - t0
+    t = wait_until
+    # Pass 3: service the faults in batches; within a batch, per 2 MB block.
+    batch = int(prm[P_BATCH])
+    faulted = np.zeros(PAGES_PER_BLOCK, np.uint8)
+    mask = np.zeros(PAGES_PER_BLOCK, np.uint8)
+    fsize = flog.shape[0]
+    for s in range(0, ne, batch):
+        e = min(s + batch, ne)
+        order = np.argsort(ebuf[s:e], kind="mergesort")
+        g[G_BATCHES] += 1
+        g[G_FAULTS] += e - s
+        t += prm[P_LAT]
+        g[G_PIN] += 1
+        k = 0
+        while k < e - s:
+            b = ebuf[s + order[k]] // PAGES_PER_BLOCK
+            p0 = b * PAGES_PER_BLOCK
+            bi[b, B_PIN] = g[G_PIN]
+            any_migrate = False
+            faulted[:] = 0
+            while k < e - s and ebuf[s + order[k]] // PAGES_PER_BLOCK == b:
+                j = s + order[k]
+                p = ebuf[j]
+                kind = etype[j]
+                if kind == E_MIGRATE:
+                    faulted[p - p0] = 1
+                    any_migrate = True
+                elif kind == E_MAPREMOTE:
+                    pf[p, F_REMOTE] = 1
+                    pf[p, F_VALID] = 1  # first touch populates host memory
+                else:
+                    pf[p, F_HOSTCOPY] = 0
+                k += 1
+            flog[g[G_FLOG] % fsize] = b
+            g[G_FLOG] += 1
+            if not any_migrate:
+                continue
+            _prefetch_mask(pf, b, faulted, prm[P_THRESH], mask)
+            n = 0
+            for i in range(PAGES_PER_BLOCK):
+                p = p0 + i
+                if mask[i] and (pf[p, F_GPU] or not pf[p, F_MAPPED] or (
+                        not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
+                    mask[i] = 0  # already here, or served over the link
+                n += mask[i]
+            t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t, False)
+            if t < 0:
+                g[G_ERRPAGE] = p0
+                return ERR_NO_VICTIM
+            if evict_secs > 0.0:  # eviction is synchronous in the fault path
+                t = max(t, tf[T_D2H]) + evict_secs
+                tf[T_D2H] = t
+            secs = 0.0
+            run = 0
+            for i in range(PAGES_PER_BLOCK + 1):
+                copy = i < PAGES_PER_BLOCK and mask[i] == 1 and pf[p0 + i, F_VALID] == 1
+                if copy:
+                    run += 1
+                elif run:
+                    secs += _xfer(run * PAGE, prm, False)
+                    g[G_H2D] += run * PAGE
+                    run = 0
+            if secs > 0.0:
+                t = max(t, tf[T_H2D]) + secs  # the fault path shares the H2D engine (FIFO)
+                tf[T_H2D] = t
+            for i in range(PAGES_PER_BLOCK):
+                if mask[i]:
+                    p = p0 + i
+                    _land(pf, pready, bi, g, p, 0.0, pwmark[p] == 1 and pmark[p] == epoch)
+            g[G_RES] += n
+            g[G_EVENTS] += n
+            if g[G_RES] > g[G_PEAK]:
+                g[G_PEAK] = g[G_RES]
+            _touch_block(bi, g, b)
+    tf[T_OUT] = t
+    # Pass 4: writes make content valid again (undoing a discard).
+    for k in range(a_start.shape[0]):
+        if not a_write[k] or a_end[k] <= a_start[k]:
+            continue
+        for p in range(a_start[k] >> PAGE_SHIFT, ((a_end[k] - 1) >> PAGE_SHIFT) + 1):
+            if not pf[p, F_VALID]:
+                pf[p, F_VALID] = 1
+                if pf[p, F_GPU]:
+                    b = p // PAGES_PER_BLOCK
+                    bi[b, B_RESVALID] += 1
+                    _refresh_block(bi, g, b)
+    # Pass 5: bytes that cross the link remotely.
+    for k in range(a_start.shape[0]):
+        if a_end[k] <= a_start[k]:
+            continue
+        for p in range(a_start[k] >> PAGE_SHIFT, ((a_end[k] - 1) >> PAGE_SHIFT) + 1):
+            if pclass[p] == C_REMOTE:
+                lo = max(a_start[k], p << PAGE_SHIFT)
+                hi = min(a_end[k], (p + 1) << PAGE_SHIFT)
+                if a_write[k]:
+                    g[G_REMOTE_W] += hi - lo
+                else:
+                    g[G_REMOTE_R] += hi - lo
+    return 0
+
+
+@njit(cache=True)
+def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
+    """cudaMemPrefetchAsync(range, GPU) for page spans ``[p_lo, p_hi)``.
+
+    Pipelined across VA blocks on the H2D engine (uvm_migrate.c); may evict
+    other managed memory, waiting first for its own pending prefetches to host.
+    Each page is usable once its block's copy completes (``pready``).
+    """
+    for r in range(p_lo.shape[0]):
+        p = p_lo[r]
+        while p < p_hi[r]:
+            b = p // PAGES_PER_BLOCK
+            p0 = b * PAGES_PER_BLOCK
+            stop = min(p_hi[r], p0 + PAGES_PER_BLOCK)
+            n = 0
+            for q in range(p, stop):
+                if pf[q, F_MAPPED] and not pf[q, F_GPU]:
+                    n += 1
+            if n:
+                g[G_PIN] += 1
+                bi[b, B_PIN] = g[G_PIN]
+                t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t_issue, True)
+                if t < 0:
+                    g[G_ERRPAGE] = p0
+                    return ERR_NO_VICTIM
+                if evict_secs > 0.0:
+                    tf[T_D2H] = max(t, tf[T_D2H]) + evict_secs
+                    t = tf[T_D2H]
+                secs = 0.0
+                run = 0
+                for q in range(p, stop + 1):
+                    copy = q < stop and pf[q, F_MAPPED] == 1 and pf[q, F_GPU] == 0 and pf[q, F_VALID] == 1
+                    if copy:
+                        run += 1
+                    elif run:
+                        secs += _xfer(run * PAGE, prm, False)
+                        g[G_H2D] += run * PAGE
+                        run = 0
+                start = max(t, tf[T_H2D])
+                done = start + secs
+                if secs > 0.0:
+                    tf[T_H2D] = done
+                for q in range(p, stop):
+                    if pf[q, F_MAPPED] and not pf[q, F_GPU]:
+                        _land(pf, pready, bi, g, q, done, False)
+                g[G_RES] += n
+                g[G_EVENTS] += n
+                if g[G_RES] > g[G_PEAK]:
+                    g[G_PEAK] = g[G_RES]
+                _touch_block(bi, g, b)
+            p = stop
+    return 0
+
+
+@njit(cache=True)
+def prefetch_host(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
+    """cudaMemPrefetchAsync(range, cudaCpuDeviceId): copy back on the D2H engine.
+
+    The pages' GPU memory is free once the copy completes (pending queue).
+    Clean read-mostly duplicates and invalid pages copy nothing.
+    """
+    for r in range(p_lo.shape[0]):
+        p = p_lo[r]
+        while p < p_hi[r]:
+            b = p // PAGES_PER_BLOCK
+            stop = min(p_hi[r], (b + 1) * PAGES_PER_BLOCK)
+            n = 0
+            start = max(t_issue, tf[T_D2H])
+            for q in range(p, stop):
+                if pf[q, F_GPU]:
+                    n += 1
+                    if pready[q] > start:
+                        start = pready[q]  # cannot copy back what has not arrived
+            if n:
+                secs = 0.0
+                run = 0
+                for q in range(p, stop + 1):
+                    copy = q < stop and pf[q, F_GPU] == 1 and pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
+                    if copy:
+                        run += 1
+                    elif run:
+                        secs += _xfer(run * PAGE, prm, True)
+                        g[G_D2H] += run * PAGE
+                        run = 0
+                done = start + secs
+                if secs > 0.0:
+                    tf[T_D2H] = done
+                for q in range(p, stop):
+                    if pf[q, F_GPU]:
+                        if pf[q, F_VALID]:
+                            bi[b, B_RESVALID] -= 1
+                        pf[q, F_GPU] = 0
+                        pf[q, F_HOSTCOPY] = 0
+                        pready[q] = 0.0
+                bi[b, B_RES] -= n
+                g[G_RES] -= n
+                g[G_EVENTS] += n
+                push_pending(g, q_t, q_n, done, n)
+                _refresh_block(bi, g, b)
+            p = stop
+    return 0
+
+
+@njit(cache=True)
+def discard(pf, bi, g, p_lo, p_hi):
+    """Pages ``[p_lo, p_hi)`` lose their content: a later migration or eviction copies nothing.
+
+    A resident block left with no valid page moves to the discarded list,
+    which the driver evicts before any used block.
+    """
+    for r in range(p_lo.shape[0]):
+        for p in range(p_lo[r], p_hi[r]):
+            g[G_EVENTS] += 1
+            if pf[p, F_VALID]:
+                pf[p, F_VALID] = 0
+                pf[p, F_HOSTCOPY] = 0
+                if pf[p, F_GPU]:
+                    b = p // PAGES_PER_BLOCK
+                    bi[b, B_RESVALID] -= 1
+                    _refresh_block(bi, g, b)
+
+
+@njit(cache=True)
+def release(pf, pready, bi, g, b_lo, b_hi):
+    """Blocks ``[b_lo, b_hi)`` are unmapped (cudaFree): dropped, nothing copied."""
+    for b in range(b_lo, b_hi):
+        g[G_RES] -= bi[b, B_RES]
+        _list_remove(bi, g, b)
+        bi[b, B_RES] = 0
+        bi[b, B_RESVALID] = 0
+        bi[b, B_PIN] = -1
+        for p in range(b * PAGES_PER_BLOCK, (b + 1) * PAGES_PER_BLOCK):
+            for c in range(NFLAGS):
+                pf[p, c] = 0
+            pready[p] = 0.0
+
+
+@njit(cache=True)
+def host_write(pf, pready, bi, g, p_lo, p_hi):
+    """The host wrote pages ``[p_lo, p_hi)``: the only current copy is in host memory."""
+    for r in range(p_lo.shape[0]):
+        for p in range(p_lo[r], p_hi[r]):
+            if pf[p, F_GPU]:
+                b = p // PAGES_PER_BLOCK
+                bi[b, B_RES] -= 1
+                if pf[p, F_VALID]:
+                    bi[b, B_RESVALID] -= 1
+                g[G_RES] -= 1
+                pf[p, F_GPU] = 0
+                pready[p] = 0.0
+                _refresh_block(bi, g, b)
+            pf[p, F_VALID] = 1
+            pf[p, F_HOSTCOPY] = 0

@@ -1,0 +1,305 @@
+"""Replay a trace under a policy on the simulated GPU: :func:`simulate`.
+
+The driver feeds the policy the trace's events in program order, exactly as
+the live runtime would see them, and executes them on a
+:class:`~umrt.sim.backend.SimBackend`:
+
+* ``Alloc``  -> ``layout.alloc``, then ``policy.on_event`` (the object has an address);
+* ``Launch`` -> ``policy.on_event``, then ``backend.launch`` on the resolved ranges;
+* ``Free``   -> ``policy.on_event``, then ``layout.free``;
+* everything else -> ``policy.on_event``.
+
+It replays the set-up and the recorded iterations, then repeats the last
+recorded iteration (with fresh object ids, so each repetition allocates new
+objects) until ``iterations`` iterations were simulated, and reports the last
+one: the steady state. Objects created with no launch (``Alloc.launch == -1``:
+parameters and inputs made on the host) start out written in host memory.
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import replace
+from typing import Iterator
+
+from umrt.errors import ConfigError, DataIntegrityError, TraceFormatError
+from umrt.hardware import HardwareProfile, load_profile
+from umrt.policy.base import Policy, PolicyContext
+from umrt.sim.backend import SimBackend
+from umrt.sim.engine import BLOCK
+from umrt.sim.result import BREAKDOWN_KEYS, SimResult
+from umrt.trace.events import Access, Alloc, Event, Free, IterationBoundary, Launch, Trace
+
+__all__ = ["simulate", "parse_budget", "peak_live_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+
+
+def peak_live_bytes(trace: Trace) -> int:
+    """Largest sum of live object sizes at any point of the trace."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    for ev in trace.events:
+        if isinstance(ev, Alloc):
+            live[ev.obj] = ev.nbytes
+            total += ev.nbytes
+            peak = max(peak, total)
+        elif isinstance(ev, Free):
+            total -= live.pop(ev.obj, 0)
+    return peak
+
+
+def parse_budget(budget: int | str, peak_bytes: int) -> int:
+    """GPU memory budget in bytes from ``20%`` (of ``peak_bytes``), ``8GiB``, ``512MB`` or an int.
+
+    Raises :class:`~umrt.errors.ConfigError` for anything else, or for a
+    budget below one 2 MB block (the unit of GPU memory).
+    """
+    value: float
+    if isinstance(budget, bool):
+        raise ConfigError(f"invalid budget {budget!r}")
+    if isinstance(budget, (int, float)):
+        value = budget
+    elif isinstance(budget, str):
+        if m := _PERCENT.match(budget):
+            pct = float(m.group(1))
+            if pct <= 0:
+                raise ConfigError(f"budget {budget!r} must be above 0%")
+            value = peak_bytes * pct / 100.0
+        elif (m := _SIZE.match(budget)) and m.group(2).lower() in _UNITS:
+            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        else:
+            raise ConfigError(
+                f"invalid budget {budget!r}: use a percentage of the trace's peak live bytes ('20%'), "
+                "a size ('8GiB', '512MB') or a number of bytes"
+            )
+    else:
+        raise ConfigError(f"invalid budget {budget!r}")
+    if not math.isfinite(value) or value < BLOCK:
+        raise ConfigError(f"budget {budget!r} = {value:.0f} bytes is below one 2 MB block of GPU memory")
+    return int(value)
+
+
+def simulate(
+    trace: Trace,
+    policy: Policy | str,
+    profile: HardwareProfile | str,
+    budget: int | str,
+    iterations: int = 3,
+    progress: bool = False,
+) -> SimResult:
+    """Simulate ``iterations`` training iterations of ``trace`` under ``policy``.
+
+    ``profile`` is a :class:`~umrt.hardware.HardwareProfile`, a shipped
+    profile name or a profile file; ``budget`` is the GPU memory the run may
+    use (see :func:`parse_budget`); a policy with ``unlimited_memory = True``
+    runs with unbounded GPU memory. A policy given by name is built with
+    ``umrt.policy.make_policy(name, trace)``.
+    """
+    t_wall = time.perf_counter()
+    if not isinstance(profile, HardwareProfile):
+        profile = load_profile(profile)
+    if isinstance(policy, str):
+        from umrt.policy import make_policy
+
+        policy = make_policy(policy, trace)
+    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+        raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
+    spans = trace.iteration_spans()
+    if not spans:
+        raise TraceFormatError("the trace holds no complete iteration (it needs two IterationBoundary events)")
+    peak = peak_live_bytes(trace)
+    budget_bytes = parse_budget(budget, peak)
+    unlimited = bool(getattr(policy, "unlimited_memory", False))
+    backend = SimBackend(profile, math.inf if unlimited else budget_bytes)
+    layout = policy.make_layout(backend)
+    policy.attach(PolicyContext(backend=backend, layout=layout, budget_bytes=budget_bytes, profile=profile))
+
+    total_events = spans[0][0] + sum(
+        (spans[min(i, len(spans) - 1)][1] - spans[min(i, len(spans) - 1)][0]) for i in range(iterations))
+    bar = _Progress(progress, total_events, f"simulate {policy.name}")
+    addr: dict[int, tuple[int, int]] = {}  # live object -> (ptr, nbytes)
+    marks: list[dict] = []  # counter snapshots at each iteration boundary
+    peaks: list[int] = []
+    compute = [0.0]  # ideal (roofline) time per iteration
+    compute_time = profile.compute_time
+    with bar:
+        for n, ev in enumerate(_stream(trace, spans, iterations)):
+            if n % 2048 == 0:
+                bar.update(n)
+            if isinstance(ev, Launch):
+                policy.on_event(ev)
+                reads, writes = [], []
+                for a in ev.accesses:
+                    (writes if a.write else reads).append((addr[a.obj][0] + a.offset, a.length))
+                try:
+                    backend.launch(reads, writes, ev.flops, ev.bytes)
+                except DataIntegrityError as exc:
+                    raise _explain(exc, ev, addr, policy) from None
+                compute[-1] += compute_time(ev.flops, ev.bytes)
+            elif isinstance(ev, Alloc):
+                ptr = layout.alloc(ev.obj, ev.nbytes, ev.kind)
+                addr[ev.obj] = (ptr, ev.nbytes)
+                if ev.launch == -1:
+                    backend.mark_host_written([(ptr, ev.nbytes)])
+                policy.on_event(ev)
+            elif isinstance(ev, Free):
+                policy.on_event(ev)
+                if ev.obj in addr:
+                    backend.mark_dead([addr.pop(ev.obj)])
+                    layout.free(ev.obj)
+            elif isinstance(ev, IterationBoundary):
+                if marks:
+                    peaks.append(backend.peak_resident_bytes)
+                marks.append(backend.counters())
+                compute.append(0.0)
+                backend.reset_peak()
+                policy.on_event(ev)
+            else:
+                policy.on_event(ev)
+        bar.update(total_events)
+
+    first, last = marks[-2], marks[-1]
+    delta = {k: last[k] - first[k] for k in last}
+    return SimResult(
+        model=str(trace.header.model),
+        policy=policy.name,
+        profile=profile.name,
+        budget_bytes=budget_bytes,
+        iterations=iterations,
+        iteration_time_s=delta["time_s"],
+        ideal_time_s=compute[-2],
+        h2d_bytes=delta["h2d_bytes"],
+        d2h_bytes=delta["d2h_bytes"],
+        faults=delta["faults"],
+        fault_batches=delta["fault_batches"],
+        evictions=delta["evictions"],
+        peak_resident_bytes=peaks[-1],
+        page_events=delta["page_events"],
+        launches=delta["launches"],
+        breakdown={k: float(delta[k]) for k in BREAKDOWN_KEYS},
+        iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:])],
+        peak_live_bytes=peak,
+        wall_s=time.perf_counter() - t_wall,
+        total_page_events=backend.page_events,
+        policy_report=dict(policy.report() or {}),
+    )
+
+
+# ---------------------------------------------------------------- event stream
+
+
+def _stream(trace: Trace, spans: list[tuple[int, int]], iterations: int) -> Iterator[Event]:
+    """Set-up, the recorded iterations, then repetitions of the last one, then a closing boundary."""
+    events = trace.events
+    yield from events[: spans[0][0]]
+    recorded = spans[:iterations]
+    for a, b in recorded:
+        yield from events[a:b]
+    repeats = iterations - len(recorded)
+    if repeats:
+        yield from _repeat(trace, spans[-1], len(recorded), repeats)
+    yield IterationBoundary(iterations)
+
+
+def _repeat(trace: Trace, span: tuple[int, int], first_index: int, repeats: int) -> Iterator[Event]:
+    """The iteration ``span`` again, ``repeats`` times, with fresh object ids.
+
+    Objects the iteration frees but did not allocate (carried in from the
+    previous iteration, e.g. the last step's loss) are matched, in order, to
+    the objects it allocates and does not free (carried out to the next).
+    """
+    events = trace.events[span[0] : span[1]]
+    born = [e for e in events if isinstance(e, Alloc)]
+    born_ids = {e.obj for e in born}
+    freed = {e.obj for e in events if isinstance(e, Free)}
+    carried_out = [e for e in born if e.obj not in freed]
+    alloc_of = {e.obj: (i, e) for i, e in enumerate(trace.events[: span[0]]) if isinstance(e, Alloc)}
+    carried_in = [alloc_of[o][1] for o in sorted(freed - born_ids, key=lambda o: alloc_of.get(o, (-1,))[0])
+                  if o in alloc_of]
+    pairs = _match(carried_in, carried_out)
+    launches = [e.seq for e in events if isinstance(e, Launch)]
+    seq0 = launches[0] if launches else 0
+    next_seq = max((e.seq for e in trace.events if isinstance(e, Launch)), default=-1) + 1
+    next_obj = max((e.obj for e in trace.events if isinstance(e, Alloc)), default=-1) + 1
+    prev_out = {e.obj: e.obj for e in carried_out}  # carried-out object -> its id in the last repetition
+    for r in range(repeats):
+        ids: dict[int, int] = {}
+        for o in born_ids:
+            ids[o] = next_obj
+            next_obj += 1
+        for inn, out in pairs.items():
+            ids[inn] = prev_out[out]
+        shift = next_seq - seq0
+        for e in events:
+            if isinstance(e, Launch):
+                accesses = tuple(
+                    a if a.obj not in ids else Access(ids[a.obj], a.offset, a.length, a.write) for a in e.accesses
+                )
+                yield replace(e, seq=e.seq + shift, accesses=accesses)
+            elif isinstance(e, Alloc):
+                yield replace(e, obj=ids[e.obj], launch=e.launch + shift if e.launch >= 0 else -1)
+            elif isinstance(e, Free):
+                if e.obj in born_ids or e.obj in pairs:
+                    yield Free(ids[e.obj])
+                # else: an object from before the loop already freed by the recorded iteration
+            elif isinstance(e, IterationBoundary):
+                yield IterationBoundary(first_index + r)
+            else:
+                yield e
+        next_seq += len(launches)
+        prev_out = {e.obj: ids[e.obj] for e in carried_out}
+
+
+def _match(carried_in: list[Alloc], carried_out: list[Alloc]) -> dict[int, int]:
+    """Pair carried-in objects with carried-out ones of the same size and kind, in order."""
+    pending: dict[tuple[int, int], list[int]] = {}
+    for e in carried_out:
+        pending.setdefault((e.nbytes, int(e.kind)), []).append(e.obj)
+    pairs: dict[int, int] = {}
+    for e in carried_in:
+        queue = pending.get((e.nbytes, int(e.kind)))
+        if queue:
+            pairs[e.obj] = queue.pop(0)
+    return pairs
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _explain(exc: DataIntegrityError, ev: Launch, addr: dict, policy: Policy) -> DataIntegrityError:
+    objs = ", ".join(str(a.obj) for a in ev.accesses if not a.write)
+    where = ev.module or "top level"
+    return DataIntegrityError(
+        f"{exc}; launch #{ev.seq} {ev.op} in {where} reading object(s) {objs}, under policy {policy.name!r}"
+    )
+
+
+class _Progress:
+    """A rich progress bar over events, or nothing."""
+
+    def __init__(self, enabled: bool, total: int, label: str) -> None:
+        self._bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("events"), TimeElapsedColumn(), transient=True)
+            self._task = self._bar.add_task(label, total=total)
+
+    def __enter__(self) -> "_Progress":
+        if self._bar:
+            self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar:
+            self._bar.__exit__(*exc)
+
+    def update(self, n: int) -> None:
+        if self._bar:
+            self._bar.update(self._task, completed=n)
