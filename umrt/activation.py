@@ -136,11 +136,11 @@ def _on_import(name: str) -> None:
     if _state["enabled_by"] is not None:
         return
     _state["enabled_by"] = name
-    import umrt
+    from umrt.api import enable
     from umrt.errors import UmrtError
 
     try:
-        session = umrt.enable()
+        session = enable()
     except UmrtError as exc:
         _fail(str(exc))
         return

@@ -1,0 +1,97 @@
+"""The UMRT=1 start-up hook, run in fresh interpreters.
+
+Each case boots a subprocess that processes umrt's .pth line the way ``site``
+does at start-up (``site.addsitedir`` on a folder holding only that file,
+with ``sys.argv`` already set to the script), then runs the script.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from umrt.activation import PTH_LINE, PTH_NAME, install_pth
+
+BOOT = textwrap.dedent("""
+    import runpy, site, sys, types
+    pth_dir, fake_shadow = sys.argv[1], sys.argv[2] == "1"
+    sys.argv = sys.argv[3:]
+    if fake_shadow:  # stands in for umrt.shadow (engineer RUNTIME's module)
+        mod = types.ModuleType("umrt.shadow")
+        def run_shadow(script, argv, profile=None, gpu_memory=None, policy=None):
+            print("SHADOW", script, argv, profile, gpu_memory, policy)
+            return 7
+        mod.run_shadow = run_shadow
+        sys.modules["umrt.shadow"] = mod
+    site.addsitedir(pth_dir)
+    site.addsitedir(pth_dir)  # venvs may list site-packages twice: must stay idempotent
+    print("LOADED", "umrt.activation" in sys.modules)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    print("ARGS", sys.argv[1:])
+    if "--torch" in sys.argv:
+        import torch
+        import umrt.activation as a
+        print("ENABLED_BY", a.enabled_by())
+""")
+
+
+@pytest.fixture
+def boot(tmp_path):
+    pth_dir = tmp_path / "site"
+    pth_dir.mkdir()
+    install_pth(pth_dir)
+    (tmp_path / "boot.py").write_text(BOOT)
+    (tmp_path / "train.py").write_text(SCRIPT)
+
+    def run(env_extra: dict[str, str], *args: str, shadow: bool = False):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT")}
+        env.update(env_extra)
+        return subprocess.run(
+            [sys.executable, str(tmp_path / "boot.py"), str(pth_dir), "1" if shadow else "0",
+             str(tmp_path / "train.py"), *args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+
+    return run
+
+
+def test_pth_file_is_one_import_line(tmp_path):
+    path = install_pth(tmp_path)
+    assert path.name == PTH_NAME and path.read_text() == PTH_LINE
+    assert PTH_LINE.startswith("import ") and PTH_LINE.count("\n") == 1
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "off", "False"])
+def test_off_values_do_not_even_import_umrt(boot, value):
+    out = boot({} if value is None else {"UMRT": value}, "a", "b")
+    assert out.returncode == 0, out.stderr
+    assert "LOADED False" in out.stdout and "ARGS ['a', 'b']" in out.stdout and out.stderr == ""
+
+
+def test_bad_values_stop_before_the_script(boot):
+    out = boot({"UMRT": "maybe"})
+    assert out.returncode == 2 and "ARGS" not in out.stdout
+    assert out.stderr.startswith("umrt: error: UMRT='maybe'") and "Traceback" not in out.stderr
+    out = boot({"UMRT": "1", "UMRT_GPU_MEMORY": "lots"})
+    assert out.returncode == 2 and "UMRT_GPU_MEMORY" in out.stderr and "ARGS" not in out.stdout
+
+
+def test_enabled_waits_for_torch_then_runs_unchanged_without_gpu(boot):
+    out = boot({"UMRT": "1"}, "--torch")
+    assert out.returncode == 0, out.stderr
+    assert "LOADED True" in out.stdout and "ENABLED_BY torch" in out.stdout
+    assert out.stderr.count("no CUDA GPU found; running unchanged") == 1
+
+
+def test_simulate_runs_the_script_in_shadow_mode(boot):
+    out = boot({"UMRT": "yes", "UMRT_SIMULATE": "a100-pcie4-40g", "UMRT_GPU_MEMORY": "20%"}, "x", shadow=True)
+    assert out.returncode == 7, out.stderr
+    assert "SHADOW" in out.stdout and "['x'] a100-pcie4-40g 20% umrt" in out.stdout
+    assert "ARGS" not in out.stdout  # the shadow run replaced the plain run
