@@ -1,0 +1,147 @@
+"""Trace files: round trip and every kind of bad input."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from umrt.errors import TraceFormatError
+from umrt.trace import fileformat as ff
+from umrt.trace.events import (
+    Access,
+    Alloc,
+    Free,
+    IterationBoundary,
+    Kind,
+    LayerEnter,
+    LayerExit,
+    Launch,
+    Trace,
+    TraceHeader,
+    execution_id,
+)
+
+
+def _header(**kw):
+    base = dict(format_version=1, umrt_version="0.1.0", model="toy", torch_version="x", device="meta",
+                iterations=0, notes=["a note"], meta={"batch": 2})
+    base.update(kw)
+    return TraceHeader(**base)
+
+
+def _trace(iterations: int = 2) -> Trace:
+    ev = [Alloc(0, 4096, Kind.PARAMETER, -1)]
+    seq = 0
+    for i in range(iterations):
+        ev.append(IterationBoundary(i))
+        ev.append(LayerEnter("layer.0"))
+        ev.append(Alloc(1, 1 << 40, Kind.ACTIVATION, seq))  # sizes beyond 32 bits survive
+        ev.append(Launch(seq, execution_id("aten::mm.default", [(2, 2)], ["float32"], "layer.0"), "aten::mm.default",
+                         (Access(0, 0, 4096, False), Access(1, 8, 1 << 40, True)), 10**15, 4096 + (1 << 40),
+                         "layer.0"))
+        seq += 1
+        ev.append(LayerExit("layer.0"))
+        ev.append(LayerEnter("layer.0", "backward"))
+        ev.append(Launch(seq, 7, "aten::relu.default", (), 0, 0, ""))
+        seq += 1
+        ev.append(LayerExit("layer.0", "backward"))
+        ev.append(Free(1))
+    ev.append(IterationBoundary(iterations))
+    return Trace(_header(), ev)
+
+
+def test_round_trip(tmp_path):
+    tr = _trace(3)
+    path = tmp_path / "t.umrt"
+    ff.save(tr, path)
+    back = ff.load(path)
+    assert back.events == tr.events
+    assert back.header.iterations == 3
+    assert back.header.format_version == ff.FORMAT_VERSION
+    assert back.header.model == "toy" and back.header.meta == {"batch": 2} and back.header.notes == ["a note"]
+    assert ff.read_header(path).model == "toy"
+    assert not (tmp_path / "t.umrt.tmp").exists()
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TraceFormatError, match="not found"):
+        ff.load(tmp_path / "nope.umrt")
+
+
+def test_directory(tmp_path):
+    with pytest.raises(TraceFormatError, match="directory"):
+        ff.load(tmp_path)
+
+
+def test_wrong_magic(tmp_path):
+    p = tmp_path / "bad.umrt"
+    p.write_bytes(b"PK\x03\x04 this is a zip file, not a trace" * 3)
+    with pytest.raises(TraceFormatError, match="magic"):
+        ff.load(p)
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty.umrt"
+    p.write_bytes(b"")
+    with pytest.raises(TraceFormatError, match="not a umrt trace"):
+        ff.load(p)
+
+
+def test_unknown_version(tmp_path):
+    data = bytearray(ff.encode(_trace()))
+    struct.pack_into("<I", data, 8, ff.FORMAT_VERSION + 1)
+    p = tmp_path / "new.umrt"
+    p.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError, match="unknown trace format version"):
+        ff.load(p)
+
+
+@pytest.mark.parametrize("keep", [4, 12, 30, 60, -1])
+def test_truncated(tmp_path, keep):
+    data = ff.encode(_trace())
+    p = tmp_path / "cut.umrt"
+    p.write_bytes(data[:keep])
+    with pytest.raises(TraceFormatError, match="truncated"):
+        ff.load(p)
+
+
+def test_corrupt_body(tmp_path):
+    data = bytearray(ff.encode(_trace()))
+    data[-10] ^= 0xFF
+    p = tmp_path / "flip.umrt"
+    p.write_bytes(bytes(data))
+    with pytest.raises(TraceFormatError, match="corrupt"):
+        ff.load(p)
+
+
+def test_trailing_garbage(tmp_path):
+    p = tmp_path / "tail.umrt"
+    p.write_bytes(ff.encode(_trace()) + b"xx")
+    with pytest.raises(TraceFormatError, match="corrupt"):
+        ff.load(p)
+
+
+def test_no_complete_iteration(tmp_path):
+    tr = _trace(1)
+    tr.events = [e for e in tr.events if not (isinstance(e, IterationBoundary) and e.index == 1)]
+    with pytest.raises(TraceFormatError, match="no complete iteration"):
+        ff.save(tr, tmp_path / "x.umrt")
+    p = tmp_path / "noiter.umrt"
+    p.write_bytes(ff.encode(tr, check=False))
+    with pytest.raises(TraceFormatError, match="no complete iteration"):
+        ff.load(p)
+
+
+def test_unwritable_path(tmp_path):
+    with pytest.raises(TraceFormatError, match="cannot write"):
+        ff.save(_trace(), tmp_path / "no" / "such" / "dir" / "t.umrt")
+
+
+def test_recorded_trace_round_trip(tmp_path):
+    from umrt.zoo import trace_model
+
+    tr = trace_model("hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32", batch=1, seq=8,
+                     steps=2)
+    ff.save(tr, tmp_path / "g.umrt")
+    back = ff.load(tmp_path / "g.umrt")
+    assert back.events == tr.events and back.header.iterations == 2

@@ -1,0 +1,133 @@
+"""Find training iterations in a trace that has no step marks.
+
+A training loop launches the same kernels in the same order every iteration,
+so its execution ids form consecutive repeats of one block (the observation
+SmartPool and AutoSwap build on). We look for the period ``p`` whose repeats
+cover the longest stretch of the trace, then cut it into iterations.
+
+Candidate periods come from ids that occur rarely: an id launched once per
+iteration recurs exactly ``p`` launches later. Each candidate is checked with
+one vectorised comparison, so detection is linear in the trace length times a
+small number of candidates.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from umrt.trace.events import Alloc, IterationBoundary, LayerEnter, Launch, Trace
+
+_MAX_CANDIDATES = 64
+
+
+@dataclass(frozen=True)
+class Repeats:
+    """``count`` consecutive repeats of a ``period``-launch block from launch ``start``."""
+
+    start: int
+    period: int
+    count: int
+
+
+def _longest_run(mask: np.ndarray) -> tuple[int, int]:
+    """(start, length) of the longest run of True in ``mask``."""
+    if not mask.any():
+        return 0, 0
+    m = np.concatenate(([0], mask.astype(np.int8), [0]))
+    d = np.diff(m)
+    starts = np.flatnonzero(d == 1)
+    stops = np.flatnonzero(d == -1)
+    lengths = stops - starts
+    i = int(np.argmax(lengths))
+    return int(starts[i]), int(lengths[i])
+
+
+def find_repeats(ids: Sequence[int], *, min_period: int = 2, min_count: int = 2) -> Repeats | None:
+    """The longest run of consecutive repeats in a sequence of execution ids.
+
+    Returns None when no block repeats at least ``min_count`` times back to back.
+    """
+    s = np.asarray(ids, dtype=np.int64)
+    n = len(s)
+    if n < min_period * min_count:
+        return None
+    counts = Counter(s.tolist())
+    # gaps between successive occurrences of the rarest ids
+    gaps: Counter[int] = Counter()
+    positions: dict[int, list[int]] = {}
+    rare = {v for v, c in counts.items() if 2 <= c <= max(min_count, 8) * 4}
+    for i, v in enumerate(s.tolist()):
+        if v in rare:
+            positions.setdefault(v, []).append(i)
+    for pos in positions.values():
+        for a, b in zip(pos, pos[1:]):
+            if b - a >= min_period:
+                gaps[b - a] += 1
+    best: Repeats | None = None
+    best_cover = 0
+    for p, _ in gaps.most_common(_MAX_CANDIDATES):
+        if p * min_count > n:
+            continue
+        start, length = _longest_run(s[:-p] == s[p:])
+        count = (length + p) // p
+        if count < min_count:
+            continue
+        cover = count * p
+        if cover > best_cover or (cover == best_cover and best is not None and p < best.period):
+            best, best_cover = Repeats(start, p, count), cover
+    return best
+
+
+def insert_boundaries(trace: Trace) -> Trace:
+    """A copy of ``trace`` with IterationBoundary events at the detected iterations.
+
+    Existing boundaries are dropped. Iterations are aligned to start at a
+    top-level forward (a depth-0 LayerEnter) when the trace has layer events,
+    else at the start of the repeating stretch. Returns the trace unchanged
+    (apart from dropped boundaries) when nothing repeats.
+    """
+    events = [e for e in trace.events if not isinstance(e, IterationBoundary)]
+    launch_pos = [i for i, e in enumerate(events) if isinstance(e, Launch)]
+    ids = [events[i].exec_id for i in launch_pos]
+    found = find_repeats(ids)
+    if found is None:
+        return Trace(trace.header, events)
+    start, p, count = found.start, found.period, found.count
+    # phase: the first launch after a root-level forward enter, inside the stretch
+    phase = 0
+    depth = 0
+    k = 0  # launches seen so far
+    for e in events:
+        if isinstance(e, Launch):
+            k += 1
+        elif isinstance(e, LayerEnter) and e.phase == "forward":
+            if depth == 0 and start <= k < start + p:
+                phase = k - start
+                break
+        if isinstance(e, LayerEnter) and e.phase == "forward":
+            depth += 1
+        elif type(e).__name__ == "LayerExit" and e.phase == "forward":
+            depth = max(0, depth - 1)
+    first = start + phase
+    n_iter = count if phase == 0 else count - 1
+    cut_launches = [first + j * p for j in range(n_iter + 1) if first + j * p <= len(ids)]
+    cut_events = set()
+    for c in cut_launches:
+        idx = launch_pos[c] if c < len(launch_pos) else len(events)
+        # step back over the events that belong to this launch (its allocs, its module entry)
+        while idx > 0 and isinstance(events[idx - 1], (Alloc, LayerEnter)):
+            idx -= 1
+        cut_events.add(idx)
+    out = []
+    index = 0
+    for i, e in enumerate(events):
+        if i in cut_events:
+            out.append(IterationBoundary(index))
+            index += 1
+        out.append(e)
+    if len(events) in cut_events:
+        out.append(IterationBoundary(index))
+    return Trace(trace.header, out)

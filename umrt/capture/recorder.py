@@ -1,0 +1,710 @@
+"""Record what a PyTorch training loop launches, as umrt events.
+
+A :class:`Recorder` is a context manager built on ``TorchDispatchMode`` (every
+aten op, on meta, CPU and CUDA alike), global module hooks (layer boundaries
+and module paths) and global optimizer step hooks (iteration boundaries)::
+
+    rec = Recorder(model, optimizer)
+    with rec:
+        for batch in batches:
+            loss = model(batch).loss
+            loss.backward()
+            optimizer.step()          # marks an iteration boundary
+            optimizer.zero_grad(set_to_none=True)
+    trace = rec.trace()
+
+How the pieces are found:
+
+* Objects are storages: ``tensor.untyped_storage()`` returns one Python object
+  per live storage (shared by all its views); ``weakref.finalize`` on it emits
+  the :class:`~umrt.trace.events.Free`. A storage first produced by an op is
+  allocated by that launch; one first seen as an input (parameters, a batch
+  loaded while recording was paused) is allocated with ``launch = -1``.
+* Kinds: parameters (the model's, or the optimizer's param groups), gradients
+  (``param.grad`` at the optimizer step), optimizer state (``optimizer.state``
+  after the step) and inputs (storages first seen mid-iteration) are facts.
+  The rest is decided by lifetime: created in forward and freed in backward ->
+  activation; freed in the iteration that made it -> temporary; otherwise ->
+  other. Live listeners get the best kind known when the object is born: from
+  the second iteration on that is the kind the same launch's output had in the
+  previous iteration; :meth:`Recorder.trace` returns the refined kinds.
+* Iteration boundaries: an optimizer step (or :meth:`Recorder.step`) marks
+  one; it is emitted just before the next launch, so frees that follow the
+  step (``zero_grad(set_to_none=True)``, dropping the batch) close the
+  iteration they belong to. Without any marks, :meth:`Recorder.trace` finds
+  the iterations as consecutive repeats (:mod:`umrt.capture.detect`).
+* Module paths: forward ops carry the innermost running module's dotted path.
+  Backward ops carry the module whose output gradient autograd most recently
+  started on (a pre-hook on each module output's ``grad_fn``): backward layer
+  events are therefore flat (enter/exit pairs, never nested), and ops between
+  two modules' gradients (residual adds) are attributed to the last module.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from umrt.capture import steer
+from umrt.trace.events import (
+    Access,
+    Alloc,
+    Event,
+    Free,
+    IterationBoundary,
+    Kind,
+    LayerEnter,
+    LayerExit,
+    Launch,
+    Trace,
+    TraceHeader,
+    execution_id,
+)
+
+Listener = Callable[[Event], None]
+
+# Ops that only allocate: no kernel runs on CUDA, so they are not launches.
+_ALLOC_ONLY = frozenset(
+    {
+        "aten::empty.memory_format",
+        "aten::empty_strided.default",
+        "aten::empty_like.default",
+        "aten::new_empty.default",
+        "aten::new_empty_strided.default",
+    }
+)
+_SETUP, _FORWARD, _BACKWARD, _STEP = 0, 1, 2, 3
+
+
+class StopRecording(BaseException):
+    """Raised into the recorded program once ``stop_after`` iterations are complete.
+
+    A ``BaseException`` so that a script's ``except Exception`` does not swallow it.
+    """
+
+
+@dataclass(slots=True)
+class _OpInfo:
+    name: str  # recorded op name (renamed where steer stands in for a CUDA kernel)
+    skip: bool  # a pure view/metadata op: no kernel
+    alloc_only: bool
+    write_pos: frozenset  # positional args the schema marks as written
+    write_kw: frozenset  # keyword args the schema marks as written
+    flop_fn: Any
+
+
+@dataclass(slots=True)
+class _Obj:
+    nbytes: int
+    kind: Kind  # kind announced in the Alloc event
+    known: Optional[Kind]  # kind established by a fact (parameter, gradient, ...)
+    phase: int  # phase it was born in
+    iteration: int  # iteration it was born in (-1: set-up)
+    key: Optional[tuple]  # (exec_id, occurrence, output index) of the creating launch
+    event_index: int  # index of its Alloc event
+    freed_phase: int = -1
+    freed_iteration: int = -2  # -2: still alive
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes a view spans in its storage, from its sizes and strides."""
+    n = t.numel()
+    if n == 0:
+        return 0
+    if t.is_contiguous():
+        return n * t.element_size()
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+    return span * t.element_size()
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            if isinstance(y, torch.Tensor):
+                yield y
+            elif isinstance(y, (list, tuple)):
+                yield from _tensors(y)
+
+
+def _output_tensors(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output (tuples, lists, dicts, ModelOutput)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif depth < 3 and isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _output_tensors(y, depth + 1)
+    elif depth < 3 and isinstance(x, dict):
+        for y in x.values():
+            yield from _output_tensors(y, depth + 1)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, rec: "Recorder") -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.rec._on_op(func, args, kwargs or {})
+
+
+class Recorder:
+    """Records a training loop into a :class:`~umrt.trace.events.Trace`.
+
+    Args:
+        model: the model, if known: its parameters and buffers are announced
+            at set-up and module paths are relative to it. Without one, every
+            module that runs is seen through global hooks.
+        optimizer: the optimizer, if known: its parameters are PARAMETER, its
+            state OPTIMIZER_STATE. Without one, any optimizer that steps is used.
+        listeners: callables that receive each event the moment it is recorded.
+        device: the device whose memory is traced ("meta", "cpu", "cuda");
+            default: the model's device, else "cuda" if available, else "cpu".
+            Ops that touch no tensor on it (host scalars) are not recorded.
+        auto_step: mark an iteration boundary after every optimizer step.
+        mark_start: emit ``IterationBoundary(0)`` on entry (after set-up);
+            otherwise the first step marks it and what runs before is set-up.
+        stop_after: raise :class:`StopRecording` into the program once this
+            many iterations are complete (after the trace is closed).
+        model_name: recorded in the trace header.
+        steer: route attention and dropout to single fused ops on meta/CPU
+            (see :mod:`umrt.capture.steer`).
+    """
+
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        listeners: Sequence[Listener] = (),
+        *,
+        device: Optional[str] = None,
+        auto_step: bool = True,
+        mark_start: bool = True,
+        stop_after: Optional[int] = None,
+        model_name: str = "",
+        steer: bool = True,
+        meta: Optional[dict] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.listeners = list(listeners)
+        self.auto_step = auto_step
+        self.mark_start = mark_start
+        self.stop_after = stop_after
+        self.model_name = model_name or (type(model).__name__ if model is not None else "")
+        self._steer = steer
+        self._meta = dict(meta or {})
+        if device is None:
+            if model is not None:
+                first = next(iter(model.parameters()), None)
+                device = first.device.type if first is not None else "cpu"
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device).type
+
+        self._events: list[Event] = []
+        self._objs: dict[int, _Obj] = {}  # obj id -> facts
+        self._by_storage: dict[int, int] = {}  # id(storage object) -> obj id
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._next_obj = 0
+        self._seq = 0
+        self._iteration = -1  # index of the running iteration (-1: set-up)
+        self._pending_boundary = False
+        self._closed = False
+        self._recording = False
+        self._paused = 0
+        self._in_step = 0
+        self._op_cache: dict[Any, _OpInfo] = {}
+        self._exec_cache: dict[tuple, int] = {}
+        self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
+        self._learned: dict[tuple, Kind] = {}  # creating-launch key -> kind seen last iteration
+        self._module_names: dict[int, str] = {}
+        self._stack: list[str] = []
+        self._bwd_module: Optional[str] = None
+        self._lock = threading.RLock()
+        self._handles: list[Any] = []
+        self._exit_stack: Optional[contextlib.ExitStack] = None
+        self._mode: Optional[_Mode] = None
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ public API
+    def __enter__(self) -> "Recorder":
+        if self._recording or self._closed:
+            raise RuntimeError("a Recorder can be entered only once")
+        stack = contextlib.ExitStack()
+        if self._steer:
+            stack.enter_context(steer.steered(self.paused))
+        mm = torch.nn.modules.module
+        self._handles = [
+            mm.register_module_forward_pre_hook(self._forward_pre),
+            mm.register_module_forward_hook(self._forward_post, always_call=True),
+            register_optimizer_step_pre_hook(self._step_pre),
+            register_optimizer_step_post_hook(self._step_post),
+        ]
+        if self.model is not None:
+            for name, m in self.model.named_modules():
+                self._module_names[id(m)] = name
+        self._setup()
+        self._mode = _Mode(self)
+        stack.enter_context(self._mode)
+        self._exit_stack = stack
+        self._recording = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._recording = False
+        if self._exit_stack is not None:
+            self._exit_stack.close()
+            self._exit_stack = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        with self._lock:
+            if self._pending_boundary and not self._closed:
+                self._emit_boundary()  # the last step's iteration is complete
+            self._close()
+
+    def step(self) -> None:
+        """Mark the end of an iteration (emitted before the next launch)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._iteration < 0:
+                self._emit_boundary()  # the first mark only ends set-up
+            elif self._seq > 0:
+                self._pending_boundary = True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run code unrecorded (e.g. loading a batch, as a data loader would off-trace).
+
+        Storages created here and used later are announced as INPUT when first seen.
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def trace(self) -> Trace:
+        """The trace so far, with refined kinds (and detected iterations if unmarked)."""
+        with self._lock:
+            if self._pending_boundary and not self._closed:
+                self._emit_boundary()
+            events = self._refined_events()
+        header = TraceHeader(
+            format_version=0,
+            umrt_version=_umrt_version(),
+            model=self.model_name,
+            torch_version=torch.__version__,
+            device=self.device,
+            iterations=0,
+            notes=list(steer.NOTES) if self._steer else [],
+            meta=dict(self._meta),
+        )
+        trace = Trace(header, events)
+        if sum(isinstance(e, IterationBoundary) for e in events) < 2:
+            from umrt.capture.detect import insert_boundaries
+
+            trace = insert_boundaries(trace)
+            trace.header.notes.append("iteration boundaries detected from repeating launches (no step marks)")
+        trace.header.iterations = len(trace.iteration_spans())
+        return trace
+
+    @property
+    def events(self) -> list[Event]:
+        """Events as emitted so far (kinds as announced live)."""
+        return self._events
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        if self.model is not None:
+            for p in self.model.parameters():
+                self._mark(p, Kind.PARAMETER)
+            for b in self.model.buffers():
+                self._mark(b, Kind.OTHER)
+        if self.optimizer is not None:
+            self._mark_optimizer(self.optimizer, grads=False)
+        if self.mark_start:
+            self._emit_boundary()
+
+    def _mark(self, t: Any, kind: Kind) -> None:
+        """Record a fact about a tensor's storage (announcing it if new)."""
+        if not isinstance(t, torch.Tensor) or t.device.type != self.device:
+            return
+        obj = self._obj_for(t.untyped_storage(), first_seen_kind=kind)
+        info = self._objs[obj]
+        info.known = kind
+        if info.key is not None:
+            self._learned[info.key] = kind
+
+    def _mark_optimizer(self, opt: torch.optim.Optimizer, *, grads: bool) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                self._mark(p, Kind.PARAMETER)
+                if grads and p.grad is not None:
+                    self._mark(p.grad, Kind.GRADIENT)
+        for state in opt.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    if k == "step" and v.dim() == 0 and v.device.type == "cpu":
+                        continue  # a host step counter, as on CUDA (not capturable)
+                    self._mark(v, Kind.OPTIMIZER_STATE)
+
+    # ------------------------------------------------------------------ hooks
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._recording or self._closed or self._paused:
+            return
+        name = self._module_names.get(id(module))
+        if name is None:
+            if self._stack:
+                name = f"{self._stack[-1]}.{type(module).__name__.lower()}".lstrip(".")
+            else:  # a root we were not told about: name its tree
+                for sub, m in module.named_modules():
+                    self._module_names.setdefault(id(m), sub)
+                name = ""
+            self._module_names[id(module)] = name
+        if self.model is None and not self._stack:
+            for p in module.parameters():
+                if p.device.type == self.device:
+                    with self._lock:
+                        self._flush()
+                        self._mark(p, Kind.PARAMETER)
+        self._stack.append(name)
+        with self._lock:
+            self._flush()
+            self._emit(LayerEnter(name, "forward"))
+
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._stack or not self._recording:
+            return
+        name = self._stack.pop()
+        if self._closed:
+            return
+        with self._lock:
+            self._emit(LayerExit(name, "forward"))
+        if torch.is_grad_enabled():
+            for t in _output_tensors(output):
+                node = t.grad_fn
+                if node is None:
+                    continue
+                md = node.metadata
+                if "umrt_module" in md:  # an inner module claimed it first
+                    continue
+                md["umrt_module"] = name
+                node.register_prehook(self._backward_hook(name))
+
+    def _backward_hook(self, name: str) -> Callable:
+        def hook(grad_outputs: Any) -> None:
+            if not self._recording or self._closed:
+                return
+            with self._lock:
+                if self._bwd_module == name:
+                    return
+                if self._bwd_module is not None:
+                    self._emit(LayerExit(self._bwd_module, "backward"))
+                self._bwd_module = name
+                self._emit(LayerEnter(name, "backward"))
+
+        return hook
+
+    def _end_backward(self) -> None:
+        if self._bwd_module is not None:
+            self._emit(LayerExit(self._bwd_module, "backward"))
+            self._bwd_module = None
+
+    def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._recording or self._closed:
+            return
+        with self._lock:
+            self._flush()
+            self._end_backward()
+            if self.optimizer is None or opt is self.optimizer:
+                self._mark_optimizer(opt, grads=True)
+        self._in_step += 1
+
+    def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._in_step = max(0, self._in_step - 1)
+        if not self._recording or self._closed:
+            return
+        if self.optimizer is not None and opt is not self.optimizer:
+            return
+        with self._lock:
+            self._mark_optimizer(opt, grads=False)
+        if self.auto_step:
+            self.step()
+
+    # ------------------------------------------------------------------ events
+    def _emit(self, ev: Event) -> None:
+        self._events.append(ev)
+        for listener in self.listeners:
+            listener(ev)
+
+    def _emit_boundary(self) -> None:
+        self._pending_boundary = False
+        self._end_backward()
+        self._iteration += 1
+        self._occurrence.clear()
+        self._emit(IterationBoundary(self._iteration))
+        if self.stop_after is not None and self._iteration >= self.stop_after:
+            self._close()
+            self._stop_requested = True
+
+    def _flush(self) -> None:
+        """Emit a pending boundary (called before anything of the next iteration)."""
+        if self._pending_boundary:
+            self._emit_boundary()
+            if self._stop_requested:
+                self._stop_requested = False
+                raise StopRecording(f"recorded {self.stop_after} iterations")
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fin in self._finalizers.values():
+            fin.detach()
+        self._finalizers.clear()
+        self._by_storage.clear()
+
+    def _obj_for(self, storage: Any, *, first_seen_kind: Optional[Kind] = None,
+                 launch: int = -1, key: Optional[tuple] = None, kind: Optional[Kind] = None) -> int:
+        """The object id of a storage, announcing it (Alloc) when new."""
+        sid = id(storage)
+        obj = self._by_storage.get(sid)
+        if obj is not None:
+            return obj
+        obj = self._next_obj
+        self._next_obj += 1
+        phase = self._phase()
+        if kind is None:
+            if first_seen_kind is not None:
+                kind = first_seen_kind
+            elif self._iteration < 0:
+                kind = Kind.OTHER
+            else:
+                kind = Kind.INPUT  # pre-existing storage first seen mid-iteration: batch data
+        known = None if launch >= 0 else kind
+        nbytes = storage.nbytes()
+        self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, len(self._events))
+        self._by_storage[sid] = obj
+        self._finalizers[obj] = weakref.finalize(storage, self._on_free, obj, sid)
+        self._emit(Alloc(obj, nbytes, kind, launch))
+        return obj
+
+    def _on_free(self, obj: int, sid: int) -> None:
+        with self._lock:
+            self._finalizers.pop(obj, None)
+            if self._by_storage.get(sid) == obj:
+                del self._by_storage[sid]
+            if self._closed:
+                return
+            info = self._objs[obj]
+            info.freed_phase = self._phase()
+            info.freed_iteration = self._iteration
+            if info.key is not None and info.known is None and info.iteration == self._iteration:
+                self._learned[info.key] = self._lifetime_kind(info)
+            self._emit(Free(obj))
+
+    def _phase(self) -> int:
+        if self._iteration < 0:
+            return _SETUP
+        if self._in_step:
+            return _STEP
+        if torch._C._current_graph_task_id() != -1:
+            return _BACKWARD
+        return _FORWARD
+
+    @staticmethod
+    def _lifetime_kind(info: _Obj) -> Kind:
+        if info.iteration < 0 or info.freed_iteration != info.iteration:
+            return Kind.OTHER
+        if info.phase == _FORWARD and info.freed_phase == _BACKWARD:
+            return Kind.ACTIVATION
+        return Kind.TEMPORARY
+
+    # ------------------------------------------------------------------ ops
+    def _op_info(self, func: Any) -> _OpInfo:
+        info = self._op_cache.get(func)
+        if info is not None:
+            return info
+        schema = getattr(func, "_schema", None)
+        name = f"{schema.name}.{func._overloadname}" if schema is not None else str(func)
+        write_pos: set[int] = set()
+        write_kw: set[str] = set()
+        skip = False
+        if schema is not None:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    if a.kwarg_only:
+                        write_kw.add(a.name)
+                    else:
+                        write_pos.add(i)
+                        write_kw.add(a.name)
+            rets = schema.returns
+            skip = (
+                not write_pos
+                and not write_kw
+                and len(rets) > 0
+                and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+            )
+        else:
+            skip = True
+        from torch.utils.flop_counter import flop_registry
+
+        flop_fn = flop_registry.get(getattr(func, "_overloadpacket", None))
+        info = _OpInfo(
+            name=steer.OP_RENAMES.get(name, name),
+            skip=skip,
+            alloc_only=name in _ALLOC_ONLY,
+            write_pos=frozenset(write_pos),
+            write_kw=frozenset(write_kw),
+            flop_fn=flop_fn,
+        )
+        self._op_cache[func] = info
+        return info
+
+    def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not self._recording or self._closed or self._paused:
+            return func(*args, **kwargs)
+        info = self._op_info(func)
+        if info.skip:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        with self._lock:
+            self._record(func, info, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> None:
+        dev = self.device
+        inputs: list[tuple[torch.Tensor, bool]] = []
+        for i, a in enumerate(args):
+            w = i in info.write_pos
+            for t in _tensors(a):
+                inputs.append((t, w))
+        for k, a in kwargs.items():
+            w = k in info.write_kw
+            for t in _tensors(a):
+                inputs.append((t, w))
+        outs = list(_tensors(out))
+        on_dev = [t for t, _ in inputs if t.device.type == dev] + [t for t in outs if t.device.type == dev]
+        if not on_dev:
+            return  # a host op: no kernel on the traced device
+        if self._in_step and dev == "cpu" and all(t.dim() == 0 for t, _ in inputs) and all(
+            t.dim() == 0 for t in outs
+        ):
+            return  # optimizer step counters: host scalars on CUDA too
+        self._flush()
+        if self._bwd_module is not None and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
+
+        phase = self._phase()
+        if phase == _BACKWARD:
+            module = self._bwd_module or ""
+        elif phase == _STEP:
+            module = ""
+        else:
+            module = self._stack[-1] if self._stack else ""
+        shapes = tuple(tuple(t.shape) for t, _ in inputs)
+        dtypes = tuple(str(t.dtype)[6:] for t, _ in inputs)
+        ck = (info.name, shapes, dtypes, module)
+        exec_id = self._exec_cache.get(ck)
+        if exec_id is None:
+            exec_id = execution_id(info.name, shapes, dtypes, module)
+            self._exec_cache[ck] = exec_id
+        occ = self._occurrence.get(exec_id, 0)
+        self._occurrence[exec_id] = occ + 1
+
+        seq = -1 if info.alloc_only else self._seq
+        acc: dict[tuple[int, int, int], bool] = {}
+        in_objs: set[int] = set()
+        for t, w in inputs:
+            if t.device.type != dev:
+                continue
+            obj = self._obj_for(t.untyped_storage())
+            in_objs.add(obj)
+            length = _extent(t)
+            if length:
+                k3 = (obj, t.storage_offset() * t.element_size(), length)
+                acc[k3] = acc.get(k3, False) or w
+        created = False
+        for j, t in enumerate(outs):
+            if t.device.type != dev:
+                continue
+            st = t.untyped_storage()
+            obj = self._by_storage.get(id(st))
+            if obj is None:
+                key = (exec_id, occ, j)
+                kind = self._learned.get(key)
+                if kind is None:
+                    kind = Kind.ACTIVATION if phase == _FORWARD else Kind.TEMPORARY
+                obj = self._obj_for(st, launch=seq, key=key, kind=kind)
+                created = True
+            elif obj in in_objs:
+                continue  # a view of an input, or an input written in place (schema says so)
+            length = _extent(t)
+            if length:
+                k3 = (obj, t.storage_offset() * t.element_size(), length)
+                acc[k3] = True
+        if info.alloc_only:
+            return
+        if outs and not created and not any(acc.values()):
+            return  # every output aliases an input and nothing is written: no kernel
+        accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
+        flops = self._flops(func, info, args, kwargs, out)
+        nbytes = sum(a.length for a in accesses)
+        self._seq += 1
+        self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module))
+
+    @staticmethod
+    def _flops(func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
+        try:
+            if info.flop_fn is not None:
+                return int(info.flop_fn(*args, **kwargs, out_val=out))
+            if info.name == "aten::_scaled_dot_product_flash_attention.default":
+                from torch.utils.flop_counter import sdpa_flop_count
+
+                q, k, v = args[:3]
+                return int(sdpa_flop_count(q.shape, k.shape, v.shape))
+            if info.name == "aten::_scaled_dot_product_flash_attention_backward.default":
+                from torch.utils.flop_counter import sdpa_backward_flop_count
+
+                g, q, k, v = args[:4]
+                return int(sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape))
+        except Exception:  # a flop formula that does not fit these args: count nothing
+            return 0
+        return 0
+
+    # ------------------------------------------------------------------ refinement
+    def _refined_events(self) -> list[Event]:
+        events = list(self._events)
+        for obj, info in self._objs.items():
+            if info.known is not None:
+                kind = info.known
+            elif info.freed_iteration == -2:
+                kind = Kind.OTHER if info.iteration < 0 or info.iteration < self._iteration else (
+                    Kind.OTHER if info.phase in (_SETUP, _STEP) else info.kind
+                )
+            else:
+                kind = self._lifetime_kind(info)
+            ev = events[info.event_index]
+            if ev.kind != kind:
+                events[info.event_index] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
+        return events
+
+
+def _umrt_version() -> str:
+    from umrt import __version__
+
+    return __version__
