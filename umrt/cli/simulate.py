@@ -1,0 +1,92 @@
+"""``umrt simulate``: replay a trace under a policy on a simulated GPU.
+
+    umrt simulate gpt2-xl.umrt --gpu v100-pcie3-32g --budget 20% --policy um
+    umrt simulate gpt2-xl.umrt --budget 8GiB --policy oracle --iterations 5 --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from umrt.hardware import PROFILES
+
+DEFAULT_GPU = "v100-pcie3-32g"
+DEFAULT_BUDGET = "50%"
+DEFAULT_POLICY = "um"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a trace under a policy on a simulated GPU",
+        description=(
+            "Replay TRACE (from `umrt trace`) on the Unified Memory simulator and report the "
+            "steady-state iteration: time, slowdown against unlimited memory, traffic, faults."
+        ),
+    )
+    p.add_argument("trace", metavar="TRACE", help="trace file written by `umrt trace`")
+    p.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
+                   help=f"hardware profile: one of {', '.join(PROFILES)}, or a profile JSON file "
+                        f"(default {DEFAULT_GPU})")
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
+                   help="GPU memory the run may use: a percentage of the trace's peak live bytes "
+                        f"('20%%'), a size ('8GiB', '512MB') or bytes (default {DEFAULT_BUDGET})")
+    p.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"policy name, e.g. ideal, um, um-advise, oracle, deepum, umrt (default {DEFAULT_POLICY})")
+    p.add_argument("--iterations", type=int, default=3, metavar="N",
+                   help="iterations to simulate; the last one is reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from umrt.errors import ConfigError
+    from umrt.hardware import load_profile
+    from umrt.sim.replay import simulate
+    from umrt.trace.fileformat import load
+
+    if args.iterations < 1:
+        raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")
+    profile = load_profile(args.gpu)  # before the (slow) trace load: fail fast on a typo
+    trace = load(args.trace)
+    result = simulate(trace, args.policy, profile, args.budget, iterations=args.iterations,
+                      progress=not args.json and sys.stderr.isatty())
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        _print_table(result)
+    return 0
+
+
+def _print_table(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib = float(1 << 30)
+    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · budget {r.budget_bytes / gib:.2f} GiB "
+                        f"(simulated, iteration {r.iterations} of {r.iterations})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("iteration time", f"{r.iteration_time_s * 1e3:.2f} ms"),
+        ("ideal (unlimited memory)", f"{r.ideal_time_s * 1e3:.2f} ms"),
+        ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
+        ("  compute", f"{r.breakdown['compute_s'] * 1e3:.2f} ms"),
+        ("  fault stall", f"{r.breakdown['fault_stall_s'] * 1e3:.2f} ms"),
+        ("  transfer wait", f"{r.breakdown['transfer_wait_s'] * 1e3:.2f} ms"),
+        ("  call overhead", f"{r.breakdown['overhead_s'] * 1e3:.2f} ms"),
+        ("  remote access", f"{r.breakdown['remote_access_s'] * 1e3:.2f} ms"),
+        ("host to device", f"{r.h2d_bytes / gib:.2f} GiB"),
+        ("device to host", f"{r.d2h_bytes / gib:.2f} GiB"),
+        ("faults (64 KB pages)", f"{r.faults:,}"),
+        ("fault batches", f"{r.fault_batches:,}"),
+        ("evictions (2 MB blocks)", f"{r.evictions:,}"),
+        ("peak resident", f"{r.peak_resident_bytes / gib:.2f} GiB"),
+        ("trace peak live", f"{r.peak_live_bytes / gib:.2f} GiB"),
+        ("simulated in", f"{r.wall_s:.1f} s ({r.page_events_per_s:,.0f} page events/s)"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
