@@ -1,0 +1,56 @@
+"""numba CUDA kernels used by ``umrt calibrate`` (and checked under ``NUMBA_ENABLE_CUDASIM=1``).
+
+* :func:`touch_pages` - one thread per page writes one element of each page
+  of a (managed) array: the cheapest way to fault every page in, used to
+  time fault batches and fault-driven bandwidth.
+* :func:`triad` / :func:`copy` - STREAM kernels (McCalpin) with a grid-stride
+  loop, for device bandwidth and prefetched-vs-faulted comparisons.
+
+Kernels are compiled on first use (numba is imported lazily, so
+``import kernels`` is cheap and works without a GPU).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+THREADS = 256
+MAX_BLOCKS = 65535
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled() -> dict[str, Any]:
+    from kernels import _jit
+
+    return {"touch": _jit.touch_kernel, "triad": _jit.triad_kernel, "copy": _jit.copy_kernel}
+
+
+def _blocks(n: int) -> int:
+    return max(1, min(MAX_BLOCKS, -(-n // THREADS)))
+
+
+def touch_pages(arr: Any, page_bytes: int = 4096, value: float = 1, stream: Any = 0) -> int:
+    """Add ``value`` to the first element of every ``page_bytes`` page of ``arr``; returns pages touched."""
+    if page_bytes <= 0 or page_bytes % arr.dtype.itemsize:
+        raise ValueError(f"page_bytes={page_bytes} must be a positive multiple of the item size {arr.dtype.itemsize}")
+    stride = page_bytes // arr.dtype.itemsize
+    pages = -(-arr.shape[0] // stride)
+    _compiled()["touch"][_blocks(pages), THREADS, stream](arr, stride, value)
+    return pages
+
+
+def triad(a: Any, b: Any, c: Any, scalar: float, stream: Any = 0) -> None:
+    """STREAM triad ``a = b + scalar * c`` (equal 1-D arrays)."""
+    if not a.shape == b.shape == c.shape:
+        raise ValueError(f"triad needs equal shapes, got {a.shape}, {b.shape}, {c.shape}")
+    _compiled()["triad"][_blocks(a.shape[0]), THREADS, stream](a, b, c, scalar)
+
+
+def copy(dst: Any, src: Any, stream: Any = 0) -> None:
+    """STREAM copy ``dst = src``."""
+    if dst.shape != src.shape:
+        raise ValueError(f"copy needs equal shapes, got {dst.shape}, {src.shape}")
+    _compiled()["copy"][_blocks(dst.shape[0]), THREADS, stream](dst, src)
+
+
+__all__ = ["touch_pages", "triad", "copy", "THREADS"]
