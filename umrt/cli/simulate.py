@@ -85,6 +85,7 @@ def _print_table(r) -> None:
         ("evictions (2 MB blocks)", f"{r.evictions:,}"),
         ("peak resident", f"{r.peak_resident_bytes / gib:.2f} GiB"),
         ("trace peak live", f"{r.peak_live_bytes / gib:.2f} GiB"),
+        ("layout footprint", f"{r.footprint_bytes / gib:.2f} GiB"),
         ("simulated in", f"{r.wall_s:.1f} s ({r.page_events_per_s:,.0f} page events/s)"),
     ]
     for name, value in rows:

@@ -184,6 +184,7 @@ def simulate(
         breakdown={k: float(delta[k]) for k in BREAKDOWN_KEYS},
         iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:])],
         peak_live_bytes=peak,
+        footprint_bytes=int(layout.footprint()),
         wall_s=time.perf_counter() - t_wall,
         total_page_events=backend.page_events,
         policy_report=dict(policy.report() or {}),

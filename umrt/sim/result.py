@@ -35,6 +35,7 @@ class SimResult:
     breakdown: dict[str, float]
     iteration_times_s: list[float] = field(default_factory=list)
     peak_live_bytes: int = 0  # of the trace: what a percentage budget refers to
+    footprint_bytes: int = 0  # managed memory the layout obtained (>= live bytes: rounding, fragmentation)
     wall_s: float = 0.0  # host seconds the whole simulation took
     total_page_events: int = 0  # over every simulated iteration (simulator throughput)
     policy_report: dict = field(default_factory=dict)
