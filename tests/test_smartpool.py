@@ -82,6 +82,15 @@ def test_fills_a_hole_between_neighbours():
     assert p.footprint == 260
 
 
+def test_per_item_alignment():
+    its = [Lifetime(0, 10, 1000), Lifetime(0, 10, 10), Lifetime(0, 10, 300)]
+    p = plan(its, alignments=[1, 1, 1024])
+    assert p.offsets == (0, 1000, 1024)  # the 10 B one fills the alignment gap
+    _check_valid(its, p)
+
+
 def test_bad_alignment_raises():
     with pytest.raises(ValueError):
-        plan([], alignment=0)
+        plan([Lifetime(0, 1, 1)], alignment=0)
+    with pytest.raises(ValueError):
+        plan([Lifetime(0, 1, 1)], alignments=[1, 2])

@@ -17,9 +17,9 @@ runs with. It sub-allocates objects from managed segments obtained with
 ``long-lived``
     Activations and other objects that live across layers, grouped by the
     layer events they live across (Sentinel packs tensors alive in the same
-    layers together). Each group is packed with SmartPool, then the groups
-    themselves are placed with SmartPool as 2 MB-aligned super-objects, so
-    groups that are never alive together reuse the same memory.
+    layers together). Each big group is packed with SmartPool, then placed
+    with SmartPool as a 2 MB-aligned super-object (alongside the objects of
+    small groups), so groups never alive together reuse the same memory.
 ``learning`` / ``overflow``
     Online best-fit arenas: ``learning`` serves non-persistent objects until a
     plan exists (it is returned to the backend once it empties after
@@ -149,6 +149,7 @@ class _Record:
     kind: Kind
     start: int  # clock, relative to the iteration start
     tick: int  # layer events seen before it, in this iteration
+    in_layer: bool  # allocated inside a module (not in the optimizer step or top-level code)
     end: int | None = None
     end_tick: int | None = None
 
@@ -202,9 +203,9 @@ class LifetimePool(Layout):
         An object that lives across at most this many layer events
         (:class:`LayerEnter`/:class:`LayerExit`) is short-lived.
     min_group_bytes:
-        Long-lived groups of consecutive layer spans are merged until each
-        holds at least this many bytes (default ``4 * block``), bounding the
-        2 MB rounding per group.
+        A long-lived group (objects alive across the same layers) holding at
+        least this many bytes (default ``4 * block``) gets block-aligned
+        memory of its own; smaller groups are placed object by object.
     replan_threshold:
         Re-plan when more than this fraction of an iteration's planned-class
         bytes missed the plan (``None``: never re-plan).
@@ -247,6 +248,7 @@ class LifetimePool(Layout):
         self._iteration: int | None = None  # None: set-up, before the first boundary
         self._iter_clock = 0
         self._tick = 0
+        self._depth = 0  # module nesting depth from LayerEnter/LayerExit
         self._context: int | None = None
         self._ordinals: dict[tuple, int] = {}
         self._records: list[_Record] = []
@@ -349,9 +351,12 @@ class LifetimePool(Layout):
         elif isinstance(event, Launch):
             self._clock += 1
             self._context = event.exec_id
+            if self._depth == 0 and self._tick:
+                self._tick += 1  # a top-level op (optimizer step, loss) counts as a layer of its own
         elif isinstance(event, (LayerEnter, LayerExit)):
             self._clock += 1
             self._tick += 1
+            self._depth = self._depth + 1 if isinstance(event, LayerEnter) else max(self._depth - 1, 0)
 
     def observe_all(self, events: Iterable[Event]) -> None:
         for event in events:
@@ -385,7 +390,8 @@ class LifetimePool(Layout):
             ctx = (self._context, size, int(kind))
             ordinal = self._ordinals.get(ctx, 0)
             self._ordinals[ctx] = ordinal + 1
-            record = _Record((*ctx, ordinal), size, kind, self._clock - self._iter_clock, self._tick)
+            record = _Record((*ctx, ordinal), size, kind, self._clock - self._iter_clock, self._tick,
+                             self._depth > 0)
             self._records.append(record)
             self._stats.eligible_bytes += size
         if not self.planned:
@@ -434,7 +440,7 @@ class LifetimePool(Layout):
                 r_start, r_end, span = 0, length, (0, self._tick + 1)
             else:
                 r_start, r_end, span = r.start, r.end, (r.tick, r.end_tick)
-                if (span[1] - span[0] <= self.short_ticks) if saw_layers else r.kind == Kind.TEMPORARY:
+                if self._is_short(r, saw_layers):
                     short.append(r)
                     continue
             groups.setdefault(span if saw_layers else (), []).append(r)
@@ -457,27 +463,33 @@ class LifetimePool(Layout):
                 if id(r) in short_offsets:
                     new_plan[r.key] = (short_region, short_offsets[id(r)])
 
-        # Long-lived: merge consecutive layer spans into groups of >= min_group_bytes,
-        # pack each group, then place the groups as block-aligned super-objects.
-        merged: list[list[_Record]] = []
-        acc: list[_Record] = []
+        # Long-lived: each group of objects alive across the same layers that is big enough
+        # (>= min_group_bytes) is packed on its own and placed as one block-aligned
+        # super-object, so it shares no 2 MB block with another group; the objects of small
+        # groups are placed one by one in the gaps. One SmartPool pass places both, so groups
+        # that are never alive together reuse the same memory.
+        units: list[tuple[list[_Record], tuple[int | None, ...]]] = []
+        outer_items: list[Lifetime] = []
+        outer_align: list[int] = []
         for span in sorted(groups):
-            acc.extend(groups[span])
-            if sum(r.size for r in acc) >= self.min_group_bytes:
-                merged.append(acc)
-                acc = []
-        if acc:
-            merged.append(acc)
-        packed = []
-        for members in merged:
+            members = groups[span]
             lts = [lifetime(r) for r in members]
-            p = plan(lts, alignment=self.alignment)
-            span = (min(lt.start for lt in lts), max(max(lt.end, lt.start + 1) for lt in lts))
-            packed.append((members, p.offsets, Lifetime(span[0], span[1], _up(p.footprint, self.block))))
-        if packed:
-            outer = plan([g for _, _, g in packed], alignment=self.block)
+            if sum(r.size for r in members) >= self.min_group_bytes:
+                p = plan(lts, alignment=self.alignment)
+                units.append((members, p.offsets))
+                start = min(lt.start for lt in lts)
+                end = max(max(lt.end, lt.start + 1) for lt in lts)
+                outer_items.append(Lifetime(start, end, _up(p.footprint, self.block)))
+                outer_align.append(self.block)
+            else:
+                for r, lt in zip(members, lts):
+                    units.append(([r], (0,)))
+                    outer_items.append(lt)
+                    outer_align.append(self.alignment)
+        if units:
+            outer = plan(outer_items, alignments=outer_align)
             region = self._new_region("long-lived", outer.footprint)
-            for (members, offsets, _), base in zip(packed, outer.offsets):
+            for (members, offsets), base in zip(units, outer.offsets):
                 for r, off in zip(members, offsets):
                     new_plan[r.key] = (region, base + off)
 
@@ -492,6 +504,15 @@ class LifetimePool(Layout):
         learning = self._online["learning"]
         if learning.segments and not learning.used:
             learning.release()
+
+    def _is_short(self, r: _Record, saw_layers: bool) -> bool:
+        # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
+        # within ``short_ticks`` layer events. Big temporaries of the optimizer step or top-level
+        # code are not: they join the long-lived groups, whose placement lets them reuse the
+        # memory of activations that are dead by then.
+        if not saw_layers:
+            return r.kind == Kind.TEMPORARY
+        return r.in_layer and r.end_tick - r.tick <= self.short_ticks
 
     def _new_region(self, name: str, nbytes: int) -> _Region:
         nbytes = _up(max(nbytes, 1), self.block)

@@ -52,11 +52,12 @@ def plan(
     *,
     alignment: int = 1,
     limit: int | None = None,
+    alignments: Sequence[int] | None = None,
 ) -> Placement:
     """Place ``items`` largest first at the lowest offset free of lifetime-overlapping neighbours.
 
     ``alignment`` aligns every offset (sizes are used as given; an item's
-    footprint is ``nbytes``). With ``limit``, an item that would end beyond
+    footprint is ``nbytes``); ``alignments`` overrides it per item. With ``limit``, an item that would end beyond
     ``limit`` is left out (offset ``None``) instead of growing the pool.
     Ties are broken by ``(start, end, input index)``, so the result is a pure
     function of the input. An empty lifetime (``end <= start``) is treated as
@@ -65,9 +66,12 @@ def plan(
     Cost: O(n) vectorised work per item (O(n^2) overall), fine for the tens of
     thousands of objects of one training iteration.
     """
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment}")
     n = len(items)
+    aligns = [alignment] * n if alignments is None else list(alignments)
+    if len(aligns) != n:
+        raise ValueError(f"{len(aligns)} alignments for {n} items")
+    if any(a < 1 for a in aligns):
+        raise ValueError(f"alignments must be >= 1, got {min(aligns)}")
     starts = np.empty(n, dtype=np.int64)
     ends = np.empty(n, dtype=np.int64)
     sizes = np.empty(n, dtype=np.int64)
@@ -87,7 +91,7 @@ def plan(
     offsets: list[int | None] = [None] * n
     footprint = 0
     for i in order:
-        s, e, z = starts[i], ends[i], int(sizes[i])
+        s, e, z, a = starts[i], ends[i], int(sizes[i]), aligns[i]
         x = 0
         if k:
             overlap = (p_start[:k] < e) & (p_end[:k] > s)
@@ -99,7 +103,7 @@ def plan(
                 # Candidate j: just after every neighbour that starts before neighbour j.
                 cand = np.empty(len(lo) + 1, dtype=np.int64)
                 cand[0] = 0
-                cand[1:] = _align_up(np.maximum.accumulate(hi), alignment)
+                cand[1:] = _align_up(np.maximum.accumulate(hi), a)
                 fits = lo - cand[:-1] >= z
                 x = int(cand[int(np.argmax(fits))] if fits.any() else cand[-1])
         if limit is not None and x + z > limit:
