@@ -95,3 +95,51 @@ def test_simulate_runs_the_script_in_shadow_mode(boot):
     assert out.returncode == 7, out.stderr
     assert "SHADOW" in out.stdout and "['x'] a100-pcie4-40g 20% umrt" in out.stdout
     assert "ARGS" not in out.stdout  # the shadow run replaced the plain run
+
+
+# -- umrt run ------------------------------------------------------------------
+def _cli(argv):
+    from umrt.cli import main
+
+    return main(argv)
+
+
+@pytest.fixture
+def no_umrt_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("UMRT"):
+            monkeypatch.delenv(k)
+    import umrt.api
+
+    monkeypatch.setattr(umrt.api, "gpu_count", lambda: 0)
+    monkeypatch.setattr(umrt.api, "_said_no_gpu", False)
+
+
+def test_run_without_gpu_runs_script_unchanged(tmp_path, capsys, no_umrt_env):
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\nsys.exit(5)\n")
+    assert _cli(["run", str(script), "--lr", "3"]) == 5
+    out = capsys.readouterr()
+    assert "ARGV ['--lr', '3']" in out.out and out.err.count("no CUDA GPU found") == 1
+
+
+def test_run_simulate_calls_shadow(tmp_path, monkeypatch, no_umrt_env):
+    import types
+
+    seen = {}
+    shadow = types.ModuleType("umrt.shadow")
+    shadow.run_shadow = lambda script, argv, **kw: seen.update(script=script, argv=argv, **kw) or 0
+    monkeypatch.setitem(sys.modules, "umrt.shadow", shadow)
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('must not run for real')\n")
+    assert _cli(["run", "--simulate", "v100-pcie3-16g", "--gpu-memory", "20%", str(script), "x"]) == 0
+    assert seen == {"script": str(script), "argv": ["x"], "profile": "v100-pcie3-16g", "gpu_memory": "20%",
+                    "policy": "umrt"}
+
+
+def test_run_bad_input_exits_2(tmp_path, capsys, no_umrt_env):
+    assert _cli(["run", str(tmp_path / "missing.py")]) == 2
+    script = tmp_path / "s.py"
+    script.write_text("")
+    assert _cli(["run", "--gpu-memory", "lots", str(script)]) == 2
+    assert "--gpu-memory='lots'" in capsys.readouterr().err

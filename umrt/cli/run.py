@@ -1,0 +1,102 @@
+"""``umrt run [options] script.py [args...]``: run a training script under umrt.
+
+* ``--simulate PROFILE`` (or ``UMRT_SIMULATE``): shadow mode, no GPU needed:
+  the script runs on the meta device and umrt simulates it on ``PROFILE``
+  (:func:`umrt.shadow.run_shadow`).
+* On a CUDA machine: umrt is enabled (managed pool, torch allocator, runtime
+  policy), the script runs as ``__main__`` with ``sys.argv`` set, and an NVML
+  telemetry summary prints at exit.
+* Without a GPU and without ``--simulate``: one line says so and the script
+  runs unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from typing import Any
+
+from umrt.errors import ConfigError, UmrtError
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a training script with umrt (or simulate it with --simulate)",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--simulate", metavar="PROFILE", default=None,
+                   help="shadow mode: simulate the script on this hardware profile (name or JSON path)")
+    p.add_argument("--gpu-memory", metavar="AMOUNT", default=None,
+                   help="GPU memory budget: '20%%' or bytes like '12GiB' (UMRT_GPU_MEMORY)")
+    p.add_argument("--policy", default=None, help="policy name (UMRT_POLICY; default umrt)")
+    p.add_argument("--device", type=int, default=None, help="CUDA device index (UMRT_DEVICE)")
+    p.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
+                   help="do not sample NVML during the run")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from umrt.config import from_env, parse_amount
+
+    if args.gpu_memory is not None:
+        parse_amount(args.gpu_memory, "--gpu-memory")  # an error that names the flag
+    script = args.script
+    if not os.path.isfile(script):
+        raise ConfigError(f"script {script!r} not found")
+    overrides = {"simulate": args.simulate, "gpu_memory": args.gpu_memory, "policy": args.policy,
+                 "device": args.device}
+    cfg = from_env().replace(**{k: v for k, v in overrides.items() if v is not None})
+    if cfg.shadow:
+        return _shadow(cfg, script, list(args.args), gpu_memory=args.gpu_memory)
+
+    from umrt.api import enable, gpu_count, say_no_gpu_once
+
+    if gpu_count() == 0:
+        say_no_gpu_once(f"running {os.path.basename(script)} unchanged (use --simulate PROFILE for shadow mode)")
+        return run_script(script, list(args.args))
+    # Telemetry is on by default under `umrt run`; --no-telemetry or UMRT_TELEMETRY=0 turn it off.
+    telemetry = args.telemetry if args.telemetry is not None else (
+        cfg.telemetry if "UMRT_TELEMETRY" in os.environ else True)
+    session = enable(cfg, telemetry=telemetry)
+    for note in session.notes:
+        print(f"umrt: {note}", file=sys.stderr)
+    try:
+        return run_script(script, list(args.args))
+    finally:
+        from umrt.api import disable
+
+        disable()
+
+
+def _shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None) -> int:
+    try:
+        from umrt.shadow import run_shadow
+    except ImportError as exc:
+        raise UmrtError(f"shadow mode is not available in this umrt build ({exc})") from None
+    budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
+    return int(run_shadow(script, argv, profile=cfg.simulate, gpu_memory=budget, policy=cfg.policy) or 0)
+
+
+def run_script(script: str, argv: list[str]) -> int:
+    """Run ``script`` as ``__main__`` with ``sys.argv = [script, *argv]``; return its exit status."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
