@@ -1,0 +1,223 @@
+"""SimBackend as a Backend: policy actions, time on three engines, advice,
+data integrity."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from umrt.backends.base import HOST, Advice, Backend
+from umrt.errors import ConfigError, DataIntegrityError
+from umrt.hardware import load_profile
+from umrt.sim.backend import SimBackend
+
+MB = 1 << 20
+PAGE = 64 << 10
+BLOCK = 2 * MB
+PROFILE = load_profile("v100-pcie3-16g")
+OVERHEAD = PROFILE.prefetch_call_overhead_s
+
+
+def gpu(blocks: int = 64) -> SimBackend:
+    return SimBackend(PROFILE, blocks * BLOCK)
+
+
+def host_data(b: SimBackend, nbytes: int) -> int:
+    ptr = b.malloc(nbytes)
+    b.mark_host_written([(ptr, nbytes)])
+    return ptr
+
+
+def test_is_a_backend_with_a_budget():
+    b = gpu(4)
+    assert isinstance(b, Backend) and b.name == "sim"
+    assert b.mem_info() == (4 * BLOCK, 4 * BLOCK)
+    with pytest.raises(ConfigError, match="2 MB"):
+        SimBackend(PROFILE, MB)
+    assert SimBackend(PROFILE, math.inf).mem_info()[1] > 1 << 50
+
+
+def test_prefetch_then_launch_waits_for_the_copy_instead_of_faulting():
+    b = gpu()
+    ptr = host_data(b, 8 * BLOCK)
+    b.prefetch([(ptr, 8 * BLOCK)], 0)
+    b.launch([(ptr, 8 * BLOCK)], [], 0, 0)
+    assert b.faults == 0
+    copy = 8 * PROFILE.transfer_time(BLOCK)  # pipelined per 2 MB VA block
+    assert b.breakdown["transfer_wait_s"] == pytest.approx(copy, rel=1e-6)
+    assert b.breakdown["overhead_s"] == pytest.approx(OVERHEAD)
+    assert b.now() == pytest.approx(OVERHEAD + copy + PROFILE.launch_floor_s, rel=1e-6)
+
+
+def test_prefetch_overlaps_compute():
+    b = gpu()
+    ptr = host_data(b, 4 * BLOCK)
+    work = b.malloc(BLOCK)
+    b.prefetch([(ptr, 4 * BLOCK)], 0)
+    long_kernel = int(PROFILE.peak_flops * PROFILE.compute_efficiency * 0.01)  # 10 ms
+    b.launch([], [(work, BLOCK)], long_kernel, 0)
+    b.launch([(ptr, 4 * BLOCK)], [], 0, 0)
+    assert b.faults == 32  # only the first touch of `work`
+    assert b.breakdown["transfer_wait_s"] == 0.0
+
+
+def test_h2d_and_d2h_engines_run_concurrently():
+    b = gpu()
+    out = host_data(b, 8 * BLOCK)
+    inn = host_data(b, 8 * BLOCK)
+    b.prefetch([(out, 8 * BLOCK)], 0)
+    b.synchronize()
+    t0 = b.now()
+    b.prefetch([(out, 8 * BLOCK)], HOST)
+    b.prefetch([(inn, 8 * BLOCK)], 0)
+    b.synchronize()
+    one_way = 8 * PROFILE.transfer_time(BLOCK)
+    assert b.now() - t0 == pytest.approx(one_way + 2 * OVERHEAD, rel=1e-6)  # not 2 * one_way
+    assert b.d2h_bytes == 8 * BLOCK and b.h2d_bytes == 16 * BLOCK
+
+
+def test_prefetch_to_host_frees_capacity_once_the_copy_is_done():
+    b = gpu(4)
+    a = host_data(b, 4 * BLOCK)
+    c = host_data(b, 4 * BLOCK)
+    b.prefetch([(a, 4 * BLOCK)], 0)
+    b.prefetch([(a, 4 * BLOCK)], HOST)
+    b.prefetch([(c, 4 * BLOCK)], 0)  # waits for the D2H copies, evicts nothing
+    assert b.evictions == 0
+    b.launch([(c, 4 * BLOCK)], [], 0, 0)
+    assert b.faults == 0
+    assert b.resident_fraction([(a, 4 * BLOCK)]) == 0.0
+
+
+def test_prefetch_to_gpu_evicts_on_demand_when_full():
+    b = gpu(2)
+    a, c = host_data(b, 2 * BLOCK), host_data(b, 2 * BLOCK)
+    b.prefetch([(a, 2 * BLOCK)], 0)
+    b.prefetch([(c, 2 * BLOCK)], 0)
+    assert b.evictions == 2 and b.resident_bytes == 2 * BLOCK
+    assert b.resident_fraction([(c, 2 * BLOCK)]) == 1.0
+
+
+def test_reading_never_written_data_is_an_integrity_error():
+    b = gpu()
+    ptr = b.malloc(BLOCK)
+    with pytest.raises(DataIntegrityError, match="never written"):
+        b.launch([(ptr, 16)], [], 0, 0)
+    b.launch([], [(ptr, 1024)], 0, 0)
+    b.launch([(ptr, 1024)], [], 0, 0)  # written: fine
+    with pytest.raises(DataIntegrityError):
+        b.launch([(ptr + 1000, 100)], [], 0, 0)  # straddles the written end
+
+
+def test_discard_of_live_data_is_caught_and_writing_undoes_it():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.discard([(ptr + PAGE, PAGE)])
+    b.launch([(ptr, PAGE)], [], 0, 0)  # the neighbour is intact
+    with pytest.raises(DataIntegrityError, match="discarded"):
+        b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.launch([], [(ptr + PAGE, PAGE)], 0, 0)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+
+
+def test_mark_dead_is_bookkeeping_only():
+    b = gpu(1)
+    ptr, other = host_data(b, BLOCK), host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.mark_dead([(ptr, BLOCK)])
+    with pytest.raises(DataIntegrityError):
+        b.launch([(ptr, 8)], [], 0, 0)
+    b.launch([(other, BLOCK)], [], 0, 0)  # the driver does not know: dead pages are copied back
+    assert b.d2h_bytes == BLOCK
+    assert b.calls == 0
+
+
+def test_discard_skips_copy_back_only_for_whole_pages():
+    b = gpu(1)
+    ptr, other = host_data(b, BLOCK), host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.discard([(ptr, BLOCK - PAGE // 2)])  # the last page is only half covered
+    b.launch([(other, BLOCK)], [], 0, 0)
+    assert b.d2h_bytes == PAGE
+
+
+def test_accessed_by_reads_host_data_over_the_link():
+    b = gpu()
+    ptr = host_data(b, 8 * BLOCK)
+    b.advise([(ptr, 8 * BLOCK)], Advice.SET_ACCESSED_BY, 0)
+    b.launch([(ptr, 8 * BLOCK)], [], 0, 0)
+    assert b.faults == 0 and b.resident_bytes == 0
+    assert b.h2d_bytes == 8 * BLOCK
+    assert b.breakdown["remote_access_s"] == pytest.approx(8 * BLOCK / PROFILE.h2d_bandwidth - PROFILE.launch_floor_s)
+
+
+def test_preferred_location_host_maps_instead_of_migrating():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    b.advise([(ptr, BLOCK)], Advice.SET_PREFERRED_LOCATION, HOST)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    assert b.faults == 32  # the first access faults to map, the second does not
+    assert b.resident_bytes == 0 and b.h2d_bytes == 2 * BLOCK
+    b.prefetch([(ptr, BLOCK)], 0)  # an explicit prefetch still migrates
+    assert b.resident_bytes == BLOCK
+
+
+def test_policy_calls_cost_overhead_before_the_next_launch():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    for _ in range(3):
+        b.advise([(ptr, BLOCK)], Advice.SET_PREFERRED_LOCATION, 0)
+    b.launch([], [], 0, 0)
+    assert b.calls == 3
+    assert b.breakdown["overhead_s"] == pytest.approx(3 * OVERHEAD)
+
+
+def test_actions_start_no_earlier_than_the_next_launch_would():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    work = b.malloc(BLOCK)
+    ten_ms = int(PROFILE.peak_flops * PROFILE.compute_efficiency * 0.01)
+    b.launch([], [(work, BLOCK)], ten_ms, 0)
+    t = b.now()
+    b.prefetch([(ptr, BLOCK)], 0)
+    b.synchronize()
+    assert b.now() == pytest.approx(t + OVERHEAD + PROFILE.transfer_time(BLOCK), rel=1e-6)
+
+
+def test_free_drops_pages_and_content_and_reuses_the_address_space():
+    b = gpu(2)
+    ptr = host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.free(ptr)
+    assert b.resident_bytes == 0 and b.d2h_bytes == 0
+    again = b.malloc(BLOCK)
+    assert again == ptr
+    with pytest.raises(DataIntegrityError):
+        b.launch([(again, 8)], [], 0, 0)
+    with pytest.raises(ValueError, match="not a live allocation"):
+        b.free(ptr + 4096)
+
+
+def test_ranges_outside_allocations_are_rejected():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    with pytest.raises(ValueError, match="managed allocation"):
+        b.prefetch([(ptr, 2 * BLOCK)], 0)
+    with pytest.raises(ValueError, match="device 3"):
+        b.prefetch([(ptr, BLOCK)], 3)
+    with pytest.raises(ValueError, match="outside"):
+        b.launch([], [(ptr + 10 * BLOCK, 8)], 0, 0)
+
+
+def test_counters_snapshot():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 10**9, 10**6)
+    c = b.counters()
+    for key in ("time_s", "faults", "fault_batches", "evictions", "h2d_bytes", "d2h_bytes", "page_events",
+                "compute_s", "fault_stall_s", "transfer_wait_s", "overhead_s"):
+        assert key in c
+    assert c["faults"] == 32 and c["page_events"] >= 64
+    assert c["time_s"] == pytest.approx(sum(b.breakdown.values()))

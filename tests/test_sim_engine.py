@@ -1,0 +1,158 @@
+"""The simulator's page-level mechanics: faults, batching, the density
+prefetcher, eviction order and copy-back (umrt.sim.engine via SimBackend)."""
+from __future__ import annotations
+
+import pytest
+
+from umrt.backends.base import HOST, Advice
+from umrt.hardware import load_profile
+from umrt.sim import engine as E
+from umrt.sim.backend import SimBackend
+
+MB = 1 << 20
+PAGE = 64 << 10
+BLOCK = 2 * MB
+PROFILE = load_profile("v100-pcie3-16g")
+
+
+def gpu(blocks: int) -> SimBackend:
+    return SimBackend(PROFILE, blocks * BLOCK)
+
+
+def host_block(b: SimBackend, nbytes: int = BLOCK) -> int:
+    """A managed allocation whose content was written on the host."""
+    ptr = b.malloc(nbytes)
+    b.mark_host_written([(ptr, nbytes)])
+    return ptr
+
+
+def read(b: SimBackend, ptr: int, nbytes: int) -> None:
+    b.launch([(ptr, nbytes)], [], 0, 0)
+
+
+@pytest.mark.parametrize("pages, migrated", [(16, 16), (17, 32), (1, 1), (32, 32)])
+def test_density_prefetcher_takes_the_whole_block_above_51_percent(pages, migrated):
+    b = gpu(8)
+    ptr = host_block(b)
+    read(b, ptr, pages * PAGE)
+    assert b.faults == pages  # one entry per faulted 64 KB page
+    assert b.h2d_bytes == migrated * PAGE
+    assert b.resident_bytes == migrated * PAGE
+
+
+def test_prefetcher_counts_resident_pages_and_never_crosses_the_block():
+    b = gpu(8)
+    ptr = host_block(b, 2 * BLOCK)
+    read(b, ptr, 16 * PAGE)  # half of block 0: exactly 16 pages come
+    assert b.resident_bytes == 16 * PAGE
+    read(b, ptr + 16 * PAGE, PAGE)  # one more fault: 17/32 resident-or-faulted > 51%
+    assert b.resident_bytes == BLOCK  # the whole first block, nothing of the second
+    assert b.resident_fraction([(ptr + BLOCK, BLOCK)]) == 0.0
+
+
+def test_scattered_pages_above_threshold_also_fill_the_block():
+    b = gpu(8)
+    ptr = host_block(b)
+    # pages 0, 2, 4, ... 30 (16) and 1: 17 of 32 -> the root subtree exceeds 51%
+    touched = [(ptr + i * PAGE, PAGE) for i in [*range(0, 32, 2), 1]]
+    b.launch(touched, [], 0, 0)
+    assert b.resident_bytes == BLOCK
+
+
+def test_faults_are_serviced_in_batches_of_256():
+    b = gpu(64)
+    ptr = host_block(b, 10 * BLOCK)
+    read(b, ptr, 10 * BLOCK)  # 320 faulted pages
+    assert b.faults == 320
+    assert b.fault_batches == 2
+    stall = b.breakdown["fault_stall_s"]
+    copy = 10 * PROFILE.transfer_time(BLOCK)
+    assert stall == pytest.approx(2 * PROFILE.fault_batch_latency_s + copy, rel=1e-6)
+
+
+def test_resident_pages_do_not_fault_again():
+    b = gpu(8)
+    ptr = host_block(b)
+    read(b, ptr, BLOCK)
+    read(b, ptr, BLOCK)
+    assert b.faults == 32 and b.fault_batches == 1
+
+
+def test_eviction_is_lru_by_migration_time_not_by_access():
+    b = gpu(2)
+    first, second, third = (host_block(b) for _ in range(3))
+    read(b, first, BLOCK)
+    read(b, second, BLOCK)
+    read(b, first, BLOCK)  # a hit: first is accessed last but migrated first
+    read(b, third, BLOCK)
+    assert b.evictions == 1
+    assert b.resident_fraction([(first, BLOCK)]) == 0.0
+    assert b.resident_fraction([(second, BLOCK)]) == 1.0
+    assert b.d2h_bytes == BLOCK  # the victim's pages are copied back
+
+
+def test_discarded_blocks_are_evicted_first_without_copy_back():
+    b = gpu(2)
+    first, second, third = (host_block(b) for _ in range(3))
+    read(b, first, BLOCK)
+    read(b, second, BLOCK)
+    b.discard([(second, BLOCK)])
+    read(b, third, BLOCK)
+    assert b.resident_fraction([(second, BLOCK)]) == 0.0  # not the older first block
+    assert b.resident_fraction([(first, BLOCK)]) == 1.0
+    assert b.d2h_bytes == 0
+
+
+def test_clean_read_mostly_copies_are_dropped_without_copy_back():
+    b = gpu(1)
+    rm, other = host_block(b), host_block(b)
+    b.advise([(rm, BLOCK)], Advice.SET_READ_MOSTLY, 0)
+    read(b, rm, BLOCK)
+    read(b, other, BLOCK)  # evicts the read-mostly copy
+    assert b.evictions == 1 and b.d2h_bytes == 0
+
+
+def test_a_write_collapses_read_mostly_copies_so_eviction_copies_back():
+    b = gpu(1)
+    rm, other = host_block(b), host_block(b)
+    b.advise([(rm, BLOCK)], Advice.SET_READ_MOSTLY, 0)
+    read(b, rm, BLOCK)
+    faults = b.faults
+    b.launch([], [(rm, PAGE)], 0, 0)
+    assert b.faults == faults + 1  # revoking the host copy is a fault, with no transfer
+    read(b, other, BLOCK)
+    assert b.d2h_bytes == PAGE  # only the written page was dirty
+
+
+def test_never_written_pages_populate_without_a_copy():
+    b = gpu(8)
+    ptr = b.malloc(BLOCK)
+    b.launch([], [(ptr, BLOCK)], 0, 0)  # first touch is a write
+    assert b.faults == 32 and b.h2d_bytes == 0
+    assert b.resident_bytes == BLOCK
+
+
+def test_capacity_is_never_exceeded_and_peak_is_tracked():
+    b = gpu(3)
+    ptrs = [host_block(b) for _ in range(6)]
+    for _ in range(2):
+        for p in ptrs:
+            read(b, p, BLOCK)
+            assert b.resident_bytes <= 3 * BLOCK
+    assert b.peak_resident_bytes == 3 * BLOCK
+    assert b.evictions == 9
+
+
+def test_fault_log_reports_block_addresses_in_order():
+    b = gpu(8)
+    a, c = host_block(b, 2 * BLOCK), host_block(b)
+    read(b, c, PAGE)
+    read(b, a + BLOCK, PAGE)
+    read(b, a, PAGE)
+    assert b.drain_faults() == [c, a + BLOCK, a]
+    assert b.drain_faults() == []
+
+
+def test_engine_constants_follow_the_driver():
+    assert E.PAGE == 64 << 10 and E.BLOCK == 2 << 20 and E.PAGES_PER_BLOCK == 32
+    assert PROFILE.fault_batch_size == 256 and PROFILE.prefetch_threshold == 51
