@@ -124,10 +124,22 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
     flat = sorted((p, p + n, name) for name, rs in ranges.items() for p, n in rs)
     for (_, end, a), (start, _, b) in zip(flat, flat[1:]):
         assert end <= start, f"arenas {a} and {b} share memory"
+    # The planned region is the short-lived arena plus the long-lived one around it; outside
+    # the short-lived span, planned objects may also reuse the short-lived range.
+    planned = sorted(ranges["short-lived"] + ranges["long-lived"])
+    merged: list[list[int]] = []
+    for lo, m in planned:
+        if merged and merged[-1][1] == lo:
+            merged[-1][1] = lo + m
+        else:
+            merged.append([lo, lo + m])
     for o, n in sizes.items():
         p = pool.address(o)
+        arena = pool.arena_of(o)
         assert p % 512 == 0, "objects are 512-B aligned like PyTorch's blocks"
-        assert any(lo <= p and p + n <= lo + m for lo, m in ranges[pool.arena_of(o)])
+        assert any(lo <= p < lo + m for lo, m in ranges[arena]), f"object {o} outside its {arena} arena"
+        holders = merged if arena in ("short-lived", "long-lived") else [[lo, lo + m] for lo, m in ranges[arena]]
+        assert any(lo <= p and p + n <= hi for lo, hi in holders), f"object {o} outside its region"
     assert pool.footprint() >= sum(n for rs in ranges.values() for _, n in rs)
 
 

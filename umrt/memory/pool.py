@@ -78,11 +78,15 @@ class _Online:
     """Best-fit sub-allocator over block-aligned segments of one arena.
 
     Blocks are split exactly and coalesced with free neighbours inside the
-    same segment; segments are kept until :meth:`release`.
+    same segment; segments are kept until :meth:`release`. With ``slab``, a
+    miss for ``s`` bytes obtains room for up to ``k`` such objects (at most
+    ``slab`` bytes) when that wastes less of the last 2 MB block: model state
+    comes in runs of equal sizes (one tensor per layer, times parameters,
+    gradients and optimizer moments), and the room left is open to any size.
     """
 
-    def __init__(self, pool: "LifetimePool", name: str) -> None:
-        self.pool, self.name = pool, name
+    def __init__(self, pool: "LifetimePool", name: str, slab: int = 0) -> None:
+        self.pool, self.name, self.slab = pool, name, slab
         self.segments: list[tuple[int, int]] = []
         self._seg_starts: set[int] = set()
         self._seg_ends: set[int] = set()
@@ -94,7 +98,7 @@ class _Online:
     def alloc(self, size: int) -> int:
         i = bisect.bisect_left(self._free_keys, (size, -1))
         if i == len(self._free_keys):
-            seg = _up(size, self.pool.block)
+            seg = self._segment_size(size)
             ptr = self.pool._malloc(seg)
             self.segments.append((ptr, seg))
             self._seg_starts.add(ptr)
@@ -122,12 +126,24 @@ class _Online:
             ptr, size = pptr, psize + size
         self._add_free(ptr, size)
 
+    def _segment_size(self, size: int) -> int:
+        block = self.pool.block
+        best = _up(size, block)
+        waste = (best - size) / best
+        for k in range(2, 9):
+            seg = _up(k * size, block)
+            if k * size > self.slab or waste <= 1 / 64:
+                break
+            if (seg - k * size) / seg < waste:
+                best, waste = seg, (seg - k * size) / seg
+        return best
+
     def release(self) -> None:
         """Return every segment to the backend (only when nothing is live)."""
         assert not self.used
         for ptr, _ in self.segments:
             self.pool._release(ptr)
-        self.__init__(self.pool, self.name)
+        self.__init__(self.pool, self.name, self.slab)
 
     def _add_free(self, ptr: int, size: int) -> None:
         bisect.insort(self._free_keys, (size, ptr))
@@ -156,13 +172,24 @@ class _Record:
 
 @dataclass(slots=True)
 class _Region:
-    """A planned arena: one aligned backend allocation."""
+    """The planned region: one aligned backend allocation holding the short-lived
+    arena (a block-aligned sub-range) and the long-lived arena (the rest)."""
 
-    name: str
     ptr: int
     nbytes: int
+    short: tuple[int, int] = (0, 0)  # (ptr, nbytes) of the short-lived arena
     live: int = 0
     retired: bool = False
+
+    def arena_at(self, ptr: int) -> str:
+        lo, n = self.short
+        return "short-lived" if lo <= ptr < lo + n else "long-lived"
+
+    def ranges(self) -> dict[str, list[tuple[int, int]]]:
+        lo, n = self.short
+        end = self.ptr + self.nbytes
+        long = [(a, b - a) for a, b in ((self.ptr, lo), (lo + n, end)) if b > a] if n else [(self.ptr, self.nbytes)]
+        return {"short-lived": [(lo, n)] if n else [], "long-lived": long}
 
 
 @dataclass(slots=True)
@@ -236,7 +263,11 @@ class LifetimePool(Layout):
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
         self.peak_footprint = 0
-        self._online = {name: _Online(self, name) for name in ("persistent", "learning", "overflow")}
+        self._online = {
+            "persistent": _Online(self, "persistent", slab=32 * block),
+            "learning": _Online(self, "learning"),
+            "overflow": _Online(self, "overflow"),
+        }
         self._regions: list[_Region] = []
         self._live: dict[int, _Live] = {}
         self._live_planned: list[tuple[int, int]] = []  # sorted (ptr, end) of live planned objects
@@ -327,7 +358,8 @@ class LifetimePool(Layout):
         for name, arena in self._online.items():
             out[name].extend(arena.segments)
         for region in self._regions:
-            out[region.name].append((region.ptr, region.nbytes))
+            for name, ranges in region.ranges().items():
+                out[name].extend(ranges)
         return out
 
     def on_iteration_boundary(self, index: int) -> None:
@@ -409,7 +441,7 @@ class LifetimePool(Layout):
                 region.live += 1
                 self._stats.hits += 1
                 self.totals.hits += 1
-                return _Live(region.name, ptr, size, nbytes, region, record, self._iteration)
+                return _Live(region.arena_at(ptr), ptr, size, nbytes, region, record, self._iteration)
             self._stats.conflicts += 1
             self.totals.conflicts += 1
         self._stats.misses += 1
@@ -433,63 +465,71 @@ class LifetimePool(Layout):
         old_regions = list(self._regions)
         length = self._clock - self._iter_clock
         saw_layers = self._tick > 0
+
+        def lifetime(r: _Record) -> Lifetime:
+            # An object alive across the boundary is planned as alive all along.
+            return Lifetime(0, length, r.size) if r.end is None else Lifetime(r.start, r.end, r.size)
+
+        def span(r: _Record) -> tuple:
+            if not saw_layers:
+                return ()
+            return (0, self._tick + 1) if r.end is None else (r.tick, r.end_tick)
+
         short: list[_Record] = []
         groups: dict[tuple, list[_Record]] = {}
         for r in self._records:
-            if r.end is None:  # alive across the boundary: planned as alive all along
-                r_start, r_end, span = 0, length, (0, self._tick + 1)
+            if r.end is not None and self._is_short(r, saw_layers):
+                short.append(r)
             else:
-                r_start, r_end, span = r.start, r.end, (r.tick, r.end_tick)
-                if self._is_short(r, saw_layers):
-                    short.append(r)
-                    continue
-            groups.setdefault(span if saw_layers else (), []).append(r)
+                groups.setdefault(span(r), []).append(r)
 
-        def lifetime(r: _Record) -> Lifetime:
-            return Lifetime(0, length, r.size) if r.end is None else Lifetime(r.start, r.end, r.size)
+        # The units placed in the planned region by one SmartPool pass, as
+        # (records, their offsets inside the unit, the unit's name):
+        # * the short-lived arena, packed on its own (capped; what does not fit is long-lived),
+        #   as one block-aligned super-object alive from its first to its last temporary;
+        # * each long-lived group of objects alive across the same layers that is big enough
+        #   (>= min_group_bytes), packed on its own, as a block-aligned super-object;
+        # * the objects of small long-lived groups, one by one in the gaps.
+        # Units never alive together reuse the same memory, and no 2 MB block is shared
+        # by two super-objects, so neither by two lifetime classes at once.
+        units: list[tuple[list[_Record], tuple[int | None, ...], str]] = []
+        items: list[Lifetime] = []
+        aligns: list[int] = []
+
+        def add_group(members: list[_Record], name: str) -> None:
+            lts = [lifetime(r) for r in members]
+            p = plan(lts, alignment=self.alignment)
+            units.append((members, p.offsets, name))
+            start = min(lt.start for lt in lts)
+            end = max(max(lt.end, lt.start + 1) for lt in lts)
+            items.append(Lifetime(start, end, _up(p.footprint, self.block)))
+            aligns.append(self.block)
+
+        if short:
+            p = plan([lifetime(r) for r in short], alignment=self.alignment, limit=self.short_lived_bytes)
+            fits = [r for r, off in zip(short, p.offsets) if off is not None]
+            for r, off in zip(short, p.offsets):
+                if off is None:
+                    groups.setdefault(span(r), []).append(r)
+            if fits:
+                add_group(fits, "short-lived")
+        for key in sorted(groups):
+            members = groups[key]
+            if sum(r.size for r in members) >= self.min_group_bytes:
+                add_group(members, "long-lived")
+            else:
+                for r in members:
+                    units.append(([r], (0,), "long-lived"))
+                    items.append(lifetime(r))
+                    aligns.append(self.alignment)
 
         new_plan: dict[PlanKey, tuple[_Region, int]] = {}
-        # Short-lived: one arena, capped; what does not fit joins the long-lived groups.
-        short_offsets: dict[int, int] = {}
-        if short:
-            placement = plan([lifetime(r) for r in short], alignment=self.alignment, limit=self.short_lived_bytes)
-            for r, off in zip(short, placement.offsets):
-                if off is None:
-                    groups.setdefault((r.tick, r.end_tick) if saw_layers else (), []).append(r)
-                else:
-                    short_offsets[id(r)] = off
-            short_region = self._new_region("short-lived", placement.footprint) if placement.footprint else None
-            for r in short:
-                if id(r) in short_offsets:
-                    new_plan[r.key] = (short_region, short_offsets[id(r)])
-
-        # Long-lived: each group of objects alive across the same layers that is big enough
-        # (>= min_group_bytes) is packed on its own and placed as one block-aligned
-        # super-object, so it shares no 2 MB block with another group; the objects of small
-        # groups are placed one by one in the gaps. One SmartPool pass places both, so groups
-        # that are never alive together reuse the same memory.
-        units: list[tuple[list[_Record], tuple[int | None, ...]]] = []
-        outer_items: list[Lifetime] = []
-        outer_align: list[int] = []
-        for span in sorted(groups):
-            members = groups[span]
-            lts = [lifetime(r) for r in members]
-            if sum(r.size for r in members) >= self.min_group_bytes:
-                p = plan(lts, alignment=self.alignment)
-                units.append((members, p.offsets))
-                start = min(lt.start for lt in lts)
-                end = max(max(lt.end, lt.start + 1) for lt in lts)
-                outer_items.append(Lifetime(start, end, _up(p.footprint, self.block)))
-                outer_align.append(self.block)
-            else:
-                for r, lt in zip(members, lts):
-                    units.append(([r], (0,)))
-                    outer_items.append(lt)
-                    outer_align.append(self.alignment)
         if units:
-            outer = plan(outer_items, alignments=outer_align)
-            region = self._new_region("long-lived", outer.footprint)
-            for (members, offsets), base in zip(units, outer.offsets):
+            outer = plan(items, alignments=aligns)
+            region = self._new_region(outer.footprint)
+            for (members, offsets, name), base, item in zip(units, outer.offsets, items):
+                if name == "short-lived":
+                    region.short = (region.ptr + base, item.nbytes)
                 for r, off in zip(members, offsets):
                     new_plan[r.key] = (region, base + off)
 
@@ -514,9 +554,9 @@ class LifetimePool(Layout):
             return r.kind == Kind.TEMPORARY
         return r.in_layer and r.end_tick - r.tick <= self.short_ticks
 
-    def _new_region(self, name: str, nbytes: int) -> _Region:
+    def _new_region(self, nbytes: int) -> _Region:
         nbytes = _up(max(nbytes, 1), self.block)
-        region = _Region(name, self._malloc(nbytes), nbytes)
+        region = _Region(self._malloc(nbytes), nbytes)
         self._regions.append(region)
         return region
 
