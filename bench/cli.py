@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--from-json", type=Path, metavar="FILE",
                    help="do not simulate: re-render (and --check-targets) an earlier results JSON")
     x.add_argument("--refresh-traces", action="store_true", help="re-make cached traces")
+    x.add_argument("--cache", type=Path, metavar="DIR", help="trace cache directory (default: bench/.cache)")
     p.set_defaults(func=run)
 
 
@@ -130,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
         grid = grid_from_args(args)
         from bench.grid import CACHE_DIR, trace_for
 
-        trace_fn = (lambda m, b, s: trace_for(m, b, s, cache_dir=CACHE_DIR, refresh=True)) if args.refresh_traces else None
-        rows = run_grid(grid, progress=not args.no_progress, trace_fn=trace_fn)
+        cache = args.cache or CACHE_DIR
+        rows = run_grid(grid, progress=not args.no_progress,
+                        trace_fn=lambda m, b, s: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces))
         report.write_json(rows, json_path, meta={"grid": {
             "models": grid.models, "budgets": grid.budgets, "profiles": grid.profiles,
             "policies": grid.policies, "batch": grid.batch, "seq": grid.seq, "iterations": grid.iterations}})

@@ -189,13 +189,15 @@ def test_presets_match_the_issues():
     reason="simulator or model zoo not built yet",
 )
 def test_bench_end_to_end_on_a_tiny_model(tmp_path):
-    model = "hf:GPT2Config:n_layer=2,n_embd=64,n_head=2,vocab_size=256,n_positions=64"
-    code = main(["--models", model, "--batch", "2", "--seq", "32", "--budgets", "30%", "100%",
+    model = "hf:GPT2Config:n_layer=2,n_embd=256,n_head=4,vocab_size=2048,n_positions=128"
+    code = main(["--models", model, "--batch", "4", "--seq", "128", "--budgets", "30%", "100%",
                  "--profiles", "v100-pcie3-32g", "--policies", "ideal", "um", "oracle",
-                 "--iterations", "2", "--out", str(tmp_path), "--no-progress"])
+                 "--iterations", "2", "--out", str(tmp_path), "--no-progress",
+                 "--cache", str(tmp_path / "cache")])
     assert code == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     assert len(doc["cells"]) == 6
     assert all(c["error"] is None for c in doc["cells"]), [c["error"] for c in doc["cells"]]
     assert (tmp_path / "results.csv").exists() and (tmp_path / "results.md").exists()
     assert list((tmp_path / "plots").glob("*.png"))
+    assert list((tmp_path / "cache").glob("*.umrt"))  # the trace was cached

@@ -110,6 +110,8 @@ class FakeDriver(Backend):
         self.faults = self.driver_evictions = self.peak = 0
         self.calls: list[tuple] = []
         self.current = None  # event being handled (set by the drive loop)
+        self.current_ptr = None  # the address of the object it frees, if a Free
+        self.live: set[int] = set()  # addresses of live objects
 
     def _bring(self, ptr, n):
         if ptr in self.resident:
@@ -138,7 +140,8 @@ class FakeDriver(Backend):
     def discard(self, ranges):
         self.calls.append(("discard", tuple(ranges)))
         for ptr, n in ranges:
-            assert isinstance(self.current, Free), "discard outside a Free"
+            dying = isinstance(self.current, Free) and self.current_ptr == ptr
+            assert dying or ptr not in self.live, "discard of a live object"
             self.resident.pop(ptr, None)
             self.valid.discard(ptr)
             self.discarded.add(ptr)
@@ -168,14 +171,16 @@ def drive(policy, events, capacity, *, budget=None):
     for e in events:
         backend.current = e
         if isinstance(e, Alloc):
-            layout.alloc(e.obj, e.nbytes, e.kind)
+            backend.live.add(layout.alloc(e.obj, e.nbytes, e.kind))
             policy.on_event(e)
         elif isinstance(e, Launch):
             policy.on_event(e)
             rng = lambda a: (layout.address(a.obj), layout.size[a.obj])  # noqa: E731
             backend.launch([rng(a) for a in e.reads], [rng(a) for a in e.writes], e.flops, e.bytes)
         elif isinstance(e, Free):
+            backend.current_ptr = layout.address(e.obj)
             policy.on_event(e)
+            backend.live.discard(backend.current_ptr)
             layout.free(e.obj)
         else:
             if isinstance(e, IterationBoundary):

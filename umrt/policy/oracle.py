@@ -118,7 +118,6 @@ class OraclePlan:
     capacity: int  # bytes the plan may keep resident
     evict: dict[int, list[Uid]] = field(default_factory=lambda: defaultdict(list))
     prefetch: dict[int, list[Uid]] = field(default_factory=lambda: defaultdict(list))
-    discard: set[int] = field(default_factory=set)  # positions of Frees whose object is resident
     peak_bytes: int = 0  # most planned resident bytes at any point of the steady-state lap
     unplanned_launches: int = 0  # launches whose working set alone exceeds the capacity
 
@@ -179,17 +178,26 @@ def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10
             if x in resident:
                 intervals.append((resident.pop(x), t, x, False))
                 used -= size(x)
-                if L <= t < 2 * L:
-                    plan.discard.add(t - L)
             continue
         u = uses.get(t)
         if u is None:
             continue
         need = [x for x in u if x not in resident]
         if sum(size(x) for x in u) > capacity:
+            # Its working set alone exceeds the budget (e.g. a foreach optimizer
+            # step over every parameter): the driver faults it through and
+            # evicts as it goes, so afterwards nothing planned can be assumed
+            # resident. Plan nothing for it and start again from empty.
             if L <= t < 2 * L:
                 plan.unplanned_launches += 1
-            need = []  # the driver will fault what does not fit; plan nothing for it
+            intervals.extend((start, t, x, False) for x, start in resident.items())
+            resident.clear()
+            heap.clear()
+            used = 0
+            for x in u:
+                nxt[x] += 1
+                last_use[x] = t
+            continue
         need_bytes = sum(size(x) for x in need)
         in_use = set(u)
         parked = []
@@ -272,6 +280,11 @@ class OraclePolicy(Policy):
         self._prev: dict[int, int] = {}  # same, previous iteration
         self._rpair = {y: x for x, y in self.template.pair.items()}
         self._nbytes: dict[int, int] = {}
+        self._discards: list[tuple[int, int]] = []  # pending calls, issued by _flush
+        self._evicts: list[tuple[int, int]] = []
+        self._releases: list[tuple[int, int]] = []  # dead pages to hand back (see _act)
+        self._prefetches: list[tuple[int, int]] = []
+        self._pending_objs: set[int] = set()
         self.stats = {"prefetches": 0, "evictions": 0, "discards": 0, "matched_iterations": 0,
                       "unmatched_iterations": 0, "unresolved": 0}
 
@@ -309,6 +322,7 @@ class OraclePolicy(Policy):
     # -- following the template -------------------------------------------------
 
     def _boundary(self) -> None:
+        self._flush()
         if self._pos is not None:
             done = self._pos == len(self.template.ops) and not self._lost
             self.stats["matched_iterations" if done else "unmatched_iterations"] += 1
@@ -346,8 +360,7 @@ class OraclePolicy(Policy):
             return self._cur.get(carried, carried) if carried is not None else None
         return None
 
-    def _ranges(self, uids: list[Uid]) -> list[tuple[int, int]]:
-        out = []
+    def _resolve_into(self, uids: list[Uid], out: list[tuple[int, int]]) -> None:
         for uid in uids:
             obj = self._resolve(uid)
             if obj is None:
@@ -361,25 +374,48 @@ class OraclePolicy(Policy):
             nbytes = self._nbytes.get(obj, self.template.sizes.get(uid[0], 0))
             if nbytes > 0:
                 out.append((ptr, nbytes))
-        return out
+                self._pending_objs.add(obj)
 
     def _act(self, p: int, event: Event) -> None:
+        # Actions are collected and issued in one call per kind just before the
+        # next launch (each call costs CPU time on a real GPU and in the sim).
         plan = self.plan
         assert plan is not None, "attach() was not called"
-        backend = self.ctx.backend
-        if plan.evict.get(p):
-            ranges = self._ranges(plan.evict[p])
-            if ranges:
-                backend.prefetch(ranges, HOST)
-                self.stats["evictions"] += len(ranges)
-        if self.discard and p in plan.discard and isinstance(event, Free):
-            # The object is dying right now: its content is dead by definition.
+        if isinstance(event, Free):
+            if event.obj in self._pending_objs:
+                self._flush()  # it must move before its range is reused
             nbytes = self._nbytes.get(event.obj, 0)
-            if nbytes > 0:
-                backend.discard([(self.ctx.layout.address(event.obj), nbytes)])
-                self.stats["discards"] += 1
-        if plan.prefetch.get(p):
-            ranges = self._ranges(plan.prefetch[p])
-            if ranges:
-                backend.prefetch(ranges, getattr(backend, "device", 0))
-                self.stats["prefetches"] += len(ranges)
+            if self.discard and nbytes > 0:
+                # The object is dying right now: its content is dead by definition.
+                # (Its range stays in the allocator's cache; until the next launch
+                # nothing can write there, so the discard may wait for the flush.)
+                ptr = self.ctx.layout.address(event.obj)
+                self._discards.append((ptr, nbytes))
+                # The discarded pages still hold GPU memory; moving the big pages
+                # that lie wholly inside the object to the host frees it at no
+                # copy cost (nothing valid is left to copy), so the plan's
+                # accounting holds. Pages shared with live neighbours stay put.
+                lo = -(-ptr // self.page_bytes) * self.page_bytes
+                hi = (ptr + nbytes) // self.page_bytes * self.page_bytes
+                if hi > lo:
+                    self._releases.append((lo, hi - lo))
+        if p in plan.evict:
+            self._resolve_into(plan.evict[p], self._evicts)
+        if p in plan.prefetch:
+            self._resolve_into(plan.prefetch[p], self._prefetches)
+        if isinstance(event, Launch):
+            self._flush()
+
+    def _flush(self) -> None:
+        backend = self.ctx.backend
+        if self._discards:
+            backend.discard(self._discards)
+            self.stats["discards"] += len(self._discards)
+        if self._evicts or self._releases:
+            backend.prefetch(self._releases + self._evicts, HOST)
+            self.stats["evictions"] += len(self._evicts)
+        if self._prefetches:
+            backend.prefetch(self._prefetches, getattr(backend, "device", 0))
+            self.stats["prefetches"] += len(self._prefetches)
+        self._discards, self._releases, self._evicts, self._prefetches = [], [], [], []
+        self._pending_objs = set()
