@@ -64,11 +64,16 @@ class Runtime(Policy):
     headroom:
         Fraction of the budget a plan may fill.
     learn_iterations:
-        Iterations to learn before acting the first time.
+        Iterations to learn before acting the first time (2: a training
+        loop's first step is special — lazy optimizer state, no gradients to
+        free — so the plan comes from the second).
     guard_window, guard_failures, guard_cooldown:
         The misprediction guard (see the module docstring).
     max_variants:
         Compiled plans kept (one per iteration shape; least recently used dropped).
+    probe_decisions:
+        Decision points of an acted iteration that are checked while still
+        recording (a deviation there turns the iteration into a learned one).
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
@@ -82,12 +87,13 @@ class Runtime(Policy):
         *,
         op_level: bool = False,
         headroom: float = 0.9,
-        learn_iterations: int = 1,
+        learn_iterations: int = 2,
         guard_window: int = 4,
         guard_failures: int = 2,
         guard_cooldown: int = 2,
         max_variants: int = 8,
         use_pool: bool = True,
+        probe_decisions: int = 3,
     ) -> None:
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -101,6 +107,7 @@ class Runtime(Policy):
         self.guard_cooldown = guard_cooldown
         self.max_variants = max_variants
         self.use_pool = use_pool
+        self.probe_decisions = max(1, probe_decisions)
 
         self.keys = ObjectKeys()
         self.correlation = CorrelationTable()
@@ -124,6 +131,8 @@ class Runtime(Policy):
         self._next_at = -1
         self._nl = 0
         self._nf = 0
+        self._probe = 0
+        self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
         self._pool_observe = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
@@ -170,41 +179,40 @@ class Runtime(Policy):
         if t is Launch:
             if self._pool_observe is not None:
                 self._pool_observe(event)
-            if self._mode == "act":
-                n = self._nl
-                self._nl = n + 1
-                if n == self._next_at:
-                    self._decide(event)
-            elif self._mode == "learn":
-                self._learn_launch(event)
-            else:
-                self._nl += 1
+            if self._rec is not None:
+                self._record_launch(event)
+            if self._pending:
+                self._flush_discards()
+            n = self._nl
+            self._nl = n + 1
+            if n == self._next_at and self._mode == "act":
+                self._decide(event)
         elif t is Alloc:
             obj = event.obj
             key = self.keys.alloc(obj)
             self._nbytes[obj] = event.nbytes
             self._kind[obj] = event.kind
-            if self._mode == "learn":
-                rec = self._rec
-                if rec is not None:
-                    rec.allocs.append((self._nl, key))
-                    rec.sizes[key] = event.nbytes
-                    rec.kinds[key] = event.kind
+            rec = self._rec
+            if rec is not None:
+                rec.allocs.append((self._nl, key))
+                rec.sizes[key] = event.nbytes
+                rec.kinds[key] = event.kind
         elif t is Free:
             obj = event.obj
             key = self.keys.free(obj)
-            self._nf += 1
-            if self._mode == "act":
-                if key in self._plan.discard:
-                    self._discard(obj)
-            elif self._mode == "learn" and self._rec is not None and key is not None:
+            if self._mode == "act" and key in self._plan.discard:
+                r = _inner(self.layout.address(obj), self._nbytes.get(obj, 0))
+                if r is not None:
+                    self._pending.append(r)
+            if self._rec is not None and key is not None:
                 self._rec.frees.append((self._nl, key))
+            self._nf += 1
             self._nbytes.pop(obj, None)
             self._kind.pop(obj, None)
         elif t is LayerEnter or t is LayerExit:
             if self._pool_observe is not None:
                 self._pool_observe(event)
-            if self._mode == "learn" and self._rec is not None:
+            if self._rec is not None:
                 self._rec.boundaries.append(self._nl)
         elif t is IterationBoundary:
             if self._pool_observe is not None:
@@ -227,11 +235,8 @@ class Runtime(Policy):
 
     # -- learning ---------------------------------------------------------------
 
-    def _learn_launch(self, ev: Launch) -> None:
+    def _record_launch(self, ev: Launch) -> None:
         rec = self._rec
-        self._nl += 1
-        if rec is None:  # set-up, before the first boundary: nothing to plan
-            return
         key_of = self.keys.key_of
         seen: dict[int, None] = {}
         for a in ev.accesses:
@@ -328,20 +333,24 @@ class Runtime(Policy):
                 plan = self.plans.get(sig)
                 if plan is not None:
                     break
+        # Record from the start in every mode: learning needs the whole
+        # iteration; acting keeps the record only until the first
+        # ``probe_decisions`` decision points have confirmed the plan.
+        self._rec = rec = IterationRecord(start_live=set(self.keys.obj_of))
+        for k, obj in self.keys.obj_of.items():
+            rec.sizes[k] = self._nbytes.get(obj, 0)
+            rec.kinds[k] = self._kind.get(obj)
         if plan is not None and plan.actions:
             self._mode = "act"
             self._plan = plan
             self._actions = plan.actions
             self._ai = 0
             self._next_at = plan.actions[0].at
+            self._probe = self.probe_decisions
             self.plans.move_to_end(plan.signature)
         else:
             self._mode = "learn"
-            self._rec = IterationRecord(start_live=set(self.keys.obj_of))
-            rec = self._rec
-            for k, obj in self.keys.obj_of.items():
-                rec.sizes[k] = self._nbytes.get(obj, 0)
-                rec.kinds[k] = self._kind.get(obj)
+            self._next_at = -1
 
     # -- acting -----------------------------------------------------------------
 
@@ -350,6 +359,10 @@ class Runtime(Policy):
         if ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc or self._nf != a.n_free:
             self._deviate()
             return
+        if self._probe:
+            self._probe -= 1
+            if not self._probe:
+                self._rec = None  # the plan holds: stop recording
         self._ai += 1
         self._next_at = self._actions[self._ai].at if self._ai < len(self._actions) else -1
         c = self.counters
@@ -381,17 +394,22 @@ class Runtime(Policy):
                 c["prefetched_bytes"] += sum(n for _, n in ranges)
 
     def _deviate(self) -> None:
-        """The program left the plan: stop acting until the next boundary."""
+        """The program left the plan: stop acting. Early in the iteration the
+        probe record is still running, so the runtime learns this iteration
+        instead; later it waits for the next boundary."""
         self.counters["deviations"] += 1
         self._outcomes.append(False)
-        self._mode = "off"
+        self._mode = "learn" if self._rec is not None else "off"
         self._plan = None
 
-    def _discard(self, obj: int) -> None:
-        r = _inner(self.layout.address(obj), self._nbytes.get(obj, 0))
-        if r is not None:
-            self.backend.discard([r])
-            self.counters["discarded_bytes"] += r[1]
+    def _flush_discards(self) -> None:
+        """Discard the ranges freed since the last launch, in one call. Safe
+        although the pool may already have handed a range to a new object:
+        nothing writes it before the next launch, which comes after this."""
+        ranges = self._pending
+        self._pending = []
+        self.backend.discard(ranges)
+        self.counters["discarded_bytes"] += sum(n for _, n in ranges)
 
 
 def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:

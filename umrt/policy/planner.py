@@ -122,6 +122,9 @@ class Planner:
     min_discard:
         Objects smaller than this are not discarded (a call costs more than
         it saves).
+    short_launches:
+        Objects that live across at most this many launches are never
+        pre-evicted (the short-lived arena stays resident).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Planner:
         op_level: bool = False,
         max_segment_s: float | None = None,
         min_discard: int = PAGE,
+        short_launches: int = 4,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
@@ -145,6 +149,7 @@ class Planner:
         self.op_level = op_level
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
         self.min_discard = min_discard
+        self.short_launches = short_launches
 
     # -- public ---------------------------------------------------------------
 
@@ -209,7 +214,11 @@ class Planner:
         for k, ck in rec.carried.items():
             lst = uses_of.get(ck)
             beyond[k] = n + lst[0] if lst else INF
-        pinned = {k for k, kind in rec.kinds.items() if kind == Kind.TEMPORARY}
+        # Short-lived objects (born and dead within a few launches) stay put:
+        # moving them costs more than the room they free. Lifetime, not the
+        # announced kind, decides: live kinds are only a best guess.
+        died = {k: p for p, k in rec.frees}
+        pinned = {k for k, b in born.items() if died.get(k, n + 1) - b <= self.short_launches}
 
         ptr = {k: 0 for k in uses_of}
 
