@@ -30,7 +30,8 @@ def blocks_of(ptr: int, nbytes: int) -> range:
 
 
 def coalesce(ranges: Iterable[Range]) -> list[Range]:
-    """Sort ranges and merge the overlapping or touching ones."""
+    """Sort ranges and merge the overlapping or touching ones (only for ranges
+    known to lie in one allocation)."""
     out: list[list[int]] = []
     for ptr, n in sorted(r for r in ranges if r[1] > 0):
         if out and ptr <= out[-1][0] + out[-1][1]:
@@ -42,8 +43,15 @@ def coalesce(ranges: Iterable[Range]) -> list[Range]:
 
 
 def block_ranges(blocks: Iterable[int]) -> list[Range]:
-    """Whole 2 MB blocks as coalesced ranges."""
-    return coalesce((b, BLOCK) for b in blocks)
+    """Whole 2 MB blocks as ranges, one per block: neighbouring blocks may
+    belong to different managed allocations, and a range must not span two."""
+    return [(b, BLOCK) for b in sorted(set(blocks))]
+
+
+def object_ranges(ranges: Iterable[Range]) -> list[Range]:
+    """Object ranges for one call, sorted, duplicates and empty ones dropped
+    (never merged: neighbours may sit in different managed allocations)."""
+    return sorted({r for r in ranges if r[1] > 0})
 
 
 class BlockLiveness:

@@ -24,7 +24,7 @@ from umrt.errors import ConfigError
 from umrt.memory.base import Layout
 from umrt.memory.caching import CachingAllocatorLayout
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, coalesce
+from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
 from umrt.trace.events import Alloc, IterationBoundary, Kind, LayerEnter, Launch
 
 __all__ = ["SentinelPolicy", "SentinelLayout"]
@@ -133,7 +133,7 @@ class SentinelPolicy(Policy):
     def _act(self, n: int) -> None:
         evict = self._evict_at.get(n)
         if evict:
-            ranges = coalesce(self._ranges(evict))
+            ranges = object_ranges(self._ranges(evict))
             if ranges:
                 self.ctx.backend.prefetch(ranges, HOST)
                 self.counters["evicted_bytes"] += sum(r[1] for r in ranges)

@@ -35,7 +35,7 @@ import numpy as np
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.peers._common import IterationProfile, ObjectKeys, coalesce, next_use, profile_trace
+from umrt.policy.peers._common import IterationProfile, ObjectKeys, object_ranges, next_use, profile_trace
 from umrt.trace.events import IterationBoundary, Kind, Launch
 
 __all__ = ["SwapAdvisorPolicy", "SwapPlan", "Genes"]
@@ -273,7 +273,7 @@ class SwapAdvisorPolicy(Policy):
             obj = self.keys.obj(k)
             if obj is not None:
                 out.append((self.ctx.layout.address(obj), self.keys.info[obj][0]))
-        return coalesce(out)
+        return object_ranges(out)
 
     def _act(self, t: int) -> None:
         if self.keys.iterations_seen == 0 or self.plan is None:

@@ -24,7 +24,7 @@ import bisect
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy
-from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, coalesce
+from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
 from umrt.trace.events import IterationBoundary, Kind, LayerEnter, LayerExit, Launch
 
 __all__ = ["VDNNPolicy"]
@@ -72,7 +72,7 @@ class VDNNPolicy(Policy):
             obj = self.keys.obj(k)
             if obj is not None:
                 ranges.append((self.ctx.layout.address(obj), self.keys.info[obj][0]))
-        ranges = coalesce(ranges)
+        ranges = object_ranges(ranges)
         if ranges:
             self.ctx.backend.prefetch(ranges, device)
             self.counters[counter] += sum(n for _, n in ranges)
