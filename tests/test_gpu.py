@@ -1,0 +1,141 @@
+"""Real-GPU tests (marked ``gpu``; skipped cleanly without a CUDA device).
+
+Everything that swaps torch's allocator runs in a subprocess: the swap is
+irreversible for the process.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from umrt.backends.base import HOST, Advice
+
+pytestmark = pytest.mark.gpu
+MiB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def backend():
+    from umrt.backends.cuda import CudaBackend
+
+    b = CudaBackend(0)
+    yield b
+    b.close()
+
+
+def _host_view(ptr: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr))
+
+
+def test_managed_prefetch_advise_discard_keep_data(backend):
+    import cupy as cp
+
+    n = 4 * MiB // 4
+    ptr = backend.malloc(4 * MiB)
+    host = _host_view(ptr, n)
+    host[:] = np.arange(n, dtype=np.float32)
+    backend.advise([(ptr, 4 * MiB)], Advice.SET_PREFERRED_LOCATION, 0)
+    backend.prefetch([(ptr, 4 * MiB)], 0)
+    backend.synchronize()
+    mem = cp.cuda.UnownedMemory(ptr, 4 * MiB, backend, 0)
+    arr = cp.ndarray((n,), cp.float32, cp.cuda.MemoryPointer(mem, 0))
+    arr *= 2
+    cp.cuda.runtime.deviceSynchronize()
+    backend.prefetch([(ptr, 4 * MiB)], HOST)
+    backend.synchronize()
+    np.testing.assert_array_equal(host[:10], np.arange(10, dtype=np.float32) * 2)
+    assert backend.resident_bytes() == 0 and backend.h2d_bytes == 4 * MiB
+    backend.discard([(ptr, 4 * MiB)])  # no-op on CUDA 12, real on 13: either way no error
+    backend.discard_and_prefetch([(ptr, 4 * MiB)], 0)
+    backend.synchronize()
+    host[:] = 1.0  # writing after a discard makes the range valid again
+    assert float(host.sum()) == n
+
+
+def test_never_more_managed_memory_than_free(backend):
+    free, total = backend.mem_info()
+    assert 0 < free <= total
+
+
+def _boot_with_hook(tmp_path, script: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    from umrt.activation import install_pth
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    install_pth(site_dir)
+    (tmp_path / "train.py").write_text(script)
+    boot = ("import runpy, site, sys; d = sys.argv[1]; sys.argv = sys.argv[2:]; site.addsitedir(d); "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT")}
+    env.update(env_extra, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", boot, str(site_dir), str(tmp_path / "train.py")],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+GPT2 = textwrap.dedent("""
+    import math, torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import umrt.activation, umrt.stats
+    from umrt.allocators import torch as ut
+
+    assert umrt.activation.enabled_by() == "torch" and ut.installed()
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
+    model = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    x = torch.randint(0, cfg.vocab_size, (8, 256), device="cuda")
+    losses = []
+    for step in range(4):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    stats = umrt.stats.memory_stats()
+    print("LOSSES", losses)
+    print("STATS", stats)
+    assert all(math.isfinite(l) for l in losses) and losses[-1] < losses[0]
+    assert stats["peak_allocated_bytes"] > 0 and stats["reserved_bytes"] > 0
+""")
+
+
+def test_gpt2_training_under_a_small_budget_via_UMRT_1(tmp_path):
+    out = _boot_with_hook(tmp_path, GPT2, {"UMRT": "1", "UMRT_GPU_MEMORY": "512MiB"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "LOSSES" in out.stdout
+
+
+def test_cupy_arrays_in_umrt_pool(tmp_path):
+    script = textwrap.dedent("""
+        import cupy as cp, umrt.api, umrt.stats
+        from umrt.allocators.cupy import allocator
+        s = umrt.api.enable()
+        cp.cuda.set_allocator(allocator)
+        a = cp.arange(1 << 20, dtype=cp.float32)
+        assert float((a * 2).sum()) == float(2 * a.sum())
+        assert umrt.stats.memory_stats()["allocated_bytes"] >= 4 << 20
+        print("CUPY OK")
+    """)
+    (tmp_path / "c.py").write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT")}
+    out = subprocess.run([sys.executable, str(tmp_path / "c.py")], env=dict(env, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "CUPY OK" in out.stdout, out.stderr[-4000:]
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path):
+    from umrt.hardware import load_profile
+
+    path = tmp_path / "gpu.json"
+    out = subprocess.run([sys.executable, "-m", "umrt", "calibrate", "--repeats", "1", "-o", str(path)],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    profile = load_profile(str(path))
+    assert profile.h2d_bandwidth > 1e9 and 0 < profile.fault_batch_latency_s < 1e-2
