@@ -1,0 +1,318 @@
+"""Shadow mode: run a real training script, show what the GPU would have done.
+
+:func:`run_shadow` runs the user's PyTorch script unchanged (on the CPU)
+under :class:`umrt.capture.Recorder`. Every event the recorder emits goes,
+live, to a driver that does what the GPU would: the runtime (or another
+policy) sees the event and drives a simulated GPU
+(:class:`~umrt.sim.backend.SimBackend`) through the ordinary
+:class:`~umrt.backends.base.Backend` interface, exactly as it would drive
+the ``cuda`` backend. When the script ends, the recorded trace is replayed
+under ``ideal`` (unlimited memory) and ``um`` (plain Unified Memory) for
+comparison, and a table reports iteration times, traffic, faults and what
+the runtime prefetched, pre-evicted and discarded. Every number is
+simulated.
+
+Sizing the budget live. ``gpu_memory="20%"`` means 20% of the job's peak
+live bytes, which is only known once the job has run. The driver therefore
+holds the events of set-up and the first iteration (the runtime learns from
+that iteration anyway and would not act in it), measures their peak live
+bytes, sizes the simulated GPU from it, and then feeds the held events and
+everything after them live, in order. The comparison replays use the same
+byte budget, so the three rows are like for like; the whole trace's peak is
+reported too (it is usually the first iteration's).
+"""
+from __future__ import annotations
+
+import math
+import runpy
+import sys
+from pathlib import Path
+from typing import Callable
+
+from umrt.errors import ConfigError, DataIntegrityError, UmrtError
+from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, Trace
+
+__all__ = ["run_shadow", "ShadowDriver"]
+
+
+class ShadowDriver:
+    """Feeds a live event stream to a policy driving a simulated GPU.
+
+    The contract is the simulator's replay: an Alloc is placed by the
+    layout before the policy sees it, a Launch is shown to the policy before
+    the GPU runs it, a Free is shown before the layout releases it. Objects
+    the program made before recording (``Alloc.launch == -1``) start out
+    written in host memory.
+    """
+
+    def __init__(self, policy, profile, gpu_memory: str | int = "20%") -> None:
+        from umrt.hardware import HardwareProfile, load_profile
+
+        self.profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+        self.policy = policy
+        self.gpu_memory = gpu_memory
+        self.budget_bytes: int | None = None
+        self.backend = None
+        self.layout = None
+        self.error: UmrtError | None = None
+        self._held: list[Event] = []
+        self._live = 0
+        self._peak = 0
+        self._sizes_seen: dict[int, int] = {}
+        self._addr: dict[int, tuple[int, int]] = {}
+        self.marks: list[dict] = []  # backend counters at each iteration boundary
+        self.ideal: list[float] = []  # roofline time of each iteration
+
+    # -- the listener ----------------------------------------------------------
+
+    def __call__(self, event: Event) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.backend is None:
+                self._hold(event)
+            else:
+                self._feed(event)
+        except UmrtError as exc:  # never break the user's script; report at the end
+            self.error = exc
+
+    def finish(self) -> None:
+        """The script ended: start the GPU if it never started (a job shorter
+        than one iteration) and drain what is held."""
+        if self.error is None and self.backend is None and self._held:
+            try:
+                self._start()
+            except UmrtError as exc:
+                self.error = exc
+
+    # -- internals ---------------------------------------------------------------
+
+    def _hold(self, event: Event) -> None:
+        self._count(event)
+        self._held.append(event)
+        # Set-up and iteration 0 are held; the boundary that opens iteration 1 starts the GPU.
+        if type(event) is IterationBoundary and event.index >= 1:
+            self._start()
+
+    def _count(self, event: Event) -> None:
+        t = type(event)
+        if t is Alloc:
+            self._live += event.nbytes
+            self._peak = max(self._peak, self._live)
+            self._sizes_seen[event.obj] = event.nbytes
+        elif t is Free:
+            self._live -= self._sizes_seen.pop(event.obj, 0)
+
+    def _start(self) -> None:
+        from umrt.policy.base import PolicyContext
+        from umrt.sim.backend import SimBackend
+        from umrt.sim.replay import parse_budget
+
+        self.peak_bytes = self._peak
+        self.budget_bytes = parse_budget(self.gpu_memory, max(self._peak, 1))
+        unlimited = bool(getattr(self.policy, "unlimited_memory", False))
+        self.backend = SimBackend(self.profile, math.inf if unlimited else self.budget_bytes)
+        self.layout = self.policy.make_layout(self.backend)
+        self.policy.attach(PolicyContext(self.backend, self.layout, self.budget_bytes, self.profile))
+        held, self._held = self._held, []
+        for ev in held:
+            self._feed(ev)
+
+    def _feed(self, ev: Event) -> None:
+        t = type(ev)
+        policy, backend = self.policy, self.backend
+        if t is Launch:
+            policy.on_event(ev)
+            reads, writes = [], []
+            addr = self._addr
+            for a in ev.accesses:
+                base = addr.get(a.obj)
+                if base is not None:
+                    (writes if a.write else reads).append((base[0] + a.offset, a.length))
+            try:
+                backend.launch(reads, writes, ev.flops, ev.bytes)
+            except DataIntegrityError as exc:
+                raise DataIntegrityError(f"{exc} (launch #{ev.seq} {ev.op} in {ev.module or 'top level'})") from None
+            if self.ideal:
+                self.ideal[-1] += self.profile.compute_time(ev.flops, ev.bytes)
+        elif t is Alloc:
+            if ev.obj in self._addr:  # a storage id reused without a Free: release the old one
+                self.layout.free(ev.obj)
+                del self._addr[ev.obj]
+            ptr = self.layout.alloc(ev.obj, ev.nbytes, ev.kind)
+            self._addr[ev.obj] = (ptr, ev.nbytes)
+            if ev.launch == -1:
+                backend.mark_host_written([(ptr, ev.nbytes)])
+            policy.on_event(ev)
+        elif t is Free:
+            if ev.obj in self._addr:
+                policy.on_event(ev)
+                backend.mark_dead([self._addr.pop(ev.obj)])
+                self.layout.free(ev.obj)
+        elif t is IterationBoundary:
+            self.marks.append(backend.counters())
+            self.ideal.append(0.0)
+            policy.on_event(ev)
+        else:
+            policy.on_event(ev)
+
+    def iteration_times(self) -> list[float]:
+        return [b["time_s"] - a["time_s"] for a, b in zip(self.marks, self.marks[1:])]
+
+    def steady(self) -> dict:
+        """Counters of the last complete iteration."""
+        if len(self.marks) < 2:
+            return {}
+        a, b = self.marks[-2], self.marks[-1]
+        out = {k: b[k] - a[k] for k in b if isinstance(b[k], (int, float))}
+        out["ideal_time_s"] = self.ideal[-2]
+        return out
+
+
+def run_shadow(
+    script: str,
+    argv: list[str],
+    *,
+    profile: str,
+    gpu_memory: str = "20%",
+    policy: str = "umrt",
+    steps: int | None = None,
+    out: Callable[[str], None] | None = None,
+) -> int:
+    """Run ``script`` with ``argv`` in shadow mode and print the report.
+
+    ``profile`` names a hardware profile (or a profile file); ``gpu_memory``
+    is the simulated GPU memory ("20%" of the job's peak live bytes, or a
+    size such as "8GiB"); ``policy`` the policy that drives it (default the
+    umrt runtime); ``steps`` stops the script after that many iterations.
+    Returns the script's exit status (2 if shadow mode itself failed).
+    """
+    from umrt.capture import Recorder, StopRecording
+    from umrt.hardware import load_profile
+    from umrt.policy import make_policy
+    from umrt.sim.replay import parse_budget
+
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"script {script!r} not found")
+    if steps is not None and steps < 1:
+        raise ConfigError(f"--steps must be a positive number of iterations, got {steps}")
+    prof = load_profile(profile)
+    parse_budget(gpu_memory, 1 << 40)  # validate the form now, not after the job ran
+    if policy == "oracle":
+        raise ConfigError("the oracle needs the whole future; shadow mode runs live (use `umrt simulate` on a trace)")
+    pol = make_policy(policy)
+    driver = ShadowDriver(pol, prof, gpu_memory)
+
+    old_argv, old_path = sys.argv, list(sys.path)
+    sys.argv = [str(path)] + list(argv)
+    sys.path.insert(0, str(path.resolve().parent))
+    status = 0
+    rec = Recorder(listeners=[driver], stop_after=steps, model_name=path.stem, meta={"argv": list(argv)})
+    try:
+        with rec:
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except StopRecording:
+                pass
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    driver.finish()
+    trace = rec.trace()
+    report = _report(trace, driver, prof, policy)
+    _print(report, out)
+    if driver.error is not None:
+        raise driver.error
+    return int(status)
+
+
+# ---------------------------------------------------------------- the report
+
+
+def _report(trace: Trace, driver: ShadowDriver, prof, policy: str) -> dict:
+    from umrt.sim.replay import peak_live_bytes, simulate
+
+    rep: dict = {"profile": prof.name, "policy": policy, "budget_bytes": driver.budget_bytes,
+                 "peak_live_bytes": peak_live_bytes(trace), "iterations": len(trace.iteration_spans()),
+                 "rows": [], "runtime": {}, "notes": []}
+    if driver.budget_bytes is None or not trace.iteration_spans():
+        rep["notes"].append("the script completed no training iteration: nothing to simulate")
+        return rep
+    steady = driver.steady()
+    n = len(driver.iteration_times())
+    comparisons = {}
+    for name in ("ideal", "um"):
+        try:
+            comparisons[name] = simulate(trace, name, prof, driver.budget_bytes, iterations=max(2, min(n, 3)))
+        except UmrtError as exc:
+            rep["notes"].append(f"{name} replay failed: {exc}")
+    ideal_t = comparisons["ideal"].iteration_time_s if "ideal" in comparisons else steady.get("ideal_time_s", 0.0)
+    for name, res in comparisons.items():
+        rep["rows"].append({"policy": name, "how": "replay", "iteration_time_s": res.iteration_time_s,
+                            "h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes, "faults": res.faults,
+                            "evictions": res.evictions})
+    if steady:
+        rep["rows"].append({"policy": policy, "how": "live", "iteration_time_s": steady["time_s"],
+                            "h2d_bytes": steady["h2d_bytes"], "d2h_bytes": steady["d2h_bytes"],
+                            "faults": steady["faults"], "evictions": steady["evictions"]})
+    for row in rep["rows"]:
+        row["vs_ideal"] = row["iteration_time_s"] / ideal_t if ideal_t > 0 else float("nan")
+    um = next((r for r in rep["rows"] if r["policy"] == "um"), None)
+    live = next((r for r in rep["rows"] if r["how"] == "live"), None)
+    if um and live and live["iteration_time_s"] > 0:
+        rep["speedup_vs_um"] = um["iteration_time_s"] / live["iteration_time_s"]
+    rep["iteration_times_s"] = driver.iteration_times()
+    rep["runtime"] = dict(driver.policy.report() or {})
+    if driver.error is not None:
+        rep["notes"].append(f"the simulated run stopped: {driver.error}")
+    return rep
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print(rep: dict, out: Callable[[str], None] | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=sys.stdout, highlight=False, width=max(110, Console().width)) if out is None else None
+    budget = rep.get("budget_bytes")
+    title = (f"umrt shadow run — SIMULATED {rep['profile']}, GPU memory {_fmt_bytes(budget or 0)} "
+             f"(peak live {_fmt_bytes(rep['peak_live_bytes'])})")
+    table = Table(title=title, caption="simulated steady-state iteration; nothing ran on a GPU")
+    for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
+        table.add_column(col, justify="left" if col in ("policy", "run") else "right")
+    for r in rep["rows"]:
+        table.add_row(r["policy"], r["how"], f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
+                      _fmt_bytes(r["h2d_bytes"]), _fmt_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
+                      f"{r['evictions']:,}")
+    lines = []
+    if "speedup_vs_um" in rep:
+        lines.append(f"{rep['policy']} is {rep['speedup_vs_um']:.2f}x faster than plain Unified Memory (simulated).")
+    rt = rep.get("runtime") or {}
+    if "prefetched_bytes" in rt:
+        lines.append(
+            f"runtime: learned {rt.get('learned', 0)} iteration(s), acted in {rt.get('acted', 0)}; "
+            f"prefetched {_fmt_bytes(rt['prefetched_bytes'])}, pre-evicted {_fmt_bytes(rt['evicted_bytes'])}, "
+            f"discarded {_fmt_bytes(rt['discarded_bytes'])} in {rt.get('prefetch_calls', 0)} calls at "
+            f"{rt.get('decisions', 0)} decision points; deviations {rt.get('deviations', 0)}")
+    if rep.get("iteration_times_s"):
+        lines.append("simulated iteration times: " + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
+    lines.extend(rep["notes"])
+    if console is not None:
+        console.print(table)
+        for line in lines:
+            console.print(line)
+    else:
+        from io import StringIO
+
+        buf = StringIO()
+        Console(file=buf, width=110, highlight=False).print(table)
+        out(buf.getvalue() + "\n".join(lines))
