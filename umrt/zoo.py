@@ -16,6 +16,7 @@ on the mean of its output. For image models ``seq`` is the image side in pixels.
 from __future__ import annotations
 
 import ast
+import copy
 import contextlib
 import io
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class ModelSpec:
     name: str
     config: Any
     model_class: Any
-    task: str  # "causal-lm", "masked-lm", "image-classification", "seq-classification", "base"
+    task: str  # "causal-lm", "seq2seq-lm", "masked-lm", "image-classification", "seq-classification", "base"
     default_batch: int
     default_seq: int
     meta: dict = field(default_factory=dict)
@@ -123,6 +124,27 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _split_overrides(text: str) -> list[str]:
+    """Split ``k=v,k=[1,2],...`` on the commas outside brackets and quotes."""
+    items, depth, quote, cur = [], 0, "", []
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    items.append("".join(cur))
+    return [i for i in items if i.strip()]
+
+
 def _hf_spec(name: str) -> ModelSpec:
     import transformers
     from transformers.models.auto import modeling_auto as ma
@@ -136,7 +158,7 @@ def _hf_spec(name: str) -> ModelSpec:
         raise ConfigError(f"unknown transformers config class {cls_name!r} in {name!r}")
     overrides: dict[str, Any] = {}
     if len(parts) == 3 and parts[2]:
-        for item in parts[2].split(","):
+        for item in _split_overrides(parts[2]):
             if "=" not in item:
                 raise ConfigError(f"bad override {item!r} in {name!r}: expected key=value")
             k, v = item.split("=", 1)
@@ -148,6 +170,7 @@ def _hf_spec(name: str) -> ModelSpec:
     model_type = getattr(config, "model_type", "")
     for mapping, task in (
         ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
+        ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq-lm"),
         ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-lm"),
         ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image-classification"),
         ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "seq-classification"),
@@ -187,9 +210,9 @@ def build_model(spec: ModelSpec, device: str) -> torch.nn.Module:
     """A randomly initialised model on ``device`` (sdpa attention where supported)."""
     with torch.device(device), contextlib.redirect_stderr(io.StringIO()):
         try:
-            model = spec.model_class._from_config(spec.config, attn_implementation="sdpa")
-        except (ValueError, TypeError, ImportError):  # no sdpa for this architecture
-            model = spec.model_class._from_config(spec.config)
+            model = spec.model_class._from_config(copy.deepcopy(spec.config), attn_implementation="sdpa")
+        except (ValueError, TypeError, ImportError):  # no sdpa for this architecture (e.g. ResNet)
+            model = spec.model_class._from_config(copy.deepcopy(spec.config))
     model.train()
     return model
 
@@ -206,7 +229,9 @@ def make_inputs(spec: ModelSpec, batch: int, seq: int, device: str) -> dict[str,
     vocab = int(getattr(cfg, "vocab_size", None) or 1000)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     inputs = {"input_ids": ids}
-    if spec.task in ("causal-lm", "masked-lm"):
+    if getattr(cfg, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids  # teacher forcing on the same tokens
+    if spec.task in ("causal-lm", "masked-lm", "seq2seq-lm"):
         inputs["labels"] = ids.clone()
     elif spec.task == "seq-classification":
         inputs["labels"] = torch.randint(0, max(1, int(getattr(cfg, "num_labels", 2))), (batch,), device=device)
@@ -262,15 +287,21 @@ def trace_model(
     seq = spec.default_seq if seq is None else seq
     if batch < 1 or seq < 1:
         raise ConfigError(f"batch and seq must be >= 1, got batch={batch} seq={seq}")
+    if spec.task == "image-classification" and isinstance(getattr(spec.config, "image_size", None), int):
+        spec.config.image_size = seq  # ViT-style models size their position embeddings by it
     torch.manual_seed(0)
-    model = build_model(spec, device)
+    with _quiet_transformers():
+        try:
+            model = build_model(spec, device)
+        except (ValueError, TypeError, AttributeError) as exc:  # a config the model rejects
+            raise ConfigError(f"cannot build {name}: {exc}") from exc
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     fwd = _forward_kwargs(spec)
     meta = {"batch": batch, "seq": seq, "steps": steps, "task": spec.task,
             "model_class": spec.model_class.__name__, **spec.meta}
     rec = Recorder(model, opt, device=device, model_name=name, meta=meta)
     bar = _progress(progress, f"tracing {name}", steps)
-    with bar as (advance):
+    with bar as advance, _quiet_transformers():
         with rec:
             for _ in range(steps):
                 with rec.paused():  # the batch arrives from a loader, off the trace
@@ -283,6 +314,19 @@ def trace_model(
                 del out, loss, inputs
                 advance()
     return rec.trace()
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' config chatter (e.g. the loss_type notice) while tracing."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,65 @@
+"""Iteration detection from repeating execution ids."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from umrt.capture import Recorder
+from umrt.capture.detect import find_repeats, insert_boundaries
+from umrt.trace.events import IterationBoundary, Launch, Trace, TraceHeader
+
+
+def test_find_repeats_simple():
+    rng = random.Random(1)
+    setup = [rng.randrange(10**6, 2 * 10**6) for _ in range(17)]
+    body = [rng.randrange(100) for _ in range(50)] + list(range(1000, 1010))
+    ids = setup + body * 4 + [5, 6, 7]
+    r = find_repeats(ids)
+    assert r is not None and r.period == len(body) and r.count == 4
+    assert r.start == len(setup)
+
+
+def test_find_repeats_prefers_the_true_period_not_a_multiple():
+    body = list(range(30))
+    r = find_repeats(body * 6)
+    assert r.period == 30 and r.count == 6
+
+
+def test_find_repeats_none_without_repeats():
+    assert find_repeats(list(range(100))) is None
+    assert find_repeats([]) is None
+
+
+def test_insert_boundaries_on_a_synthetic_trace():
+    body = list(range(40))
+    events = []
+    for i, x in enumerate([999, 998] + body * 3):
+        events.append(Launch(i, x, "aten::op.default", (), 0, 0, ""))
+    hdr = TraceHeader(1, "0", "t", "t", "meta", 0)
+    tr = insert_boundaries(Trace(hdr, events))
+    assert [e.index for e in tr.events if isinstance(e, IterationBoundary)] == [0, 1, 2, 3]
+    spans = tr.iteration_spans()
+    assert len(spans) == 3 and all(b - a == 41 for a, b in spans)
+
+
+def test_recorder_without_step_marks_detects_iterations():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(model, opt, auto_step=False, mark_start=False)
+    with rec:
+        for _ in range(4):
+            with rec.paused():
+                x = torch.randn(8, 16, device="meta")
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del x
+    tr = rec.trace()
+    assert tr.header.iterations >= 3
+    per_iter = {sum(isinstance(e, Launch) for e in tr.events[a:b]) for a, b in tr.iteration_spans()}
+    assert len(per_iter) == 1
+    # aligned on the model's forward: each iteration starts with the root module's entry
+    for a, _ in tr.iteration_spans():
+        assert type(tr.events[a + 1]).__name__ in ("LayerEnter", "Alloc")

@@ -1,0 +1,252 @@
+"""``umrt trace``: record traces and inspect trace files.
+
+    umrt trace --model gpt2-xl --device meta --steps 3 -o gpt2-xl.umrt
+    umrt trace -o train.umrt --steps 3 -- python train.py --lr 1e-4
+    umrt trace info gpt2-xl.umrt [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from umrt.errors import ConfigError, UmrtError
+
+
+class ScriptFailed(UmrtError):
+    """The traced script raised; its traceback was printed above."""
+
+    exit_code = 1
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "trace",
+        help="record a training trace (zoo model or your script), or inspect a trace file",
+        description=(
+            "Record a training trace of a zoo model (--model) or of the first steps of any script "
+            "(-- python train.py ...), or show what a trace file holds (trace info FILE)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  umrt trace --model gpt2-xl --device meta --steps 3 -o gpt2-xl.umrt\n"
+            "  umrt trace --model hf:LlamaConfig:num_hidden_layers=8,hidden_size=2048 -o llama.umrt\n"
+            "  umrt trace -o train.umrt --steps 3 -- python train.py --lr 1e-4\n"
+            "  umrt trace info gpt2-xl.umrt --json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="zoo model (gpt2, gpt2-medium, gpt2-large, gpt2-xl, bert-base, bert-large, "
+                                   "vit-large, resnet-152) or hf:ConfigClass:key=value,...")
+    p.add_argument("--batch", type=int, help="batch size (default: the model's paper-like default)")
+    p.add_argument("--seq", type=int, help="sequence length, or image side for vision models")
+    p.add_argument("--device", choices=("meta", "cpu", "cuda"),
+                   help="where to run: zoo default meta (no memory touched); scripts default cuda if available, "
+                        "else cpu")
+    p.add_argument("--steps", type=int, default=3,
+                   help="iterations to record (default 3); for a script, the steps after its first one")
+    p.add_argument("-o", "--output", help="trace file to write (default MODEL.umrt or trace.umrt)")
+    p.add_argument("--json", action="store_true", help="trace info: print JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("rest", nargs=argparse.REMAINDER,
+                   help="'info FILE' to inspect a trace, or '-- python script.py [args]' to trace a script")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    rest = list(args.rest or [])
+    if rest and rest[0] == "info":
+        return _info(rest[1:], args.json)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if rest:
+        if args.model:
+            raise ConfigError("give either --model or a script after --, not both")
+        return _trace_script(rest, args)
+    if not args.model:
+        raise ConfigError("nothing to trace: give --model NAME, '-- python script.py', or 'info FILE'")
+    return _trace_zoo(args)
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+
+
+def _trace_zoo(args: argparse.Namespace) -> int:
+    from umrt.trace import fileformat
+    from umrt.zoo import trace_model
+
+    _check_steps(args.steps)
+    out = args.output or _default_name(args.model)
+    t0 = time.perf_counter()
+    trace = trace_model(args.model, batch=args.batch, seq=args.seq, device=args.device or "meta",
+                        steps=args.steps, progress=not args.quiet and sys.stderr.isatty())
+    fileformat.save(trace, out)
+    if not args.quiet:
+        _report(trace, out, time.perf_counter() - t0)
+    return 0
+
+
+def _default_name(model: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return f"{safe[:80]}.umrt"
+
+
+def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
+    from umrt.capture import Recorder, StopRecording
+    from umrt.trace import fileformat
+    from umrt.trace.events import IterationBoundary
+
+    _check_steps(args.steps)
+    if Path(cmd[0]).name.startswith("python"):
+        cmd = cmd[1:]
+    if not cmd:
+        raise ConfigError("no script given after --")
+    module = None
+    if cmd[0] == "-m":
+        if len(cmd) < 2:
+            raise ConfigError("-m needs a module name")
+        module, argv = cmd[1], cmd[1:]
+    else:
+        script = Path(cmd[0])
+        if not script.is_file():
+            raise ConfigError(f"script not found: {cmd[0]!r}")
+        argv = cmd
+    out = args.output or "trace.umrt"
+    t0 = time.perf_counter()
+    progress = _ScriptProgress(args.steps, enabled=not args.quiet and sys.stderr.isatty())
+    # the first step ends set-up (model build, lazy optimizer state): steps counted after it
+    rec = Recorder(device=args.device, mark_start=False, stop_after=args.steps,
+                   model_name=" ".join(cmd)[:200], listeners=[progress.on_event],
+                   meta={"argv": cmd, "steps": args.steps})
+    old_argv, old_path = sys.argv, list(sys.path)
+    sys.argv = list(argv)
+    if module is None:
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    try:
+        with progress, rec:
+            if module is not None:
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(argv[0], run_name="__main__")
+    except StopRecording:
+        pass  # recorded the steps asked for
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise ScriptFailed(f"the script exited with status {exc.code} before the trace was complete") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        traceback.print_exception(exc, file=sys.stderr)
+        raise ScriptFailed(f"the script raised {type(exc).__name__}: {exc}") from None
+    finally:
+        sys.argv, sys.path[:] = old_argv, old_path
+    trace = rec.trace()
+    if not trace.iteration_spans():
+        n = sum(isinstance(e, IterationBoundary) for e in trace.events)
+        raise UmrtError(
+            f"no complete iteration recorded ({n} optimizer step(s) seen; the first one only ends set-up): "
+            "does the script call optimizer.step() at least twice?"
+        )
+    fileformat.save(trace, out)
+    if not args.quiet:
+        _report(trace, out, time.perf_counter() - t0)
+    return 0
+
+
+class _ScriptProgress:
+    """A rich progress bar advanced by the recorder's iteration boundaries."""
+
+    def __init__(self, steps: int, enabled: bool) -> None:
+        self.steps, self.enabled = steps, enabled
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "_ScriptProgress":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("recording steps"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), transient=True)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("steps", total=self.steps)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+    def on_event(self, event: Any) -> None:
+        from umrt.trace.events import IterationBoundary
+
+        if self._progress is not None and isinstance(event, IterationBoundary) and event.index > 0:
+            self._progress.update(self._task, completed=event.index)
+
+
+def _report(trace: Any, path: str, seconds: float) -> None:
+    from umrt.trace.stats import summarize
+
+    s = summarize(trace)
+    print(
+        f"wrote {path}: {s['iterations']} iterations, {s['ops_per_iteration']} launches/iteration, "
+        f"peak live {_gib(s['peak_live_bytes'])}, end live {_gib(s['end_live_bytes'])} "
+        f"({seconds:.1f} s, {os.path.getsize(path) / 2**20:.1f} MiB file)"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _info(argv: list[str], as_json: bool) -> int:
+    from umrt.trace import fileformat
+    from umrt.trace.stats import summarize
+
+    p = argparse.ArgumentParser(prog="umrt trace info", description="Show what a trace file holds.")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    try:
+        ns = p.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    trace = fileformat.load(ns.file)
+    s = summarize(trace)
+    h = trace.header
+    s["header"] = {"format_version": h.format_version, "umrt_version": h.umrt_version, "model": h.model,
+                   "torch_version": h.torch_version, "device": h.device, "iterations": h.iterations,
+                   "notes": h.notes, "meta": h.meta}
+    if as_json or ns.json:
+        print(json.dumps(s, indent=2, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{ns.file}", show_header=False, title_justify="left")
+    t.add_row("model", f"{h.model} ({h.device}, torch {h.torch_version}, umrt {h.umrt_version}, "
+                       f"format v{h.format_version})")
+    if h.meta:
+        t.add_row("meta", ", ".join(f"{k}={v}" for k, v in h.meta.items()))
+    t.add_row("iterations", str(s["iterations"]))
+    t.add_row("launches / iteration", f"{s['ops_per_iteration']:,}")
+    t.add_row("objects", f"{s['objects']:,}")
+    t.add_row("peak live", _gib(s["peak_live_bytes"]))
+    t.add_row("end live", _gib(s["end_live_bytes"]))
+    t.add_row("FLOPs / iteration", f"{s['flops_per_iteration'] / 1e12:.3f} TFLOP")
+    t.add_row("bytes moved / iteration", _gib(s["bytes_moved_per_iteration"]))
+    for k, v in s["bytes_by_kind"].items():
+        if v:
+            t.add_row(f"  peak {k}", f"{_gib(v)} ({s['objects_by_kind'][k]} objects)")
+    console = Console()
+    console.print(t)
+    if h.notes:
+        console.print("[bold]known differences from a CUDA run[/bold]")
+        for n in h.notes:
+            console.print(f"  - {n}", highlight=False)
+    return 0
