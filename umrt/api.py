@@ -168,14 +168,152 @@ def _install_torch(session: Session) -> None:
 
 
 def _attach_runtime(session: Session) -> Any:
-    """Start the runtime policy: ``umrt.runtime.attach(session)`` when the runtime provides it."""
+    """Start the policy live: ``umrt.runtime.attach(session)`` if the runtime provides it,
+    else umrt's own bridge (:class:`LiveBridge`) from a capture Recorder to the policy."""
     try:
         from umrt import runtime
     except ImportError:
         session.notes.append("umrt.runtime not available: managed memory without prefetching")
         return None
     attach = getattr(runtime, "attach", None)
-    return attach(session) if callable(attach) else None
+    if callable(attach):
+        return attach(session)
+    if "torch" not in sys.modules:
+        return None
+    bridge = LiveBridge(session)
+    bridge.start()
+    return bridge
+
+
+class ManagedOnly:
+    """A backend view that drops ranges outside umrt's managed allocations.
+
+    Storages torch made before umrt was enabled (or pinned host buffers) show
+    up in the live event stream; the driver would reject them, so they are
+    skipped here instead of failing the training run.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self._b = backend
+        self.name, self.device = backend.name, backend.device
+
+    def _keep(self, ranges: Any) -> list:
+        out = []
+        for ptr, n in ranges:
+            alloc = self._b.allocation_of(ptr) if ptr else None
+            if alloc is not None and ptr + n <= alloc[0] + alloc[1]:
+                out.append((ptr, n))
+        return out
+
+    def prefetch(self, ranges: Any, device: int) -> None:
+        self._b.prefetch(self._keep(ranges), device)
+
+    def discard(self, ranges: Any) -> None:
+        self._b.discard(self._keep(ranges))
+
+    def advise(self, ranges: Any, advice: Any, device: int) -> None:
+        self._b.advise(self._keep(ranges), advice, device)
+
+    def launch(self, reads: Any, writes: Any, flops: int = 0, nbytes: int = 0) -> None:
+        self._b.launch(self._keep(reads), self._keep(writes), flops, nbytes)
+
+    def __getattr__(self, name: str) -> Any:  # malloc, free, synchronize, mem_info, counters
+        return getattr(self._b, name)
+
+
+class LiveLayout:
+    """The :class:`~umrt.memory.base.Layout` of a live program: torch already placed
+    every storage (through umrt's pool); this layout only reports where."""
+
+    def __init__(self, recorder: Any, pool: Any) -> None:
+        self.recorder, self.pool = recorder, pool
+        self._where: dict[int, int] = {}
+
+    def _lookup(self, obj: int) -> int:
+        address = getattr(self.recorder, "address", None)
+        if callable(address):  # preferred: a public Recorder.address(obj)
+            return int(address(obj) or 0)
+        fin = getattr(self.recorder, "_finalizers", {}).get(obj)
+        item = fin.peek() if fin is not None else None
+        return int(item[0].data_ptr()) if item else 0
+
+    def alloc(self, obj: int, nbytes: int, kind: Any) -> int:
+        ptr = self._where[obj] = self._lookup(obj)
+        return ptr
+
+    def free(self, obj: int) -> None:
+        self._where.pop(obj, None)
+
+    def address(self, obj: int) -> int:
+        return self._where.get(obj, 0)
+
+    def footprint(self) -> int:
+        return self.pool.reserved_bytes()
+
+
+class LiveBridge:
+    """Feeds a capture :class:`~umrt.capture.Recorder`'s live events to the policy,
+    in the order the simulator's replay uses (Alloc: layout then policy; Launch:
+    policy then ``backend.launch``; Free: policy then layout)."""
+
+    def __init__(self, session: Session, device: str = "cuda") -> None:
+        from umrt.capture import Recorder
+        from umrt.policy import make_policy
+        from umrt.policy.base import PolicyContext
+
+        cfg = session.config
+        options: dict[str, Any] = {}
+        if cfg.policy == "umrt":
+            options = {"learn_iterations": cfg.learn_iterations, "op_level": cfg.granularity == "op",
+                       "use_pool": False}
+        self.policy = make_policy(cfg.policy, **options)
+        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False)
+        self.failed: BaseException | None = None
+        self.events = 0
+        self.backend = ManagedOnly(session.backend)
+        self.layout = LiveLayout(self.recorder, session.pool)
+        profile = None
+        if cfg.profile:
+            from umrt.hardware import load_profile
+
+            profile = load_profile(cfg.profile)
+        self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
+
+    def on_event(self, ev: Any) -> None:
+        """One live event; a failure stops umrt's actions (with one warning), never the training."""
+        if self.failed is not None:
+            return
+        self.events += 1
+        try:
+            self._dispatch(ev)
+        except Exception as exc:  # noqa: BLE001
+            self.failed = exc
+            log.warning("umrt: runtime stopped acting after an error (%s: %s); memory stays managed",
+                        type(exc).__name__, exc)
+
+    def _dispatch(self, ev: Any) -> None:
+        from umrt.trace.events import Alloc, Free, Launch
+
+        if isinstance(ev, Alloc):
+            self.layout.alloc(ev.obj, ev.nbytes, ev.kind)
+            self.policy.on_event(ev)
+        elif isinstance(ev, Launch):
+            self.policy.on_event(ev)
+            where = self.layout.address
+            reads = [(where(a.obj) + a.offset, a.length) for a in ev.reads if where(a.obj)]
+            writes = [(where(a.obj) + a.offset, a.length) for a in ev.writes if where(a.obj)]
+            self.backend.launch(reads, writes, ev.flops, ev.bytes)
+        elif isinstance(ev, Free):
+            self.policy.on_event(ev)
+            self.layout.free(ev.obj)
+        else:
+            self.policy.on_event(ev)
+
+    def start(self) -> None:
+        self.recorder.__enter__()
+
+    def close(self) -> None:
+        self.recorder.__exit__(None, None, None)
 
 
 def current() -> Session | None:
