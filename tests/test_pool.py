@@ -137,7 +137,6 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
         p = pool.address(o)
         arena = pool.arena_of(o)
         assert p % 512 == 0, "objects are 512-B aligned like PyTorch's blocks"
-        assert any(lo <= p < lo + m for lo, m in ranges[arena]), f"object {o} outside its {arena} arena"
         holders = merged if arena in ("short-lived", "long-lived") else [[lo, lo + m] for lo, m in ranges[arena]]
         assert any(lo <= p and p + n <= hi for lo, hi in holders), f"object {o} outside its region"
     assert pool.footprint() >= sum(n for rs in ranges.values() for _, n in rs)
@@ -146,12 +145,14 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
 @pytest.mark.parametrize("observe", [True, False])
 def test_valid_and_stable_after_first_iteration(observe):
     pool = LifetimePool(BumpBackend())
-    addrs = drive(pool, model_events(iterations=4), observe=observe, check=check_layout)
-    assert pool.planned and pool.plans_made == 1
+    addrs = drive(pool, model_events(iterations=5), observe=observe, check=check_layout)
+    # Planned after iteration 0, refined once after iteration 1: the gradients outlive the
+    # iteration (freed by the next zero_grad), and only then is their end known.
+    assert pool.planned and pool.plans_made == 2
     for ordinal in itertools.count():
-        if (1, ordinal) not in addrs:
+        if (2, ordinal) not in addrs:
             break
-        assert addrs[(1, ordinal)] == addrs[(2, ordinal)] == addrs[(3, ordinal)], ordinal
+        assert addrs[(2, ordinal)] == addrs[(3, ordinal)] == addrs[(4, ordinal)], ordinal
     assert ordinal > 10
     stats = pool.report()["last_iteration"]
     assert stats["plan_misses"] == 0 and stats["plan_hits"] > 0
@@ -165,12 +166,13 @@ def test_lifetime_classes_get_their_arenas():
     kinds = {e.obj: e.kind for e in events if isinstance(e, Alloc)}
 
     def record(pool, sizes):
-        if pool.planned:  # every allocation since the first boundary after learning
+        if pool.plans_made == 2 and not pool.arena_ranges()["learning"]:  # final plan, learning gone
             for o in sizes:
                 seen.setdefault(kinds[o], set()).add(pool.arena_of(o))
 
     drive(pool, events, check=record)
-    assert seen[Kind.PARAMETER] == seen[Kind.GRADIENT] == {"persistent"}
+    assert seen[Kind.PARAMETER] == {"persistent"}
+    assert seen[Kind.GRADIENT] == {"long-lived"}  # re-created every iteration: planned
     assert seen[Kind.TEMPORARY] == {"short-lived"}
     assert seen[Kind.ACTIVATION] == {"long-lived"}
 
@@ -191,7 +193,7 @@ def test_misaligned_backend_still_gives_aligned_arenas():
 def test_unknown_allocations_are_served_then_replanned():
     pool = LifetimePool(BumpBackend())
     addrs = drive(pool, model_events(iterations=6, change_at=3), check=check_layout)
-    assert pool.plans_made == 2  # the batch change re-plans once
+    assert pool.plans_made == 3  # plan, refine, and the batch change re-plans once
     n = sum(1 for k in addrs if k[0] == 4)
     assert [addrs[(4, i)] for i in range(n)] == [addrs[(5, i)] for i in range(n)]
 
@@ -205,7 +207,7 @@ def test_unknown_allocations_without_replanning_use_overflow():
         check_layout(pool, sizes)
 
     drive(pool, model_events(iterations=5, change_at=3), check=spy)
-    assert pool.plans_made == 1 and overflow
+    assert pool.plans_made == 2 and overflow
 
 
 def test_footprint_is_tight_on_repeating_iterations():
@@ -280,7 +282,7 @@ def test_random_repeating_iterations(objs, cross):
     events.append(IterationBoundary(4))
     pool = LifetimePool(BumpBackend())
     addrs = drive(pool, events, check=check_layout)
-    assert pool.planned == any(not k.persistent for _, _, k, _ in objs)
+    assert pool.planned == any(k in (Kind.GRADIENT, Kind.ACTIVATION, Kind.TEMPORARY, Kind.INPUT) for _, _, k, _ in objs)
     n = len(objs)
     # The persistent arena is online best fit; everything recurs identically from iteration 2.
     assert [addrs[(2, i)] for i in range(n)] == [addrs[(3, i)] for i in range(n)]

@@ -68,10 +68,38 @@ ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 
 PlanKey = tuple  # (context exec id | None, nbytes, kind, ordinal)
+# Never freed in training: served online, never planned. Gradients are Kind.persistent but
+# PyTorch re-creates them every iteration (zero_grad(set_to_none=True), the default since 2.0),
+# so they are planned with the transients, by their observed lifetimes.
+_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE, Kind.OTHER})
 
 
 def _up(x: int, a: int) -> int:
     return -(-x // a) * a
+
+
+def _quietest_point(records, ends, length: int) -> int:
+    """The clock point of the cycle where the fewest bytes are alive.
+
+    Planning cuts the (periodic) iteration there, so that few objects cross
+    the cut; an object crossing it must be planned as alive all along.
+    """
+    deltas: dict[int, int] = {0: 0}
+    for r in records:
+        e = ends[id(r)]
+        if e is None:
+            continue  # alive everywhere: the same at every point
+        a, b = r.start % length, r.start % length + (e[0] - r.start)
+        pieces = [(a, min(b, length))] + ([(0, min(b - length, length))] if b > length else [])
+        for lo, hi in pieces:
+            deltas[lo] = deltas.get(lo, 0) + r.size
+            deltas[hi] = deltas.get(hi, 0) - r.size
+    best_t, best, live = 0, None, 0
+    for t in sorted(deltas):
+        live += deltas[t]
+        if t < length and (best is None or live < best):
+            best_t, best = t, live
+    return best_t
 
 
 class _Online:
@@ -168,6 +196,9 @@ class _Record:
     in_layer: bool  # allocated inside a module (not in the optimizer step or top-level code)
     end: int | None = None
     end_tick: int | None = None
+    # Freed in the next iteration: there, at this clock / tick (relative to its start).
+    end_next: int | None = None
+    end_next_tick: int | None = None
 
 
 @dataclass(slots=True)
@@ -180,10 +211,6 @@ class _Region:
     short: tuple[int, int] = (0, 0)  # (ptr, nbytes) of the short-lived arena
     live: int = 0
     retired: bool = False
-
-    def arena_at(self, ptr: int) -> str:
-        lo, n = self.short
-        return "short-lived" if lo <= ptr < lo + n else "long-lived"
 
     def ranges(self) -> dict[str, list[tuple[int, int]]]:
         lo, n = self.short
@@ -271,7 +298,7 @@ class LifetimePool(Layout):
         self._regions: list[_Region] = []
         self._live: dict[int, _Live] = {}
         self._live_planned: list[tuple[int, int]] = []  # sorted (ptr, end) of live planned objects
-        self._plan: dict[PlanKey, tuple[_Region, int]] = {}
+        self._plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         self.planned = False
         self.plans_made = 0
 
@@ -283,6 +310,9 @@ class LifetimePool(Layout):
         self._context: int | None = None
         self._ordinals: dict[tuple, int] = {}
         self._records: list[_Record] = []
+        self._prev_records: dict[PlanKey, _Record] = {}
+        self._prev_ticks = 0
+        self._refine = False  # the plan assumed unknown-end objects alive all along
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
         self.totals = _IterStats()  # over the pool's life
@@ -299,7 +329,7 @@ class LifetimePool(Layout):
         kind = Kind(kind)
         size = _up(max(nbytes, 1), self.alignment)
         self._clock += 1
-        if kind.persistent:
+        if kind in _PERSISTENT:
             live = _Live("persistent", self._online["persistent"].alloc(size), size, nbytes)
         else:
             live = self._alloc_transient(size, nbytes, kind)
@@ -317,6 +347,8 @@ class LifetimePool(Layout):
         rec = live.record
         if rec is not None and live.iteration == self._iteration:
             rec.end, rec.end_tick = self._clock - self._iter_clock, self._tick
+        elif rec is not None and rec.end is None and rec.end_next is None:
+            rec.end_next, rec.end_next_tick = self._clock - self._iter_clock, self._tick
         if live.region is not None:
             i = bisect.bisect_left(self._live_planned, (live.ptr, live.ptr + live.size))
             del self._live_planned[i]
@@ -342,7 +374,12 @@ class LifetimePool(Layout):
     # -- what the runtime asks ------------------------------------------------
 
     def arena_of(self, obj: int) -> str:
-        """Name of the arena serving live ``obj`` (one of :data:`ARENAS`)."""
+        """The arena serving live ``obj`` (one of :data:`ARENAS`): its lifetime class once planned.
+
+        A long-lived object whose whole life falls outside the short-lived
+        arena's span (e.g. in the optimizer step) may be placed inside that
+        arena's range, which is idle then; it is still reported long-lived.
+        """
         try:
             return self._live[obj].arena
         except KeyError:
@@ -373,6 +410,8 @@ class LifetimePool(Layout):
         self._tick = 0
         self._context = None
         self._ordinals = {}
+        self._prev_records = {r.key: r for r in self._records}
+        self._prev_ticks = self._tick
         self._records = []
         self._stats = _IterStats()
 
@@ -431,7 +470,7 @@ class LifetimePool(Layout):
             return _Live("learning", ptr, size, nbytes, record=record, iteration=self._iteration)
         hit = self._plan.get(record.key) if record is not None else None
         if hit is not None:
-            region, offset = hit
+            region, offset, name = hit
             ptr = region.ptr + offset
             i = bisect.bisect_left(self._live_planned, (ptr, ptr + size))
             free_before = i == 0 or self._live_planned[i - 1][1] <= ptr
@@ -441,7 +480,7 @@ class LifetimePool(Layout):
                 region.live += 1
                 self._stats.hits += 1
                 self.totals.hits += 1
-                return _Live(region.arena_at(ptr), ptr, size, nbytes, region, record, self._iteration)
+                return _Live(name, ptr, size, nbytes, region, record, self._iteration)
             self._stats.conflicts += 1
             self.totals.conflicts += 1
         self._stats.misses += 1
@@ -458,27 +497,54 @@ class LifetimePool(Layout):
             return
         if not self.planned:
             self._make_plan()
+        elif self._refine:
+            self._make_plan()  # once: the ends of objects that outlived the learned iteration are known now
         elif self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes:
             self._make_plan()
 
     def _make_plan(self) -> None:
         old_regions = list(self._regions)
-        length = self._clock - self._iter_clock
-        saw_layers = self._tick > 0
+        length = max(self._clock - self._iter_clock, 1)
+        ticks = self._tick
+        saw_layers = ticks > 0
+
+        # Cyclic lifetimes: an object still alive at the boundary ends where its counterpart
+        # (same key) from the previous iteration ended, one iteration later; if that is not
+        # known yet, it is planned as alive all along and the plan is refined once later.
+        ends: dict[int, tuple[int, int] | None] = {}
+        unknown = 0
+        for r in self._records:
+            if r.end is not None:
+                ends[id(r)] = (r.end, r.end_tick)
+                continue
+            prev = self._prev_records.get(r.key)
+            if prev is not None and prev.end_next is not None and prev.end_next < r.start:
+                ends[id(r)] = (length + prev.end_next, ticks + 1 + prev.end_next_tick)
+            else:
+                ends[id(r)] = None
+                unknown += 1
+        self._refine = unknown > 0 and not self.planned
+        cut = _quietest_point(self._records, ends, length)
 
         def lifetime(r: _Record) -> Lifetime:
-            # An object alive across the boundary is planned as alive all along.
-            return Lifetime(0, length, r.size) if r.end is None else Lifetime(r.start, r.end, r.size)
+            e = ends[id(r)]
+            if e is None:
+                return Lifetime(0, length, r.size)
+            start = (r.start - cut) % length
+            end = start + (e[0] - r.start)
+            return Lifetime(start, end, r.size) if end <= length else Lifetime(0, length, r.size)
 
         def span(r: _Record) -> tuple:
             if not saw_layers:
                 return ()
-            return (0, self._tick + 1) if r.end is None else (r.tick, r.end_tick)
+            e = ends[id(r)]
+            return (0, ticks + 1) if e is None else (r.tick, e[1])
 
         short: list[_Record] = []
         groups: dict[tuple, list[_Record]] = {}
         for r in self._records:
-            if r.end is not None and self._is_short(r, saw_layers):
+            e = ends[id(r)]
+            if e is not None and e[0] <= length and self._is_short(r, e[1], saw_layers):
                 short.append(r)
             else:
                 groups.setdefault(span(r), []).append(r)
@@ -523,7 +589,7 @@ class LifetimePool(Layout):
                     items.append(lifetime(r))
                     aligns.append(self.alignment)
 
-        new_plan: dict[PlanKey, tuple[_Region, int]] = {}
+        new_plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         if units:
             outer = plan(items, alignments=aligns)
             region = self._new_region(outer.footprint)
@@ -531,7 +597,7 @@ class LifetimePool(Layout):
                 if name == "short-lived":
                     region.short = (region.ptr + base, item.nbytes)
                 for r, off in zip(members, offsets):
-                    new_plan[r.key] = (region, base + off)
+                    new_plan[r.key] = (region, base + off, name)
 
         for old in old_regions:  # the previous plan's arenas go once their objects die
             old.retired = True
@@ -545,14 +611,14 @@ class LifetimePool(Layout):
         if learning.segments and not learning.used:
             learning.release()
 
-    def _is_short(self, r: _Record, saw_layers: bool) -> bool:
+    def _is_short(self, r: _Record, end_tick: int, saw_layers: bool) -> bool:
         # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
         # within ``short_ticks`` layer events. Big temporaries of the optimizer step or top-level
         # code are not: they join the long-lived groups, whose placement lets them reuse the
         # memory of activations that are dead by then.
         if not saw_layers:
             return r.kind == Kind.TEMPORARY
-        return r.in_layer and r.end_tick - r.tick <= self.short_ticks
+        return r.in_layer and end_tick - r.tick <= self.short_ticks
 
     def _new_region(self, nbytes: int) -> _Region:
         nbytes = _up(max(nbytes, 1), self.block)
