@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from umrt.backends.base import HOST
+from umrt.backends.base import HOST, Advice
 from umrt.errors import ConfigError, UmrtError
 from umrt.policy.base import Policy, PolicyContext
-from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, Trace
+from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind, Launch, Trace
 
 __all__ = ["OraclePolicy", "OraclePlan", "Template", "plan_cyclic"]
 
@@ -61,6 +61,7 @@ class Template:
     born: dict[int, int]  # obj -> position of its Alloc in the iteration
     freed: dict[int, int]  # obj -> position of its Free
     pair: dict[int, int]  # carried obj freed here -> the obj born here that plays its part next time
+    kinds: dict[int, Kind] = field(default_factory=dict)
 
     @classmethod
     def from_trace(cls, trace: Trace) -> "Template":
@@ -87,7 +88,8 @@ class Template:
                 partner = born_at[alloc_pos[obj]]
                 if sizes.get(partner) == sizes.get(obj):
                     pair[obj] = partner
-        return cls(ops, sizes, born, freed, pair)
+        kinds = {e.obj: e.kind for e in trace.events if isinstance(e, Alloc)}
+        return cls(ops, sizes, born, freed, pair, kinds)
 
     def uid(self, obj: int, lap: int) -> Uid:
         """The identity, across laps, of template object ``obj`` seen in lap ``lap``."""
@@ -120,17 +122,22 @@ class OraclePlan:
     prefetch: dict[int, list[Uid]] = field(default_factory=lambda: defaultdict(list))
     peak_bytes: int = 0  # most planned resident bytes at any point of the steady-state lap
     unplanned_launches: int = 0  # launches whose working set alone exceeds the capacity
+    unplanned: set[int] = field(default_factory=set)  # their positions
+    remote_at: dict[int, list[Uid]] = field(default_factory=dict)  # their non-resident objects, read remotely
+    remote: frozenset[int] = frozenset()  # template objects kept on the host, read over the link
 
 
-def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10, laps: int = 3) -> OraclePlan:
+def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10, laps: int = 3,
+                remote: frozenset[int] = frozenset()) -> OraclePlan:
     """Plan the steady state of ``template`` repeated forever within ``capacity`` bytes.
 
     The iteration is unrolled ``laps`` times from an empty GPU; the actions
     of the middle lap (positions ``L .. 2L-1``, reported modulo ``L``) are the
-    steady-state plan, since the first lap absorbs the cold start.
+    steady-state plan, since the first lap absorbs the cold start. Objects in
+    ``remote`` stay on the host (accessed over the link) and are not planned.
     """
     L = len(template.ops)
-    plan = OraclePlan(length=L, capacity=capacity)
+    plan = OraclePlan(length=L, capacity=capacity, remote=frozenset(remote))
     if L == 0:
         return plan
     n = laps * L
@@ -149,7 +156,7 @@ def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10
         for i, op in enumerate(template.ops):
             t = base + i
             if op[0] == "L":
-                u = list(dict.fromkeys(template.uid(o, lap) for o in op[2]))
+                u = list(dict.fromkeys(template.uid(o, lap) for o in op[2] if o not in remote))
                 uses[t] = u
                 for x in u:
                     uses_of[x].append(t)
@@ -185,19 +192,14 @@ def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10
         need = [x for x in u if x not in resident]
         if sum(size(x) for x in u) > capacity:
             # Its working set alone exceeds the budget (e.g. a foreach optimizer
-            # step over every parameter): the driver faults it through and
-            # evicts as it goes, so afterwards nothing planned can be assumed
-            # resident. Plan nothing for it and start again from empty.
+            # step over every parameter): what is resident is used in place, the
+            # rest is read and written over the link for this launch only
+            # (AccessedBy), so nothing is faulted in and nothing evicted.
             if L <= t < 2 * L:
                 plan.unplanned_launches += 1
-            intervals.extend((start, t, x, False) for x, start in resident.items())
-            resident.clear()
-            heap.clear()
-            used = 0
-            for x in u:
-                nxt[x] += 1
-                last_use[x] = t
-            continue
+                plan.unplanned.add(t - L)
+                plan.remote_at[t - L] = need
+            need = []
         need_bytes = sum(size(x) for x in need)
         in_use = set(u)
         parked = []
@@ -256,13 +258,15 @@ class OraclePolicy(Policy):
     rounding and 2 MB blocks shared between objects, default 0.05),
     ``page_bytes`` (objects are counted in whole pages of this size,
     default 64 KB, the driver's big page), ``discard`` (drop freed objects'
-    pages, default True).
+    pages, default True), ``remote_access`` (keep data that only launches
+    larger than the budget touch on the host, accessed over the link;
+    default True).
     """
 
     name = "oracle"
 
     def __init__(self, trace: Trace | None = None, *, headroom: float = 0.05,
-                 page_bytes: int = 64 << 10, discard: bool = True) -> None:
+                 page_bytes: int = 64 << 10, discard: bool = True, remote_access: bool = True) -> None:
         if trace is None:
             raise ConfigError("the oracle plans from the whole future: pass the trace (make_policy('oracle', trace=...))")
         if not 0.0 <= headroom < 1.0:
@@ -273,6 +277,12 @@ class OraclePolicy(Policy):
         self.headroom = headroom
         self.page_bytes = page_bytes
         self.discard = discard
+        self.remote_access = remote_access
+        self._remote_persistent: set[int] = set()
+        self._advised: dict[int, tuple[int, int]] = {}  # runtime obj -> range advised host-mapped
+        self._advise_set: list[tuple[int, int]] = []  # pending advice calls
+        self._advise_unset: list[tuple[int, int]] = []
+        self._temp_advised: list[tuple[int, int]] = []  # advised for one launch; withdrawn after it
         self.plan: OraclePlan | None = None
         self._pos: int | None = None  # position in the template; None before the first boundary
         self._lost = False  # this iteration strayed from the template
@@ -285,21 +295,55 @@ class OraclePolicy(Policy):
         self._releases: list[tuple[int, int]] = []  # dead pages to hand back (see _act)
         self._prefetches: list[tuple[int, int]] = []
         self._pending_objs: set[int] = set()
-        self.stats = {"prefetches": 0, "evictions": 0, "discards": 0, "matched_iterations": 0,
+        self.stats = {"prefetches": 0, "evictions": 0, "discards": 0, "host_mapped": 0, "matched_iterations": 0,
                       "unmatched_iterations": 0, "unresolved": 0}
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
         capacity = int(ctx.budget_bytes * (1.0 - self.headroom))
         self.plan = plan_cyclic(self.template, capacity, page_bytes=self.page_bytes)
+        if self.remote_access:
+            # Data touched only by launches too big for the budget (the foreach
+            # optimizer step over every parameter) would be faulted in and
+            # evicted again on every pass: it is cheaper read and written in
+            # place over the link (PreferredLocation=host + AccessedBy=GPU).
+            # Taking it out can make other launches fit, so repeat until stable.
+            used_at: dict[int, set[int]] = defaultdict(set)
+            for i, op in enumerate(self.template.ops):
+                if op[0] == "L":
+                    for obj in op[2]:
+                        used_at[obj].add(i)
+            # Optimizer state is read and rewritten once per step, in one burst:
+            # streaming it over the link costs the same bytes as migrating it in
+            # and out, without evicting anything.
+            remote = frozenset(o for o in used_at if self.template.kinds.get(o) == Kind.OPTIMIZER_STATE)
+            if remote:
+                self.plan = plan_cyclic(self.template, capacity, page_bytes=self.page_bytes, remote=remote)
+            for _ in range(4):
+                more = {o for o, at in used_at.items() if at <= self.plan.unplanned} - remote
+                if not more:
+                    break
+                remote = remote | more
+                self.plan = plan_cyclic(self.template, capacity, page_bytes=self.page_bytes, remote=remote)
+        t = self.template
+        self._remote_persistent = {o for o in self.plan.remote if o not in t.born and o not in t.freed}
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, IterationBoundary):
             self._boundary()
             return
+        if self._temp_advised:  # the launch that needed remote access has run
+            self._advise_unset.extend(self._temp_advised)
+            self._temp_advised = []
         if isinstance(event, Alloc):
             self._nbytes[event.obj] = event.nbytes
-        elif not isinstance(event, (Free, Launch)):
+            if event.obj in self._remote_persistent:  # ids of long-lived objects never change
+                self._host_map(event.obj)
+        elif isinstance(event, Free):
+            rng = self._advised.pop(event.obj, None)
+            if rng is not None:
+                self._advise_unset.append(rng)
+        elif not isinstance(event, Launch):
             return
         if self._pos is None or self._lost:
             return
@@ -340,6 +384,8 @@ class OraclePolicy(Policy):
     def _learn(self, op: tuple, event: Event) -> None:
         if op[0] == "A":
             self._cur[op[1]] = event.obj
+            if op[1] in self.plan.remote and event.obj not in self._advised:
+                self._host_map(event.obj)
         elif op[0] == "L":
             for obj, access in zip(op[2], event.accesses):
                 self._cur[obj] = access.obj
@@ -403,14 +449,35 @@ class OraclePolicy(Policy):
             self._resolve_into(plan.evict[p], self._evicts)
         if p in plan.prefetch:
             self._resolve_into(plan.prefetch[p], self._prefetches)
+        if p in plan.remote_at:
+            ranges: list[tuple[int, int]] = []
+            self._resolve_into(plan.remote_at[p], ranges)
+            ranges = [r for r in ranges if r not in self._advised.values()]
+            self._advise_set.extend(ranges)
+            self._temp_advised.extend(ranges)
         if isinstance(event, Launch):
             self._flush()
 
+    def _host_map(self, obj: int) -> None:
+        nbytes = self._nbytes.get(obj, 0)
+        if nbytes > 0:
+            rng = (self.ctx.layout.address(obj), nbytes)
+            self._advised[obj] = rng
+            self._advise_set.append(rng)
+
     def _flush(self) -> None:
         backend = self.ctx.backend
+        device = getattr(backend, "device", 0)
         if self._discards:
             backend.discard(self._discards)
             self.stats["discards"] += len(self._discards)
+        if self._advise_unset:
+            backend.advise(self._advise_unset, Advice.UNSET_PREFERRED_LOCATION, HOST)
+            backend.advise(self._advise_unset, Advice.UNSET_ACCESSED_BY, device)
+        if self._advise_set:
+            backend.advise(self._advise_set, Advice.SET_PREFERRED_LOCATION, HOST)
+            backend.advise(self._advise_set, Advice.SET_ACCESSED_BY, device)
+            self.stats["host_mapped"] += len(self._advise_set)
         if self._evicts or self._releases:
             backend.prefetch(self._releases + self._evicts, HOST)
             self.stats["evictions"] += len(self._evicts)
@@ -418,4 +485,5 @@ class OraclePolicy(Policy):
             backend.prefetch(self._prefetches, getattr(backend, "device", 0))
             self.stats["prefetches"] += len(self._prefetches)
         self._discards, self._releases, self._evicts, self._prefetches = [], [], [], []
+        self._advise_set, self._advise_unset = [], []
         self._pending_objs = set()
