@@ -125,6 +125,10 @@ class ObjectKeys:
     def key(self, obj: int) -> tuple:
         return self._key.get(obj, ("unknown", obj))
 
+    def peek(self, obj: int, nbytes: int) -> tuple:
+        """The key the next Alloc (of ``obj``, ``nbytes``) will get."""
+        return ("setup", obj) if self.iterations_seen == 0 else (self._ordinal, nbytes)
+
     def obj(self, key: tuple) -> int | None:
         """The live object holding ``key`` now, if any."""
         return self._obj.get(key)
@@ -172,10 +176,20 @@ class IterationProfile:
     def n_launches(self) -> int:
         return len(self.launch_keys)
 
+    def signature(self) -> int:
+        """Equal for iterations that allocate and launch alike (a plan made from
+        one applies to the other)."""
+        return hash((tuple(self.launch_keys), len(self.layer_marks)))
+
 
 class IterationProfiler:
     """Records iteration number ``target`` (1 = the first complete one) into an
     :class:`IterationProfile`; ``done`` once the iteration has ended."""
+
+    @classmethod
+    def next(cls, keys: "ObjectKeys") -> "IterationProfiler":
+        """A profiler for the iteration that starts now (after its boundary was observed)."""
+        return cls(keys, target=keys.iterations_seen)
 
     def __init__(self, keys: ObjectKeys, target: int = 1) -> None:
         self.keys = keys

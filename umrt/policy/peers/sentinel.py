@@ -19,6 +19,8 @@ driven by one profiled training step, as a policy over managed memory.
 """
 from __future__ import annotations
 
+import bisect
+
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.memory.base import Layout
@@ -31,24 +33,29 @@ __all__ = ["SentinelPolicy", "SentinelLayout"]
 
 INTERVAL_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_INTERVAL = 8  # the paper's best on ResNet-32, used when no hardware model is known
+RESERVE_MAX_SHARE = 0.25  # largest share of the budget the pinned short-lived region may take
+PLAN_HEADROOM = 0.9  # of the memory left, for 2 MB-block sharing and allocator rounding
 
 
 def is_short_lived(kind: Kind) -> bool:
+    """Before any profile exists: the recorder's temporaries."""
     return kind == Kind.TEMPORARY
 
 
 class SentinelLayout(Layout):
     """Short-lived and long-lived objects in separate caching-allocator pools,
-    so they never share a 2 MB block (Sentinel's re-organised allocation)."""
+    so they never share a 2 MB block (Sentinel's re-organised allocation).
+    ``classify(obj, nbytes, kind)`` says whether an object is short-lived."""
 
-    def __init__(self, backend) -> None:
+    def __init__(self, backend, classify=None) -> None:
         self.short = CachingAllocatorLayout(backend)
         self.long = CachingAllocatorLayout(backend)
+        self._classify = classify or (lambda obj, nbytes, kind: is_short_lived(kind))
         self._where: dict[int, CachingAllocatorLayout] = {}
         self._seen_short = 0
 
     def alloc(self, obj: int, nbytes: int, kind: Kind) -> int:
-        layout = self.short if is_short_lived(kind) else self.long
+        layout = self.short if self._classify(obj, nbytes, kind) else self.long
         self._where[obj] = layout
         return layout.alloc(obj, nbytes, kind)
 
@@ -60,6 +67,9 @@ class SentinelLayout(Layout):
 
     def footprint(self) -> int:
         return self.short.footprint() + self.long.footprint()
+
+    def short_segments(self) -> list[tuple[int, int]]:
+        return self.short.segments()
 
     def new_short_segments(self) -> list[tuple[int, int]]:
         """Segments of the short-lived region obtained since the last call."""
@@ -83,39 +93,48 @@ class SentinelPolicy(Policy):
         self.keys = ObjectKeys()
         self.profiler = IterationProfiler(self.keys, target=1)
         self.interval: int | None = None
+        self._plan_sig: int | None = None
+        self._short_keys: set | None = None  # short-lived objects, once profiled
+        self._pin = self.reserve  # keep the short-lived region resident
         self._reserve_bytes = 0
-        self._plan_ready = False
         self._launch = 0  # launch ordinal within the current iteration
         # Per launch ordinal: keys to prefetch (ordered) and keys to evict, before that launch.
         self._prefetch_at: dict[int, list[tuple]] = {}
         self._evict_at: dict[int, list[tuple]] = {}
-        self.counters = {"prefetched_bytes": 0, "evicted_bytes": 0, "intervals": 0}
+        self.counters = {"prefetched_bytes": 0, "evicted_bytes": 0, "intervals": 0, "plans": 0}
 
     def make_layout(self, backend) -> Layout:
-        return SentinelLayout(backend)
+        return SentinelLayout(backend, self._classify)
 
-    def attach(self, ctx: PolicyContext) -> None:
-        super().attach(ctx)
+    def _classify(self, obj: int, nbytes: int, kind: Kind) -> bool:
+        if self._short_keys is None:
+            return is_short_lived(kind)
+        return self.keys.peek(obj, nbytes) in self._short_keys
 
     # -- events -----------------------------------------------------------------
 
     def on_event(self, event) -> None:
         self.keys.observe(event)
         self.profiler.observe(event)
-        if self.profiler.done and not self._plan_ready:
-            self._plan(self.profiler.profile)
         if isinstance(event, Launch):
-            if self._plan_ready and self.keys.iterations_seen > 1:
+            if self._plan_sig is not None:
                 self._act(self._launch)
             self._launch += 1
         elif isinstance(event, Alloc):
             layout = self.ctx.layout
-            if self.reserve and isinstance(layout, SentinelLayout):
+            if self._pin and isinstance(layout, SentinelLayout):
                 segs = layout.new_short_segments()
                 if segs:
-                    self._reserve_bytes += sum(n for _, n in segs)
                     self.ctx.backend.prefetch(segs, self.ctx.backend.device)
         elif isinstance(event, IterationBoundary):
+            if self.profiler.done:
+                # Re-plan whenever an iteration differed from the one the plan came from
+                # (the first step creates optimizer state; later ones repeat).
+                sig = self.profiler.profile.signature()
+                if sig != self._plan_sig:
+                    self._plan(self.profiler.profile)
+                    self._plan_sig = sig
+            self.profiler = IterationProfiler.next(self.keys)
             self._launch = 0
         self.keys.forget(event)
 
@@ -138,8 +157,12 @@ class SentinelPolicy(Policy):
                 self.ctx.backend.prefetch(ranges, HOST)
                 self.counters["evicted_bytes"] += sum(r[1] for r in ranges)
         fetch = self._prefetch_at.get(n)
-        if fetch:
+        if fetch is not None:
             self.counters["intervals"] += 1
+            layout = self.ctx.layout
+            if self._pin and isinstance(layout, SentinelLayout) and layout.short_segments():
+                # The reserved region stays on the GPU: bring back anything the driver took.
+                self.ctx.backend.prefetch(layout.short_segments(), self.ctx.backend.device)
             ranges = self._ranges(fetch)  # priority order: highest access count first
             if ranges:
                 self.ctx.backend.prefetch(ranges, self.ctx.backend.device)
@@ -164,7 +187,7 @@ class SentinelPolicy(Policy):
 
     def _needs(self, p: IterationProfile, spans) -> list[dict[tuple, int]]:
         """Per interval: long-lived key -> access count."""
-        long = {k for k, o in p.objects.items() if not is_short_lived(o.kind)}
+        long = {k for k in p.objects if k not in self._short_keys}
         needs = []
         for a, b in spans:
             d: dict[tuple, int] = {}
@@ -192,13 +215,35 @@ class SentinelPolicy(Policy):
             total += max(compute, new / rate) + over / rate + (over > 0) * prof.fault_batch_latency_s
         return total
 
+    def _short_lived(self, p: IterationProfile) -> set:
+        """Objects born and dead within one layer (no layer boundary in their lifetime)."""
+        marks = sorted(set(p.layer_marks))
+        short = set()
+        for k, o in p.objects.items():
+            if o.alloc_at >= 0 and o.free_at >= 0:
+                i = bisect.bisect_right(marks, o.alloc_at)
+                if i == len(marks) or marks[i] >= o.free_at:
+                    short.add(k)
+        return short
+
     def _plan(self, p: IterationProfile) -> None:
-        self._plan_ready = True
+        self.counters["plans"] += 1
+        self._prefetch_at, self._evict_at = {}, {}
         if p.n_launches == 0:
             return
+        self._short_keys = short = self._short_lived(p)
+        # The reserve holds the short-lived objects alive at once (their peak).
+        deltas = sorted([(p.objects[k].alloc_at, p.objects[k].nbytes) for k in short]
+                        + [(p.objects[k].free_at, -p.objects[k].nbytes) for k in short])
+        live = peak = 0
+        for _, d in deltas:
+            live += d
+            peak = max(peak, live)
+        self._reserve_bytes = peak
+        # A reserve that would crowd out the long-lived working set is not kept pinned.
+        self._pin = self.reserve and peak <= RESERVE_MAX_SHARE * self.ctx.budget_bytes
         starts = self._layer_starts(p)
-        short = sum(o.nbytes for o in p.objects.values() if is_short_lived(o.kind))
-        avail = max(0, self.ctx.budget_bytes - max(self._reserve_bytes, short if self.reserve else 0))
+        avail = int(PLAN_HEADROOM * max(0, self.ctx.budget_bytes - (peak if self._pin else 0)))
         if self.fixed_interval is not None:
             length = self.fixed_interval
         elif self.ctx.profile is None:
@@ -241,4 +286,5 @@ class SentinelPolicy(Policy):
                     self._evict_at.setdefault(i + 1, []).append(k)
 
     def report(self) -> dict:
-        return dict(self.counters, interval_layers=self.interval, reserve_bytes=self._reserve_bytes)
+        return dict(self.counters, interval_layers=self.interval, reserve_bytes=self._reserve_bytes,
+                    reserve_pinned=self._pin)

@@ -25,7 +25,7 @@ from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy
 from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
-from umrt.trace.events import IterationBoundary, Kind, LayerEnter, LayerExit, Launch
+from umrt.trace.events import IterationBoundary, Kind, LayerEnter, LayerExit
 
 __all__ = ["VDNNPolicy"]
 
@@ -41,27 +41,29 @@ class VDNNPolicy(Policy):
         self.lookahead = int(lookahead)
         self.keys = ObjectKeys()
         self.profiler = IterationProfiler(self.keys, target=1)
-        self._ready = False
-        self._launch = 0
+        self._plan_sig: int | None = None
         self._mark = 0  # layer events seen in the current iteration
         self._offload_at: dict[int, list[tuple]] = {}  # layer-event ordinal -> keys
         self._fetch_at: dict[int, list[tuple]] = {}
-        self.counters = {"offloaded_bytes": 0, "prefetched_bytes": 0}
+        self.counters = {"offloaded_bytes": 0, "prefetched_bytes": 0, "plans": 0}
 
     def on_event(self, event) -> None:
         self.keys.observe(event)
         self.profiler.observe(event)
-        if self.profiler.done and not self._ready:
-            self._plan(self.profiler.profile)
         if isinstance(event, (LayerEnter, LayerExit)):
-            if self._ready:
-                self._move(self._offload_at.get(self._mark), HOST, "offloaded_bytes")
-                self._move(self._fetch_at.get(self._mark), self.ctx.backend.device, "prefetched_bytes")
+            self._move(self._offload_at.get(self._mark), HOST, "offloaded_bytes")
+            self._move(self._fetch_at.get(self._mark), self.ctx.backend.device, "prefetched_bytes")
             self._mark += 1
-        elif isinstance(event, Launch):
-            self._launch += 1
         elif isinstance(event, IterationBoundary):
-            self._launch = self._mark = 0
+            if self.profiler.done:
+                # Re-learn when an iteration's structure differs from the plan's
+                # (the first step creates optimizer state; later ones repeat).
+                sig = self.profiler.profile.signature()
+                if sig != self._plan_sig:
+                    self._plan(self.profiler.profile)
+                    self._plan_sig = sig
+            self.profiler = IterationProfiler.next(self.keys)
+            self._mark = 0
         self.keys.forget(event)
 
     def _move(self, keys, device: int, counter: str) -> None:
@@ -78,7 +80,8 @@ class VDNNPolicy(Policy):
             self.counters[counter] += sum(n for _, n in ranges)
 
     def _plan(self, p: IterationProfile) -> None:
-        self._ready = True
+        self.counters["plans"] += 1
+        self._offload_at, self._fetch_at = {}, {}
         marks = p.layer_marks  # launch ordinal at each layer event (non-decreasing)
         if not marks:
             return
