@@ -143,3 +143,12 @@ def test_run_bad_input_exits_2(tmp_path, capsys, no_umrt_env):
     script.write_text("")
     assert _cli(["run", "--gpu-memory", "lots", str(script)]) == 2
     assert "--gpu-memory='lots'" in capsys.readouterr().err
+
+
+def test_shipped_pth_file_matches():
+    import pathlib
+
+    import umrt
+
+    shipped = pathlib.Path(umrt.__file__).with_name(PTH_NAME)
+    assert shipped.read_text() == PTH_LINE

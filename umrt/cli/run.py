@@ -78,8 +78,10 @@ def _shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None) -> i
         from umrt.shadow import run_shadow
     except ImportError as exc:
         raise UmrtError(f"shadow mode is not available in this umrt build ({exc})") from None
+    # In shadow mode a percentage is of the script's peak live bytes; unset keeps run_shadow's default.
     budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
-    return int(run_shadow(script, argv, profile=cfg.simulate, gpu_memory=budget, policy=cfg.policy) or 0)
+    extra = {"gpu_memory": budget} if budget else {}
+    return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)
 
 
 def run_script(script: str, argv: list[str]) -> int:
