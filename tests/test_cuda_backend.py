@@ -176,3 +176,20 @@ def test_resident_bytes_tracks_what_umrt_placed(cuda_backend):
     assert cuda_backend.resident_bytes() == 5 * MiB
     cuda_backend.free(a)
     assert cuda_backend.resident_bytes() == 0
+
+
+def test_cupy_cuda13_cannot_reach_the_host(fake_gpu):
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu, version=13000)))
+    ptr = backend.malloc(MiB)
+    backend.prefetch([(ptr, MiB)], 0)  # device targets are fine
+    with pytest.raises(CudaError, match="cuda-bindings"):
+        backend.prefetch([(ptr, MiB)], HOST)
+
+
+def test_pending_events_stay_bounded(cuda12, fake_gpu):
+    from umrt.backends.cuda import MAX_PENDING
+
+    ptr = cuda12.malloc(MiB)
+    for _ in range(MAX_PENDING + 5):
+        cuda12.prefetch([(ptr, 4096)], 0)
+    assert len(cuda12._pending) <= MAX_PENDING

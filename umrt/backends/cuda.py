@@ -50,6 +50,7 @@ from umrt.errors import CudaError
 DISCARD_ALIGN = 64 * 1024
 CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
 CUDA13 = 13000
+MAX_PENDING = 256  # copy-stream events awaiting a kernel before they are folded together
 
 
 # ---------------------------------------------------------------------------
@@ -150,11 +151,21 @@ class CupyApi(CudaApi):
     def stream_synchronize(self, stream: int) -> None:
         self._call("cudaStreamSynchronize", self.rt.streamSynchronize, stream)
 
+    def _host_ok(self, call: str, device: int) -> None:
+        # cupy-cuda13x builds a *device* cudaMemLocation from the id, so -1 never reaches the host.
+        if device == HOST and self.version >= CUDA13:
+            raise CudaError(
+                f"{call} to the host on CUDA 13 needs cuda-bindings (cupy-cuda13x turns -1 into a "
+                "device location): pip install cuda-bindings"
+            )
+
     def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> None:
         # CUDA 12 shape: (devPtr, count, dstDevice, stream); -1 = cudaCpuDeviceId.
+        self._host_ok("cudaMemPrefetchAsync", device)
         self._call("cudaMemPrefetchAsync", self.rt.memPrefetchAsync, ptr, nbytes, device, stream)
 
     def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None:
+        self._host_ok("cudaMemAdvise", device)
         self._call("cudaMemAdvise", self.rt.memAdvise, ptr, nbytes, int(advice), device)
 
 
@@ -465,6 +476,12 @@ class CudaBackend(Backend):
         event = self._event()
         self.api.record_event(event, self.copy_stream)
         self._pending.append((event, list(ranges)))
+        if len(self._pending) > MAX_PENDING:
+            # Ranges no kernel touched for a long time: order the compute stream after all
+            # of them at once (the newest event covers the rest) to keep launch() cheap.
+            self.api.stream_wait_event(self.compute_stream, event)
+            self._spare_events.extend(ev for ev, _ in self._pending)
+            self._pending.clear()
 
     def _copy_after_compute(self) -> None:
         event = self._event()
