@@ -179,14 +179,13 @@ def simulate(
         fault_batches=delta["fault_batches"],
         evictions=delta["evictions"],
         peak_resident_bytes=peaks[-1],
-        page_events=delta["page_events"],
+        page_events=backend.page_events,
         launches=delta["launches"],
         breakdown={k: float(delta[k]) for k in BREAKDOWN_KEYS},
         iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:])],
         peak_live_bytes=peak,
         footprint_bytes=int(layout.footprint()),
         wall_s=time.perf_counter() - t_wall,
-        total_page_events=backend.page_events,
         policy_report=dict(policy.report() or {}),
     )
 

@@ -13,8 +13,9 @@ BREAKDOWN_KEYS = ("compute_s", "fault_stall_s", "transfer_wait_s", "overhead_s",
 class SimResult:
     """The steady-state (last simulated) iteration of one simulation.
 
-    Byte and fault counters cover that iteration only; ``iteration_times_s``
-    lists every simulated iteration (the first pays the cold misses).
+    Byte, fault and time counters cover that iteration only (``page_events``
+    and ``wall_s`` cover the whole simulation); ``iteration_times_s`` lists
+    every simulated iteration (the first pays the cold misses).
     """
 
     model: str
@@ -30,14 +31,13 @@ class SimResult:
     fault_batches: int
     evictions: int
     peak_resident_bytes: int
-    page_events: int
+    page_events: int  # over the whole simulation: the simulator's work, for page events/s
     launches: int
     breakdown: dict[str, float]
     iteration_times_s: list[float] = field(default_factory=list)
     peak_live_bytes: int = 0  # of the trace: what a percentage budget refers to
     footprint_bytes: int = 0  # managed memory the layout obtained (>= live bytes: rounding, fragmentation)
     wall_s: float = 0.0  # host seconds the whole simulation took
-    total_page_events: int = 0  # over every simulated iteration (simulator throughput)
     policy_report: dict = field(default_factory=dict)
 
     @property
@@ -48,7 +48,7 @@ class SimResult:
     @property
     def page_events_per_s(self) -> float:
         """Simulator throughput: page events handled per host second."""
-        return self.total_page_events / self.wall_s if self.wall_s > 0 else float("nan")
+        return self.page_events / self.wall_s if self.wall_s > 0 else float("nan")
 
     def to_json(self) -> dict:
         """A JSON-serialisable dict (every field, plus ``slowdown``)."""
