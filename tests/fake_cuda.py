@@ -338,7 +338,7 @@ class FakeBindingsRuntime:
             raise FakeCudaError(INVALID_VALUE, call, "flags must be 0")
         self.gpu.check_stream(call, stream)
         self.gpu.check_concurrent(call)
-        for p, n in zip(dptrs, sizes):
+        for p, n in zip(dptrs, sizes, strict=False):
             self.gpu.check_range(call, p, n)
 
     def _locs(self, call: str, locs, idxs, num) -> int:
@@ -436,7 +436,7 @@ class FakeBindingsRuntime:
     def cudaMemDiscardBatchAsync(self, dptrs, sizes, count, flags, stream):
         def op(*a):
             self._batch("cudaMemDiscardBatchAsync", dptrs, sizes, count, flags, stream)
-            self.gpu.discarded.extend(zip(dptrs, sizes))
+            self.gpu.discarded.extend(zip(dptrs, sizes, strict=False))
         return self._run("cudaMemDiscardBatchAsync", op, dptrs, sizes, count, flags, stream)
 
     def cudaMemDiscardAndPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
@@ -445,7 +445,7 @@ class FakeBindingsRuntime:
             self._batch("cudaMemDiscardAndPrefetchBatchAsync", dptrs, sizes, count, flags, stream)
             target = self._locs("cudaMemDiscardAndPrefetchBatchAsync", prefetchLocs, prefetchLocIdxs,
                                 numPrefetchLocs)
-            self.gpu.discarded.extend(zip(dptrs, sizes))
+            self.gpu.discarded.extend(zip(dptrs, sizes, strict=False))
             for p in dptrs:
                 self.gpu.location[self.gpu.base_of(p)] = target
         return self._run("cudaMemDiscardAndPrefetchBatchAsync", op, dptrs, sizes, count, prefetchLocs,

@@ -1,17 +1,15 @@
 """The torch allocator shim: C callbacks over umrt's pool, install rules, stats."""
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 from fake_cuda import FakeCupyRuntime
 
 from umrt import stats
-from umrt.errors import UmrtError
 from umrt.allocators import torch as ut
-from umrt.allocators.managed import ManagedPool, ManagedOutOfMemoryError
+from umrt.allocators.managed import ManagedOutOfMemoryError, ManagedPool
 from umrt.backends.cuda import CudaBackend, CupyApi
+from umrt.errors import UmrtError
 
 MiB = 2**20
 

@@ -128,8 +128,8 @@ def fit_transfer_curve(rates: dict[int, float]) -> tuple[float, float]:
         b = 10 ** (i / 100)
         g = [(2 / math.pi) * math.atan(b * kb) for kb, _ in points]
         denom = sum(x * x for x in g)
-        a = sum(x * y for x, (_, y) in zip(g, points)) / denom
-        err = sum((a * x - y) ** 2 for x, (_, y) in zip(g, points))
+        a = sum(x * y for x, (_, y) in zip(g, points, strict=False)) / denom
+        err = sum((a * x - y) ** 2 for x, (_, y) in zip(g, points, strict=False))
         if err < best[0]:
             best = (err, a, b)
     return best[1], best[2]
