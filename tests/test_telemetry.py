@@ -53,3 +53,11 @@ def test_without_nvml_one_note_and_no_shutdown():
     s.stop_and_report()
     assert out.getvalue().strip().count("\n") == 0 and "NVML unavailable" in out.getvalue()
     assert "shutdown" not in nvml.calls
+
+
+def test_pci_bus_id_picks_the_cuda_device():
+    nvml, out = fake_nvml(), io.StringIO()
+    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: ("bus", bus)
+    s = Sampler(0, nvml=nvml, out=out, pci_bus_id="0000:41:00.0").start()
+    s.stop()
+    assert s._handle == ("bus", "0000:41:00.0")

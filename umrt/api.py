@@ -130,9 +130,19 @@ def _start(cfg: Config) -> Session:
     if cfg.telemetry:
         from umrt.telemetry import Sampler
 
-        session.telemetry = Sampler(cfg.device).start()
+        session.telemetry = Sampler(cfg.device, pci_bus_id=_pci_bus_id(cfg.device)).start()
         atexit.register(session.telemetry.stop_and_report)
     return session
+
+
+def _pci_bus_id(device: int) -> str | None:
+    """The CUDA device's PCI bus id, so NVML samples the same GPU under CUDA_VISIBLE_DEVICES."""
+    try:
+        import cupy
+
+        return str(cupy.cuda.runtime.deviceGetPCIBusId(device))
+    except Exception:  # noqa: BLE001 - no CuPy: fall back to the index
+        return None
 
 
 def _layout_factory(arena: int | None) -> Any:

@@ -49,14 +49,17 @@ class Sampler:
     """Samples one device with NVML every ``interval`` seconds in a daemon thread.
 
     Args:
-        device: CUDA/NVML device index.
+        device: NVML device index (used when ``pci_bus_id`` is not given).
+        pci_bus_id: the CUDA device's PCI bus id (``cudaDeviceGetPCIBusId``): NVML
+            numbers devices differently from CUDA under ``CUDA_VISIBLE_DEVICES``.
         interval: seconds between samples.
         nvml: the ``pynvml`` module (tests pass a fake); default imports it.
         out: where :meth:`stop_and_report` and notes print (default stderr).
     """
 
-    def __init__(self, device: int = 0, interval: float = 0.1, nvml: Any = None, out: TextIO | None = None) -> None:
-        self.device, self.interval, self.out = device, interval, out
+    def __init__(self, device: int = 0, interval: float = 0.1, nvml: Any = None, out: TextIO | None = None,
+                 pci_bus_id: str | None = None) -> None:
+        self.device, self.interval, self.out, self.pci_bus_id = device, interval, out, pci_bus_id
         self._nvml = nvml
         self._handle = None
         self._initialized = False  # nvmlShutdown only after a good nvmlInit
@@ -81,7 +84,10 @@ class Sampler:
         try:
             nvml.nvmlInit()
             self._initialized = True
-            self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device)
+            if self.pci_bus_id:
+                self._handle = nvml.nvmlDeviceGetHandleByPciBusId(self.pci_bus_id)
+            else:
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device)
             self.summary.total_bytes = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
         except nvml.NVMLError as exc:
             self._note(f"NVML unavailable ({exc}); no telemetry")
