@@ -230,7 +230,7 @@ class Recorder:
         self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
         self._learned: dict[tuple, Kind] = {}  # creating-launch key -> kind seen last iteration
         self._module_names: dict[int, str] = {}
-        self._stack: list[str] = []
+        self._stack: list[Optional[str]] = []
         self._bwd_module: Optional[str] = None
         self._lock = threading.RLock()
         self._handles: list[Any] = []
@@ -365,17 +365,19 @@ class Recorder:
     # ------------------------------------------------------------------ hooks
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._recording or self._closed or self._paused:
+            self._stack.append(None)  # keeps pushes and pops paired
             return
         name = self._module_names.get(id(module))
         if name is None:
-            if self._stack:
-                name = f"{self._stack[-1]}.{type(module).__name__.lower()}".lstrip(".")
+            parent = self._current_module()
+            if parent is not None:
+                name = f"{parent}.{type(module).__name__.lower()}".lstrip(".")
             else:  # a root we were not told about: name its tree
                 for sub, m in module.named_modules():
                     self._module_names.setdefault(id(m), sub)
                 name = ""
             self._module_names[id(module)] = name
-        if self.model is None and not self._stack:
+        if self.model is None and self._current_module() is None:
             for p in module.parameters():
                 if p.device.type == self.device:
                     with self._lock:
@@ -387,10 +389,10 @@ class Recorder:
             self._emit(LayerEnter(name, "forward"))
 
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._stack or not self._recording:
+        if not self._stack:
             return
         name = self._stack.pop()
-        if self._closed:
+        if name is None or self._closed or not self._recording:
             return
         with self._lock:
             self._emit(LayerExit(name, "forward"))
@@ -404,6 +406,12 @@ class Recorder:
                     continue
                 md["umrt_module"] = name
                 node.register_prehook(self._backward_hook(name))
+
+    def _current_module(self) -> Optional[str]:
+        for name in reversed(self._stack):
+            if name is not None:
+                return name
+        return None
 
     def _backward_hook(self, name: str) -> Callable:
         def hook(grad_outputs: Any) -> None:
@@ -495,7 +503,7 @@ class Recorder:
                 kind = Kind.OTHER
             else:
                 kind = Kind.INPUT  # pre-existing storage first seen mid-iteration: batch data
-        known = None if launch >= 0 else kind
+        known = None if key is not None else kind  # first seen, not made by an op: a fact
         nbytes = storage.nbytes()
         self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, len(self._events))
         self._by_storage[sid] = obj
@@ -615,7 +623,7 @@ class Recorder:
         elif phase == _STEP:
             module = ""
         else:
-            module = self._stack[-1] if self._stack else ""
+            module = self._current_module() or ""
         shapes = tuple(tuple(t.shape) for t, _ in inputs)
         dtypes = tuple(str(t.dtype)[6:] for t, _ in inputs)
         ck = (info.name, shapes, dtypes, module)
@@ -657,6 +665,10 @@ class Recorder:
             if length:
                 k3 = (obj, t.storage_offset() * t.element_size(), length)
                 acc[k3] = True
+        if created and dev != "cpu" and any(t.device.type == "cpu" and t.dim() > 0 for t, _ in inputs):
+            for t in outs:  # a host-to-device copy: batch data arriving
+                if t.device.type == dev:
+                    self._objs[self._by_storage[id(t.untyped_storage())]].known = Kind.INPUT
         if info.alloc_only:
             return
         if outs and not created and not any(acc.values()):
@@ -692,10 +704,9 @@ class Recorder:
         for obj, info in self._objs.items():
             if info.known is not None:
                 kind = info.known
-            elif info.freed_iteration == -2:
-                kind = Kind.OTHER if info.iteration < 0 or info.iteration < self._iteration else (
-                    Kind.OTHER if info.phase in (_SETUP, _STEP) else info.kind
-                )
+            elif info.freed_iteration == -2:  # never freed while recording
+                born_last = info.iteration == self._iteration and info.phase in (_FORWARD, _BACKWARD)
+                kind = info.kind if born_last else Kind.OTHER
             else:
                 kind = self._lifetime_kind(info)
             ev = events[info.event_index]
