@@ -114,6 +114,7 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
     from umrt import __version__
     from umrt.trace import fileformat
 
+    batch, seq = resolved_shape(model, batch, seq)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
     path = cache_dir / f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}.umrt"
     if path.exists() and not refresh:
@@ -126,6 +127,20 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
     fileformat.save(trace, tmp)
     tmp.replace(path)  # atomic: an interrupted run never leaves a half-written cache entry
     return trace
+
+
+def resolved_shape(model: str, batch: int | None, seq: int | None) -> tuple[int | None, int | None]:
+    """Batch and sequence length with the zoo's defaults filled in (so the cache key names them)."""
+    try:
+        from umrt import zoo
+    except ImportError:  # pragma: no cover - the zoo is part of umrt
+        return batch, seq
+    hf = model.startswith("hf:")
+    if batch is None:
+        batch = getattr(zoo, "HF_DEFAULT_BATCH", None) if hf else zoo.DEFAULT_BATCH.get(model)
+    if seq is None:
+        seq = getattr(zoo, "HF_DEFAULT_SEQ", None) if hf else zoo.DEFAULT_SEQ.get(model)
+    return batch, seq
 
 
 def _simulate(trace, policy, profile, budget, iterations):

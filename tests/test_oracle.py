@@ -274,3 +274,24 @@ def test_oracle_beats_um_in_the_simulator():
     oracle = simulate(trace, make_policy("oracle", trace=trace), profile, "40%", iterations=3).to_json()
     assert oracle["iteration_time_s"] < um["iteration_time_s"]
     assert oracle["faults"] < um["faults"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("umrt.sim.replay") is None or importlib.util.find_spec("umrt.zoo") is None,
+    reason="simulator or model zoo not built yet",
+)
+def test_oracle_on_a_real_training_trace_is_safe_and_beats_um():
+    from umrt.sim.replay import simulate
+    from umrt.zoo import trace_model
+
+    trace = trace_model("hf:GPT2Config:n_layer=2,n_embd=256,n_head=4,vocab_size=2048,n_positions=128",
+                        batch=4, seq=128, device="meta", steps=3)
+    for budget in ("30%",):
+        um = simulate(trace, make_policy("um"), "h100-pcie5-80g", budget).to_json()
+        policy = make_policy("oracle", trace=trace)
+        oracle = simulate(trace, policy, "h100-pcie5-80g", budget).to_json()  # raises on any integrity error
+        assert oracle["iteration_time_s"] < um["iteration_time_s"]
+        assert oracle["peak_resident_bytes"] <= oracle["budget_bytes"]
+        assert policy.plan.peak_bytes <= policy.plan.capacity <= oracle["budget_bytes"]
+        assert policy.report()["matched_iterations"] >= 1
