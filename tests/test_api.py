@@ -43,6 +43,13 @@ def test_enable_rejects_shadow_and_bad_options(monkeypatch):
         api.enable(budget="1GiB")
 
 
+def test_enable_inside_a_shadow_run_is_inert(monkeypatch):
+    monkeypatch.setenv("UMRT_SIMULATE", "a100-pcie4-40g")
+    monkeypatch.setattr(api, "gpu_count", lambda: 1 / 0)  # must not even look for a GPU
+    s = api.enable()
+    assert not s.active and "shadow" in s.notes[0]
+
+
 def test_enable_on_a_fake_gpu_builds_backend_pool_and_budget(monkeypatch, fake_gpu):
     import umrt.backends.cuda as cuda_mod
 

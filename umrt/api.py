@@ -92,6 +92,13 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
     """
     global _current
     cfg = (config or from_env()).replace(enabled=True, **overrides)
+    if cfg.shadow and "simulate" not in overrides:
+        # UMRT_SIMULATE from the environment: this process is being simulated (shadow run);
+        # a script's own umrt.enable() must not touch a GPU there.
+        with _lock:
+            if _current is None:
+                _current = Session(cfg, active=False, notes=["shadow mode: simulated, not managed"])
+            return _current
     if cfg.shadow:
         raise ConfigError(
             f"UMRT_SIMULATE={cfg.simulate!r} asks for shadow mode, which simulates a whole script: "
