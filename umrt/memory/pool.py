@@ -258,8 +258,9 @@ class LifetimePool(Layout):
         (:class:`LayerEnter`/:class:`LayerExit`) is short-lived.
     min_group_bytes:
         A long-lived group (objects alive across the same layers) holding at
-        least this many bytes (default ``4 * block``) gets block-aligned
-        memory of its own; smaller groups are placed object by object.
+        least this many bytes (default ``16 * block``, so aligning it to
+        blocks costs at most 1/16 of it) gets block-aligned memory of its own;
+        smaller groups are placed object by object.
     replan_threshold:
         Re-plan when more than this fraction of an iteration's planned-class
         bytes missed the plan (``None``: never re-plan).
@@ -284,7 +285,7 @@ class LifetimePool(Layout):
         self.block, self.alignment = block, alignment
         self.short_lived_bytes = short_lived_bytes
         self.short_ticks = short_ticks
-        self.min_group_bytes = 4 * block if min_group_bytes is None else min_group_bytes
+        self.min_group_bytes = 16 * block if min_group_bytes is None else min_group_bytes
         self.replan_threshold = replan_threshold
 
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
