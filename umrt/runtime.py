@@ -137,7 +137,7 @@ class Runtime(Policy):
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
-            "evicted_bytes": 0, "discarded_bytes": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -388,6 +388,8 @@ class Runtime(Policy):
                 obj = obj_of.get(k)
                 if obj is not None and nbytes[obj] > 0:
                     ranges.append((address(obj), nbytes[obj]))
+                else:
+                    c["unresolved"] += 1
             if ranges:
                 self.backend.prefetch(ranges, self.backend.device)
                 c["prefetch_calls"] += 1

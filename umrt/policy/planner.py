@@ -314,8 +314,11 @@ class Planner:
                             used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
                     ptr[k] = ptr.get(k, 0) + 1
                     push(k)
-        end = set(resident)
-        carried = {rec.carried.get(k, k) for k in end}
+        while fi < len(frees):  # deaths after the last launch (zero_grad after the step)
+            resident.pop(frees[fi][1], None)
+            fi += 1
+        # What the next iteration starts with: survivors under their carried keys.
+        carried = {c for c in (rec.carried.get(k, k) for k in resident) if c in rec.start_live}
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
                  "planned_peak_bytes": peak, "capacity_bytes": cap}
         return actions, carried, stats
