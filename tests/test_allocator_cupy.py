@@ -1,7 +1,6 @@
 """The CuPy allocator and memory hook, over the fake runtime."""
 from __future__ import annotations
 
-import cupy
 import pytest
 from fake_cuda import FakeCupyRuntime
 
@@ -9,6 +8,8 @@ from umrt.allocators import cupy as uc
 from umrt.allocators.managed import ManagedPool
 from umrt.backends.cuda import CudaBackend, CupyApi
 from umrt.errors import UmrtError
+
+cupy = pytest.importorskip("cupy")
 
 
 class _Stream:
