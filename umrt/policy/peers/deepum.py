@@ -61,10 +61,20 @@ class BlockCorrelationTable:
         self.version = 0
 
     def record(self, faults: list[int]) -> None:
-        """Learn from the blocks one launch of this execution id faulted on, in order."""
+        """Learn from the blocks one launch of this execution id faulted on, in order.
+
+        The start block is the first block ever faulted under this id; later
+        faults extend the chain from the current end block.
+        """
         if not faults:
             return
-        self.start, self.end = faults[0], faults[-1]
+        if self.start is None:
+            self.start = faults[0]
+        elif self.end is not None and faults[0] != self.start:
+            # Blocks still faulting once prefetching works are the ones the chain
+            # misses: hang them after its end so the walk keeps covering the rest.
+            faults = [self.end, *faults]
+        self.end = faults[-1]
         for a, b in zip(faults, faults[1:]):
             if a != b:
                 self._link(a, b)
