@@ -590,6 +590,16 @@ class LifetimePool(Layout):
                     items.append(lifetime(r))
                     aligns.append(self.alignment)
 
+        # Return what is already empty before asking for the new region (a lower peak).
+        learning = self._online["learning"]
+        if learning.segments and not learning.used:
+            learning.release()
+        for old in old_regions:  # the previous plan's region goes once its objects die
+            old.retired = True
+            if old.live == 0:
+                self._release(old.ptr)
+                self._regions.remove(old)
+
         new_plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         if units:
             outer = plan(items, alignments=aligns)
@@ -600,17 +610,9 @@ class LifetimePool(Layout):
                 for r, off in zip(members, offsets):
                     new_plan[r.key] = (region, base + off, name)
 
-        for old in old_regions:  # the previous plan's arenas go once their objects die
-            old.retired = True
-            if old.live == 0:
-                self._release(old.ptr)
-                self._regions.remove(old)
         self._plan = new_plan
         self.planned = True
         self.plans_made += 1
-        learning = self._online["learning"]
-        if learning.segments and not learning.used:
-            learning.release()
 
     def _is_short(self, r: _Record, end_tick: int, saw_layers: bool) -> bool:
         # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
