@@ -206,19 +206,25 @@ def test_block_table_geometry():
     base = 7 * BLOCK
     # Five successors of one row: only the 4 most recent survive.
     for i in range(1, 6):
-        t.record([base, base + i * BLOCK])
+        t._link(base, base + i * BLOCK)
     assert t.successors(base) == [base + i * BLOCK for i in (5, 4, 3, 2)][:TABLE_SUCCESSORS]
     # Three rows mapping to one set: 2-way, the least recently updated row goes.
     same = [base + k * TABLE_SETS * BLOCK for k in (1, 2)]
-    t.record([same[0], base])
-    t.record([same[1], base])
+    t._link(same[0], base)
+    t._link(same[1], base)
     assert t.successors(same[0]) == [base] and t.successors(same[1]) == [base]
     assert t.successors(base) == []  # evicted from its set
-    # Start/end blocks and the walk follow the last fault sequence.
+
+
+def test_block_table_start_end_and_walk():
     u = BlockCorrelationTable()
     u.record([0, BLOCK, 2 * BLOCK])
     assert (u.start, u.end) == (0, 2 * BLOCK)
     assert u.walk() == [0, BLOCK, 2 * BLOCK]
+    # Blocks that still fault later are chained after the end: the walk covers all.
+    u.record([5 * BLOCK, 6 * BLOCK])
+    assert (u.start, u.end) == (0, 6 * BLOCK)
+    assert u.walk() == [0, BLOCK, 2 * BLOCK, 5 * BLOCK, 6 * BLOCK]
 
 
 def test_object_keys_are_stable_across_iterations():
