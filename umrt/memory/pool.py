@@ -2,36 +2,51 @@
 
 :class:`LifetimePool` is the :class:`~umrt.memory.base.Layout` umrt's runtime
 runs with. It sub-allocates objects from managed segments obtained with
-``backend.malloc``, in arenas segregated by lifetime so that no 2 MB block
-(the unit the UVM driver migrates) is ever shared by two lifetime classes:
+``backend.malloc``, in arenas segregated by lifetime, with block-aligned
+boundaries so that no 2 MB block (the UVM driver's migration unit) is shared
+by two lifetime classes at once:
 
 ``persistent``
-    Parameters, gradients, optimizer state (:attr:`Kind.persistent`): an
-    online best-fit arena; these objects recur with the same sizes in the
-    same order, so best fit gives them the same addresses every iteration.
+    Parameters, optimizer state and other never-freed state: an online
+    best-fit arena (segments sized for runs of equal-sized tensors). These
+    objects are created once, so there is nothing to plan.
 ``short-lived``
-    Temporaries that die within ``short_ticks`` layer events of their birth
-    (or, without layer events, :attr:`Kind.TEMPORARY`): one SmartPool-planned
-    arena, meant to stay resident on the GPU (Sentinel's reserved region).
-    ``short_lived_bytes`` caps it; what does not fit goes to ``long-lived``.
+    A layer's temporaries: born inside a module and dead within
+    ``short_ticks`` layer events (without layer events:
+    :attr:`Kind.TEMPORARY`). One SmartPool-packed, block-aligned range meant
+    to stay resident on the GPU (Sentinel's reserved region);
+    ``short_lived_bytes`` caps it, what does not fit is long-lived.
 ``long-lived``
-    Activations and other objects that live across layers, grouped by the
-    layer events they live across (Sentinel packs tensors alive in the same
-    layers together). Each big group is packed with SmartPool, then placed
-    with SmartPool as a 2 MB-aligned super-object (alongside the objects of
-    small groups), so groups never alive together reuse the same memory.
+    Everything else that recurs every iteration: activations, gradients
+    (PyTorch re-creates them every iteration, ``zero_grad(set_to_none=True)``
+    being the default), inputs, the optimizer step's temporaries. Objects
+    alive across exactly the same layers form a group (Sentinel packs them
+    together); a group of at least ``min_group_bytes`` is packed on its own
+    and gets whole blocks, smaller groups are placed object by object.
 ``learning`` / ``overflow``
-    Online best-fit arenas: ``learning`` serves non-persistent objects until a
-    plan exists (it is returned to the backend once it empties after
-    planning); ``overflow`` serves allocations the plan does not know (a new
-    shape, a changed batch) or whose planned range is still occupied, so an
-    allocation never fails.
+    Online best-fit arenas: ``learning`` serves recurring-kind objects until a
+    plan exists (returned to the backend once it empties); ``overflow`` serves
+    allocations the plan does not know (a new shape, a changed batch) or whose
+    planned range is still occupied, so an allocation never fails.
 
 Planning. The first complete iteration is learned online: every
-non-persistent allocation is recorded with its lifetime on the pool's event
-clock. At the next iteration boundary the plan is computed, and from then on
-every recurring allocation gets the same address in every iteration. Object
-ids differ between iterations, so the plan is keyed by
+recurring-kind allocation is recorded with its lifetime on the pool's event
+clock. At the next iteration boundary one SmartPool pass places the
+short-lived range and the big groups as block-aligned super-objects (alive
+from their first birth to their last death) and the objects of small groups,
+all in one planned region, so that whatever is never alive at the same time
+shares memory (the optimizer step's temporaries reuse the activations' and
+the short-lived range's memory, for instance). From then on every recurring
+allocation gets the same address in every iteration.
+
+Iterations are periodic, so lifetimes are cyclic: an object still alive at the
+boundary (a gradient kept until the next ``zero_grad``) ends where its
+counterpart from the previous iteration ended. The cycle is cut at its
+quietest point (fewest live bytes), and an object crossing the cut, or whose
+end is not known yet, is planned as alive all along. When the first plan had
+such unknown ends, it is refined once, after the second iteration.
+
+Object ids differ between iterations, so the plan is keyed by
 
     ``(context, nbytes, kind, ordinal)``
 
@@ -44,11 +59,13 @@ missing allocation elsewhere therefore shifts no other key.
 Iteration boundaries come from :meth:`LifetimePool.on_iteration_boundary` or
 from the event stream fed to :meth:`LifetimePool.observe` (which also reads
 launches and layer events; allocations and frees arrive through the
-:class:`Layout` methods, never through ``observe``). An object still alive at
-the end of the learned iteration is planned as alive for the whole cycle.
-If more than ``replan_threshold`` of an iteration's planned-class bytes miss
-the plan, the pool re-plans from that iteration (fresh arenas; the old ones
-are returned once empty).
+:class:`Layout` methods, never through ``observe``). If more than
+``replan_threshold`` of an iteration's recurring-kind bytes miss the plan,
+the pool re-plans from that iteration (a fresh region; the old one is
+returned once its objects are dead).
+
+Gradients that are never freed (``set_to_none=False``) stay where the
+learning iteration put them, in the ``learning`` arena.
 """
 from __future__ import annotations
 
