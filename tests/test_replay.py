@@ -10,7 +10,16 @@ from umrt.memory.base import Layout
 from umrt.policy.base import Policy
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
 from umrt.trace.events import (
-    Access, Alloc, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace, TraceHeader,
+    Access,
+    Alloc,
+    Free,
+    IterationBoundary,
+    Kind,
+    Launch,
+    LayerEnter,
+    LayerExit,
+    Trace,
+    TraceHeader,
 )
 
 MB = 1 << 20

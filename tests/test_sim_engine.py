@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from umrt.backends.base import HOST, Advice
+from umrt.backends.base import Advice
 from umrt.hardware import load_profile
 from umrt.sim import engine as E
 from umrt.sim.backend import SimBackend

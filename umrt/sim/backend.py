@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -236,7 +236,7 @@ class SimBackend(Backend):
             raise ValueError(f"advise for device {device}: the simulator has GPU 0 and HOST (-1)")
         lo, hi = self._page_spans(ranges, inward=False)
         pf = self._pf
-        for a, b in zip(lo.tolist(), hi.tolist()):
+        for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
             if advice == Advice.SET_READ_MOSTLY:
                 pf[a:b, E.F_RM] = 1
             elif advice == Advice.UNSET_READ_MOSTLY:
@@ -348,7 +348,7 @@ class SimBackend(Backend):
         total = int((hi - lo).sum())
         if not total:
             return 1.0
-        res = sum(int(self._pf[a:b, E.F_GPU].sum()) for a, b in zip(lo.tolist(), hi.tolist()))
+        res = sum(int(self._pf[a:b, E.F_GPU].sum()) for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
         return res / total
 
     @property

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 from umrt.errors import ConfigError, DataIntegrityError, TraceFormatError
 from umrt.hardware import HardwareProfile, load_profile
@@ -182,7 +182,7 @@ def simulate(
         page_events=backend.page_events,
         launches=delta["launches"],
         breakdown={k: float(delta[k]) for k in BREAKDOWN_KEYS},
-        iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:])],
+        iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:], strict=False)],
         peak_live_bytes=peak,
         footprint_bytes=int(layout.footprint()),
         wall_s=time.perf_counter() - t_wall,
@@ -291,7 +291,7 @@ class _Progress:
                                  TextColumn("events"), TimeElapsedColumn(), transient=True)
             self._task = self._bar.add_task(label, total=total)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self._bar:
             self._bar.__enter__()
         return self
