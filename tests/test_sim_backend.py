@@ -169,6 +169,8 @@ def test_policy_calls_cost_overhead_before_the_next_launch():
     ptr = host_data(b, BLOCK)
     for _ in range(3):
         b.advise([(ptr, BLOCK)], Advice.SET_PREFERRED_LOCATION, 0)
+    b.prefetch([], 0)  # nothing to do: no call is made
+    b.discard([])
     b.launch([], [], 0, 0)
     assert b.calls == 3
     assert b.breakdown["overhead_s"] == pytest.approx(3 * OVERHEAD)

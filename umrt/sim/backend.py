@@ -203,7 +203,13 @@ class SimBackend(Backend):
         self._holes.insert(i, (first, nb))
 
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
-        """Migrate to the GPU (``device == 0``) or host on the matching copy engine."""
+        """Migrate to the GPU (``device == 0``) or host on the matching copy engine.
+
+        One call costs one ``prefetch_call_overhead_s`` however many ranges it
+        holds (the CUDA 13 batched call); an empty call costs nothing.
+        """
+        if not ranges:
+            return
         t = self._issue()
         lo, hi = self._page_spans(ranges, inward=False)
         if device == HOST:
@@ -222,6 +228,8 @@ class SimBackend(Backend):
         Only whole 64 KB pages inside a range lose their content physically
         (the rest still migrates); the byte ranges become undefined exactly.
         """
+        if not ranges:
+            return
         self._issue()
         lo, hi = self._page_spans(ranges, inward=True)
         E.discard(self._pf, self._bi, self._g, lo, hi)
@@ -230,6 +238,8 @@ class SimBackend(Backend):
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         """cudaMemAdvise: ReadMostly, PreferredLocation (GPU or host), AccessedBy(GPU)."""
+        if not ranges:
+            return
         self._issue()
         advice = Advice(advice)
         if device not in (HOST, self.device):
