@@ -91,7 +91,7 @@ def replay(trace, layout, *, feed: bool) -> dict:
         if steady:
             peak_live = max(peak_live, live)
             peak_footprint = max(peak_footprint, layout.footprint())
-    same = sum(a == b for a, b in zip(prev_addrs, last_addrs))
+    same = sum(a == b for a, b in zip(prev_addrs, last_addrs, strict=False))
     return {
         "peak_live": peak_live,
         "footprint": peak_footprint,

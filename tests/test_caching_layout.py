@@ -153,7 +153,7 @@ def test_live_objects_never_overlap_and_stay_in_segments(script):
             layout.free(victim)
             del live[victim]
         spans = sorted((layout.address(o), layout.address(o) + round_size(n)) for o, n in live.items())
-        for (_, end), (start, _) in zip(spans, spans[1:]):
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
             assert end <= start
         segs = layout.segments()
         for lo, hi in spans:

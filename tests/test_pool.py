@@ -14,9 +14,9 @@ from umrt.trace.events import (
     Free,
     IterationBoundary,
     Kind,
+    Launch,
     LayerEnter,
     LayerExit,
-    Launch,
 )
 
 MiB = 1 << 20
@@ -114,7 +114,7 @@ def drive(pool: LifetimePool, events, *, observe: bool = True, check=None):
 
 def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
     spans = sorted((pool.address(o), pool.address(o) + max(n, 1), o) for o, n in sizes.items())
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
         assert end <= start, f"live objects {a} and {b} overlap"
     ranges = pool.arena_ranges()
     assert set(ranges) == set(ARENAS)
@@ -122,7 +122,7 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
         for ptr, n in rs:
             assert ptr % BLOCK == 0 and n % BLOCK == 0, f"{name} arena range not block-aligned"
     flat = sorted((p, p + n, name) for name, rs in ranges.items() for p, n in rs)
-    for (_, end, a), (start, _, b) in zip(flat, flat[1:]):
+    for (_, end, a), (start, _, b) in zip(flat, flat[1:], strict=False):
         assert end <= start, f"arenas {a} and {b} share memory"
     # The planned region is the short-lived arena plus the long-lived one around it; outside
     # the short-lived span, planned objects may also reuse the short-lived range.

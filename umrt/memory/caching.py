@@ -88,8 +88,8 @@ class _Block:
     ptr: int
     size: int
     small: bool
-    prev: "_Block | None" = None
-    next: "_Block | None" = None
+    prev: _Block | None = None
+    next: _Block | None = None
     allocated: bool = False
 
 

@@ -70,13 +70,13 @@ learning iteration put them, in the ``learning`` arena.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from umrt.memory.base import Layout
 from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
-from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit, Launch
+from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 __all__ = ["LifetimePool", "BLOCK", "ARENAS"]
 
@@ -130,7 +130,7 @@ class _Online:
     gradients and optimizer moments), and the room left is open to any size.
     """
 
-    def __init__(self, pool: "LifetimePool", name: str, slab: int = 0) -> None:
+    def __init__(self, pool: LifetimePool, name: str, slab: int = 0) -> None:
         self.pool, self.name, self.slab = pool, name, slab
         self.segments: list[tuple[int, int]] = []
         self._seg_starts: set[int] = set()
@@ -232,8 +232,10 @@ class _Region:
     def ranges(self) -> dict[str, list[tuple[int, int]]]:
         lo, n = self.short
         end = self.ptr + self.nbytes
-        long = [(a, b - a) for a, b in ((self.ptr, lo), (lo + n, end)) if b > a] if n else [(self.ptr, self.nbytes)]
-        return {"short-lived": [(lo, n)] if n else [], "long-lived": long}
+        if not n:
+            return {"short-lived": [], "long-lived": [(self.ptr, self.nbytes)]}
+        long = [(a, b - a) for a, b in ((self.ptr, lo), (lo + n, end)) if b > a]
+        return {"short-lived": [(lo, n)], "long-lived": long}
 
 
 @dataclass(slots=True)
@@ -271,8 +273,9 @@ class LifetimePool(Layout):
     alignment:
         Alignment of objects inside arenas.
     short_ticks:
-        An object that lives across at most this many layer events
-        (:class:`LayerEnter`/:class:`LayerExit`) is short-lived.
+        An object born inside a module that lives across at most this many
+        layer events (:class:`LayerEnter`/:class:`LayerExit`, and top-level
+        launches such as the optimizer step's) is short-lived.
     min_group_bytes:
         A long-lived group (objects alive across the same layers) holding at
         least this many bytes (default ``16 * block``, so aligning it to
@@ -329,7 +332,6 @@ class LifetimePool(Layout):
         self._ordinals: dict[tuple, int] = {}
         self._records: list[_Record] = []
         self._prev_records: dict[PlanKey, _Record] = {}
-        self._prev_ticks = 0
         self._refine = False  # the plan assumed unknown-end objects alive all along
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
@@ -429,7 +431,6 @@ class LifetimePool(Layout):
         self._context = None
         self._ordinals = {}
         self._prev_records = {r.key: r for r in self._records}
-        self._prev_ticks = self._tick
         self._records = []
         self._stats = _IterStats()
 
@@ -591,8 +592,8 @@ class LifetimePool(Layout):
 
         if short:
             p = plan([lifetime(r) for r in short], alignment=self.alignment, limit=self.short_lived_bytes)
-            fits = [r for r, off in zip(short, p.offsets) if off is not None]
-            for r, off in zip(short, p.offsets):
+            fits = [r for r, off in zip(short, p.offsets, strict=True) if off is not None]
+            for r, off in zip(short, p.offsets, strict=True):
                 if off is None:
                     groups.setdefault(span(r), []).append(r)
             if fits:
@@ -621,10 +622,10 @@ class LifetimePool(Layout):
         if units:
             outer = plan(items, alignments=aligns)
             region = self._new_region(outer.footprint)
-            for (members, offsets, name), base, item in zip(units, outer.offsets, items):
+            for (members, offsets, name), base, item in zip(units, outer.offsets, items, strict=True):
                 if name == "short-lived":
                     region.short = (region.ptr + base, item.nbytes)
-                for r, off in zip(members, offsets):
+                for r, off in zip(members, offsets, strict=True):
                     new_plan[r.key] = (region, base + off, name)
 
         self._plan = new_plan

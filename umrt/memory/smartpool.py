@@ -13,8 +13,8 @@ Lifetimes are half-open ``[start, end)`` intervals on any integer clock
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
