@@ -1,6 +1,7 @@
 """Recorder: events, storages, kinds, boundaries; meta and CPU agree op for op."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from umrt.capture import Recorder
@@ -151,3 +152,12 @@ def test_stop_after_raises_and_closes():
     else:
         raise AssertionError("StopRecording not raised")
     assert rec.trace().header.iterations == 2
+
+
+@pytest.mark.slow
+def test_gpt2_small_meta_and_cpu_agree_op_for_op():
+    """The issue's must-show: GPT-2 small, batch 2, seq 128, meta vs a real CPU run."""
+    meta = trace_model("gpt2", batch=2, seq=128, device="meta", steps=1)
+    cpu = trace_model("gpt2", batch=2, seq=128, device="cpu", steps=1)
+    assert _op_seq(meta) == _op_seq(cpu)
+    assert summarize(meta)["peak_live_bytes"] == summarize(cpu)["peak_live_bytes"]
