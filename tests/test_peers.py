@@ -289,7 +289,7 @@ def test_sentinel_layout_separates_short_lived():
 
 
 def _fast(name: str, trace):
-    opts = {"search_seconds": 3, "population": 4} if name == "swapadvisor" else {}
+    opts = {"search_seconds": 2, "population": 4} if name == "swapadvisor" else {}
     return PEERS[name](trace=trace, **opts)
 
 
@@ -329,7 +329,26 @@ def test_vdnn_offloads_in_forward_and_prefetches_in_backward():
 @needs_sim
 def test_swapadvisor_search_never_picks_worse_than_default():
     trace = training_trace(layers=12)
-    policy = SwapAdvisorPolicy(trace, search_seconds=4, population=4)
+    policy = SwapAdvisorPolicy(trace, search_seconds=2, population=4)
     simulate(trace, policy, peak_bytes(layers=12) // 2)
     s = policy.search
     assert s["evaluated"] >= 1 and s["best_time_s"] <= s["default_time_s"]
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2():
+    zoo = pytest.importorskip("umrt.zoo")
+    return zoo.trace_model("hf:GPT2Config:n_layer=2,n_embd=64,n_head=2,vocab_size=512,n_positions=64",
+                           batch=2, seq=32, steps=3)
+
+
+@needs_sim
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PEERS))
+def test_peer_on_a_tiny_zoo_trace(name, tiny_gpt2):
+    from umrt.sim.replay import peak_live_bytes
+
+    budget = max(peak_live_bytes(tiny_gpt2) // 2, 4 * BLOCK)
+    watched = Watched(_fast(name, tiny_gpt2))
+    res = simulate(tiny_gpt2, watched, budget)  # no DataIntegrityError, no live discard
+    assert res.iteration_time_s >= res.ideal_time_s > 0
