@@ -63,3 +63,22 @@ def test_recorder_without_step_marks_detects_iterations():
     # aligned on the model's forward: each iteration starts with the root module's entry
     for a, _ in tr.iteration_spans():
         assert type(tr.events[a + 1]).__name__ in ("LayerEnter", "Alloc")
+
+
+def test_teardown_frees_stay_outside_the_last_detected_iteration():
+    from umrt.trace.stats import summarize
+
+    rec = Recorder(device="meta", mark_start=False)
+    with rec:
+        w = torch.randn(64, 32, device="meta", requires_grad=True)
+        for _ in range(4):
+            with rec.paused():
+                x = torch.randn(8, 64, device="meta")
+            (x @ w).relu().sum().backward()
+            with torch.no_grad():
+                w -= 0.1 * w.grad
+            w.grad = None
+        del w, x  # the program tears down
+    tr = rec.trace()
+    assert tr.header.iterations >= 3
+    assert summarize(tr)["end_live_bytes"] >= 64 * 32 * 4

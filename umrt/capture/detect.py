@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from umrt.trace.events import Alloc, IterationBoundary, LayerEnter, Launch, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, LayerEnter, Launch, Trace
 
 _MAX_CANDIDATES = 64
 
@@ -81,6 +81,18 @@ def find_repeats(ids: Sequence[int], *, min_period: int = 2, min_count: int = 2)
     return best
 
 
+def _end_of_last(events: list, start: int, last_launch: int) -> int:
+    """Where the last repeat ends: after its last launch and the frees of what it allocated.
+
+    Frees of older objects after that point are the program tearing down.
+    """
+    born = {e.obj for e in events[start:last_launch] if isinstance(e, Alloc)}
+    idx = last_launch + 1
+    while idx < len(events) and isinstance(events[idx], Free) and events[idx].obj in born:
+        idx += 1
+    return idx
+
+
 def insert_boundaries(trace: Trace) -> Trace:
     """A copy of ``trace`` with IterationBoundary events at the detected iterations.
 
@@ -115,8 +127,11 @@ def insert_boundaries(trace: Trace) -> Trace:
     n_iter = count if phase == 0 else count - 1
     cut_launches = [first + j * p for j in range(n_iter + 1) if first + j * p <= len(ids)]
     cut_events = set()
-    for c in cut_launches:
-        idx = launch_pos[c] if c < len(launch_pos) else len(events)
+    for j, c in enumerate(cut_launches):
+        if c >= len(launch_pos):  # the trace ends with this repeat: close it after its own frees
+            cut_events.add(_end_of_last(events, launch_pos[cut_launches[j - 1]] if j else 0, launch_pos[-1]))
+            continue
+        idx = launch_pos[c]
         # step back over the events that belong to this launch (its allocs, its module entry)
         while idx > 0 and isinstance(events[idx - 1], (Alloc, LayerEnter)):
             idx -= 1

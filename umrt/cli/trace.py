@@ -223,7 +223,10 @@ def _info(argv: list[str], as_json: bool) -> int:
                    "torch_version": h.torch_version, "device": h.device, "iterations": h.iterations,
                    "notes": h.notes, "meta": h.meta}
     if as_json or ns.json:
-        print(json.dumps(s, indent=2, default=str))
+        try:
+            print(json.dumps(s, indent=2, default=str), flush=True)
+        except BrokenPipeError:  # e.g. piped into head
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     from rich.console import Console
     from rich.table import Table
