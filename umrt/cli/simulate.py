@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 1.0 else f"{t * 1e3:.2f} ms"
+
+
 def _print_table(r) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -70,14 +74,14 @@ def _print_table(r) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
-        ("iteration time", f"{r.iteration_time_s * 1e3:.2f} ms"),
-        ("ideal (unlimited memory)", f"{r.ideal_time_s * 1e3:.2f} ms"),
+        ("iteration time", _seconds(r.iteration_time_s)),
+        ("ideal (unlimited memory)", _seconds(r.ideal_time_s)),
         ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
-        ("  compute", f"{r.breakdown['compute_s'] * 1e3:.2f} ms"),
-        ("  fault stall", f"{r.breakdown['fault_stall_s'] * 1e3:.2f} ms"),
-        ("  transfer wait", f"{r.breakdown['transfer_wait_s'] * 1e3:.2f} ms"),
-        ("  call overhead", f"{r.breakdown['overhead_s'] * 1e3:.2f} ms"),
-        ("  remote access", f"{r.breakdown['remote_access_s'] * 1e3:.2f} ms"),
+        ("  compute", _seconds(r.breakdown['compute_s'])),
+        ("  fault stall", _seconds(r.breakdown['fault_stall_s'])),
+        ("  transfer wait", _seconds(r.breakdown['transfer_wait_s'])),
+        ("  call overhead", _seconds(r.breakdown['overhead_s'])),
+        ("  remote access", _seconds(r.breakdown['remote_access_s'])),
         ("host to device", f"{r.h2d_bytes / gib:.2f} GiB"),
         ("device to host", f"{r.d2h_bytes / gib:.2f} GiB"),
         ("faults (64 KB pages)", f"{r.faults:,}"),
