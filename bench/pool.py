@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
                     help=f"comma-separated zoo names (default: {','.join(DEFAULT_MODELS)})")
     ap.add_argument("--batch", type=int, default=None, help="batch size for every model (default: per model)")
-    ap.add_argument("--seq", type=int, default=None, help="sequence length for text models (default: per model)")
+    ap.add_argument("--seq", type=int, default=None,
+                    help="sequence length (image size for vision models) for every model (default: per model)")
     ap.add_argument("--steps", type=int, default=3, help="training steps traced (>= 2; default 3)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default: {DEFAULT_OUT})")
     args = ap.parse_args(argv)
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure(model, batch, seq, args.steps))
             except Exception as exc:  # noqa: BLE001 - one model failing must not end the run
                 msg = str(exc) if isinstance(exc, UmrtError) else f"{type(exc).__name__}: {exc}"
-                rows.append({"model": model, "error": msg})
+                rows.append({"model": model, "error": msg, "user_error": isinstance(exc, UmrtError)})
             bar.advance(task)
     Console(width=None if sys.stdout.isatty() else 120).print(_table(rows))  # full table in logs too
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "pool_vs_caching": TARGET_VS_CACHING},
                                     "rows": rows}, indent=2))
     console.print(f"wrote {args.out}")
+    if any(r.get("user_error") for r in rows):
+        return 2  # a bad model name or shape
     return 1 if any("error" in r for r in rows) else 0
 
 
