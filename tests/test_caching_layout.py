@@ -160,3 +160,40 @@ def test_live_objects_never_overlap_and_stay_in_segments(script):
             assert any(p <= lo and hi <= p + n for p, n in segs)
         assert layout.footprint() == sum(n for _, n in segs)
         assert layout.live_bytes == sum(live.values())
+
+
+@pytest.mark.gpu
+def test_matches_pytorch_caching_allocator_on_a_gpu():
+    """Same requests through the real CUDACachingAllocator: same reserved bytes, same offsets."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    import os
+
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        pytest.skip("expandable segments are not modelled")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    model = CachingAllocatorLayout(BumpBackend())
+    sizes = [100, 3000, 700_000, 2 * MiB + 5, 5 * MiB, 12 * MiB + 1, 512, 1 * MiB, 9 * MiB]
+    live = {}
+    script = [("a", i, n) for i, n in enumerate(sizes)] + [("f", 1, 0), ("f", 3, 0), ("a", 20, 2000),
+                                                           ("a", 21, 2 * MiB), ("f", 4, 0), ("a", 22, 4 * MiB)]
+    for op, obj, n in script:
+        if op == "a":
+            live[obj] = torch.empty(n, dtype=torch.uint8, device="cuda")
+            model.alloc(obj, n, A)
+        else:
+            del live[obj]
+            model.free(obj)
+    assert torch.cuda.memory_reserved() - base == model.footprint()
+    segments = {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
+    my_segments = model.segments()
+    for obj, t in live.items():
+        ptr = t.data_ptr()
+        real_base = max(a for a in segments if a <= ptr)
+        my_ptr = model.address(obj)
+        my_base = max(p for p, _ in my_segments if p <= my_ptr)
+        assert ptr - real_base == my_ptr - my_base, obj
+        assert segments[real_base] == dict(my_segments)[my_base]
