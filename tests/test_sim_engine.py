@@ -156,3 +156,14 @@ def test_fault_log_reports_block_addresses_in_order():
 def test_engine_constants_follow_the_driver():
     assert E.PAGE == 64 << 10 and E.BLOCK == 2 << 20 and E.PAGES_PER_BLOCK == 32
     assert PROFILE.fault_batch_size == 256 and PROFILE.prefetch_threshold == 51
+
+
+def test_faults_share_the_link_with_pending_prefetches_instead_of_queueing():
+    b = gpu(64)
+    big, small = host_block(b, 32 * BLOCK), host_block(b)
+    b.prefetch([(big, 32 * BLOCK)], 0)
+    read(b, small, BLOCK)  # faults while 64 MB of prefetch is still on the link
+    copy = PROFILE.transfer_time(BLOCK)
+    assert b.breakdown["fault_stall_s"] == pytest.approx(PROFILE.fault_batch_latency_s + 2 * copy, rel=1e-6)
+    b.synchronize()  # the link did 33 blocks of work in all
+    assert b.now() == pytest.approx(PROFILE.prefetch_call_overhead_s + 33 * copy, rel=1e-6)

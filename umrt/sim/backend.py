@@ -18,11 +18,12 @@ Time model, chosen to be fair to every policy:
   profile's ``prefetch_call_overhead_s`` of CPU time; launch i starts after
   the calls issued before it (*overhead*).
 * ``cudaMallocManaged``/``cudaFree`` cost no time.
-* Fault migrations queue on the same H2D engine as prefetches (FIFO: the
-  link is shared; real copy engines time-slice, which would let a fault
-  overtake a long prefetch queue — FIFO is the conservative choice for
-  prefetching policies). Eviction copy-back in the fault path is
-  synchronous, as in the driver (uvm_pmm_gpu.c evicts before allocating).
+* Fault migrations do not queue behind pending prefetches: the driver's
+  fault-servicing copies run on their own channels and share the link with
+  them (time-sliced copy engines), at half rate while both run; total link
+  work is conserved (the prefetch queue ends that much later; pages already
+  in flight keep their arrival times). Eviction copy-back in the fault path
+  is synchronous, as in the driver (uvm_pmm_gpu.c evicts before allocating).
 * A prefetch to the GPU that needs room first waits for the policy's own
   pending prefetches to host to finish (their memory is not free before);
   only if that is not enough does the driver evict (LRU by migration).

@@ -130,6 +130,23 @@ def _xfer(nbytes, prm, d2h):
 
 
 @njit(cache=True)
+def _share_link(tf, engine, t, secs):
+    """A fault-path copy of ``secs`` (at full link rate) starting at ``t``; returns its end.
+
+    The driver's fault-servicing copies run on their own channels, so they do
+    not queue behind pending prefetches: they share the link with them
+    (time-sliced copy engines), at half rate while both run. Work is
+    conserved: the engine's queue ends ``secs`` later.
+    """
+    busy = tf[engine] - t
+    if busy < 0.0:
+        busy = 0.0
+    end = t + secs + min(busy, secs)
+    tf[engine] = max(tf[engine], t) + secs
+    return end
+
+
+@njit(cache=True)
 def _list_remove(bi, g, b):
     lst = bi[b, B_LIST]
     if lst < 0:
@@ -454,8 +471,7 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
                 g[G_ERRPAGE] = p0
                 return ERR_NO_VICTIM
             if evict_secs > 0.0:  # eviction is synchronous in the fault path
-                t = max(t, tf[T_D2H]) + evict_secs
-                tf[T_D2H] = t
+                t = _share_link(tf, T_D2H, t, evict_secs)
             secs = 0.0
             run = 0
             for i in range(PAGES_PER_BLOCK + 1):
@@ -467,8 +483,7 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
                     g[G_H2D] += run * PAGE
                     run = 0
             if secs > 0.0:
-                t = max(t, tf[T_H2D]) + secs  # the fault path shares the H2D engine (FIFO)
-                tf[T_H2D] = t
+                t = _share_link(tf, T_H2D, t, secs)
             for i in range(PAGES_PER_BLOCK):
                 if mask[i]:
                     p = p0 + i
