@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 
 from umrt.backends.base import HOST
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.peers._common import BLOCK, BlockLiveness, block_ranges
+from umrt.policy.peers._common import BLOCK, BlockLiveness, block_ranges, blocks_of
 from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
 
 __all__ = ["DeepUMPolicy", "BlockCorrelationTable"]
@@ -149,6 +149,7 @@ class DeepUMPolicy(Policy):
         self._current_blocks: list[int] = []
         self._protected: dict[int, int] = {}  # block -> window entries needing it
         self._migrated: OrderedDict[int, None] = OrderedDict()  # resident blocks, least recently migrated first
+        self._dead: OrderedDict[int, None] = OrderedDict()  # resident blocks whose contents were discarded
         self._live = BlockLiveness()
         self.counters = {"prefetched_blocks": 0, "pre_evicted_blocks": 0, "discarded_blocks": 0,
                          "faulted_blocks": 0, "mispredictions": 0}
@@ -163,14 +164,20 @@ class DeepUMPolicy(Policy):
         if isinstance(event, Launch):
             self._on_launch(event)
         elif isinstance(event, Alloc):
-            self._live.alloc(event.obj, self.ctx.layout.address(event.obj), event.nbytes)
+            ptr = self.ctx.layout.address(event.obj)
+            self._live.alloc(event.obj, ptr, event.nbytes)
+            for b in blocks_of(ptr, max(event.nbytes, 1)):
+                if b in self._dead:  # the allocator reuses a dead block: live again where it is
+                    del self._dead[b]
+                    self._migrated[b] = None
         elif isinstance(event, Free):
             dead = self._live.free(event.obj)
             if dead and self.do_invalidate:
                 self.ctx.backend.discard(block_ranges(dead))
                 self.counters["discarded_blocks"] += len(dead)
-            for b in dead:
-                self._migrated.pop(b, None)
+                for b in dead:
+                    if self._migrated.pop(b, 0) is None:
+                        self._dead[b] = None  # resident but dead: the first victim, free to evict
         elif isinstance(event, IterationBoundary):
             pass
 
@@ -214,8 +221,10 @@ class DeepUMPolicy(Policy):
             table = self._tables[self._prev_exec] = BlockCorrelationTable()
         table.record(faults)
         for b in faults:  # a fault is a migration: the block is now the most recent
+            self._dead.pop(b, None)
             self._migrated[b] = None
             self._migrated.move_to_end(b)
+        self._trim()
 
     def _predict(self, hist: tuple) -> int | None:
         succ = self._successors.get(hist)
@@ -265,7 +274,10 @@ class DeepUMPolicy(Policy):
             self.ctx.backend.prefetch(block_ranges(missing), self.ctx.backend.device)
             self.counters["prefetched_blocks"] += len(missing)
         for b in missing:  # only a migration moves a block in the driver's eviction order
+            self._dead.pop(b, None)
             self._migrated[b] = None
+        if missing:
+            self._trim()
         for b in walk:
             self._protected[b] = self._protected.get(b, 0) + 1
         return walk
@@ -279,8 +291,11 @@ class DeepUMPolicy(Policy):
                 self._protected[b] = n
 
     def _pre_evict(self, nbytes: int, also_keep: set[int]) -> int:
-        """Evict least-recently-migrated blocks outside the window; return bytes freed."""
+        """Evict ahead of demand: dead blocks first (nothing to copy), then the
+        least recently migrated blocks outside the window; return bytes freed."""
         victims = []
+        while self._dead and len(victims) * BLOCK < nbytes:
+            victims.append(self._dead.popitem(last=False)[0])
         for b in self._migrated:
             if len(victims) * BLOCK >= nbytes:
                 break
@@ -289,7 +304,7 @@ class DeepUMPolicy(Policy):
         if not victims:
             return 0
         for b in victims:
-            del self._migrated[b]
+            self._migrated.pop(b, None)
         self.ctx.backend.prefetch(block_ranges(victims), HOST)
         self.counters["pre_evicted_blocks"] += len(victims)
         return len(victims) * BLOCK
@@ -301,18 +316,28 @@ class DeepUMPolicy(Policy):
             return self.ctx.budget_bytes
 
     def _free_bytes(self) -> int:
-        """Free device memory as the driver sees it, less what this policy already claimed."""
+        """Free device memory as the driver sees it."""
         try:
             free, total = self.ctx.backend.mem_info()
         except NotImplementedError:
             total = self.ctx.budget_bytes
-            free = total - len(self._migrated) * BLOCK
-        # The driver evicts on demand in migration order (uvm_pmm_gpu.c), the same
-        # order this list keeps: forget the oldest entries it must have evicted.
-        while self._migrated and len(self._migrated) * BLOCK > total:
+            free = total - (len(self._migrated) + len(self._dead)) * BLOCK
+        self._trim(total)
+        return max(0, free)
+
+    def _trim(self, total: int | None = None) -> None:
+        """The driver evicts on demand, dead blocks first, then in migration order
+        (uvm_pmm_gpu.c), the order these lists keep: forget the entries it must
+        have evicted for everything to fit."""
+        if total is None:
+            total = self._capacity()
+        excess = len(self._migrated) + len(self._dead) - total // BLOCK
+        while excess > 0 and self._dead:
+            self._dead.popitem(last=False)
+            excess -= 1
+        while excess > 0 and self._migrated:
             self._migrated.popitem(last=False)
-        # Prefetches in flight may not be in the backend's figure yet: take the tighter view.
-        return max(0, min(free, total - len(self._migrated) * BLOCK))
+            excess -= 1
 
     def report(self) -> dict:
         return dict(self.counters, execution_ids=len(self._tables))
