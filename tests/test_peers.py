@@ -289,7 +289,12 @@ def test_sentinel_layout_separates_short_lived():
 
 
 def _fast(name: str, trace):
-    opts = {"search_seconds": 2, "population": 4} if name == "swapadvisor" else {}
+    opts = {
+        "swapadvisor": {"search_seconds": 2, "population": 4},
+        # The synthetic step has ~120 kernels, not thousands: scale DeepUM's
+        # prefetch degree (32 kernels, tuned on real models) down with it.
+        "deepum": {"degree": 8},
+    }.get(name, {})
     return PEERS[name](trace=trace, **opts)
 
 
@@ -310,7 +315,7 @@ def test_peer_is_safe_and_beats_um(name):
 @needs_sim
 def test_deepum_invalidates_dead_blocks_and_pre_evicts():
     trace = training_trace()
-    watched = Watched(DeepUMPolicy())
+    watched = Watched(DeepUMPolicy(degree=8))
     simulate(trace, watched, peak_bytes() // 2)
     rep = watched.report()
     assert rep["discarded_blocks"] > 0 and rep["prefetched_blocks"] > 0 and rep["pre_evicted_blocks"] > 0
