@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
-from umrt.backends.base import HOST, Backend
+from umrt.backends.base import HOST, Advice, Backend
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.planner import PAGE, Action, IterationRecord, Plan, Planner
 from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys, VariantTable
@@ -74,6 +74,8 @@ class Runtime(Policy):
     probe_decisions:
         Decision points of an acted iteration that are checked while still
         recording (a deviation there turns the iteration into a learned one).
+    min_discard:
+        Freed objects at least this large have their pages discarded.
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
@@ -94,6 +96,7 @@ class Runtime(Policy):
         max_variants: int = 8,
         use_pool: bool = True,
         probe_decisions: int = 3,
+        min_discard: int = PAGE,
     ) -> None:
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -108,6 +111,7 @@ class Runtime(Policy):
         self.max_variants = max_variants
         self.use_pool = use_pool
         self.probe_decisions = max(1, probe_decisions)
+        self.min_discard = min_discard
 
         self.keys = ObjectKeys()
         self.correlation = CorrelationTable()
@@ -132,12 +136,14 @@ class Runtime(Policy):
         self._nl = 0
         self._nf = 0
         self._probe = 0
-        self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
+        self._advised: dict[int, tuple[int, int]] = {}  # host-mapped obj -> range
+        self._pending: list[tuple[int, int]] = []
+        self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch  # dead ranges to discard before the next launch
         self._pool_observe = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
-            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -183,6 +189,8 @@ class Runtime(Policy):
                 self._record_launch(event)
             if self._pending:
                 self._flush_discards()
+            if self._born:
+                self._flush_born()
             n = self._nl
             self._nl = n + 1
             if n == self._next_at and self._mode == "act":
@@ -192,6 +200,12 @@ class Runtime(Policy):
             key = self.keys.alloc(obj)
             self._nbytes[obj] = event.nbytes
             self._kind[obj] = event.kind
+            if self._mode == "act" and key in self._plan.fresh:
+                ptr = self.layout.address(obj)
+                self._born.append((ptr, event.nbytes))
+                r = _inner(ptr, event.nbytes)  # a newborn's bytes are garbage: never copy them
+                if r is not None:
+                    self._pending.append(r)
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -200,10 +214,20 @@ class Runtime(Policy):
         elif t is Free:
             obj = event.obj
             key = self.keys.free(obj)
-            if self._mode == "act" and key in self._plan.discard:
-                r = _inner(self.layout.address(obj), self._nbytes.get(obj, 0))
+            if self._advised and obj in self._advised:
+                self._unmap(obj)
+            # Dead bytes are dropped in every mode: it is a fact, not a prediction.
+            # Now, not batched: the pool may hand the segment back right after.
+            nb = self._nbytes.get(obj, 0)
+            if nb >= self.min_discard or self._born:
+                ptr = self.layout.address(obj)
+                if self._born:  # died before any launch: nothing left to populate
+                    self._born = [b for b in self._born if b[0] != ptr]
+                    self._pending = [b for b in self._pending if not ptr <= b[0] < ptr + nb]
+                r = _inner(ptr, nb) if nb >= self.min_discard else None
                 if r is not None:
-                    self._pending.append(r)
+                    self.backend.discard([r])
+                    self.counters["discarded_bytes"] += r[1]
             if self._rec is not None and key is not None:
                 self._rec.frees.append((self._nl, key))
             self._nf += 1
@@ -348,6 +372,8 @@ class Runtime(Policy):
             self._next_at = plan.actions[0].at
             self._probe = self.probe_decisions
             self.plans.move_to_end(plan.signature)
+            if plan.remote:
+                self._host_map(plan.remote)
         else:
             self._mode = "learn"
             self._next_at = -1
@@ -404,10 +430,42 @@ class Runtime(Policy):
         self._mode = "learn" if self._rec is not None else "off"
         self._plan = None
 
+    def _host_map(self, keys) -> None:
+        """Keep these long-lived objects on the host, read over the link
+        (PreferredLocation=host + AccessedBy=GPU), and move them out now."""
+        ranges = []
+        for k in keys:
+            obj = self.keys.obj_of.get(k)
+            if obj is None or obj in self._advised or self._nbytes.get(obj, 0) <= 0:
+                continue
+            r = (self.layout.address(obj), self._nbytes[obj])
+            self._advised[obj] = r
+            ranges.append(r)
+        if not ranges:
+            return
+        be = self.backend
+        be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
+        be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
+        out = [r for r in (_inner(p, n) for p, n in ranges) if r is not None]
+        if out:
+            be.prefetch(out, HOST)
+        self.counters["host_mapped_bytes"] += sum(n for _, n in ranges)
+
+    def _unmap(self, obj: int) -> None:
+        """A host-mapped object dies: its range must not pass the advice on."""
+        r = self._advised.pop(obj)
+        self.backend.advise([r], Advice.UNSET_ACCESSED_BY, self.backend.device)
+        self.backend.advise([r], Advice.UNSET_PREFERRED_LOCATION, HOST)
+
+    def _flush_born(self) -> None:
+        ranges = self._born
+        self._born = []
+        self.backend.prefetch(ranges, self.backend.device)
+        self.counters["prefetch_calls"] += 1
+
     def _flush_discards(self) -> None:
-        """Discard the ranges freed since the last launch, in one call. Safe
-        although the pool may already have handed a range to a new object:
-        nothing writes it before the next launch, which comes after this."""
+        """Discard newborns' garbage bytes in one call before the next launch
+        (nothing writes them before it), so populating them copies nothing."""
         ranges = self._pending
         self._pending = []
         self.backend.discard(ranges)

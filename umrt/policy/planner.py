@@ -26,6 +26,9 @@ How a decision point is planned (a Belady schedule with prefetch):
   farthest ahead and never one the window needs; if nothing qualifies the
   window stops (capacity-bound), so the plan never holds more bytes than
   ``budget * headroom`` and the driver never has to evict on a fault.
+* **Host-map** what migration cannot help: optimizer state and long-lived
+  data that only launches larger than the budget touch stay on the host
+  (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
 * **Discard** objects when they die instead of letting the driver copy dead
   bytes back; short-lived temporaries are never evicted (they stay resident).
 
@@ -36,7 +39,7 @@ steady-state plan.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from umrt.trace.events import Kind
@@ -92,6 +95,8 @@ class Plan:
     actions: list[Action]
     discard: frozenset[int]  # keys whose range is discarded when they die
     stats: dict = field(default_factory=dict)
+    remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
+    fresh: frozenset[int] = frozenset()  # keys to populate on the GPU as they are born
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
@@ -125,6 +130,11 @@ class Planner:
     short_launches:
         Objects that live across at most this many launches are never
         pre-evicted (the short-lived arena stays resident).
+    min_fresh:
+        Newborn objects at least this large are prefetched at birth.
+    remote_access:
+        Keep optimizer state, and long-lived data only oversized launches
+        touch, on the host, accessed over the link (see :meth:`remote_keys`).
     """
 
     def __init__(
@@ -137,6 +147,8 @@ class Planner:
         max_segment_s: float | None = None,
         min_discard: int = PAGE,
         short_launches: int = 4,
+        remote_access: bool = True,
+        min_fresh: int = 1 << 20,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
@@ -150,6 +162,8 @@ class Planner:
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
         self.min_discard = min_discard
         self.short_launches = short_launches
+        self.remote_access = remote_access
+        self.min_fresh = min_fresh
 
     # -- public ---------------------------------------------------------------
 
@@ -179,6 +193,10 @@ class Planner:
         n = len(rec)
         if n == 0:
             return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
+        remote = self.remote_keys(rec) if self.remote_access else frozenset()
+        if remote:
+            uses = [tuple(k for k in u if k not in remote) for u in rec.uses]
+            rec = replace(rec, uses=uses)
         points = self.decision_points(rec)
         state = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
@@ -187,7 +205,38 @@ class Planner:
             k for _, k in rec.frees if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE)
         )
         stats["decision_points"] = len(points)
-        return Plan(rec.signature, n, actions, discard, stats)
+        stats["remote_bytes"] = sum(rec.sizes.get(k, 0) for k in remote)
+        # A newborn's first touch on the GPU faults page by page although
+        # nothing is copied; prefetching it at birth populates it in one call.
+        fresh = frozenset(k for _, k in rec.allocs if rec.sizes.get(k, 0) >= self.min_fresh and k not in remote)
+        return Plan(rec.signature, n, actions, discard, stats, remote, fresh)
+
+    def remote_keys(self, rec: IterationRecord) -> frozenset[int]:
+        """Long-lived keys to keep on the host and access over the link.
+
+        Optimizer state is read and rewritten once per step in one burst:
+        streaming it over the link moves the same bytes as migrating it in
+        and out, without evicting anything. Then any long-lived key that only
+        launches larger than the budget touch would be faulted in and evicted
+        again within that launch: it too stays on the host. Taking keys out
+        can make a launch fit, so this repeats until stable.
+        """
+        dead = {k for _, k in rec.frees}
+        persistent = {k for k in rec.start_live if k not in dead}
+        remote = {k for k in persistent if rec.kinds.get(k) == Kind.OPTIMIZER_STATE}
+        users: dict[int, list[int]] = {}
+        for i, keys in enumerate(rec.uses):
+            for k in keys:
+                if k in persistent:
+                    users.setdefault(k, []).append(i)
+        for _ in range(4):
+            over = {i for i, keys in enumerate(rec.uses)
+                    if sum(_round(rec.sizes.get(k, 0)) for k in keys if k not in remote) > self.cap}
+            more = {k for k, at in users.items() if k not in remote and all(i in over for i in at)}
+            if not more:
+                break
+            remote |= more
+        return frozenset(remote)
 
     # -- one pass over the iteration -----------------------------------------
 
@@ -243,6 +292,9 @@ class Planner:
 
         for k in resident:
             push(k)
+        # Keys that hold data: what was alive at the start, then whatever a
+        # launch has touched. A key born but not yet written needs room, not a copy.
+        touched = set(rec.start_live)
 
         frees = sorted(rec.frees)
         fi = 0
@@ -251,6 +303,7 @@ class Planner:
         rate = self.rate
         cursor = 0
         link_free = 0.0
+        d2h_free = 0.0
         h2d = d2h = faults = 0
         peak = used
         ac = rec.alloc_counts or [0] * n
@@ -277,20 +330,26 @@ class Planner:
                     cursor += 1
                     continue
                 if used + nbytes > cap:
+                    before = len(evict)
+                    was = used
                     used = self._make_room(heap, resident, used, cap - nbytes, cursor, next_use,
                                            pinned, size, evict)
+                    if len(evict) > before:  # room comes from copies to the host, on the D2H engine
+                        d2h_free = max(d2h_free, t[d]) + (was - used) / rate
+                        link_free = max(link_free, d2h_free)
                     if used + nbytes > cap:
                         break  # capacity-bound: the window ends here
                 for k in need:
                     resident[k] = size[k]
                     used += size[k]
                     push(k)
-                    if born.get(k, -1) <= d:  # alive now: move it; unborn: room only
+                    if k in touched:  # holds data: move it; born but unwritten or unborn: room only
                         prefetch.append(k)
                         link_free += size[k] / rate
                 cursor += 1
             if used > peak:
                 peak = used
+            evict = [k for k in evict if k in touched]  # unwritten pages hold nothing to move
             if evict or prefetch:
                 actions.append(Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(evict), tuple(prefetch)))
                 h2d += sum(size[k] for k in prefetch)
@@ -313,6 +372,7 @@ class Planner:
                         if used > cap:  # the driver evicts; model it as farthest-first
                             used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
                     ptr[k] = ptr.get(k, 0) + 1
+                    touched.add(k)
                     push(k)
         while fi < len(frees):  # deaths after the last launch (zero_grad after the step)
             resident.pop(frees[fi][1], None)
