@@ -1,7 +1,7 @@
 """Recording bench: what the Recorder costs per launch, and trace file speed.
 
     python -m bench.recording [--models gpt2,bert-base] [--batch 2] [--seq 128]
-                              [--device meta] [--steps 3] [--repeat 3] [--out bench/out/recording.json]
+                              [--device meta] [--steps 3] [--repeat 5] [--out bench/out/recording.json]
 
 For each model the same training steps run three ways, on the same device
 and with the same meta/CPU steering (so the same ops run):
@@ -70,18 +70,18 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         with steer.steered():
             _steps(model, opt, spec, batch, seq, device, 1)  # warm-up: AdamW state, lazy imports
-            plain = min(_steps(model, opt, spec, batch, seq, device, steps) for _ in range(repeat))
-            mode_times = []
-            for _ in range(repeat):
+        plain_times, mode_times, rec_times = [], [], []
+        trace = None
+        for _ in range(repeat):  # interleaved, so load from other processes hits all three alike
+            with steer.steered():
+                plain_times.append(_steps(model, opt, spec, batch, seq, device, steps))
                 with _Forward():
                     mode_times.append(_steps(model, opt, spec, batch, seq, device, steps))
-        rec_times = []
-        trace = None
-        for _ in range(repeat):
             rec = Recorder(model, opt, device=device, model_name=name)
             with rec:
                 rec_times.append(_steps(model, opt, spec, batch, seq, device, steps, rec))
             trace = rec.trace()
+        plain = min(plain_times)
     launches = sum(isinstance(e, Launch) for e in trace.events)
     per_step = launches / steps
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--device", default="meta", choices=("meta", "cpu"))
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     args = p.parse_args(argv)
     try:
