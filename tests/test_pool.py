@@ -143,6 +143,12 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
         holders = merged if arena in ("short-lived", "long-lived") else [[lo, lo + m] for lo, m in ranges[arena]]
         assert any(lo <= p and p + n <= hi for lo, hi in holders), f"object {o} outside its region"
     assert pool.footprint() >= sum(n for rs in ranges.values() for _, n in rs)
+    # No 2 MB block holds live objects of two lifetime classes at once (no false sharing).
+    owner: dict[int, str] = {}
+    for o, n in sizes.items():
+        p, arena = pool.address(o), pool.arena_of(o)
+        for blk in range(p // BLOCK, (p + max(n, 1) - 1) // BLOCK + 1):
+            assert owner.setdefault(blk, arena) == arena, f"block {blk} shared by {owner[blk]} and {arena}"
 
 
 @pytest.mark.parametrize("observe", [True, False])
