@@ -24,7 +24,7 @@ simulated. The default grid finishes within about 5 minutes on 2 cores.
 
 EPILOG = """\
 presets:
-  default  gpt2 (batch 2, seq 256) and bert-base (batch 4, seq 128); 20%% and 50%%;
+  default  gpt2 and bert-base at the zoo's batch sizes; 20%% and 50%%;
            v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle
   readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20%% and 50%%;
            both profiles; ideal, um, um-advise, oracle (the README's first table)

@@ -164,7 +164,7 @@ def test_grid_options_override_the_preset():
                                       "--batch", "gpt2=3", "--iterations", "4", "--policies", "um", "oracle"])
     grid = grid_from_args(args)
     assert grid.models == ("gpt2", "bert-base", "hf:GPT2Config:n_layer=2,n_embd=64")
-    assert grid.batch["gpt2"] == 3 and grid.batch["bert-base"] == preset("default").batch["bert-base"]
+    assert grid.batch == {"gpt2": 3}  # bert-base keeps the zoo default
     assert grid.policies == ("um", "oracle") and grid.iterations == 4
     with pytest.raises(ConfigError, match="not in the grid"):
         grid_from_args(build_parser().parse_args(["--batch", "vit=3"]))
