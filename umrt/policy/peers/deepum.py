@@ -22,7 +22,12 @@ which it redirects to managed memory. Everything below uses only that:
   kernels.
 * **Invalidation** — when the caching allocator takes a block back (a Free
   after which no live object overlaps a 2 MB block), the block's contents are
-  discarded instead of being copied back to the host.
+  discarded instead of being copied back to the host; such dead blocks are
+  the first pre-eviction victims (the driver's own order, uvm_pmm_gpu.c).
+
+Residency is tracked the way the driver orders it (by migration time), from
+the faults and the policy's own migrations; where the backend does not report
+faults (no ``drain_faults``), the tables stay empty and only invalidation acts.
 """
 from __future__ import annotations
 
