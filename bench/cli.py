@@ -6,9 +6,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from umrt.errors import ConfigError, UmrtError
-
 from bench.grid import PRESETS, Grid, preset, run_grid, split_list
+from umrt.errors import ConfigError, UmrtError
 
 __all__ = ["add_arguments", "run", "main", "build_parser"]
 

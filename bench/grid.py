@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from umrt.errors import ConfigError
 
@@ -36,7 +36,7 @@ class Grid:
     seq: dict[str, int] = field(default_factory=dict)
     iterations: int = 3
 
-    def cells(self) -> list["Cell"]:
+    def cells(self) -> list[Cell]:
         # Models outermost so each trace is made (or loaded) once; "ideal" first
         # within a model so the reference exists when the others are read.
         order = sorted(self.policies, key=lambda p: (p != "ideal", self.policies.index(p)))

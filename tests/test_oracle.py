@@ -139,7 +139,7 @@ class FakeDriver(Backend):
 
     def discard(self, ranges):
         self.calls.append(("discard", tuple(ranges)))
-        for ptr, n in ranges:
+        for ptr, _n in ranges:
             dying = isinstance(self.current, Free) and self.current_ptr == ptr
             assert dying or ptr not in self.live, "discard of a live object"
             self.resident.pop(ptr, None)
@@ -150,14 +150,14 @@ class FakeDriver(Backend):
         self.calls.append(("advise", tuple(ranges), advice, device))
 
     def launch(self, reads, writes, flops, nbytes):
-        for ptr, n in reads:
+        for ptr, _n in reads:
             if ptr not in self.valid:
                 raise DataIntegrityError(f"read of undefined data at {ptr:#x}")
         for ptr, n in list(reads) + list(writes):
             if ptr not in self.resident:
                 self.faults += 1
                 self._bring(ptr, n)
-        for ptr, n in writes:
+        for ptr, _n in writes:
             self.valid.add(ptr)
 
     def synchronize(self):

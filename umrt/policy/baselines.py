@@ -11,7 +11,7 @@ These see only what a runtime could know at the time (the event just issued).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from umrt.backends.base import HOST, Advice
 from umrt.errors import ConfigError

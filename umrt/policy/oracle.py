@@ -11,11 +11,17 @@ steady-state iteration it plans, ahead of time and at object granularity:
   prefetched at the earliest point (at most one iteration ahead) from which
   the planned resident bytes stay within the budget until that launch;
 * **discard of dead data on Free** — a freed object's pages are dropped, not
-  copied back. Nothing live is ever discarded.
+  copied back. Nothing live is ever discarded;
+* **access over the link where migrating cannot pay** — optimizer state (read
+  and rewritten once per step, in one burst) and whatever a launch larger
+  than the whole budget cannot hold are read and written in place in host
+  memory (PreferredLocation=host + AccessedBy=GPU) instead of being faulted
+  in and evicted again.
 
 The plan never holds more resident bytes than the budget (less a headroom
 for page rounding and objects sharing 2 MB blocks). A launch whose own
-working set exceeds the budget is left to the driver.
+working set exceeds the budget uses what is resident in place and the rest
+over the link, for that launch only.
 
 The replay feeds the steady-state iteration again and again with fresh ids
 for the objects born in it, so the plan is made over the *template*
@@ -64,7 +70,7 @@ class Template:
     kinds: dict[int, Kind] = field(default_factory=dict)
 
     @classmethod
-    def from_trace(cls, trace: Trace) -> "Template":
+    def from_trace(cls, trace: Trace) -> Template:
         spans = trace.iteration_spans()
         if not spans:
             raise ConfigError("the oracle needs a trace with at least one complete iteration")
@@ -387,7 +393,7 @@ class OraclePolicy(Policy):
             if op[1] in self.plan.remote and event.obj not in self._advised:
                 self._host_map(event.obj)
         elif op[0] == "L":
-            for obj, access in zip(op[2], event.accesses):
+            for obj, access in zip(op[2], event.accesses, strict=True):
                 self._cur[obj] = access.obj
 
     def _resolve(self, uid: Uid) -> int | None:
