@@ -12,8 +12,9 @@ which objects to discard when they die.
 How a decision point is planned (a Belady schedule with prefetch):
 
 * **Window in time.** Walk the coming launches. Every launch up to the next
-  decision point must be covered (we cannot act again before it). Beyond it,
-  keep going while the copy engine's queue would drain before the next
+  decision point must be covered (we cannot act again before it), and the
+  segment after it too, so its copies overlap this segment's compute. Beyond
+  that, keep going while the copy engine's queue would drain before the next
   decision point: ``link_free < t(next point) + slack``, where ``link_free``
   is when the queued host-to-device bytes finish at the profile's link rate
   and ``t(x)`` the predicted compute time to reach launch ``x``. So the
@@ -322,8 +323,13 @@ class Planner:
             if cursor < d:
                 cursor = d
             link_free = max(link_free, t[d])
+            # Cover this segment and the next (so the next one's copies overlap
+            # this one's compute), then go on while the queued copies would
+            # finish before the next decision point: the window is as long as
+            # the link needs, in time.
+            nxt2 = points[pi + 2] if pi + 2 < len(points) else n
             horizon = t[nxt] + (t[nxt] - t[d])
-            while cursor < n and (cursor < nxt or link_free < horizon):
+            while cursor < n and (cursor < nxt2 or link_free < horizon):
                 need = [k for k in rec.uses[cursor] if k not in resident and k in size]
                 nbytes = sum(size[k] for k in need)
                 if nbytes > cap:  # one launch larger than the budget: the driver must stream it
