@@ -25,11 +25,15 @@ _MAX_CANDIDATES = 64
 
 @dataclass(frozen=True)
 class Repeats:
-    """``count`` consecutive repeats of a ``period``-launch block from launch ``start``."""
+    """``count`` consecutive repeats of a ``period``-launch block from launch ``start``.
+
+    The repeating stretch covers launches ``[start, stop)`` (it may end inside a block).
+    """
 
     start: int
     period: int
     count: int
+    stop: int
 
 
 def _longest_run(mask: np.ndarray) -> tuple[int, int]:
@@ -77,7 +81,7 @@ def find_repeats(ids: Sequence[int], *, min_period: int = 2, min_count: int = 2)
             continue
         cover = count * p
         if cover > best_cover or (cover == best_cover and best is not None and p < best.period):
-            best, best_cover = Repeats(start, p, count), cover
+            best, best_cover = Repeats(start, p, count, start + length + p), cover
     return best
 
 
@@ -124,7 +128,7 @@ def insert_boundaries(trace: Trace) -> Trace:
         elif type(e).__name__ == "LayerExit" and e.phase == "forward":
             depth = max(0, depth - 1)
     first = start + phase
-    n_iter = count if phase == 0 else count - 1
+    n_iter = (found.stop - first) // p
     cut_launches = [first + j * p for j in range(n_iter + 1) if first + j * p <= len(ids)]
     cut_events = set()
     for j, c in enumerate(cut_launches):
