@@ -131,11 +131,20 @@ def run(args: argparse.Namespace) -> int:
         from bench.grid import CACHE_DIR, trace_for
 
         cache = args.cache or CACHE_DIR
-        rows = run_grid(grid, progress=not args.no_progress,
-                        trace_fn=lambda m, b, s: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces))
-        report.write_json(rows, json_path, meta={"grid": {
-            "models": grid.models, "budgets": grid.budgets, "profiles": grid.profiles,
-            "policies": grid.policies, "batch": grid.batch, "seq": grid.seq, "iterations": grid.iterations}})
+        done: list[dict] = []
+        meta = {"grid": {"models": grid.models, "budgets": grid.budgets, "profiles": grid.profiles,
+                         "policies": grid.policies, "batch": grid.batch, "seq": grid.seq,
+                         "iterations": grid.iterations}}
+        try:
+            rows = run_grid(grid, progress=not args.no_progress, on_row=done.append,
+                            trace_fn=lambda m, b, s: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces))
+        except KeyboardInterrupt:
+            if done:  # keep what was measured
+                report.write_json(done, json_path, meta=meta | {"interrupted": True})
+                report.write_csv(done, args.csv or out / "results.csv")
+                print(f"bench: interrupted; the {len(done)} finished cell(s) are in {json_path}", file=sys.stderr)
+            raise
+        report.write_json(rows, json_path, meta=meta)
         report.write_csv(rows, args.csv or out / "results.csv")
     md_path = args.md or out / "results.md"
     report.write_markdown(rows, md_path)
