@@ -303,8 +303,10 @@ class Recorder:
             if self._pending_boundary and not self._closed:
                 self._emit_boundary()
             events = self._refined_events()
+        from umrt.trace.fileformat import FORMAT_VERSION
+
         header = TraceHeader(
-            format_version=0,
+            format_version=FORMAT_VERSION,
             umrt_version=_umrt_version(),
             model=self.model_name,
             torch_version=torch.__version__,
