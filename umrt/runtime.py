@@ -26,8 +26,9 @@ Life cycle, per iteration (between two :class:`IterationBoundary` events):
     a deviation: the runtime stops acting for the rest of the iteration and
     learns the next one.
 ``guard``
-    If deviations keep coming (``guard_failures`` of the last
-    ``guard_window`` acted iterations), predictions are not paying: the
+    If plans keep failing after they were confirmed (``guard_failures`` of
+    the last ``guard_window`` acted iterations deviate past the probe; an
+    early deviation just means a new shape, learned at once), predictions are not paying: the
     runtime drops its plans, does nothing for ``guard_cooldown`` iterations
     and re-learns.
 """
@@ -143,7 +144,7 @@ class Runtime(Policy):
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
-            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -383,8 +384,10 @@ class Runtime(Policy):
     def _decide(self, ev: Launch) -> None:
         a = self._actions[self._ai]
         if ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc or self._nf != a.n_free:
-            self._deviate()
-            return
+            a = self._switch(ev)
+            if a is None:
+                self._deviate()
+                return
         if self._probe:
             self._probe -= 1
             if not self._probe:
@@ -421,12 +424,33 @@ class Runtime(Policy):
                 c["prefetch_calls"] += 1
                 c["prefetched_bytes"] += sum(n for _, n in ranges)
 
+    def _switch(self, ev: Launch) -> Action | None:
+        """Another learned shape may match where this one failed (an eval
+        step instead of a train step): continue with its plan from here."""
+        n = self._nl - 1
+        for sig in reversed(self.plans):
+            plan = self.plans[sig]
+            if plan is self._plan:
+                continue
+            idx = plan.index_at(n)
+            if idx is None:
+                continue
+            a = plan.actions[idx]
+            if ev.exec_id == a.exec_id and self.keys.ordinal == a.n_alloc and self._nf == a.n_free:
+                self.counters["switches"] += 1
+                self._plan = plan
+                self._actions = plan.actions
+                self._ai = idx
+                return a
+        return None
+
     def _deviate(self) -> None:
         """The program left the plan: stop acting. Early in the iteration the
         probe record is still running, so the runtime learns this iteration
         instead; later it waits for the next boundary."""
         self.counters["deviations"] += 1
-        self._outcomes.append(False)
+        if self._rec is None:  # the plan was trusted and failed: that is what the guard counts
+            self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
         self._plan = None
 

@@ -39,6 +39,7 @@ steady-state plan.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -101,6 +102,11 @@ class Plan:
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
+
+    def index_at(self, launch: int) -> int | None:
+        """Index of the action tied to launch ordinal ``launch``, if any."""
+        i = bisect.bisect_left(self.actions, launch, key=lambda a: a.at)
+        return i if i < len(self.actions) and self.actions[i].at == launch else None
 
 
 def _round(n: int) -> int:

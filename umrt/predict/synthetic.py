@@ -26,10 +26,11 @@ class _Builder:
         self.next_obj = 0
         self.seq = 0
 
-    def alloc(self, nbytes: int, kind: Kind) -> int:
+    def alloc(self, nbytes: int, kind: Kind, *, host: bool = False) -> int:
         obj = self.next_obj
         self.next_obj += 1
-        self.events.append(Alloc(obj, nbytes, kind, self.seq))
+        # launch -1: made on the host before recording (initialised data)
+        self.events.append(Alloc(obj, nbytes, kind, -1 if host else self.seq))
         return obj
 
     def free(self, obj: int) -> None:
@@ -64,8 +65,9 @@ def training_trace(
     """
     b = _Builder()
     P, A = param_mb * MB, act_mb * MB
-    params = [b.alloc(P, Kind.PARAMETER) for _ in range(layers)]
-    states = [(b.alloc(P, Kind.OPTIMIZER_STATE), b.alloc(P, Kind.OPTIMIZER_STATE)) for _ in range(layers)]
+    params = [b.alloc(P, Kind.PARAMETER, host=True) for _ in range(layers)]
+    states = [(b.alloc(P, Kind.OPTIMIZER_STATE, host=True), b.alloc(P, Kind.OPTIMIZER_STATE, host=True))
+              for _ in range(layers)]
     grads: list[int] = []
     seqs = list(seqs) if seqs else [128] * steps
     for step in range(steps):

@@ -1,0 +1,129 @@
+"""The runtime over the simulated GPU: learns, acts, survives variation."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from umrt.memory.pool import LifetimePool
+from umrt.policy import make_policy
+from umrt.predict.synthetic import training_trace
+from umrt.runtime import Runtime
+from umrt.shadow import ShadowDriver
+from umrt.sim.backend import SimBackend
+from umrt.sim.replay import simulate
+from umrt.trace.events import Launch, Trace
+
+PROFILE = "v100-pcie3-32g"
+
+
+def drive(trace: Trace, policy, budget: str = "30%") -> ShadowDriver:
+    """Feed a whole trace, event by event, as shadow mode does live."""
+    d = ShadowDriver(policy, PROFILE, budget)
+    for ev in trace.events:
+        d(ev)
+    d.finish()
+    assert d.error is None, d.error
+    return d
+
+
+def test_registered_as_umrt_and_uses_the_pool():
+    rt = make_policy("umrt")
+    assert isinstance(rt, Runtime) and rt.name == "umrt"
+    assert isinstance(rt.make_layout(SimBackend(PROFILE, 64 << 20)), LifetimePool)
+    assert not isinstance(Runtime(use_pool=False).make_layout(SimBackend(PROFILE, 64 << 20)), LifetimePool)
+
+
+def test_learns_then_acts_and_beats_plain_um():
+    tr = training_trace(layers=8, steps=3)
+    um = simulate(tr, "um", PROFILE, "30%", iterations=4)
+    rt = Runtime()
+    res = simulate(tr, rt, PROFILE, "30%", iterations=4)
+    rep = rt.report()
+    assert rep["learned"] >= 1 and rep["acted"] >= 1 and rep["deviations"] <= 1
+    assert rep["prefetched_bytes"] > 0 and rep["evicted_bytes"] > 0 and rep["discarded_bytes"] > 0
+    assert res.iteration_time_s < 0.8 * um.iteration_time_s
+    assert res.faults < um.faults / 2
+
+
+def test_ignores_the_trace_it_is_handed():
+    """A policy never reads events it has not been given: same run either way."""
+    tr = training_trace(layers=6, steps=3)
+    a = simulate(tr, Runtime(trace=tr), PROFILE, "30%")
+    b = simulate(tr, Runtime(), PROFILE, "30%")
+    assert a.iteration_time_s == b.iteration_time_s
+
+
+def test_nothing_to_do_with_room_to_spare():
+    tr = training_trace(layers=4, steps=3)
+    rt = Runtime()
+    simulate(tr, rt, PROFILE, "150%")
+    assert rt.report()["evicted_bytes"] == 0
+
+
+@pytest.mark.parametrize(
+    "variation",
+    [
+        {"eval_every": 2, "steps": 8},  # an eval pass inside every other step
+        {"accum": 3, "steps": 5},  # gradient accumulation
+        {"seqs": [128, 256, 128, 256, 128, 256, 128, 256], "steps": 8},  # sequence-length buckets
+    ],
+)
+def test_survives_variation(variation):
+    tr = training_trace(layers=6, **variation)
+    rt = Runtime()
+    d = drive(tr, rt)
+    rep = rt.report()
+    assert rep["acted"] >= 2, rep
+    assert rep["guard_trips"] == 0
+    um = drive(tr, make_policy("um"))
+    assert d.steady()["time_s"] < um.steady()["time_s"]
+
+
+def test_relearns_after_a_changed_batch_size():
+    first = training_trace(layers=6, steps=4, seqs=[128])
+    second = training_trace(layers=6, steps=4, seqs=[192])
+    # the second job continues the first: same objects, new shapes after step 4
+    events = list(first.events[:-1])
+    offset = max(e.obj for e in first.events if hasattr(e, "obj")) + 1
+    shift = {}
+    for e in second.events:
+        if hasattr(e, "obj"):
+            e = replace(e, obj=e.obj + offset)
+        elif isinstance(e, Launch):
+            e = replace(e, accesses=tuple(replace(a, obj=a.obj + offset) for a in e.accesses))
+        elif hasattr(e, "index"):
+            e = replace(e, index=e.index + 4)
+        events.append(e)
+    del shift
+    rt = Runtime()
+    drive(Trace(first.header, events), rt, budget="40%")
+    modes = [entry["mode"] for entry in rt.log]
+    assert modes.count("act") >= 3
+    assert rt.report()["plans_compiled"] >= 2
+    assert modes[-1] == "act"
+
+
+def test_misprediction_guard_falls_back_and_relearns():
+    """Every step ends differently (its optimizer launches are new each
+    time): the plan keeps failing mid-iteration, so the runtime stops acting
+    for a while (plain UM) instead of fighting the driver, then re-learns."""
+    base = training_trace(layers=6, steps=12)
+    rng = random.Random(0)
+    events = [replace(e, exec_id=rng.getrandbits(62)) if isinstance(e, Launch) and "adamw" in e.op else e
+              for e in base.events]
+    rt = Runtime()
+    drive(Trace(base.header, events), rt)
+    rep = rt.report()
+    assert rep["deviations"] >= 2
+    assert rep["guard_trips"] >= 1
+    modes = [entry["mode"] for entry in rt.log]
+    assert "learn" in modes[modes.index("off") + 1:]  # after failing, it learns again
+
+
+def test_bad_options():
+    with pytest.raises(ValueError):
+        Runtime(headroom=0)
+    with pytest.raises(ValueError):
+        Runtime(learn_iterations=0)
