@@ -17,6 +17,7 @@ launches per step, in CPU time of this process (robust on a shared machine);
 the best of ``--repeat`` runs is taken for each. The bench
 also saves and loads the recorded trace and reports the file size and times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from umrt.capture import Recorder, steer
 from umrt.errors import UmrtError
 from umrt.trace import fileformat
 from umrt.trace.events import Launch
-from umrt.zoo import _loss, _forward_kwargs, _quiet_transformers, build_model, make_inputs, resolve
+from umrt.zoo import _forward_kwargs, _loss, _quiet_transformers, build_model, make_inputs, resolve
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "recording.json"
 
@@ -95,7 +96,11 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
         size = path.stat().st_size
     recorder, mode = min(rec_times), min(mode_times)
     return {
-        "model": name, "batch": batch, "seq": seq, "device": device, "steps": steps,
+        "model": name,
+        "batch": batch,
+        "seq": seq,
+        "device": device,
+        "steps": steps,
         "launches_per_step": per_step,
         "plain_s_per_step": plain,
         "mode_s_per_step": mode,
@@ -125,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             seq = args.seq if resolve(name).task != "image-classification" else 224
             row = bench_model(name, args.batch, seq, args.device, args.steps, args.repeat)
             rows.append(row)
-            print(f"{name:>12} {args.device}: {row['launches_per_step']:.0f} launches/step, "
-                  f"plain {row['plain_s_per_step'] * 1e3:.0f} ms, empty mode +{row['mode_us_per_launch']:.0f} us/launch, "
-                  f"recorder +{row['recorder_us_per_launch']:.0f} us/launch; file {row['file_bytes'] / 1024:.0f} KiB, "
-                  f"save {row['save_s'] * 1e3:.0f} ms, load {row['load_s'] * 1e3:.0f} ms", flush=True)
+            print(
+                f"{name:>12} {args.device}: {row['launches_per_step']:.0f} launches/step, "
+                f"plain {row['plain_s_per_step'] * 1e3:.0f} ms, empty mode +{row['mode_us_per_launch']:.0f} us/launch, "
+                f"recorder +{row['recorder_us_per_launch']:.0f} us/launch; file {row['file_bytes'] / 1024:.0f} KiB, "
+                f"save {row['save_s'] * 1e3:.0f} ms, load {row['load_s'] * 1e3:.0f} ms",
+                flush=True,
+            )
     except UmrtError as exc:
         print(f"bench.recording: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,4 +1,5 @@
 """Iteration detection from repeating execution ids."""
+
 from __future__ import annotations
 
 import random
@@ -87,8 +88,9 @@ def test_teardown_frees_stay_outside_the_last_detected_iteration():
 def test_detection_recovers_the_recorded_iterations_of_a_transformer():
     from umrt.zoo import trace_model
 
-    tr = trace_model("hf:GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=128,n_positions=32", batch=2, seq=8,
-                     steps=4)
+    tr = trace_model(
+        "hf:GPT2Config:n_layer=2,n_embd=32,n_head=2,vocab_size=128,n_positions=32", batch=2, seq=8, steps=4
+    )
     a, b = tr.iteration_spans()[-1]
     truth = [e.exec_id for e in tr.events[a:b] if isinstance(e, Launch)]
     stripped = Trace(tr.header, [e for e in tr.events if not isinstance(e, IterationBoundary)])

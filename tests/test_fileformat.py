@@ -1,4 +1,5 @@
 """Trace files: round trip and every kind of bad input."""
+
 from __future__ import annotations
 
 import struct
@@ -13,9 +14,9 @@ from umrt.trace.events import (
     Free,
     IterationBoundary,
     Kind,
+    Launch,
     LayerEnter,
     LayerExit,
-    Launch,
     Trace,
     TraceHeader,
     execution_id,
@@ -23,8 +24,16 @@ from umrt.trace.events import (
 
 
 def _header(**kw):
-    base = dict(format_version=1, umrt_version="0.1.0", model="toy", torch_version="x", device="meta",
-                iterations=0, notes=["a note"], meta={"batch": 2})
+    base = dict(
+        format_version=1,
+        umrt_version="0.1.0",
+        model="toy",
+        torch_version="x",
+        device="meta",
+        iterations=0,
+        notes=["a note"],
+        meta={"batch": 2},
+    )
     base.update(kw)
     return TraceHeader(**base)
 
@@ -36,9 +45,17 @@ def _trace(iterations: int = 2) -> Trace:
         ev.append(IterationBoundary(i))
         ev.append(LayerEnter("layer.0"))
         ev.append(Alloc(1, 1 << 40, Kind.ACTIVATION, seq))  # sizes beyond 32 bits survive
-        ev.append(Launch(seq, execution_id("aten::mm.default", [(2, 2)], ["float32"], "layer.0"), "aten::mm.default",
-                         (Access(0, 0, 4096, False), Access(1, 8, 1 << 40, True)), 10**15, 4096 + (1 << 40),
-                         "layer.0"))
+        ev.append(
+            Launch(
+                seq,
+                execution_id("aten::mm.default", [(2, 2)], ["float32"], "layer.0"),
+                "aten::mm.default",
+                (Access(0, 0, 4096, False), Access(1, 8, 1 << 40, True)),
+                10**15,
+                4096 + (1 << 40),
+                "layer.0",
+            )
+        )
         seq += 1
         ev.append(LayerExit("layer.0"))
         ev.append(LayerEnter("layer.0", "backward"))
@@ -140,8 +157,9 @@ def test_unwritable_path(tmp_path):
 def test_recorded_trace_round_trip(tmp_path):
     from umrt.zoo import trace_model
 
-    tr = trace_model("hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32", batch=1, seq=8,
-                     steps=2)
+    tr = trace_model(
+        "hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32", batch=1, seq=8, steps=2
+    )
     ff.save(tr, tmp_path / "g.umrt")
     back = ff.load(tmp_path / "g.umrt")
     assert back.events == tr.events and back.header.iterations == 2

@@ -1,11 +1,12 @@
 """Recorder: events, storages, kinds, boundaries; meta and CPU agree op for op."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from umrt.capture import Recorder
-from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, LayerEnter, Launch
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter
 from umrt.trace.stats import summarize
 from umrt.zoo import trace_model
 
@@ -55,7 +56,9 @@ def test_mlp_trace_structure():
     assert seqs == list(range(len(seqs)))
     kinds = {e.obj: e.kind for e in tr.events if isinstance(e, Alloc)}
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
-    assert sum(e.nbytes for e in tr.events if isinstance(e, Alloc) and e.kind == Kind.PARAMETER) == param_bytes
+    assert (
+        sum(e.nbytes for e in tr.events if isinstance(e, Alloc) and e.kind == Kind.PARAMETER) == param_bytes
+    )
     assert Kind.GRADIENT in kinds.values() and Kind.OPTIMIZER_STATE in kinds.values()
     assert Kind.INPUT in kinds.values() and Kind.ACTIVATION in kinds.values()
     mm = [e for e in tr.launches() if e.op == "aten::addmm.default"]
@@ -129,8 +132,11 @@ def test_gpt2_small_end_live_is_params_plus_adamw_states():
 
 def _op_seq(tr):
     a, b = tr.iteration_spans()[-1]
-    return [(e.op, e.module, e.exec_id, [(x.offset, x.length, x.write) for x in e.accesses], e.flops)
-            for e in tr.events[a:b] if isinstance(e, Launch)]
+    return [
+        (e.op, e.module, e.exec_id, [(x.offset, x.length, x.write) for x in e.accesses], e.flops)
+        for e in tr.events[a:b]
+        if isinstance(e, Launch)
+    ]
 
 
 def test_meta_and_cpu_agree_op_for_op():

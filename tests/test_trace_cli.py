@@ -1,4 +1,5 @@
 """`umrt trace`: zoo and script recording, `trace info`, and clean errors."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,15 @@ def test_trace_zoo_then_info_json(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["trace", "info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    for key in ("ops_per_iteration", "iterations", "objects", "peak_live_bytes", "end_live_bytes",
-                "flops_per_iteration", "bytes_by_kind"):
+    for key in (
+        "ops_per_iteration",
+        "iterations",
+        "objects",
+        "peak_live_bytes",
+        "end_live_bytes",
+        "flops_per_iteration",
+        "bytes_by_kind",
+    ):
         assert key in info
     assert info["iterations"] == 2 and info["header"]["meta"]["batch"] == 2
     assert all(isinstance(v, int) for v in info["bytes_by_kind"].values())
@@ -48,8 +56,22 @@ def test_trace_script(tmp_path, capsys, monkeypatch):
     script.write_text(SCRIPT)
     out = tmp_path / "s.umrt"
     monkeypatch.chdir(tmp_path)
-    rc = main(["trace", "-o", str(out), "--steps", "2", "--device", "cpu", "--", "python", str(script),
-               "--lr", "0.1"])
+    rc = main(
+        [
+            "trace",
+            "-o",
+            str(out),
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--",
+            "python",
+            str(script),
+            "--lr",
+            "0.1",
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     tr = fileformat.load(out)
     assert tr.header.iterations == 2 and tr.header.device == "cpu"
@@ -87,11 +109,14 @@ def test_bad_arguments(argv, match, capsys):
     assert match in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("content, match", [
-    (None, "not found"),
-    (b"", "not a umrt trace"),
-    (b"hello world, definitely not a trace", "magic"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (None, "not found"),
+        (b"", "not a umrt trace"),
+        (b"hello world, definitely not a trace", "magic"),
+    ],
+)
 def test_info_bad_files(tmp_path, capsys, content, match):
     p = tmp_path / "t.umrt"
     if content is not None:
@@ -105,8 +130,10 @@ def test_info_truncated_and_corrupt(tmp_path, capsys):
     from umrt.zoo import trace_model
 
     data = fileformat.encode(trace_model(TINY, batch=1, seq=4, steps=1))
-    cases = {"cut.umrt": (data[: len(data) // 2], "truncated"),
-             "flip.umrt": (data[:-8] + bytes(b ^ 0x55 for b in data[-8:]), "corrupt")}
+    cases = {
+        "cut.umrt": (data[: len(data) // 2], "truncated"),
+        "flip.umrt": (data[:-8] + bytes(b ^ 0x55 for b in data[-8:]), "corrupt"),
+    }
     for name, (blob, match) in cases.items():
         (tmp_path / name).write_bytes(blob)
         assert main(["trace", "info", str(tmp_path / name)]) == 2

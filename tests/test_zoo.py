@@ -1,4 +1,5 @@
 """Model zoo: names, hf: configs, defaults, and a training step per model family."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,10 @@ def test_defaults_cover_every_model():
         ("gpt2-medium", dict(n_embd=1024, n_layer=24, n_head=16)),
         ("gpt2-large", dict(n_embd=1280, n_layer=36, n_head=20)),
         ("gpt2-xl", dict(n_embd=1600, n_layer=48, n_head=25)),
-        ("bert-large", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)),
+        (
+            "bert-large",
+            dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+        ),
         ("vit-large", dict(hidden_size=1024, num_hidden_layers=24, image_size=224, patch_size=16)),
         ("resnet-152", dict(depths=[3, 8, 36, 3], layer_type="bottleneck")),
     ],
@@ -32,7 +36,9 @@ def test_builtin_configs(name, attrs):
 
 
 def test_hf_name_parsing():
-    spec = zoo.resolve("hf:LlamaConfig:num_hidden_layers=3,hidden_size=64,rms_norm_eps=1e-5,tie_word_embeddings=true")
+    spec = zoo.resolve(
+        "hf:LlamaConfig:num_hidden_layers=3,hidden_size=64,rms_norm_eps=1e-5,tie_word_embeddings=true"
+    )
     assert spec.config.num_hidden_layers == 3 and spec.config.hidden_size == 64
     assert spec.config.rms_norm_eps == 1e-5 and spec.config.tie_word_embeddings is True
     assert spec.task == "causal-lm" and spec.model_class.__name__ == "LlamaForCausalLM"
@@ -66,12 +72,24 @@ def test_bad_arguments():
 @pytest.mark.parametrize(
     "name, batch, seq, expect_op",
     [
-        ("hf:BertConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=128",
-         2, 16, "aten::_scaled_dot_product_flash_attention.default"),
-        ("hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,patch_size=8",
-         2, 32, "aten::convolution.default"),
-        ("hf:ResNetConfig:depths=[1,1],hidden_sizes=[16,32],embedding_size=8,layer_type='bottleneck'",
-         2, 32, "aten::convolution_backward.default"),
+        (
+            "hf:BertConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,vocab_size=128",
+            2,
+            16,
+            "aten::_scaled_dot_product_flash_attention.default",
+        ),
+        (
+            "hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2,intermediate_size=64,patch_size=8",
+            2,
+            32,
+            "aten::convolution.default",
+        ),
+        (
+            "hf:ResNetConfig:depths=[1,1],hidden_sizes=[16,32],embedding_size=8,layer_type='bottleneck'",
+            2,
+            32,
+            "aten::convolution_backward.default",
+        ),
         ("hf:T5Config:num_layers=1,d_model=32,d_ff=64,num_heads=2,vocab_size=128", 2, 8, "aten::mm.default"),
     ],
 )
@@ -89,6 +107,11 @@ def test_model_families_train(name, batch, seq, expect_op):
 
 
 def test_progress_bar_runs():
-    tr = zoo.trace_model("hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16", batch=1, seq=4,
-                         steps=1, progress=True)
+    tr = zoo.trace_model(
+        "hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=64,n_positions=16",
+        batch=1,
+        seq=4,
+        steps=1,
+        progress=True,
+    )
     assert tr.header.iterations == 1 and any(isinstance(e, Launch) for e in tr.events)

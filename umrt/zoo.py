@@ -13,14 +13,16 @@ the model class is picked from transformers' Auto mappings: causal LM, else
 masked LM, else image or sequence classification, else the base model trained
 on the mean of its output. For image models ``seq`` is the image side in pixels.
 """
+
 from __future__ import annotations
 
 import ast
-import copy
 import contextlib
+import copy
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -82,8 +84,9 @@ def _bert(hidden: int, layers: int, heads: int, inter: int) -> Callable[[], Any]
     def make():
         from transformers import BertConfig
 
-        return BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                          intermediate_size=inter)
+        return BertConfig(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=inter
+        )
 
     return make
 
@@ -91,15 +94,27 @@ def _bert(hidden: int, layers: int, heads: int, inter: int) -> Callable[[], Any]
 def _vit_large():
     from transformers import ViTConfig
 
-    return ViTConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                     image_size=224, patch_size=16, num_labels=1000)
+    return ViTConfig(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        image_size=224,
+        patch_size=16,
+        num_labels=1000,
+    )
 
 
 def _resnet152():
     from transformers import ResNetConfig
 
-    return ResNetConfig(depths=[3, 8, 36, 3], layer_type="bottleneck", hidden_sizes=[256, 512, 1024, 2048],
-                        embedding_size=64, num_labels=1000)
+    return ResNetConfig(
+        depths=[3, 8, 36, 3],
+        layer_type="bottleneck",
+        hidden_sizes=[256, 512, 1024, 2048],
+        embedding_size=64,
+        num_labels=1000,
+    )
 
 
 _BUILTIN: dict[str, tuple[Callable[[], Any], str, str]] = {
@@ -154,7 +169,9 @@ def _hf_spec(name: str) -> ModelSpec:
         raise ConfigError(f"bad model name {name!r}: expected hf:ConfigClass[:key=value,...]")
     cls_name = parts[1]
     config_cls = getattr(transformers, cls_name, None)
-    if config_cls is None or not (isinstance(config_cls, type) and issubclass(config_cls, transformers.PretrainedConfig)):
+    if config_cls is None or not (
+        isinstance(config_cls, type) and issubclass(config_cls, transformers.PretrainedConfig)
+    ):
         raise ConfigError(f"unknown transformers config class {cls_name!r} in {name!r}")
     overrides: dict[str, Any] = {}
     if len(parts) == 3 and parts[2]:
@@ -168,7 +185,7 @@ def _hf_spec(name: str) -> ModelSpec:
     except Exception as exc:
         raise ConfigError(f"{cls_name}({parts[2] if len(parts) == 3 else ''}) failed: {exc}") from exc
     model_type = getattr(config, "model_type", "")
-    for mapping, task in (
+    for mapping, task in (  # noqa: B007 (task is used after the break)
         ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal-lm"),
         ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq-lm"),
         ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked-lm"),
@@ -189,8 +206,15 @@ def _hf_spec(name: str) -> ModelSpec:
         seq = min(seq, limit)
     if task == "image-classification":
         seq = int(getattr(config, "image_size", 224) or 224)
-    return ModelSpec(name, config, getattr(transformers, model_name), task, HF_DEFAULT_BATCH, seq,
-                     {"config": cls_name, "overrides": overrides})
+    return ModelSpec(
+        name,
+        config,
+        getattr(transformers, model_name),
+        task,
+        HF_DEFAULT_BATCH,
+        seq,
+        {"config": cls_name, "overrides": overrides},
+    )
 
 
 def resolve(name: str) -> ModelSpec:
@@ -198,12 +222,15 @@ def resolve(name: str) -> ModelSpec:
     if name.startswith("hf:"):
         return _hf_spec(name)
     if name not in _BUILTIN:
-        raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}, or hf:ConfigClass:key=value,...")
+        raise ConfigError(
+            f"unknown model {name!r}; known: {', '.join(MODELS)}, or hf:ConfigClass:key=value,..."
+        )
     import transformers
 
     make_config, cls_name, task = _BUILTIN[name]
-    return ModelSpec(name, make_config(), getattr(transformers, cls_name), task, DEFAULT_BATCH[name],
-                     DEFAULT_SEQ[name])
+    return ModelSpec(
+        name, make_config(), getattr(transformers, cls_name), task, DEFAULT_BATCH[name], DEFAULT_SEQ[name]
+    )
 
 
 def build_model(spec: ModelSpec, device: str) -> torch.nn.Module:
@@ -220,7 +247,10 @@ def build_model(spec: ModelSpec, device: str) -> torch.nn.Module:
 def make_inputs(spec: ModelSpec, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
     """One random batch (token ids and labels, or images and class labels)."""
     cfg = spec.config
-    if spec.task == "image-classification" or getattr(spec.model_class, "main_input_name", "") == "pixel_values":
+    if (
+        spec.task == "image-classification"
+        or getattr(spec.model_class, "main_input_name", "") == "pixel_values"
+    ):
         channels = int(getattr(cfg, "num_channels", 3) or 3)
         inputs = {"pixel_values": torch.randn(batch, channels, seq, seq, device=device)}
         if spec.task == "image-classification":
@@ -234,7 +264,9 @@ def make_inputs(spec: ModelSpec, batch: int, seq: int, device: str) -> dict[str,
     if spec.task in ("causal-lm", "masked-lm", "seq2seq-lm"):
         inputs["labels"] = ids.clone()
     elif spec.task == "seq-classification":
-        inputs["labels"] = torch.randint(0, max(1, int(getattr(cfg, "num_labels", 2))), (batch,), device=device)
+        inputs["labels"] = torch.randint(
+            0, max(1, int(getattr(cfg, "num_labels", 2))), (batch,), device=device
+        )
     return inputs
 
 
@@ -257,8 +289,8 @@ def _forward_kwargs(spec: ModelSpec) -> dict:
 def trace_model(
     name: str,
     *,
-    batch: Optional[int] = None,
-    seq: Optional[int] = None,
+    batch: int | None = None,
+    seq: int | None = None,
     device: str = "meta",
     steps: int = 3,
     progress: bool = False,
@@ -297,8 +329,14 @@ def trace_model(
             raise ConfigError(f"cannot build {name}: {exc}") from exc
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     fwd = _forward_kwargs(spec)
-    meta = {"batch": batch, "seq": seq, "steps": steps, "task": spec.task,
-            "model_class": spec.model_class.__name__, **spec.meta}
+    meta = {
+        "batch": batch,
+        "seq": seq,
+        "steps": steps,
+        "task": spec.task,
+        "model_class": spec.model_class.__name__,
+        **spec.meta,
+    }
     rec = Recorder(model, opt, device=device, model_name=name, meta=meta)
     bar = _progress(progress, f"tracing {name}", steps)
     with bar as advance, _quiet_transformers():
@@ -336,7 +374,12 @@ def _progress(show: bool, label: str, total: int):
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as p:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as p:
         task = p.add_task(label, total=total)
         yield lambda: p.advance(task)

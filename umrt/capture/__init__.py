@@ -4,6 +4,7 @@
 how objects, kinds, boundaries and module paths are found);
 :func:`insert_boundaries` finds iterations in a trace without step marks.
 """
+
 from __future__ import annotations
 
 from umrt.capture.detect import Repeats, find_repeats, insert_boundaries

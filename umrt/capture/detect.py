@@ -10,15 +10,16 @@ iteration recurs exactly ``p`` launches later. Each candidate is checked with
 one vectorised comparison, so detection is linear in the trace length times a
 small number of candidates.
 """
+
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from umrt.trace.events import Alloc, Free, IterationBoundary, LayerEnter, Launch, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, Trace
 
 _MAX_CANDIDATES = 64
 
@@ -67,7 +68,7 @@ def find_repeats(ids: Sequence[int], *, min_period: int = 2, min_count: int = 2)
         if v in rare:
             positions.setdefault(v, []).append(i)
     for pos in positions.values():
-        for a, b in zip(pos, pos[1:]):
+        for a, b in zip(pos, pos[1:], strict=False):
             if b - a >= min_period:
                 gaps[b - a] += 1
     best: Repeats | None = None
@@ -111,7 +112,7 @@ def insert_boundaries(trace: Trace) -> Trace:
     found = find_repeats(ids)
     if found is None:
         return Trace(trace.header, events)
-    start, p, count = found.start, found.period, found.count
+    start, p = found.start, found.period
     # phase: the first launch after a root-level forward enter, inside the stretch
     phase = 0
     depth = 0

@@ -39,13 +39,15 @@ How the pieces are found:
   events are therefore flat (enter/exit pairs, never nested), and ops between
   two modules' gradients (residual adds) are attributed to the last module.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -59,9 +61,9 @@ from umrt.trace.events import (
     Free,
     IterationBoundary,
     Kind,
+    Launch,
     LayerEnter,
     LayerExit,
-    Launch,
     Trace,
     TraceHeader,
     execution_id,
@@ -103,10 +105,10 @@ class _OpInfo:
 class _Obj:
     nbytes: int
     kind: Kind  # kind announced in the Alloc event
-    known: Optional[Kind]  # kind established by a fact (parameter, gradient, ...)
+    known: Kind | None  # kind established by a fact (parameter, gradient, ...)
     phase: int  # phase it was born in
     iteration: int  # iteration it was born in (-1: set-up)
-    key: Optional[tuple]  # (exec_id, occurrence, output index) of the creating launch
+    key: tuple | None  # (exec_id, occurrence, output index) of the creating launch
     event_index: int  # index of its Alloc event
     freed_phase: int = -1
     freed_iteration: int = -2  # -2: still alive
@@ -123,7 +125,7 @@ def _extent(t: torch.Tensor) -> int:
         return 0
     if t.is_contiguous():
         return n * t.element_size()
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     return span * t.element_size()
 
 
@@ -151,7 +153,7 @@ def _output_tensors(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, rec: "Recorder") -> None:
+    def __init__(self, rec: Recorder) -> None:
         super().__init__()
         self.rec = rec
 
@@ -184,17 +186,17 @@ class Recorder:
 
     def __init__(
         self,
-        model: Optional[torch.nn.Module] = None,
-        optimizer: Optional[torch.optim.Optimizer] = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         listeners: Sequence[Listener] = (),
         *,
-        device: Optional[str] = None,
+        device: str | None = None,
         auto_step: bool = True,
         mark_start: bool = True,
-        stop_after: Optional[int] = None,
+        stop_after: int | None = None,
         model_name: str = "",
         steer: bool = True,
-        meta: Optional[dict] = None,
+        meta: dict | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -230,16 +232,16 @@ class Recorder:
         self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
         self._learned: dict[tuple, Kind] = {}  # creating-launch key -> kind seen last iteration
         self._module_names: dict[int, str] = {}
-        self._stack: list[Optional[str]] = []
-        self._bwd_module: Optional[str] = None
+        self._stack: list[str | None] = []
+        self._bwd_module: str | None = None
         self._lock = threading.RLock()
         self._handles: list[Any] = []
-        self._exit_stack: Optional[contextlib.ExitStack] = None
-        self._mode: Optional[_Mode] = None
+        self._exit_stack: contextlib.ExitStack | None = None
+        self._mode: _Mode | None = None
         self._stop_requested = False
 
     # ------------------------------------------------------------------ public API
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         if self._recording or self._closed:
             raise RuntimeError("a Recorder can be entered only once")
         stack = contextlib.ExitStack()
@@ -409,7 +411,7 @@ class Recorder:
                 md["umrt_module"] = name
                 node.register_prehook(self._backward_hook(name))
 
-    def _current_module(self) -> Optional[str]:
+    def _current_module(self) -> str | None:
         for name in reversed(self._stack):
             if name is not None:
                 return name
@@ -488,8 +490,15 @@ class Recorder:
         self._finalizers.clear()
         self._by_storage.clear()
 
-    def _obj_for(self, storage: Any, *, first_seen_kind: Optional[Kind] = None,
-                 launch: int = -1, key: Optional[tuple] = None, kind: Optional[Kind] = None) -> int:
+    def _obj_for(
+        self,
+        storage: Any,
+        *,
+        first_seen_kind: Kind | None = None,
+        launch: int = -1,
+        key: tuple | None = None,
+        kind: Kind | None = None,
+    ) -> int:
         """The object id of a storage, announcing it (Alloc) when new."""
         sid = id(storage)
         obj = self._by_storage.get(sid)
@@ -611,8 +620,11 @@ class Recorder:
         on_dev = [t for t, _ in inputs if t.device.type == dev] + [t for t in outs if t.device.type == dev]
         if not on_dev:
             return  # a host op: no kernel on the traced device
-        if self._in_step and dev == "cpu" and all(t.dim() == 0 for t, _ in inputs) and all(
-            t.dim() == 0 for t in outs
+        if (
+            self._in_step
+            and dev == "cpu"
+            and all(t.dim() == 0 for t, _ in inputs)
+            and all(t.dim() == 0 for t in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
         self._flush()
@@ -703,7 +715,7 @@ class Recorder:
     # ------------------------------------------------------------------ refinement
     def _refined_events(self) -> list[Event]:
         events = list(self._events)
-        for obj, info in self._objs.items():
+        for info in self._objs.values():
             if info.known is not None:
                 kind = info.known
             elif info.freed_iteration == -2:  # never freed while recording

@@ -7,10 +7,12 @@ While a :class:`~umrt.capture.Recorder` records, these patches route the calls
 to single ops that stand in for CUDA's fused kernels. Each difference that
 remains is listed in :data:`NOTES` and copied into every trace header.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +58,20 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
     )
     if not fusable:
-        return _sdpa_orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                          scale=scale, enable_gqa=enable_gqa)
+        return _sdpa_orig(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     # The CPU kernel rejects dropout; CUDA's flash kernel fuses it (same launch, same bytes).
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
-                                                                       scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale
+    )[0]
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):

@@ -1,9 +1,10 @@
 """``umrt trace``: record traces and inspect trace files.
 
-    umrt trace --model gpt2-xl --device meta --steps 3 -o gpt2-xl.umrt
-    umrt trace -o train.umrt --steps 3 -- python train.py --lr 1e-4
-    umrt trace info gpt2-xl.umrt [--json]
+umrt trace --model gpt2-xl --device meta --steps 3 -o gpt2-xl.umrt
+umrt trace -o train.umrt --steps 3 -- python train.py --lr 1e-4
+umrt trace info gpt2-xl.umrt [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,20 +43,33 @@ def register(subparsers: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="zoo model (gpt2, gpt2-medium, gpt2-large, gpt2-xl, bert-base, bert-large, "
-                                   "vit-large, resnet-152) or hf:ConfigClass:key=value,...")
+    p.add_argument(
+        "--model",
+        help="zoo model (gpt2, gpt2-medium, gpt2-large, gpt2-xl, bert-base, bert-large, "
+        "vit-large, resnet-152) or hf:ConfigClass:key=value,...",
+    )
     p.add_argument("--batch", type=int, help="batch size (default: the model's paper-like default)")
     p.add_argument("--seq", type=int, help="sequence length, or image side for vision models")
-    p.add_argument("--device", choices=("meta", "cpu", "cuda"),
-                   help="where to run: zoo default meta (no memory touched); scripts default cuda if available, "
-                        "else cpu")
-    p.add_argument("--steps", type=int, default=3,
-                   help="iterations to record (default 3); for a script, the steps after its first one")
+    p.add_argument(
+        "--device",
+        choices=("meta", "cpu", "cuda"),
+        help="where to run: zoo default meta (no memory touched); scripts default cuda if available, "
+        "else cpu",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="iterations to record (default 3); for a script, the steps after its first one",
+    )
     p.add_argument("-o", "--output", help="trace file to write (default MODEL.umrt or trace.umrt)")
     p.add_argument("--json", action="store_true", help="trace info: print JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
-    p.add_argument("rest", nargs=argparse.REMAINDER,
-                   help="'info FILE' to inspect a trace, or '-- python script.py [args]' to trace a script")
+    p.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        help="'info FILE' to inspect a trace, or '-- python script.py [args]' to trace a script",
+    )
     p.set_defaults(func=run)
 
 
@@ -86,8 +100,14 @@ def _trace_zoo(args: argparse.Namespace) -> int:
     _check_steps(args.steps)
     out = args.output or _default_name(args.model)
     t0 = time.perf_counter()
-    trace = trace_model(args.model, batch=args.batch, seq=args.seq, device=args.device or "meta",
-                        steps=args.steps, progress=not args.quiet and sys.stderr.isatty())
+    trace = trace_model(
+        args.model,
+        batch=args.batch,
+        seq=args.seq,
+        device=args.device or "meta",
+        steps=args.steps,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
     fileformat.save(trace, out)
     if not args.quiet:
         _report(trace, out, time.perf_counter() - t0)
@@ -123,9 +143,14 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     progress = _ScriptProgress(args.steps, enabled=not args.quiet and sys.stderr.isatty())
     # the first step ends set-up (model build, lazy optimizer state): steps counted after it
-    rec = Recorder(device=args.device, mark_start=False, stop_after=args.steps,
-                   model_name=" ".join(cmd)[:200], listeners=[progress.on_event],
-                   meta={"argv": cmd, "steps": args.steps})
+    rec = Recorder(
+        device=args.device,
+        mark_start=False,
+        stop_after=args.steps,
+        model_name=" ".join(cmd)[:200],
+        listeners=[progress.on_event],
+        meta={"argv": cmd, "steps": args.steps},
+    )
     old_argv, old_path = sys.argv, list(sys.path)
     sys.argv = list(argv)
     if module is None:
@@ -140,7 +165,9 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
         pass  # recorded the steps asked for
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            raise ScriptFailed(f"the script exited with status {exc.code} before the trace was complete") from None
+            raise ScriptFailed(
+                f"the script exited with status {exc.code} before the trace was complete"
+            ) from None
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
@@ -169,12 +196,17 @@ class _ScriptProgress:
         self._progress = None
         self._task = None
 
-    def __enter__(self) -> "_ScriptProgress":
+    def __enter__(self) -> _ScriptProgress:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("recording steps"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), transient=True)
+            self._progress = Progress(
+                TextColumn("recording steps"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                transient=True,
+            )
             self._progress.__enter__()
             self._task = self._progress.add_task("steps", total=self.steps)
         return self
@@ -219,9 +251,16 @@ def _info(argv: list[str], as_json: bool) -> int:
     trace = fileformat.load(ns.file)
     s = summarize(trace)
     h = trace.header
-    s["header"] = {"format_version": h.format_version, "umrt_version": h.umrt_version, "model": h.model,
-                   "torch_version": h.torch_version, "device": h.device, "iterations": h.iterations,
-                   "notes": h.notes, "meta": h.meta}
+    s["header"] = {
+        "format_version": h.format_version,
+        "umrt_version": h.umrt_version,
+        "model": h.model,
+        "torch_version": h.torch_version,
+        "device": h.device,
+        "iterations": h.iterations,
+        "notes": h.notes,
+        "meta": h.meta,
+    }
     if as_json or ns.json:
         try:
             print(json.dumps(s, indent=2, default=str), flush=True)
@@ -232,8 +271,10 @@ def _info(argv: list[str], as_json: bool) -> int:
     from rich.table import Table
 
     t = Table(title=f"{ns.file}", show_header=False, title_justify="left")
-    t.add_row("model", f"{h.model} ({h.device}, torch {h.torch_version}, umrt {h.umrt_version}, "
-                       f"format v{h.format_version})")
+    t.add_row(
+        "model",
+        f"{h.model} ({h.device}, torch {h.torch_version}, umrt {h.umrt_version}, format v{h.format_version})",
+    )
     if h.meta:
         t.add_row("meta", ", ".join(f"{k}={v}" for k, v in h.meta.items()))
     t.add_row("iterations", str(s["iterations"]))

@@ -20,6 +20,7 @@ Every way a file can be bad raises :class:`~umrt.errors.TraceFormatError`
 with a message that says what is wrong: missing file, wrong magic, unknown
 version, truncated or corrupt data, and a trace without a complete iteration.
 """
+
 from __future__ import annotations
 
 import gc
@@ -28,7 +29,6 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -40,9 +40,9 @@ from umrt.trace.events import (
     Free,
     IterationBoundary,
     Kind,
+    Launch,
     LayerEnter,
     LayerExit,
-    Launch,
     Trace,
     TraceHeader,
 )
@@ -79,7 +79,7 @@ _COLUMNS = {
     "y_phase": "u1",
 }
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def save(trace: Trace, path: PathLike) -> None:
@@ -286,8 +286,17 @@ def _decode_body(raw: bytes) -> list[Event]:
             n = c["l_nacc"][li]
             acc = tuple(Access(x_obj[k], x_off[k], x_len[k], bool(x_write[k])) for k in range(xi, xi + n))
             xi += n
-            append(Launch(c["l_seq"][li], c["l_exec"][li], ops[c["l_op"][li]], acc, c["l_flops"][li],
-                          c["l_bytes"][li], mods[c["l_mod"][li]]))
+            append(
+                Launch(
+                    c["l_seq"][li],
+                    c["l_exec"][li],
+                    ops[c["l_op"][li]],
+                    acc,
+                    c["l_flops"][li],
+                    c["l_bytes"][li],
+                    mods[c["l_mod"][li]],
+                )
+            )
             li += 1
         elif t == _ALLOC:
             append(Alloc(c["a_obj"][ai], c["a_nbytes"][ai], kinds[c["a_kind"][ai]], c["a_launch"][ai]))
@@ -304,6 +313,12 @@ def _decode_body(raw: bytes) -> list[Event]:
             yi += 1
         else:
             raise ValueError(f"unknown event type code {t}")
-    if (li, ai, fi, bi, yi) != (len(c["l_seq"]), len(c["a_obj"]), len(c["f_obj"]), len(c["b_index"]), len(c["y_mod"])):
+    if (li, ai, fi, bi, yi) != (
+        len(c["l_seq"]),
+        len(c["a_obj"]),
+        len(c["f_obj"]),
+        len(c["b_index"]),
+        len(c["y_mod"]),
+    ):
         raise ValueError("event counts do not match the columns")
     return events

@@ -3,6 +3,7 @@
 The steady state is the last complete iteration: the first one also creates
 lazily-built state (AdamW's moments), and later ones repeat it.
 """
+
 from __future__ import annotations
 
 from typing import Any
