@@ -167,3 +167,18 @@ def test_gpt2_small_meta_and_cpu_agree_op_for_op():
     cpu = trace_model("gpt2", batch=2, seq=128, device="cpu", steps=1)
     assert _op_seq(meta) == _op_seq(cpu)
     assert summarize(meta)["peak_live_bytes"] == summarize(cpu)["peak_live_bytes"]
+
+
+def test_steering_patches_are_removed_on_exit():
+    import torch.nn.functional as F
+
+    before = F.scaled_dot_product_attention, F.dropout
+    q = torch.randn(1, 2, 4, 8, device="meta")
+    rec = Recorder(device="meta")
+    with rec:
+        assert F.scaled_dot_product_attention is not before[0]
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        F.dropout(q, 0.1, training=True)
+    assert (F.scaled_dot_product_attention, F.dropout) == before
+    ops = [e.op for e in rec.events if isinstance(e, Launch)]
+    assert ops == ["aten::_scaled_dot_product_flash_attention.default", "aten::native_dropout.default"]

@@ -117,11 +117,11 @@ def steered(pause: Callable[[], ContextManager] = contextlib.nullcontext) -> Ite
 
     ``pause`` returns a context in which the recorder does not record.
     """
+    saved = F.scaled_dot_product_attention, F.dropout  # restore what was there, patched or not
     F.scaled_dot_product_attention = _sdpa
     F.dropout = _dropout
     try:
         with _packed_sequence_patch(pause):
             yield
     finally:
-        F.scaled_dot_product_attention = _sdpa_orig
-        F.dropout = _dropout_orig
+        F.scaled_dot_product_attention, F.dropout = saved
