@@ -22,7 +22,16 @@ from umrt.policy.peers.deepum import TABLE_SETS, TABLE_SUCCESSORS, BlockCorrelat
 from umrt.policy.peers.sentinel import SentinelLayout
 from umrt.policy.peers.swapadvisor import Genes, build_plan
 from umrt.trace.events import (
-    Access, Alloc, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace, TraceHeader,
+    Access,
+    Alloc,
+    Free,
+    IterationBoundary,
+    Kind,
+    Launch,
+    LayerEnter,
+    LayerExit,
+    Trace,
+    TraceHeader,
     execution_id,
 )
 

@@ -8,11 +8,11 @@ systems such as DeepUM) the faults the GPU raised.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from umrt.backends.base import Range
-from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 BLOCK = 2 << 20  # UVM VA block: the migration/eviction unit (uvm_va_block_types.h)
 
@@ -187,7 +187,7 @@ class IterationProfiler:
     :class:`IterationProfile`; ``done`` once the iteration has ended."""
 
     @classmethod
-    def next(cls, keys: "ObjectKeys") -> "IterationProfiler":
+    def next(cls, keys: ObjectKeys) -> IterationProfiler:
         """A profiler for the iteration that starts now (after its boundary was observed)."""
         return cls(keys, target=keys.iterations_seen)
 
@@ -250,7 +250,7 @@ class IterationProfiler:
                 p.backward_from = n
 
 
-def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, "ObjectKeys"]:
+def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, ObjectKeys]:
     """Profile one complete iteration of a trace (default: the last one)."""
     from umrt.errors import UmrtError
 

@@ -80,7 +80,7 @@ class BlockCorrelationTable:
             # misses: hang them after its end so the walk keeps covering the rest.
             faults = [self.end, *faults]
         self.end = faults[-1]
-        for a, b in zip(faults, faults[1:]):
+        for a, b in zip(faults, faults[1:], strict=False):
             if a != b:
                 self._link(a, b)
         self.version += 1

@@ -25,9 +25,9 @@ from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.memory.base import Layout
 from umrt.memory.caching import CachingAllocatorLayout
-from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.base import Policy
 from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
-from umrt.trace.events import Alloc, IterationBoundary, Kind, LayerEnter, Launch
+from umrt.trace.events import Alloc, IterationBoundary, Kind, Launch, LayerEnter
 
 __all__ = ["SentinelPolicy", "SentinelLayout"]
 
@@ -145,7 +145,7 @@ class SentinelPolicy(Policy):
         layout = self.ctx.layout
         for k in keys:
             obj = self.keys.obj(k)
-            if obj is not None:
+            if obj is not None and self.keys.info[obj][0] > 0:
                 out.append((layout.address(obj), self.keys.info[obj][0]))
         return out
 
@@ -173,7 +173,7 @@ class SentinelPolicy(Policy):
     def _layer_starts(self, p: IterationProfile) -> list[int]:
         """Launch ordinals where a layer starts (each LayerEnter); every launch
         is a layer when the trace has no layer events."""
-        starts = sorted({m for m, e in zip(p.layer_marks, p.layer_events)
+        starts = sorted({m for m, e in zip(p.layer_marks, p.layer_events, strict=False)
                          if isinstance(e, LayerEnter) and m < p.n_launches})
         if not starts:
             return list(range(p.n_launches))
@@ -183,7 +183,7 @@ class SentinelPolicy(Policy):
 
     def _intervals(self, starts: list[int], n: int, length: int) -> list[tuple[int, int]]:
         bounds = starts[::length] + [n]
-        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
     def _needs(self, p: IterationProfile, spans) -> list[dict[tuple, int]]:
         """Per interval: long-lived key -> access count."""

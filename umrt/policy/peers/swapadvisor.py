@@ -35,7 +35,7 @@ import numpy as np
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.peers._common import IterationProfile, ObjectKeys, object_ranges, next_use, profile_trace
+from umrt.policy.peers._common import IterationProfile, ObjectKeys, next_use, object_ranges, profile_trace
 from umrt.trace.events import IterationBoundary, Kind, Launch
 
 __all__ = ["SwapAdvisorPolicy", "SwapPlan", "Genes"]
@@ -73,7 +73,7 @@ def build_plan(p: IterationProfile, limit_bytes: int, genes: Genes) -> SwapPlan:
         return plan
     objs = p.objects
     big = sorted((k for k, o in objs.items() if o.kind != Kind.TEMPORARY), key=lambda k: -objs[k].nbytes)
-    weight = {k: w for k, w in zip(big[:WEIGHTED], genes.weights)}
+    weight = {k: w for k, w in zip(big[:WEIGHTED], genes.weights, strict=False)}
     allocs: dict[int, list] = {}
     frees: dict[int, list] = {}
     resident: set = set()
@@ -246,7 +246,7 @@ class SwapAdvisorPolicy(Policy):
                     limit=min(1.0, max(0.3, rng.choice([a.limit, b.limit]) + rng.gauss(0, 0.03))),
                     lookahead=rng.choice([a.lookahead, b.lookahead]),
                     weights=tuple(rng.choice(WEIGHTS) if rng.random() < 0.05 else rng.choice(pair)
-                                  for pair in zip(a.weights, b.weights)),
+                                  for pair in zip(a.weights, b.weights, strict=False)),
                 )
                 children.append(child)
             pop = elite + children

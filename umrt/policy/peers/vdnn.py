@@ -86,7 +86,7 @@ class VDNNPolicy(Policy):
         if not marks:
             return
         # Backward layer starts, as (layer-event ordinal, launch ordinal).
-        bwd_starts = [(i, m) for i, (m, e) in enumerate(zip(marks, p.layer_events))
+        bwd_starts = [(i, m) for i, (m, e) in enumerate(zip(marks, p.layer_events, strict=False))
                       if isinstance(e, LayerEnter) and e.phase == "backward"]
         bwd_launch = [m for _, m in bwd_starts]
         for k, o in p.objects.items():
