@@ -318,7 +318,9 @@ class LifetimePool(Layout):
         }
         self._regions: list[_Region] = []
         self._live: dict[int, _Live] = {}
-        self._live_planned: list[tuple[int, int]] = []  # sorted (ptr, end) of live planned objects
+        # Live planned objects: sorted start addresses, and start -> end.
+        self._live_starts: list[int] = []
+        self._live_ends: dict[int, int] = {}
         self._plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         self.planned = False
         self.plans_made = 0
@@ -346,8 +348,12 @@ class LifetimePool(Layout):
             raise LayoutError(f"object {obj} is already live in the pool")
         if nbytes < 0:
             raise LayoutError(f"object {obj}: negative size {nbytes}")
-        kind = Kind(kind)
-        size = _up(max(nbytes, 1), self.alignment)
+        if type(kind) is not Kind:
+            try:
+                kind = Kind(kind)
+            except ValueError:
+                raise LayoutError(f"object {obj}: unknown kind {kind!r}") from None
+        size = -(-max(nbytes, 1) // self.alignment) * self.alignment
         self._clock += 1
         if kind in _PERSISTENT:
             live = _Live("persistent", self._online["persistent"].alloc(size), size, nbytes)
@@ -355,7 +361,8 @@ class LifetimePool(Layout):
             live = self._alloc_transient(size, nbytes, kind)
         self._live[obj] = live
         self.live_bytes += nbytes
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
         return live.ptr
 
     def free(self, obj: int) -> None:
@@ -370,8 +377,8 @@ class LifetimePool(Layout):
         elif rec is not None and rec.end is None and rec.end_next is None:
             rec.end_next, rec.end_next_tick = self._clock - self._iter_clock, self._tick
         if live.region is not None:
-            i = bisect.bisect_left(self._live_planned, (live.ptr, live.ptr + live.size))
-            del self._live_planned[i]
+            del self._live_starts[bisect.bisect_left(self._live_starts, live.ptr)]
+            del self._live_ends[live.ptr]
             live.region.live -= 1
             if live.region.retired and live.region.live == 0:
                 self._release(live.region.ptr)
@@ -436,17 +443,18 @@ class LifetimePool(Layout):
 
     def observe(self, event: Event) -> None:
         """Feed one event of the program's stream (boundaries, launches, layer events)."""
-        if isinstance(event, IterationBoundary):
-            self.on_iteration_boundary(event.index)
-        elif isinstance(event, Launch):
+        t = type(event)
+        if t is Launch:
             self._clock += 1
             self._context = event.exec_id
             if self._depth == 0 and self._tick:
                 self._tick += 1  # a top-level op (optimizer step, loss) counts as a layer of its own
-        elif isinstance(event, (LayerEnter, LayerExit)):
+        elif t is LayerEnter or t is LayerExit:
             self._clock += 1
             self._tick += 1
-            self._depth = self._depth + 1 if isinstance(event, LayerEnter) else max(self._depth - 1, 0)
+            self._depth = self._depth + 1 if t is LayerEnter else max(self._depth - 1, 0)
+        elif t is IterationBoundary:
+            self.on_iteration_boundary(event.index)
 
     def observe_all(self, events: Iterable[Event]) -> None:
         for event in events:
@@ -491,11 +499,13 @@ class LifetimePool(Layout):
         if hit is not None:
             region, offset, name = hit
             ptr = region.ptr + offset
-            i = bisect.bisect_left(self._live_planned, (ptr, ptr + size))
-            free_before = i == 0 or self._live_planned[i - 1][1] <= ptr
-            free_after = i == len(self._live_planned) or self._live_planned[i][0] >= ptr + size
+            starts = self._live_starts
+            i = bisect.bisect_left(starts, ptr)
+            free_before = i == 0 or self._live_ends[starts[i - 1]] <= ptr
+            free_after = i == len(starts) or starts[i] >= ptr + size
             if free_before and free_after:
-                self._live_planned.insert(i, (ptr, ptr + size))
+                starts.insert(i, ptr)
+                self._live_ends[ptr] = ptr + size
                 region.live += 1
                 self._stats.hits += 1
                 self.totals.hits += 1
