@@ -144,7 +144,7 @@ class Runtime(Policy):
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
-            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -178,8 +178,14 @@ class Runtime(Policy):
             except ImportError:  # pragma: no cover - pool not in this checkout
                 pass
             else:
-                return LifetimePool(backend)
-        return super().make_layout(backend)
+                return LifetimePool(_SegmentWatch(backend, self._released))
+        return super().make_layout(_SegmentWatch(backend, self._released))
+
+    def _released(self, ptr: int, nbytes: int) -> None:
+        """The pool handed a segment back: pending discards inside it are moot."""
+        if self._pending:
+            end = ptr + nbytes
+            self._pending = [r for r in self._pending if not ptr <= r[0] < end]
 
     def on_event(self, event: "Event") -> None:
         t = type(event)
@@ -202,11 +208,7 @@ class Runtime(Policy):
             self._nbytes[obj] = event.nbytes
             self._kind[obj] = event.kind
             if self._mode == "act" and key in self._plan.fresh:
-                ptr = self.layout.address(obj)
-                self._born.append((ptr, event.nbytes))
-                r = _inner(ptr, event.nbytes)  # a newborn's bytes are garbage: never copy them
-                if r is not None:
-                    self._pending.append(r)
+                self._born.append((self.layout.address(obj), event.nbytes))
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -218,17 +220,15 @@ class Runtime(Policy):
             if self._advised and obj in self._advised:
                 self._unmap(obj)
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
-            # Now, not batched: the pool may hand the segment back right after.
+            # Batched until the next launch (nothing can read or write them before).
             nb = self._nbytes.get(obj, 0)
-            if nb >= self.min_discard or self._born:
+            if nb >= self.min_discard:
                 ptr = self.layout.address(obj)
                 if self._born:  # died before any launch: nothing left to populate
                     self._born = [b for b in self._born if b[0] != ptr]
-                    self._pending = [b for b in self._pending if not ptr <= b[0] < ptr + nb]
-                r = _inner(ptr, nb) if nb >= self.min_discard else None
+                r = _inner(ptr, nb)
                 if r is not None:
-                    self.backend.discard([r])
-                    self.counters["discarded_bytes"] += r[1]
+                    self._pending.append(r)
             if self._rec is not None and key is not None:
                 self._rec.frees.append((self._nl, key))
             self._nf += 1
@@ -488,11 +488,15 @@ class Runtime(Policy):
         self.counters["prefetch_calls"] += 1
 
     def _flush_discards(self) -> None:
-        """Discard newborns' garbage bytes in one call before the next launch
-        (nothing writes them before it), so populating them copies nothing."""
+        """Discard the ranges freed since the last launch in one call. Safe
+        although the pool may already have handed a range to a newborn:
+        nothing writes it before the next launch, which comes after this
+        (and a newborn's bytes are garbage anyway). Ranges of segments the
+        pool gave back meanwhile were dropped (:meth:`_released`)."""
         ranges = self._pending
         self._pending = []
         self.backend.discard(ranges)
+        self.counters["discard_calls"] += 1
         self.counters["discarded_bytes"] += sum(n for _, n in ranges)
 
 
@@ -502,3 +506,45 @@ def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:
     start = -(-ptr // PAGE) * PAGE
     end = (ptr + nbytes) // PAGE * PAGE
     return (start, end - start) if end > start else None
+
+
+class _SegmentWatch(Backend):
+    """The backend as the runtime's pool sees it: every call passes through,
+    and handing a segment back tells the runtime (see ``Runtime._released``)."""
+
+    def __init__(self, backend: Backend, on_free) -> None:
+        self._b = backend
+        self._on_free = on_free
+        self._sizes: dict[int, int] = {}
+        self.name = backend.name
+        self.device = backend.device
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self._b.malloc(nbytes)
+        self._sizes[ptr] = nbytes
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._on_free(ptr, self._sizes.pop(ptr, 0))
+        self._b.free(ptr)
+
+    def prefetch(self, ranges, device) -> None:
+        self._b.prefetch(ranges, device)
+
+    def discard(self, ranges) -> None:
+        self._b.discard(ranges)
+
+    def advise(self, ranges, advice, device) -> None:
+        self._b.advise(ranges, advice, device)
+
+    def launch(self, reads, writes, flops, nbytes) -> None:
+        self._b.launch(reads, writes, flops, nbytes)
+
+    def synchronize(self) -> None:
+        self._b.synchronize()
+
+    def mem_info(self) -> tuple[int, int]:
+        return self._b.mem_info()
+
+    def __getattr__(self, name):  # anything else the layout may ask of its backend
+        return getattr(self._b, name)
