@@ -207,6 +207,12 @@ class Runtime(Policy):
             key = self.keys.alloc(obj)
             self._nbytes[obj] = event.nbytes
             self._kind[obj] = event.kind
+            if self._pending and event.launch == -1:
+                # Born holding data written by the host (a batch copied in): a
+                # pending discard of the dead range it reuses must not hit it.
+                ptr = self.layout.address(obj)
+                end = ptr + event.nbytes
+                self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
             if self._mode == "act" and key in self._plan.fresh:
                 self._born.append((self.layout.address(obj), event.nbytes))
             rec = self._rec
