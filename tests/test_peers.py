@@ -366,3 +366,17 @@ def test_peer_on_a_tiny_zoo_trace(name, tiny_gpt2):
     watched = Watched(_fast(name, tiny_gpt2))
     res = simulate(tiny_gpt2, watched, budget)  # no DataIntegrityError, no live discard
     assert res.iteration_time_s >= res.ideal_time_s > 0
+
+
+@needs_sim
+@pytest.mark.parametrize("name", list(PEERS))
+def test_peer_without_layer_events(name):
+    """A trace with no LayerEnter/LayerExit: Sentinel counts launches as layers,
+    vDNN has no layer to act at; every peer still runs safely."""
+    full = training_trace(layers=8)
+    trace = Trace(full.header, [e for e in full.events if not isinstance(e, (LayerEnter, LayerExit))])
+    watched = Watched(_fast(name, trace))
+    res = simulate(trace, watched, peak_bytes(layers=8) // 2)
+    assert res.iteration_time_s > 0
+    if name == "vdnn":
+        assert watched.log == []
