@@ -101,6 +101,8 @@ def test_trace_script_without_steps(tmp_path, capsys):
         (["trace", "--model", TINY, "--steps", "0"], "--steps"),
         (["trace", "-o", "x.umrt", "--", "python", "missing_script.py"], "script not found"),
         (["trace", "--model", TINY, "--", "x.py"], "not both"),
+        (["trace", "--batch", "2", "--", "x.py"], "--model only"),
+        (["trace", "--model", TINY, "-o", "/no/such/dir/t.umrt"], "does not exist"),
     ],
 )
 def test_bad_arguments(argv, match, capsys):

@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if rest:
         if args.model:
             raise ConfigError("give either --model or a script after --, not both")
+        if args.batch is not None or args.seq is not None:
+            raise ConfigError("--batch and --seq apply to --model only; a script chooses its own shapes")
+        _check_output(args.output or "trace.umrt")
         return _trace_script(rest, args)
     if not args.model:
         raise ConfigError("nothing to trace: give --model NAME, '-- python script.py', or 'info FILE'")
@@ -99,6 +102,7 @@ def _trace_zoo(args: argparse.Namespace) -> int:
 
     _check_steps(args.steps)
     out = args.output or _default_name(args.model)
+    _check_output(out)
     t0 = time.perf_counter()
     trace = trace_model(
         args.model,
@@ -112,6 +116,15 @@ def _trace_zoo(args: argparse.Namespace) -> int:
     if not args.quiet:
         _report(trace, out, time.perf_counter() - t0)
     return 0
+
+
+def _check_output(path: str) -> None:
+    """Fail before a long recording, not after it, when the output cannot be written."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {path!r}: directory {str(parent)!r} does not exist")
+    if Path(path).is_dir():
+        raise ConfigError(f"cannot write {path!r}: it is a directory")
 
 
 def _default_name(model: str) -> str:
