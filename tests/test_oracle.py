@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from umrt.backends.base import HOST, Backend
+from umrt.backends.base import HOST, Advice, Backend
 from umrt.errors import ConfigError, DataIntegrityError
 from umrt.memory.base import Layout
 from umrt.policy import make_policy
@@ -24,7 +24,7 @@ MB = 1 << 20
 # -- a synthetic training-like stream ----------------------------------------------
 
 
-def make_events(iterations: int, layers: int = 6, size: int = 8 * MB) -> list:
+def make_events(iterations: int, layers: int = 6, size: int = 8 * MB, foreach: bool = False) -> list:
     """Params and grads (persistent), one activation per layer born in forward and
     freed in backward, and an input batch allocated at the end of each iteration
     for the next (a carried object). Per-iteration objects get fresh ids."""
@@ -63,7 +63,10 @@ def make_events(iterations: int, layers: int = 6, size: int = 8 * MB) -> list:
             launch(100 + i, [P[i], acts[i]], [G[i]])
             ev.append(Free(acts[i]))
         for i in range(layers):
-            launch(200 + i, [G[i]], [P[i]])  # optimizer step
+            if not foreach:
+                launch(200 + i, [G[i]], [P[i]])  # optimizer step, one launch per parameter
+        if foreach:
+            launch(300, G, P)  # one launch over every parameter, like AdamW(foreach=True)
         data = base + 999
         ev.append(Alloc(data, size, Kind.INPUT))
         launch(999, [], [data])
@@ -295,3 +298,18 @@ def test_oracle_on_a_real_training_trace_is_safe_and_beats_um():
         assert oracle["peak_resident_bytes"] <= oracle["budget_bytes"]
         assert policy.plan.peak_bytes <= policy.plan.capacity <= oracle["budget_bytes"]
         assert policy.report()["matched_iterations"] >= 1
+
+
+def test_a_launch_larger_than_the_budget_reads_the_rest_over_the_link_for_that_launch_only():
+    cap = 64 * MB  # the foreach step touches 12 objects of 8 MB
+    oracle = OraclePolicy(make_trace(2, foreach=True), headroom=0.0)
+    backend, _ = drive(oracle, make_events(4, foreach=True), cap)
+    assert oracle.plan.unplanned_launches == 1
+    advice = [c for c in backend.calls if c[0] == "advise"]
+    sets = [c for c in advice if c[2] in (Advice.SET_PREFERRED_LOCATION, Advice.SET_ACCESSED_BY)]
+    unsets = [c for c in advice if c[2] in (Advice.UNSET_PREFERRED_LOCATION, Advice.UNSET_ACCESSED_BY)]
+    assert sets and len(unsets) == len(sets)  # every temporary advice is withdrawn again
+    assert {c[3] for c in sets if c[2] == Advice.SET_PREFERRED_LOCATION} == {HOST}
+    assert sorted(r for c in sets for r in c[1]) == sorted(r for c in unsets for r in c[1])
+    # the planned part still fits
+    assert oracle.plan.peak_bytes <= cap
