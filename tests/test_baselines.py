@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from umrt.backends.base import HOST, Advice, Backend
+from umrt.backends.base import Advice, Backend
 from umrt.errors import ConfigError
 from umrt.memory.base import Layout
 from umrt.policy import POLICIES, POLICY_NAMES, available, make_policy, policy_class
@@ -134,16 +134,18 @@ def test_um_leaves_everything_to_the_driver():
     assert run(policy, EVENTS)[0] == []
 
 
-def test_um_advise_by_kind_sets_advice_at_alloc_and_withdraws_it_at_free():
-    calls, layout = run(make_policy("um-advise"), EVENTS)
+def test_um_advise_choi_lee_sets_advice_by_kind_at_alloc_and_withdraws_it_at_free():
+    events = [*EVENTS[:2], Alloc(5, 4096, Kind.INPUT), *EVENTS[2:], Free(5)]
+    calls, layout = run(make_policy("um-advise"), events)
     advice = [(c[2], c[3], c[1][0][1]) for c in calls]
     assert all(c[0] == "advise" for c in calls)
-    # parameter: kept on and mapped by the GPU
+    # model parameters and their optimizer state stay on (and mapped by) the GPU
     assert advice[0:2] == [(Advice.SET_PREFERRED_LOCATION, 0, 4096), (Advice.SET_ACCESSED_BY, 0, 4096)]
-    # optimizer state: lives on the host, read over the link
-    assert advice[2:4] == [(Advice.SET_PREFERRED_LOCATION, HOST, 4096), (Advice.SET_ACCESSED_BY, 0, 4096)]
-    # activation: prefers the GPU; withdrawn when it dies; nothing for the empty temporary
-    assert advice[4:] == [(Advice.SET_PREFERRED_LOCATION, 0, 8192), (Advice.UNSET_PREFERRED_LOCATION, 0, 8192)]
+    assert advice[2:4] == [(Advice.SET_PREFERRED_LOCATION, 0, 4096), (Advice.SET_ACCESSED_BY, 0, 4096)]
+    # input data: a read-only copy on the GPU
+    assert advice[4] == (Advice.SET_READ_MOSTLY, 0, 4096)
+    # intermediate results (activation, temporary) get none; the input's advice is withdrawn at Free
+    assert advice[5:] == [(Advice.UNSET_READ_MOSTLY, 0, 4096)]
     assert calls[4][1] == calls[5][1]  # same range set and unset
 
 
@@ -152,7 +154,7 @@ def test_um_advise_torch_uvm_scheme_advises_everything_alike():
     sets = [c for c in calls if c[2] in (Advice.SET_PREFERRED_LOCATION, Advice.SET_ACCESSED_BY)]
     assert {c[3] for c in sets} == {0}
     assert len(sets) == 6  # three non-empty objects, two advices each
-    assert make_policy("um-advise").report()["scheme"] == "by-kind"
+    assert make_policy("um-advise").report()["scheme"] == "choi-lee"
     with pytest.raises(ConfigError, match="scheme"):
         make_policy("um-advise", scheme="magic")
 

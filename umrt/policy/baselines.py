@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from umrt.backends.base import HOST, Advice
+from umrt.backends.base import Advice
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Event, Free, Kind, Trace
@@ -24,38 +24,35 @@ GPU = "gpu"  # placeholder for "the backend's device", resolved at attach time
 
 # Advice per kind, as (advice, where) pairs; where is GPU or HOST.
 #
-# "by-kind" follows Choi & Lee, "Efficient Use of GPU Memory for Large-Scale
+# "choi-lee" follows Choi & Lee, "Efficient Use of GPU Memory for Large-Scale
 # Deep Learning Model Training", Applied Sciences 11(21):10377, 2021
-# (doi:10.3390/app112110377): training data split by type, each type advised
-# according to its access pattern (9.4% less time than plain UM). The
-# mapping below is our reading of those access patterns:
-#   - parameters are read by every forward and backward launch of their layer:
-#     prefer the GPU and keep them mapped there;
-#   - gradients and optimizer state are touched once or twice per iteration
-#     (backward write, optimizer step): prefer the host and let the GPU read
-#     and write them over the link instead of migrating them in and evicting
-#     hot data. This is the combination FBGEMM uses for large, rarely reused
-#     managed tensors (fbgemm_gpu ``new_managed_tensor``: "UVM storage
-#     preference to CPU and access from self.device");
-#   - input batches are read once per iteration: same as gradients;
-#   - activations and temporaries are written and re-read on the GPU: prefer it.
+# (doi:10.3390/app112110377), who split training data into three types and
+# advise each by its access pattern (9.4% less time than plain UM):
+#   - model parameters (with their gradients and optimizer state: created
+#     before training, updated after every backward pass) "remain on the GPU
+#     until training is complete": PreferredLocation = GPU, kept mapped there
+#     (AccessedBy);
+#   - intermediate results (activations, temporaries) are large and "may not
+#     all reside in GPU memory": no advice, the driver migrates them;
+#   - input data are delivered each iteration and not changed by training:
+#     ReadMostly, so the GPU holds a read-only copy that is dropped, not copied
+#     back, when evicted.
 #
 # "torch-uvm" follows ``torch.cuda._use_uvm`` (PyTorch main, 2026, private):
 # every allocation of its managed MemPool gets PreferredLocation and
 # AccessedBy set to the current device, whatever it holds.
 _GPU_RESIDENT = ((Advice.SET_PREFERRED_LOCATION, GPU), (Advice.SET_ACCESSED_BY, GPU))
-_HOST_MAPPED = ((Advice.SET_PREFERRED_LOCATION, HOST), (Advice.SET_ACCESSED_BY, GPU))
-_PREFER_GPU = ((Advice.SET_PREFERRED_LOCATION, GPU),)
+_READ_MOSTLY = ((Advice.SET_READ_MOSTLY, GPU),)
 
 ADVICE_SCHEMES: dict[str, dict[Kind, tuple[tuple[Advice, object], ...]]] = {
-    "by-kind": {
+    "choi-lee": {
         Kind.PARAMETER: _GPU_RESIDENT,
-        Kind.GRADIENT: _HOST_MAPPED,
-        Kind.OPTIMIZER_STATE: _HOST_MAPPED,
-        Kind.INPUT: _HOST_MAPPED,
-        Kind.ACTIVATION: _PREFER_GPU,
-        Kind.TEMPORARY: _PREFER_GPU,
-        Kind.OTHER: (),
+        Kind.GRADIENT: _GPU_RESIDENT,
+        Kind.OPTIMIZER_STATE: _GPU_RESIDENT,
+        Kind.OTHER: _GPU_RESIDENT,
+        Kind.INPUT: _READ_MOSTLY,
+        Kind.ACTIVATION: (),
+        Kind.TEMPORARY: (),
     },
     "torch-uvm": {kind: _GPU_RESIDENT for kind in Kind},
 }
@@ -100,7 +97,7 @@ class UMPolicy(Policy):
 class UMAdvisePolicy(Policy):
     """Managed memory with static advice by data kind, set at allocation.
 
-    ``scheme`` is ``"by-kind"`` (Choi & Lee 2021, the default) or
+    ``scheme`` is ``"choi-lee"`` (Choi & Lee 2021, the default) or
     ``"torch-uvm"`` (PreferredLocation + AccessedBy on everything, as
     ``torch.cuda._use_uvm``); see :data:`ADVICE_SCHEMES`. The advice is
     withdrawn when the object is freed, so a caching allocator that reuses
@@ -109,7 +106,7 @@ class UMAdvisePolicy(Policy):
 
     name = "um-advise"
 
-    def __init__(self, trace: Trace | None = None, *, scheme: str = "by-kind") -> None:
+    def __init__(self, trace: Trace | None = None, *, scheme: str = "choi-lee") -> None:
         del trace
         if scheme not in ADVICE_SCHEMES:
             raise ConfigError(f"unknown um-advise scheme {scheme!r}; valid: {', '.join(ADVICE_SCHEMES)}")
