@@ -77,13 +77,9 @@ class ShadowDriver:
             self.error = exc
 
     def finish(self) -> None:
-        """The script ended: start the GPU if it never started (a job shorter
-        than one iteration) and drain what is held."""
-        if self.error is None and self.backend is None and self._held:
-            try:
-                self._start()
-            except UmrtError as exc:
-                self.error = exc
+        """The script ended. A job that never completed an iteration never
+        started the GPU: there is nothing to simulate, and the report says so."""
+        self._held = []
 
     # -- internals ---------------------------------------------------------------
 
