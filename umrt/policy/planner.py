@@ -137,6 +137,9 @@ class Planner:
     short_launches:
         Objects that live across at most this many launches are never
         pre-evicted (the short-lived arena stays resident).
+    early_evict:
+        Issue each pre-eviction right after the victim's last use instead of
+        when its room is needed.
     min_fresh:
         Newborn objects at least this large are prefetched at birth.
     remote_access:
@@ -156,6 +159,7 @@ class Planner:
         short_launches: int = 4,
         remote_access: bool = True,
         min_fresh: int = 1 << 20,
+        early_evict: bool = True,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
@@ -171,6 +175,7 @@ class Planner:
         self.short_launches = short_launches
         self.remote_access = remote_access
         self.min_fresh = min_fresh
+        self.early_evict = early_evict
 
     # -- public ---------------------------------------------------------------
 
@@ -305,7 +310,8 @@ class Planner:
 
         frees = sorted(rec.frees)
         fi = 0
-        actions: list[Action] = []
+        moves: list[tuple[list[int], list[int]]] = [([], []) for _ in points]  # per point: evict, prefetch
+        last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
         cap = self.cap
         rate = self.rate
         cursor = 0
@@ -362,10 +368,15 @@ class Planner:
             if used > peak:
                 peak = used
             evict = [k for k in evict if k in touched]  # unwritten pages hold nothing to move
-            if evict or prefetch:
-                actions.append(Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(evict), tuple(prefetch)))
-                h2d += sum(size[k] for k in prefetch)
-                d2h += sum(size[k] for k in evict)
+            # Pre-evict as early as it is safe: right after the victim's last
+            # use, so its copy-out is long done when the room is needed and the
+            # prefetch that needs the room never waits for it.
+            for k in evict:
+                at = last_pi.get(k, -1) + 1 if self.early_evict else pi
+                moves[min(at, pi)][0].append(k)
+            moves[pi][1].extend(prefetch)
+            h2d += sum(size[k] for k in prefetch)
+            d2h += sum(size[k] for k in evict)
             # Run the segment: what the window did not cover faults in.
             for i in range(d, nxt):
                 while fi < len(frees) and frees[fi][0] <= i:
@@ -384,6 +395,7 @@ class Planner:
                         if used > cap:  # the driver evicts; model it as farthest-first
                             used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
                     ptr[k] = ptr.get(k, 0) + 1
+                    last_pi[k] = pi
                     touched.add(k)
                     push(k)
         while fi < len(frees):  # deaths after the last launch (zero_grad after the step)
@@ -393,6 +405,8 @@ class Planner:
         carried = {c for c in (rec.carried.get(k, k) for k in resident) if c in rec.start_live}
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
                  "planned_peak_bytes": peak, "capacity_bytes": cap}
+        actions = [Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(ev), tuple(pf))
+                   for d, (ev, pf) in zip(points, moves) if ev or pf]
         return actions, carried, stats
 
     @staticmethod
