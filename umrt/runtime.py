@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Runtime"]
 
+_NOINFO = (0, None)
 _MASK = (1 << 63) - 1
 
 
@@ -120,8 +121,8 @@ class Runtime(Policy):
         self.variants = VariantTable()
         self.plans: OrderedDict[int, Plan] = OrderedDict()
 
-        self._nbytes: dict[int, int] = {}  # live obj -> bytes
-        self._kind: dict[int, object] = {}
+        self._info: dict[int, tuple[int, object]] = {}  # live obj -> (bytes, kind)
+        self._fresh: frozenset[int] = frozenset()  # the acting plan's newborns to populate
         self._mode = "learn"
         self._iteration: int | None = None
         self._learned = 0
@@ -168,6 +169,7 @@ class Runtime(Policy):
         self.plans.clear()
         if self._mode == "act":
             self._mode = "off"
+            self._fresh = frozenset()
 
     def make_layout(self, backend: Backend) -> "Layout":
         """umrt's lifetime-aware pool (falls back to the caching-allocator
@@ -205,15 +207,14 @@ class Runtime(Policy):
         elif t is Alloc:
             obj = event.obj
             key = self.keys.alloc(obj)
-            self._nbytes[obj] = event.nbytes
-            self._kind[obj] = event.kind
+            self._info[obj] = (event.nbytes, event.kind)
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
                 ptr = self.layout.address(obj)
                 end = ptr + event.nbytes
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
-            if self._mode == "act" and key in self._plan.fresh:
+            if key in self._fresh:
                 self._born.append((self.layout.address(obj), event.nbytes))
             rec = self._rec
             if rec is not None:
@@ -227,19 +228,18 @@ class Runtime(Policy):
                 self._unmap(obj)
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
             # Batched until the next launch (nothing can read or write them before).
-            nb = self._nbytes.get(obj, 0)
+            nb = self._info.pop(obj, _NOINFO)[0]
             if nb >= self.min_discard:
                 ptr = self.layout.address(obj)
                 if self._born:  # died before any launch: nothing left to populate
                     self._born = [b for b in self._born if b[0] != ptr]
-                r = _inner(ptr, nb)
-                if r is not None:
-                    self._pending.append(r)
+                start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
+                end = (ptr + nb) // PAGE * PAGE
+                if end > start:
+                    self._pending.append((start, end - start))
             if self._rec is not None and key is not None:
                 self._rec.frees.append((self._nl, key))
             self._nf += 1
-            self._nbytes.pop(obj, None)
-            self._kind.pop(obj, None)
         elif t is LayerEnter or t is LayerExit:
             if self._pool_observe is not None:
                 self._pool_observe(event)
@@ -369,8 +369,7 @@ class Runtime(Policy):
         # ``probe_decisions`` decision points have confirmed the plan.
         self._rec = rec = IterationRecord(start_live=set(self.keys.obj_of))
         for k, obj in self.keys.obj_of.items():
-            rec.sizes[k] = self._nbytes.get(obj, 0)
-            rec.kinds[k] = self._kind.get(obj)
+            rec.sizes[k], rec.kinds[k] = self._info.get(obj, _NOINFO)
         if plan is not None and plan.actions:
             self._mode = "act"
             self._plan = plan
@@ -378,12 +377,14 @@ class Runtime(Policy):
             self._ai = 0
             self._next_at = plan.actions[0].at
             self._probe = self.probe_decisions
+            self._fresh = plan.fresh
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host_map(plan.remote)
         else:
             self._mode = "learn"
             self._next_at = -1
+            self._fresh = frozenset()
 
     # -- acting -----------------------------------------------------------------
 
@@ -403,14 +404,14 @@ class Runtime(Policy):
         c = self.counters
         c["decisions"] += 1
         obj_of = self.keys.obj_of
-        nbytes = self._nbytes
+        info = self._info
         address = self.layout.address
         if a.evict:
             ranges = []
             for k in a.evict:
                 obj = obj_of.get(k)
                 if obj is not None:
-                    r = _inner(address(obj), nbytes[obj])
+                    r = _inner(address(obj), info[obj][0])
                     if r is not None:
                         ranges.append(r)
             if ranges:
@@ -421,8 +422,9 @@ class Runtime(Policy):
             ranges = []
             for k in a.prefetch:
                 obj = obj_of.get(k)
-                if obj is not None and nbytes[obj] > 0:
-                    ranges.append((address(obj), nbytes[obj]))
+                n = info[obj][0] if obj is not None else 0
+                if n > 0:
+                    ranges.append((address(obj), n))
                 else:
                     c["unresolved"] += 1
             if ranges:
@@ -459,6 +461,7 @@ class Runtime(Policy):
             self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
         self._plan = None
+        self._fresh = frozenset()
 
     def _host_map(self, keys) -> None:
         """Keep these long-lived objects on the host, read over the link
@@ -466,9 +469,10 @@ class Runtime(Policy):
         ranges = []
         for k in keys:
             obj = self.keys.obj_of.get(k)
-            if obj is None or obj in self._advised or self._nbytes.get(obj, 0) <= 0:
+            n = self._info.get(obj, _NOINFO)[0] if obj is not None else 0
+            if n <= 0 or obj in self._advised:
                 continue
-            r = (self.layout.address(obj), self._nbytes[obj])
+            r = (self.layout.address(obj), n)
             self._advised[obj] = r
             ranges.append(r)
         if not ranges:
