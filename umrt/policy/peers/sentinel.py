@@ -159,10 +159,6 @@ class SentinelPolicy(Policy):
         fetch = self._prefetch_at.get(n)
         if fetch is not None:
             self.counters["intervals"] += 1
-            layout = self.ctx.layout
-            if self._pin and isinstance(layout, SentinelLayout) and layout.short_segments():
-                # The reserved region stays on the GPU: bring back anything the driver took.
-                self.ctx.backend.prefetch(layout.short_segments(), self.ctx.backend.device)
             ranges = self._ranges(fetch)  # priority order: highest access count first
             if ranges:
                 self.ctx.backend.prefetch(ranges, self.ctx.backend.device)
@@ -200,19 +196,23 @@ class SentinelPolicy(Policy):
 
     def _model_cost(self, p: IterationProfile, spans, needs, avail: int) -> float:
         """Sentinel's performance model: an interval takes the longer of its
-        compute and the migration of the next interval's new tensors; what does
-        not fit in the memory left is paid as demand migration."""
+        compute, the migration of the next interval's new tensors (H2D) and
+        the eviction of its own finished ones (D2H, concurrent); what does not
+        fit in the memory left is paid as demand migration."""
         prof = self.ctx.profile
         rate = prof.transfer_rate(2 << 20)
+        rate_out = prof.transfer_rate(2 << 20, "d2h")
+        objs = p.objects
         total = 0.0
         for j, (a, b) in enumerate(spans):
             compute = sum(prof.compute_time(p.launch_flops[i], p.launch_bytes[i]) for i in range(a, b))
-            nxt = needs[(j + 1) % len(spans)]
-            size = lambda ks: sum(p.objects[k].nbytes for k in ks)  # noqa: E731
-            new = size(k for k in nxt if k not in needs[j])
-            both = size(set(nxt) | set(needs[j]))
-            over = max(0, both - avail)
-            total += max(compute, new / rate) + over / rate + (over > 0) * prof.fault_batch_latency_s
+            cur, nxt = needs[j], needs[(j + 1) % len(spans)]
+            size = lambda ks: sum(objs[k].nbytes for k in ks)  # noqa: E731
+            new = size(k for k in nxt if k not in cur)
+            # Evicted after their last use here: long-lived tensors still alive afterwards.
+            out = size(k for k in cur if k not in nxt and not (0 <= objs[k].free_at <= b))
+            over = max(0, size(set(nxt) | set(cur)) - avail)
+            total += max(compute, new / rate, out / rate_out) + over / rate + (over > 0) * prof.fault_batch_latency_s
         return total
 
     def _short_lived(self, p: IterationProfile) -> set:
@@ -239,6 +239,9 @@ class SentinelPolicy(Policy):
         for _, d in deltas:
             live += d
             peak = max(peak, live)
+        layout = self.ctx.layout
+        if isinstance(layout, SentinelLayout):  # the region is what the short pool holds
+            peak = max(peak, layout.short.footprint())
         self._reserve_bytes = peak
         # A reserve that would crowd out the long-lived working set is not kept pinned.
         self._pin = self.reserve and peak <= RESERVE_MAX_SHARE * self.ctx.budget_bytes
