@@ -23,16 +23,16 @@ simulated. The default grid finishes within about 5 minutes on 2 cores.
 
 EPILOG = """\
 presets:
-  default  gpt2 and bert-base at the zoo's batch sizes; 20%% and 50%%;
+  default  gpt2 and bert-base at the zoo's batch sizes; 20% and 50%;
            v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle
-  readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20%% and 50%%;
+  readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20% and 50%;
            both profiles; ideal, um, um-advise, oracle (the README's first table)
-  targets  the same 4 models at 20%% on both profiles; ideal, um, oracle, umrt and the
+  targets  the same 4 models at 20% on both profiles; ideal, um, oracle, umrt and the
            peers deepum, sentinel, vdnn, swapadvisor (issue 4's targets; add --check-targets)
 
 examples:
   python -m bench
-  python -m bench --models gpt2 --budgets 10%% 30%% --policies um oracle --json r.json
+  python -m bench --models gpt2 --budgets 10% 30% --policies um oracle --json r.json
   python -m bench --preset targets --check-targets
   python -m bench --from-json bench/out/results.json --check-targets
 """
