@@ -123,6 +123,7 @@ class Runtime(Policy):
 
         self._info: dict[int, tuple[int, object]] = {}  # live obj -> (bytes, kind)
         self._fresh: frozenset[int] = frozenset()  # the acting plan's newborns to populate
+        self._discard_keys: frozenset[int] | None = None  # None: discard every dead range
         self._mode = "learn"
         self._iteration: int | None = None
         self._learned = 0
@@ -170,6 +171,7 @@ class Runtime(Policy):
         if self._mode == "act":
             self._mode = "off"
             self._fresh = frozenset()
+            self._discard_keys = None
 
     def make_layout(self, backend: Backend) -> "Layout":
         """umrt's lifetime-aware pool (falls back to the caching-allocator
@@ -229,7 +231,7 @@ class Runtime(Policy):
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
             # Batched until the next launch (nothing can read or write them before).
             nb = self._info.pop(obj, _NOINFO)[0]
-            if nb >= self.min_discard:
+            if nb >= self.min_discard and (self._discard_keys is None or key in self._discard_keys):
                 ptr = self.layout.address(obj)
                 if self._born:  # died before any launch: nothing left to populate
                     self._born = [b for b in self._born if b[0] != ptr]
@@ -378,6 +380,7 @@ class Runtime(Policy):
             self._next_at = plan.actions[0].at
             self._probe = self.probe_decisions
             self._fresh = plan.fresh
+            self._discard_keys = plan.discard
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host_map(plan.remote)
@@ -385,6 +388,7 @@ class Runtime(Policy):
             self._mode = "learn"
             self._next_at = -1
             self._fresh = frozenset()
+            self._discard_keys = None
 
     # -- acting -----------------------------------------------------------------
 
@@ -462,6 +466,7 @@ class Runtime(Policy):
         self._mode = "learn" if self._rec is not None else "off"
         self._plan = None
         self._fresh = frozenset()
+        self._discard_keys = None
 
     def _host_map(self, keys) -> None:
         """Keep these long-lived objects on the host, read over the link

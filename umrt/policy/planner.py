@@ -213,8 +213,13 @@ class Planner:
         state = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
             actions, state, stats = self._pass(rec, points, state)
+        # Discard what dies after a long life: its pages may be evicted (or
+        # were), so dropping them saves a copy. Short-lived temporaries die
+        # resident and their range is reused at once; a call would be waste.
+        born = {k: p for p, k in rec.allocs}
         discard = frozenset(
-            k for _, k in rec.frees if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE)
+            k for p, k in rec.frees
+            if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE) and p - born.get(k, -len(rec)) > self.short_launches
         )
         stats["decision_points"] = len(points)
         stats["remote_bytes"] = sum(rec.sizes.get(k, 0) for k in remote)
