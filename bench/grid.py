@@ -166,7 +166,8 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
         return row
     wall = time.perf_counter() - start
     for key in ("iteration_time_s", "ideal_time_s", "h2d_bytes", "d2h_bytes", "faults", "fault_batches",
-                "evictions", "peak_resident_bytes", "budget_bytes", "page_events"):
+                "evictions", "peak_resident_bytes", "budget_bytes", "peak_live_bytes", "footprint_bytes",
+                "page_events", "iteration_times_s"):
         if key in data:
             row[key] = data[key]
     if "breakdown" in data:

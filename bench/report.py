@@ -16,7 +16,8 @@ __all__ = ["CSV_FIELDS", "write_json", "write_csv", "write_markdown", "write_plo
 CSV_FIELDS = (
     "model", "batch", "seq", "profile", "budget", "policy", "iteration_time_s", "ideal_time_s",
     "slowdown_vs_ideal", "speedup_vs_um", "h2d_bytes", "d2h_bytes", "faults", "fault_batches", "evictions",
-    "peak_resident_bytes", "sim_wall_s", "page_events", "page_events_per_s", "error",
+    "peak_resident_bytes", "budget_bytes", "peak_live_bytes", "footprint_bytes", "sim_wall_s", "page_events",
+    "page_events_per_s", "error",
 )
 
 
