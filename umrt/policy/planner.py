@@ -158,7 +158,7 @@ class Planner:
         min_discard: int = PAGE,
         short_launches: int = 4,
         remote_access: bool = True,
-        min_fresh: int = 1 << 20,
+        min_fresh: int = 16 << 20,
         early_evict: bool = True,
     ) -> None:
         if budget_bytes <= 0:
