@@ -45,7 +45,7 @@ def test_reports_what_the_gpu_would_have_done(script, capsys):
     assert "trained 5" in capsys.readouterr().out  # the script really ran
     text = "\n".join(lines)
     assert "SIMULATED" in text and "v100-pcie3-32g" in text
-    for row in ("ideal", "um", "umrt"):
+    for row in ("ideal", "um", "oracle", "umrt"):
         assert f"│ {row} " in text
     assert "faster than plain Unified Memory" in text
     assert "prefetched" in text and "discarded" in text

@@ -8,7 +8,8 @@ policy) sees the event and drives a simulated GPU
 :class:`~umrt.backends.base.Backend` interface, exactly as it would drive
 the ``cuda`` backend. When the script ends, the recorded trace is replayed
 under ``ideal`` (unlimited memory) and ``um`` (plain Unified Memory) for
-comparison, and a table reports iteration times, traffic, faults and what
+comparison (and under ``oracle``, which is handed the whole recorded trace:
+the reference for how close the live runtime gets), and a table reports iteration times, traffic, faults and what
 the runtime prefetched, pre-evicted and discarded. Every number is
 simulated.
 
@@ -239,7 +240,7 @@ def _report(trace: Trace, driver: ShadowDriver, prof, policy: str) -> dict:
     steady = driver.steady()
     n = len(driver.iteration_times())
     comparisons = {}
-    for name in ("ideal", "um"):
+    for name in ("ideal", "um", "oracle"):
         try:
             comparisons[name] = simulate(trace, name, prof, driver.budget_bytes, iterations=max(2, min(n, 3)))
         except UmrtError as exc:
