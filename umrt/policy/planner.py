@@ -141,7 +141,8 @@ class Planner:
         Issue each pre-eviction right after the victim's last use instead of
         when its room is needed.
     min_fresh:
-        Newborn objects at least this large are prefetched at birth.
+        Newborn objects at least this large are populated on the GPU at
+        birth (default ``min(16 MB, budget / 64)``).
     remote_access:
         Keep optimizer state, and long-lived data only oversized launches
         touch, on the host, accessed over the link (see :meth:`remote_keys`).
@@ -158,7 +159,7 @@ class Planner:
         min_discard: int = PAGE,
         short_launches: int = 4,
         remote_access: bool = True,
-        min_fresh: int = 16 << 20,
+        min_fresh: int | None = None,
         early_evict: bool = True,
     ) -> None:
         if budget_bytes <= 0:
@@ -174,7 +175,10 @@ class Planner:
         self.min_discard = min_discard
         self.short_launches = short_launches
         self.remote_access = remote_access
-        self.min_fresh = min_fresh
+        # A first touch faults once per 64 KB page in batches; a populate call
+        # pays off for large newborns, and for any sizeable one when the
+        # budget is small. Default: min(16 MB, budget / 64).
+        self.min_fresh = min_fresh if min_fresh is not None else min(16 << 20, budget_bytes // 64)
         self.early_evict = early_evict
 
     # -- public ---------------------------------------------------------------
