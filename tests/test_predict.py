@@ -80,7 +80,8 @@ def test_data_table_confidence_first_last_and_caps():
 def test_object_keys_are_stable_across_iterations():
     keys = ObjectKeys()
     # set-up: two parameters
-    p0, p1 = keys.alloc(100), keys.alloc(101)
+    keys.alloc(100)
+    keys.alloc(101)
     keys.boundary(signature=0)
     seen = []
     next_obj = 200

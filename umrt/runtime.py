@@ -87,7 +87,7 @@ class Runtime(Policy):
 
     def __init__(
         self,
-        trace: "Trace | None" = None,
+        trace: Trace | None = None,
         *,
         op_level: bool = False,
         headroom: float = 0.9,
@@ -155,7 +155,7 @@ class Runtime(Policy):
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
         self.backend: Backend = ctx.backend
-        self.layout: "Layout" = ctx.layout
+        self.layout: Layout = ctx.layout
         self.profile = ctx.profile
         observe = getattr(ctx.layout, "observe", None)
         self._pool_observe = observe if callable(observe) else None
@@ -173,7 +173,7 @@ class Runtime(Policy):
             self._fresh = frozenset()
             self._discard_keys = None
 
-    def make_layout(self, backend: Backend) -> "Layout":
+    def make_layout(self, backend: Backend) -> Layout:
         """umrt's lifetime-aware pool (falls back to the caching-allocator
         model with ``use_pool=False`` or where the pool is not built)."""
         if self.use_pool:
@@ -191,7 +191,7 @@ class Runtime(Policy):
             end = ptr + nbytes
             self._pending = [r for r in self._pending if not ptr <= r[0] < end]
 
-    def on_event(self, event: "Event") -> None:
+    def on_event(self, event: Event) -> None:
         t = type(event)
         if t is Launch:
             if self._pool_observe is not None:

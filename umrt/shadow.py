@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import runpy
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from umrt.errors import ConfigError, DataIntegrityError, UmrtError
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, Trace
@@ -154,7 +154,7 @@ class ShadowDriver:
             policy.on_event(ev)
 
     def iteration_times(self) -> list[float]:
-        return [b["time_s"] - a["time_s"] for a, b in zip(self.marks, self.marks[1:])]
+        return [b["time_s"] - a["time_s"] for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
     def steady(self) -> dict:
         """Counters of the last complete iteration."""

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 from umrt.trace.events import Kind
 
@@ -415,7 +415,7 @@ class Planner:
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
                  "planned_peak_bytes": peak, "capacity_bytes": cap}
         actions = [Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(ev), tuple(pf))
-                   for d, (ev, pf) in zip(points, moves) if ev or pf]
+                   for d, (ev, pf) in zip(points, moves, strict=True) if ev or pf]
         return actions, carried, stats
 
     @staticmethod

@@ -10,11 +10,21 @@ length per step, gradient accumulation, eval steps between train steps.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from umrt.trace.events import (
-    Access, Alloc, Event, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace,
-    TraceHeader, execution_id,
+    Access,
+    Alloc,
+    Event,
+    Free,
+    IterationBoundary,
+    Kind,
+    Launch,
+    LayerEnter,
+    LayerExit,
+    Trace,
+    TraceHeader,
+    execution_id,
 )
 
 MB = 1 << 20
@@ -79,15 +89,15 @@ def training_trace(
         grads = []
         if eval_every and step % eval_every == eval_every - 1:
             _forward(b, params, a, s, flops_per_mb, P, train=False)
-        for micro in range(accum):
+        for _ in range(accum):
             x, acts = _forward(b, params, a, s, flops_per_mb, P, train=True)
             new = _backward(b, params, acts, x, a, s, flops_per_mb, grads, P)
             if not grads:
                 grads = new
-        for l in range(layers):
-            m1, m2 = states[l]
+        for i in range(layers):
+            m1, m2 = states[i]
             b.launch("aten::_fused_adamw_.default", "", (P,),
-                     [(grads[l], P)], [(params[l], P), (m1, P), (m2, P)], 10 * P // 4)
+                     [(grads[i], P)], [(params[i], P), (m1, P), (m2, P)], 10 * P // 4)
     b.events.append(IterationBoundary(steps))
     header = TraceHeader(1, "synthetic", "synthetic", "", "meta", steps,
                          meta={"layers": layers, "seqs": seqs, "accum": accum})
@@ -99,12 +109,12 @@ def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
     b.launch("aten::copy_.default", "", (s,), [], [(x, a)], 0)
     acts = []
     prev = x
-    for l, p in enumerate(params):
-        mod = f"layers.{l}"
+    for i, p in enumerate(params):
+        mod = f"layers.{i}"
         b.events.append(LayerEnter(mod, "forward"))
         out = b.alloc(a, Kind.ACTIVATION)
         tmp = b.alloc(a // 2, Kind.TEMPORARY)
-        b.launch("aten::mm.default", mod, (s, l), [(prev, a), (p, P)], [(tmp, a // 2)], fpm * a // MB)
+        b.launch("aten::mm.default", mod, (s, i), [(prev, a), (p, P)], [(tmp, a // 2)], fpm * a // MB)
         b.launch("aten::gelu.default", mod, (s,), [(tmp, a // 2)], [(out, a)], fpm * a // MB // 8)
         b.free(tmp)
         b.events.append(LayerExit(mod, "forward"))
@@ -122,14 +132,14 @@ def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
 
 def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P):
     new = []
-    for l in reversed(range(len(params))):
-        mod = f"layers.{l}"
+    for i in reversed(range(len(params))):
+        mod = f"layers.{i}"
         b.events.append(LayerEnter(mod, "backward"))
-        g = grads[l] if grads else b.alloc(P, Kind.GRADIENT)
-        inp = acts[l - 1] if l else x
-        b.launch("aten::mm.default", mod + ".bwd", (s, l), [(acts[l], a), (inp, a), (params[l], P)],
+        g = grads[i] if grads else b.alloc(P, Kind.GRADIENT)
+        inp = acts[i - 1] if i else x
+        b.launch("aten::mm.default", mod + ".bwd", (s, i), [(acts[i], a), (inp, a), (params[i], P)],
                  [(g, P)], 2 * fpm * a // MB)
-        b.free(acts[l])
+        b.free(acts[i])
         b.events.append(LayerExit(mod, "backward"))
         new.append(g)
     b.free(x)
