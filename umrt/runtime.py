@@ -78,6 +78,10 @@ class Runtime(Policy):
         recording (a deviation there turns the iteration into a learned one).
     min_discard:
         Freed objects at least this large have their pages discarded.
+    read_mostly:
+        Advise parameters ReadMostly while acting, so evicting them costs no
+        copy back. Off by default: in the simulator it changes iteration time
+        by under 0.3% (parameter evictions are a small share of the traffic).
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
@@ -99,6 +103,7 @@ class Runtime(Policy):
         use_pool: bool = True,
         probe_decisions: int = 3,
         min_discard: int = PAGE,
+        read_mostly: bool = False,
     ) -> None:
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -114,6 +119,7 @@ class Runtime(Policy):
         self.use_pool = use_pool
         self.probe_decisions = max(1, probe_decisions)
         self.min_discard = min_discard
+        self.read_mostly = read_mostly
 
         self.keys = ObjectKeys()
         self.correlation = CorrelationTable()
@@ -140,6 +146,7 @@ class Runtime(Policy):
         self._nf = 0
         self._probe = 0
         self._advised: dict[int, tuple[int, int]] = {}  # host-mapped obj -> range
+        self._mostly: set[int] = set()  # objects advised ReadMostly
         self._pending: list[tuple[int, int]] = []
         self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch  # dead ranges to discard before the next launch
         self._pool_observe = None
@@ -228,6 +235,10 @@ class Runtime(Policy):
             key = self.keys.free(obj)
             if self._advised and obj in self._advised:
                 self._unmap(obj)
+            if self._mostly and obj in self._mostly:
+                self._mostly.discard(obj)
+                self.backend.advise([(self.layout.address(obj), self._info.get(obj, _NOINFO)[0])],
+                                    Advice.UNSET_READ_MOSTLY, self.backend.device)
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
             # Batched until the next launch (nothing can read or write them before).
             nb = self._info.pop(obj, _NOINFO)[0]
@@ -384,6 +395,8 @@ class Runtime(Policy):
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host_map(plan.remote)
+            if plan.read_mostly and self.read_mostly:
+                self._read_mostly(plan.read_mostly)
         else:
             self._mode = "learn"
             self._next_at = -1
@@ -467,6 +480,22 @@ class Runtime(Policy):
         self._plan = None
         self._fresh = frozenset()
         self._discard_keys = None
+
+    def _read_mostly(self, keys) -> None:
+        """Parameters are only read between two optimizer steps: with
+        ReadMostly the GPU holds a duplicate, and evicting it costs no copy
+        back (the step's write collapses the duplicates; the next read makes
+        them again)."""
+        ranges = []
+        for k in keys:
+            obj = self.keys.obj_of.get(k)
+            n = self._info.get(obj, _NOINFO)[0] if obj is not None else 0
+            if n <= 0 or obj in self._mostly:
+                continue
+            self._mostly.add(obj)
+            ranges.append((self.layout.address(obj), n))
+        if ranges:
+            self.backend.advise(ranges, Advice.SET_READ_MOSTLY, self.backend.device)
 
     def _host_map(self, keys) -> None:
         """Keep these long-lived objects on the host, read over the link

@@ -98,6 +98,7 @@ class Plan:
     discard: frozenset[int]  # keys whose range is discarded when they die
     stats: dict = field(default_factory=dict)
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
+    read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     fresh: frozenset[int] = frozenset()  # keys to populate on the GPU as they are born
 
     def action_at(self) -> dict[int, Action]:
@@ -230,7 +231,11 @@ class Planner:
         # A newborn's first touch on the GPU faults page by page although
         # nothing is copied; prefetching it at birth populates it in one call.
         fresh = frozenset(k for _, k in rec.allocs if rec.sizes.get(k, 0) >= self.min_fresh and k not in remote)
-        return Plan(rec.signature, n, actions, discard, stats, remote, fresh)
+        # Parameters: read by forward and backward, written once by the step.
+        dead = {k for _, k in rec.frees}
+        mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
+                           and rec.kinds.get(k) == Kind.PARAMETER)
+        return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly)
 
     def remote_keys(self, rec: IterationRecord) -> frozenset[int]:
         """Long-lived keys to keep on the host and access over the link.
