@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {DEFAULT_GPU})")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help="GPU memory the run may use: a percentage of the trace's peak live bytes "
-                        f"('20%%'), a size ('8GiB', '512MB') or bytes (default {DEFAULT_BUDGET})")
+                        f"('20%%'), a size ('8GiB', '512MB') or bytes (default {DEFAULT_BUDGET.replace('%', '%%')})")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy name, e.g. ideal, um, um-advise, oracle, deepum, umrt (default {DEFAULT_POLICY})")
     p.add_argument("--iterations", type=int, default=3, metavar="N",
