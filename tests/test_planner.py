@@ -133,7 +133,7 @@ def test_unborn_objects_take_room_but_are_not_copied():
 
 def mean_lead(rec: IterationRecord, budget: int, profile: str) -> float:
     """Mean number of launches between a prefetch and the use it serves."""
-    plan = Planner(budget, load_profile(profile), headroom=1.0).plan(rec)
+    plan = Planner(budget, load_profile(profile), headroom=1.0, min_segment_s=0).plan(rec)
     leads = []
     for a in plan.actions:
         for k in a.prefetch:

@@ -13,7 +13,7 @@ from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import simulate
-from umrt.trace.events import Launch, Trace
+from umrt.trace.events import IterationBoundary, Launch, Trace
 
 PROFILE = "v100-pcie3-32g"
 
@@ -106,13 +106,19 @@ def test_relearns_after_a_changed_batch_size():
 
 
 def test_misprediction_guard_falls_back_and_relearns():
-    """Every step ends differently (its optimizer launches are new each
-    time): the plan keeps failing mid-iteration, so the runtime stops acting
-    for a while (plain UM) instead of fighting the driver, then re-learns."""
-    base = training_trace(layers=6, steps=12)
+    """After a few regular steps (the plan is trusted), every step ends
+    differently (its optimizer launches are new each time): the trusted plan
+    keeps failing mid-iteration, so the runtime stops acting for a while
+    (plain UM) instead of fighting the driver, then re-learns."""
+    base = training_trace(layers=6, steps=14)
     rng = random.Random(0)
-    events = [replace(e, exec_id=rng.getrandbits(62)) if isinstance(e, Launch) and "adamw" in e.op else e
-              for e in base.events]
+    events, step = [], -1
+    for e in base.events:
+        if isinstance(e, IterationBoundary):
+            step = e.index
+        if step >= 6 and isinstance(e, Launch) and "adamw" in e.op:
+            e = replace(e, exec_id=rng.getrandbits(62))
+        events.append(e)
     rt = Runtime()
     drive(Trace(base.header, events), rt)
     rep = rt.report()

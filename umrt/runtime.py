@@ -26,9 +26,10 @@ Life cycle, per iteration (between two :class:`IterationBoundary` events):
     a deviation: the runtime stops acting for the rest of the iteration and
     learns the next one.
 ``guard``
-    If plans keep failing after they were confirmed (``guard_failures`` of
-    the last ``guard_window`` acted iterations deviate past the probe; an
-    early deviation just means a new shape, learned at once), predictions are not paying: the
+    If plans keep failing part-way (``guard_failures`` of the last
+    ``guard_window`` acted iterations deviate after their first decision
+    point held; a deviation at the very first one just means a new shape,
+    learned at once), predictions are not paying: the
     runtime drops its plans, does nothing for ``guard_cooldown`` iterations
     and re-learns.
 """
@@ -75,7 +76,9 @@ class Runtime(Policy):
         Compiled plans kept (one per iteration shape; least recently used dropped).
     probe_decisions:
         Decision points of an acted iteration that are checked while still
-        recording (a deviation there turns the iteration into a learned one).
+        recording (a deviation there turns the iteration into a learned one),
+        once its plan has run through two iterations; before that the whole
+        iteration is recorded.
     min_discard:
         Freed objects at least this large have their pages discarded.
     read_mostly:
@@ -97,7 +100,7 @@ class Runtime(Policy):
         headroom: float = 0.9,
         learn_iterations: int = 2,
         guard_window: int = 4,
-        guard_failures: int = 2,
+        guard_failures: int = 3,
         guard_cooldown: int = 2,
         max_variants: int = 8,
         use_pool: bool = True,
@@ -135,6 +138,7 @@ class Runtime(Policy):
         self._learned = 0
         self._cooldown = 0
         self._relearn = False
+        self._confirmed: dict[int, int] = {}  # signature -> iterations its plan ran through
         self._outcomes: deque[bool] = deque(maxlen=guard_window)
         self._rec: IterationRecord | None = None
         self._sig = 0
@@ -328,6 +332,10 @@ class Runtime(Policy):
         entry = {"iteration": self._iteration, "mode": mode}
         if mode == "act":
             self._outcomes.append(True)
+            sig = self._plan.signature
+            self._confirmed[sig] = self._confirmed.get(sig, 0) + 1
+            if len(self._confirmed) > 4 * self.max_variants:
+                self._confirmed = {k: v for k, v in self._confirmed.items() if k in self.plans}
             self.variants.observe(self._plan.signature)
             self.counters["acted"] += 1
             entry["signature"] = self._plan.signature
@@ -389,7 +397,10 @@ class Runtime(Policy):
             self._actions = plan.actions
             self._ai = 0
             self._next_at = plan.actions[0].at
-            self._probe = self.probe_decisions
+            # A plan not yet confirmed twice is probed (recorded) all along,
+            # so a late deviation still teaches the runtime the new shape.
+            trusted = self._confirmed.get(plan.signature, 0) >= 2
+            self._probe = self.probe_decisions if trusted else len(plan.actions) + 1
             self._fresh = plan.fresh
             self._discard_keys = plan.discard
             self.plans.move_to_end(plan.signature)
@@ -474,7 +485,7 @@ class Runtime(Policy):
         probe record is still running, so the runtime learns this iteration
         instead; later it waits for the next boundary."""
         self.counters["deviations"] += 1
-        if self._rec is None:  # the plan was trusted and failed: that is what the guard counts
+        if self._ai > 0:  # failed after it had started to hold: the guard counts that
             self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
         self._plan = None

@@ -132,6 +132,11 @@ class Planner:
     max_segment_s:
         Split segments whose predicted compute exceeds this (default: the
         time to move an eighth of the budget over the link).
+    min_segment_s:
+        Module boundaries closer than this (in predicted compute) to the last
+        decision point are not decision points: fewer, larger moves
+        (default 5 ms: finer decisions cost calls and CPU and gained nothing
+        in the simulator).
     min_discard:
         Objects smaller than this are not discarded (a call costs more than
         it saves).
@@ -157,6 +162,7 @@ class Planner:
         headroom: float = 0.9,
         op_level: bool = False,
         max_segment_s: float | None = None,
+        min_segment_s: float = 5e-3,
         min_discard: int = PAGE,
         short_launches: int = 4,
         remote_access: bool = True,
@@ -172,6 +178,7 @@ class Planner:
         self.profile = profile
         self.rate = float(getattr(profile, "h2d_bandwidth", 12e9))
         self.op_level = op_level
+        self.min_segment_s = min_segment_s
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
         self.min_discard = min_discard
         self.short_launches = short_launches
@@ -193,17 +200,17 @@ class Planner:
             return list(range(n))
         marks = set(p for p in rec.boundaries if 0 <= p < n)
         marks.add(0)
-        points: list[int] = []
+        points: list[int] = [0]
         seg_t = 0.0
         seg_b = 0
         limit_b = self.cap // 8
         sizes = rec.sizes
-        for i in range(n):
-            if i in marks or seg_t >= self.max_segment_s or seg_b >= limit_b:
+        for i in range(1, n):
+            seg_t += rec.times[i - 1]
+            seg_b += sum(sizes.get(k, 0) for k in rec.uses[i - 1])
+            if (i in marks and seg_t >= self.min_segment_s) or seg_t >= self.max_segment_s or seg_b >= limit_b:
                 points.append(i)
                 seg_t, seg_b = 0.0, 0
-            seg_t += rec.times[i]
-            seg_b += sum(sizes.get(k, 0) for k in rec.uses[i])
         return points
 
     def plan(self, rec: IterationRecord) -> Plan:
