@@ -74,11 +74,6 @@ class Runtime(Policy):
         The misprediction guard (see the module docstring).
     max_variants:
         Compiled plans kept (one per iteration shape; least recently used dropped).
-    probe_decisions:
-        Decision points of an acted iteration that are checked while still
-        recording (a deviation there turns the iteration into a learned one),
-        once its plan has run through two iterations; before that the whole
-        iteration is recorded.
     min_discard:
         Freed objects at least this large have their pages discarded.
     read_mostly:
@@ -104,7 +99,6 @@ class Runtime(Policy):
         guard_cooldown: int = 2,
         max_variants: int = 8,
         use_pool: bool = True,
-        probe_decisions: int = 3,
         min_discard: int = PAGE,
         read_mostly: bool = False,
     ) -> None:
@@ -120,7 +114,6 @@ class Runtime(Policy):
         self.guard_cooldown = guard_cooldown
         self.max_variants = max_variants
         self.use_pool = use_pool
-        self.probe_decisions = max(1, probe_decisions)
         self.min_discard = min_discard
         self.read_mostly = read_mostly
 
@@ -219,7 +212,14 @@ class Runtime(Policy):
                 self._decide(event)
         elif t is Alloc:
             obj = event.obj
-            key = self.keys.alloc(obj)
+            keys = self.keys  # ObjectKeys.alloc, inlined: this runs for every allocation
+            key = keys.ordinal
+            keys.ordinal = key + 1
+            old = keys.key_of.get(obj)
+            if old is not None:
+                keys.obj_of.pop(old, None)
+            keys.key_of[obj] = key
+            keys.obj_of[key] = obj
             self._info[obj] = (event.nbytes, event.kind)
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
@@ -385,12 +385,13 @@ class Runtime(Policy):
                 plan = self.plans.get(sig)
                 if plan is not None:
                     break
-        # Record from the start in every mode: learning needs the whole
-        # iteration; acting keeps the record only until the first
-        # ``probe_decisions`` decision points have confirmed the plan.
-        self._rec = rec = IterationRecord(start_live=set(self.keys.obj_of))
-        for k, obj in self.keys.obj_of.items():
-            rec.sizes[k], rec.kinds[k] = self._info.get(obj, _NOINFO)
+        # Record from the start: learning needs the whole iteration, and so
+        # does acting on a plan not yet confirmed (a deviation then turns the
+        # iteration into a learned one). A plan that ran through two iterations is
+        # trusted and followed without a record (an early deviation then costs
+        # one more iteration of plain UM before the new shape is learned).
+        trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
+        self._rec = None if trusted and plan.actions else self._new_record()
         if plan is not None and plan.actions:
             self._mode = "act"
             self._plan = plan
@@ -399,8 +400,7 @@ class Runtime(Policy):
             self._next_at = plan.actions[0].at
             # A plan not yet confirmed twice is probed (recorded) all along,
             # so a late deviation still teaches the runtime the new shape.
-            trusted = self._confirmed.get(plan.signature, 0) >= 2
-            self._probe = self.probe_decisions if trusted else len(plan.actions) + 1
+            self._probe = 0 if trusted else len(plan.actions) + 1
             self._fresh = plan.fresh
             self._discard_keys = plan.discard
             self.plans.move_to_end(plan.signature)
@@ -413,6 +413,15 @@ class Runtime(Policy):
             self._next_at = -1
             self._fresh = frozenset()
             self._discard_keys = None
+
+    def _new_record(self) -> IterationRecord:
+        """A record of the iteration starting now, with what is alive."""
+        live = self.keys.obj_of
+        rec = IterationRecord(start_live=set(live))
+        info = self._info
+        for k, obj in live.items():
+            rec.sizes[k], rec.kinds[k] = info.get(obj, _NOINFO)
+        return rec
 
     # -- acting -----------------------------------------------------------------
 
