@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 from umrt.trace.events import Kind
 
+BLOCK = 2 << 20  # the UVM driver's migration and eviction unit (uvm-model.md)
 PAGE = 64 << 10  # the UVM driver's big page: residency and discard granularity (uvm-model.md)
 INF = float("inf")
 
@@ -174,7 +175,9 @@ class Planner:
         if not 0 < headroom <= 1:
             raise ValueError("headroom must be in (0, 1]")
         self.budget = budget_bytes
-        self.cap = int(budget_bytes * headroom)
+        # 2 MB blocks shared between objects and arenas cost a few blocks of
+        # room that object-level accounting does not see: keep 4 spare.
+        self.cap = max(int(budget_bytes * headroom) // 2, min(int(budget_bytes * headroom), budget_bytes - 4 * BLOCK))
         self.profile = profile
         self.rate = float(getattr(profile, "h2d_bandwidth", 12e9))
         self.op_level = op_level
