@@ -232,6 +232,7 @@ def _report(trace: Trace, driver: ShadowDriver, prof, policy: str) -> dict:
     from umrt.sim.replay import peak_live_bytes, simulate
 
     rep: dict = {"profile": prof.name, "policy": policy, "budget_bytes": driver.budget_bytes,
+                 "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": getattr(driver, "peak_bytes", 0),
                  "peak_live_bytes": peak_live_bytes(trace), "iterations": len(trace.iteration_spans()),
                  "rows": [], "runtime": {}, "notes": []}
     if driver.budget_bytes is None or not trace.iteration_spans():
@@ -281,8 +282,11 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
 
     console = Console(file=sys.stdout, highlight=False, width=max(110, Console().width)) if out is None else None
     budget = rep.get("budget_bytes")
-    title = (f"umrt shadow run — SIMULATED {rep['profile']}, GPU memory {_fmt_bytes(budget or 0)} "
-             f"(peak live {_fmt_bytes(rep['peak_live_bytes'])})")
+    sized = rep.get("sized_from_bytes") or 0
+    basis = (f" = {rep['gpu_memory']} of the first iteration's peak live {_fmt_bytes(sized)}"
+             if str(rep.get("gpu_memory", "")).strip().endswith("%") and sized else "")
+    title = (f"umrt shadow run — SIMULATED {rep['profile']}, GPU memory {_fmt_bytes(budget or 0)}{basis} "
+             f"(whole-run peak live {_fmt_bytes(rep['peak_live_bytes'])})")
     table = Table(title=title, caption="simulated steady-state iteration; nothing ran on a GPU")
     for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
