@@ -144,13 +144,15 @@ class Runtime(Policy):
         self._probe = 0
         self._advised: dict[int, tuple[int, int]] = {}  # host-mapped obj -> range
         self._mostly: set[int] = set()  # objects advised ReadMostly
+        self._over: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launches
+        self._temp: list[tuple[int, int]] = []  # ranges host-mapped for the launch that just ran
         self._pending: list[tuple[int, int]] = []
         self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch  # dead ranges to discard before the next launch
         self._pool_observe = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
-            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0, "launch_host_mapped_bytes": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -176,6 +178,7 @@ class Runtime(Policy):
             self._mode = "off"
             self._fresh = frozenset()
             self._discard_keys = None
+            self._over = {}
 
     def make_layout(self, backend: Backend) -> Layout:
         """umrt's lifetime-aware pool (falls back to the caching-allocator
@@ -202,6 +205,8 @@ class Runtime(Policy):
                 self._pool_observe(event)
             if self._rec is not None:
                 self._record_launch(event)
+            if self._temp:
+                self._unmap_temp()
             if self._pending:
                 self._flush_discards()
             if self._born:
@@ -210,6 +215,8 @@ class Runtime(Policy):
             self._nl = n + 1
             if n == self._next_at and self._mode == "act":
                 self._decide(event)
+            if self._over and n in self._over and self._mode == "act":
+                self._map_temp(self._over[n])
         elif t is Alloc:
             obj = event.obj
             keys = self.keys  # ObjectKeys.alloc, inlined: this runs for every allocation
@@ -403,6 +410,7 @@ class Runtime(Policy):
             self._probe = 0 if trusted else len(plan.actions) + 1
             self._fresh = plan.fresh
             self._discard_keys = plan.discard
+            self._over = plan.remote_at
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host_map(plan.remote)
@@ -413,6 +421,7 @@ class Runtime(Policy):
             self._next_at = -1
             self._fresh = frozenset()
             self._discard_keys = None
+            self._over = {}
 
     def _new_record(self) -> IterationRecord:
         """A record of the iteration starting now, with what is alive."""
@@ -500,6 +509,7 @@ class Runtime(Policy):
         self._plan = None
         self._fresh = frozenset()
         self._discard_keys = None
+        self._over = {}
 
     def _read_mostly(self, keys) -> None:
         """Parameters are only read between two optimizer steps: with
@@ -538,6 +548,31 @@ class Runtime(Policy):
         if out:
             be.prefetch(out, HOST)
         self.counters["host_mapped_bytes"] += sum(n for _, n in ranges)
+
+    def _map_temp(self, keys) -> None:
+        """A launch larger than the budget is about to run: what of it is not
+        resident is read and written over the link (PreferredLocation=host +
+        AccessedBy=GPU) instead of being faulted in and evicted again within
+        the launch. Undone before the next launch."""
+        ranges = []
+        obj_of, info, address = self.keys.obj_of, self._info, self.layout.address
+        for k in keys:
+            obj = obj_of.get(k)
+            n = info.get(obj, _NOINFO)[0] if obj is not None else 0
+            if n > 0 and obj not in self._advised:
+                ranges.append((address(obj), n))
+        if ranges:
+            be = self.backend
+            be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
+            be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
+            self._temp = ranges
+            self.counters["launch_host_mapped_bytes"] += sum(n for _, n in ranges)
+
+    def _unmap_temp(self) -> None:
+        ranges, self._temp = self._temp, []
+        be = self.backend
+        be.advise(ranges, Advice.UNSET_ACCESSED_BY, be.device)
+        be.advise(ranges, Advice.UNSET_PREFERRED_LOCATION, HOST)
 
     def _unmap(self, obj: int) -> None:
         """A host-mapped object dies: its range must not pass the advice on."""

@@ -100,6 +100,7 @@ class Plan:
     stats: dict = field(default_factory=dict)
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
+    remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
     fresh: frozenset[int] = frozenset()  # keys to populate on the GPU as they are born
 
     def action_at(self) -> dict[int, Action]:
@@ -245,7 +246,13 @@ class Planner:
         dead = {k for _, k in rec.frees}
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
                            and rec.kinds.get(k) == Kind.PARAMETER)
-        return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly)
+        return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly,
+                    remote_at=dict(self._remote_at))
+
+    def oversize(self, rec: IterationRecord) -> set[int]:
+        """Launches whose own working set exceeds the plan's capacity."""
+        cap = self.cap
+        return {i for i, keys in enumerate(rec.uses) if sum(_round(rec.sizes.get(k, 0)) for k in keys) > cap}
 
     def remote_keys(self, rec: IterationRecord) -> frozenset[int]:
         """Long-lived keys to keep on the host and access over the link.
@@ -335,6 +342,8 @@ class Planner:
         frees = sorted(rec.frees)
         fi = 0
         moves: list[tuple[list[int], list[int]]] = [([], []) for _ in points]  # per point: evict, prefetch
+        oversize = self.oversize(rec) if self.remote_access else set()
+        remote_at: dict[int, list[int]] = {}  # oversized launch -> keys it reaches over the link
         last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
         cap = self.cap
         rate = self.rate
@@ -409,8 +418,18 @@ class Planner:
                     b = resident.pop(k, None)
                     if b is not None:
                         used -= b
+                big = i in oversize
                 for k in rec.uses[i]:
                     if k not in size:
+                        continue
+                    if big and k not in resident:
+                        # Larger than the budget: what is not resident is read
+                        # and written over the link for this launch only.
+                        remote_at.setdefault(i, []).append(k)
+                        ptr[k] = ptr.get(k, 0) + 1
+                        last_pi[k] = pi
+                        touched.add(k)
+                        push(k)
                         continue
                     if k not in resident:
                         faults += 1
@@ -427,6 +446,7 @@ class Planner:
             fi += 1
         # What the next iteration starts with: survivors under their carried keys.
         carried = {c for c in (rec.carried.get(k, k) for k in resident) if c in rec.start_live}
+        self._remote_at = {i: tuple(ks) for i, ks in remote_at.items()}
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
                  "planned_peak_bytes": peak, "capacity_bytes": cap}
         actions = [Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(ev), tuple(pf))
