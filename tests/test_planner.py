@@ -189,3 +189,21 @@ def test_op_level_decides_before_every_launch():
 def test_bad_arguments(bad):
     with pytest.raises(ValueError):
         Planner(**bad)
+
+
+def test_a_launch_larger_than_the_budget_reaches_data_over_the_link():
+    rec = record()
+    # one fused step over every parameter: 64 MB in a 40 MB budget
+    rec.exec_ids.append(99)
+    rec.uses.append(tuple(k for k in rec.start_live))
+    rec.times.append(1e-3)
+    rec.alloc_counts.append(len(rec.allocs))
+    rec.free_counts.append(len(rec.frees))
+    planner = Planner(40 * MB, load_profile("v100-pcie3-32g"))
+    plan = planner.plan(rec)
+    last = len(rec) - 1
+    assert planner.oversize(rec) == {last}
+    assert plan.remote_at and set(plan.remote_at) == {last}
+    assert set(plan.remote_at[last]) <= set(rec.start_live)
+    off = Planner(40 * MB, load_profile("v100-pcie3-32g"), remote_access=False).plan(rec)
+    assert not off.remote_at
