@@ -21,10 +21,18 @@ Life cycle, per iteration (between two :class:`IterationBoundary` events):
     The variant table predicts which shape comes next; its plan runs. The
     per-event work is a counter for launches and a dictionary update for
     allocations and frees; the real work happens only at the plan's decision
-    points (module boundaries by default), where the expected launch and
-    allocation counts are checked before any move is issued. A mismatch is
-    a deviation: the runtime stops acting for the rest of the iteration and
-    learns the next one.
+    points (module boundaries by default, at least ~5 ms of predicted compute
+    apart), where the expected launch and allocation counts are checked
+    before any move is issued. A mismatch is a deviation: the runtime first
+    tries another learned shape that matches there (an eval step instead of
+    a train step) and continues with its plan; otherwise it stops acting. A
+    plan not yet confirmed by two full iterations is acted on while the
+    iteration is still recorded, so a deviation turns it into a learned one;
+    a trusted plan runs without a record (cheapest), and after a deviation
+    the next iteration is learned.
+
+Always, in every mode: freed memory is discarded (a fact, not a
+prediction), batched until the next launch.
 ``guard``
     If plans keep failing part-way (``guard_failures`` of the last
     ``guard_window`` acted iterations deviate after their first decision
