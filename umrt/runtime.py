@@ -251,7 +251,10 @@ class Runtime(Policy):
                 rec.kinds[key] = event.kind
         elif t is Free:
             obj = event.obj
-            key = self.keys.free(obj)
+            keys = self.keys  # ObjectKeys.free, inlined
+            key = keys.key_of.pop(obj, None)
+            if key is not None and keys.obj_of.get(key) == obj:
+                del keys.obj_of[key]
             if self._advised and obj in self._advised:
                 self._unmap(obj)
             if self._mostly and obj in self._mostly:
