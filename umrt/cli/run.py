@@ -1,7 +1,7 @@
 """``umrt run [options] script.py [args...]``: run a training script under umrt.
 
 * ``--simulate PROFILE`` (or ``UMRT_SIMULATE``): shadow mode, no GPU needed:
-  the script runs on the meta device and umrt simulates it on ``PROFILE``
+  the script runs on the CPU and umrt simulates its GPU on ``PROFILE``
   (:func:`umrt.shadow.run_shadow`).
 * On a CUDA machine: umrt is enabled (managed pool, torch allocator, runtime
   policy), the script runs as ``__main__`` with ``sys.argv`` set, and an NVML
