@@ -1,5 +1,14 @@
-"""The torch allocator shim: C callbacks over umrt's pool, install rules, stats."""
+"""The torch allocator shim: C callbacks over umrt's pool, install rules, stats.
+
+The compiled shim (kernels/torch_alloc_shim.cpp) builds here against the CPU
+torch headers; its OutOfMemoryError is checked through torch's own error
+translation (the ``_try_alloc`` hook), since no CUDA tensor can be made here.
+"""
 from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
 
 import pytest
 import torch
@@ -24,6 +33,7 @@ def fresh(monkeypatch):
     """Reset the module's once-per-process state and fake a CUDA build of torch."""
     monkeypatch.setitem(ut._state, "installed", False)
     monkeypatch.setitem(ut._state, "pool", None)
+    monkeypatch.setitem(ut._state, "shim", None)
     monkeypatch.setattr(torch.cuda, "empty_cache", torch.cuda.empty_cache)
     monkeypatch.setattr(torch.cuda.memory, "empty_cache", torch.cuda.memory.empty_cache)
     calls = {}
@@ -42,11 +52,48 @@ def test_cpu_only_torch_gets_a_clear_message(monkeypatch, pool):
         ut.install(pool)
 
 
+@pytest.fixture(scope="module")
+def shim():
+    """The compiled shim (the first run compiles it, ~10-20 s; then torch's cache)."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("c++") is None or not cpp_extension.is_ninja_available():
+        pytest.skip("building the shim needs a C++ compiler and ninja")
+    loaded = ut.load_shim()
+    assert loaded is not None, "the shim did not build (see the warning)"
+    return loaded
+
+
+@pytest.fixture
+def via_shim(shim, pool, monkeypatch):
+    """The shim forwarding to umrt's ctypes callbacks over ``pool``, as install() sets it up."""
+    monkeypatch.setitem(ut._state, "shim", shim)
+    _, _, alloc_ptr, free_ptr = ut.make_callbacks(pool)
+    shim.set_callbacks(alloc_ptr, free_ptr)
+    return shim
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def test_install_hands_torch_working_c_function_pointers(fresh, pool, fake_gpu):
-    ut.install(pool)
+    ut.install(pool, shim=False)
     alloc_ptr, free_ptr = fresh["custom"]
-    assert isinstance(alloc_ptr, int) and isinstance(free_ptr, int) and fresh["swap"] == "ALLOC"
-    assert ut.installed()
+    assert ut._state["shim"] is None
+    _check_c_allocator(alloc_ptr, free_ptr, fake_gpu)
+
+
+@pytest.mark.slow
+def test_install_hands_torch_the_shim(shim, fresh, pool, fake_gpu):
+    ut.install(pool)
+    alloc_ptr, free_ptr = fresh["custom"]  # via torch.cuda.memory.CUDAPluggableAllocator
+    assert (alloc_ptr, free_ptr) == (_address(shim.lib.umrt_alloc), _address(shim.lib.umrt_free))
+    assert ut._state["shim"] is shim
+    _check_c_allocator(alloc_ptr, free_ptr, fake_gpu)
+
+
+def _check_c_allocator(alloc_ptr, free_ptr, fake_gpu):
     # Call them through C, exactly as torch will: void* alloc(ssize_t, int, cudaStream_t).
     c_alloc, c_free = ut.ALLOC_FN(alloc_ptr), ut.FREE_FN(free_ptr)
     ptr = c_alloc(3 * MiB, 0, None)
@@ -59,7 +106,7 @@ def test_install_hands_torch_working_c_function_pointers(fresh, pool, fake_gpu):
 
 
 def test_callbacks_stay_alive(fresh, pool):
-    ut.install(pool)
+    ut.install(pool, shim=False)
     assert sum(isinstance(x, (ut.ALLOC_FN, ut.FREE_FN)) for x in ut._KEEP_ALIVE) >= 2
 
 
@@ -69,14 +116,14 @@ def test_too_late_is_a_clear_error(fresh, pool, monkeypatch):
 
     monkeypatch.setattr(torch._C, "_cuda_changeCurrentAllocator", refuse, raising=False)
     with pytest.raises(ut.AllocatorError, match="before the first CUDA tensor"):
-        ut.install(pool)
+        ut.install(pool, shim=False)
     assert not ut.installed()
 
 
 def test_empty_cache_hook(fresh, pool, monkeypatch):
     released = []
     monkeypatch.setattr(pool, "empty_cache", lambda: released.append(True))
-    ut.install(pool)
+    ut.install(pool, shim=False)
     torch.cuda.empty_cache()
     assert released == [True]
 
@@ -105,3 +152,61 @@ def test_statistics_context_counts_the_block(pool):
     assert (inner.total_bytes, inner.peak_bytes, inner.current_bytes) == (MiB, MiB, 0)
     assert (outer.total_bytes, outer.peak_bytes, outer.total_count) == (3 * MiB, 3 * MiB, 2)
     pool.free(keep)
+
+
+@pytest.mark.slow
+def test_shim_out_of_memory_is_torch_out_of_memory_error(via_shim, fake_gpu):
+    limit, fake_gpu.managed_limit = fake_gpu.managed_limit, 0
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"out of managed memory.*67108864 bytes on cuda:1") as info:
+        via_shim.module._try_alloc(64 * MiB, 1)
+    assert isinstance(info.value, torch.OutOfMemoryError)
+    assert "ManagedOutOfMemoryError" in str(info.value)  # the pool's reason is carried over
+    fake_gpu.managed_limit = limit
+    assert via_shim.module._try_alloc(MiB) != 0  # the next allocation works again
+
+
+@pytest.mark.slow
+def test_shim_null_without_a_reason_still_raises(shim, monkeypatch):
+    keep = (ut.ALLOC_FN(lambda size, device, stream: 0), ut.FREE_FN(lambda *args: None))
+    shim.set_callbacks(_address(keep[0]), _address(keep[1]))
+    with pytest.raises(torch.OutOfMemoryError, match="returned no memory"):
+        shim.module._try_alloc(4096)
+    assert shim.module._try_alloc(0) == 0  # zero bytes: NULL, no error
+
+
+@pytest.mark.slow
+def test_shim_forwards_alloc_and_free(via_shim, fake_gpu):
+    before = stats.memory_stats()["allocated_bytes"]
+    ptr = via_shim.module._try_alloc(3 * MiB)
+    assert any(b <= ptr < b + s for b, s in fake_gpu.allocs.items())
+    assert stats.memory_stats()["allocated_bytes"] == before + 3 * MiB
+    via_shim.module._try_free(ptr, 3 * MiB)
+    assert stats.memory_stats()["allocated_bytes"] == before
+
+
+def test_failed_shim_build_falls_back_to_callbacks_with_one_warning(fresh, pool, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken_build(**kwargs):
+        raise RuntimeError("Error building extension 'umrt_torch_alloc_shim'\nc++: not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(ut, "load_shim", functools.lru_cache(maxsize=1)(ut.load_shim.__wrapped__))
+    with pytest.warns(RuntimeWarning, match=r"could not build the torch allocator shim \(Error building"):
+        ut.install(pool)
+    alloc_ptr, free_ptr = fresh["custom"]
+    callbacks = [x for x in ut._KEEP_ALIVE if isinstance(x, (ut.ALLOC_FN, ut.FREE_FN))]
+    assert (alloc_ptr, free_ptr) == (_address(callbacks[-2]), _address(callbacks[-1]))
+    assert ut._state["shim"] is None
+    assert ut.load_shim() is None  # cached: no second build, no second warning
+
+
+def test_without_the_shim_out_of_memory_stops_the_process(pool, fake_gpu, monkeypatch):
+    monkeypatch.setitem(ut._state, "shim", None)
+    monkeypatch.setitem(ut._state, "pool", pool)
+    stopped = []
+    monkeypatch.setattr(ut, "_fatal", stopped.append)
+    fake_gpu.managed_limit = 0
+    assert ut._alloc(64 * MiB, 0, None) == 0
+    assert len(stopped) == 1 and "out of managed memory" in stopped[0]

@@ -3,42 +3,57 @@
     import umrt.allocators.torch as ut
     ut.install(pool)            # before the first CUDA tensor
 
-:func:`install` builds two ctypes callbacks with the C signatures of
-``torch.cuda.memory.CUDAPluggableAllocator``::
+torch's pluggable-allocator API (``torch.cuda.memory.CUDAPluggableAllocator``)
+takes two C functions::
 
     void* alloc(ssize_t size, int device, cudaStream_t stream);
     void  free(void* ptr, ssize_t size, int device, cudaStream_t stream);
 
-hands their addresses to ``torch._C._cuda_customAllocator`` and swaps the
-result in with ``torch.cuda.memory.change_current_allocator``. The callback
-objects are kept in a module-level list for the life of the process: torch
-keeps calling them after any Python reference would have died (freed
-callbacks crash, as other projects learned).
+umrt's allocator is Python, so :func:`install` wraps the pool in two ctypes
+callbacks with these signatures. They are kept in a module-level list for
+the life of the process: torch keeps calling them after any Python reference
+would have died (freed callbacks crash, as other projects learned).
 
-Limits of torch's pluggable-allocator API (PyTorch 2.4-2.13), and what umrt
-does about them:
+torch does not check the pointer ``alloc`` returns, and a ctypes callback
+cannot raise, so by default torch is handed a small C++ shim instead
+(``kernels/torch_alloc_shim.cpp``): its ``umrt_alloc`` / ``umrt_free``
+forward to the callbacks, and when the pool is out of memory ``umrt_alloc``
+throws ``c10::OutOfMemoryError``, which torch turns into
+``torch.cuda.OutOfMemoryError`` in the Python code that asked for the
+tensor (catch it, free memory, retry: the usual torch recipe works). The shim
+is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a
+C++ compiler and ninja; about 15 s once, then cached under torch's extension
+directory, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). If it
+cannot be built, umrt warns once and hands torch the ctypes callbacks
+directly; an out-of-memory then prints a clear message and stops the process
+(``os.abort``) rather than give torch a NULL pointer that a kernel would
+write through.
+
+Other limits of the pluggable-allocator API (PyTorch 2.4-2.13), and what
+umrt does about them:
 
 * It must run before the first CUDA allocation; afterwards torch refuses
   ("Can't swap an already initialized allocator") and :func:`install` raises
   :class:`AllocatorError` saying so.
 * torch's stats (``memory_allocated``...) raise "not supported": use
   :func:`umrt.memory_stats` / :func:`umrt.statistics`.
-* ``torch.cuda.empty_cache()`` does nothing for a pluggable allocator:
-  call :func:`empty_cache` (umrt's pool) instead.
-* Out of memory: ``CUDAPluggableAllocator::malloc`` does not check the
-  pointer it gets back, so an exception cannot cross the C callback and
-  torch cannot raise ``torch.cuda.OutOfMemoryError`` from it. Managed memory
-  only runs out when host memory does; umrt then prints a clear message and
-  stops the process (``os.abort``) rather than hand torch a NULL pointer that
-  a kernel would write through. :func:`check_oom` raises
-  ``torch.cuda.OutOfMemoryError`` for code that calls the pool directly.
+* ``torch.cuda.empty_cache()`` does nothing for a pluggable allocator: umrt
+  patches it to also empty umrt's pool (:func:`empty_cache`).
+* :func:`check_oom` builds ``torch.cuda.OutOfMemoryError`` for code that
+  calls the pool directly.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import re
 import sys
 import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from umrt.errors import UmrtError
@@ -47,7 +62,7 @@ ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, cty
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 
 _KEEP_ALIVE: list[Any] = []  # callbacks and allocator objects, never released
-_state: dict[str, Any] = {"pool": None, "installed": False}
+_state: dict[str, Any] = {"pool": None, "installed": False, "shim": None}
 _lock = threading.Lock()
 
 
@@ -73,6 +88,10 @@ def _alloc(size: int, device: int, stream: int | None) -> int:
     try:
         return pool.malloc(int(size), stream or 0) if size > 0 else 0
     except Exception as exc:  # noqa: BLE001 - nothing may escape a C callback
+        shim = _state["shim"]
+        if shim is not None:  # the shim raises torch.cuda.OutOfMemoryError with this reason
+            shim.set_error(f"{type(exc).__name__}: {exc}")
+            return 0
         _fatal(f"umrt: out of managed memory: allocating {size} bytes on cuda:{device} failed: {exc}")
         return 0  # not reached
 
@@ -89,8 +108,9 @@ def _free(ptr: int | None, size: int, device: int, stream: int | None) -> None:
 def _fatal(message: str) -> None:
     print(message, file=sys.stderr)
     print(
-        "umrt: torch's pluggable-allocator API cannot raise torch.cuda.OutOfMemoryError from the "
-        "allocation callback; stopping here instead of returning a NULL pointer",
+        "umrt: the allocator shim that raises torch.cuda.OutOfMemoryError is not in use (see the "
+        "warning at start-up), and a ctypes callback cannot raise; stopping here instead of "
+        "returning a NULL pointer",
         file=sys.stderr,
     )
     sys.stderr.flush()
@@ -107,8 +127,79 @@ def make_callbacks(pool: Any) -> tuple[Any, Any, int, int]:
     return c_alloc, c_free, int(alloc_ptr), int(free_ptr)
 
 
-def install(pool: Any) -> None:
+@dataclass(frozen=True)
+class Shim:
+    """The compiled allocator shim: its library path and entry points."""
+
+    path: str
+    module: Any  # the Python module (``_try_alloc`` / ``_try_free`` test hooks)
+    lib: ctypes.CDLL
+
+    def set_callbacks(self, alloc_ptr: int, free_ptr: int) -> None:
+        """Point ``umrt_alloc`` / ``umrt_free`` at umrt's callbacks (C function addresses)."""
+        self.lib.umrt_set_callbacks(ctypes.c_void_p(alloc_ptr), ctypes.c_void_p(free_ptr))
+
+    def set_error(self, message: str) -> None:
+        """Why this thread's allocation failed (goes into the OutOfMemoryError message)."""
+        self.lib.umrt_set_error(message.encode("utf-8", "replace"))
+
+
+def _shim_source() -> Path:
+    """``kernels/torch_alloc_shim.cpp`` (``kernels`` ships with umrt as a top-level package)."""
+    import kernels
+
+    return Path(kernels.__file__).parent / "torch_alloc_shim.cpp"
+
+
+@functools.lru_cache(maxsize=1)
+def load_shim() -> Shim | None:
+    """Compile (first time) and load the allocator shim; ``None``, with one warning, if that fails.
+
+    The build is cached by torch (keyed on this torch version and the source),
+    so later processes only load it.
+    """
+    try:
+        import torch
+        from torch.utils import cpp_extension
+
+        source = _shim_source()
+        name = "umrt_torch_alloc_shim_" + re.sub(r"\W", "_", torch.__version__)
+        if not source.exists():
+            raise FileNotFoundError(f"{source} is missing from the umrt installation")
+        if not cpp_extension.is_ninja_available():
+            raise RuntimeError("ninja is not installed (pip install ninja)")
+        started = time.monotonic()
+        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2"], with_cuda=False)
+        if time.monotonic() - started > 2:
+            print(f"umrt: compiled the torch allocator shim in {time.monotonic() - started:.0f} s "
+                  "(cached for later runs)", file=sys.stderr)
+        lib = ctypes.CDLL(module.__file__)
+        lib.umrt_set_callbacks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.umrt_set_callbacks.restype = None
+        lib.umrt_set_error.argtypes = [ctypes.c_char_p]
+        lib.umrt_set_error.restype = None
+        return Shim(path=module.__file__, module=module, lib=lib)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the ctypes path"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        warnings.warn(
+            f"umrt: could not build the torch allocator shim ({first_line}); torch allocates through "
+            "umrt's ctypes callbacks instead, so running out of managed memory stops the process "
+            "instead of raising torch.cuda.OutOfMemoryError. The shim needs a C++ compiler and ninja.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def install(pool: Any, *, shim: bool = True) -> None:
     """Make ``pool`` torch's CUDA allocator (must precede the first CUDA allocation).
+
+    Args:
+        pool: anything with ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``
+            (:class:`umrt.allocators.managed.ManagedPool`).
+        shim: hand torch the compiled shim (:func:`load_shim`) so an
+            out-of-memory raises ``torch.cuda.OutOfMemoryError``; ``False``
+            (or a failed build) hands it the ctypes callbacks directly.
 
     Calling it again with a pool already installed just repoints the
     callbacks at the new pool (torch's allocator cannot be swapped twice).
@@ -119,7 +210,14 @@ def install(pool: Any) -> None:
             return
         torch = _torch()
         _, _, alloc_ptr, free_ptr = make_callbacks(pool)
-        allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
+        loaded = load_shim() if shim else None
+        if loaded is not None:
+            loaded.set_callbacks(alloc_ptr, free_ptr)
+            pluggable = torch.cuda.memory.CUDAPluggableAllocator(loaded.path, "umrt_alloc", "umrt_free")
+            _KEEP_ALIVE.append(pluggable)
+            allocator = pluggable.allocator()
+        else:
+            allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
         _KEEP_ALIVE.append(allocator)
         try:
             torch._C._cuda_changeCurrentAllocator(allocator)
@@ -128,6 +226,7 @@ def install(pool: Any) -> None:
                 f"torch's CUDA allocator is already initialized ({exc}), so umrt cannot take over: "
                 "call umrt.enable() (or set UMRT=1) before the first CUDA tensor is created"
             ) from exc
+        _state["shim"] = loaded
         _state["installed"] = True
         _patch_empty_cache(torch)
 
