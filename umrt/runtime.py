@@ -58,7 +58,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Runtime"]
 
-_NOINFO = (0, None)
+class _Unknown:
+    """What the runtime knows of an object it never saw allocated."""
+
+    __slots__ = ()
+    nbytes = 0
+    kind = None
+
+
+_NOINFO = _Unknown()
 _MASK = (1 << 63) - 1
 
 
@@ -131,7 +139,7 @@ class Runtime(Policy):
         self.variants = VariantTable()
         self.plans: OrderedDict[int, Plan] = OrderedDict()
 
-        self._info: dict[int, tuple[int, object]] = {}  # live obj -> (bytes, kind)
+        self._info: dict[int, Alloc] = {}  # live obj -> its Alloc event (bytes, kind)
         self._fresh: frozenset[int] = frozenset()  # the acting plan's newborns to populate
         self._discard_keys: frozenset[int] | None = None  # None: discard every dead range
         self._mode = "learn"
@@ -154,8 +162,9 @@ class Runtime(Policy):
         self._mostly: set[int] = set()  # objects advised ReadMostly
         self._over: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launches
         self._temp: list[tuple[int, int]] = []  # ranges host-mapped for the launch that just ran
-        self._pending: list[tuple[int, int]] = []
-        self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch  # dead ranges to discard before the next launch
+        self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
+        self._pending_bytes = 0
+        self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch
         self._pool_observe = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
@@ -205,43 +214,32 @@ class Runtime(Policy):
         if self._pending:
             end = ptr + nbytes
             self._pending = [r for r in self._pending if not ptr <= r[0] < end]
+            self._pending_bytes = sum(r[1] for r in self._pending)
 
     def on_event(self, event: Event) -> None:
+        # The hot path: every event of every iteration comes through here, so
+        # the common cases are inlined and attributes read once (see
+        # bench/overhead.py for what it costs per iteration).
         t = type(event)
-        if t is Launch:
-            if self._pool_observe is not None:
-                self._pool_observe(event)
-            if self._rec is not None:
-                self._record_launch(event)
-            if self._temp:
-                self._unmap_temp()
-            if self._pending:
-                self._flush_discards()
-            if self._born:
-                self._flush_born()
-            n = self._nl
-            self._nl = n + 1
-            if n == self._next_at and self._mode == "act":
-                self._decide(event)
-            if self._over and n in self._over and self._mode == "act":
-                self._map_temp(self._over[n])
-        elif t is Alloc:
+        if t is Alloc:
             obj = event.obj
-            keys = self.keys  # ObjectKeys.alloc, inlined: this runs for every allocation
+            keys = self.keys  # ObjectKeys.alloc, inlined
             key = keys.ordinal
             keys.ordinal = key + 1
-            old = keys.key_of.get(obj)
+            key_of = keys.key_of
+            old = key_of.get(obj)
             if old is not None:
                 keys.obj_of.pop(old, None)
-            keys.key_of[obj] = key
+            key_of[obj] = key
             keys.obj_of[key] = obj
-            self._info[obj] = (event.nbytes, event.kind)
+            self._info[obj] = event  # its nbytes and kind, for as long as it lives
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
                 ptr = self.layout.address(obj)
                 end = ptr + event.nbytes
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
+                self._pending_bytes = sum(r[1] for r in self._pending)
             if key in self._fresh:
                 self._born.append((self.layout.address(obj), event.nbytes))
             rec = self._rec
@@ -253,28 +251,66 @@ class Runtime(Policy):
             obj = event.obj
             keys = self.keys  # ObjectKeys.free, inlined
             key = keys.key_of.pop(obj, None)
-            if key is not None and keys.obj_of.get(key) == obj:
-                del keys.obj_of[key]
+            if key is not None:
+                obj_of = keys.obj_of
+                if obj_of.get(key) == obj:
+                    del obj_of[key]
             if self._advised and obj in self._advised:
                 self._unmap(obj)
             if self._mostly and obj in self._mostly:
                 self._mostly.discard(obj)
-                self.backend.advise([(self.layout.address(obj), self._info.get(obj, _NOINFO)[0])],
+                self.backend.advise([(self.layout.address(obj), self._info.get(obj, _NOINFO).nbytes)],
                                     Advice.UNSET_READ_MOSTLY, self.backend.device)
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
             # Batched until the next launch (nothing can read or write them before).
-            nb = self._info.pop(obj, _NOINFO)[0]
-            if nb >= self.min_discard and (self._discard_keys is None or key in self._discard_keys):
-                ptr = self.layout.address(obj)
-                if self._born:  # died before any launch: nothing left to populate
-                    self._born = [b for b in self._born if b[0] != ptr]
-                start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
-                end = (ptr + nb) // PAGE * PAGE
-                if end > start:
-                    self._pending.append((start, end - start))
-            if self._rec is not None and key is not None:
-                self._rec.frees.append((self._nl, key))
+            nb = self._info.pop(obj, _NOINFO).nbytes
+            if nb >= self.min_discard:
+                dk = self._discard_keys
+                if dk is None or key in dk:
+                    ptr = self.layout.address(obj)
+                    if self._born:  # died before any launch: nothing left to populate
+                        self._born = [b for b in self._born if b[0] != ptr]
+                    start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
+                    end = (ptr + nb) // PAGE * PAGE
+                    if end > start:
+                        self._pending.append((start, end - start))
+                        self._pending_bytes += end - start
+            rec = self._rec
+            if rec is not None and key is not None:
+                rec.frees.append((self._nl, key))
             self._nf += 1
+        elif t is Launch:
+            if self._pool_observe is not None:
+                self._pool_observe(event)
+            if self._rec is not None:
+                self._record_launch(event)
+            if self._temp:
+                self._unmap_temp()
+            if self._pending:
+                # Discard the ranges freed since the last launch in one call. Safe
+                # although the pool may already have handed a range to a newborn:
+                # nothing writes it before this launch (and a newborn's bytes are
+                # garbage anyway). Ranges of segments the pool gave back meanwhile
+                # were dropped (_released).
+                ranges = self._pending
+                self._pending = []
+                self.backend.discard(ranges)
+                c = self.counters
+                c["discard_calls"] += 1
+                c["discarded_bytes"] += self._pending_bytes
+                self._pending_bytes = 0
+            if self._born:  # newborns the plan populates on the GPU
+                ranges = self._born
+                self._born = []
+                backend = self.backend
+                backend.prefetch(ranges, backend.device)
+                self.counters["prefetch_calls"] += 1
+            n = self._nl
+            self._nl = n + 1
+            if n == self._next_at and self._mode == "act":
+                self._decide(event)
+            if self._over and n in self._over and self._mode == "act":
+                self._map_temp(self._over[n])
         elif t is LayerEnter or t is LayerExit:
             if self._pool_observe is not None:
                 self._pool_observe(event)
@@ -440,7 +476,8 @@ class Runtime(Policy):
         rec = IterationRecord(start_live=set(live))
         info = self._info
         for k, obj in live.items():
-            rec.sizes[k], rec.kinds[k] = info.get(obj, _NOINFO)
+            ev = info.get(obj, _NOINFO)
+            rec.sizes[k], rec.kinds[k] = ev.nbytes, ev.kind
         return rec
 
     # -- acting -----------------------------------------------------------------
@@ -465,29 +502,35 @@ class Runtime(Policy):
         address = self.layout.address
         if a.evict:
             ranges = []
+            moved = 0
             for k in a.evict:
                 obj = obj_of.get(k)
                 if obj is not None:
-                    r = _inner(address(obj), info[obj][0])
-                    if r is not None:
-                        ranges.append(r)
+                    ptr = address(obj)
+                    start = -(-ptr // PAGE) * PAGE  # whole pages only (_inner, inlined)
+                    end = (ptr + info[obj].nbytes) // PAGE * PAGE
+                    if end > start:
+                        ranges.append((start, end - start))
+                        moved += end - start
             if ranges:
                 self.backend.prefetch(ranges, HOST)
                 c["prefetch_calls"] += 1
-                c["evicted_bytes"] += sum(n for _, n in ranges)
+                c["evicted_bytes"] += moved
         if a.prefetch:
             ranges = []
+            moved = 0
             for k in a.prefetch:
                 obj = obj_of.get(k)
-                n = info[obj][0] if obj is not None else 0
+                n = info[obj].nbytes if obj is not None else 0
                 if n > 0:
                     ranges.append((address(obj), n))
+                    moved += n
                 else:
                     c["unresolved"] += 1
             if ranges:
                 self.backend.prefetch(ranges, self.backend.device)
                 c["prefetch_calls"] += 1
-                c["prefetched_bytes"] += sum(n for _, n in ranges)
+                c["prefetched_bytes"] += moved
 
     def _switch(self, ev: Launch) -> Action | None:
         """Another learned shape may match where this one failed (an eval
@@ -530,7 +573,7 @@ class Runtime(Policy):
         ranges = []
         for k in keys:
             obj = self.keys.obj_of.get(k)
-            n = self._info.get(obj, _NOINFO)[0] if obj is not None else 0
+            n = self._info.get(obj, _NOINFO).nbytes if obj is not None else 0
             if n <= 0 or obj in self._mostly:
                 continue
             self._mostly.add(obj)
@@ -544,7 +587,7 @@ class Runtime(Policy):
         ranges = []
         for k in keys:
             obj = self.keys.obj_of.get(k)
-            n = self._info.get(obj, _NOINFO)[0] if obj is not None else 0
+            n = self._info.get(obj, _NOINFO).nbytes if obj is not None else 0
             if n <= 0 or obj in self._advised:
                 continue
             r = (self.layout.address(obj), n)
@@ -569,7 +612,7 @@ class Runtime(Policy):
         obj_of, info, address = self.keys.obj_of, self._info, self.layout.address
         for k in keys:
             obj = obj_of.get(k)
-            n = info.get(obj, _NOINFO)[0] if obj is not None else 0
+            n = info.get(obj, _NOINFO).nbytes if obj is not None else 0
             if n > 0 and obj not in self._advised:
                 ranges.append((address(obj), n))
         if ranges:
@@ -590,24 +633,6 @@ class Runtime(Policy):
         r = self._advised.pop(obj)
         self.backend.advise([r], Advice.UNSET_ACCESSED_BY, self.backend.device)
         self.backend.advise([r], Advice.UNSET_PREFERRED_LOCATION, HOST)
-
-    def _flush_born(self) -> None:
-        ranges = self._born
-        self._born = []
-        self.backend.prefetch(ranges, self.backend.device)
-        self.counters["prefetch_calls"] += 1
-
-    def _flush_discards(self) -> None:
-        """Discard the ranges freed since the last launch in one call. Safe
-        although the pool may already have handed a range to a newborn:
-        nothing writes it before the next launch, which comes after this
-        (and a newborn's bytes are garbage anyway). Ranges of segments the
-        pool gave back meanwhile were dropped (:meth:`_released`)."""
-        ranges = self._pending
-        self._pending = []
-        self.backend.discard(ranges)
-        self.counters["discard_calls"] += 1
-        self.counters["discarded_bytes"] += sum(n for _, n in ranges)
 
 
 def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:
