@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -79,12 +80,16 @@ UMRT_EXPORT void umrt_free(void* ptr, ssize_t size, int device, umrt_stream_t st
   }
 }
 
-// Test hook: umrt_alloc called inside torch's own error translation (the
-// HANDLE_TH_ERRORS / CATCH_CORE_ERRORS that torch's tensor bindings use), so
-// a test without a GPU sees exactly the Python exception torch would raise.
+// Test hook: umrt_alloc called the way CUDAPluggableAllocator::malloc calls
+// it (through a std::function<void*(size_t, int, cudaStream_t)>), inside
+// torch's own error translation (the HANDLE_TH_ERRORS / CATCH_CORE_ERRORS
+// that torch's tensor bindings use), so a test without a GPU sees the Python
+// exception torch would raise.
 static int64_t try_alloc(int64_t size, int64_t device) {
   HANDLE_TH_ERRORS
-  return reinterpret_cast<int64_t>(umrt_alloc(static_cast<ssize_t>(size), static_cast<int>(device), nullptr));
+  std::function<void*(size_t, int, umrt_stream_t)> alloc_fn =
+      reinterpret_cast<void* (*)(size_t, int, umrt_stream_t)>(&umrt_alloc);
+  return reinterpret_cast<int64_t>(alloc_fn(static_cast<size_t>(size), static_cast<int>(device), nullptr));
   END_HANDLE_TH_ERRORS_PYBIND
 }
 

@@ -168,8 +168,11 @@ def load_shim() -> Shim | None:
             raise FileNotFoundError(f"{source} is missing from the umrt installation")
         if not cpp_extension.is_ninja_available():
             raise RuntimeError("ninja is not installed (pip install ninja)")
+        from rich.console import Console
+
         started = time.monotonic()
-        module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2"], with_cuda=False)
+        with Console(stderr=True).status("umrt: building the torch allocator shim (first use only)"):
+            module = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2"], with_cuda=False)
         if time.monotonic() - started > 2:
             print(f"umrt: compiled the torch allocator shim in {time.monotonic() - started:.0f} s "
                   "(cached for later runs)", file=sys.stderr)
@@ -180,7 +183,7 @@ def load_shim() -> Shim | None:
         lib.umrt_set_error.restype = None
         return Shim(path=module.__file__, module=module, lib=lib)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the ctypes path"
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         warnings.warn(
             f"umrt: could not build the torch allocator shim ({first_line}); torch allocates through "
             "umrt's ctypes callbacks instead, so running out of managed memory stops the process "
