@@ -145,10 +145,9 @@ class Shim:
 
 
 def _shim_source() -> Path:
-    """``kernels/torch_alloc_shim.cpp`` (``kernels`` ships with umrt as a top-level package)."""
-    import kernels
-
-    return Path(kernels.__file__).parent / "torch_alloc_shim.cpp"
+    """``kernels/torch_alloc_shim.cpp``: ``kernels`` ships beside ``umrt`` (found by path, not
+    by import, so an unrelated ``kernels`` package on ``sys.path`` cannot shadow it)."""
+    return Path(__file__).resolve().parents[2] / "kernels" / "torch_alloc_shim.cpp"
 
 
 @functools.lru_cache(maxsize=1)
