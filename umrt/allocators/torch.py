@@ -22,7 +22,7 @@ throws ``c10::OutOfMemoryError``, which torch turns into
 ``torch.cuda.OutOfMemoryError`` in the Python code that asked for the
 tensor (catch it, free memory, retry: the usual torch recipe works). The shim
 is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a
-C++ compiler and ninja; about 15 s once, then cached under torch's extension
+C++ compiler and ninja; 10-20 s once, then cached under torch's extension
 directory, ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). If it
 cannot be built, umrt warns once and hands torch the ctypes callbacks
 directly; an out-of-memory then prints a clear message and stops the process
