@@ -179,6 +179,7 @@ class Runtime(Policy):
         super().attach(ctx)
         self.backend: Backend = ctx.backend
         self.layout: Layout = ctx.layout
+        self._address = ctx.layout.address  # bound once: the hot path resolves addresses often
         self.profile = ctx.profile
         observe = getattr(ctx.layout, "observe", None)
         self._pool_observe = observe if callable(observe) else None
@@ -241,7 +242,7 @@ class Runtime(Policy):
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
                 self._pending_bytes = sum(r[1] for r in self._pending)
             if key in self._fresh:
-                self._born.append((self.layout.address(obj), event.nbytes))
+                self._born.append((self._address(obj), event.nbytes))
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -267,7 +268,7 @@ class Runtime(Policy):
             if nb >= self.min_discard:
                 dk = self._discard_keys
                 if dk is None or key in dk:
-                    ptr = self.layout.address(obj)
+                    ptr = self._address(obj)
                     if self._born:  # died before any launch: nothing left to populate
                         self._born = [b for b in self._born if b[0] != ptr]
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
@@ -499,7 +500,7 @@ class Runtime(Policy):
         c["decisions"] += 1
         obj_of = self.keys.obj_of
         info = self._info
-        address = self.layout.address
+        address = self._address
         if a.evict:
             ranges = []
             moved = 0
@@ -585,13 +586,16 @@ class Runtime(Policy):
         """Keep these long-lived objects on the host, read over the link
         (PreferredLocation=host + AccessedBy=GPU), and move them out now."""
         ranges = []
-        for k in keys:
-            obj = self.keys.obj_of.get(k)
-            n = self._info.get(obj, _NOINFO).nbytes if obj is not None else 0
-            if n <= 0 or obj in self._advised:
+        obj_of, info, advised = self.keys.obj_of, self._info, self._advised
+        for k in keys:  # every iteration, and almost all are still mapped: skip those first
+            obj = obj_of.get(k)
+            if obj is None or obj in advised:
+                continue
+            n = info.get(obj, _NOINFO).nbytes
+            if n <= 0:
                 continue
             r = (self.layout.address(obj), n)
-            self._advised[obj] = r
+            advised[obj] = r
             ranges.append(r)
         if not ranges:
             return

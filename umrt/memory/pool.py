@@ -333,7 +333,7 @@ class LifetimePool(Layout):
         self._context: int | None = None
         self._ordinals: dict[tuple, int] = {}
         self._records: list[_Record] = []
-        self._prev_records: dict[PlanKey, _Record] = {}
+        self._prev_records: list[_Record] = []  # the previous iteration's (indexed by key when planning)
         self._refine = False  # the plan assumed unknown-end objects alive all along
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
@@ -437,7 +437,7 @@ class LifetimePool(Layout):
         self._tick = 0
         self._context = None
         self._ordinals = {}
-        self._prev_records = {r.key: r for r in self._records}
+        self._prev_records = self._records
         self._records = []
         self._stats = _IterStats()
 
@@ -542,11 +542,12 @@ class LifetimePool(Layout):
         # known yet, it is planned as alive all along and the plan is refined once later.
         ends: dict[int, tuple[int, int] | None] = {}
         unknown = 0
+        prev_records = {r.key: r for r in self._prev_records}
         for r in self._records:
             if r.end is not None:
                 ends[id(r)] = (r.end, r.end_tick)
                 continue
-            prev = self._prev_records.get(r.key)
+            prev = prev_records.get(r.key)
             if prev is not None and prev.end_next is not None and prev.end_next < r.start:
                 ends[id(r)] = (length + prev.end_next, ticks + 1 + prev.end_next_tick)
             else:
