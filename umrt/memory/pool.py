@@ -89,6 +89,7 @@ PlanKey = tuple  # (context exec id | None, nbytes, kind, ordinal)
 # PyTorch re-creates them every iteration (zero_grad(set_to_none=True), the default since 2.0),
 # so they are planned with the transients, by their observed lifetimes.
 _PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE, Kind.OTHER})
+_KIND_CODE = {k: int(k) for k in Kind}  # int(kind), as a lookup (plan keys hold plain ints)
 
 
 def _up(x: int, a: int) -> int:
@@ -249,7 +250,7 @@ class _Live:
     iteration: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _IterStats:
     eligible_bytes: int = 0
     missed_bytes: int = 0
@@ -353,7 +354,8 @@ class LifetimePool(Layout):
                 kind = Kind(kind)
             except ValueError:
                 raise LayoutError(f"object {obj}: unknown kind {kind!r}") from None
-        size = -(-max(nbytes, 1) // self.alignment) * self.alignment
+        align = self.alignment
+        size = -(-(nbytes or 1) // align) * align  # (nbytes >= 0 here: ``or 1`` is max(nbytes, 1))
         self._clock += 1
         if kind in _PERSISTENT:
             live = _Live("persistent", self._online["persistent"].alloc(size), size, nbytes)
@@ -449,10 +451,15 @@ class LifetimePool(Layout):
             self._context = event.exec_id
             if self._depth == 0 and self._tick:
                 self._tick += 1  # a top-level op (optimizer step, loss) counts as a layer of its own
-        elif t is LayerEnter or t is LayerExit:
+        elif t is LayerEnter:
             self._clock += 1
             self._tick += 1
-            self._depth = self._depth + 1 if t is LayerEnter else max(self._depth - 1, 0)
+            self._depth += 1
+        elif t is LayerExit:
+            self._clock += 1
+            self._tick += 1
+            if self._depth > 0:
+                self._depth -= 1
         elif t is IterationBoundary:
             self.on_iteration_boundary(event.index)
 
@@ -484,14 +491,18 @@ class LifetimePool(Layout):
 
     def _alloc_transient(self, size: int, nbytes: int, kind: Kind) -> _Live:
         record = None
+        stats = self._stats
         if self._iteration is not None:
-            ctx = (self._context, size, int(kind))
-            ordinal = self._ordinals.get(ctx, 0)
-            self._ordinals[ctx] = ordinal + 1
-            record = _Record((*ctx, ordinal), size, kind, self._clock - self._iter_clock, self._tick,
-                             self._depth > 0)
+            context = self._context
+            code = _KIND_CODE[kind]
+            ctx = (context, size, code)
+            ordinals = self._ordinals
+            ordinal = ordinals.get(ctx, 0)
+            ordinals[ctx] = ordinal + 1
+            record = _Record((context, size, code, ordinal), size, kind, self._clock - self._iter_clock,
+                             self._tick, self._depth > 0)
             self._records.append(record)
-            self._stats.eligible_bytes += size
+            stats.eligible_bytes += size
         if not self.planned:
             ptr = self._online["learning"].alloc(size)
             return _Live("learning", ptr, size, nbytes, record=record, iteration=self._iteration)
@@ -507,13 +518,13 @@ class LifetimePool(Layout):
                 starts.insert(i, ptr)
                 self._live_ends[ptr] = ptr + size
                 region.live += 1
-                self._stats.hits += 1
+                stats.hits += 1
                 self.totals.hits += 1
                 return _Live(name, ptr, size, nbytes, region, record, self._iteration)
-            self._stats.conflicts += 1
+            stats.conflicts += 1
             self.totals.conflicts += 1
-        self._stats.misses += 1
-        self._stats.missed_bytes += size
+        stats.misses += 1
+        stats.missed_bytes += size
         self.totals.misses += 1
         self.totals.missed_bytes += size
         ptr = self._online["overflow"].alloc(size)
