@@ -6,14 +6,17 @@ from dataclasses import replace
 
 import pytest
 
+from umrt.backends.base import Backend
+from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
+from umrt.policy.base import PolicyContext
 from umrt.policy import make_policy
 from umrt.predict.synthetic import training_trace
 from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
-from umrt.sim.replay import simulate
-from umrt.trace.events import IterationBoundary, Launch, Trace
+from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, Trace
 
 PROFILE = "v100-pcie3-32g"
 
@@ -133,3 +136,60 @@ def test_bad_options():
         Runtime(headroom=0)
     with pytest.raises(ValueError):
         Runtime(learn_iterations=0)
+
+
+
+class _Recording(Backend):
+    """Records every discard call (addresses from a bump allocator; moves are no-ops)."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.top = 1 << 40
+        self.discards: list[list[tuple[int, int]]] = []
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self.top
+        self.top += -(-nbytes // (2 << 20)) * (2 << 20)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        pass
+
+    def prefetch(self, ranges, device) -> None:
+        pass
+
+    def discard(self, ranges) -> None:
+        self.discards.append(list(ranges))
+
+    def advise(self, ranges, advice, device) -> None:
+        pass
+
+    def launch(self, reads, writes, flops, nbytes) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_discard_counters_match_the_calls_made():
+    """The runtime keeps a running total of the bytes pending discard (no
+    sum per launch): it must agree with what the backend was asked to drop,
+    across learned, probed and trusted iterations and the pool's releases."""
+    tr = training_trace(layers=6, steps=6)
+    profile = load_profile(PROFILE)
+    budget = parse_budget("30%", peak_live_bytes(tr))
+    backend = _Recording()
+    rt = Runtime()
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, budget, profile))
+    for ev in tr.events:
+        if isinstance(ev, Alloc):
+            layout.alloc(ev.obj, ev.nbytes, ev.kind)
+        rt.on_event(ev)
+        if isinstance(ev, Free):
+            layout.free(ev.obj)
+    rep = rt.report()
+    assert rep["acted"] >= 3 and rep["discard_calls"] > 0
+    assert rep["discard_calls"] == len(backend.discards)
+    assert rep["discarded_bytes"] == sum(n for call in backend.discards for _, n in call)
