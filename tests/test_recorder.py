@@ -182,3 +182,24 @@ def test_steering_patches_are_removed_on_exit():
     assert (F.scaled_dot_product_attention, F.dropout) == before
     ops = [e.op for e in rec.events if isinstance(e, Launch)]
     assert ops == ["aten::_scaled_dot_product_flash_attention.default", "aten::native_dropout.default"]
+
+
+def test_address_of_live_objects():
+    import torch
+
+    from umrt.capture import Recorder
+    from umrt.trace.events import Alloc
+
+    seen = []
+    rec = Recorder(listeners=(seen.append,), auto_step=False)
+    with rec:
+        x = torch.ones(16)
+        y = x * 2
+        allocs = [e.obj for e in seen if isinstance(e, Alloc)]
+        ptrs = {rec.address(o) for o in allocs}
+        assert x.untyped_storage().data_ptr() in ptrs and y.untyped_storage().data_ptr() in ptrs
+        del y
+    assert rec.address(10**9) == 0
+    with Recorder(auto_step=False) as meta_rec:
+        torch.ones(4, device="meta") + 1
+        assert all(meta_rec.address(o) == 0 for o in range(4))

@@ -246,16 +246,8 @@ class LiveLayout:
         self.recorder, self.pool = recorder, pool
         self._where: dict[int, int] = {}
 
-    def _lookup(self, obj: int) -> int:
-        address = getattr(self.recorder, "address", None)
-        if callable(address):  # preferred: a public Recorder.address(obj)
-            return int(address(obj) or 0)
-        fin = getattr(self.recorder, "_finalizers", {}).get(obj)
-        item = fin.peek() if fin is not None else None
-        return int(item[0].data_ptr()) if item else 0
-
     def alloc(self, obj: int, nbytes: int, kind: Any) -> int:
-        ptr = self._where[obj] = self._lookup(obj)
+        ptr = self._where[obj] = self.recorder.address(obj)
         return ptr
 
     def free(self, obj: int) -> None:

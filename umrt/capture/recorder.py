@@ -299,6 +299,18 @@ class Recorder:
         finally:
             self._paused -= 1
 
+    def address(self, obj: int) -> int:
+        """Device address of a live object's storage (0 if dead, unknown, or on meta).
+
+        The live runtime uses it to find where torch (through umrt's pool) put an object.
+        """
+        fin = self._finalizers.get(obj)
+        item = fin.peek() if fin is not None else None
+        if not item:
+            return 0
+        storage = item[0]
+        return 0 if storage.device.type == "meta" else int(storage.data_ptr())
+
     def trace(self) -> Trace:
         """The trace so far, with refined kinds (and detected iterations if unmarked)."""
         with self._lock:
