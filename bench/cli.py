@@ -116,6 +116,10 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
     unknown = [p for p in grid.policies if p not in POLICY_NAMES]
     if unknown:
         raise ConfigError(f"unknown policy {', '.join(map(repr, unknown))}; valid policies: {', '.join(POLICY_NAMES)}")
+    from umrt.zoo import resolve
+
+    for model in grid.models:  # a misspelt model fails here, not as a column of failed cells
+        resolve(model)
     return grid
 
 

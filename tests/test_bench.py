@@ -154,6 +154,9 @@ def test_cli_rejects_bad_input(capsys, tmp_path):
     assert "percentage" in capsys.readouterr().err
     assert main(["--policies", "lru", "--out", str(tmp_path)]) == 2
     assert "valid policies" in capsys.readouterr().err
+    assert main(["--models", "gtp2", "--out", str(tmp_path)]) == 2
+    assert "unknown model 'gtp2'" in capsys.readouterr().err
+    assert not (tmp_path / "results.json").exists()
     assert main(["--from-json", str(tmp_path / "missing.json"), "--out", str(tmp_path)]) == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--preset", "nope"])
