@@ -315,3 +315,32 @@ def test_random_repeating_iterations(objs, cross):
     n = len(objs)
     # The persistent arena is online best fit; everything recurs identically from iteration 2.
     assert [addrs[(2, i)] for i in range(n)] == [addrs[(3, i)] for i in range(n)]
+
+
+class _Typed:
+    """Feeds launches and layer events through the pool's typed entry points
+    (as the runtime does) instead of ``observe``."""
+
+    def __init__(self, pool: LifetimePool) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def observe(self, e) -> None:
+        if isinstance(e, Launch):
+            self.pool.observe_launch(e.exec_id)
+        elif isinstance(e, (LayerEnter, LayerExit)):
+            self.pool.observe_layer(isinstance(e, LayerEnter))
+        else:
+            self.pool.observe(e)
+
+
+def test_typed_entry_points_plan_as_observe_does():
+    events = model_events(iterations=5, layers=5)
+    plain, typed = LifetimePool(BumpBackend()), LifetimePool(BumpBackend())
+    a = drive(plain, events)
+    b = drive(_Typed(typed), events)
+    assert a == b
+    assert plain.report() == typed.report()
+    assert plain._tick == typed._tick and plain._depth == typed._depth and plain._clock == typed._clock

@@ -166,6 +166,8 @@ class Runtime(Policy):
         self._pending_bytes = 0
         self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch
         self._pool_observe = None
+        self._pool_launch = None
+        self._pool_layer = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
@@ -183,6 +185,12 @@ class Runtime(Policy):
         self.profile = ctx.profile
         observe = getattr(ctx.layout, "observe", None)
         self._pool_observe = observe if callable(observe) else None
+        # The pool's typed entry points skip its own dispatch on the type (hot path).
+        launch = getattr(ctx.layout, "observe_launch", None)
+        layer = getattr(ctx.layout, "observe_layer", None)
+        typed = self._pool_observe is not None and callable(launch) and callable(layer)
+        self._pool_launch = launch if typed else None
+        self._pool_layer = layer if typed else None
         self.set_budget(ctx.budget_bytes)
 
     def set_budget(self, budget_bytes: int) -> None:
@@ -281,7 +289,9 @@ class Runtime(Policy):
                 rec.frees.append((self._nl, key))
             self._nf += 1
         elif t is Launch:
-            if self._pool_observe is not None:
+            if self._pool_launch is not None:
+                self._pool_launch(event.exec_id)
+            elif self._pool_observe is not None:
                 self._pool_observe(event)
             if self._rec is not None:
                 self._record_launch(event)
@@ -313,7 +323,9 @@ class Runtime(Policy):
             if self._over and n in self._over and self._mode == "act":
                 self._map_temp(self._over[n])
         elif t is LayerEnter or t is LayerExit:
-            if self._pool_observe is not None:
+            if self._pool_layer is not None:
+                self._pool_layer(t is LayerEnter)
+            elif self._pool_observe is not None:
                 self._pool_observe(event)
             if self._rec is not None:
                 self._rec.boundaries.append(self._nl)

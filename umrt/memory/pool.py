@@ -463,6 +463,23 @@ class LifetimePool(Layout):
         elif t is IterationBoundary:
             self.on_iteration_boundary(event.index)
 
+    def observe_launch(self, exec_id: int) -> None:
+        """``observe(Launch)`` for a caller that already knows the event's type
+        (the runtime's hot path); only its execution id matters."""
+        self._clock += 1
+        self._context = exec_id
+        if self._depth == 0 and self._tick:
+            self._tick += 1
+
+    def observe_layer(self, enter: bool) -> None:
+        """``observe(LayerEnter)`` (``enter``) or ``observe(LayerExit)``, by type already known."""
+        self._clock += 1
+        self._tick += 1
+        if enter:
+            self._depth += 1
+        elif self._depth > 0:
+            self._depth -= 1
+
     def observe_all(self, events: Iterable[Event]) -> None:
         for event in events:
             self.observe(event)
