@@ -2,14 +2,20 @@
 
 Feeds a training trace (default GPT-2 XL, batch 8, seq 1024, traced on meta)
 event by event to :class:`umrt.runtime.Runtime`, exactly as the simulator's
-replay does, for several iterations, and times every ``Runtime.on_event``
-call of the steady iterations with ``time.perf_counter_ns`` (the minimum
-over ``--repeats`` iterations is the figure, the median is printed beside it). The
-backend is a no-op stand-in: what is measured is the runtime's own Python
-work (tables, plan following, range resolution, the pool's bookkeeping it
-feeds), not the driver's. The number of backend calls it made is reported
-beside it, with what they cost on the profile (``prefetch_call_overhead_s``
-each, the simulator's model of the driver's time).
+replay does, and times every ``Runtime.on_event`` call of the steady
+iterations with ``time.perf_counter_ns`` (less the cost of timing an empty
+call). An iteration is timed from its opening boundary to the next, so it
+holds exactly one boundary's work. The machine is shared, so ``--repeats``
+steady iterations are timed and the minimum (the least disturbed) is the
+figure, with the median beside it.
+
+The backend is a no-op stand-in: what is measured is the runtime's own Python
+work (tables, plan following, range resolution, and the pool's event
+bookkeeping it feeds), not the driver's. The number of backend calls it made
+is reported beside it, with what they cost on the profile
+(``prefetch_call_overhead_s`` each, the simulator's model of the driver's
+time). The pool's ``alloc``/``free`` (umrt's allocator, standing in for
+PyTorch's caching allocator) are timed the same way and reported beside it.
 
 The figure is compared with the simulated ideal (unlimited-memory) iteration
 time on the hardware profile (default h100-pcie5-80g); the target is <= 1%.
