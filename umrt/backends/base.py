@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 HOST = -1  # cudaCpuDeviceId
 

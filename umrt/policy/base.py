@@ -27,8 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class PolicyContext:
     """What a runtime legitimately knows about its environment."""
 
-    backend: "Backend"
-    layout: "Layout"
+    backend: Backend
+    layout: Layout
     budget_bytes: int  # GPU memory the policy may plan to use
     profile: object | None = None  # umrt.hardware.HardwareProfile, for time-based windows
 
@@ -43,10 +43,10 @@ class Policy(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def on_event(self, event: "Event") -> None:
+    def on_event(self, event: Event) -> None:
         """Observe one event and issue backend calls if needed."""
 
-    def make_layout(self, backend: "Backend") -> "Layout":
+    def make_layout(self, backend: Backend) -> Layout:
         """The address layout this policy runs with: by default a model of
         PyTorch's caching allocator (umrt's own runtime uses its pool)."""
         from umrt.memory.caching import CachingAllocatorLayout

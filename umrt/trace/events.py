@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, Union
 
 
 class Kind(enum.IntEnum):
@@ -108,7 +108,7 @@ class LayerExit:
     phase: str = "forward"
 
 
-Event = Union[Launch, Alloc, Free, IterationBoundary, LayerEnter, LayerExit]
+Event = Launch | Alloc | Free | IterationBoundary | LayerEnter | LayerExit
 
 
 def execution_id(op: str, shapes: Iterable[Sequence[int]], dtypes: Iterable[str], module: str) -> int:
@@ -151,7 +151,7 @@ class Trace:
         the index of the next boundary.
         """
         marks = [i for i, e in enumerate(self.events) if isinstance(e, IterationBoundary)]
-        return list(zip(marks[:-1], marks[1:]))
+        return list(zip(marks[:-1], marks[1:], strict=False))
 
     def launches(self) -> list[Launch]:
         return [e for e in self.events if isinstance(e, Launch)]
