@@ -9,8 +9,8 @@ import pytest
 from umrt.backends.base import Backend
 from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
-from umrt.policy.base import PolicyContext
 from umrt.policy import make_policy
+from umrt.policy.base import PolicyContext
 from umrt.predict.synthetic import training_trace
 from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver

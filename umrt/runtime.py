@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Runtime"]
 
+
 class _Unknown:
     """What the runtime knows of an object it never saw allocated."""
 
