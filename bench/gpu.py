@@ -53,6 +53,7 @@ DEFAULT_BUDGET = "50%"
 # Managed memory umrt's pool may hold beyond the ideal peak (2 MB rounding,
 # segments): the device must have this much more free than the ideal peak.
 HEADROOM = 1.25
+_TORCH_DEVICE = "cuda"  # the workers' torch device (a unit test runs the loop on the CPU)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 
 
@@ -200,17 +201,14 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         spec.config.image_size = seq
     torch.manual_seed(0)
     with _quiet_transformers():
-        model = build_model(spec, "cuda")
+        model = build_model(spec, _TORCH_DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         fwd = _forward_kwargs(spec)
         sampler = None
         times: list[float] = []
         for step in range(args.warmup + args.steps):
-            inputs = make_inputs(spec, batch, seq, "cuda")  # the loader's work, outside the timing
-            if step == args.warmup:
-                torch.cuda.reset_peak_memory_stats(args.device)
-                if session is not None:
-                    umrt.reset_peak_memory_stats()
+            inputs = make_inputs(spec, batch, seq, _TORCH_DEVICE)  # the loader's work, outside the timing
+            if step == args.warmup:  # peaks stay whole-run, as the simulator's budget base
                 sampler = Sampler(args.device, pci_bus_id=_pci_bus_id(args.device), out=io.StringIO()).start()
             torch.cuda.synchronize(args.device)
             t0 = time.perf_counter()
@@ -395,16 +393,19 @@ def render(report: dict[str, Any], console: Any = None) -> None:
     b = report["budget"]
     frac = f" = {b['fraction_of_ideal_peak']:.0%} of ideal peak" if b.get("fraction_of_ideal_peak") else ""
     t = Table(title=f"{report['model']} batch {report['batch']} x {report['seq']}, budget "
-                    f"{format_bytes(b['bytes'])}{frac} — {report['label']}")
-    for col in ("mode", "measured (ms)", "min (ms)", "vs ideal", f"simulated {sim.get('profile', '')} (ms)",
-                "sim vs ideal", "umrt migrated", "NVML peak used", "NVML PCIe H2D"):
-        t.add_column(col, justify="left" if col == "mode" else "right")
+                    f"{format_bytes(b['bytes'])}{frac}, {report['label']}")
+    t.caption = (f"ms: median of the timed steps, min: fastest; sim = simulated on {sim['profile']}; migrated = by umrt's "
+                 "prefetches (umrt.memory_stats); NVML = device memory used / PCIe host->GPU"
+                 if sim else "median of the timed steps; no simulated column")
+    t.add_column("mode", min_width=5, no_wrap=True)
+    for col in ("ms", "min", "×ideal", "sim ms", "sim×", "migrated", "NVML peak", "NVML H2D"):
+        t.add_column(col, justify="right", no_wrap=True)
     ideal_s = report["measured"].get("ideal", {}).get("iteration_time_s")
     ideal_sim = sim_modes.get("ideal", {}).get("iteration_time_s")
     for mode, m in report["measured"].items():
         s = sim_modes.get(mode, {}).get("iteration_time_s")
         if "error" in m:
-            t.add_row(mode, f"[red]failed: {m['error']}[/red]", "", "", _ms(s), _x(s, ideal_sim), "", "", "")
+            t.add_row(mode, "[red]failed[/red]", "", "", _ms(s), _x(s, ideal_sim), "", "", "")
             continue
         it = m["iteration_time_s"]
         ms, tel = m.get("memory_stats", {}), m.get("telemetry", {})
@@ -413,10 +414,20 @@ def render(report: dict[str, Any], console: Any = None) -> None:
                   format_bytes(tel["peak_used_bytes"]) if tel.get("samples") else "-",
                   format_bytes(tel["h2d_bytes"]) if tel.get("samples") else "-")
     console.print(t)
+    peak = report["measured"].get("ideal", {}).get("peak_allocated_bytes")
+    sim_peak = next((v.get("peak_live_bytes") for v in sim_modes.values() if v.get("peak_live_bytes")), None)
+    if peak or sim_peak:
+        console.print(f"budget base (peak bytes): measured ideal {format_bytes(peak) if peak else '-'}, "
+                      f"simulated trace {format_bytes(sim_peak) if sim_peak else '-'}")
+    for mode, v in sim_modes.items():
+        if v.get("error"):
+            console.print(f"simulated {mode}: {v['error']}")
     r, sr = report["ratios"], sim.get("ratios", {})
     console.print("ratios (measured | simulated): " + ", ".join(
         f"{k} {_f(v)} | {_f(sr.get(k))}" for k, v in r.items()))
     for mode, m in report["measured"].items():
+        if "error" in m:
+            console.print(f"[red]{mode} failed:[/red] {m['error']}")
         if m.get("memory_stats"):
             console.print(f"{mode} umrt.memory_stats(): " + ", ".join(
                 f"{k}={format_bytes(v) if k.endswith('bytes') else v}" for k, v in m["memory_stats"].items()))

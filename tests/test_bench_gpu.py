@@ -58,6 +58,16 @@ def test_no_gpu_from_the_command_line():
     assert "Traceback" not in proc.stderr and "no CUDA GPU found" in proc.stderr
 
 
+def test_a_failed_worker_is_recorded_with_its_last_line(tmp_path):
+    from tests.conftest import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is present: umrt would start")
+    args = gpu.build_parser().parse_args(["--model", TINY, "--steps", "1", "--warmup", "0"])
+    r = gpu.run_mode("umrt", args, 64 << 20, tmp_path)
+    assert r == {"mode": "umrt", "error": "bench.gpu: umrt did not start (no CUDA GPU)"}
+
+
 def test_ratios_from_fake_timings():
     r = gpu.compute_ratios({"ideal": 0.1, "um": 0.5, "umrt": 0.2})
     assert r["um/ideal"] == pytest.approx(5.0)
@@ -112,7 +122,7 @@ def test_report_from_fake_per_mode_results():
     buf = io.StringIO()
     gpu.render(rep, Console(file=buf, width=250))
     text = buf.getvalue()
-    assert "measured on NVIDIA H100" in text and "failed: out of memory" in text
+    assert "measured on NVIDIA H100" in text and "umrt failed: out of memory" in text
     assert f"um/ideal {0.050 / 0.011:.2f}x | 5.00x" in text
     assert "migrated_bytes=3.0 MiB" in text
 
@@ -141,6 +151,30 @@ def test_a_model_that_does_not_fit_the_free_memory_is_refused(monkeypatch):
     args = gpu.build_parser().parse_args(["--model", "gpt2", "--no-sim"])
     with pytest.raises(gpu.BenchError, match="does not fit"):
         gpu.run(args)
+
+
+def test_the_ideal_worker_trains_and_times_each_step(monkeypatch, tmp_path):
+    """The worker's loop, on the CPU with torch.cuda's queries faked (no GPU here)."""
+    import torch
+
+    class Props:
+        name, major, minor = "Fake GPU", 9, 0
+
+    monkeypatch.setattr(gpu, "_TORCH_DEVICE", "cpu")
+    for fn in ("set_device", "synchronize"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (7 << 30, 8 << 30))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 123)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 456)
+    out = tmp_path / "ideal.json"
+    args = gpu.build_parser().parse_args(["--worker", "ideal", "--model", TINY, "--batch", "2", "--seq", "32",
+                                          "--steps", "2", "--warmup", "1", "--out", str(out)])
+    assert gpu._worker_main(args) == 0
+    r = json.loads(out.read_text())
+    assert len(r["step_times_s"]) == 2 and all(t > 0 for t in r["step_times_s"])
+    assert (r["batch"], r["seq"], r["peak_allocated_bytes"]) == (2, 32, 123)
+    assert r["gpu"]["name"] == "Fake GPU" and r["gpu"]["free_bytes_at_start"] == 7 << 30
 
 
 @pytest.mark.parametrize("name, total, want", [
