@@ -502,6 +502,17 @@ def _check_fits(results: dict[str, dict[str, Any]], budget_bytes: int) -> None:
         raise BenchError(f"--budget {budget_bytes / 2**30:.1f} GiB exceeds the device's free memory")
 
 
+def _strict(value: Any) -> Any:
+    """NaN/inf (a failed or missing figure) as JSON null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
@@ -513,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     render(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=float) + "\n")
+        Path(args.json).write_text(json.dumps(_strict(report), indent=2, allow_nan=False) + "\n")
     return 0 if all("error" not in m for m in report["measured"].values()) else 1
 
 

@@ -116,7 +116,8 @@ def test_report_from_fake_per_mode_results():
     assert rep["ratios"]["um/ideal"] == pytest.approx(0.050 / 0.011)
     assert rep["ratios"]["umrt/ideal"] is None and "error" in rep["measured"]["umrt"]
     assert rep["budget"]["fraction_of_ideal_peak"] == pytest.approx(0.5)
-    json.dumps(rep)  # serialisable as is
+    rep["measured"]["um"]["odd"] = math.nan
+    assert json.loads(json.dumps(gpu._strict(rep), allow_nan=False))["measured"]["um"]["odd"] is None
     from rich.console import Console
 
     buf = io.StringIO()
