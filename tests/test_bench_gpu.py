@@ -13,6 +13,7 @@ import pytest
 from bench import gpu
 
 TINY = "hf:GPT2Config:n_layer=2,n_embd=256,n_head=4,vocab_size=8192,n_positions=128"
+MICRO = "hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=256,n_positions=32"  # CPU-only loop test
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -169,7 +170,7 @@ def test_the_ideal_worker_trains_and_times_each_step(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 123)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: 456)
     out = tmp_path / "ideal.json"
-    args = gpu.build_parser().parse_args(["--worker", "ideal", "--model", TINY, "--batch", "2", "--seq", "32",
+    args = gpu.build_parser().parse_args(["--worker", "ideal", "--model", MICRO, "--batch", "2", "--seq", "32",
                                           "--steps", "2", "--warmup", "1", "--out", str(out)])
     assert gpu._worker_main(args) == 0
     r = json.loads(out.read_text())
