@@ -193,3 +193,52 @@ def test_discard_counters_match_the_calls_made():
     assert rep["acted"] >= 3 and rep["discard_calls"] > 0
     assert rep["discard_calls"] == len(backend.discards)
     assert rep["discarded_bytes"] == sum(n for call in backend.discards for _, n in call)
+
+
+class _AllCalls(_Recording):
+    """Records prefetches and advice too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def prefetch(self, ranges, device) -> None:
+        self.calls.append(("prefetch", tuple(ranges), device))
+
+    def discard(self, ranges) -> None:
+        super().discard(ranges)
+        self.calls.append(("discard", tuple(ranges)))
+
+    def advise(self, ranges, advice, device) -> None:
+        self.calls.append(("advise", tuple(ranges), advice, device))
+
+
+class _NoIndexPool(LifetimePool):
+    live_index = None  # hides the pool's index: the runtime resolves through address()
+
+
+def _calls(hide_index: bool) -> list[tuple]:
+    tr = training_trace(layers=6, steps=6)
+    budget = parse_budget("30%", peak_live_bytes(tr))
+    backend = _AllCalls()
+    rt = Runtime()
+    layout = rt.make_layout(backend)
+    if hide_index:
+        layout.__class__ = _NoIndexPool
+    rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
+    for ev in tr.events:
+        if isinstance(ev, Alloc):
+            layout.alloc(ev.obj, ev.nbytes, ev.kind)
+        rt.on_event(ev)
+        if isinstance(ev, Free):
+            layout.free(ev.obj)
+    assert rt.report()["acted"] >= 3
+    return backend.calls
+
+
+def test_pool_index_and_address_lookups_resolve_the_same_ranges():
+    """The hot path reads addresses from the pool's live index; a layout
+    without one is resolved through Layout.address: the same moves either way."""
+    fast = _calls(hide_index=False)
+    assert any(c[0] == "prefetch" for c in fast)
+    assert fast == _calls(hide_index=True)

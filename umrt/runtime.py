@@ -68,6 +68,31 @@ class _Unknown:
 
 
 _NOINFO = _Unknown()
+
+
+class _Where:
+    """Where a live object is: ``.ptr`` and ``.nbytes`` (as the pool's live records)."""
+
+    __slots__ = ("ptr", "nbytes")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr, self.nbytes = ptr, nbytes
+
+
+_NOWHERE = _Where(0, 0)
+
+
+class _AddressIndex:
+    """``obj -> _Where`` over ``Layout.address`` and the runtime's own sizes,
+    for a layout without a ``live_index`` (the caching-allocator model)."""
+
+    __slots__ = ("_address", "_info")
+
+    def __init__(self, address, info: dict) -> None:
+        self._address, self._info = address, info
+
+    def __getitem__(self, obj: int) -> _Where:
+        return _Where(self._address(obj), self._info.get(obj, _NOINFO).nbytes)
 _MASK = (1 << 63) - 1
 
 
@@ -182,7 +207,10 @@ class Runtime(Policy):
         super().attach(ctx)
         self.backend: Backend = ctx.backend
         self.layout: Layout = ctx.layout
-        self._address = ctx.layout.address  # bound once: the hot path resolves addresses often
+        # obj -> record with .ptr and .nbytes: the pool's own index (a dict lookup
+        # instead of a call per address on the hot path), else one over address().
+        lives = getattr(ctx.layout, "live_index", None)
+        self._lives = lives if lives is not None else _AddressIndex(ctx.layout.address, self._info)
         self.profile = ctx.profile
         observe = getattr(ctx.layout, "observe", None)
         self._pool_observe = observe if callable(observe) else None
@@ -251,7 +279,7 @@ class Runtime(Policy):
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
                 self._pending_bytes = sum(r[1] for r in self._pending)
             if key in self._fresh:
-                self._born.append((self._address(obj), event.nbytes))
+                self._born.append((self._lives[obj].ptr, event.nbytes))
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -262,9 +290,9 @@ class Runtime(Policy):
             keys = self.keys  # ObjectKeys.free, inlined
             key = keys.key_of.pop(obj, None)
             if key is not None:
-                obj_of = keys.obj_of
-                if obj_of.get(key) == obj:
-                    del obj_of[key]
+                other = keys.obj_of.pop(key, obj)
+                if other != obj:  # the key has passed to another object meanwhile: keep it
+                    keys.obj_of[key] = other
             if self._advised and obj in self._advised:
                 self._unmap(obj)
             if self._mostly and obj in self._mostly:
@@ -277,7 +305,7 @@ class Runtime(Policy):
             if nb >= self.min_discard:
                 dk = self._discard_keys
                 if dk is None or key in dk:
-                    ptr = self._address(obj)
+                    ptr = self._lives[obj].ptr
                     if self._born:  # died before any launch: nothing left to populate
                         self._born = [b for b in self._born if b[0] != ptr]
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
@@ -512,17 +540,17 @@ class Runtime(Policy):
         c = self.counters
         c["decisions"] += 1
         obj_of = self.keys.obj_of
-        info = self._info
-        address = self._address
+        lives = self._lives
         if a.evict:
             ranges = []
             moved = 0
             for k in a.evict:
                 obj = obj_of.get(k)
                 if obj is not None:
-                    ptr = address(obj)
+                    lv = lives[obj]
+                    ptr = lv.ptr
                     start = -(-ptr // PAGE) * PAGE  # whole pages only (_inner, inlined)
-                    end = (ptr + info[obj].nbytes) // PAGE * PAGE
+                    end = (ptr + lv.nbytes) // PAGE * PAGE
                     if end > start:
                         ranges.append((start, end - start))
                         moved += end - start
@@ -535,9 +563,10 @@ class Runtime(Policy):
             moved = 0
             for k in a.prefetch:
                 obj = obj_of.get(k)
-                n = info[obj].nbytes if obj is not None else 0
+                lv = lives[obj] if obj is not None else _NOWHERE
+                n = lv.nbytes
                 if n > 0:
-                    ranges.append((address(obj), n))
+                    ranges.append((lv.ptr, n))
                     moved += n
                 else:
                     c["unresolved"] += 1

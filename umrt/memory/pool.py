@@ -70,7 +70,7 @@ learning iteration put them, in the ``learning`` arena.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from umrt.memory.base import Layout
@@ -399,6 +399,14 @@ class LifetimePool(Layout):
 
     def footprint(self) -> int:
         return self._footprint
+
+    @property
+    def live_index(self) -> Mapping[int, _Live]:
+        """``obj -> record`` of every live object, each with ``.ptr`` (its
+        address) and ``.nbytes`` (as allocated). Read-only: for a caller that
+        resolves many addresses per event (the runtime's hot path) without a
+        call per object; :meth:`address` is the checked way."""
+        return self._live
 
     # -- what the runtime asks ------------------------------------------------
 
