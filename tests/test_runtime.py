@@ -242,3 +242,27 @@ def test_pool_index_and_address_lookups_resolve_the_same_ranges():
     fast = _calls(hide_index=False)
     assert any(c[0] == "prefetch" for c in fast)
     assert fast == _calls(hide_index=True)
+
+
+def test_decision_ranges_are_memoized_only_while_objects_stay_put():
+    """_resolve memoizes a decision's ranges per key tuple; an object that
+    moved, changed size or died must be resolved afresh."""
+    from umrt.runtime import _Where
+
+    rt = Runtime()
+    page = 64 << 10
+    lives = {10: _Where(4 * page, 3 * page), 11: _Where(8 * page + 5, 2 * page)}
+    rt._lives = lives
+    rt.keys.obj_of.update({1: 10, 2: 11})
+    keys = (1, 2)
+    memo: dict = {}
+    assert rt._resolve(keys, memo, False) == ([(4 * page, 3 * page), (8 * page + 5, 2 * page)], 5 * page, 0)
+    # evictions move whole pages only
+    assert rt._resolve(keys, {}, True) == ([(4 * page, 3 * page), (9 * page, page)], 4 * page, 0)
+    lives[10] = _Where(20 * page, page)  # the role got another address this iteration
+    assert rt._resolve(keys, memo, False) == ([(20 * page, page), (8 * page + 5, 2 * page)], 3 * page, 0)
+    del rt.keys.obj_of[2]  # not alive: counted, not moved
+    assert rt._resolve(keys, memo, False) == ([(20 * page, page)], page, 1)
+    out = rt._resolve(keys, memo, False)[0]
+    out.append((0, 0))  # the caller's list is its own
+    assert rt._resolve(keys, memo, False)[0] == [(20 * page, page)]

@@ -44,6 +44,7 @@ prediction), batched until the next launch.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from umrt.backends.base import HOST, Advice, Backend
@@ -79,7 +80,8 @@ class _Where:
         self.ptr, self.nbytes = ptr, nbytes
 
 
-_NOWHERE = _Where(0, 0)
+_PTR_N = attrgetter("ptr", "nbytes")  # a live record -> (ptr, nbytes), at C speed
+_MEMO_MAX = 1 << 14  # memoized decision ranges kept (cleared beyond)
 
 
 class _AddressIndex:
@@ -191,6 +193,9 @@ class Runtime(Policy):
         self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
         self._pending_bytes = 0
         self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch
+        # Decision ranges memoized per key tuple (see _resolve), evictions and prefetches apart.
+        self._memo_evict: dict[int, tuple] = {}
+        self._memo_prefetch: dict[int, tuple] = {}
         self._pool_observe = None
         self._pool_launch = None
         self._pool_layer = None
@@ -539,41 +544,41 @@ class Runtime(Policy):
         self._next_at = self._actions[self._ai].at if self._ai < len(self._actions) else -1
         c = self.counters
         c["decisions"] += 1
-        obj_of = self.keys.obj_of
-        lives = self._lives
         if a.evict:
-            ranges = []
-            moved = 0
-            for k in a.evict:
-                obj = obj_of.get(k)
-                if obj is not None:
-                    lv = lives[obj]
-                    ptr = lv.ptr
-                    start = -(-ptr // PAGE) * PAGE  # whole pages only (_inner, inlined)
-                    end = (ptr + lv.nbytes) // PAGE * PAGE
-                    if end > start:
-                        ranges.append((start, end - start))
-                        moved += end - start
+            ranges, moved, _ = self._resolve(a.evict, self._memo_evict, True)
             if ranges:
                 self.backend.prefetch(ranges, HOST)
                 c["prefetch_calls"] += 1
                 c["evicted_bytes"] += moved
         if a.prefetch:
-            ranges = []
-            moved = 0
-            for k in a.prefetch:
-                obj = obj_of.get(k)
-                lv = lives[obj] if obj is not None else _NOWHERE
-                n = lv.nbytes
-                if n > 0:
-                    ranges.append((lv.ptr, n))
-                    moved += n
-                else:
-                    c["unresolved"] += 1
+            ranges, moved, unresolved = self._resolve(a.prefetch, self._memo_prefetch, False)
+            c["unresolved"] += unresolved
             if ranges:
                 self.backend.prefetch(ranges, self.backend.device)
                 c["prefetch_calls"] += 1
                 c["prefetched_bytes"] += moved
+
+    def _resolve(self, keys: tuple[int, ...], memo: dict, evict: bool) -> tuple[list, int, int]:
+        """The ranges a decision moves for ``keys``: ``(ranges, bytes, keys not alive)``.
+
+        Where each object is, ``(ptr, nbytes)``, is read for all keys at once
+        (C-level lookups); the ranges are a pure function of that, memoized per
+        key tuple: in steady state the pool gives every role the same address
+        each iteration, so the page rounding is done once. Anything that moved
+        (or a key that is not alive) is simply computed afresh.
+        """
+        objs = tuple(map(self.keys.obj_of.get, keys))
+        if None in objs:
+            lives = self._lives
+            where = tuple(None if o is None else _PTR_N(lives[o]) for o in objs)
+        else:
+            where = tuple(map(_PTR_N, map(self._lives.__getitem__, objs)))
+        hit = memo.get(id(keys))
+        if hit is None or hit[0] != where:
+            if len(memo) >= _MEMO_MAX:
+                memo.clear()
+            hit = memo[id(keys)] = (where, *_moves(where, evict))
+        return list(hit[1]), hit[2], hit[3]
 
     def _switch(self, ev: Launch) -> Action | None:
         """Another learned shape may match where this one failed (an eval
@@ -679,6 +684,31 @@ class Runtime(Policy):
         r = self._advised.pop(obj)
         self.backend.advise([r], Advice.UNSET_ACCESSED_BY, self.backend.device)
         self.backend.advise([r], Advice.UNSET_PREFERRED_LOCATION, HOST)
+
+
+def _moves(where: tuple, evict: bool) -> tuple[tuple[tuple[int, int], ...], int, int]:
+    """``(ranges, bytes, not alive)`` for objects at ``where`` (``(ptr, nbytes)``
+    or ``None`` for a key not alive): moved out as whole pages only
+    (``evict``, :func:`_inner`), or in as they are."""
+    ranges = []
+    moved = unresolved = 0
+    for w in where:
+        if w is None:
+            unresolved += not evict
+            continue
+        ptr, n = w
+        if evict:
+            start = -(-ptr // PAGE) * PAGE
+            end = (ptr + n) // PAGE * PAGE
+            if end > start:
+                ranges.append((start, end - start))
+                moved += end - start
+        elif n > 0:
+            ranges.append((ptr, n))
+            moved += n
+        else:
+            unresolved += 1
+    return tuple(ranges), moved, unresolved
 
 
 def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:
