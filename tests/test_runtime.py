@@ -16,7 +16,7 @@ from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
-from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, Trace
 
 PROFILE = "v100-pcie3-32g"
 
@@ -266,3 +266,19 @@ def test_decision_ranges_are_memoized_only_while_objects_stay_put():
     out = rt._resolve(keys, memo, False)[0]
     out.append((0, 0))  # the caller's list is its own
     assert rt._resolve(keys, memo, False)[0] == [(20 * page, page)]
+
+
+def test_an_object_the_layout_never_allocated_is_a_layout_error():
+    """A driver that skips layout.alloc gets the layout's clear error, not a KeyError."""
+    from umrt.memory.caching import LayoutError
+
+    rt = Runtime()
+    backend = _Recording()
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
+    rt._fresh = frozenset({0})
+    with pytest.raises(LayoutError):
+        rt.on_event(Alloc(7, 32 << 20, Kind.ACTIVATION))
+    rt.keys.obj_of[5] = 7
+    with pytest.raises(LayoutError):
+        rt._resolve((5,), {}, False)

@@ -81,7 +81,7 @@ class _Where:
 
 
 _PTR_N = attrgetter("ptr", "nbytes")  # a live record -> (ptr, nbytes), at C speed
-_MEMO_MAX = 1 << 14  # memoized decision ranges kept (cleared beyond)
+_MEMO_MAX = 4096  # memoized decision ranges kept (cleared beyond; 8 shapes x ~300 decisions fit)
 
 
 class _AddressIndex:
@@ -284,7 +284,11 @@ class Runtime(Policy):
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
                 self._pending_bytes = sum(r[1] for r in self._pending)
             if key in self._fresh:
-                self._born.append((self._lives[obj].ptr, event.nbytes))
+                try:
+                    ptr = self._lives[obj].ptr
+                except KeyError:
+                    ptr = self._not_live(obj)
+                self._born.append((ptr, event.nbytes))
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -310,7 +314,10 @@ class Runtime(Policy):
             if nb >= self.min_discard:
                 dk = self._discard_keys
                 if dk is None or key in dk:
-                    ptr = self._lives[obj].ptr
+                    try:
+                        ptr = self._lives[obj].ptr
+                    except KeyError:
+                        ptr = self._not_live(obj)
                     if self._born:  # died before any launch: nothing left to populate
                         self._born = [b for b in self._born if b[0] != ptr]
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
@@ -568,17 +575,26 @@ class Runtime(Policy):
         (or a key that is not alive) is simply computed afresh.
         """
         objs = tuple(map(self.keys.obj_of.get, keys))
-        if None in objs:
-            lives = self._lives
-            where = tuple(None if o is None else _PTR_N(lives[o]) for o in objs)
-        else:
-            where = tuple(map(_PTR_N, map(self._lives.__getitem__, objs)))
+        try:
+            if None in objs:
+                lives = self._lives
+                where = tuple(None if o is None else _PTR_N(lives[o]) for o in objs)
+            else:
+                where = tuple(map(_PTR_N, map(self._lives.__getitem__, objs)))
+        except KeyError as e:
+            self._not_live(e.args[0])
+            raise
         hit = memo.get(id(keys))
         if hit is None or hit[0] != where:
             if len(memo) >= _MEMO_MAX:
                 memo.clear()
             hit = memo[id(keys)] = (where, *_moves(where, evict))
         return list(hit[1]), hit[2], hit[3]
+
+    def _not_live(self, obj: int) -> int:
+        """An object the runtime was told of is not in the layout's live index:
+        the layout's own error says why (a driver that skipped ``layout.alloc``)."""
+        return self.layout.address(obj)
 
     def _switch(self, ev: Launch) -> Action | None:
         """Another learned shape may match where this one failed (an eval
