@@ -190,6 +190,7 @@ def test_names_and_constructors():
     (VDNNPolicy, {"lookahead": 0}),
     (SwapAdvisorPolicy, {"population": 1}),
     (SwapAdvisorPolicy, {"search_seconds": -1}),
+    (SwapAdvisorPolicy, {"max_evaluations": 0}),
 ])
 def test_bad_options_are_config_errors(cls, options):
     with pytest.raises(ConfigError):
@@ -347,6 +348,18 @@ def test_swapadvisor_search_never_picks_worse_than_default():
     simulate(trace, policy, peak_bytes(layers=12) // 2)
     s = policy.search
     assert s["evaluated"] >= 1 and s["best_time_s"] <= s["default_time_s"]
+
+
+@needs_sim
+def test_swapadvisor_search_is_bounded_by_a_count_so_it_is_reproducible():
+    trace = training_trace(layers=6)
+    runs = []
+    for _ in range(2):
+        policy = SwapAdvisorPolicy(trace, max_evaluations=6, population=4, seed=3)
+        simulate(trace, policy, peak_bytes(layers=6) // 2)
+        runs.append((policy.genes, policy.search))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1]["evaluated"] == 6 and runs[0][1]["stopped_by"] == "evaluations"
 
 
 @pytest.fixture(scope="module")

@@ -161,23 +161,29 @@ def build_plan(p: IterationProfile, limit_bytes: int, genes: Genes) -> SwapPlan:
 
 
 class SwapAdvisorPolicy(Policy):
-    """Options: ``search_seconds`` (genetic search budget, default 20),
-    ``population`` (default 8), ``seed`` (default 0), ``genes`` (a fixed
-    :class:`Genes`, skipping the search)."""
+    """Options: ``max_evaluations`` (simulated candidates the genetic search
+    scores, default 12 — a count, so results do not depend on machine speed),
+    ``search_seconds`` (a wall-clock safety cap, default 120; the report says
+    when it cut the search short), ``population`` (default 8), ``seed``
+    (default 0), ``genes`` (a fixed :class:`Genes`, skipping the search)."""
 
     name = "swapadvisor"
 
-    def __init__(self, trace=None, *, search_seconds: float = 20.0, population: int = 8,
-                 seed: int = 0, genes: Genes | None = None, score_iterations: int = 2) -> None:
+    def __init__(self, trace=None, *, search_seconds: float = 120.0, max_evaluations: int = 12,
+                 population: int = 8, seed: int = 0, genes: Genes | None = None,
+                 score_iterations: int = 2) -> None:
         if trace is None:
             raise ConfigError("swapadvisor plans offline from the dataflow graph: it needs the trace "
                               "(make_policy('swapadvisor', trace=...))")
         if float(search_seconds) < 0:
             raise ConfigError(f"swapadvisor: search_seconds must be >= 0, got {search_seconds}")
+        if int(max_evaluations) < 1:
+            raise ConfigError(f"swapadvisor: max_evaluations must be >= 1, got {max_evaluations}")
         if int(population) < 2:
             raise ConfigError(f"swapadvisor: population must be >= 2, got {population}")
         self.trace = trace
         self.search_seconds = float(search_seconds)
+        self.max_evaluations = int(max_evaluations)
         self.population = int(population)
         self.seed = int(seed)
         self.score_iterations = int(score_iterations)
@@ -226,16 +232,19 @@ class SwapAdvisorPolicy(Policy):
                          lookahead=rng.choice([n // 64 + 1, n // 16 + 1, n // 4 + 1, 1 << 30]),
                          weights=tuple(rng.choice(WEIGHTS) for _ in range(WEIGHTED)))
 
+        def exhausted() -> bool:
+            return bool(scores) and (len(scores) >= self.max_evaluations or time.monotonic() > deadline)
+
         pop = [default] + [rand() for _ in range(self.population - 1)]
         generations = 0
         while True:
             ranked = []
             for g in pop:
-                if time.monotonic() > deadline and scores:
+                if g not in scores and exhausted():
                     break
                 ranked.append((score(g), g))
             ranked.sort(key=lambda x: x[0])
-            if time.monotonic() > deadline or len(ranked) < len(pop):
+            if exhausted() or len(ranked) < len(pop):
                 break
             generations += 1
             elite = [g for _, g in ranked[: max(2, self.population // 2)]]
@@ -252,6 +261,7 @@ class SwapAdvisorPolicy(Policy):
             pop = elite + children
         best = min(scores, key=scores.get)
         self.search = {"evaluated": len(scores), "generations": generations,
+                       "stopped_by": "evaluations" if len(scores) >= self.max_evaluations else "time",
                        "best_time_s": scores[best], "default_time_s": scores.get(default, math.nan),
                        "limit": best.limit, "lookahead": best.lookahead}
         return best
