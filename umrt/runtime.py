@@ -196,6 +196,15 @@ class Runtime(Policy):
         # Decision ranges memoized per key tuple (see _resolve), evictions and prefetches apart.
         self._memo_evict: dict[int, tuple] = {}
         self._memo_prefetch: dict[int, tuple] = {}
+        # Frozen: a trusted plan whose objects keep their addresses (checked at
+        # every allocation against the last iteration of the same shape) reuses
+        # its memoized decision ranges without resolving a key (see _resolve).
+        self._frozen = False
+        self._ptrs: list[int] | None = None  # this iteration's addresses, by allocation ordinal
+        self._ref: tuple[int, list[int]] | None = None  # (signature, addresses) of the last full iteration
+        self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
+        self._n_discarded = 0
+        self._n_populate_calls = 0
         self._pool_observe = None
         self._pool_launch = None
         self._pool_layer = None
@@ -258,6 +267,11 @@ class Runtime(Policy):
             end = ptr + nbytes
             self._pending = [r for r in self._pending if not ptr <= r[0] < end]
             self._pending_bytes = sum(r[1] for r in self._pending)
+        # Memoized decision ranges may point into it: never reuse them unchecked.
+        self._unfreeze()
+        self._ref = None
+        self._memo_evict.clear()
+        self._memo_prefetch.clear()
 
     def on_event(self, event: Event) -> None:
         # The hot path: every event of every iteration comes through here, so
@@ -276,6 +290,21 @@ class Runtime(Policy):
             key_of[obj] = key
             keys.obj_of[key] = obj
             self._info[obj] = event  # its nbytes and kind, for as long as it lives
+            ptrs = self._ptrs
+            fresh = key in self._fresh
+            if ptrs is not None or self._frozen or fresh:
+                try:
+                    ptr = self._lives[obj].ptr
+                except KeyError:
+                    ptr = self._not_live(obj)
+                if ptrs is not None:
+                    ptrs.append(ptr)
+                elif self._frozen:
+                    ref = self._ref[1]
+                    if key >= len(ref) or ref[key] != ptr:
+                        self._unfreeze()
+                if fresh:  # populated on the GPU before the next launch
+                    self._born.append((ptr, event.nbytes))
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
@@ -283,12 +312,6 @@ class Runtime(Policy):
                 end = ptr + event.nbytes
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
                 self._pending_bytes = sum(r[1] for r in self._pending)
-            if key in self._fresh:
-                try:
-                    ptr = self._lives[obj].ptr
-                except KeyError:
-                    ptr = self._not_live(obj)
-                self._born.append((ptr, event.nbytes))
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -347,16 +370,15 @@ class Runtime(Policy):
                 ranges = self._pending
                 self._pending = []
                 self.backend.discard(ranges)
-                c = self.counters
-                c["discard_calls"] += 1
-                c["discarded_bytes"] += self._pending_bytes
+                self._n_discard_calls += 1
+                self._n_discarded += self._pending_bytes
                 self._pending_bytes = 0
             if self._born:  # newborns the plan populates on the GPU
                 ranges = self._born
                 self._born = []
                 backend = self.backend
                 backend.prefetch(ranges, backend.device)
-                self.counters["prefetch_calls"] += 1
+                self._n_populate_calls += 1
             n = self._nl
             self._nl = n + 1
             if n == self._next_at and self._mode == "act":
@@ -378,6 +400,9 @@ class Runtime(Policy):
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
         out = dict(self.counters)
+        out["discard_calls"] += self._n_discard_calls
+        out["discarded_bytes"] += self._n_discarded
+        out["prefetch_calls"] += self._n_populate_calls
         out.update(
             mode=self._mode,
             variants=len(self.plans),
@@ -438,6 +463,12 @@ class Runtime(Policy):
     def _finish_iteration(self) -> None:
         mode = self._mode
         entry = {"iteration": self._iteration, "mode": mode}
+        # The addresses of a complete iteration of a known shape are the reference
+        # the next one of that shape is checked against (a frozen one held them).
+        if self._ptrs is not None and mode in ("act", "learn"):
+            self._ref = (self._plan.signature if mode == "act" else self._sig, self._ptrs)
+        elif not self._frozen:
+            self._ref = None
         if mode == "act":
             self._outcomes.append(True)
             sig = self._plan.signature
@@ -500,6 +531,9 @@ class Runtime(Policy):
         # one more iteration of plain UM before the new shape is learned).
         trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
         self._rec = None if trusted and plan.actions else self._new_record()
+        ref = self._ref
+        self._frozen = bool(trusted and plan.actions and ref is not None and ref[0] == plan.signature)
+        self._ptrs = None if self._frozen else []
         if plan is not None and plan.actions:
             self._mode = "act"
             self._plan = plan
@@ -574,6 +608,9 @@ class Runtime(Policy):
         each iteration, so the page rounding is done once. Anything that moved
         (or a key that is not alive) is simply computed afresh.
         """
+        hit = memo.get(id(keys))
+        if self._frozen and hit is not None and hit[4] is keys:
+            return hit[1], hit[2], hit[3]  # every object since is where it was then
         objs = tuple(map(self.keys.obj_of.get, keys))
         try:
             if None in objs:
@@ -584,17 +621,22 @@ class Runtime(Policy):
         except KeyError as e:
             self._not_live(e.args[0])
             raise
-        hit = memo.get(id(keys))
-        if hit is None or hit[0] != where:
+        if hit is None or hit[0] != where or hit[4] is not keys:
             if len(memo) >= _MEMO_MAX:
                 memo.clear()
-            hit = memo[id(keys)] = (where, *_moves(where, evict))
-        return list(hit[1]), hit[2], hit[3]
+            hit = memo[id(keys)] = (where, *_moves(where, evict), keys)
+        return hit[1], hit[2], hit[3]
 
     def _not_live(self, obj: int) -> int:
         """An object the runtime was told of is not in the layout's live index:
         the layout's own error says why (a driver that skipped ``layout.alloc``)."""
         return self.layout.address(obj)
+
+    def _unfreeze(self) -> None:
+        """Addresses can no longer be trusted this iteration: decisions resolve
+        every key again, and this iteration is no reference for the next."""
+        self._frozen = False
+        self._ptrs = None
 
     def _switch(self, ev: Launch) -> Action | None:
         """Another learned shape may match where this one failed (an eval
@@ -610,6 +652,7 @@ class Runtime(Policy):
             a = plan.actions[idx]
             if ev.exec_id == a.exec_id and self.keys.ordinal == a.n_alloc and self._nf == a.n_free:
                 self.counters["switches"] += 1
+                self._unfreeze()  # the addresses seen so far were checked against another shape
                 self._plan = plan
                 self._actions = plan.actions
                 self._ai = idx
@@ -621,6 +664,7 @@ class Runtime(Policy):
         probe record is still running, so the runtime learns this iteration
         instead; later it waits for the next boundary."""
         self.counters["deviations"] += 1
+        self._unfreeze()
         if self._ai > 0:  # failed after it had started to hold: the guard counts that
             self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
