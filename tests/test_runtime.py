@@ -256,16 +256,56 @@ def test_decision_ranges_are_memoized_only_while_objects_stay_put():
     rt.keys.obj_of.update({1: 10, 2: 11})
     keys = (1, 2)
     memo: dict = {}
-    assert rt._resolve(keys, memo, False) == ([(4 * page, 3 * page), (8 * page + 5, 2 * page)], 5 * page, 0)
+    assert rt._resolve(keys, memo, False) == (((4 * page, 3 * page), (8 * page + 5, 2 * page)), 5 * page, 0)
     # evictions move whole pages only
-    assert rt._resolve(keys, {}, True) == ([(4 * page, 3 * page), (9 * page, page)], 4 * page, 0)
+    assert rt._resolve(keys, {}, True) == (((4 * page, 3 * page), (9 * page, page)), 4 * page, 0)
     lives[10] = _Where(20 * page, page)  # the role got another address this iteration
-    assert rt._resolve(keys, memo, False) == ([(20 * page, page), (8 * page + 5, 2 * page)], 3 * page, 0)
+    assert rt._resolve(keys, memo, False) == (((20 * page, page), (8 * page + 5, 2 * page)), 3 * page, 0)
     del rt.keys.obj_of[2]  # not alive: counted, not moved
-    assert rt._resolve(keys, memo, False) == ([(20 * page, page)], page, 1)
-    out = rt._resolve(keys, memo, False)[0]
-    out.append((0, 0))  # the caller's list is its own
-    assert rt._resolve(keys, memo, False)[0] == [(20 * page, page)]
+    assert rt._resolve(keys, memo, False) == (((20 * page, page),), page, 1)
+    # the memoized ranges are shared with the caller: immutable
+    assert isinstance(rt._resolve(keys, memo, False)[0], tuple)
+
+
+def _drive_calls(freeze: bool, steps: int = 8, tamper=None) -> tuple[list[tuple], Runtime]:
+    tr = training_trace(layers=6, steps=steps)
+    budget = parse_budget("30%", peak_live_bytes(tr))
+    backend = _AllCalls()
+    rt = Runtime(freeze=freeze)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
+    for ev in tr.events:
+        if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
+            tamper(rt)
+        if isinstance(ev, Alloc):
+            layout.alloc(ev.obj, ev.nbytes, ev.kind)
+        rt.on_event(ev)
+        if isinstance(ev, Free):
+            layout.free(ev.obj)
+    return backend.calls, rt
+
+
+def test_a_frozen_plan_makes_the_same_moves():
+    """Freezing skips resolving keys, never changes a move."""
+    frozen, rt = _drive_calls(freeze=True)
+    rep = rt.report()
+    assert rep["frozen_iterations"] >= 2 and rep["unfreezes"] == 0
+    plain, rt2 = _drive_calls(freeze=False)
+    assert rt2.report()["frozen_iterations"] == 0
+    assert any(c[0] == "prefetch" for c in frozen)
+    assert frozen == plain
+
+
+def test_an_object_at_another_address_unfreezes():
+    """An allocation that lands anywhere but where the reference iteration had
+    it ends freezing for the iteration: decisions resolve every key again."""
+    def tamper(rt):
+        ptrs = rt._ref[1]
+        ptrs[len(ptrs) // 2] = ptrs[len(ptrs) // 2] + 4096  # "the pool moved it"
+    calls, rt = _drive_calls(freeze=True, tamper=tamper)
+    rep = rt.report()
+    assert rep["unfreezes"] >= 1
+    assert calls == _drive_calls(freeze=False)[0]  # nothing moved really: same moves
 
 
 def test_an_object_the_layout_never_allocated_is_a_layout_error():

@@ -124,6 +124,11 @@ class Runtime(Policy):
         Advise parameters ReadMostly while acting, so evicting them costs no
         copy back. Off by default: in the simulator it changes iteration time
         by under 0.3% (parameter evictions are a small share of the traffic).
+    freeze:
+        Let a trusted plan whose objects keep their addresses (each allocation
+        is checked against the last iteration of the same shape) reuse its
+        decisions' ranges without resolving any key: the cheapest steady
+        state. Moves are the same either way.
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
@@ -145,6 +150,7 @@ class Runtime(Policy):
         use_pool: bool = True,
         min_discard: int = PAGE,
         read_mostly: bool = False,
+        freeze: bool = True,
     ) -> None:
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -160,6 +166,7 @@ class Runtime(Policy):
         self.use_pool = use_pool
         self.min_discard = min_discard
         self.read_mostly = read_mostly
+        self.freeze = freeze
 
         self.keys = ObjectKeys()
         self.correlation = CorrelationTable()
@@ -212,6 +219,7 @@ class Runtime(Policy):
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0, "launch_host_mapped_bytes": 0,
+            "frozen_iterations": 0, "unfreezes": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -465,6 +473,8 @@ class Runtime(Policy):
         entry = {"iteration": self._iteration, "mode": mode}
         # The addresses of a complete iteration of a known shape are the reference
         # the next one of that shape is checked against (a frozen one held them).
+        if self._frozen:
+            self.counters["frozen_iterations"] += 1
         if self._ptrs is not None and mode in ("act", "learn"):
             self._ref = (self._plan.signature if mode == "act" else self._sig, self._ptrs)
         elif not self._frozen:
@@ -532,7 +542,8 @@ class Runtime(Policy):
         trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
         self._rec = None if trusted and plan.actions else self._new_record()
         ref = self._ref
-        self._frozen = bool(trusted and plan.actions and ref is not None and ref[0] == plan.signature)
+        self._frozen = bool(self.freeze and trusted and plan.actions and ref is not None
+                            and ref[0] == plan.signature)
         self._ptrs = None if self._frozen else []
         if plan is not None and plan.actions:
             self._mode = "act"
@@ -635,6 +646,8 @@ class Runtime(Policy):
     def _unfreeze(self) -> None:
         """Addresses can no longer be trusted this iteration: decisions resolve
         every key again, and this iteration is no reference for the next."""
+        if self._frozen:
+            self.counters["unfreezes"] += 1
         self._frozen = False
         self._ptrs = None
 
