@@ -16,7 +16,7 @@ from pathlib import Path
 
 from umrt.errors import ConfigError
 
-__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "CACHE_DIR"]
+__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR"]
 
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 PAPER_PROFILES = ("v100-pcie3-32g", "h100-pcie5-80g")
@@ -189,6 +189,22 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     return row
 
 
+def cell_bound(trace, profile, budget: str, iterations: int) -> dict:
+    """The link bound of one cell (:func:`umrt.sim.bound.link_bound`) as row fields.
+
+    ``bound_time_s``: no policy's steady iteration is shorter in the simulator;
+    ``bound_conserving_s``: the same if every crossing of the link were charged
+    to it. Both None (and ``bound_error`` set) when it cannot be computed.
+    """
+    from umrt.sim.bound import link_bound
+
+    try:
+        b = link_bound(trace, profile, budget, iterations=iterations)
+    except Exception as exc:  # noqa: BLE001 - a missing bound must not cost the cell its result
+        return {"bound_time_s": None, "bound_conserving_s": None, "bound_error": f"{type(exc).__name__}: {exc}"}
+    return {"bound_time_s": b.time_s, "bound_conserving_s": b.conserving_s}
+
+
 def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
              trace_fn: Callable | None = None, simulate: Callable = _simulate,
              on_row: Callable[[dict], None] | None = None) -> list[dict]:
@@ -200,6 +216,7 @@ def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
     profiles = {name: load_profile(name) for name in grid.profiles}  # bad names fail before any work
     cells = grid.cells()
     traces: dict[tuple, object] = {}
+    bounds: dict[tuple, dict] = {}  # one link bound per (model, shape, profile, budget), shared by its policies
     rows: list[dict] = []
     make_trace = trace_fn or (lambda m, b, s: trace_for(m, b, s, cache_dir=cache_dir))
 
@@ -217,8 +234,13 @@ def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
             trace = traces[key]
             if isinstance(trace, Exception):
                 row = asdict(cell) | {"error": f"trace failed: {type(trace).__name__}: {trace}"}
+                row |= {"bound_time_s": None, "bound_conserving_s": None}
             else:
                 row = run_cell(cell, trace, profiles[cell.profile], grid.iterations, simulate)
+                where = key + (cell.profile, cell.budget)
+                if where not in bounds:
+                    bounds[where] = cell_bound(trace, profiles[cell.profile], cell.budget, grid.iterations)
+                row |= bounds[where]
             rows.append(row)
             if on_row:
                 on_row(row)

@@ -17,7 +17,7 @@ CSV_FIELDS = (
     "model", "batch", "seq", "profile", "budget", "policy", "iteration_time_s", "ideal_time_s",
     "slowdown_vs_ideal", "speedup_vs_um", "h2d_bytes", "d2h_bytes", "faults", "fault_batches", "evictions",
     "peak_resident_bytes", "budget_bytes", "peak_live_bytes", "footprint_bytes", "sim_wall_s", "page_events",
-    "page_events_per_s", "error",
+    "page_events_per_s", "error", "bound_time_s", "bound_conserving_s",
 )
 
 
@@ -75,15 +75,21 @@ def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Steady-state slowdown vs ideal, with speedup vs um in parentheses."""
+    """Steady-state slowdown vs ideal, with speedup vs um in parentheses; the link bounds when known."""
     policies = [p for p in _policies(rows) if p != "ideal"]
+    bounded = any(r.get("bound_time_s") for r in rows)
+    extra = ["bound", "bound, shared link"] if bounded else []
     lines = [
         "Simulated steady-state iteration time (umrt's Unified Memory simulator, no GPU involved).",
         "Each policy cell: slowdown vs `ideal` (infinite GPU memory; lower is better) and, in",
         "parentheses, speedup vs plain `um` (higher is better). Budget = % of the trace's peak live bytes.",
+        *([
+            "`bound`: the link bound over ideal (umrt.sim.bound), which no policy can beat in this simulator;",
+            "`bound, shared link`: the same if remote access and copy-back were charged to the link.",
+        ] if bounded else []),
         "",
-        "| model | batch | seq | GPU profile | budget | ideal (ms) | " + " | ".join(policies) + " |",
-        "|---|---:|---:|---|---:|---:|" + "---:|" * len(policies),
+        "| model | batch | seq | GPU profile | budget | ideal (ms) | " + " | ".join(policies + extra) + " |",
+        "|---|---:|---:|---|---:|---:|" + "---:|" * (len(policies) + len(extra)),
     ]
     for (model, batch, seq, profile, budget), cells in _groups(rows).items():
         ideal = cells.get("ideal", {})
@@ -99,6 +105,11 @@ def markdown_table(rows: list[dict]) -> str:
             else:
                 s, u = c.get("slowdown_vs_ideal"), c.get("speedup_vs_um")
                 cols.append((f"{s:.2f}x" if s else "?") + (f" ({u:.2f}x)" if u else ""))
+        if bounded:
+            some = next((c for c in cells.values() if c.get("bound_time_s")), {})
+            for key in ("bound_time_s", "bound_conserving_s"):
+                v = some.get(key)
+                cols.append(f"{v / ideal_t:.2f}x" if v and ideal_t else "")
         ms = f"{ideal_t * 1e3:.1f}" if ideal_t else "?"
         lines.append(f"| {model} | {batch if batch is not None else ''} | {seq if seq is not None else ''} "
                      f"| {profile} | {budget} | {ms} | " + " | ".join(cols) + " |")
@@ -185,13 +196,14 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
         else:
             absent += 1
     g = geomean(speedups)
+    ceiling = _ceiling(groups, t)
     if g is None or absent:
         partial = f"geomean {g:.2f}x over {len(speedups)} cell(s); " if g is not None else ""
         results.append(TargetResult("umrt >= 3.06x um (geomean)", "n/a" if g is None else "fail",
-                                    partial + f"{absent} cell(s) without both umrt and um results" + note))
+                                    partial + f"{absent} cell(s) without both umrt and um results" + ceiling + note))
     else:
         results.append(TargetResult("umrt >= 3.06x um (geomean)", "pass" if g >= 3.06 else "fail",
-                                    f"geomean {g:.2f}x over {len(speedups)} cells" + note))
+                                    f"geomean {g:.2f}x over {len(speedups)} cells" + ceiling + note))
 
     def per_cell(name: str, none_judged: str, test) -> TargetResult:
         bad, n, skipped = [], 0, 0
@@ -238,7 +250,60 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
         return not slower, ("not faster than " + ", ".join(slower)) if slower else "ok"
 
     results.append(per_cell("umrt >= 0.95 oracle (every cell)", "no cell has an oracle result", vs_oracle))
-    results.append(per_cell("umrt >= 0.92 ideal where oracle reaches it",
-                            "oracle reaches 0.92 of ideal in no cell, so nothing is required", vs_ideal))
+    ideal_target = per_cell("umrt >= 0.92 ideal where oracle reaches it",
+                            "oracle reaches 0.92 of ideal in no cell, so nothing is required", vs_ideal)
+    ideal_target.detail += _bound_range(groups)
+    results.append(ideal_target)
     results.append(per_cell("umrt faster than every peer (every cell)", "no cell has a peer result", vs_peers))
+    if check := _bound_check(scope):
+        results.append(check)
     return results
+
+
+def _bound_of(cells: dict, key: str = "bound_time_s") -> float | None:
+    return next((c[key] for c in cells.values() if c.get(key)), None)
+
+
+def _ceiling(groups: dict, t) -> str:
+    """What the link bounds allow: the geomean of um over each cell's bound."""
+    hard = geomean(t(c.get("um")) / b for c in groups.values() if t(c.get("um")) and (b := _bound_of(c)))
+    shared = geomean(t(c.get("um")) / b for c in groups.values()
+                     if t(c.get("um")) and (b := _bound_of(c, "bound_conserving_s")))
+    if hard is None:
+        return ""
+    text = f"; no policy can exceed {hard:.2f}x here: link bound"
+    if shared is not None:
+        text += f" ({shared:.2f}x if remote access and copy-back shared the link)"
+    return text
+
+
+def _bound_range(groups: dict) -> str:
+    """The link bounds over ideal, lowest to highest."""
+    def ratios(key):
+        out = []
+        for cells in groups.values():
+            b = _bound_of(cells, key)
+            ideal = next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
+            if b and ideal:
+                out.append(b / ideal)
+        return out
+
+    hard, shared = ratios("bound_time_s"), ratios("bound_conserving_s")
+    if not hard:
+        return ""
+    text = f"; link bound {min(hard):.2f}-{max(hard):.2f}x ideal"
+    if shared:
+        text += f" ({min(shared):.2f}-{max(shared):.2f}x with a shared link)"
+    return text
+
+
+def _bound_check(rows: list[dict]) -> TargetResult | None:
+    """Sanity: no simulated policy may beat its cell's link bound (else the bound or the simulator is wrong)."""
+    judged = [r for r in rows if r.get("bound_time_s") and r.get("iteration_time_s") and not r.get("error")
+              and r["policy"] != "ideal"]  # ideal has unlimited memory: the budget does not bind it
+    if not judged:
+        return None
+    beat = [f"{r['model']}/{r['profile']} {r['policy']} {r['iteration_time_s'] / r['bound_time_s']:.3f} of the bound"
+            for r in judged if r["iteration_time_s"] < r["bound_time_s"] * (1 - 1e-9)]
+    return TargetResult("no policy beats the link bound (sanity)", "fail" if beat else "pass",
+                        "; ".join(beat) if beat else f"{len(judged)} result(s) at or above their cell's bound")

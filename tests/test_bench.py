@@ -115,6 +115,35 @@ def test_outputs_json_csv_markdown_plots(monkeypatch, tmp_path):
     assert report.load_rows(tmp_path / "r.json") == json.loads(json.dumps(rows, default=str))
 
 
+def test_every_row_of_a_cell_gets_the_link_bound_computed_once(monkeypatch):
+    import umrt.sim.bound as bound_module
+    from umrt.predict.synthetic import training_trace
+
+    calls = []
+    real = bound_module.link_bound
+    monkeypatch.setattr(bound_module, "link_bound", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    trace = training_trace(layers=3, param_mb=4, act_mb=8, steps=3, flops_per_mb=10**6)
+    rows = run_grid(GRID, progress=False, trace_fn=lambda m, b, s: trace, simulate=fake_simulate)
+    assert sorted(calls) == ["20%", "50%"]  # once per (model, profile, budget), not per policy
+    for budget in ("20%", "50%"):
+        cell = [r for r in rows if r["budget"] == budget]
+        assert len(cell) == 4 and len({r["bound_time_s"] for r in cell}) == 1
+        assert len({r["bound_conserving_s"] for r in cell}) == 1
+        expected = real(trace, "v100-pcie3-32g", budget, iterations=2)
+        assert cell[0]["bound_time_s"] == expected.time_s and cell[0]["bound_conserving_s"] == expected.conserving_s
+    md = report.markdown_table(rows)
+    assert "| bound | bound, shared link |" in md and "no policy can beat" in md
+
+
+def test_a_cell_without_a_bound_keeps_its_result(monkeypatch):
+    fake_profiles(monkeypatch)  # the fake trace has no launches and the profile is a name: no bound
+    rows = run_grid(GRID, progress=False, trace_fn=fake_trace, simulate=fake_simulate)
+    assert all(r["bound_time_s"] is None for r in rows)
+    assert all(r.get("bound_error") for r in rows if r["policy"] == "um")
+    assert all(r["iteration_time_s"] for r in rows if not r["error"])
+    assert "bound" not in report.markdown_table(rows).split("\n")[4]  # no bound columns
+
+
 def _target_rows(umrt_factor, peer_factor=None):
     rows = []
     for m in ("gpt2-xl", "bert-large", "vit-large", "resnet-152"):
@@ -137,6 +166,26 @@ def test_check_targets_pass_and_fail():
     assert bad["umrt faster than every peer (every cell)"].status == "fail"
     assert "deepum" in bad["umrt faster than every peer (every cell)"].detail
     assert {r.status for r in report.check_targets([])} == {"n/a"}
+
+
+def test_check_targets_report_what_the_link_bound_allows():
+    rows = _target_rows(1.08)
+    for r in rows:
+        r |= {"bound_time_s": 1.0 if r["model"] != "gpt2-xl" else 2.0, "bound_conserving_s": 2.0}
+    by = {r.name: r for r in report.check_targets(rows)}
+    speed = by["umrt >= 3.06x um (geomean)"]
+    # um 4.0 over bounds 2.0 (2 cells) and 1.0 (6 cells): geomean 4 / 2**(1/4)
+    assert f"no policy can exceed {4 / 2 ** 0.25:.2f}x here: link bound" in speed.detail
+    assert "(2.00x if remote access and copy-back shared the link)" in speed.detail
+    assert "link bound 1.00-2.00x ideal (2.00-2.00x with a shared link)" in by[
+        "umrt >= 0.92 ideal where oracle reaches it"].detail
+    sanity = by["no policy beats the link bound (sanity)"]
+    assert sanity.status == "fail"  # oracle (1.05) and umrt (1.08) beat the 2.0 bound of gpt2-xl
+    assert "gpt2-xl/v100-pcie3-32g oracle" in sanity.detail and "bert-large" not in sanity.detail
+    for r in rows:
+        r["bound_time_s"] = 1.0
+    assert {r.name: r.status for r in report.check_targets(rows)}["no policy beats the link bound (sanity)"] == "pass"
+    assert "no policy beats the link bound (sanity)" not in {r.name for r in report.check_targets(_target_rows(1.08))}
 
 
 def test_cli_from_json_checks_targets_and_exit_code(tmp_path, capsys):

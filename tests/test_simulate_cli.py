@@ -45,6 +45,16 @@ def test_json_has_the_documented_fields(capsys, trace_file):
     assert data["profile"] == "v100-pcie3-16g" and data["iterations"] == 3
 
 
+def test_the_link_bound_comes_with_the_result(capsys, trace_file):
+    data = run_json(capsys, trace_file, "--budget", "50%", "--policy", "oracle")
+    bound = data["link_bound"]
+    assert bound["ideal_s"] == pytest.approx(data["ideal_time_s"])
+    assert data["ideal_time_s"] <= bound["time_s"] <= data["iteration_time_s"]
+    assert bound["budget_bytes"] == data["budget_bytes"] and bound["launches"] == 6
+    assert main(["simulate", str(trace_file), "--budget", "50%"]) == 0
+    assert "link bound" in capsys.readouterr().out
+
+
 def test_budget_and_iterations_change_the_result(capsys, trace_file):
     tight = run_json(capsys, trace_file, "--budget", "50%", "--iterations", "2")
     roomy = run_json(capsys, trace_file, "--budget", "64MiB", "--iterations", "2")

@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from umrt.errors import ConfigError
     from umrt.hardware import load_profile
+    from umrt.sim.bound import link_bound
     from umrt.sim.replay import simulate
     from umrt.trace.fileformat import load
 
@@ -52,11 +53,12 @@ def run(args: argparse.Namespace) -> int:
     trace = load(args.trace)
     result = simulate(trace, args.policy, profile, args.budget, iterations=args.iterations,
                       progress=not args.json and sys.stderr.isatty())
+    bound = link_bound(trace, profile, args.budget, iterations=args.iterations)
     if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
+        json.dump(result.to_json() | {"link_bound": bound.to_json()}, sys.stdout, indent=2)
         print()
     else:
-        _print_table(result)
+        _print_table(result, bound)
     return 0
 
 
@@ -64,7 +66,7 @@ def _seconds(t: float) -> str:
     return f"{t:.2f} s" if t >= 1.0 else f"{t * 1e3:.2f} ms"
 
 
-def _print_table(r) -> None:
+def _print_table(r, bound) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -77,6 +79,9 @@ def _print_table(r) -> None:
         ("iteration time", _seconds(r.iteration_time_s)),
         ("ideal (unlimited memory)", _seconds(r.ideal_time_s)),
         ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
+        ("link bound (no policy is faster)", f"{_seconds(bound.time_s)} ({bound.slowdown:.3f}x ideal)"),
+        ("  if the link were shared", f"{_seconds(bound.conserving_s)} "
+                                      f"({bound.conserving_s / bound.ideal_s:.3f}x ideal)"),
         ("  compute", _seconds(r.breakdown['compute_s'])),
         ("  fault stall", _seconds(r.breakdown['fault_stall_s'])),
         ("  transfer wait", _seconds(r.breakdown['transfer_wait_s'])),

@@ -68,13 +68,13 @@ charged every crossing to the link.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from umrt import hardware
 from umrt.errors import ConfigError, TraceFormatError
-from umrt.hardware import GIB, HardwareProfile, load_profile
+from umrt.hardware import GIB, HardwareProfile
 from umrt.trace.events import Alloc, Free, Launch, Trace
 
 __all__ = ["LinkBound", "link_bound"]
@@ -122,7 +122,7 @@ def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, 
     from umrt.sim.replay import parse_budget, peak_live_bytes
 
     if not isinstance(profile, HardwareProfile):
-        profile = load_profile(profile)
+        profile = hardware.load_profile(profile)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
     spans = trace.iteration_spans()
