@@ -103,6 +103,25 @@ def test_overwritten_bytes_are_not_needed_and_written_ones_are():
     assert bound.at_launch == 1 and bound.h2d_min_bytes == 28 * MB
     assert bound.d2h_min_bytes == 16 * MB - 4 * MB  # written and still needed: [32, 48) MiB
     assert bound.time_s == pytest.approx(1e-3 + 28 * MB / (RATE + LINK))
+    assert bound.cuts == (0, 1, 2) and bound.window_end == 2
+    # with a shared 10 GB/s link: 12 MiB must leave in the first window, 28 MiB come in during the second
+    assert bound.conserving_s == pytest.approx(12 * MB / LINK + 28 * MB / LINK)
+
+
+def test_data_read_again_after_other_data_pays_again():
+    # P, then Q, then P again (64 MiB each, 1 ms launches), 24 MiB budget: 40 MiB of P come in for
+    # launch 0; after it at most 24 MiB of P and Q are resident, so 104 MiB come in for launches 1-2.
+    # No single cut sees more than 104 MiB.
+    events: list = [Alloc(0, 64 * MB, Kind.PARAMETER), Alloc(1, 64 * MB, Kind.PARAMETER)]
+    for it in range(3):
+        events.append(IterationBoundary(it))
+        events += [Launch(3 * it + j, j, "sum", (Access(o, 0, 64 * MB, False),), 10**9, 0)
+                   for j, o in enumerate((0, 1, 0))]
+    events.append(IterationBoundary(3))
+    bound = link_bound(Trace(_header(3), events), PROFILE, 24 * MB)
+    assert bound.cuts == (0, 1, 3) and bound.h2d_min_bytes == 144 * MB
+    assert bound.time_s == pytest.approx(144 * MB / (RATE + LINK))
+    assert bound.time_s > 104 * MB / (RATE + LINK)
 
 
 def test_a_value_nobody_reads_costs_nothing():

@@ -9,32 +9,33 @@ Derivation
 ----------
 Take the iteration :func:`umrt.sim.replay.simulate` reports (the last one)
 and its launches ``0 .. n-1``, ``c_i`` each one's roofline compute time
-(``HardwareProfile.compute_time``, as the ideal policy computes it). Cut the
-iteration at ``k`` (``0 <= k <= n``): right after launch ``k-1`` has run,
+(``HardwareProfile.compute_time``, as the ideal policy computes it). A *cut*
+``k`` (``0 <= k <= n``) is the instant right after launch ``k-1`` has run,
 before any later event. Follow every *value* (a byte range of an object,
 from the event that gave it data to its next overwrite, free or the end of
-the iteration; read/write ranges are exact, reads before writes within a
-launch). A value is *needed at cut k* if a launch ``>= k`` reads it.
+the iteration; read/write ranges are exact, and a launch reads before it
+writes). Take two cuts ``k1 < k2``, a *window*:
 
-* ``A_k``: bytes of values needed at cut ``k`` that exist there (written by
-  a launch before ``k``, made on the host before the cut, or carried in from
-  before the iteration). The simulator never holds more than the budget
-  ``B`` in resident 64 KB pages (capacity is counted in pages, so bytes of
-  ``A_k`` on the GPU ``<= B``): at least ``A_k - B`` of them are on the host
-  (or in flight to it) at the cut.
-* ``Hb_k``: bytes of objects made on the host (``Alloc.launch == -1``, e.g.
-  an input batch) after the cut and read later: they start in host memory.
+* ``A``: bytes of values that exist at cut ``k1`` (written by a launch before
+  it, made on the host before it, or carried in from before the iteration)
+  and that a launch in ``k1 .. k2-1`` reads. The simulator never holds more
+  than the budget ``B`` in resident 64 KB pages (capacity is counted in
+  pages, so at most ``B`` of these bytes are on the GPU): at least ``A - B``
+  are on the host (or on their way to it) at cut ``k1``.
+* ``Hb``: bytes of objects made on the host (``Alloc.launch == -1``, e.g.
+  an input batch) after cut ``k1`` and read in the window.
 
-Every such byte must cross the link host-to-device *after* the cut, before
-the launch that reads it runs: a page holding defined data is populated, so
-a migration copies it. The simulator can carry it three ways, and the bound
-gives a policy the best of all three at once:
+Each of these ``H = max(0, A - B) + Hb`` bytes must cross the link
+host-to-device after cut ``k1`` and before the launch that reads it ends,
+i.e. within the window (a page holding defined data is populated, so a
+migration copies it). The simulator can carry it three ways, and the bound
+grants a policy the best of all three at once:
 
 1. an explicit prefetch: the H2D copy engine is a queue whose end advances by
    every copy's duration (``bytes / rate``, rate at most the transfer curve's
    supremum ``min(h2d_bandwidth, transfer_curve_a GiB/s)``); copies issued
-   after the cut start no earlier than it, so the last one lands at least
-   ``prefetched / rate`` after the cut;
+   after the cut start no earlier than it (the CPU is synchronised with the
+   GPU), so in a window of length ``D`` the queue lands at most ``rate * D``;
 2. a fault migration: it stalls the compute stream at least ``bytes / rate``
    (sharing the link with a busy queue only makes the stall longer);
 3. a remote read (AccessedBy / PreferredLocation=host): it stretches launch
@@ -42,14 +43,14 @@ gives a policy the best of all three at once:
    the copy engine, so up to ``c_i * h2d_bandwidth`` bytes ride along for
    free — but only bytes launch ``i`` reads.
 
-So with ``D`` the time from the cut to the iteration's end, the queue carries
-at most ``rate * D`` and the compute stream, which must also fit
-``C_after = sum(c_i, i >= k)``, carries the free remote bytes, then further
-remote bytes at the link rate (stretching launches), then fault migrations
-at ``rate``. ``D_k`` is the smallest ``D >= C_after`` at which these carry
-``H_k = max(0, A_k - B) + Hb_k`` bytes, and the iteration takes at least
-``C_before + D_k`` (``C_before = sum(c_i, i < k)``: compute cannot be
-skipped). The bound is the maximum over cuts, and at least the ideal time.
+The compute stream, which must also fit the window's compute ``C``, carries
+the free remote bytes, then more remote bytes at the link rate (stretching
+launches), then fault migrations at ``rate``. The window lasts at least the
+smallest ``D >= C`` at which queue and stream together carry ``H``. Windows
+between consecutive cuts ``0 = k_0 < k_1 < ... < k_m = n`` do not overlap in
+time, so the iteration lasts at least the sum of their ``D``; the bound is
+the largest such sum over every choice of cuts (a dynamic programme over
+pairs of cuts, one numpy row per first cut), and at least the ideal time.
 Nothing in it depends on what a policy does, so it holds for every policy;
 fault latency, call overhead and the transfer curve below its supremum only
 add time.
@@ -88,14 +89,16 @@ class LinkBound:
 
     time_s: float  # no policy's steady iteration is shorter (in this simulator)
     ideal_s: float  # the iteration's compute time with unlimited memory
-    at_launch: int  # the cut that gave time_s: before this launch of the iteration (n = the end)
+    at_launch: int  # the window that costs most over its compute starts before this launch ...
+    window_end: int  # ... and ends before this one (n: the iteration's end)
+    cuts: tuple[int, ...]  # the windows that gave time_s: cuts before these launches, 0 .. n
     launches: int  # launches in the iteration
     budget_bytes: int
-    h2d_min_bytes: int  # at that cut: bytes that must cross host-to-device after it
-    d2h_min_bytes: int  # at that cut: written bytes that do not fit (not charged, see the module doc)
-    compute_before_s: float  # ideal compute before the cut
-    compute_after_s: float  # and from it on
-    remote_free_bytes: int  # bytes after the cut that remote reads could carry under compute
+    h2d_min_bytes: int  # bytes that must cross host-to-device, summed over the windows
+    d2h_min_bytes: int  # at its start: bytes written this iteration, needed later, over the budget (not charged)
+    compute_before_s: float  # ideal compute before the window
+    compute_after_s: float  # ideal compute in the window
+    remote_free_bytes: int  # what remote reads could carry under the window's compute
     h2d_rate: float  # bytes/s: the migration rate's supremum
     d2h_rate: float
     conserving_s: float  # the bound if every crossing (remote, written-back) were charged to the link
@@ -139,21 +142,45 @@ def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, 
 
 @dataclass
 class _Flow:
-    """Per-cut byte counts of one iteration (index k = the cut before launch k, 0..n)."""
+    """The iteration's values as event arrays (cut k = before launch k, 0..n).
 
-    compute: np.ndarray  # c_i, per launch
-    needed: np.ndarray  # A_k
-    host_later: np.ndarray  # Hb_k
-    written: np.ndarray  # W_k
-    reads: np.ndarray  # (launch i, first cut s, bytes): launch i reads a value existing from cut s on
+    * ``need``  (lo, r, bytes): a value that exists at cuts ``lo < k <= r`` is next read by launch ``r``;
+    * ``host``  (beta, r, bytes): a value made on the host after cut ``beta`` (at cuts ``k <= beta`` it
+      does not exist yet), first read by launch ``r``;
+    * ``wrote`` (w, r, bytes): launch ``w`` wrote a value last read by launch ``r``;
+    * ``reads`` (i, s, bytes): launch ``i`` reads a value present (or still to come from the host) at
+      cuts ``s .. i``.
+    """
+
+    compute: np.ndarray
+    need: np.ndarray
+    host: np.ndarray
+    wrote: np.ndarray
+    reads: np.ndarray
 
 
 def _value_flow(events, profile: HardwareProfile) -> _Flow:
-    """Walk the iteration once, following every value from its origin to its last read."""
+    """Walk the iteration once, following every value from its origin through its reads."""
     compute: list[float] = []
-    segs: dict[int, list[list[int]]] = {}  # obj -> sorted [start, end, origin, since, last_read]
-    closed: list[tuple[int, int, int, int]] = []  # (origin, since, last_read, bytes)
+    # obj -> sorted segments [start, end, origin, since, reads]; since: the first cut the value exists at
+    segs: dict[int, list[list]] = {}
+    need: list[tuple[int, int, int]] = []
+    host: list[tuple[int, int, int]] = []
+    wrote: list[tuple[int, int, int]] = []
     reads: list[tuple[int, int, int]] = []
+
+    def emit(origin: int, since: int, read_by: list[int], nbytes: int) -> None:
+        if not read_by:
+            return
+        if origin == _HOST:  # born after cut since-1: on the host (not yet existing) at cuts <= since-1
+            host.append((since - 1, read_by[0], nbytes))
+        elif origin == _GPU:
+            wrote.append((since - 1, read_by[-1], nbytes))
+        prev = since - 1
+        for r in read_by:
+            if r > prev:
+                need.append((prev, r, nbytes))
+            prev = max(prev, r)
 
     def close(obj: int, lo: int, hi: int) -> None:
         """Values of ``obj`` in [lo, hi) end (overwritten or freed)."""
@@ -163,151 +190,161 @@ def _value_flow(events, profile: HardwareProfile) -> _Flow:
                 keep.append(s)
                 continue
             if s[0] < lo:
-                keep.append([s[0], lo, *s[2:]])
+                keep.append([s[0], lo, s[2], s[3], list(s[4])])
             if s[1] > hi:
-                keep.append([hi, s[1], *s[2:]])
-            end = min(s[1], hi)
-            start = max(s[0], lo)
-            if s[4] >= 0:
-                closed.append((s[2], s[3], s[4], end - start))
-        keep.sort()
+                keep.append([hi, s[1], s[2], s[3], list(s[4])])
+            emit(s[2], s[3], s[4], min(s[1], hi) - max(s[0], lo))
+        keep.sort(key=lambda x: x[0])
         segs[obj] = keep
 
     def read(obj: int, lo: int, hi: int, i: int) -> None:
         out, pos = [], lo
         for s in segs.get(obj, ()):
-            if s[1] <= lo or s[0] >= hi:
-                out.append(s)
-                continue
-            if s[0] > pos:  # bytes with no value seen yet: carried in from before the iteration
-                out.append([pos, s[0], _PRE, 0, -1])
-            pos = max(pos, s[1])
+            if s[1] > lo and s[0] < hi:
+                if s[0] > pos:  # bytes with no value seen yet: carried in from before the iteration
+                    out.append([pos, s[0], _PRE, 0, []])
+                pos = max(pos, s[1])
             out.append(s)
         if pos < hi:
-            out.append([pos, hi, _PRE, 0, -1])
-        out.sort()
-        # split at lo/hi, then mark the pieces inside as read by launch i
+            out.append([pos, hi, _PRE, 0, []])
+        out.sort(key=lambda x: x[0])
         final = []
         for s in out:
-            for piece in _split(s, lo, hi):
-                if piece[0] >= lo and piece[1] <= hi:
-                    piece[4] = i
-                    first = 0 if piece[2] != _GPU else piece[3]
-                    reads.append((i, first, piece[1] - piece[0]))
+            if s[1] <= lo or s[0] >= hi:
+                final.append(s)
+                continue
+            for a, b in _pieces(s[0], s[1], lo, hi):
+                piece = [a, b, s[2], s[3], list(s[4])]
+                if lo <= a and b <= hi:
+                    if not piece[4] or piece[4][-1] != i:
+                        piece[4].append(i)
+                        reads.append((i, piece[3] if piece[2] == _GPU else 0, b - a))
                 final.append(piece)
         segs[obj] = final
 
     i = 0
     for ev in events:
         if isinstance(ev, Launch):
-            for acc in ev.accesses:
+            for acc in ev.accesses:  # reads first: a launch reads its in-place operands before writing
                 if not acc.write and acc.length > 0:
                     read(acc.obj, acc.offset, acc.offset + acc.length, i)
             for acc in ev.accesses:
                 if acc.write and acc.length > 0:
                     close(acc.obj, acc.offset, acc.offset + acc.length)
-                    segs[acc.obj].append([acc.offset, acc.offset + acc.length, _GPU, i + 1, -1])
-                    segs[acc.obj].sort()
+                    segs[acc.obj].append([acc.offset, acc.offset + acc.length, _GPU, i + 1, []])
+                    segs[acc.obj].sort(key=lambda x: x[0])
             compute.append(profile.compute_time(ev.flops, ev.bytes))
             i += 1
         elif isinstance(ev, Alloc):
             close(ev.obj, 0, 1 << 62)  # a reused id starts afresh
-            # made on the host: exists from the cut after the next launch; read before? it is Hb
-            segs[ev.obj] = [[0, ev.nbytes, _HOST, i, -1]] if ev.launch == -1 else []
+            # made on the host after cut i (before launch i): exists from cut i + 1
+            segs[ev.obj] = [[0, ev.nbytes, _HOST, i + 1, []]] if ev.launch == -1 else []
         elif isinstance(ev, Free):
             close(ev.obj, 0, 1 << 62)
             segs.pop(ev.obj, None)
     for obj in list(segs):
         close(obj, 0, 1 << 62)
 
-    n = i
-    needed = np.zeros(n + 2, np.float64)
-    host_later = np.zeros(n + 2, np.float64)
-    written = np.zeros(n + 2, np.float64)
-    for origin, since, last, nbytes in closed:
-        if origin == _PRE:
-            needed[0] += nbytes
-            needed[last + 1] -= nbytes
-        elif origin == _HOST:  # born between launch since-1 and since: on the host at cuts <= since
-            host_later[0] += nbytes
-            host_later[since + 1] -= nbytes
-            if last >= since + 1:
-                needed[since + 1] += nbytes
-                needed[last + 1] -= nbytes
-        else:  # written by launch since-1: exists from cut since
-            if last >= since:
-                needed[since] += nbytes
-                needed[last + 1] -= nbytes
-                written[since] += nbytes
-                written[last + 1] -= nbytes
-    return _Flow(
-        compute=np.asarray(compute, np.float64),
-        needed=np.cumsum(needed)[: n + 1],
-        host_later=np.cumsum(host_later)[: n + 1],
-        written=np.cumsum(written)[: n + 1],
-        reads=np.asarray(reads, np.int64).reshape(-1, 3),
-    )
+    def arr(rows):
+        return np.asarray(rows, np.int64).reshape(-1, 3)
+
+    return _Flow(np.asarray(compute, np.float64), arr(need), arr(host), arr(wrote), arr(reads))
 
 
-def _split(s: list[int], lo: int, hi: int) -> list[list[int]]:
-    cuts = [x for x in (lo, hi) if s[0] < x < s[1]]
-    edges = [s[0], *cuts, s[1]]
-    return [[edges[j], edges[j + 1], *s[2:]] for j in range(len(edges) - 1)]
+def _pieces(s0: int, s1: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    edges = [s0, *(x for x in (lo, hi) if s0 < x < s1), s1]
+    return list(zip(edges[:-1], edges[1:], strict=False))
 
 
 # ---------------------------------------------------------------- the bound
 
 
 def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
+    """The longest chain of windows (a dynamic programme over pairs of cuts), row by row."""
     c = flow.compute
     n = c.shape[0]
-    before = np.concatenate([[0.0], np.cumsum(c)])  # C_before(k), k = 0..n
+    before = np.concatenate([[0.0], np.cumsum(c)])  # compute before cut k
     ideal = float(before[-1])
-    after = ideal - before
-    curve = profile.transfer_curve_a * GIB  # the curve's supremum (atan < pi/2)
+    curve = profile.transfer_curve_a * GIB  # the transfer curve's supremum (atan < pi/2)
     rate_h = min(profile.h2d_bandwidth, curve)
-    rate_d = min(profile.d2h_bandwidth, curve)
-    link_h = profile.h2d_bandwidth  # remote reads run at the link rate itself
-
-    # U[k, i]: bytes launch i >= k reads of values that exist at cut k (or come from the host later)
-    u = np.zeros((n + 1, n), np.float64)
-    r = flow.reads
-    if r.shape[0]:
-        first = np.minimum(r[:, 1], r[:, 0])
-        np.add.at(u, (first, r[:, 0]), r[:, 2])
-        np.add.at(u, (r[:, 0] + 1, r[:, 0]), -r[:, 2])
-        u = np.cumsum(u, axis=0)
+    link_h, link_d = profile.h2d_bandwidth, profile.d2h_bandwidth  # remote access runs at the link rate
     cap = link_h * c  # remote bytes launch i carries for free under its compute
-    free = np.minimum(u, cap).sum(axis=1)
-    extra = np.maximum(u - cap, 0.0).sum(axis=1)
 
-    h2d = np.maximum(flow.needed - budget, 0.0) + flow.host_later
-    # smallest D >= after with rate_h*D + free + min(extra, link_h*(D-after)) + rate_h*max(0, D-after-extra/link_h) >= h2d
-    short = h2d - rate_h * after - free
-    d1 = after + np.maximum(short, 0.0) / (rate_h + link_h)
-    over = (d1 - after) * link_h > extra
-    d2 = after + extra / link_h + np.maximum(short - extra * (1 + rate_h / link_h), 0.0) / (2 * rate_h)
-    span = np.where(over, d2, d1)
-    total = before + span
-    k = int(np.argmax(total))
-    d2h = np.maximum(flow.written - budget, 0.0)
-    # A link every crossing shares: remote reads (at the link rate) carry at most what later
-    # launches read, the rest migrates; written values leave at most at the link rate.
-    readable = u.sum(axis=1)
-    h2d_s = np.minimum(h2d, readable) / link_h + np.maximum(h2d - readable, 0.0) / rate_h
-    conserving = np.maximum(before, d2h / profile.d2h_bandwidth) + np.maximum(after, h2d_s)
+    need, host, wrote, reads = flow.need, flow.host, flow.wrote, flow.reads
+    best = np.full(n + 1, -np.inf)  # the bound on the time up to cut k
+    best[0] = 0.0
+    came = np.zeros(n + 1, np.int64)
+    shared = np.full(n + 1, -np.inf)  # the same with a shared link
+    shared[0] = 0.0
+    stats: dict[int, tuple] = {}
+    for k1 in range(n):
+        m = n + 1
+        # bytes needed in window (k1, k2]: values existing at cut k1 first read by a launch < k2
+        act = (need[:, 0] < k1) & (k1 <= need[:, 1])
+        exist = np.cumsum(np.bincount(need[act, 1] + 1, need[act, 2], minlength=m + 1)[:m])
+        act = k1 <= host[:, 0]
+        later = np.cumsum(np.bincount(host[act, 1] + 1, host[act, 2], minlength=m + 1)[:m])
+        h2d = (np.maximum(exist - budget, 0.0) + later)[k1 + 1 :]
+        # remote-read capacity of launches k1 .. k2-1
+        act = (reads[:, 1] <= k1) & (k1 <= reads[:, 0])
+        u = np.bincount(reads[act, 0], reads[act, 2], minlength=n)[k1:]
+        free = np.cumsum(np.minimum(u, cap[k1:]))
+        extra = np.cumsum(np.maximum(u - cap[k1:], 0.0))
+        readable = np.cumsum(u)
+        comp = before[k1 + 1 :] - before[k1]
+        span = _window(h2d, comp, free, extra, rate_h, link_h)
+        # the shared-link variant: also values written in the window and needed after it
+        act = k1 <= wrote[:, 0]
+        out = np.cumsum(np.bincount(wrote[act, 0] + 1, wrote[act, 2], minlength=m + 1)[:m]
+                        - np.bincount(wrote[act, 1] + 1, wrote[act, 2], minlength=m + 1)[:m])[k1 + 1 :]
+        h2d_s = np.minimum(h2d, readable) / link_h + np.maximum(h2d - readable, 0.0) / rate_h
+        span_s = np.maximum(np.maximum(comp, h2d_s), np.maximum(out - budget, 0.0) / link_d)
+        cand = best[k1] + span
+        better = cand > best[k1 + 1 :]
+        best[k1 + 1 :] = np.where(better, cand, best[k1 + 1 :])
+        came[k1 + 1 :] = np.where(better, k1, came[k1 + 1 :])
+        shared[k1 + 1 :] = np.maximum(shared[k1 + 1 :], shared[k1] + span_s)
+        stats[k1] = (h2d, span - comp, free)
+        if k1 == 0:  # written during the iteration before cut k2 and still needed there
+            written = np.concatenate([[0.0], np.maximum(out - budget, 0.0)])
+
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(int(came[cuts[-1]]))
+    cuts.reverse()
+    windows = list(zip(cuts[:-1], cuts[1:], strict=False))
+    excess = [float(stats[a][1][b - a - 1]) for a, b in windows]
+    a, b = windows[int(np.argmax(excess))] if windows else (0, 0)
+    if not n:
+        written = np.zeros(1)
     return LinkBound(
-        time_s=max(float(total[k]), ideal),
+        time_s=max(float(best[n]), ideal),
         ideal_s=ideal,
-        at_launch=k,
+        at_launch=a,
+        window_end=b,
+        cuts=tuple(cuts),
         launches=n,
         budget_bytes=int(budget),
-        h2d_min_bytes=int(h2d[k]),
-        d2h_min_bytes=int(d2h[k]),
-        compute_before_s=float(before[k]),
-        compute_after_s=float(after[k]),
-        remote_free_bytes=int(free[k]),
+        h2d_min_bytes=int(sum(float(stats[x][0][y - x - 1]) for x, y in windows)),
+        d2h_min_bytes=int(written[a]) if n else 0,
+        compute_before_s=float(before[a]),
+        compute_after_s=float(before[b] - before[a]),
+        remote_free_bytes=int(stats[a][2][b - a - 1]) if windows else 0,
         h2d_rate=float(rate_h),
-        d2h_rate=float(rate_d),
-        conserving_s=max(float(conserving.max()), ideal),
+        d2h_rate=float(min(profile.d2h_bandwidth, curve)),
+        conserving_s=max(float(shared[n]), ideal),
     )
+
+
+def _window(h2d, comp, free, extra, rate_h: float, link_h: float) -> np.ndarray:
+    """Shortest time in which a window with ``comp`` of compute moves ``h2d`` bytes in.
+
+    The copy queue carries ``rate_h`` per second; the compute stream carries
+    ``free`` remote bytes under its compute, then ``extra`` more remote bytes
+    at ``link_h`` (stretching launches), then fault migrations at ``rate_h``.
+    """
+    short = h2d - rate_h * comp - free
+    d1 = comp + np.maximum(short, 0.0) / (rate_h + link_h)
+    over = (d1 - comp) * link_h > extra
+    d2 = comp + extra / link_h + np.maximum(short - extra * (1 + rate_h / link_h), 0.0) / (2 * rate_h)
+    return np.where(over, d2, d1)
