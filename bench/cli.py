@@ -16,7 +16,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 DESCRIPTION = """\
 Simulate a grid of models x budgets x GPU profiles x policies and write a JSON
 and a CSV of every cell, a markdown table (steady-state slowdown vs ideal,
-speedup vs um) and plots (throughput relative to ideal against budget). Traces
+speedup vs um, and the link bound no policy can beat: umrt.sim.bound) and
+plots (throughput relative to ideal against budget). Traces
 are made on the meta device and cached under bench/.cache/. All results are
 simulated. The default grid finishes within about 5 minutes on 2 cores.
 """

@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="simulate a trace under a policy on a simulated GPU",
         description=(
             "Replay TRACE (from `umrt trace`) on the Unified Memory simulator and report the "
-            "steady-state iteration: time, slowdown against unlimited memory, traffic, faults."
+            "steady-state iteration: time, slowdown against unlimited memory, traffic, faults, and the "
+            "link bound no policy can beat at this budget (umrt.sim.bound)."
         ),
     )
     p.add_argument("trace", metavar="TRACE", help="trace file written by `umrt trace`")
