@@ -105,11 +105,12 @@ def markdown_table(rows: list[dict]) -> str:
             else:
                 s, u = c.get("slowdown_vs_ideal"), c.get("speedup_vs_um")
                 cols.append((f"{s:.2f}x" if s else "?") + (f" ({u:.2f}x)" if u else ""))
-        if bounded:
+        if bounded:  # over ideal_time_s, like the policies' slowdowns
             some = next((c for c in cells.values() if c.get("bound_time_s")), {})
+            ref = next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
             for key in ("bound_time_s", "bound_conserving_s"):
                 v = some.get(key)
-                cols.append(f"{v / ideal_t:.2f}x" if v and ideal_t else "")
+                cols.append(f"{v / ref:.2f}x" if v and ref else "")
         ms = f"{ideal_t * 1e3:.1f}" if ideal_t else "?"
         lines.append(f"| {model} | {batch if batch is not None else ''} | {seq if seq is not None else ''} "
                      f"| {profile} | {budget} | {ms} | " + " | ".join(cols) + " |")
