@@ -146,6 +146,42 @@ def _share_link(tf, engine, t, secs):
     return end
 
 
+@njit(cache=True, inline="always")
+def _migrate_runs(pf, pready, lo, hi, d2h, mask, prm, g):
+    """Migrate the pages of ``[lo, hi)``; return the copy seconds, one transfer per contiguous run.
+
+    Every migration in the model copies by this rule. To the GPU: mapped,
+    non-resident pages with valid content (invalid ones populate with no
+    copy), and with a ``mask`` only those it marks (``mask[q - lo]``); the
+    caller lands them once it knows when the copy ends. To the host
+    (``d2h``): every resident page leaves the GPU here, and those with valid
+    content are copied back, except clean read-mostly duplicates whose host
+    copy is current. The bytes are added to ``g``'s counter for the
+    direction. Inlined, so each caller's fixed direction and mask fold away.
+    """
+    secs = 0.0
+    run = 0
+    for q in range(lo, hi + 1):  # q == hi only ends the last run
+        copy = False
+        if q < hi:
+            if mask is not None:  # the caller kept only mapped, non-resident pages in it
+                copy = mask[q - lo] == 1 and pf[q, F_VALID] == 1
+            elif not d2h:
+                copy = pf[q, F_MAPPED] == 1 and pf[q, F_GPU] == 0 and pf[q, F_VALID] == 1
+            elif pf[q, F_GPU]:
+                copy = pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
+                pf[q, F_GPU] = 0
+                pf[q, F_HOSTCOPY] = 0
+                pready[q] = 0.0
+        if copy:
+            run += 1
+        elif run:
+            secs += _xfer(run * PAGE, prm, d2h)
+            g[G_D2H if d2h else G_H2D] += run * PAGE
+            run = 0
+    return secs
+
+
 @njit(cache=True)
 def _list_remove(bi, g, b):
     lst = bi[b, B_LIST]
@@ -229,29 +265,13 @@ def _evict_block(pf, pready, bi, g, prm, b):
     clean read-mostly duplicates whose host copy is still current.
     """
     p0 = b * PAGES_PER_BLOCK
-    secs = 0.0
-    nbytes = 0
-    run = 0
-    for p in range(p0, p0 + PAGES_PER_BLOCK + 1):
-        copy = False
-        if p < p0 + PAGES_PER_BLOCK and pf[p, F_GPU]:
-            copy = pf[p, F_VALID] == 1 and pf[p, F_HOSTCOPY] == 0
-            pf[p, F_GPU] = 0
-            pf[p, F_HOSTCOPY] = 0
-            pready[p] = 0.0
-        if copy:
-            run += 1
-        elif run:
-            secs += _xfer(run * PAGE, prm, True)
-            nbytes += run * PAGE
-            run = 0
+    secs = _migrate_runs(pf, pready, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g)
     g[G_RES] -= bi[b, B_RES]
     g[G_EVENTS] += bi[b, B_RES]
     bi[b, B_RES] = 0
     bi[b, B_RESVALID] = 0
     _list_remove(bi, g, b)
     g[G_EVICTIONS] += 1
-    g[G_D2H] += nbytes
     return secs
 
 
@@ -352,6 +372,16 @@ def _land(pf, pready, bi, g, p, t_ready, written):
     b = p // PAGES_PER_BLOCK
     bi[b, B_RES] += 1
     bi[b, B_RESVALID] += 1
+
+
+@njit(cache=True)
+def _arrived(bi, g, b, n):
+    """``n`` pages of block ``b`` just landed: count them; ``b`` becomes most recently migrated."""
+    g[G_RES] += n
+    g[G_EVENTS] += n
+    if g[G_RES] > g[G_PEAK]:
+        g[G_PEAK] = g[G_RES]
+    _touch_block(bi, g, b)
 
 
 # ---------------------------------------------------------------- entry points
@@ -472,27 +502,14 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
                 return ERR_NO_VICTIM
             if evict_secs > 0.0:  # eviction is synchronous in the fault path
                 t = _share_link(tf, T_D2H, t, evict_secs)
-            secs = 0.0
-            run = 0
-            for i in range(PAGES_PER_BLOCK + 1):
-                copy = i < PAGES_PER_BLOCK and mask[i] == 1 and pf[p0 + i, F_VALID] == 1
-                if copy:
-                    run += 1
-                elif run:
-                    secs += _xfer(run * PAGE, prm, False)
-                    g[G_H2D] += run * PAGE
-                    run = 0
+            secs = _migrate_runs(pf, pready, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g)
             if secs > 0.0:
                 t = _share_link(tf, T_H2D, t, secs)
             for i in range(PAGES_PER_BLOCK):
                 if mask[i]:
                     p = p0 + i
                     _land(pf, pready, bi, g, p, 0.0, pwmark[p] == 1 and pmark[p] == epoch)
-            g[G_RES] += n
-            g[G_EVENTS] += n
-            if g[G_RES] > g[G_PEAK]:
-                g[G_PEAK] = g[G_RES]
-            _touch_block(bi, g, b)
+            _arrived(bi, g, b, n)
     tf[T_OUT] = t
     # Pass 4: writes make content valid again (undoing a discard).
     for k in range(a_start.shape[0]):
@@ -548,16 +565,7 @@ def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
                 if evict_secs > 0.0:
                     tf[T_D2H] = max(t, tf[T_D2H]) + evict_secs
                     t = tf[T_D2H]
-                secs = 0.0
-                run = 0
-                for q in range(p, stop + 1):
-                    copy = q < stop and pf[q, F_MAPPED] == 1 and pf[q, F_GPU] == 0 and pf[q, F_VALID] == 1
-                    if copy:
-                        run += 1
-                    elif run:
-                        secs += _xfer(run * PAGE, prm, False)
-                        g[G_H2D] += run * PAGE
-                        run = 0
+                secs = _migrate_runs(pf, pready, p, stop, False, None, prm, g)
                 start = max(t, tf[T_H2D])
                 done = start + secs
                 if secs > 0.0:
@@ -565,11 +573,7 @@ def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
                 for q in range(p, stop):
                     if pf[q, F_MAPPED] and not pf[q, F_GPU]:
                         _land(pf, pready, bi, g, q, done, False)
-                g[G_RES] += n
-                g[G_EVENTS] += n
-                if g[G_RES] > g[G_PEAK]:
-                    g[G_PEAK] = g[G_RES]
-                _touch_block(bi, g, b)
+                _arrived(bi, g, b, n)
             p = stop
     return 0
 
@@ -587,34 +591,21 @@ def prefetch_host(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
             b = p // PAGES_PER_BLOCK
             stop = min(p_hi[r], (b + 1) * PAGES_PER_BLOCK)
             n = 0
+            nvalid = 0
             start = max(t_issue, tf[T_D2H])
             for q in range(p, stop):
                 if pf[q, F_GPU]:
                     n += 1
+                    nvalid += pf[q, F_VALID]
                     if pready[q] > start:
                         start = pready[q]  # cannot copy back what has not arrived
             if n:
-                secs = 0.0
-                run = 0
-                for q in range(p, stop + 1):
-                    copy = q < stop and pf[q, F_GPU] == 1 and pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
-                    if copy:
-                        run += 1
-                    elif run:
-                        secs += _xfer(run * PAGE, prm, True)
-                        g[G_D2H] += run * PAGE
-                        run = 0
+                secs = _migrate_runs(pf, pready, p, stop, True, None, prm, g)
                 done = start + secs
                 if secs > 0.0:
                     tf[T_D2H] = done
-                for q in range(p, stop):
-                    if pf[q, F_GPU]:
-                        if pf[q, F_VALID]:
-                            bi[b, B_RESVALID] -= 1
-                        pf[q, F_GPU] = 0
-                        pf[q, F_HOSTCOPY] = 0
-                        pready[q] = 0.0
                 bi[b, B_RES] -= n
+                bi[b, B_RESVALID] -= nvalid
                 g[G_RES] -= n
                 g[G_EVENTS] += n
                 push_pending(g, q_t, q_n, done, n)
