@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from umrt.backends.base import Advice
+from umrt.backends.base import HOST, Advice
 from umrt.hardware import load_profile
 from umrt.sim import engine as E
 from umrt.sim.backend import SimBackend
@@ -122,6 +122,32 @@ def test_a_write_collapses_read_mostly_copies_so_eviction_copies_back():
     assert b.faults == faults + 1  # revoking the host copy is a fault, with no transfer
     read(b, other, BLOCK)
     assert b.d2h_bytes == PAGE  # only the written page was dirty
+
+
+def test_prefetch_to_host_copies_back_by_the_eviction_rule():
+    b = gpu(8)
+    rm, data = host_block(b), host_block(b)
+    b.advise([(rm, BLOCK)], Advice.SET_READ_MOSTLY, 0)
+    read(b, rm, BLOCK)
+    read(b, data, BLOCK)
+    b.discard([(data + BLOCK // 2, BLOCK // 2)])
+    b.prefetch([(rm, BLOCK), (data, BLOCK)], HOST)
+    assert b.d2h_bytes == BLOCK // 2  # clean read-mostly copies and discarded pages copy nothing
+    assert b.resident_bytes == 0
+
+
+def test_a_block_whose_valid_pages_left_for_the_host_is_evicted_first():
+    b = gpu(2)
+    first, second, third = (host_block(b) for _ in range(3))
+    read(b, first, BLOCK)
+    read(b, second, BLOCK)
+    b.discard([(second, BLOCK // 2)])
+    b.prefetch([(second + BLOCK // 2, BLOCK // 2)], HOST)  # only discarded pages stay resident
+    b.synchronize()
+    read(b, third, BLOCK)
+    assert b.resident_fraction([(second, BLOCK)]) == 0.0  # not the older first block
+    assert b.resident_fraction([(first, BLOCK)]) == 1.0
+    assert b.d2h_bytes == BLOCK // 2  # the prefetched half; the eviction copied nothing
 
 
 def test_never_written_pages_populate_without_a_copy():
