@@ -115,7 +115,10 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
 
     batch, seq = resolved_shape(model, batch, seq)
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
-    path = cache_dir / f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}.umrt"
+    # The format version is in the key: a trace made before launches carried
+    # their precision (format 1) is made again, not simulated at the wrong peak.
+    path = cache_dir / (f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}"
+                        f"-f{fileformat.FORMAT_VERSION}.umrt")
     if path.exists() and not refresh:
         return fileformat.load(path)
     from umrt.zoo import trace_model

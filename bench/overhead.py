@@ -61,7 +61,7 @@ class NullBackend(Backend):
     def advise(self, ranges, advice, device) -> None:
         self.calls += 1
 
-    def launch(self, reads, writes, flops, nbytes) -> None:
+    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
         pass
 
     def synchronize(self) -> None:
@@ -136,7 +136,7 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
             pool += clock() - a
             pool_calls += 1
         elif t is Launch:
-            ideal += profile.compute_time(ev.flops, ev.bytes)
+            ideal += profile.compute_time(ev.flops, ev.bytes, ev.precision)
     # (the closing boundary of the stream opens no iteration; it is not timed)
     first = samples[0]
     runtime_s = [s["runtime_s"] for s in samples]

@@ -53,7 +53,7 @@ class RecordingBackend(Backend):
     def advise(self, ranges, advice, device):
         self.calls.append(("advise", list(ranges), advice, device))
 
-    def launch(self, reads, writes, flops, nbytes):
+    def launch(self, reads, writes, flops, nbytes, precision=""):
         self.calls.append(("launch",))
 
     def synchronize(self):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import struct
+import zlib
+
+import numpy as np
 
 import pytest
 
@@ -54,6 +58,7 @@ def _trace(iterations: int = 2) -> Trace:
                 10**15,
                 4096 + (1 << 40),
                 "layer.0",
+                "bf16" if i % 2 else "fp32",
             )
         )
         seq += 1
@@ -102,6 +107,40 @@ def test_empty_file(tmp_path):
     p.write_bytes(b"")
     with pytest.raises(TraceFormatError, match="not a umrt trace"):
         ff.load(p)
+
+
+def _as_format_1(data: bytes) -> bytes:
+    """The same trace as format 1 wrote it: no precision column, no precision table."""
+    magic, _, hlen, blen = ff._PREFIX.unpack_from(data)
+    header = json.loads(data[ff._PREFIX.size : ff._PREFIX.size + hlen])
+    header["format_version"] = 1
+    raw = zlib.decompress(data[ff._PREFIX.size + hlen : ff._PREFIX.size + hlen + blen])
+    (ilen,) = struct.unpack_from("<I", raw, 0)
+    index = json.loads(raw[4 : 4 + ilen])
+    pos, arrays, columns = 4 + ilen, [], []
+    for name, count in index["columns"]:
+        size = count * np.dtype(ff._COLUMNS[name]).itemsize
+        if name != "l_prec":
+            arrays.append(raw[pos : pos + size])
+            columns.append([name, count])
+        pos += size
+    index = {"columns": columns, "ops": index["ops"], "modules": index["modules"]}
+    ib = json.dumps(index).encode()
+    body = zlib.compress(struct.pack("<I", len(ib)) + ib + b"".join(arrays))
+    hb = json.dumps(header).encode()
+    return ff._PREFIX.pack(magic, 1, len(hb), len(body)) + hb + body + ff._CRC.pack(zlib.crc32(hb + body))
+
+
+def test_precisions_round_trip_and_format_1_still_loads():
+    tr = _trace(2)
+    assert {e.precision for e in tr.launches()} == {"fp32", "bf16", ""}
+    assert ff.decode(ff.encode(tr)).events == tr.events
+    # A format 1 file (written before launches carried a precision): same events, precision "".
+    old = _as_format_1(ff.encode(tr))
+    back = ff.decode(old)
+    assert back.header.format_version == 1
+    assert [e.precision for e in back.launches()] == [""] * len(tr.launches())
+    assert [(e.op, e.flops, e.accesses) for e in back.launches()] == [(e.op, e.flops, e.accesses) for e in tr.launches()]
 
 
 def test_unknown_version(tmp_path):

@@ -63,6 +63,34 @@ def test_compute_time_is_a_roofline_with_a_floor():
     assert p.compute_time(0, 0) == p.launch_floor_s > 0
 
 
+@pytest.mark.parametrize("name", PROFILES)
+def test_precision_picks_the_peak(name):
+    """bf16/fp16 (and a trace that does not say) at the tensor peak; FP32 on CUDA
+    cores; TF32 on tensor cores where the GPU has them (Volta: the FP32 rate)."""
+    p = load_profile(name)
+    assert p.sources["peak_flops_fp32"] and p.sources["peak_flops_tf32"]
+    assert p.peak_for("") == p.peak_for("bf16") == p.peak_for("fp16") == p.peak_flops
+    assert p.peak_for("fp32") == p.peak_flops_fp32 < p.peak_flops
+    assert p.peak_flops_fp32 <= p.peak_for("tf32") == p.peak_flops_tf32 < p.peak_flops
+    flops = 10**14  # compute-bound on every profile
+    assert p.compute_time(flops, 0, "fp32") / p.compute_time(flops, 0, "bf16") == pytest.approx(
+        p.peak_flops / p.peak_flops_fp32)
+    if name.startswith("v100"):
+        assert p.peak_for("tf32") == p.peak_for("fp32")
+
+
+def test_a_profile_file_without_the_fp32_peaks_uses_the_tensor_peak(tmp_path):
+    """Files written before the FP32/TF32 fields existed still load, as before."""
+    data = load_profile("h100-pcie5-80g").to_dict()
+    del data["peak_flops_fp32"], data["peak_flops_tf32"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    p = load_profile(path)
+    assert p.peak_for("fp32") == p.peak_for("tf32") == p.peak_flops
+    save_profile(p, tmp_path / "again.json")  # and they round-trip without the fields
+    assert load_profile(tmp_path / "again.json") == p
+
+
 def test_save_then_load_round_trips(tmp_path):
     p = load_profile("h100-pcie5-80g")
     path = tmp_path / "mine.json"

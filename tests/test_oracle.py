@@ -152,7 +152,7 @@ class FakeDriver(Backend):
     def advise(self, ranges, advice, device):
         self.calls.append(("advise", tuple(ranges), advice, device))
 
-    def launch(self, reads, writes, flops, nbytes):
+    def launch(self, reads, writes, flops, nbytes, precision=""):
         for ptr, _n in reads:
             if ptr not in self.valid:
                 raise DataIntegrityError(f"read of undefined data at {ptr:#x}")

@@ -203,3 +203,32 @@ def test_address_of_live_objects():
     with Recorder(auto_step=False) as meta_rec:
         torch.ones(4, device="meta") + 1
         assert all(meta_rec.address(o) == 0 for o in range(4))
+
+
+def test_launches_record_the_precision_of_their_arithmetic():
+    """FP32 matmuls on CUDA cores unless PyTorch allows TF32 for them; cuDNN
+    convolutions on TF32 by default; half precisions as they are."""
+    def precisions(build, dtype=torch.float32):
+        with torch.device("meta"):
+            model = build().to(dtype)
+        rec = Recorder(model)
+        with rec:
+            for _ in range(2):
+                x = torch.randn(*shape, device="meta", dtype=dtype)
+                model(x).sum().backward()
+                rec.step()
+        return {e.op: e.precision for e in rec.trace().launches() if e.flops > 0}
+
+    shape = (4, 16)
+    lin = lambda: torch.nn.Linear(16, 16)  # noqa: E731
+    assert precisions(lin)["aten::addmm.default"] == "fp32"
+    assert precisions(lin, torch.bfloat16)["aten::addmm.default"] == "bf16"
+    old = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert precisions(lin)["aten::addmm.default"] == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(old)
+    shape = (2, 3, 8, 8)
+    conv = precisions(lambda: torch.nn.Conv2d(3, 4, 3))
+    assert {p for op, p in conv.items() if "conv" in op} == {"tf32" if torch.backends.cudnn.allow_tf32 else "fp32"}

@@ -303,3 +303,21 @@ def test_bad_inputs():
     empty = Trace(header(0), [Alloc(0, MB, Kind.OTHER)])
     with pytest.raises(TraceFormatError, match="iteration"):
         simulate(empty, Plain(), PROFILE, "50%")
+
+
+def test_fp32_arithmetic_runs_at_the_fp32_peak():
+    """A launch's precision picks its peak: the same trace in FP32 computes
+    slower than at the tensor-core peak, by at most the ratio of the peaks."""
+    from dataclasses import replace as _replace
+
+    from umrt.hardware import load_profile
+    from umrt.predict.synthetic import training_trace
+    from umrt.trace.events import Launch as _Launch
+    from umrt.trace.events import Trace as _Trace
+
+    tr = training_trace(layers=4, steps=2)
+    fp32 = _Trace(tr.header, [_replace(e, precision="fp32") if isinstance(e, _Launch) else e for e in tr.events])
+    p = load_profile("v100-pcie3-32g")
+    t16 = simulate(tr, "ideal", p, "100%").ideal_time_s
+    t32 = simulate(fp32, "ideal", p, "100%").ideal_time_s
+    assert t16 < t32 <= t16 * p.peak_flops / p.peak_flops_fp32 * 1.0001

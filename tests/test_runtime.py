@@ -165,7 +165,7 @@ class _Recording(Backend):
     def advise(self, ranges, advice, device) -> None:
         pass
 
-    def launch(self, reads, writes, flops, nbytes) -> None:
+    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
         pass
 
     def synchronize(self) -> None:

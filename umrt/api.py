@@ -231,8 +231,8 @@ class ManagedOnly:
     def advise(self, ranges: Any, advice: Any, device: int) -> None:
         self._b.advise(self._keep(ranges), advice, device)
 
-    def launch(self, reads: Any, writes: Any, flops: int = 0, nbytes: int = 0) -> None:
-        self._b.launch(self._keep(reads), self._keep(writes), flops, nbytes)
+    def launch(self, reads: Any, writes: Any, flops: int = 0, nbytes: int = 0, precision: str = "") -> None:
+        self._b.launch(self._keep(reads), self._keep(writes), flops, nbytes, precision)
 
     def __getattr__(self, name: str) -> Any:  # malloc, free, synchronize, mem_info, counters
         return getattr(self._b, name)
@@ -311,7 +311,7 @@ class LiveBridge:
             where = self.layout.address
             reads = [(where(a.obj) + a.offset, a.length) for a in ev.reads if where(a.obj)]
             writes = [(where(a.obj) + a.offset, a.length) for a in ev.writes if where(a.obj)]
-            self.backend.launch(reads, writes, ev.flops, ev.bytes)
+            self.backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
         elif isinstance(ev, Free):
             self.policy.on_event(ev)
             self.layout.free(ev.obj)

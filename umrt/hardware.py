@@ -60,6 +60,10 @@ class HardwareProfile:
     prefetch_call_overhead_s: float  # host cost of one prefetch/discard/advise call
     launch_floor_s: float  # shortest kernel: launch + tail
     compute_efficiency: float  # achieved fraction of peak FLOP/s and HBM bandwidth
+    # FP32 arithmetic: on CUDA cores (PyTorch's default for matmuls), or TF32 tensor
+    # cores (its default for cuDNN convolutions, Ampere and later). 0: as peak_flops.
+    peak_flops_fp32: float = 0.0
+    peak_flops_tf32: float = 0.0
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -80,16 +84,32 @@ class HardwareProfile:
         """Seconds to migrate ``nbytes`` in one contiguous copy."""
         return 0.0 if nbytes <= 0 else nbytes / self.transfer_rate(nbytes, direction)
 
-    def compute_time(self, flops: int, nbytes: int) -> float:
-        """Roofline time of one kernel: ``max(flops/(peak*eff), bytes/(hbm*eff), launch floor)``."""
+    def peak_for(self, math_mode: str = "") -> float:
+        """Peak FLOP/s for a kernel whose arithmetic runs in ``math_mode``.
+
+        ``"fp32"``/``"fp64"``: CUDA cores (FP64 is rare in training and taken
+        at the FP32 rate, an optimistic figure); ``"tf32"``: TF32 tensor cores
+        (FP32 on a GPU without them); anything else (``"bf16"``, ``"fp16"``,
+        ``""`` for a trace that does not say): :attr:`peak_flops`.
+        """
+        if math_mode == "fp32" or math_mode == "fp64":
+            return self.peak_flops_fp32 or self.peak_flops
+        if math_mode == "tf32":
+            return self.peak_flops_tf32 or self.peak_flops_fp32 or self.peak_flops
+        return self.peak_flops
+
+    def compute_time(self, flops: int, nbytes: int, math_mode: str = "") -> float:
+        """Roofline time of one kernel: ``max(flops/(peak*eff), bytes/(hbm*eff), launch floor)``,
+        with the peak of its arithmetic (:meth:`peak_for`)."""
         eff = self.compute_efficiency
-        return max(flops / (self.peak_flops * eff), nbytes / (self.hbm_bandwidth * eff), self.launch_floor_s)
+        peak = self.peak_flops if not math_mode else self.peak_for(math_mode)
+        return max(flops / (peak * eff), nbytes / (self.hbm_bandwidth * eff), self.launch_floor_s)
 
     def to_dict(self) -> dict:
         """The JSON form: numbers as ``{"value", "source"}`` pairs."""
         out: dict = {"name": self.name, "description": self.description}
         for f in fields(self):
-            if f.name in _NUMERIC:
+            if f.name in _NUMERIC and not (f.name in _OPTIONAL and not getattr(self, f.name)):
                 out[f.name] = {"value": getattr(self, f.name), "source": self.sources.get(f.name, "")}
         return out
 
@@ -109,7 +129,11 @@ _NUMERIC: dict[str, tuple[type, float, float]] = {
     "prefetch_call_overhead_s": (float, -1, 1.0),
     "launch_floor_s": (float, -1, 1.0),
     "compute_efficiency": (float, 0, 1.0),
+    "peak_flops_fp32": (float, 0, math.inf),
+    "peak_flops_tf32": (float, 0, math.inf),
 }
+# Fields a profile file may leave out (written before they existed): as peak_flops.
+_OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32"})
 
 
 def _parse(data: object, origin: str) -> HardwareProfile:
@@ -122,6 +146,8 @@ def _parse(data: object, origin: str) -> HardwareProfile:
     sources: dict[str, str] = {}
     for key, (typ, low, high) in _NUMERIC.items():
         if key not in data:
+            if key in _OPTIONAL:
+                continue
             raise ConfigError(f"{origin}: missing field '{key}'")
         entry = data[key]
         if not isinstance(entry, dict) or "value" not in entry or not isinstance(entry.get("source"), str):

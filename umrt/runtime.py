@@ -435,7 +435,7 @@ class Runtime(Policy):
         keys = tuple(seen)
         rec.exec_ids.append(ev.exec_id)
         rec.uses.append(keys)
-        rec.times.append(self._compute_time(ev.flops, ev.bytes))
+        rec.times.append(self._compute_time(ev.flops, ev.bytes, ev.precision))
         rec.alloc_counts.append(self.keys.ordinal)
         rec.free_counts.append(self._nf)
         self.correlation.observe(ev.exec_id)
@@ -444,10 +444,10 @@ class Runtime(Policy):
         # and die, so two shapes that launch alike but allocate differently differ.
         self._sig = ((self._sig * 1000003) ^ ev.exec_id ^ (self.keys.ordinal << 20) ^ self._nf) & _MASK
 
-    def _compute_time(self, flops: int, nbytes: int) -> float:
+    def _compute_time(self, flops: int, nbytes: int, precision: str = "") -> float:
         prof = self.profile
         if prof is not None:
-            return prof.compute_time(flops, nbytes)
+            return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
 
     # -- iteration boundaries -----------------------------------------------------
@@ -821,8 +821,8 @@ class _SegmentWatch(Backend):
     def advise(self, ranges, advice, device) -> None:
         self._b.advise(ranges, advice, device)
 
-    def launch(self, reads, writes, flops, nbytes) -> None:
-        self._b.launch(reads, writes, flops, nbytes)
+    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
+        self._b.launch(reads, writes, flops, nbytes, precision)
 
     def synchronize(self) -> None:
         self._b.synchronize()

@@ -127,11 +127,11 @@ class ShadowDriver:
                 if base is not None:
                     (writes if a.write else reads).append((base[0] + a.offset, a.length))
             try:
-                backend.launch(reads, writes, ev.flops, ev.bytes)
+                backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
             except DataIntegrityError as exc:
                 raise DataIntegrityError(f"{exc} (launch #{ev.seq} {ev.op} in {ev.module or 'top level'})") from None
             if self.ideal:
-                self.ideal[-1] += self.profile.compute_time(ev.flops, ev.bytes)
+                self.ideal[-1] += self.profile.compute_time(ev.flops, ev.bytes, ev.precision)
         elif t is Alloc:
             if ev.obj in self._addr:  # a storage id reused without a Free: release the old one
                 self.layout.free(ev.obj)

@@ -62,8 +62,10 @@ class Backend(ABC):
         """cudaMemAdvise on each range."""
 
     @abstractmethod
-    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int) -> None:
-        """A kernel is about to run on these ranges.
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int,
+               precision: str = "") -> None:
+        """A kernel is about to run on these ranges (its arithmetic in ``precision``,
+        see :attr:`umrt.trace.events.Launch.precision`).
 
         The ``sim`` backend executes it (faults, migrations, compute time);
         the ``cuda`` backend only orders the compute stream after pending

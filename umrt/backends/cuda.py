@@ -419,7 +419,8 @@ class CudaBackend(Backend):
         """The stream the framework launches kernels on (torch: ``current_stream().cuda_stream``)."""
         self.compute_stream = stream
 
-    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0) -> None:
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0,
+               precision: str = "") -> None:
         touched = list(reads) + list(writes)
         last = -1
         for i, (_, ranges) in enumerate(self._pending):

@@ -129,6 +129,23 @@ def _extent(t: torch.Tensor) -> int:
     return span * t.element_size()
 
 
+_PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def _precision(op: str, inputs: list, tf32: tuple[bool, bool]) -> str:
+    """What a launch's arithmetic runs in on CUDA: its first floating-point
+    input's dtype, with FP32 on TF32 tensor cores where PyTorch allows it
+    (``tf32`` = (matmuls: ``torch.get_float32_matmul_precision() != "highest"``,
+    convolutions: ``torch.backends.cudnn.allow_tf32``); defaults False, True)."""
+    for t, _ in inputs:
+        if t.is_floating_point():
+            p = _PRECISION.get(t.dtype, "")
+            if p == "fp32" and (tf32[1] if "conv" in op else tf32[0]):
+                return "tf32"
+            return p
+    return ""
+
+
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
@@ -245,6 +262,8 @@ class Recorder:
         if self._recording or self._closed:
             raise RuntimeError("a Recorder can be entered only once")
         stack = contextlib.ExitStack()
+        # PyTorch's TF32 switches, read once: which FP32 kernels run on tensor cores.
+        self._tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
         if self._steer:
             stack.enter_context(steer.steered(self.paused))
         mm = torch.nn.modules.module
@@ -703,7 +722,8 @@ class Recorder:
         flops = self._flops(func, info, args, kwargs, out)
         nbytes = sum(a.length for a in accesses)
         self._seq += 1
-        self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module))
+        precision = _precision(info.name, inputs, self._tf32)
+        self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module, precision))
 
     @staticmethod
     def _flops(func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:

@@ -272,7 +272,8 @@ class SimBackend(Backend):
                 if device == self.device:
                     pf[a:b, E.F_ACCBY] = 0
 
-    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int) -> None:
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int,
+               precision: str = "") -> None:
         """Execute one kernel: integrity check, faults and migrations, then compute."""
         defined = self._defined
         for ptr, n in reads:
@@ -309,7 +310,7 @@ class SimBackend(Backend):
             self._time["transfer_wait_s"] += float(wait)
             self._time["fault_stall_s"] += float(t_ready - t0 - wait)
         p = self.profile
-        compute = p.compute_time(flops, nbytes)
+        compute = p.compute_time(flops, nbytes, precision)
         remote = float(max((g[E.G_REMOTE_R] - r0) / p.h2d_bandwidth, (g[E.G_REMOTE_W] - w0) / p.d2h_bandwidth))
         self._time["compute_s"] += compute
         self._time["remote_access_s"] += max(0.0, remote - compute)

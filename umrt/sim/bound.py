@@ -233,7 +233,7 @@ def _value_flow(events, profile: HardwareProfile) -> _Flow:
                     close(acc.obj, acc.offset, acc.offset + acc.length)
                     segs[acc.obj].append([acc.offset, acc.offset + acc.length, _GPU, i + 1, []])
                     segs[acc.obj].sort(key=lambda x: x[0])
-            compute.append(profile.compute_time(ev.flops, ev.bytes))
+            compute.append(profile.compute_time(ev.flops, ev.bytes, ev.precision))
             i += 1
         elif isinstance(ev, Alloc):
             close(ev.obj, 0, 1 << 62)  # a reused id starts afresh

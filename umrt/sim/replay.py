@@ -137,10 +137,10 @@ def simulate(
                 for a in ev.accesses:
                     (writes if a.write else reads).append((addr[a.obj][0] + a.offset, a.length))
                 try:
-                    backend.launch(reads, writes, ev.flops, ev.bytes)
+                    backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
                 except DataIntegrityError as exc:
                     raise _explain(exc, ev, addr, policy) from None
-                compute[-1] += compute_time(ev.flops, ev.bytes)
+                compute[-1] += compute_time(ev.flops, ev.bytes, ev.precision)
             elif isinstance(ev, Alloc):
                 ptr = layout.alloc(ev.obj, ev.nbytes, ev.kind)
                 addr[ev.obj] = (ptr, ev.nbytes)

@@ -62,6 +62,9 @@ class Launch:
     flops: int
     bytes: int  # bytes moved to or from device memory (roofline input)
     module: str = ""  # dotted module path it ran in ("" at top level)
+    # What its arithmetic runs in: "fp32" (CUDA cores), "tf32", "bf16", "fp16", "fp64";
+    # "" where the trace does not say (format 1). See HardwareProfile.peak_for.
+    precision: str = ""
 
     @property
     def reads(self) -> tuple[Access, ...]:

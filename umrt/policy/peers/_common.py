@@ -167,6 +167,7 @@ class IterationProfile:
     launch_keys: list[tuple] = field(default_factory=list)
     launch_flops: list[int] = field(default_factory=list)
     launch_bytes: list[int] = field(default_factory=list)
+    launch_precision: list[str] = field(default_factory=list)
     objects: dict[tuple, ObjectProfile] = field(default_factory=dict)
     layer_marks: list[int] = field(default_factory=list)
     layer_events: list = field(default_factory=list)
@@ -230,6 +231,7 @@ class IterationProfiler:
             p.launch_keys.append(tuple(ks))
             p.launch_flops.append(event.flops)
             p.launch_bytes.append(event.bytes)
+            p.launch_precision.append(event.precision)
         elif isinstance(event, Alloc):
             k = self.keys.key(event.obj)
             o = p.objects.get(k)

@@ -205,7 +205,8 @@ class SentinelPolicy(Policy):
         objs = p.objects
         total = 0.0
         for j, (a, b) in enumerate(spans):
-            compute = sum(prof.compute_time(p.launch_flops[i], p.launch_bytes[i]) for i in range(a, b))
+            compute = sum(prof.compute_time(p.launch_flops[i], p.launch_bytes[i], p.launch_precision[i])
+                          for i in range(a, b))
             cur, nxt = needs[j], needs[(j + 1) % len(spans)]
             size = lambda ks: sum(objs[k].nbytes for k in ks)  # noqa: E731
             new = size(k for k in nxt if k not in cur)
