@@ -108,7 +108,7 @@ def parse_budget(text: str) -> float:
 
 
 def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path = CACHE_DIR,
-              steps: int = 3, refresh: bool = False):
+              steps: int = 3, refresh: bool = False, dtype: str = "float32"):
     """The model's training trace on meta, from the cache or made now (and cached)."""
     from umrt import __version__
     from umrt.trace import fileformat
@@ -118,12 +118,12 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
     # The format version is in the key: a trace made before launches carried
     # their precision (format 1) is made again, not simulated at the wrong peak.
     path = cache_dir / (f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}"
-                        f"-f{fileformat.FORMAT_VERSION}.umrt")
+                        f"{'' if dtype == 'float32' else '-' + dtype}-f{fileformat.FORMAT_VERSION}.umrt")
     if path.exists() and not refresh:
         return fileformat.load(path)
     from umrt.zoo import trace_model
 
-    trace = trace_model(model, batch=batch, seq=seq, device="meta", steps=steps, progress=False)
+    trace = trace_model(model, batch=batch, seq=seq, device="meta", steps=steps, progress=False, dtype=dtype)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     fileformat.save(trace, tmp)

@@ -146,6 +146,7 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
     calls = first["calls"]
     return {
         "model": trace.header.model,
+        "dtype": trace.header.meta.get("dtype", "float32"),
         "profile": profile.name,
         "budget_bytes": budget_bytes,
         "op_level": op_level,
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--profile", default="h100-pcie5-80g")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the model's training precision (float32: as the zoo traces by default)")
     parser.add_argument("--budget", default="20%")
     parser.add_argument("--iterations", type=int, default=6,
                         help="the first measured iteration (the runtime trusts a plan from its third run)")
@@ -200,11 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench.grid import trace_for
 
     t = time.perf_counter()
-    trace = trace_for(args.model, args.batch, args.seq)
+    trace = trace_for(args.model, args.batch, args.seq, dtype=args.dtype)
     print(f"trace {args.model} b{args.batch} s{args.seq}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     res = measure(trace, args.profile, args.budget, args.iterations, args.op_level, args.repeats)
     ideal = res["ideal_iteration_s"]
-    print(f"{res['model']} on {res['profile']} (simulated ideal iteration {ideal * 1e3:.1f} ms): "
+    print(f"{res['model']} ({res['dtype']}) on {res['profile']} (simulated ideal iteration {ideal * 1e3:.1f} ms): "
           f"runtime CPU {res['runtime_cpu_s_per_iteration'] * 1e3:.2f} ms per steady iteration "
           f"(min of {res['measured_iterations']}; median {res['runtime_cpu_s_median'] * 1e3:.2f} ms) over "
           f"{res['events_per_iteration']} events = {res['overhead_fraction'] * 100:.2f}% "

@@ -67,6 +67,21 @@ def test_bad_arguments():
         zoo.trace_model("gpt2", device="tpu")
     with pytest.raises(ConfigError, match="batch"):
         zoo.trace_model("gpt2", batch=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        zoo.trace_model("gpt2", dtype="float8")
+
+
+def test_dtype_sets_the_training_precision():
+    """float32 (default): matmuls on CUDA cores; bfloat16: the whole model in it."""
+    name = "hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=128,n_positions=32"
+    f32 = zoo.trace_model(name, batch=2, seq=16, steps=2)
+    b16 = zoo.trace_model(name, batch=2, seq=16, steps=2, dtype="bfloat16")
+    assert f32.header.meta["dtype"] == "float32" and b16.header.meta["dtype"] == "bfloat16"
+    mm32 = {e.precision for e in f32.launches() if e.op == "aten::addmm.default"}
+    mm16 = {e.precision for e in b16.launches() if e.op == "aten::addmm.default"}
+    assert mm32 == {"fp32"} and mm16 == {"bf16"}
+    p32 = summarize(f32)["bytes_by_kind"]["parameter"]
+    assert summarize(b16)["bytes_by_kind"]["parameter"] * 2 == p32
 
 
 @pytest.mark.parametrize(

@@ -286,6 +286,10 @@ def _forward_kwargs(spec: ModelSpec) -> dict:
     return {}
 
 
+#: Training precisions :func:`trace_model` offers.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def trace_model(
     name: str,
     *,
@@ -294,6 +298,7 @@ def trace_model(
     device: str = "meta",
     steps: int = 3,
     progress: bool = False,
+    dtype: str = "float32",
 ) -> Trace:
     """Record ``steps`` training iterations of a zoo model.
 
@@ -305,11 +310,16 @@ def trace_model(
         steps: iterations to record (the last one is the steady state; the
             first also creates AdamW's state).
         progress: show a rich progress bar.
+        dtype: the training precision: "float32" (default, as the papers umrt is
+            compared with), or "bfloat16" / "float16" (the whole model and its
+            inputs in that dtype: pure half-precision training).
     """
     from umrt.capture import Recorder
 
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device not in ("meta", "cpu", "cuda"):
         raise ConfigError(f"device must be meta, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -327,12 +337,14 @@ def trace_model(
             model = build_model(spec, device)
         except (ValueError, TypeError, AttributeError) as exc:  # a config the model rejects
             raise ConfigError(f"cannot build {name}: {exc}") from exc
+    model.to(DTYPES[dtype])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     fwd = _forward_kwargs(spec)
     meta = {
         "batch": batch,
         "seq": seq,
         "steps": steps,
+        "dtype": dtype,
         "task": spec.task,
         "model_class": spec.model_class.__name__,
         **spec.meta,
@@ -344,6 +356,7 @@ def trace_model(
             for _ in range(steps):
                 with rec.paused():  # the batch arrives from a loader, off the trace
                     inputs = make_inputs(spec, batch, seq, device)
+                    inputs = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in inputs.items()}
                 out = model(**inputs, **fwd)
                 loss = _loss(out)
                 loss.backward()

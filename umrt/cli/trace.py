@@ -62,6 +62,13 @@ def register(subparsers: Any) -> None:
         default=3,
         help="iterations to record (default 3); for a script, the steps after its first one",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="zoo model training precision (default float32, as the papers umrt compares with; "
+        "bfloat16/float16: the whole model in that dtype)",
+    )
     p.add_argument("-o", "--output", help="trace file to write (default MODEL.umrt or trace.umrt)")
     p.add_argument("--json", action="store_true", help="trace info: print JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
@@ -111,6 +118,7 @@ def _trace_zoo(args: argparse.Namespace) -> int:
         device=args.device or "meta",
         steps=args.steps,
         progress=not args.quiet and sys.stderr.isatty(),
+        dtype=args.dtype,
     )
     fileformat.save(trace, out)
     if not args.quiet:
