@@ -223,3 +223,10 @@ def test_counters_snapshot():
         assert key in c
     assert c["faults"] == 32 and c["page_events"] >= 64
     assert c["time_s"] == pytest.approx(sum(b.breakdown.values()))
+
+
+def test_a_budget_below_one_fault_batch_says_so():
+    b = gpu(4)  # 8 MiB: a batch of 256 faults over 8 blocks (16 MiB) cannot be serviced
+    ptr = host_data(b, 8 * BLOCK)
+    with pytest.raises(ConfigError, match=r"one fault batch.*256 faults.*spans at least 5 blocks"):
+        b.launch([(ptr, 8 * BLOCK)], [], 0, 0)

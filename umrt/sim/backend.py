@@ -463,7 +463,15 @@ class SimBackend(Backend):
             addr = VA_BASE + int(self._g[E.G_ERRPAGE]) * E.PAGE
             raise ValueError(f"launch touches page {addr:#x}, outside every managed allocation")
         if err == E.ERR_NO_VICTIM:
-            raise ConfigError(f"GPU memory budget {self.capacity_bytes} bytes cannot hold one 2 MB block")
+            blocks = int(self._g[E.G_ERRBLOCKS])
+            batch = self.profile.fault_batch_size
+            raise ConfigError(
+                f"GPU memory budget {self.capacity_bytes} bytes ({self.capacity_bytes / 2**20:.0f} MiB) cannot hold "
+                f"one fault batch: the driver services up to {batch} faults of 64 KB together "
+                f"({batch * E.PAGE >> 20} MiB) and keeps every 2 MB block they touch on the GPU until the batch "
+                f"is done; this one spans at least {blocks} blocks ({blocks * E.BLOCK >> 20} MiB). Give the GPU more "
+                f"memory than that (scattered faults can span up to {batch} blocks)"
+            )
 
     def _integrity_error(self, ptr: int, n: int) -> None:
         bad = self._defined.first_gap(ptr, ptr + n)

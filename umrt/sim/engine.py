@@ -79,7 +79,8 @@ G_PIN = 18  # current pin id
 G_REMOTE_R = 19  # bytes read remotely over the link
 G_REMOTE_W = 20
 G_ERRPAGE = 21  # page of the last error
-NG = 22
+G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced holds pinned
+NG = 23
 
 # Scalars in ``tf`` (float64).
 T_H2D = 0  # the H2D copy engine is busy until
@@ -104,7 +105,7 @@ E_MIGRATE, E_MAPREMOTE, E_COLLAPSE = 0, 1, 2
 C_LOCAL, C_REMOTE = 0, 1
 
 ERR_UNMAPPED = 1  # a launch touched a page outside every allocation
-ERR_NO_VICTIM = 2  # capacity too small for one block
+ERR_NO_VICTIM = 2  # capacity too small for the blocks one fault batch pins
 
 
 def new_scalars(capacity_pages: int, queue: int) -> tuple[np.ndarray, np.ndarray]:
@@ -465,11 +466,13 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
         g[G_FAULTS] += m
         t += prm[P_LAT]
         g[G_PIN] += 1
+        pinned = 0
         k = 0
         while k < m:
             b = (keys[k] >> 2) // PAGES_PER_BLOCK
             p0 = b * PAGES_PER_BLOCK
             bi[b, B_PIN] = g[G_PIN]
+            pinned += 1
             any_migrate = False
             faulted[:] = 0
             while k < m and (keys[k] >> 2) // PAGES_PER_BLOCK == b:
@@ -499,6 +502,7 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
             t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t, False)
             if t < 0:
                 g[G_ERRPAGE] = p0
+                g[G_ERRBLOCKS] = pinned
                 return ERR_NO_VICTIM
             if evict_secs > 0.0:  # eviction is synchronous in the fault path
                 t = _share_link(tf, T_D2H, t, evict_secs)
@@ -561,6 +565,7 @@ def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
                 t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t_issue, True)
                 if t < 0:
                     g[G_ERRPAGE] = p0
+                    g[G_ERRBLOCKS] = 1
                     return ERR_NO_VICTIM
                 if evict_secs > 0.0:
                     tf[T_D2H] = max(t, tf[T_D2H]) + evict_secs
