@@ -105,8 +105,9 @@ def build_plan(p: IterationProfile, limit_bytes: int, genes: Genes) -> SwapPlan:
         tie += 1
         heapq.heappush(heap, (-(t + (u - t) * weight.get(k, 1.0)), tie, k, v))
 
-    for k in resident:
-        push(k, -1)
+    for k in objs:  # in the profile's order, not the set's: ties must not depend on hashing
+        if k in resident:
+            push(k, -1)
     mem = np.zeros(n, np.int64)
     out_at: dict = {}  # key -> launch ordinal its current swap-out was issued at
     last_use: dict = {}
