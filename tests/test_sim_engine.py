@@ -193,3 +193,15 @@ def test_faults_share_the_link_with_pending_prefetches_instead_of_queueing():
     assert b.breakdown["fault_stall_s"] == pytest.approx(PROFILE.fault_batch_latency_s + 2 * copy, rel=1e-6)
     b.synchronize()  # the link did 33 blocks of work in all
     assert b.now() == pytest.approx(PROFILE.prefetch_call_overhead_s + 33 * copy, rel=1e-6)
+
+
+def test_pages_queued_behind_a_fault_copy_arrive_later_by_its_share():
+    b = gpu(64)
+    big, small = host_block(b, 32 * BLOCK), host_block(b)
+    b.prefetch([(big, 32 * BLOCK)], 0)
+    read(b, small, BLOCK)  # a fault copy takes its share of the link while the prefetch runs ...
+    read(b, big, 32 * BLOCK)  # ... so the last prefetched block lands one block's copy later
+    copy = PROFILE.transfer_time(BLOCK)
+    start = PROFILE.prefetch_call_overhead_s
+    assert b.faults == 32
+    assert b.now() == pytest.approx(start + 33 * copy + PROFILE.launch_floor_s, rel=1e-6)

@@ -21,8 +21,9 @@ Time model, chosen to be fair to every policy:
 * Fault migrations do not queue behind pending prefetches: the driver's
   fault-servicing copies run on their own channels and share the link with
   them (time-sliced copy engines), at half rate while both run; total link
-  work is conserved (the prefetch queue ends that much later; pages already
-  in flight keep their arrival times). Eviction copy-back in the fault path
+  work is conserved (the prefetch queue ends that much later, and every
+  queued copy still running arrives later by the link time the fault copy
+  took from it). Eviction copy-back in the fault path
   is synchronous, as in the driver (uvm_pmm_gpu.c evicts before allocating).
 * A prefetch to the GPU that needs room first waits for the policy's own
   pending prefetches to host to finish (their memory is not free before);
@@ -126,7 +127,8 @@ class SimBackend(Backend):
         self._prm[E.P_LAT] = p.fault_batch_latency_s
         self._prm[E.P_THRESH] = p.prefetch_threshold
         self._g, self._tf = E.new_scalars(cap_pages, _QUEUE)
-        self._q_t = np.zeros(_QUEUE, np.float64)
+        self._q_r = np.zeros(_QUEUE, np.int64)  # pending D2H copies (copy records) ...
+        self._rec_t = np.zeros((2, E.RING), np.float64)  # ... and every copy record's completion time
         self._q_n = np.zeros(_QUEUE, np.int64)
         self._flog = np.zeros(_FAULT_LOG, np.int64)
         self._flog_read = 0
@@ -161,7 +163,7 @@ class SimBackend(Backend):
             return new
 
         self._pf = grown(getattr(self, "_pf", None), (npages, E.NFLAGS), np.uint8)
-        self._pready = grown(getattr(self, "_pready", None), npages, np.float64)
+        self._prec = grown(getattr(self, "_prec", None), npages, np.int64, -1)
         self._pmark = grown(getattr(self, "_pmark", None), npages, np.int64)
         self._pwmark = grown(getattr(self, "_pwmark", None), npages, np.uint8)
         self._pclass = grown(getattr(self, "_pclass", None), npages, np.uint8)
@@ -206,7 +208,7 @@ class SimBackend(Backend):
         del self._starts[bisect_left(self._starts, ptr)]
         first = (ptr - VA_BASE) // E.BLOCK
         nb = -(-nbytes // E.BLOCK)
-        E.release(self._pf, self._pready, self._bi, self._g, first, first + nb)
+        E.release(self._pf, self._prec, self._bi, self._g, first, first + nb)
         self._defined.remove(ptr, ptr + nb * E.BLOCK)
         i = bisect_left(self._holes, (first, 0))
         self._holes.insert(i, (first, nb))
@@ -222,11 +224,11 @@ class SimBackend(Backend):
         t = self._issue()
         lo, hi = self._page_spans(ranges, inward=False)
         if device == HOST:
-            E.prefetch_host(self._pf, self._pready, self._bi, self._g, self._tf, self._prm,
-                            self._q_t, self._q_n, lo, hi, t)
+            E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                            self._q_r, self._q_n, lo, hi, t)
         elif device == self.device:
-            err = E.prefetch_gpu(self._pf, self._pready, self._bi, self._g, self._tf, self._prm,
-                                 self._q_t, self._q_n, lo, hi, t)
+            err = E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                                 self._q_r, self._q_n, lo, hi, t)
             self._check(err)
         else:
             raise ValueError(f"prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
@@ -301,8 +303,8 @@ class SimBackend(Backend):
             if need > self._ebuf.shape[0]:
                 self._ebuf = np.zeros(2 * need, np.int64)
                 self._etype = np.zeros(2 * need, np.uint8)
-            err = E.launch(self._pf, self._pready, self._pmark, self._pwmark, self._pclass, self._bi, g,
-                           self._tf, self._prm, self._q_t, self._q_n, self._flog,
+            err = E.launch(self._pf, self._prec, self._rec_t, self._pmark, self._pwmark, self._pclass, self._bi, g,
+                           self._tf, self._prm, self._q_r, self._q_n, self._flog,
                            starts, ends, wflag, t0, self._ebuf, self._etype)
             self._check(err)
             t_ready = float(self._tf[E.T_OUT])
@@ -334,7 +336,7 @@ class SimBackend(Backend):
     def mark_host_written(self, ranges: Sequence[Range]) -> None:
         """The host initialised these bytes (set-up data, inputs): defined, resident on the host."""
         lo, hi = self._page_spans(ranges, inward=False)
-        E.host_write(self._pf, self._pready, self._bi, self._g, lo, hi)
+        E.host_write(self._pf, self._prec, self._bi, self._g, lo, hi)
         for ptr, n in ranges:
             if n > 0:
                 self._defined.add(ptr, ptr + n)

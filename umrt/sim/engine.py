@@ -80,7 +80,15 @@ G_REMOTE_R = 19  # bytes read remotely over the link
 G_REMOTE_W = 20
 G_ERRPAGE = 21  # page of the last error
 G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced holds pinned
-NG = 23
+G_RHEAD = 23  # copy records, per direction (+ T_H2D / T_D2H): the first that may be in flight ...
+G_RTAIL = 25  # ... and the next id
+NG = 27
+
+# Copy records: every queued copy (a prefetch's block, a prefetch's evictions) is a record
+# whose completion time lives in ``rec_t[direction, id % RING]``; a page in flight holds
+# ``id * 2 + direction`` in ``prec`` (-1: no copy pending). Sharing the link moves the
+# records, so every page of a queued copy arrives later together.
+RING = 1 << 18
 
 # Scalars in ``tf`` (float64).
 T_H2D = 0  # the H2D copy engine is busy until
@@ -109,6 +117,7 @@ ERR_NO_VICTIM = 2  # capacity too small for the blocks one fault batch pins
 
 
 def new_scalars(capacity_pages: int, queue: int) -> tuple[np.ndarray, np.ndarray]:
+    """The scalars ``g`` and times ``tf`` of an empty GPU with ``capacity_pages``."""
     g = np.zeros(NG, np.int64)
     g[G_CAP] = capacity_pages
     g[G_HEAD : G_HEAD + 2] = -1
@@ -131,24 +140,60 @@ def _xfer(nbytes, prm, d2h):
 
 
 @njit(cache=True)
-def _share_link(tf, engine, t, secs):
-    """A fault-path copy of ``secs`` (at full link rate) starting at ``t``; returns its end.
+def _ready(prec, rec_t, g, p):
+    """When page ``p``'s last migration completes (0: none pending)."""
+    r = prec[p]
+    if r < 0:
+        return 0.0
+    d = r & 1
+    i = r >> 1
+    if g[G_RTAIL + d] - i > RING:  # overwritten: RING copies ago, long done
+        return 0.0
+    return rec_t[d, i % RING]
+
+
+@njit(cache=True)
+def _new_record(rec_t, g, d, t_done):
+    """A copy record in direction ``d`` completing at ``t_done``; returns its ``prec`` code."""
+    i = g[G_RTAIL + d]
+    g[G_RTAIL + d] = i + 1
+    rec_t[d, i % RING] = t_done
+    return i * 2 + d
+
+
+@njit(cache=True)
+def _share_link(tf, rec_t, g, d, t, secs):
+    """A copy of ``secs`` (at full link rate) outside the queue of direction ``d``, from ``t``; returns its end.
 
     The driver's fault-servicing copies run on their own channels, so they do
     not queue behind pending prefetches: they share the link with them
     (time-sliced copy engines), at half rate while both run. Work is
-    conserved: the engine's queue ends ``secs`` later.
+    conserved: the queue ends ``secs`` later, and every queued copy still
+    running at ``t`` completes later by the link time the shared copy took
+    from it (processor sharing: a copy with ``w`` seconds left at ``t``
+    completes at ``t + 2w`` if ``w <= secs``, else ``secs`` later).
     """
-    busy = tf[engine] - t
+    if secs <= 0.0:
+        return t
+    busy = tf[d] - t
     if busy < 0.0:
         busy = 0.0
     end = t + secs + min(busy, secs)
-    tf[engine] = max(tf[engine], t) + secs
+    tf[d] = max(tf[d], t) + secs
+    tail = g[G_RTAIL + d]
+    h = max(g[G_RHEAD + d], tail - RING)
+    while h < tail and rec_t[d, h % RING] <= t:  # done before t: no longer in flight
+        h += 1
+    g[G_RHEAD + d] = h
+    for i in range(h, tail):
+        r = rec_t[d, i % RING]
+        if r > t:
+            rec_t[d, i % RING] = r + min(r - t, secs)
     return end
 
 
 @njit(cache=True, inline="always")
-def _migrate_runs(pf, pready, lo, hi, d2h, mask, prm, g):
+def _migrate_runs(pf, prec, lo, hi, d2h, mask, prm, g, rec):
     """Migrate the pages of ``[lo, hi)``; return the copy seconds, one transfer per contiguous run.
 
     Every migration in the model copies by this rule. To the GPU: mapped,
@@ -157,8 +202,9 @@ def _migrate_runs(pf, pready, lo, hi, d2h, mask, prm, g):
     caller lands them once it knows when the copy ends. To the host
     (``d2h``): every resident page leaves the GPU here, and those with valid
     content are copied back, except clean read-mostly duplicates whose host
-    copy is current. The bytes are added to ``g``'s counter for the
-    direction. Inlined, so each caller's fixed direction and mask fold away.
+    copy is current; the copied pages take the copy record ``rec`` (-1: the
+    caller waits for the copy itself). The bytes are added to ``g``'s
+    counter for the direction. Inlined, so each caller's fixed direction and mask fold away.
     """
     secs = 0.0
     run = 0
@@ -173,7 +219,7 @@ def _migrate_runs(pf, pready, lo, hi, d2h, mask, prm, g):
                 copy = pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
                 pf[q, F_GPU] = 0
                 pf[q, F_HOSTCOPY] = 0
-                pready[q] = 0.0
+                prec[q] = rec if copy else -1
         if copy:
             run += 1
         elif run:
@@ -238,35 +284,43 @@ def _refresh_block(bi, g, b):
 
 
 @njit(cache=True)
-def _retire(g, q_t, q_n, t):
+def _pending_done(g, q_r, rec_t):
+    """When the oldest pending D2H copy completes."""
+    r = q_r[g[G_QHEAD] % q_r.shape[0]]
+    return rec_t[T_D2H, (r >> 1) % RING]
+
+
+@njit(cache=True)
+def _retire(g, q_r, q_n, rec_t, t):
     """Pending D2H copies finished by ``t`` free their pages."""
-    size = q_t.shape[0]
-    while g[G_QHEAD] < g[G_QTAIL] and q_t[g[G_QHEAD] % size] <= t:
+    size = q_r.shape[0]
+    while g[G_QHEAD] < g[G_QTAIL] and _pending_done(g, q_r, rec_t) <= t:
         g[G_PEND] -= q_n[g[G_QHEAD] % size]
         g[G_QHEAD] += 1
 
 
 @njit(cache=True)
-def push_pending(g, q_t, q_n, t_done, n):
-    size = q_t.shape[0]
+def _push_pending(g, q_r, q_n, rec, n):
+    """``n`` pages leave the GPU by the D2H copy record ``rec``: their memory is free once it completes."""
+    size = q_r.shape[0]
     if g[G_QTAIL] - g[G_QHEAD] >= size:  # ring full: the oldest copy is long done
         g[G_PEND] -= q_n[g[G_QHEAD] % size]
         g[G_QHEAD] += 1
-    q_t[g[G_QTAIL] % size] = t_done
+    q_r[g[G_QTAIL] % size] = rec
     q_n[g[G_QTAIL] % size] = n
     g[G_QTAIL] += 1
     g[G_PEND] += n
 
 
 @njit(cache=True)
-def _evict_block(pf, pready, bi, g, prm, b):
+def _evict_block(pf, prec, bi, g, prm, b, rec):
     """Evict every resident page of block ``b``; return the D2H copy-back seconds.
 
     Copy-back is skipped for invalid (never written, discarded) pages and for
     clean read-mostly duplicates whose host copy is still current.
     """
     p0 = b * PAGES_PER_BLOCK
-    secs = _migrate_runs(pf, pready, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g)
+    secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g, rec)
     g[G_RES] -= bi[b, B_RES]
     g[G_EVENTS] += bi[b, B_RES]
     bi[b, B_RES] = 0
@@ -289,32 +343,32 @@ def _victim(bi, g):
 
 
 @njit(cache=True)
-def _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t, wait_first):
+def _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, wait_first, rec):
     """Free capacity for ``n`` more pages at time ``t``.
 
     Returns ``(t, evict_seconds)``: ``t`` moves forward when the room comes
     from pending D2H copies (explicit prefetches to host) that must finish
     first; ``evict_seconds`` is the copy-back time of on-demand evictions
     (driver behaviour: evict only when an allocation fails). ``t < 0`` means
-    no victim exists (capacity below one block).
+    no victim exists (every resident block is pinned). Copied-back pages
+    take the copy record ``rec``.
     """
-    _retire(g, q_t, q_n, t)
+    _retire(g, q_r, q_n, rec_t, t)
     secs = 0.0
-    size = q_t.shape[0]
     while g[G_RES] + g[G_PEND] + n > g[G_CAP]:
         pending = g[G_PEND] > 0
         if wait_first and pending:
-            t = max(t, q_t[g[G_QHEAD] % size])
-            _retire(g, q_t, q_n, t)
+            t = max(t, _pending_done(g, q_r, rec_t))
+            _retire(g, q_r, q_n, rec_t, t)
             continue
         b = _victim(bi, g)
         if b < 0:
             if pending:
-                t = max(t, q_t[g[G_QHEAD] % size])
-                _retire(g, q_t, q_n, t)
+                t = max(t, _pending_done(g, q_r, rec_t))
+                _retire(g, q_r, q_n, rec_t, t)
                 continue
             return -1.0, secs
-        secs += _evict_block(pf, pready, bi, g, prm, b)
+        secs += _evict_block(pf, prec, bi, g, prm, b, rec)
     return t, secs
 
 
@@ -363,13 +417,13 @@ def _prefetch_mask(pf, b, faulted, thresh, out):
 
 
 @njit(cache=True)
-def _land(pf, pready, bi, g, p, t_ready, written):
-    """Page ``p`` becomes resident (its copy completes at ``t_ready``)."""
+def _land(pf, prec, bi, g, p, rec, written):
+    """Page ``p`` becomes resident (its copy is the record ``rec``; -1: already complete)."""
     dup = pf[p, F_RM] == 1 and pf[p, F_VALID] == 1 and not written
     pf[p, F_GPU] = 1
     pf[p, F_HOSTCOPY] = 1 if dup else 0
     pf[p, F_VALID] = 1  # populated on the GPU: the driver copies it back from now on
-    pready[p] = t_ready
+    prec[p] = rec
     b = p // PAGES_PER_BLOCK
     bi[b, B_RES] += 1
     bi[b, B_RESVALID] += 1
@@ -389,7 +443,7 @@ def _arrived(bi, g, b, n):
 
 
 @njit(cache=True)
-def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
+def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flog,
            a_start, a_end, a_write, t0, ebuf, etype):
     """Run one kernel's memory side starting at GPU time ``t0``.
 
@@ -425,8 +479,9 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
         p = ebuf[i]
         pclass[p] = C_LOCAL
         if pf[p, F_GPU]:
-            if pready[p] > wait_until:
-                wait_until = pready[p]
+            ready = _ready(prec, rec_t, g, p)
+            if ready > wait_until:
+                wait_until = ready
             if pwmark[p] and pf[p, F_HOSTCOPY]:
                 ebuf[ne] = p
                 etype[ne] = E_COLLAPSE  # a write to a read-duplicated page revokes the copies
@@ -499,20 +554,19 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
                         not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
                     mask[i] = 0  # already here, or served over the link
                 n += mask[i]
-            t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t, False)
+            t, evict_secs = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
             if t < 0:
                 g[G_ERRPAGE] = p0
                 g[G_ERRBLOCKS] = pinned
                 return ERR_NO_VICTIM
             if evict_secs > 0.0:  # eviction is synchronous in the fault path
-                t = _share_link(tf, T_D2H, t, evict_secs)
-            secs = _migrate_runs(pf, pready, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g)
-            if secs > 0.0:
-                t = _share_link(tf, T_H2D, t, secs)
+                t = _share_link(tf, rec_t, g, T_D2H, t, evict_secs)
+            secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1)
+            t = _share_link(tf, rec_t, g, T_H2D, t, secs)
             for i in range(PAGES_PER_BLOCK):
                 if mask[i]:
                     p = p0 + i
-                    _land(pf, pready, bi, g, p, 0.0, pwmark[p] == 1 and pmark[p] == epoch)
+                    _land(pf, prec, bi, g, p, -1, pwmark[p] == 1 and pmark[p] == epoch)
             _arrived(bi, g, b, n)
     tf[T_OUT] = t
     # Pass 4: writes make content valid again (undoing a discard).
@@ -542,12 +596,12 @@ def launch(pf, pready, pmark, pwmark, pclass, bi, g, tf, prm, q_t, q_n, flog,
 
 
 @njit(cache=True)
-def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
+def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue):
     """cudaMemPrefetchAsync(range, GPU) for page spans ``[p_lo, p_hi)``.
 
     Pipelined across VA blocks on the H2D engine (uvm_migrate.c); may evict
     other managed memory, waiting first for its own pending prefetches to host.
-    Each page is usable once its block's copy completes (``pready``).
+    Each page is usable once its block's copy completes (its copy record).
     """
     for r in range(p_lo.shape[0]):
         p = p_lo[r]
@@ -562,7 +616,7 @@ def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
             if n:
                 g[G_PIN] += 1
                 bi[b, B_PIN] = g[G_PIN]
-                t, evict_secs = _make_room(pf, pready, bi, g, prm, q_t, q_n, n, t_issue, True)
+                t, evict_secs = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t_issue, True, -1)
                 if t < 0:
                     g[G_ERRPAGE] = p0
                     g[G_ERRBLOCKS] = 1
@@ -570,21 +624,22 @@ def prefetch_gpu(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
                 if evict_secs > 0.0:
                     tf[T_D2H] = max(t, tf[T_D2H]) + evict_secs
                     t = tf[T_D2H]
-                secs = _migrate_runs(pf, pready, p, stop, False, None, prm, g)
+                secs = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1)
                 start = max(t, tf[T_H2D])
                 done = start + secs
                 if secs > 0.0:
                     tf[T_H2D] = done
+                rec = _new_record(rec_t, g, T_H2D, done)
                 for q in range(p, stop):
                     if pf[q, F_MAPPED] and not pf[q, F_GPU]:
-                        _land(pf, pready, bi, g, q, done, False)
+                        _land(pf, prec, bi, g, q, rec, False)
                 _arrived(bi, g, b, n)
             p = stop
     return 0
 
 
 @njit(cache=True)
-def prefetch_host(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
+def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue):
     """cudaMemPrefetchAsync(range, cudaCpuDeviceId): copy back on the D2H engine.
 
     The pages' GPU memory is free once the copy completes (pending queue).
@@ -602,18 +657,21 @@ def prefetch_host(pf, pready, bi, g, tf, prm, q_t, q_n, p_lo, p_hi, t_issue):
                 if pf[q, F_GPU]:
                     n += 1
                     nvalid += pf[q, F_VALID]
-                    if pready[q] > start:
-                        start = pready[q]  # cannot copy back what has not arrived
+                    ready = _ready(prec, rec_t, g, q)
+                    if ready > start:
+                        start = ready  # cannot copy back what has not arrived
             if n:
-                secs = _migrate_runs(pf, pready, p, stop, True, None, prm, g)
+                rec = _new_record(rec_t, g, T_D2H, start)
+                secs = _migrate_runs(pf, prec, p, stop, True, None, prm, g, rec)
                 done = start + secs
+                rec_t[T_D2H, (rec >> 1) % RING] = done
                 if secs > 0.0:
                     tf[T_D2H] = done
                 bi[b, B_RES] -= n
                 bi[b, B_RESVALID] -= nvalid
                 g[G_RES] -= n
                 g[G_EVENTS] += n
-                push_pending(g, q_t, q_n, done, n)
+                _push_pending(g, q_r, q_n, rec, n)
                 _refresh_block(bi, g, b)
             p = stop
     return 0
@@ -639,7 +697,7 @@ def discard(pf, bi, g, p_lo, p_hi):
 
 
 @njit(cache=True)
-def release(pf, pready, bi, g, b_lo, b_hi):
+def release(pf, prec, bi, g, b_lo, b_hi):
     """Blocks ``[b_lo, b_hi)`` are unmapped (cudaFree): dropped, nothing copied."""
     for b in range(b_lo, b_hi):
         g[G_RES] -= bi[b, B_RES]
@@ -650,11 +708,11 @@ def release(pf, pready, bi, g, b_lo, b_hi):
         for p in range(b * PAGES_PER_BLOCK, (b + 1) * PAGES_PER_BLOCK):
             for c in range(NFLAGS):
                 pf[p, c] = 0
-            pready[p] = 0.0
+            prec[p] = -1
 
 
 @njit(cache=True)
-def host_write(pf, pready, bi, g, p_lo, p_hi):
+def host_write(pf, prec, bi, g, p_lo, p_hi):
     """The host wrote pages ``[p_lo, p_hi)``: the only current copy is in host memory."""
     for r in range(p_lo.shape[0]):
         for p in range(p_lo[r], p_hi[r]):
@@ -665,7 +723,7 @@ def host_write(pf, pready, bi, g, p_lo, p_hi):
                     bi[b, B_RESVALID] -= 1
                 g[G_RES] -= 1
                 pf[p, F_GPU] = 0
-                pready[p] = 0.0
+                prec[p] = -1
                 _refresh_block(bi, g, b)
             pf[p, F_VALID] = 1
             pf[p, F_HOSTCOPY] = 0
