@@ -13,6 +13,7 @@ MB = 1 << 20
 PAGE = 64 << 10
 BLOCK = 2 * MB
 PROFILE = load_profile("v100-pcie3-16g")
+OVERHEAD = PROFILE.prefetch_call_overhead_s
 
 
 def gpu(blocks: int) -> SimBackend:
@@ -205,3 +206,28 @@ def test_pages_queued_behind_a_fault_copy_arrive_later_by_its_share():
     start = PROFILE.prefetch_call_overhead_s
     assert b.faults == 32
     assert b.now() == pytest.approx(start + 33 * copy + PROFILE.launch_floor_s, rel=1e-6)
+
+
+def test_a_page_comes_back_only_after_its_copy_to_the_host_is_done():
+    b = gpu(8)
+    ptr = host_block(b)
+    b.prefetch([(ptr, BLOCK)], 0)
+    b.synchronize()
+    b.prefetch([(ptr, BLOCK)], HOST)
+    read(b, ptr, BLOCK)  # faults at once: its data is still on its way to the host
+    back, again = PROFILE.transfer_time(BLOCK, "d2h"), PROFILE.transfer_time(BLOCK)
+    assert b.faults == 32
+    assert b.breakdown["fault_stall_s"] == pytest.approx(back + again, rel=1e-6)
+
+
+def test_a_launch_waits_for_the_eviction_a_prefetch_started():
+    b = gpu(1)
+    old, new = host_block(b), host_block(b)
+    read(b, old, BLOCK)
+    t = b.now()
+    b.prefetch([(new, BLOCK)], 0)  # evicts `old` on the D2H engine, then copies `new` in
+    read(b, old, BLOCK)  # `old` comes back only once its copy-back is done, after `new` is evicted in turn
+    back, again = PROFILE.transfer_time(BLOCK, "d2h"), PROFILE.transfer_time(BLOCK)
+    assert b.h2d_bytes == 3 * BLOCK and b.d2h_bytes == 2 * BLOCK
+    # old out, new in (waits for the room), new out (waits for its arrival), old in
+    assert b.now() >= t + OVERHEAD + 2 * back + 2 * again - 1e-9

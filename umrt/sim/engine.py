@@ -313,13 +313,18 @@ def _push_pending(g, q_r, q_n, rec, n):
 
 
 @njit(cache=True)
-def _evict_block(pf, prec, bi, g, prm, b, rec):
-    """Evict every resident page of block ``b``; return the D2H copy-back seconds.
+def _evict_block(pf, prec, rec_t, bi, g, prm, b, rec):
+    """Evict every resident page of block ``b``; return the D2H copy-back seconds
+    and when its pages' copies to the GPU complete (the copy-back cannot start before).
 
     Copy-back is skipped for invalid (never written, discarded) pages and for
     clean read-mostly duplicates whose host copy is still current.
     """
     p0 = b * PAGES_PER_BLOCK
+    arrived = 0.0
+    for q in range(p0, p0 + PAGES_PER_BLOCK):
+        if pf[q, F_GPU]:
+            arrived = max(arrived, _ready(prec, rec_t, g, q))
     secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g, rec)
     g[G_RES] -= bi[b, B_RES]
     g[G_EVENTS] += bi[b, B_RES]
@@ -327,7 +332,7 @@ def _evict_block(pf, prec, bi, g, prm, b, rec):
     bi[b, B_RESVALID] = 0
     _list_remove(bi, g, b)
     g[G_EVICTIONS] += 1
-    return secs
+    return secs, arrived
 
 
 @njit(cache=True)
@@ -346,15 +351,17 @@ def _victim(bi, g):
 def _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, wait_first, rec):
     """Free capacity for ``n`` more pages at time ``t``.
 
-    Returns ``(t, evict_seconds)``: ``t`` moves forward when the room comes
-    from pending D2H copies (explicit prefetches to host) that must finish
-    first; ``evict_seconds`` is the copy-back time of on-demand evictions
-    (driver behaviour: evict only when an allocation fails). ``t < 0`` means
-    no victim exists (every resident block is pinned). Copied-back pages
-    take the copy record ``rec``.
+    Returns ``(t, evict_seconds, arrived)``: ``t`` moves forward when the
+    room comes from pending D2H copies (explicit prefetches to host) that
+    must finish first; ``evict_seconds`` is the copy-back time of on-demand
+    evictions (driver behaviour: evict only when an allocation fails), which
+    cannot start before ``arrived`` (the victims' own copies in). ``t < 0``
+    means no victim exists (every resident block is pinned). Copied-back
+    pages take the copy record ``rec``.
     """
     _retire(g, q_r, q_n, rec_t, t)
     secs = 0.0
+    arrived = 0.0
     while g[G_RES] + g[G_PEND] + n > g[G_CAP]:
         pending = g[G_PEND] > 0
         if wait_first and pending:
@@ -367,9 +374,11 @@ def _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, wait_first, rec):
                 t = max(t, _pending_done(g, q_r, rec_t))
                 _retire(g, q_r, q_n, rec_t, t)
                 continue
-            return -1.0, secs
-        secs += _evict_block(pf, prec, bi, g, prm, b, rec)
-    return t, secs
+            return -1.0, secs, arrived
+        s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
+        secs += s
+        arrived = max(arrived, a)
+    return t, secs, arrived
 
 
 @njit(cache=True)
@@ -554,13 +563,16 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                         not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
                     mask[i] = 0  # already here, or served over the link
                 n += mask[i]
-            t, evict_secs = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
+            t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
             if t < 0:
                 g[G_ERRPAGE] = p0
                 g[G_ERRBLOCKS] = pinned
                 return ERR_NO_VICTIM
             if evict_secs > 0.0:  # eviction is synchronous in the fault path
-                t = _share_link(tf, rec_t, g, T_D2H, t, evict_secs)
+                t = _share_link(tf, rec_t, g, T_D2H, max(t, arrived), evict_secs)
+            for i in range(PAGES_PER_BLOCK):  # a page moves once its previous move (to the host) is done
+                if mask[i] and pf[p0 + i, F_VALID]:
+                    t = max(t, _ready(prec, rec_t, g, p0 + i))
             secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1)
             t = _share_link(tf, rec_t, g, T_H2D, t, secs)
             for i in range(PAGES_PER_BLOCK):
@@ -616,16 +628,21 @@ def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue)
             if n:
                 g[G_PIN] += 1
                 bi[b, B_PIN] = g[G_PIN]
-                t, evict_secs = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t_issue, True, -1)
+                evict = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the evictions' copy record, if they copy
+                t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t_issue, True, evict)
                 if t < 0:
                     g[G_ERRPAGE] = p0
                     g[G_ERRBLOCKS] = 1
                     return ERR_NO_VICTIM
                 if evict_secs > 0.0:
-                    tf[T_D2H] = max(t, tf[T_D2H]) + evict_secs
+                    tf[T_D2H] = max(t, tf[T_D2H], arrived) + evict_secs
                     t = tf[T_D2H]
-                secs = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1)
+                    _new_record(rec_t, g, T_D2H, t)
                 start = max(t, tf[T_H2D])
+                for q in range(p, stop):  # a page moves once its previous move (to the host) is done
+                    if pf[q, F_MAPPED] and not pf[q, F_GPU] and pf[q, F_VALID]:
+                        start = max(start, _ready(prec, rec_t, g, q))
+                secs = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1)
                 done = start + secs
                 if secs > 0.0:
                     tf[T_H2D] = done
