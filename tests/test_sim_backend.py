@@ -230,3 +230,23 @@ def test_a_budget_below_one_fault_batch_says_so():
     ptr = host_data(b, 8 * BLOCK)
     with pytest.raises(ConfigError, match=r"one fault batch.*256 faults.*spans at least 5 blocks"):
         b.launch([(ptr, 8 * BLOCK)], [], 0, 0)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_remote_access_shares_the_link_with_copies_in_its_direction(direction):
+    b = gpu()
+    remote, other = host_data(b, 8 * BLOCK), host_data(b, 8 * BLOCK)
+    b.advise([(remote, 8 * BLOCK)], Advice.SET_ACCESSED_BY, 0)
+    if direction == "d2h":
+        b.prefetch([(other, 8 * BLOCK)], 0)
+        b.synchronize()
+    t = b.now()
+    b.prefetch([(other, 8 * BLOCK)], 0 if direction == "h2d" else HOST)  # copies queued on the link ...
+    access = [(remote, 8 * BLOCK)]
+    b.launch(access if direction == "h2d" else [], access if direction == "d2h" else [], 0, 0)  # ... and remote
+    b.synchronize()
+    copies = 8 * PROFILE.transfer_time(BLOCK, direction)
+    link = PROFILE.h2d_bandwidth if direction == "h2d" else PROFILE.d2h_bandwidth
+    assert b.faults == 0
+    assert b.now() - t == pytest.approx(OVERHEAD + copies + 8 * BLOCK / link, rel=1e-6)  # one after the other
+    assert b.breakdown["remote_access_s"] > 8 * BLOCK / link  # the kernel's share of the link was halved

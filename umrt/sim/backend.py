@@ -11,7 +11,10 @@ Time model, chosen to be fair to every policy:
   has landed (that wait is *transfer wait*, not a fault); its non-resident
   pages fault (*fault stall*); then it computes for the roofline time
   ``max(flops/(peak*eff), bytes/(hbm*eff), launch floor)``, or longer when it
-  reads host memory over the link (AccessedBy / PreferredLocation=host).
+  accesses host memory over the link (AccessedBy / PreferredLocation=host):
+  remote reads and writes are link traffic in the H2D / D2H direction at the
+  link rate, sharing it with the copies queued in that direction like a
+  fault-path copy (below), so they delay those copies and are slowed by them.
 * The CPU is taken to be synchronised with the GPU: policy calls issued
   between launch i-1 and launch i start no earlier than the GPU time at which
   launch i would begin. Each prefetch/discard/advise call costs the
@@ -286,10 +289,8 @@ class SimBackend(Backend):
                 defined.add(ptr, ptr + n)
         t0 = max(self._t_compute, self._t_action)
         self._time["overhead_s"] += t0 - self._t_compute
-        g = self._g
-        r0, w0 = g[E.G_REMOTE_R], g[E.G_REMOTE_W]
         k = len(reads) + len(writes)
-        t_ready = t0
+        t_ready = t_remote = t0
         if k:
             arr = np.array([*reads, *writes], dtype=np.int64).reshape(k, 2)
             starts = arr[:, 0] - VA_BASE
@@ -303,17 +304,17 @@ class SimBackend(Backend):
             if need > self._ebuf.shape[0]:
                 self._ebuf = np.zeros(2 * need, np.int64)
                 self._etype = np.zeros(2 * need, np.uint8)
-            err = E.launch(self._pf, self._prec, self._rec_t, self._pmark, self._pwmark, self._pclass, self._bi, g,
-                           self._tf, self._prm, self._q_r, self._q_n, self._flog,
+            err = E.launch(self._pf, self._prec, self._rec_t, self._pmark, self._pwmark, self._pclass, self._bi,
+                           self._g, self._tf, self._prm, self._q_r, self._q_n, self._flog,
                            starts, ends, wflag, t0, self._ebuf, self._etype)
             self._check(err)
             t_ready = float(self._tf[E.T_OUT])
+            t_remote = float(self._tf[E.T_REMOTE])
             wait = self._tf[E.T_WAIT]
             self._time["transfer_wait_s"] += float(wait)
             self._time["fault_stall_s"] += float(t_ready - t0 - wait)
-        p = self.profile
-        compute = p.compute_time(flops, nbytes, precision)
-        remote = float(max((g[E.G_REMOTE_R] - r0) / p.h2d_bandwidth, (g[E.G_REMOTE_W] - w0) / p.d2h_bandwidth))
+        compute = self.profile.compute_time(flops, nbytes, precision)
+        remote = t_remote - t_ready  # the remote accesses' share of the link, concurrent with compute
         self._time["compute_s"] += compute
         self._time["remote_access_s"] += max(0.0, remote - compute)
         self._t_compute = float(t_ready + max(compute, remote))

@@ -95,7 +95,8 @@ T_H2D = 0  # the H2D copy engine is busy until
 T_D2H = 1  # the D2H copy engine is busy until
 T_OUT = 2  # launch: time its faults are all serviced
 T_WAIT = 3  # launch: transfer wait
-NT = 4
+T_REMOTE = 4  # launch: time its remote accesses are done (from T_OUT; T_OUT if none)
+NT = 5
 
 # Parameters in ``prm`` (float64), from the hardware profile.
 P_A = 0  # transfer_curve_a, GiB/s
@@ -459,8 +460,13 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
     Pages still in flight from a prefetch make the kernel wait (transfer
     wait, no fault); non-resident pages fault, in batches of ``P_BATCH``
     entries each costing ``P_LAT`` plus its evictions and migrations.
-    Results: ``tf[T_OUT]`` (time the faults are done), ``tf[T_WAIT]``;
-    remote bytes accumulate in ``g``. Returns 0 or an ``ERR_*`` code.
+    Remote accesses (pages mapped over the link) start once the faults are
+    done and are link traffic like copies: reads in the H2D direction,
+    writes in the D2H one, each at the link rate and sharing it with the
+    copies queued in that direction (:func:`_share_link`).
+    Results: ``tf[T_OUT]`` (time the faults are done), ``tf[T_WAIT]``,
+    ``tf[T_REMOTE]``; remote bytes accumulate in ``g``. Returns 0 or an
+    ``ERR_*`` code.
     """
     g[G_EPOCH] += 1
     epoch = g[G_EPOCH]
@@ -593,6 +599,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                     bi[b, B_RESVALID] += 1
                     _refresh_block(bi, g, b)
     # Pass 5: bytes that cross the link remotely.
+    remote_r, remote_w = 0, 0
     for k in range(a_start.shape[0]):
         if a_end[k] <= a_start[k]:
             continue
@@ -601,9 +608,14 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                 lo = max(a_start[k], p << PAGE_SHIFT)
                 hi = min(a_end[k], (p + 1) << PAGE_SHIFT)
                 if a_write[k]:
-                    g[G_REMOTE_W] += hi - lo
+                    remote_w += hi - lo
                 else:
-                    g[G_REMOTE_R] += hi - lo
+                    remote_r += hi - lo
+    g[G_REMOTE_R] += remote_r
+    g[G_REMOTE_W] += remote_w
+    end_r = _share_link(tf, rec_t, g, T_H2D, t, remote_r / prm[P_H2D])
+    end_w = _share_link(tf, rec_t, g, T_D2H, t, remote_w / prm[P_D2H])
+    tf[T_REMOTE] = max(end_r, end_w)
     return 0
 
 
