@@ -231,3 +231,16 @@ def test_a_launch_waits_for_the_eviction_a_prefetch_started():
     assert b.h2d_bytes == 3 * BLOCK and b.d2h_bytes == 2 * BLOCK
     # old out, new in (waits for the room), new out (waits for its arrival), old in
     assert b.now() >= t + OVERHEAD + 2 * back + 2 * again - 1e-9
+
+
+def test_pages_a_launch_loses_to_its_own_faults_fault_again():
+    b = gpu(2)
+    out = b.malloc(BLOCK)
+    b.launch([], [(out, BLOCK)], 0, 0)  # `out` is the least recently migrated block ...
+    other, inp = host_block(b), host_block(b)
+    read(b, other, BLOCK)
+    b.launch([(inp, BLOCK)], [(out, BLOCK)], 0, 0)  # ... so servicing `inp` evicts it, though this launch writes it
+    assert b.resident_fraction([(out, BLOCK)]) == 1.0 and b.resident_fraction([(inp, BLOCK)]) == 1.0
+    assert b.faults == 4 * 32 and b.refaults == 32  # `out` faults again: thrashing, at its price
+    assert b.d2h_bytes == 2 * BLOCK  # `out` copied back, then `other`
+    assert b.h2d_bytes == 3 * BLOCK  # `other`, `inp`, and `out` once more

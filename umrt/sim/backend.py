@@ -137,7 +137,8 @@ class SimBackend(Backend):
         self._flog_read = 0
         self._nblocks = 0
         self._grow(1024)
-        self._ebuf = np.zeros(4096, np.int64)
+        self._ubuf = np.zeros(4096, np.int64)  # a launch's pages ...
+        self._ebuf = np.zeros(4096, np.int64)  # ... and its fault entries
         self._etype = np.zeros(4096, np.uint8)
         # address space: 2 MB-aligned bump allocation with first-fit reuse
         self._top = 0  # blocks handed out so far
@@ -302,11 +303,12 @@ class SimBackend(Backend):
             wflag[len(reads) :] = 1
             need = int(((ends - starts) >> E.PAGE_SHIFT).sum()) + 2 * k
             if need > self._ebuf.shape[0]:
+                self._ubuf = np.zeros(2 * need, np.int64)
                 self._ebuf = np.zeros(2 * need, np.int64)
                 self._etype = np.zeros(2 * need, np.uint8)
             err = E.launch(self._pf, self._prec, self._rec_t, self._pmark, self._pwmark, self._pclass, self._bi,
                            self._g, self._tf, self._prm, self._q_r, self._q_n, self._flog,
-                           starts, ends, wflag, t0, self._ebuf, self._etype)
+                           starts, ends, wflag, t0, self._ubuf, self._ebuf, self._etype)
             self._check(err)
             t_ready = float(self._tf[E.T_OUT])
             t_remote = float(self._tf[E.T_REMOTE])
@@ -385,6 +387,11 @@ class SimBackend(Backend):
     @property
     def fault_batches(self) -> int:
         return int(self._g[E.G_BATCHES])
+
+    @property
+    def refaults(self) -> int:
+        """Pages a launch had on the GPU, lost to its own fault servicing, and faulted again (thrashing)."""
+        return int(self._g[E.G_REFAULTS])
 
     @property
     def evictions(self) -> int:

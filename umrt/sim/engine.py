@@ -82,7 +82,8 @@ G_ERRPAGE = 21  # page of the last error
 G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced holds pinned
 G_RHEAD = 23  # copy records, per direction (+ T_H2D / T_D2H): the first that may be in flight ...
 G_RTAIL = 25  # ... and the next id
-NG = 27
+G_REFAULTS = 27  # pages a launch lost to its own fault servicing and faulted again
+NG = 28
 
 # Copy records: every queued copy (a prefetch's block, a prefetch's evictions) is a record
 # whose completion time lives in ``rec_t[direction, id % RING]``; a page in flight holds
@@ -110,8 +111,9 @@ NP = 7
 
 # Fault entry kinds.
 E_MIGRATE, E_MAPREMOTE, E_COLLAPSE = 0, 1, 2
-# Per-page classes within one launch.
-C_LOCAL, C_REMOTE = 0, 1
+# Per-page classes within one launch: on the GPU when it began, served over the link,
+# or migrated in by its fault servicing (used then, so it may leave again).
+C_LOCAL, C_REMOTE, C_LANDED = 0, 1, 2
 
 ERR_UNMAPPED = 1  # a launch touched a page outside every allocation
 ERR_NO_VICTIM = 2  # capacity too small for the blocks one fault batch pins
@@ -454,12 +456,16 @@ def _arrived(bi, g, b, n):
 
 @njit(cache=True)
 def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flog,
-           a_start, a_end, a_write, t0, ebuf, etype):
+           a_start, a_end, a_write, t0, ubuf, ebuf, etype):
     """Run one kernel's memory side starting at GPU time ``t0``.
 
     Pages still in flight from a prefetch make the kernel wait (transfer
     wait, no fault); non-resident pages fault, in batches of ``P_BATCH``
-    entries each costing ``P_LAT`` plus its evictions and migrations.
+    entries each costing ``P_LAT`` plus its evictions and migrations. The
+    driver does not know which pages the kernel will touch, so servicing may
+    evict the launch's own resident pages (LRU by migration): those fault
+    again in another round (thrashing, at its cost), so every page the launch
+    touches is on the GPU (or mapped over the link) when it is used.
     Remote accesses (pages mapped over the link) start once the faults are
     done and are link traffic like copies: reads in the H2D direction,
     writes in the D2H one, each at the link rate and sharing it with the
@@ -482,16 +488,16 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                     return ERR_UNMAPPED
                 pmark[p] = epoch
                 pwmark[p] = 0
-                ebuf[nu] = p  # reuse ebuf as the unique-page list for now
+                ubuf[nu] = p
                 nu += 1
             if a_write[k]:
                 pwmark[p] = 1
     g[G_EVENTS] += nu
-    # Pass 2: classify; fault entries go to the front of ebuf (in place: ne <= index).
+    # Pass 2: classify; fault entries go to ebuf.
     wait_until = t0
     ne = 0
     for i in range(nu):
-        p = ebuf[i]
+        p = ubuf[i]
         pclass[p] = C_LOCAL
         if pf[p, F_GPU]:
             ready = _ready(prec, rec_t, g, p)
@@ -520,72 +526,85 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
     mask = np.zeros(PAGES_PER_BLOCK, np.uint8)
     fsize = flog.shape[0]
     keys = np.empty(batch, np.int64)
-    for s in range(0, ne, batch):
-        e = min(s + batch, ne)
-        # sort the batch by page (the driver sorts and coalesces faults per VA block);
-        # insertion sort: entries arrive nearly in address order
-        m = e - s
-        for i in range(m):
-            key = ebuf[s + i] * 4 + etype[s + i]
-            j = i - 1
-            while j >= 0 and keys[j] > key:
-                keys[j + 1] = keys[j]
-                j -= 1
-            keys[j + 1] = key
-        g[G_BATCHES] += 1
-        g[G_FAULTS] += m
-        t += prm[P_LAT]
-        g[G_PIN] += 1
-        pinned = 0
-        k = 0
-        while k < m:
-            b = (keys[k] >> 2) // PAGES_PER_BLOCK
-            p0 = b * PAGES_PER_BLOCK
-            bi[b, B_PIN] = g[G_PIN]
-            pinned += 1
-            any_migrate = False
-            faulted[:] = 0
-            while k < m and (keys[k] >> 2) // PAGES_PER_BLOCK == b:
-                p = keys[k] >> 2
-                kind = keys[k] & 3
-                if kind == E_MIGRATE:
-                    faulted[p - p0] = 1
-                    any_migrate = True
-                elif kind == E_MAPREMOTE:
-                    pf[p, F_REMOTE] = 1
-                    pf[p, F_VALID] = 1  # first touch populates host memory
-                else:
-                    pf[p, F_HOSTCOPY] = 0
-                k += 1
-            flog[g[G_FLOG] % fsize] = b
-            g[G_FLOG] += 1
-            if not any_migrate:
-                continue
-            _prefetch_mask(pf, b, faulted, prm[P_THRESH], mask)
-            n = 0
-            for i in range(PAGES_PER_BLOCK):
-                p = p0 + i
-                if mask[i] and (pf[p, F_GPU] or not pf[p, F_MAPPED] or (
-                        not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
-                    mask[i] = 0  # already here, or served over the link
-                n += mask[i]
-            t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
-            if t < 0:
-                g[G_ERRPAGE] = p0
-                g[G_ERRBLOCKS] = pinned
-                return ERR_NO_VICTIM
-            if evict_secs > 0.0:  # eviction is synchronous in the fault path
-                t = _share_link(tf, rec_t, g, T_D2H, max(t, arrived), evict_secs)
-            for i in range(PAGES_PER_BLOCK):  # a page moves once its previous move (to the host) is done
-                if mask[i] and pf[p0 + i, F_VALID]:
-                    t = max(t, _ready(prec, rec_t, g, p0 + i))
-            secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1)
-            t = _share_link(tf, rec_t, g, T_H2D, t, secs)
-            for i in range(PAGES_PER_BLOCK):
-                if mask[i]:
+    while ne > 0:
+        for s in range(0, ne, batch):
+            e = min(s + batch, ne)
+            # sort the batch by page (the driver sorts and coalesces faults per VA block);
+            # insertion sort: entries arrive nearly in address order
+            m = e - s
+            for i in range(m):
+                key = ebuf[s + i] * 4 + etype[s + i]
+                j = i - 1
+                while j >= 0 and keys[j] > key:
+                    keys[j + 1] = keys[j]
+                    j -= 1
+                keys[j + 1] = key
+            g[G_BATCHES] += 1
+            g[G_FAULTS] += m
+            t += prm[P_LAT]
+            g[G_PIN] += 1
+            pinned = 0
+            k = 0
+            while k < m:
+                b = (keys[k] >> 2) // PAGES_PER_BLOCK
+                p0 = b * PAGES_PER_BLOCK
+                bi[b, B_PIN] = g[G_PIN]
+                pinned += 1
+                any_migrate = False
+                faulted[:] = 0
+                while k < m and (keys[k] >> 2) // PAGES_PER_BLOCK == b:
+                    p = keys[k] >> 2
+                    kind = keys[k] & 3
+                    if kind == E_MIGRATE:
+                        faulted[p - p0] = 1
+                        any_migrate = True
+                    elif kind == E_MAPREMOTE:
+                        pf[p, F_REMOTE] = 1
+                        pf[p, F_VALID] = 1  # first touch populates host memory
+                    else:
+                        pf[p, F_HOSTCOPY] = 0
+                    k += 1
+                flog[g[G_FLOG] % fsize] = b
+                g[G_FLOG] += 1
+                if not any_migrate:
+                    continue
+                _prefetch_mask(pf, b, faulted, prm[P_THRESH], mask)
+                n = 0
+                for i in range(PAGES_PER_BLOCK):
                     p = p0 + i
-                    _land(pf, prec, bi, g, p, -1, pwmark[p] == 1 and pmark[p] == epoch)
-            _arrived(bi, g, b, n)
+                    if mask[i] and (pf[p, F_GPU] or not pf[p, F_MAPPED] or (
+                            not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
+                        mask[i] = 0  # already here, or served over the link
+                    n += mask[i]
+                t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
+                if t < 0:
+                    g[G_ERRPAGE] = p0
+                    g[G_ERRBLOCKS] = pinned
+                    return ERR_NO_VICTIM
+                if evict_secs > 0.0:  # eviction is synchronous in the fault path
+                    t = _share_link(tf, rec_t, g, T_D2H, max(t, arrived), evict_secs)
+                for i in range(PAGES_PER_BLOCK):  # a page moves once its previous move (to the host) is done
+                    if mask[i] and pf[p0 + i, F_VALID]:
+                        t = max(t, _ready(prec, rec_t, g, p0 + i))
+                secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1)
+                t = _share_link(tf, rec_t, g, T_H2D, t, secs)
+                for i in range(PAGES_PER_BLOCK):
+                    if mask[i]:
+                        p = p0 + i
+                        _land(pf, prec, bi, g, p, -1, pwmark[p] == 1 and pmark[p] == epoch)
+                        if pmark[p] == epoch:
+                            pclass[p] = C_LANDED
+                _arrived(bi, g, b, n)
+        # Pages the launch had on the GPU and lost to its own servicing fault again
+        # (each at most once: a page migrated in by this launch has been used).
+        ne = 0
+        for i in range(nu):
+            p = ubuf[i]
+            if pclass[p] == C_LOCAL and not pf[p, F_GPU]:
+                ebuf[ne] = p
+                etype[ne] = E_MIGRATE
+                ne += 1
+        g[G_REFAULTS] += ne
     tf[T_OUT] = t
     # Pass 4: writes make content valid again (undoing a discard).
     for k in range(a_start.shape[0]):
