@@ -351,23 +351,27 @@ def _victim(bi, g):
 
 
 @njit(cache=True)
-def _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, wait_first, rec):
+def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
     """Free capacity for ``n`` more pages at time ``t``.
 
-    Returns ``(t, evict_seconds, arrived)``: ``t`` moves forward when the
-    room comes from pending D2H copies (explicit prefetches to host) that
-    must finish first; ``evict_seconds`` is the copy-back time of on-demand
-    evictions (driver behaviour: evict only when an allocation fails), which
-    cannot start before ``arrived`` (the victims' own copies in). ``t < 0``
-    means no victim exists (every resident block is pinned). Copied-back
-    pages take the copy record ``rec``.
+    Evicts only when an allocation fails (driver behaviour), LRU by
+    migration. Returns ``(t, evict_seconds, arrived)``; ``t < 0`` means no
+    victim exists (every resident block is pinned).
+
+    * Fault path: ``evict_seconds`` is the copy-back time of the evictions,
+      which the caller charges synchronously from ``arrived`` (the victims'
+      own copies in must be done first).
+    * ``prefetch``: room comes first from the caller's pending D2H copies,
+      ``t`` moving to when they finish; each eviction is a copy on the D2H
+      engine whose pages stay pending (their memory is not free) until it
+      completes, so ``t`` moves past it too. ``evict_seconds`` is 0.
     """
     _retire(g, q_r, q_n, rec_t, t)
     secs = 0.0
     arrived = 0.0
     while g[G_RES] + g[G_PEND] + n > g[G_CAP]:
         pending = g[G_PEND] > 0
-        if wait_first and pending:
+        if prefetch and pending:
             t = max(t, _pending_done(g, q_r, rec_t))
             _retire(g, q_r, q_n, rec_t, t)
             continue
@@ -378,9 +382,19 @@ def _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, wait_first, rec):
                 _retire(g, q_r, q_n, rec_t, t)
                 continue
             return -1.0, secs, arrived
-        s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
-        secs += s
-        arrived = max(arrived, a)
+        if prefetch:
+            rec = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the copy record this eviction's pages take
+            nres = bi[b, B_RES]
+            s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
+            done = max(t, tf[T_D2H], a) + s
+            if s > 0.0:
+                tf[T_D2H] = done
+            _new_record(rec_t, g, T_D2H, done)
+            _push_pending(g, q_r, q_n, rec, nres)
+        else:
+            s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, -1)
+            secs += s
+            arrived = max(arrived, a)
     return t, secs, arrived
 
 
@@ -576,7 +590,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                             not faulted[i] and (pf[p, F_PREF] == PREF_HOST or pf[p, F_ACCBY] or pf[p, F_REMOTE]))):
                         mask[i] = 0  # already here, or served over the link
                     n += mask[i]
-                t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t, False, -1)
+                t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, False)
                 if t < 0:
                     g[G_ERRPAGE] = p0
                     g[G_ERRBLOCKS] = pinned
@@ -659,16 +673,11 @@ def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue)
             if n:
                 g[G_PIN] += 1
                 bi[b, B_PIN] = g[G_PIN]
-                evict = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the evictions' copy record, if they copy
-                t, evict_secs, arrived = _make_room(pf, prec, rec_t, bi, g, prm, q_r, q_n, n, t_issue, True, evict)
+                t, _, _ = _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t_issue, True)
                 if t < 0:
                     g[G_ERRPAGE] = p0
                     g[G_ERRBLOCKS] = 1
                     return ERR_NO_VICTIM
-                if evict_secs > 0.0:
-                    tf[T_D2H] = max(t, tf[T_D2H], arrived) + evict_secs
-                    t = tf[T_D2H]
-                    _new_record(rec_t, g, T_D2H, t)
                 start = max(t, tf[T_H2D])
                 for q in range(p, stop):  # a page moves once its previous move (to the host) is done
                     if pf[q, F_MAPPED] and not pf[q, F_GPU] and pf[q, F_VALID]:
