@@ -28,44 +28,47 @@ writes). Take two cuts ``k1 < k2``, a *window*:
 Each of these ``H = max(0, A - B) + Hb`` bytes must cross the link
 host-to-device after cut ``k1`` and before the launch that reads it ends,
 i.e. within the window (a page holding defined data is populated, so a
-migration copies it). The simulator can carry it three ways, and the bound
-grants a policy the best of all three at once:
+migration copies it). The simulator can carry it three ways:
 
-1. an explicit prefetch: the H2D copy engine is a queue whose end advances by
-   every copy's duration (``bytes / rate``, rate at most the transfer curve's
-   supremum ``min(h2d_bandwidth, transfer_curve_a GiB/s)``); copies issued
-   after the cut start no earlier than it (the CPU is synchronised with the
-   GPU), so in a window of length ``D`` the queue lands at most ``rate * D``;
-2. a fault migration: it stalls the compute stream at least ``bytes / rate``
-   (sharing the link with a busy queue only makes the stall longer);
-3. a remote read (AccessedBy / PreferredLocation=host): it stretches launch
-   ``i`` to ``max(c_i, remote_i / h2d_bandwidth)`` and is *not* charged to
-   the copy engine, so up to ``c_i * h2d_bandwidth`` bytes ride along for
-   free — but only bytes launch ``i`` reads.
+1. an explicit prefetch: a copy on the H2D engine taking ``bytes / rate``
+   seconds of the link, rate at most the transfer curve's supremum
+   ``rate = min(h2d_bandwidth, transfer_curve_a GiB/s)``; copies issued after
+   the cut start no earlier than it (the CPU is synchronised with the GPU);
+2. a fault migration: the same link time, stalling the compute stream;
+3. a remote read (AccessedBy / PreferredLocation=host) by a launch of the
+   window: ``bytes / h2d_bandwidth`` seconds of the link, within that launch.
 
-The compute stream, which must also fit the window's compute ``C``, carries
-the free remote bytes, then more remote bytes at the link rate (stretching
-launches), then fault migrations at ``rate``. The window lasts at least the
-smallest ``D >= C`` at which queue and stream together carry ``H``. Windows
-between consecutive cuts ``0 = k_0 < k_1 < ... < k_m = n`` do not overlap in
-time, so the iteration lasts at least the sum of their ``D``; the bound is
-the largest such sum over every choice of cuts (a dynamic programme over
-pairs of cuts, one numpy row per first cut), and at least the ideal time.
-Nothing in it depends on what a policy does, so it holds for every policy;
-fault latency, call overhead and the transfer curve below its supremum only
-add time.
+All three share the host-to-device link, and the simulator conserves its
+work (fault copies and remote accesses share it with the copy queue,
+delaying it by the link time they take), so the window lasts at least the
+link time of its ``H`` bytes, ``min(H, R) / h2d_bandwidth + max(H - R, 0) /
+rate`` with ``R`` the bytes its launches read (the *shared-link* term), and
+at least its compute ``C``. It also lasts at least what it would if remote
+reads rode free beside the copy queue (the bound before remote access was
+charged to the link, still valid, and larger when the reads crowd into short
+launches: a launch's remote reads happen while it runs): the compute stream
+carries up to ``c_i * h2d_bandwidth`` remote bytes of launch ``i`` under its
+compute, then more at the link rate (stretching launches), then fault
+migrations at ``rate``, the queue ``rate`` per second; ``D`` is the smallest
+``D >= C`` at which they carry ``H``. A window costs the larger of the two.
+Windows between consecutive cuts ``0 = k_0 < k_1 < ... < k_m = n`` do not
+overlap in time, so the iteration lasts at least the sum of their costs; the
+bound is the largest such sum over every choice of cuts (a dynamic programme
+over pairs of cuts, one numpy row per first cut), and at least the ideal
+time. Nothing in it depends on what a policy does, so it holds for every
+policy; fault latency, call overhead and the transfer curve below its
+supremum only add time.
 
-What the bound deliberately does not count, because the simulator lets a
-policy avoid it (see :attr:`LinkBound.d2h_min_bytes`): copying written data
-*back* to the host before the cut. A written value that must leave the GPU
-(``W_k - B`` bytes, ``W_k`` the needed bytes written during this iteration
-before the cut) can reach host memory with no copy at all in the simulator —
-written over a remote mapping (charged to the launch, not to the D2H engine),
-or written into a resident block that the same launch's own fault servicing
-evicts (a discarded block is the first victim, and the write then lands on the
-host). :attr:`LinkBound.conserving_s` is the bound with that D2H term and a
-link that remote access would share: it holds only for a simulator that
-charged every crossing to the link.
+What the bound does not count (see :attr:`LinkBound.d2h_min_bytes`): copying
+written data *back* to the host before the cut. A written value that must
+leave the GPU (``W_k - B`` bytes, ``W_k`` the needed bytes written during
+this iteration before the cut) crosses the D2H link in the simulator, but it
+can still be on its way at the cut: the simulator's capacity is accounted
+when an operation is issued, so a prefetch to the GPU issued before the cut
+that evicts it frees its pages for accounting at once (for the pages it
+brings in) while their copy-back completes later. :attr:`LinkBound.conserving_s`
+adds that D2H term to the shared-link one; it is what a simulator accounting
+memory at copy completion would guarantee, not a bound here.
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ class LinkBound:
     remote_free_bytes: int  # what remote reads could carry under the window's compute
     h2d_rate: float  # bytes/s: the migration rate's supremum
     d2h_rate: float
-    conserving_s: float  # the bound if every crossing (remote, written-back) were charged to the link
+    conserving_s: float  # plus the copy-back term, if memory were accounted at copy completion (not a bound)
 
     @property
     def slowdown(self) -> float:
@@ -292,13 +295,14 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         extra = np.cumsum(np.maximum(u - cap[k1:], 0.0))
         readable = np.cumsum(u)
         comp = before[k1 + 1 :] - before[k1]
-        span = _window(h2d, comp, free, extra, rate_h, link_h)
-        # the shared-link variant: also values written in the window and needed after it
+        # the link carries remote reads and copies one after the other; reads as if free beside copies
+        h2d_s = np.minimum(h2d, readable) / link_h + np.maximum(h2d - readable, 0.0) / rate_h
+        span = np.maximum(_window(h2d, comp, free, extra, rate_h, link_h), h2d_s)
+        # with the copy-back term: values written in the window and needed after it
         act = k1 <= wrote[:, 0]
         out = np.cumsum(np.bincount(wrote[act, 0] + 1, wrote[act, 2], minlength=m + 1)[:m]
                         - np.bincount(wrote[act, 1] + 1, wrote[act, 2], minlength=m + 1)[:m])[k1 + 1 :]
-        h2d_s = np.minimum(h2d, readable) / link_h + np.maximum(h2d - readable, 0.0) / rate_h
-        span_s = np.maximum(np.maximum(comp, h2d_s), np.maximum(out - budget, 0.0) / link_d)
+        span_s = np.maximum(span, np.maximum(out - budget, 0.0) / link_d)
         cand = best[k1] + span
         better = cand > best[k1 + 1 :]
         best[k1 + 1 :] = np.where(better, cand, best[k1 + 1 :])
