@@ -250,3 +250,15 @@ def test_remote_access_shares_the_link_with_copies_in_its_direction(direction):
     assert b.faults == 0
     assert b.now() - t == pytest.approx(OVERHEAD + copies + 8 * BLOCK / link, rel=1e-6)  # one after the other
     assert b.breakdown["remote_access_s"] > 8 * BLOCK / link  # the kernel's share of the link was halved
+
+
+def test_memory_a_prefetch_waited_for_is_not_free_earlier_for_others():
+    b = gpu(3)
+    a, c, d = host_data(b, 2 * BLOCK), host_data(b, BLOCK), host_data(b, BLOCK)
+    b.prefetch([(a, 2 * BLOCK), (c, BLOCK)], 0)
+    b.synchronize()
+    b.prefetch([(a, 2 * BLOCK)], HOST)  # 2 blocks leave, free once their copy is done
+    b.prefetch([(d, BLOCK // 2)], 0)  # waits for the first of them and takes half of it ...
+    w = b.malloc(BLOCK)
+    b.launch([], [(w, BLOCK // 2)], 0, 0)  # ... but the launch runs now: the other half is not free yet
+    assert b.evictions == 1 and b.resident_fraction([(c, BLOCK)]) == 0.0

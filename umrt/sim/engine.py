@@ -303,6 +303,22 @@ def _retire(g, q_r, q_n, rec_t, t):
 
 
 @njit(cache=True)
+def _take_pending(g, q_n, n):
+    """A caller that waited for the oldest pending copy takes ``n`` of its pages, no more.
+
+    Its other pages stay pending: the caller's time moved to the copy's end,
+    but a launch running before then must not find them free.
+    """
+    size = q_n.shape[0]
+    head = g[G_QHEAD] % size
+    take = min(n, q_n[head])
+    q_n[head] -= take
+    g[G_PEND] -= take
+    if q_n[head] == 0:
+        g[G_QHEAD] += 1
+
+
+@njit(cache=True)
 def _push_pending(g, q_r, q_n, rec, n):
     """``n`` pages leave the GPU by the D2H copy record ``rec``: their memory is free once it completes."""
     size = q_r.shape[0]
@@ -362,7 +378,7 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
       which the caller charges synchronously from ``arrived`` (the victims'
       own copies in must be done first).
     * ``prefetch``: room comes first from the caller's pending D2H copies,
-      ``t`` moving to when they finish; each eviction is a copy on the D2H
+      ``t`` moving to when they finish (taking only the pages it needs); each eviction is a copy on the D2H
       engine whose pages stay pending (their memory is not free) until it
       completes, so ``t`` moves past it too. ``evict_seconds`` is 0.
     """
@@ -373,7 +389,7 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
         pending = g[G_PEND] > 0
         if prefetch and pending:
             t = max(t, _pending_done(g, q_r, rec_t))
-            _retire(g, q_r, q_n, rec_t, t)
+            _take_pending(g, q_n, g[G_RES] + g[G_PEND] + n - g[G_CAP])
             continue
         b = _victim(bi, g)
         if b < 0:
