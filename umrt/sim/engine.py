@@ -378,9 +378,10 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
       which the caller charges synchronously from ``arrived`` (the victims'
       own copies in must be done first).
     * ``prefetch``: room comes first from the caller's pending D2H copies,
-      ``t`` moving to when they finish (taking only the pages it needs); each eviction is a copy on the D2H
-      engine whose pages stay pending (their memory is not free) until it
-      completes, so ``t`` moves past it too. ``evict_seconds`` is 0.
+      ``t`` moving to when they finish (taking only the pages it needs);
+      each eviction is a copy on the D2H engine whose pages stay pending
+      (their memory is not free) until it completes, so ``t`` moves past it
+      too. ``evict_seconds`` is 0.
     """
     _retire(g, q_r, q_n, rec_t, t)
     secs = 0.0
