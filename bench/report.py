@@ -78,14 +78,15 @@ def markdown_table(rows: list[dict]) -> str:
     """Steady-state slowdown vs ideal, with speedup vs um in parentheses; the link bounds when known."""
     policies = [p for p in _policies(rows) if p != "ideal"]
     bounded = any(r.get("bound_time_s") for r in rows)
-    extra = ["bound", "bound, shared link"] if bounded else []
+    extra = ["bound", "bound + copy-back"] if bounded else []
     lines = [
         "Simulated steady-state iteration time (umrt's Unified Memory simulator, no GPU involved).",
         "Each policy cell: slowdown vs `ideal` (infinite GPU memory; lower is better) and, in",
         "parentheses, speedup vs plain `um` (higher is better). Budget = % of the trace's peak live bytes.",
         *([
             "`bound`: the link bound over ideal (umrt.sim.bound), which no policy can beat in this simulator;",
-            "`bound, shared link`: the same if remote access and copy-back were charged to the link.",
+            "`bound + copy-back`: the same with the copies back to the host charged too (an estimate,",
+            "not guaranteed: the simulator accounts a prefetch's room when it is issued).",
         ] if bounded else []),
         "",
         "| model | batch | seq | GPU profile | budget | ideal (ms) | " + " | ".join(policies + extra) + " |",
@@ -274,7 +275,7 @@ def _ceiling(groups: dict, t) -> str:
         return ""
     text = f"; no policy can exceed {hard:.2f}x here: link bound"
     if shared is not None:
-        text += f" ({shared:.2f}x if remote access and copy-back shared the link)"
+        text += f" ({shared:.2f}x counting copy-back too, an estimate)"
     return text
 
 
@@ -294,7 +295,7 @@ def _bound_range(groups: dict) -> str:
         return ""
     text = f"; link bound {min(hard):.2f}-{max(hard):.2f}x ideal"
     if shared:
-        text += f" ({min(shared):.2f}-{max(shared):.2f}x with a shared link)"
+        text += f" ({min(shared):.2f}-{max(shared):.2f}x counting copy-back, an estimate)"
     return text
 
 

@@ -81,7 +81,7 @@ def _print_table(r, bound) -> None:
         ("ideal (unlimited memory)", _seconds(r.ideal_time_s)),
         ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
         ("link bound (no policy is faster)", f"{_seconds(bound.time_s)} ({bound.slowdown:.3f}x ideal)"),
-        ("  if the link were shared", f"{_seconds(bound.conserving_s)} "
+        ("  counting copy-back (estimate)", f"{_seconds(bound.conserving_s)} "
                                       f"({bound.conserving_s / bound.ideal_s:.3f}x ideal)"),
         ("  compute", _seconds(r.breakdown['compute_s'])),
         ("  fault stall", _seconds(r.breakdown['fault_stall_s'])),
