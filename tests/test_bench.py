@@ -176,7 +176,7 @@ def test_check_targets_report_what_the_link_bound_allows():
     speed = by["umrt >= 3.06x um (geomean)"]
     # um 4.0 over bounds 2.0 (2 cells) and 1.0 (6 cells): geomean 4 / 2**(1/4)
     assert f"no policy can exceed {4 / 2 ** 0.25:.2f}x here: link bound" in speed.detail
-    assert "(2.00x if remote access and copy-back shared the link)" in speed.detail
+    assert "(2.00x counting copy-back too, an estimate)" in speed.detail
     assert "link bound 1.00-2.00x ideal (2.00-2.00x counting copy-back, an estimate)" in by[
         "umrt >= 0.92 ideal where oracle reaches it"].detail
     sanity = by["no policy beats the link bound (sanity)"]
