@@ -134,7 +134,7 @@ class Config:
     device: int = 0
     simulate: str | None = None
     granularity: str = "module"
-    learn_iterations: int = 1
+    learn_iterations: int = 2  # a first training step is special (lazy optimizer state): plan from the second
     telemetry: bool = False
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
