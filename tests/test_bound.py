@@ -122,22 +122,23 @@ def test_data_read_again_after_other_data_pays_again():
     assert bound.time_s > 104 * MB / LINK
 
 
-def test_a_value_nobody_reads_costs_nothing():
-    events: list = [Alloc(0, 64 * MB, Kind.ACTIVATION)]
+def _one_object(kind: Kind, op: str, access: Access) -> Trace:
+    """Three iterations of one launch touching one 64 MiB object."""
+    events: list = [Alloc(0, 64 * MB, kind)]
     for it in range(3):
-        events += [IterationBoundary(it), Launch(it, 1, "fill", (Access(0, 0, 64 * MB, True),), 10**6, 0)]
+        events += [IterationBoundary(it), Launch(it, 1, op, (access,), 10**6, 0)]
     events.append(IterationBoundary(3))
-    bound = link_bound(Trace(_header(3), events), PROFILE, 4 * MB)
+    return Trace(_header(3), events)
+
+
+def test_a_value_nobody_reads_costs_nothing():
+    bound = link_bound(_one_object(Kind.ACTIVATION, "fill", Access(0, 0, 64 * MB, True)), PROFILE, 4 * MB)
     assert bound.time_s == bound.ideal_s and bound.h2d_min_bytes == 0
 
 
 def test_partial_reads_count_only_the_bytes_read():
     # only the first 16 MiB of a 64 MiB object are read: 12 MiB cannot stay
-    events: list = [Alloc(0, 64 * MB, Kind.PARAMETER)]
-    for it in range(3):
-        events += [IterationBoundary(it), Launch(it, 1, "sum", (Access(0, 0, 16 * MB, False),), 10**6, 0)]
-    events.append(IterationBoundary(3))
-    bound = link_bound(Trace(_header(3), events), PROFILE, 4 * MB)
+    bound = link_bound(_one_object(Kind.PARAMETER, "sum", Access(0, 0, 16 * MB, False)), PROFILE, 4 * MB)
     assert bound.h2d_min_bytes == 12 * MB
     assert bound.time_s == pytest.approx(12 * MB / LINK)
 
