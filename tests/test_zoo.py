@@ -80,6 +80,8 @@ def test_dtype_sets_the_training_precision():
     mm32 = {e.precision for e in f32.launches() if e.op == "aten::addmm.default"}
     mm16 = {e.precision for e in b16.launches() if e.op == "aten::addmm.default"}
     assert mm32 == {"fp32"} and mm16 == {"bf16"}
+    assert next(iter(summarize(b16)["flops_by_precision"])) == "bf16"  # the largest share first
+    assert set(summarize(f32)["flops_by_precision"]) <= {"fp32", "tf32"}
     p32 = summarize(f32)["bytes_by_kind"]["parameter"]
     assert summarize(b16)["bytes_by_kind"]["parameter"] * 2 == p32
 

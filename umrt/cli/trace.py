@@ -304,6 +304,9 @@ def _info(argv: list[str], as_json: bool) -> int:
     t.add_row("peak live", _gib(s["peak_live_bytes"]))
     t.add_row("end live", _gib(s["end_live_bytes"]))
     t.add_row("FLOPs / iteration", f"{s['flops_per_iteration'] / 1e12:.3f} TFLOP")
+    total = s["flops_per_iteration"] or 1
+    if s["flops_by_precision"]:
+        t.add_row("  by precision", ", ".join(f"{p} {100 * f / total:.1f}%" for p, f in s["flops_by_precision"].items()))
     t.add_row("bytes moved / iteration", _gib(s["bytes_moved_per_iteration"]))
     for k, v in s["bytes_by_kind"].items():
         if v:

@@ -46,11 +46,15 @@ def summarize(trace: Trace) -> dict[str, Any]:
     peak = total
     seen = set(live)
     ops = flops = moved = 0
+    by_precision: dict[str, int] = {}
     for e in events[start:stop]:
         if isinstance(e, Launch):
             ops += 1
             flops += e.flops
             moved += e.bytes
+            if e.flops:
+                p = e.precision or "unknown"
+                by_precision[p] = by_precision.get(p, 0) + e.flops
         elif isinstance(e, Alloc):
             if e.obj in live:  # re-announced: replace
                 total -= live[e.obj][0]
@@ -84,6 +88,8 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "peak_live_bytes": int(peak),
         "end_live_bytes": int(total),
         "flops_per_iteration": int(flops),
+        # what the simulator computes each share at (HardwareProfile.peak_for); "unknown": format 1
+        "flops_by_precision": dict(sorted(by_precision.items(), key=lambda kv: -kv[1])),
         "bytes_moved_per_iteration": int(moved),
         "bytes_by_kind": {kind_name(k): int(v) for k, v in peak_by_kind.items()},
         "objects_by_kind": objects_by_kind,
