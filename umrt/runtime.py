@@ -29,7 +29,12 @@ Life cycle, per iteration (between two :class:`IterationBoundary` events):
     plan not yet confirmed by two full iterations is acted on while the
     iteration is still recorded, so a deviation turns it into a learned one;
     a trusted plan runs without a record (cheapest), and after a deviation
-    the next iteration is learned.
+    the next iteration is learned. A trusted plan whose objects came back at
+    the same addresses as in the last iteration of its shape is *frozen*:
+    its decisions reuse their memoized ranges without resolving a single key,
+    while every allocation is still checked against that reference (one that
+    lands elsewhere ends freezing for the iteration). Discards never rely on
+    it: they always use the freed object's own address.
 
 Always, in every mode: freed memory is discarded (a fact, not a
 prediction), batched until the next launch.
