@@ -167,6 +167,22 @@ def test_optimizer_state_is_host_mapped_not_planned():
     assert off.remote == frozenset()
 
 
+def test_optimizer_state_read_in_several_passes_is_migrated_not_host_mapped():
+    """Foreach AdamW reads its moments in two or three launches: over the link
+    each pass would cross again, so they are planned (migrated) instead."""
+    rec = record(optimizer_state=True)
+    states = sorted(k for k, kind in rec.kinds.items() if kind == Kind.OPTIMIZER_STATE)
+    for k in states:  # a second pass over every state (e.g. the update reads exp_avg again)
+        rec.exec_ids.append(len(rec.exec_ids) + 1000)
+        rec.uses.append((k,))
+        rec.times.append(rec.times[-1])
+        rec.alloc_counts.append(len(rec.allocs))
+        rec.free_counts.append(len(rec.frees))
+    plan = Planner(40 * MB, load_profile("v100-pcie3-32g")).plan(rec)
+    assert not plan.remote & set(states)
+    assert {k for a in plan.actions for k in a.prefetch} & set(states)
+
+
 def test_long_lived_objects_are_discarded_when_they_die():
     rec = record()
     plan = Planner(40 * MB, None).plan(rec)

@@ -257,21 +257,24 @@ class Planner:
     def remote_keys(self, rec: IterationRecord) -> frozenset[int]:
         """Long-lived keys to keep on the host and access over the link.
 
-        Optimizer state is read and rewritten once per step in one burst:
-        streaming it over the link moves the same bytes as migrating it in
-        and out, without evicting anything. Then any long-lived key that only
-        launches larger than the budget touch would be faulted in and evicted
-        again within that launch: it too stays on the host. Taking keys out
-        can make a launch fit, so this repeats until stable.
+        Optimizer state that one launch per step reads and rewrites (a fused
+        optimizer): streaming it over the link moves the same bytes as
+        migrating it in and out, without evicting anything. State that several
+        launches touch (foreach AdamW reads its moments in two or three passes)
+        would cross the link once per pass: it is migrated instead. Then any
+        long-lived key that only launches larger than the budget touch would
+        be faulted in and evicted again within that launch: it too stays on
+        the host. Taking keys out can make a launch fit, so this repeats until
+        stable.
         """
         dead = {k for _, k in rec.frees}
         persistent = {k for k in rec.start_live if k not in dead}
-        remote = {k for k in persistent if rec.kinds.get(k) == Kind.OPTIMIZER_STATE}
         users: dict[int, list[int]] = {}
         for i, keys in enumerate(rec.uses):
             for k in keys:
                 if k in persistent:
                     users.setdefault(k, []).append(i)
+        remote = {k for k in persistent if rec.kinds.get(k) == Kind.OPTIMIZER_STATE and len(users.get(k, ())) == 1}
         for _ in range(4):
             over = {i for i, keys in enumerate(rec.uses)
                     if sum(_round(rec.sizes.get(k, 0)) for k in keys if k not in remote) > self.cap}
