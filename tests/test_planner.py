@@ -223,3 +223,33 @@ def test_a_launch_larger_than_the_budget_reaches_data_over_the_link():
     assert set(plan.remote_at[last]) <= set(rec.start_live)
     off = Planner(40 * MB, load_profile("v100-pcie3-32g"), remote_access=False).plan(rec)
     assert not off.remote_at
+
+
+def _dying(t: float) -> IterationRecord:
+    """A parameter P used throughout; A used once at launch 0 and freed before
+    launch 6 (long enough not to count as short-lived); B born at 1 and used
+    until launch 5: P + A + B do not fit, P + B do."""
+    rec = IterationRecord(signature=7)
+    rec.sizes = {0: 64 * MB, 1: 64 * MB, 2: 64 * MB}
+    rec.kinds = {0: Kind.PARAMETER, 1: Kind.ACTIVATION, 2: Kind.ACTIVATION}
+    rec.start_live = {0}
+    rec.allocs = [(0, 1), (1, 2)]
+    rec.frees = [(6, 1), (7, 2)]
+    for i, keys in enumerate([(0, 1), (0, 2), (0, 2), (0, 2), (0, 2), (0, 2), (0,), (0,)]):
+        rec.exec_ids.append(100 + i)
+        rec.uses.append(keys)
+        rec.times.append(t)
+        rec.boundaries.append(i)
+        rec.alloc_counts.append(sum(1 for p, _ in rec.allocs if p <= i))
+        rec.free_counts.append(sum(1 for p, _ in rec.frees if p <= i))
+    return rec
+
+
+def test_a_dead_object_is_not_copied_out_just_before_it_is_freed():
+    """Used for the last time and freed before its copy to the host could
+    finish: evicting it would only move dead bytes. Freed long after, it goes."""
+    planner = Planner(160 * MB, load_profile("v100-pcie3-32g"), headroom=1.0, min_segment_s=0)
+    soon = planner.plan(_dying(1e-6))
+    assert not any(1 in a.evict for a in soon.actions)
+    late = planner.plan(_dying(1.0))
+    assert any(1 in a.evict for a in late.actions)

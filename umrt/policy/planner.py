@@ -314,6 +314,13 @@ class Planner:
         # announced kind, decides: live kinds are only a best guess.
         died = {k: p for p, k in rec.frees}
         pinned = {k for k, b in born.items() if died.get(k, n + 1) - b <= self.short_launches}
+        rate = self.rate
+
+        def dies_first(k: int, cursor: int) -> bool:
+            """Used for the last time and freed before copying it out would be
+            done: evicting it would copy dead data for room its death frees anyway."""
+            d = died.get(k)
+            return d is not None and t[min(d, n)] - t[cursor] <= size[k] / rate
 
         ptr = {k: 0 for k in uses_of}
 
@@ -387,7 +394,7 @@ class Planner:
                     before = len(evict)
                     was = used
                     used = self._make_room(heap, resident, used, cap - nbytes, cursor, next_use,
-                                           pinned, size, evict)
+                                           pinned, size, evict, spare=dies_first)
                     if len(evict) > before:  # room comes from copies to the host, on the D2H engine
                         d2h_free = max(d2h_free, t[d]) + (was - used) / rate
                         link_free = max(link_free, d2h_free)
@@ -457,9 +464,10 @@ class Planner:
         return actions, carried, stats
 
     @staticmethod
-    def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out) -> int:
+    def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out, spare=None) -> int:
         """Evict farthest-next-use keys not needed before ``cursor`` until
-        ``used <= target``; returns the new ``used``."""
+        ``used <= target``; returns the new ``used``. Keys with no use left
+        that ``spare(key, cursor)`` says to keep are passed over."""
         keep: list[tuple[float, int]] = []
         while used > target and heap:
             neg, k = heapq.heappop(heap)
@@ -468,7 +476,7 @@ class Planner:
             nu = next_use(k)
             if -neg != nu:
                 continue  # stale entry; a fresher one is in the heap
-            if nu <= cursor or k in pinned:
+            if nu <= cursor or k in pinned or (nu == INF and spare is not None and spare(k, cursor)):
                 keep.append((neg, k))
                 if nu <= cursor:
                     break  # everything left is needed sooner
