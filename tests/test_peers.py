@@ -9,8 +9,6 @@ where its mechanism should (cyclic reuse under an oversubscribed budget).
 """
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from umrt.backends.base import HOST
@@ -36,8 +34,6 @@ from umrt.trace.events import (
 )
 
 MB = 1 << 20
-HAVE_SIM = importlib.util.find_spec("umrt.sim.replay") is not None
-needs_sim = pytest.mark.skipif(not HAVE_SIM, reason="umrt.sim.replay is not built in this checkout")
 
 
 # -- a synthetic training step ------------------------------------------------------
@@ -308,7 +304,6 @@ def _fast(name: str, trace):
     return PEERS[name](trace=trace, **opts)
 
 
-@needs_sim
 @pytest.mark.parametrize("name", list(PEERS))
 def test_peer_is_safe_and_beats_um(name):
     from umrt.policy import make_policy
@@ -322,7 +317,6 @@ def test_peer_is_safe_and_beats_um(name):
     assert any(n == "prefetch" for n, _ in watched.log)
 
 
-@needs_sim
 def test_deepum_invalidates_dead_blocks_and_pre_evicts():
     trace = training_trace()
     watched = Watched(DeepUMPolicy(degree=8))
@@ -332,7 +326,6 @@ def test_deepum_invalidates_dead_blocks_and_pre_evicts():
     assert any(n == "prefetch" and args[1] == HOST for n, args in watched.log)
 
 
-@needs_sim
 def test_vdnn_offloads_in_forward_and_prefetches_in_backward():
     trace = training_trace()
     policy = VDNNPolicy()
@@ -341,7 +334,6 @@ def test_vdnn_offloads_in_forward_and_prefetches_in_backward():
     assert rep["offloaded_bytes"] > 0 and rep["prefetched_bytes"] == rep["offloaded_bytes"]
 
 
-@needs_sim
 def test_swapadvisor_search_never_picks_worse_than_default():
     trace = training_trace(layers=12)
     policy = SwapAdvisorPolicy(trace, search_seconds=2, population=4)
@@ -350,7 +342,6 @@ def test_swapadvisor_search_never_picks_worse_than_default():
     assert s["evaluated"] >= 1 and s["best_time_s"] <= s["default_time_s"]
 
 
-@needs_sim
 def test_swapadvisor_search_is_bounded_by_a_count_so_it_is_reproducible():
     trace = training_trace(layers=6)
     runs = []
@@ -369,7 +360,6 @@ def tiny_gpt2():
                            batch=2, seq=32, steps=3)
 
 
-@needs_sim
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PEERS))
 def test_peer_on_a_tiny_zoo_trace(name, tiny_gpt2):
@@ -381,7 +371,6 @@ def test_peer_on_a_tiny_zoo_trace(name, tiny_gpt2):
     assert res.iteration_time_s >= res.ideal_time_s > 0
 
 
-@needs_sim
 @pytest.mark.parametrize("name", list(PEERS))
 def test_peer_without_layer_events(name):
     """A trace with no LayerEnter/LayerExit: Sentinel counts launches as layers,
