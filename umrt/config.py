@@ -16,7 +16,7 @@ Variable                    Meaning                                    Default
 ``UMRT_DEVICE``             CUDA device index                           ``0``
 ``UMRT_SIMULATE``           profile name: shadow mode (no GPU needed)   unset
 ``UMRT_GRANULARITY``        ``module`` or ``op``                        ``module``
-``UMRT_LEARN_ITERATIONS``   iterations observed before planning         ``1``
+``UMRT_LEARN_ITERATIONS``   iterations observed before planning         ``2``
 ``UMRT_TELEMETRY``          NVML sampling during the run (bool)         off
 ``UMRT_LOG_LEVEL``          debug/info/warning/error                    ``warning``
 ``UMRT_SHORT_LIVED_ARENA``  arena for short-lived tensors: bytes/``%``  ``0`` (off)
