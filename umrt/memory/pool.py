@@ -3,7 +3,7 @@
 :class:`LifetimePool` is the :class:`~umrt.memory.base.Layout` umrt's runtime
 runs with. It sub-allocates objects from managed segments obtained with
 ``backend.malloc``, in arenas segregated by lifetime, with block-aligned
-boundaries so that no 2 MB block (the UVM driver's migration unit) is shared
+boundaries so that no 2 MB block (the UVM driver's eviction unit) is shared
 by two lifetime classes at once:
 
 ``persistent``
@@ -80,7 +80,7 @@ from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter
 
 __all__ = ["LifetimePool", "BLOCK", "ARENAS"]
 
-BLOCK = 2 << 20  # the UVM driver's migration unit, 2 MB (uvm-model.md)
+BLOCK = 2 << 20  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 

@@ -6,8 +6,8 @@
 Each name maps to a ``"module:Class"`` path that is imported only when the
 policy is asked for, so that a policy whose module is heavy (or not built in
 this checkout) costs nothing to the others. Every class is constructed as
-``cls(trace=None, **options)``; only the oracle needs ``trace`` (it plans
-from the whole future), the others ignore it.
+``cls(trace=None, **options)``; only the oracle and ``swapadvisor`` read
+``trace`` (both plan ahead from the whole trace), the others ignore it.
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def available(name: str) -> bool:
 def make_policy(name: str, trace: Trace | None = None, **options) -> Policy:
     """Build the policy registered under ``name``.
 
-    ``trace`` is handed to the constructor (the oracle plans from it; the
-    other policies ignore it). ``options`` are passed through as keyword
+    ``trace`` is handed to the constructor (the oracle and ``swapadvisor``
+    plan from it; the other policies ignore it). ``options`` are passed through as keyword
     arguments; an option the policy does not take is a
     :class:`~umrt.errors.ConfigError`, not a ``TypeError``.
     """

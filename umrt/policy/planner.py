@@ -46,8 +46,8 @@ from dataclasses import dataclass, field, replace
 
 from umrt.trace.events import Kind
 
-BLOCK = 2 << 20  # the UVM driver's migration and eviction unit (uvm-model.md)
-PAGE = 64 << 10  # the UVM driver's big page: residency and discard granularity (uvm-model.md)
+BLOCK = 2 << 20  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
+PAGE = 64 << 10  # the UVM driver's big page: residency and discard granularity (umrt/sim/MODEL.md)
 INF = float("inf")
 
 
