@@ -15,7 +15,7 @@ from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.peers import PEERS, DeepUMPolicy, SentinelPolicy, SwapAdvisorPolicy, VDNNPolicy
-from umrt.policy.peers._common import BLOCK, ObjectKeys, blocks_of, coalesce, profile_trace
+from umrt.policy.peers._common import BLOCK, ObjectKeys, blocks_of, profile_trace
 from umrt.policy.peers.deepum import TABLE_SETS, TABLE_SUCCESSORS, BlockCorrelationTable
 from umrt.policy.peers.sentinel import SentinelLayout
 from umrt.policy.peers.swapadvisor import Genes, build_plan
@@ -204,7 +204,6 @@ def test_swapadvisor_needs_the_trace():
 def test_block_helpers():
     assert list(blocks_of(BLOCK - 1, 2)) == [0, BLOCK]
     assert list(blocks_of(BLOCK, BLOCK)) == [BLOCK]
-    assert coalesce([(10, 5), (0, 10), (30, 1)]) == [(0, 15), (30, 1)]
 
 
 def test_block_table_geometry():

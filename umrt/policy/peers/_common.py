@@ -1,4 +1,4 @@
-"""Helpers the peer policies share: 2 MB block arithmetic, range coalescing,
+"""Helpers the peer policies share: 2 MB block arithmetic, range lists,
 per-block liveness, and stable object keys across iterations.
 
 Everything here is what a real runtime can observe: the addresses its own
@@ -27,19 +27,6 @@ def blocks_of(ptr: int, nbytes: int) -> range:
     if nbytes <= 0:
         return range(block_of(ptr), block_of(ptr))
     return range(block_of(ptr), block_of(ptr + nbytes - 1) + BLOCK, BLOCK)
-
-
-def coalesce(ranges: Iterable[Range]) -> list[Range]:
-    """Sort ranges and merge the overlapping or touching ones (only for ranges
-    known to lie in one allocation)."""
-    out: list[list[int]] = []
-    for ptr, n in sorted(r for r in ranges if r[1] > 0):
-        if out and ptr <= out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], ptr + n)
-            out[-1][1] = end - out[-1][0]
-        else:
-            out.append([ptr, n])
-    return [(p, n) for p, n in out]
 
 
 def block_ranges(blocks: Iterable[int]) -> list[Range]:

@@ -36,7 +36,7 @@ from collections import OrderedDict, deque
 from umrt.backends.base import HOST
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.peers._common import BLOCK, BlockLiveness, block_ranges, blocks_of
-from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
+from umrt.trace.events import Alloc, Free, Launch
 
 __all__ = ["DeepUMPolicy", "BlockCorrelationTable"]
 
@@ -183,8 +183,6 @@ class DeepUMPolicy(Policy):
                 for b in dead:
                     if self._migrated.pop(b, 0) is None:
                         self._dead[b] = None  # resident but dead: the first victim, free to evict
-        elif isinstance(event, IterationBoundary):
-            pass
 
     def _on_launch(self, launch: Launch) -> None:
         self._learn_faults()
