@@ -279,7 +279,8 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     came = np.zeros(n + 1, np.int64)
     shared = np.full(n + 1, -np.inf)  # the same with a shared link
     shared[0] = 0.0
-    stats: dict[int, tuple] = {}
+    # the window that ends at cut k in the best chain (from came[k]): its h2d bytes, excess over compute, free bytes
+    win_h2d, win_excess, win_free = np.zeros(n + 1), np.zeros(n + 1), np.zeros(n + 1)
     for k1 in range(n):
         m = n + 1
         # bytes needed in window (k1, k2]: values existing at cut k1 first read by a launch < k2
@@ -307,8 +308,10 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         better = cand > best[k1 + 1 :]
         best[k1 + 1 :] = np.where(better, cand, best[k1 + 1 :])
         came[k1 + 1 :] = np.where(better, k1, came[k1 + 1 :])
+        win_h2d[k1 + 1 :] = np.where(better, h2d, win_h2d[k1 + 1 :])
+        win_excess[k1 + 1 :] = np.where(better, span - comp, win_excess[k1 + 1 :])
+        win_free[k1 + 1 :] = np.where(better, free, win_free[k1 + 1 :])
         shared[k1 + 1 :] = np.maximum(shared[k1 + 1 :], shared[k1] + span_s)
-        stats[k1] = (h2d, span - comp, free)
         if k1 == 0:  # written during the iteration before cut k2 and still needed there
             written = np.concatenate([[0.0], np.maximum(out - budget, 0.0)])
 
@@ -317,7 +320,7 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         cuts.append(int(came[cuts[-1]]))
     cuts.reverse()
     windows = list(zip(cuts[:-1], cuts[1:], strict=False))
-    excess = [float(stats[a][1][b - a - 1]) for a, b in windows]
+    excess = [float(win_excess[b]) for _, b in windows]
     a, b = windows[int(np.argmax(excess))] if windows else (0, 0)
     if not n:
         written = np.zeros(1)
@@ -329,11 +332,11 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         cuts=tuple(cuts),
         launches=n,
         budget_bytes=int(budget),
-        h2d_min_bytes=int(sum(float(stats[x][0][y - x - 1]) for x, y in windows)),
+        h2d_min_bytes=int(sum(float(win_h2d[y]) for _, y in windows)),
         d2h_min_bytes=int(written[a]) if n else 0,
         compute_before_s=float(before[a]),
         compute_after_s=float(before[b] - before[a]),
-        remote_free_bytes=int(stats[a][2][b - a - 1]) if windows else 0,
+        remote_free_bytes=int(win_free[b]) if windows else 0,
         h2d_rate=float(rate_h),
         d2h_rate=float(min(profile.d2h_bandwidth, curve)),
         conserving_s=max(float(shared[n]), ideal),
