@@ -120,6 +120,18 @@ class ObjectKeys:
         """The live object holding ``key`` now, if any."""
         return self._obj.get(key)
 
+    def ranges(self, keys: Iterable[tuple], address) -> list[Range]:
+        """``(address(obj), nbytes)`` of the live, non-empty objects holding
+        ``keys``, in the order of ``keys``."""
+        out = []
+        for k in keys:
+            obj = self._obj.get(k)
+            if obj is not None:
+                n = self.info[obj][0]
+                if n > 0:
+                    out.append((address(obj), n))
+        return out
+
     def forget(self, event) -> None:
         if isinstance(event, Free):
             key = self._key.pop(event.obj, None)

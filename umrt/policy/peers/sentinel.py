@@ -140,26 +140,17 @@ class SentinelPolicy(Policy):
 
     # -- acting -----------------------------------------------------------------
 
-    def _ranges(self, keys) -> list[tuple[int, int]]:
-        out = []
-        layout = self.ctx.layout
-        for k in keys:
-            obj = self.keys.obj(k)
-            if obj is not None and self.keys.info[obj][0] > 0:
-                out.append((layout.address(obj), self.keys.info[obj][0]))
-        return out
-
     def _act(self, n: int) -> None:
         evict = self._evict_at.get(n)
         if evict:
-            ranges = object_ranges(self._ranges(evict))
+            ranges = object_ranges(self.keys.ranges(evict, self.ctx.layout.address))
             if ranges:
                 self.ctx.backend.prefetch(ranges, HOST)
                 self.counters["evicted_bytes"] += sum(r[1] for r in ranges)
         fetch = self._prefetch_at.get(n)
         if fetch is not None:
             self.counters["intervals"] += 1
-            ranges = self._ranges(fetch)  # priority order: highest access count first
+            ranges = self.keys.ranges(fetch, self.ctx.layout.address)  # priority order: highest access count first
             if ranges:
                 self.ctx.backend.prefetch(ranges, self.ctx.backend.device)
                 self.counters["prefetched_bytes"] += sum(r[1] for r in ranges)

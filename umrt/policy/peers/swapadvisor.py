@@ -279,12 +279,7 @@ class SwapAdvisorPolicy(Policy):
         self.keys.forget(event)
 
     def _ranges(self, keys) -> list[tuple[int, int]]:
-        out = []
-        for k in keys:
-            obj = self.keys.obj(k)
-            if obj is not None:
-                out.append((self.ctx.layout.address(obj), self.keys.info[obj][0]))
-        return object_ranges(out)
+        return object_ranges(self.keys.ranges(keys, self.ctx.layout.address))
 
     def _act(self, t: int) -> None:
         if self.keys.iterations_seen == 0 or self.plan is None:

@@ -69,12 +69,7 @@ class VDNNPolicy(Policy):
     def _move(self, keys, device: int, counter: str) -> None:
         if not keys:
             return
-        ranges = []
-        for k in keys:
-            obj = self.keys.obj(k)
-            if obj is not None:
-                ranges.append((self.ctx.layout.address(obj), self.keys.info[obj][0]))
-        ranges = object_ranges(ranges)
+        ranges = object_ranges(self.keys.ranges(keys, self.ctx.layout.address))
         if ranges:
             self.ctx.backend.prefetch(ranges, device)
             self.counters[counter] += sum(n for _, n in ranges)
