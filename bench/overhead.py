@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+from bench.pool import BumpBackend
 from umrt.backends.base import Backend
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
@@ -35,22 +36,14 @@ from umrt.runtime import Runtime
 from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
 
 
-class NullBackend(Backend):
-    """Counts calls and does nothing (addresses from a bump allocator)."""
+class NullBackend(BumpBackend, Backend):
+    """Counts calls and does nothing (addresses from the pool bench's bump allocator)."""
 
     name = "null"
 
     def __init__(self) -> None:
-        self.top = 1 << 40
+        super().__init__()
         self.calls = 0
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self.top
-        self.top += -(-nbytes // (2 << 20)) * (2 << 20)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        pass
 
     def prefetch(self, ranges, device) -> None:
         self.calls += 1

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.grid import trace_for
 from umrt.errors import UmrtError
 from umrt.memory.caching import CachingAllocatorLayout
 from umrt.memory.pool import LifetimePool
@@ -99,20 +100,9 @@ def replay(trace, layout, *, feed: bool) -> dict:
     }
 
 
-def _trace(model: str, batch: int | None, seq: int | None, steps: int):
-    try:  # share the bench grid's trace cache when it is there
-        from bench.grid import trace_for
-
-        return trace_for(model, batch, seq, steps=steps)
-    except ImportError:
-        from umrt.zoo import trace_model
-
-        return trace_model(model, batch=batch, seq=seq, device="meta", steps=steps, progress=False)
-
-
 def measure(model: str, batch: int | None, seq: int | None, steps: int) -> dict:
     t0 = time.perf_counter()
-    trace = _trace(model, batch, seq, steps)
+    trace = trace_for(model, batch, seq, steps=steps)  # the bench grid's trace cache
     t1 = time.perf_counter()
     caching = replay(trace, CachingAllocatorLayout(BumpBackend()), feed=False)
     pool_layout = LifetimePool(BumpBackend())
