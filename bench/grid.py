@@ -117,7 +117,7 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
     # The format version is in the key: a trace made before launches carried
     # their precision (format 1) is made again, not simulated at the wrong peak.
-    path = cache_dir / (f"{safe}-b{batch or 'def'}-s{seq or 'def'}-steps{steps}-v{__version__}"
+    path = cache_dir / (f"{safe}-b{batch}-s{seq}-steps{steps}-v{__version__}"
                         f"{'' if dtype == 'float32' else '-' + dtype}-f{fileformat.FORMAT_VERSION}.umrt")
     if path.exists() and not refresh:
         return fileformat.load(path)
@@ -131,17 +131,18 @@ def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path
     return trace
 
 
-def resolved_shape(model: str, batch: int | None, seq: int | None) -> tuple[int | None, int | None]:
-    """Batch and sequence length with the zoo's defaults filled in (so the cache key names them)."""
-    try:
-        from umrt import zoo
-    except ImportError:  # pragma: no cover - the zoo is part of umrt
-        return batch, seq
-    hf = model.startswith("hf:")
-    if batch is None:
-        batch = getattr(zoo, "HF_DEFAULT_BATCH", None) if hf else zoo.DEFAULT_BATCH.get(model)
-    if seq is None:
-        seq = getattr(zoo, "HF_DEFAULT_SEQ", None) if hf else zoo.DEFAULT_SEQ.get(model)
+def resolved_shape(model: str, batch: int | None, seq: int | None) -> tuple[int, int]:
+    """Batch and sequence length with the model's defaults filled in (so the cache key names them).
+
+    The defaults are the zoo's own (:func:`umrt.zoo.resolve`), as ``trace_model`` would pick them: an
+    ``hf:`` model's sequence is capped by its position embeddings, a vision model's is its image size.
+    """
+    from umrt.zoo import resolve
+
+    if batch is None or seq is None:
+        spec = resolve(model)
+        batch = spec.default_batch if batch is None else batch
+        seq = spec.default_seq if seq is None else seq
     return batch, seq
 
 

@@ -226,6 +226,17 @@ def test_grid_options_override_the_preset():
         parse_budget("0%")
 
 
+def test_default_shapes_are_the_zoos_own():
+    from bench.grid import resolved_shape
+
+    # an hf: model's sequence is capped by its position embeddings (as `umrt trace` does), not 512
+    assert resolved_shape("hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,n_positions=64", None, None) == (8, 64)
+    assert resolved_shape("hf:ViTConfig:num_hidden_layers=1,hidden_size=32,num_attention_heads=2",
+                          None, None) == (8, 224)
+    assert resolved_shape("resnet-152", None, 128) == (64, 128)
+    assert resolved_shape("gpt2", 3, None) == (3, 1024)
+
+
 def test_presets_match_the_issues():
     readme, targets = preset("readme"), preset("targets")
     models = ("gpt2-xl", "bert-large", "vit-large", "resnet-152")
