@@ -4,7 +4,7 @@ Everything here works on flat numpy arrays indexed by 64 KB page number
 (page ``p`` covers bytes ``[p << 16, (p + 1) << 16)`` of the simulated VA
 space) and 2 MB VA-block number (block ``b`` holds pages ``32b .. 32b+31``).
 :class:`umrt.sim.backend.SimBackend` owns the arrays and calls these
-functions; nothing here allocates per call.
+functions; nothing here allocates but a launch's few bytes of per-block scratch.
 
 Granularity (NVIDIA open-gpu-kernel-modules, kernel-open/nvidia-uvm):
 
@@ -416,7 +416,7 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
 
 
 @njit(cache=True)
-def _prefetch_mask(pf, b, faulted, thresh, out):
+def _prefetch_mask(pf, b, faulted, thresh, prefix, out):
     """The density prefetcher of uvm_perf_prefetch.c over one 2 MB block.
 
     Leaves are the block's pages that are resident on the GPU or faulted in
@@ -424,7 +424,8 @@ def _prefetch_mask(pf, b, faulted, thresh, out):
     largest whose occupied share exceeds ``thresh`` percent. The tree never
     crosses the block and is clipped to the block's mapped pages. First touch
     of a never-populated block whose PreferredLocation is the GPU takes the
-    whole block (the driver's first-touch fast path).
+    whole block (the driver's first-touch fast path). ``prefix`` is scratch
+    (``PAGES_PER_BLOCK + 1`` entries, the first 0).
     """
     p0 = b * PAGES_PER_BLOCK
     n = 0
@@ -434,7 +435,6 @@ def _prefetch_mask(pf, b, faulted, thresh, out):
             n = i + 1
         if pf[p0 + i, F_VALID] or pf[p0 + i, F_GPU]:
             populated = True
-    prefix = np.zeros(PAGES_PER_BLOCK + 1, np.int64)
     for i in range(PAGES_PER_BLOCK):
         occ = 1 if (faulted[i] or pf[p0 + i, F_GPU]) and i < n else 0
         prefix[i + 1] = prefix[i] + occ
@@ -527,6 +527,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
     # Pass 2: classify; fault entries go to ebuf.
     wait_until = t0
     ne = 0
+    nremote = 0
     for i in range(nu):
         p = ubuf[i]
         pclass[p] = C_LOCAL
@@ -540,8 +541,10 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                 ne += 1
         elif pf[p, F_REMOTE] or (pf[p, F_ACCBY] and pf[p, F_VALID]):
             pclass[p] = C_REMOTE  # mapped over the link: no fault, no migration
+            nremote += 1
         elif pf[p, F_PREF] == PREF_HOST:
             pclass[p] = C_REMOTE
+            nremote += 1
             ebuf[ne] = p
             etype[ne] = E_MAPREMOTE  # faults once, then maps host memory instead of migrating
             ne += 1
@@ -555,9 +558,11 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
     batch = int(prm[P_BATCH])
     faulted = np.zeros(PAGES_PER_BLOCK, np.uint8)
     mask = np.zeros(PAGES_PER_BLOCK, np.uint8)
+    prefix = np.zeros(PAGES_PER_BLOCK + 1, np.int64)
     fsize = flog.shape[0]
     keys = np.empty(batch, np.int64)
     while ne > 0:
+        evictions = g[G_EVICTIONS]
         for s in range(0, ne, batch):
             e = min(s + batch, ne)
             # sort the batch by page (the driver sorts and coalesces faults per VA block);
@@ -599,7 +604,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                 g[G_FLOG] += 1
                 if not any_migrate:
                     continue
-                _prefetch_mask(pf, b, faulted, prm[P_THRESH], mask)
+                _prefetch_mask(pf, b, faulted, prm[P_THRESH], prefix, mask)
                 n = 0
                 for i in range(PAGES_PER_BLOCK):
                     p = p0 + i
@@ -627,9 +632,10 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                             pclass[p] = C_LANDED
                 _arrived(bi, g, b, n)
         # Pages the launch had on the GPU and lost to its own servicing fault again
-        # (each at most once: a page migrated in by this launch has been used).
+        # (each at most once: a page migrated in by this launch has been used);
+        # only an eviction takes a page off the GPU here.
         ne = 0
-        for i in range(nu):
+        for i in range(nu if g[G_EVICTIONS] != evictions else 0):
             p = ubuf[i]
             if pclass[p] == C_LOCAL and not pf[p, F_GPU]:
                 ebuf[ne] = p
@@ -650,7 +656,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                     _refresh_block(bi, g, b)
     # Pass 5: bytes that cross the link remotely.
     remote_r, remote_w = 0, 0
-    for k in range(a_start.shape[0]):
+    for k in range(a_start.shape[0] if nremote else 0):
         if a_end[k] <= a_start[k]:
             continue
         for p in range(a_start[k] >> PAGE_SHIFT, ((a_end[k] - 1) >> PAGE_SHIFT) + 1):
