@@ -49,7 +49,7 @@ prediction), batched until the next launch.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 from umrt.backends.base import HOST, Advice, Backend
@@ -86,6 +86,7 @@ class _Where:
 
 
 _PTR_N = attrgetter("ptr", "nbytes")  # a live record -> (ptr, nbytes), at C speed
+_N = itemgetter(1)  # a range -> its bytes
 _MEMO_MAX = 4096  # memoized decision ranges kept (cleared beyond; 8 shapes x ~300 decisions fit)
 
 
@@ -100,7 +101,9 @@ class _AddressIndex:
 
     def __getitem__(self, obj: int) -> _Where:
         return _Where(self._address(obj), self._info.get(obj, _NOINFO).nbytes)
-_MASK = (1 << 63) - 1
+
+
+_MASK = (1 << 63) - 1  # the iteration signature's width
 
 
 class Runtime(Policy):
@@ -203,7 +206,6 @@ class Runtime(Policy):
         self._over: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launches
         self._temp: list[tuple[int, int]] = []  # ranges host-mapped for the launch that just ran
         self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
-        self._pending_bytes = 0
         self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch
         # Decision ranges memoized per key tuple (see _resolve), evictions and prefetches apart.
         self._memo_evict: dict[int, tuple] = {}
@@ -279,7 +281,6 @@ class Runtime(Policy):
         if self._pending:
             end = ptr + nbytes
             self._pending = [r for r in self._pending if not ptr <= r[0] < end]
-            self._pending_bytes = sum(r[1] for r in self._pending)
         # Memoized decision ranges may point into it: never reuse them unchecked.
         self._unfreeze()
         self._ref = None
@@ -324,7 +325,6 @@ class Runtime(Policy):
                 ptr = self.layout.address(obj)
                 end = ptr + event.nbytes
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
-                self._pending_bytes = sum(r[1] for r in self._pending)
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
@@ -360,7 +360,6 @@ class Runtime(Policy):
                     end = (ptr + nb) // PAGE * PAGE
                     if end > start:
                         self._pending.append((start, end - start))
-                        self._pending_bytes += end - start
             rec = self._rec
             if rec is not None and key is not None:
                 rec.frees.append((self._nl, key))
@@ -384,8 +383,7 @@ class Runtime(Policy):
                 self._pending = []
                 self.backend.discard(ranges)
                 self._n_discard_calls += 1
-                self._n_discarded += self._pending_bytes
-                self._pending_bytes = 0
+                self._n_discarded += sum(map(_N, ranges))
             if self._born:  # newborns the plan populates on the GPU
                 ranges = self._born
                 self._born = []
@@ -691,19 +689,29 @@ class Runtime(Policy):
         self._discard_keys = None
         self._over = {}
 
+    def _live_ranges(self, keys, skip) -> list[tuple[int, tuple[int, int]]]:
+        """``(obj, (ptr, nbytes))`` for each key's live, non-empty object not
+        in ``skip``, in key order."""
+        out = []
+        obj_of, info, address = self.keys.obj_of, self._info, self.layout.address
+        for k in keys:
+            obj = obj_of.get(k)
+            if obj is None or obj in skip:  # checked first: most are skipped every iteration
+                continue
+            n = info.get(obj, _NOINFO).nbytes
+            if n > 0:
+                out.append((obj, (address(obj), n)))
+        return out
+
     def _read_mostly(self, keys) -> None:
         """Parameters are only read between two optimizer steps: with
         ReadMostly the GPU holds a duplicate, and evicting it costs no copy
         back (the step's write collapses the duplicates; the next read makes
         them again)."""
         ranges = []
-        for k in keys:
-            obj = self.keys.obj_of.get(k)
-            n = self._info.get(obj, _NOINFO).nbytes if obj is not None else 0
-            if n <= 0 or obj in self._mostly:
-                continue
+        for obj, r in self._live_ranges(keys, self._mostly):
             self._mostly.add(obj)
-            ranges.append((self.layout.address(obj), n))
+            ranges.append(r)
         if ranges:
             self.backend.advise(ranges, Advice.SET_READ_MOSTLY, self.backend.device)
 
@@ -711,16 +719,8 @@ class Runtime(Policy):
         """Keep these long-lived objects on the host, read over the link
         (PreferredLocation=host + AccessedBy=GPU), and move them out now."""
         ranges = []
-        obj_of, info, advised = self.keys.obj_of, self._info, self._advised
-        for k in keys:  # every iteration, and almost all are still mapped: skip those first
-            obj = obj_of.get(k)
-            if obj is None or obj in advised:
-                continue
-            n = info.get(obj, _NOINFO).nbytes
-            if n <= 0:
-                continue
-            r = (self.layout.address(obj), n)
-            advised[obj] = r
+        for obj, r in self._live_ranges(keys, self._advised):
+            self._advised[obj] = r
             ranges.append(r)
         if not ranges:
             return
@@ -737,13 +737,7 @@ class Runtime(Policy):
         resident is read and written over the link (PreferredLocation=host +
         AccessedBy=GPU) instead of being faulted in and evicted again within
         the launch. Undone before the next launch."""
-        ranges = []
-        obj_of, info, address = self.keys.obj_of, self._info, self.layout.address
-        for k in keys:
-            obj = obj_of.get(k)
-            n = info.get(obj, _NOINFO).nbytes if obj is not None else 0
-            if n > 0 and obj not in self._advised:
-                ranges.append((address(obj), n))
+        ranges = [r for _, r in self._live_ranges(keys, self._advised)]
         if ranges:
             be = self.backend
             be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
@@ -776,11 +770,10 @@ def _moves(where: tuple, evict: bool) -> tuple[tuple[tuple[int, int], ...], int,
             continue
         ptr, n = w
         if evict:
-            start = -(-ptr // PAGE) * PAGE
-            end = (ptr + n) // PAGE * PAGE
-            if end > start:
-                ranges.append((start, end - start))
-                moved += end - start
+            r = _inner(ptr, n)
+            if r is not None:
+                ranges.append(r)
+                moved += r[1]
         elif n > 0:
             ranges.append((ptr, n))
             moved += n
