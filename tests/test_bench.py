@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 
 import pytest
@@ -247,10 +246,6 @@ def test_presets_match_the_issues():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("umrt.sim.replay") is None or importlib.util.find_spec("umrt.zoo") is None,
-    reason="simulator or model zoo not built yet",
-)
 def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     model = "hf:GPT2Config:n_layer=2,n_embd=256,n_head=4,vocab_size=2048,n_positions=128"
     code = main(["--models", model, "--batch", "4", "--seq", "128", "--budgets", "30%", "100%",
