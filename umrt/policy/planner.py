@@ -228,7 +228,7 @@ class Planner:
         points = self.decision_points(rec)
         state = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
-            actions, state, stats = self._pass(rec, points, state)
+            actions, state, stats, remote_at = self._pass(rec, points, state)
         # Discard what dies after a long life: its pages may be evicted (or
         # were), so dropping them saves a copy. Short-lived temporaries die
         # resident and their range is reused at once; a call would be waste.
@@ -247,7 +247,7 @@ class Planner:
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
                            and rec.kinds.get(k) == Kind.PARAMETER)
         return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly,
-                    remote_at=dict(self._remote_at))
+                    remote_at=remote_at)
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""
@@ -356,7 +356,6 @@ class Planner:
         remote_at: dict[int, list[int]] = {}  # oversized launch -> keys it reaches over the link
         last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
         cap = self.cap
-        rate = self.rate
         cursor = 0
         link_free = 0.0
         d2h_free = 0.0
@@ -456,12 +455,11 @@ class Planner:
             fi += 1
         # What the next iteration starts with: survivors under their carried keys.
         carried = {c for c in (rec.carried.get(k, k) for k in resident) if c in rec.start_live}
-        self._remote_at = {i: tuple(ks) for i, ks in remote_at.items()}
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
                  "planned_peak_bytes": peak, "capacity_bytes": cap}
         actions = [Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(ev), tuple(pf))
                    for d, (ev, pf) in zip(points, moves, strict=True) if ev or pf]
-        return actions, carried, stats
+        return actions, carried, stats, {i: tuple(ks) for i, ks in remote_at.items()}
 
     @staticmethod
     def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out, spare=None) -> int:
