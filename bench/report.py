@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.grid import PAPER_PROFILES, PEERS, TARGET_MODELS, derive, geomean, parse_budget
+from bench.grid import PAPER_PROFILES, PEERS, TARGET_MODELS, _group, derive, geomean, parse_budget
 
 __all__ = ["CSV_FIELDS", "write_json", "write_csv", "write_markdown", "write_plots", "check_targets",
            "TargetResult", "load_rows"]
@@ -69,9 +69,13 @@ def _policies(rows: list[dict]) -> list[str]:
 def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     out: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        key = (r["model"], r.get("batch"), r.get("seq"), r["profile"], r["budget"])
-        out.setdefault(key, {})[r["policy"]] = r
+        out.setdefault(_group(r), {})[r["policy"]] = r
     return out
+
+
+def _ideal_of(cells: dict[str, dict]) -> float | None:
+    """A cell's simulated ideal iteration time, as every policy's row reports it."""
+    return next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -94,8 +98,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     for (model, batch, seq, profile, budget), cells in _groups(rows).items():
         ideal = cells.get("ideal", {})
-        ideal_t = ideal.get("iteration_time_s") or next(
-            (c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
+        ideal_t = ideal.get("iteration_time_s") or _ideal_of(cells)
         cols = []
         for p in policies:
             c = cells.get(p)
@@ -108,7 +111,7 @@ def markdown_table(rows: list[dict]) -> str:
                 cols.append((f"{s:.2f}x" if s else "?") + (f" ({u:.2f}x)" if u else ""))
         if bounded:  # over ideal_time_s, like the policies' slowdowns
             some = next((c for c in cells.values() if c.get("bound_time_s")), {})
-            ref = next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
+            ref = _ideal_of(cells)
             for key in ("bound_time_s", "bound_conserving_s"):
                 v = some.get(key)
                 cols.append(f"{v / ref:.2f}x" if v and ref else "")
@@ -235,7 +238,7 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
 
     def vs_ideal(a, cells):
         o = t(cells.get("oracle"))
-        ideal = t(cells.get("ideal")) or next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
+        ideal = t(cells.get("ideal")) or _ideal_of(cells)
         if not o or not ideal or ideal / o < 0.92:
             return None  # oracle does not reach 0.92 of ideal here: not required
         if not a:
@@ -285,7 +288,7 @@ def _bound_range(groups: dict) -> str:
         out = []
         for cells in groups.values():
             b = _bound_of(cells, key)
-            ideal = next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
+            ideal = _ideal_of(cells)
             if b and ideal:
                 out.append(b / ideal)
         return out
