@@ -3,9 +3,9 @@
 A profile is a JSON data file (``umrt/profiles/NAME.json``) holding one number
 per field, each written as ``{"value": ..., "source": "..."}`` so that every
 figure the simulator uses names where it comes from (a datasheet, the NVIDIA
-UVM driver, a published simulator, or "assumption ... measured by umrt
-calibrate" where nothing is published). ``umrt calibrate`` writes the same
-format from measurements on a real GPU::
+UVM driver, a published simulator or paper, or "assumption" where nothing is
+published, saying whether ``umrt calibrate`` measures it). ``umrt calibrate``
+writes the same format from measurements on a real GPU::
 
     >>> from umrt.hardware import load_profile
     >>> p = load_profile("v100-pcie3-16g")
