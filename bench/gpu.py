@@ -29,7 +29,7 @@ iterations). Beside the measured figures: ``umrt.memory_stats()``, NVML
 telemetry (peak device memory used, PCIe traffic) where NVML answers, and the
 simulator's prediction for the same model and budget on the shipped hardware
 profile closest to the detected GPU (``umrt.sim.replay.simulate`` on a meta
-trace from ``umrt.zoo.trace_model``).
+trace from ``umrt.zoo.trace_model``, cached like the bench grid's).
 
 Without a CUDA GPU it exits with status 2 and a one-line message.
 """
@@ -327,11 +327,11 @@ def closest_profile(gpu_name: str, total_bytes: int) -> str:
 def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int | str, profile: str,
                    modes: list[str]) -> dict[str, Any]:
     """The simulator's prediction for ``modes`` on ``profile`` (a meta trace of the same model)."""
+    from bench.grid import trace_for
     from umrt.errors import UmrtError
     from umrt.sim.replay import simulate
-    from umrt.zoo import trace_model
 
-    trace = trace_model(model, batch=batch, seq=seq, device="meta", steps=3)
+    trace = trace_for(model, batch, seq)  # the bench grid's meta trace, cached
     out: dict[str, Any] = {"profile": profile, "budget": budget, "modes": {}}
     for mode in modes:
         try:
