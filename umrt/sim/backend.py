@@ -129,7 +129,7 @@ class SimBackend(Backend):
         self._prm[E.P_BATCH] = p.fault_batch_size
         self._prm[E.P_LAT] = p.fault_batch_latency_s
         self._prm[E.P_THRESH] = p.prefetch_threshold
-        self._g, self._tf = E.new_scalars(cap_pages, _QUEUE)
+        self._g, self._tf = E.new_scalars(cap_pages)
         self._q_r = np.zeros(_QUEUE, np.int64)  # pending D2H copies (copy records) ...
         self._rec_t = np.zeros((2, E.RING), np.float64)  # ... and every copy record's completion time
         self._q_n = np.zeros(_QUEUE, np.int64)

@@ -119,7 +119,7 @@ ERR_UNMAPPED = 1  # a launch touched a page outside every allocation
 ERR_NO_VICTIM = 2  # capacity too small for the blocks one fault batch pins
 
 
-def new_scalars(capacity_pages: int, queue: int) -> tuple[np.ndarray, np.ndarray]:
+def new_scalars(capacity_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """The scalars ``g`` and times ``tf`` of an empty GPU with ``capacity_pages``."""
     g = np.zeros(NG, np.int64)
     g[G_CAP] = capacity_pages
