@@ -70,7 +70,7 @@ learning iteration put them, in the ``learning`` arena.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from umrt.memory.base import Layout
@@ -455,19 +455,9 @@ class LifetimePool(Layout):
         """Feed one event of the program's stream (boundaries, launches, layer events)."""
         t = type(event)
         if t is Launch:
-            self._clock += 1
-            self._context = event.exec_id
-            if self._depth == 0 and self._tick:
-                self._tick += 1  # a top-level op (optimizer step, loss) counts as a layer of its own
-        elif t is LayerEnter:
-            self._clock += 1
-            self._tick += 1
-            self._depth += 1
-        elif t is LayerExit:
-            self._clock += 1
-            self._tick += 1
-            if self._depth > 0:
-                self._depth -= 1
+            self.observe_launch(event.exec_id)
+        elif t is LayerEnter or t is LayerExit:
+            self.observe_layer(t is LayerEnter)
         elif t is IterationBoundary:
             self.on_iteration_boundary(event.index)
 
@@ -477,7 +467,7 @@ class LifetimePool(Layout):
         self._clock += 1
         self._context = exec_id
         if self._depth == 0 and self._tick:
-            self._tick += 1
+            self._tick += 1  # a top-level op (optimizer step, loss) counts as a layer of its own
 
     def observe_layer(self, enter: bool) -> None:
         """``observe(LayerEnter)`` (``enter``) or ``observe(LayerExit)``, by type already known."""
@@ -487,10 +477,6 @@ class LifetimePool(Layout):
             self._depth += 1
         elif self._depth > 0:
             self._depth -= 1
-
-    def observe_all(self, events: Iterable[Event]) -> None:
-        for event in events:
-            self.observe(event)
 
     def report(self) -> dict:
         """Counters for reports: footprint, peak live bytes, plan hits/misses, arena sizes."""
