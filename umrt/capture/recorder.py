@@ -137,7 +137,7 @@ def _precision(op: str, inputs: list, tf32: tuple[bool, bool]) -> str:
     input's dtype, with FP32 on TF32 tensor cores where PyTorch allows it
     (``tf32`` = (matmuls: ``torch.get_float32_matmul_precision() != "highest"``,
     convolutions: ``torch.backends.cudnn.allow_tf32``); defaults False, True)."""
-    for t, _ in inputs:
+    for t, *_ in inputs:
         if t.is_floating_point():
             p = _PRECISION.get(t.dtype, "")
             if p == "fp32" and (tf32[1] if "conv" in op else tf32[0]):
@@ -529,15 +529,18 @@ class Recorder:
         launch: int = -1,
         key: tuple | None = None,
         kind: Kind | None = None,
+        phase: int | None = None,
     ) -> int:
-        """The object id of a storage, announcing it (Alloc) when new."""
+        """The object id of a storage, announcing it (Alloc) when new (``phase``: the
+        running phase, when the caller has it)."""
         sid = id(storage)
         obj = self._by_storage.get(sid)
         if obj is not None:
             return obj
         obj = self._next_obj
         self._next_obj += 1
-        phase = self._phase()
+        if phase is None:
+            phase = self._phase()
         if kind is None:
             if first_seen_kind is not None:
                 kind = first_seen_kind
@@ -567,12 +570,13 @@ class Recorder:
                 self._learned[info.key] = self._lifetime_kind(info)
             self._emit(Free(obj))
 
-    def _phase(self) -> int:
+    def _phase(self, in_graph: bool | None = None) -> int:
+        """The running phase (``in_graph``: whether autograd is running, when known)."""
         if self._iteration < 0:
             return _SETUP
         if self._in_step:
             return _STEP
-        if torch._C._current_graph_task_id() != -1:
+        if in_graph if in_graph is not None else torch._C._current_graph_task_id() != -1:
             return _BACKWARD
         return _FORWARD
 
@@ -638,39 +642,40 @@ class Recorder:
 
     def _record(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> None:
         dev = self.device
-        inputs: list[tuple[torch.Tensor, bool]] = []
+        # (tensor, written, on the traced device): each tensor's device is read once per op.
+        inputs: list[tuple[torch.Tensor, bool, bool]] = []
         for i, a in enumerate(args):
             w = i in info.write_pos
             for t in _tensors(a):
-                inputs.append((t, w))
+                inputs.append((t, w, t.device.type == dev))
         for k, a in kwargs.items():
             w = k in info.write_kw
             for t in _tensors(a):
-                inputs.append((t, w))
-        outs = list(_tensors(out))
-        on_dev = [t for t, _ in inputs if t.device.type == dev] + [t for t in outs if t.device.type == dev]
-        if not on_dev:
+                inputs.append((t, w, t.device.type == dev))
+        outs = [(t, t.device.type == dev) for t in _tensors(out)]
+        if not any(on for *_, on in inputs) and not any(on for _, on in outs):
             return  # a host op: no kernel on the traced device
         if (
             self._in_step
             and dev == "cpu"
-            and all(t.dim() == 0 for t, _ in inputs)
-            and all(t.dim() == 0 for t in outs)
+            and all(t.dim() == 0 for t, _, _ in inputs)
+            and all(t.dim() == 0 for t, _ in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
         self._flush()
-        if self._bwd_module is not None and torch._C._current_graph_task_id() == -1:
+        in_graph = torch._C._current_graph_task_id() != -1
+        if self._bwd_module is not None and not in_graph:
             self._end_backward()
 
-        phase = self._phase()
+        phase = self._phase(in_graph)
         if phase == _BACKWARD:
             module = self._bwd_module or ""
         elif phase == _STEP:
             module = ""
         else:
             module = self._current_module() or ""
-        shapes = tuple(tuple(t.shape) for t, _ in inputs)
-        dtypes = tuple(str(t.dtype)[6:] for t, _ in inputs)
+        shapes = tuple(tuple(t.shape) for t, _, _ in inputs)
+        dtypes = tuple(str(t.dtype)[6:] for t, _, _ in inputs)
         ck = (info.name, shapes, dtypes, module)
         exec_id = self._exec_cache.get(ck)
         if exec_id is None:
@@ -682,18 +687,18 @@ class Recorder:
         seq = -1 if info.alloc_only else self._seq
         acc: dict[tuple[int, int, int], bool] = {}
         in_objs: set[int] = set()
-        for t, w in inputs:
-            if t.device.type != dev:
+        for t, w, on in inputs:
+            if not on:
                 continue
-            obj = self._obj_for(t.untyped_storage())
+            obj = self._obj_for(t.untyped_storage(), phase=phase)
             in_objs.add(obj)
             length = _extent(t)
             if length:
                 k3 = (obj, t.storage_offset() * t.element_size(), length)
                 acc[k3] = acc.get(k3, False) or w
         created = False
-        for j, t in enumerate(outs):
-            if t.device.type != dev:
+        for j, (t, on) in enumerate(outs):
+            if not on:
                 continue
             st = t.untyped_storage()
             obj = self._by_storage.get(id(st))
@@ -702,7 +707,7 @@ class Recorder:
                 kind = self._learned.get(key)
                 if kind is None:
                     kind = Kind.ACTIVATION if phase == _FORWARD else Kind.TEMPORARY
-                obj = self._obj_for(st, launch=seq, key=key, kind=kind)
+                obj = self._obj_for(st, launch=seq, key=key, kind=kind, phase=phase)
                 created = True
             elif obj in in_objs:
                 continue  # a view of an input, or an input written in place (schema says so)
@@ -710,9 +715,9 @@ class Recorder:
             if length:
                 k3 = (obj, t.storage_offset() * t.element_size(), length)
                 acc[k3] = True
-        if created and dev != "cpu" and any(t.device.type == "cpu" and t.dim() > 0 for t, _ in inputs):
-            for t in outs:  # a host-to-device copy: batch data arriving
-                if t.device.type == dev:
+        if created and dev != "cpu" and any(t.is_cpu and t.dim() > 0 for t, _, _ in inputs):
+            for t, on in outs:  # a host-to-device copy: batch data arriving
+                if on:
                     self._objs[self._by_storage[id(t.untyped_storage())]].known = Kind.INPUT
         if info.alloc_only:
             return
@@ -720,7 +725,7 @@ class Recorder:
             return  # every output aliases an input and nothing is written: no kernel
         accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
         flops = self._flops(func, info, args, kwargs, out)
-        nbytes = sum(a.length for a in accesses)
+        nbytes = sum(ln for _, _, ln in acc)
         self._seq += 1
         precision = _precision(info.name, inputs, self._tf32)
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module, precision))
