@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.grid import PRESETS, Grid, preset, run_grid, split_list
@@ -137,9 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
         cache = args.cache or CACHE_DIR
         done: list[dict] = []
-        meta = {"grid": {"models": grid.models, "budgets": grid.budgets, "profiles": grid.profiles,
-                         "policies": grid.policies, "batch": grid.batch, "seq": grid.seq,
-                         "iterations": grid.iterations}}
+        meta = {"grid": asdict(grid)}
         try:
             rows = run_grid(grid, progress=not args.no_progress, on_row=done.append,
                             trace_fn=lambda m, b, s: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces))
