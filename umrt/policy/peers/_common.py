@@ -85,6 +85,10 @@ class ObjectKeys:
     iteration boundary keep ``("setup", id)``; the others are
     ``(ordinal, nbytes)`` with ``ordinal`` the allocation's position within
     its iteration. A key stays with its object until the object is freed.
+
+    Not :class:`umrt.predict.tables.ObjectKeys` (umrt's own): that one re-keys
+    an object surviving an iteration by the iteration's signature, which the
+    papers' systems do not; the peers' profiles are keyed as above.
     """
 
     def __init__(self) -> None:
