@@ -7,7 +7,7 @@ import pytest
 
 from umrt import calibrate
 from umrt.calibrate import GIB, KIB, MIB, Probe, build_profile, fit_transfer_curve, measure
-from umrt.hardware import load_profile, save_profile
+from umrt.hardware import PROFILES, load_profile, save_profile
 
 
 class CurveProbe(Probe):
@@ -97,3 +97,12 @@ def test_cli_without_gpu_exits_2(monkeypatch, capsys, tmp_path):
     assert main(["calibrate", "-o", str(tmp_path / "x.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_shipped_sources_claim_calibration_only_for_what_calibrate_measures(name):
+    calibrated = build_profile(measure(CurveProbe(), repeats=1))
+    measured = {k for k, s in calibrated.sources.items() if "measured by umrt calibrate" in s}
+    shipped = load_profile(name)
+    claims = {k for k, s in shipped.sources.items() if "calibrate measures" in s}
+    assert claims and claims <= measured, claims - measured
