@@ -17,8 +17,9 @@ replayed iteration. A plan is built from a few genes:
 
 The genetic search (small population, uniform crossover, mutation, elitism)
 scores every candidate plan by running the simulator itself on the trace,
-within ``search_seconds`` (default 20 s; SwapAdvisor used ~30 minutes with a
-population of 144). SwapAdvisor also searches operator schedules and memory
+``max_evaluations`` candidates (default 12, with ``search_seconds``, default
+120 s, as a wall-clock cap; SwapAdvisor used ~30 minutes with a population
+of 144). SwapAdvisor also searches operator schedules and memory
 size classes; here the schedule is the program's and the layout PyTorch's,
 which every policy shares.
 """
