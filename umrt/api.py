@@ -185,16 +185,7 @@ def _install_torch(session: Session) -> None:
 
 
 def _attach_runtime(session: Session) -> Any:
-    """Start the policy live: ``umrt.runtime.attach(session)`` if the runtime provides it,
-    else umrt's own bridge (:class:`LiveBridge`) from a capture Recorder to the policy."""
-    try:
-        from umrt import runtime
-    except ImportError:
-        session.notes.append("umrt.runtime not available: managed memory without prefetching")
-        return None
-    attach = getattr(runtime, "attach", None)
-    if callable(attach):
-        return attach(session)
+    """Start the policy live: a capture Recorder's events fed to it (:class:`LiveBridge`)."""
     if "torch" not in sys.modules:
         return None
     bridge = LiveBridge(session)
@@ -308,9 +299,12 @@ class LiveBridge:
             self.policy.on_event(ev)
         elif isinstance(ev, Launch):
             self.policy.on_event(ev)
-            where = self.layout.address
-            reads = [(where(a.obj) + a.offset, a.length) for a in ev.reads if where(a.obj)]
-            writes = [(where(a.obj) + a.offset, a.length) for a in ev.writes if where(a.obj)]
+            reads: list[tuple[int, int]] = []
+            writes: list[tuple[int, int]] = []
+            for a in ev.accesses:  # each object's address looked up once
+                ptr = self.layout.address(a.obj)
+                if ptr:
+                    (writes if a.write else reads).append((ptr + a.offset, a.length))
             self.backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
         elif isinstance(ev, Free):
             self.policy.on_event(ev)
