@@ -133,10 +133,13 @@ def validate(args: argparse.Namespace) -> list[str]:
     if any(m != "ideal" for m in modes) and "ideal" not in modes and parse_budget_spec(args.budget)[0]:
         raise BenchError("a percentage --budget refers to the ideal run's peak: keep ideal in --modes "
                          "or give the budget as a size (e.g. 8GiB)")
-    from umrt.zoo import MODELS
+    from umrt.errors import ConfigError
+    from umrt.zoo import resolve
 
-    if not (args.model in MODELS or args.model.startswith("hf:")):
-        raise BenchError(f"unknown model {args.model!r}; known: {', '.join(MODELS)}, or hf:ConfigClass:k=v,...")
+    try:
+        resolve(args.model)  # a zoo name or an hf: spec that builds
+    except ConfigError as exc:
+        raise BenchError(str(exc)) from None
     if args.profile is not None:
         from umrt.hardware import PROFILES
 
@@ -455,13 +458,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     modes = validate(args)
     require_gpu()
-    from umrt.errors import ConfigError
-    from umrt.zoo import resolve
-
-    try:
-        resolve(args.model)
-    except ConfigError as exc:
-        raise BenchError(str(exc)) from None
     console = Console(stderr=True)
     results: dict[str, dict[str, Any]] = {}
     budget_bytes = 0
