@@ -87,9 +87,6 @@ def _run_shadow_and_exit(cfg: Any) -> None:
     except UmrtError as exc:
         _fail(str(exc))
         return
-    except ImportError as exc:
-        _fail(f"shadow mode is not available in this umrt build ({exc})")
-        return
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(rc or 0))

@@ -157,16 +157,9 @@ def _layout_factory(arena: int | None) -> Any:
 
     if arena is None:
         return default_layout_factory
+    from umrt.memory.pool import LifetimePool
 
-    def factory(backend: Any) -> Any:
-        try:
-            from umrt.memory.pool import LifetimePool
-
-            return LifetimePool(backend, short_lived_bytes=arena)
-        except ImportError:
-            return default_layout_factory(backend)
-
-    return factory
+    return lambda backend: LifetimePool(backend, short_lived_bytes=arena)
 
 
 def _install_torch(session: Session) -> None:

@@ -219,11 +219,9 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
 
 
 def _check_policy(name_value: str, name: str) -> None:
-    """Reject unknown policy names early when the registry is importable."""
-    try:
-        from umrt.policy import POLICY_NAMES  # type: ignore[attr-defined]
-    except ImportError:  # registry not available: the runtime checks later
-        return
+    """Reject unknown policy names early."""
+    from umrt.policy import POLICY_NAMES
+
     if name_value not in POLICY_NAMES:
         raise ConfigError(f"{name}={name_value!r} is not a known policy; use one of {', '.join(POLICY_NAMES)}")
 

@@ -3,12 +3,10 @@
 Framework shims (:mod:`umrt.allocators.torch`, :mod:`umrt.allocators.cupy`)
 only need ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``.
 :class:`ManagedPool` provides them over any :class:`umrt.memory.base.Layout`
-placed on a backend's managed memory: umrt's ``LifetimePool`` when it is
-available, else the model of PyTorch's caching allocator
-(``CachingAllocatorLayout``), which is also what makes the CUDA 12 discard
-fallback work: a dead block is reused *in place* by the next allocation of
-its size, so its stale pages are overwritten where they are instead of being
-migrated.
+placed on a backend's managed memory (by default umrt's ``LifetimePool``).
+A layout that reuses a dead block *in place* for the next allocation of its
+size is what makes the CUDA 12 discard fallback work: its stale pages are
+overwritten where they are instead of being migrated.
 
 Blocks are reused only on the stream they were allocated on (one layout per
 stream), which keeps reuse stream-ordered without synchronising, like
@@ -31,15 +29,10 @@ class ManagedOutOfMemoryError(CudaError):
 
 
 def default_layout_factory(backend: Any) -> Any:
-    """``LifetimePool(backend)`` when engineer MEMORY's pool is importable, else the caching layout."""
-    try:
-        from umrt.memory.pool import LifetimePool  # type: ignore[import-not-found]
+    """umrt's lifetime-aware pool, ``LifetimePool(backend)``."""
+    from umrt.memory.pool import LifetimePool
 
-        return LifetimePool(backend)
-    except ImportError:
-        from umrt.memory.caching import CachingAllocatorLayout
-
-        return CachingAllocatorLayout(backend)
+    return LifetimePool(backend)
 
 
 class ManagedPool:

@@ -24,13 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"umrt {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"umrt.cli.{name}")
-        except ModuleNotFoundError as exc:  # a subcommand not built yet
-            if exc.name != f"umrt.cli.{name}":
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(f"umrt.cli.{name}").register(sub)
     return parser
 
 

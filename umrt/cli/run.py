@@ -17,7 +17,7 @@ import runpy
 import sys
 from typing import Any
 
-from umrt.errors import ConfigError, UmrtError
+from umrt.errors import ConfigError
 
 
 def register(subparsers: Any) -> None:
@@ -74,10 +74,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None) -> int:
-    try:
-        from umrt.shadow import run_shadow
-    except ImportError as exc:
-        raise UmrtError(f"shadow mode is not available in this umrt build ({exc})") from None
+    from umrt.shadow import run_shadow
+
     # In shadow mode a percentage is of the script's peak live bytes; unset keeps run_shadow's default.
     budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
     extra = {"gpu_memory": budget} if budget else {}
