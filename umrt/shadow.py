@@ -296,14 +296,17 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
                       f"{r['evictions']:,}")
     lines = []
     if "speedup_vs_um" in rep:
-        lines.append(f"{rep['policy']} is {rep['speedup_vs_um']:.2f}x faster than plain Unified Memory (simulated).")
+        x = rep["speedup_vs_um"]
+        than = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+        lines.append(f"{rep['policy']} is {than} than plain Unified Memory (simulated).")
     rt = rep.get("runtime") or {}
     if "prefetched_bytes" in rt:
         lines.append(
             f"runtime: learned {rt.get('learned', 0)} iteration(s), acted in {rt.get('acted', 0)}; "
-            f"prefetched {_fmt_bytes(rt['prefetched_bytes'])}, pre-evicted {_fmt_bytes(rt['evicted_bytes'])}, "
-            f"discarded {_fmt_bytes(rt['discarded_bytes'])} in {rt.get('prefetch_calls', 0)} calls at "
-            f"{rt.get('decisions', 0)} decision points; deviations {rt.get('deviations', 0)}")
+            f"prefetched {_fmt_bytes(rt['prefetched_bytes'])}, pre-evicted {_fmt_bytes(rt['evicted_bytes'])} "
+            f"in {rt.get('prefetch_calls', 0)} calls at {rt.get('decisions', 0)} decision points; "
+            f"discarded {_fmt_bytes(rt['discarded_bytes'])} in {rt.get('discard_calls', 0)} calls; "
+            f"deviations {rt.get('deviations', 0)}")
     if rep.get("iteration_times_s"):
         lines.append("simulated iteration times: " + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
     lines.extend(rep["notes"])
