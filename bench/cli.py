@@ -128,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     from bench import report
 
     out: Path = args.out
-    json_path = args.json or out / "results.json"
+    json_path, csv_path = args.json or out / "results.json", args.csv or out / "results.csv"
+    md_path, plots_dir = args.md or out / "results.md", args.plots or out / "plots"
     if args.from_json:
         rows = report.load_rows(args.from_json)
     else:
@@ -144,18 +145,17 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             if done:  # keep what was measured
                 report.write_json(done, json_path, meta=meta | {"interrupted": True})
-                report.write_csv(done, args.csv or out / "results.csv")
+                report.write_csv(done, csv_path)
                 print(f"bench: interrupted; the {len(done)} finished cell(s) are in {json_path}", file=sys.stderr)
             raise
         report.write_json(rows, json_path, meta=meta)
-        report.write_csv(rows, args.csv or out / "results.csv")
-    md_path = args.md or out / "results.md"
+        report.write_csv(rows, csv_path)
     report.write_markdown(rows, md_path)
-    written = [] if args.no_plots else report.write_plots(rows, args.plots or out / "plots")
+    written = [] if args.no_plots else report.write_plots(rows, plots_dir)
     print(report.markdown_table(rows))
     if not args.from_json:
-        print(f"wrote {json_path}, {args.csv or out / 'results.csv'}, {md_path}"
-              + (f" and {len(written)} plot(s) in {args.plots or out / 'plots'}" if written else ""))
+        print(f"wrote {json_path}, {csv_path}, {md_path}"
+              + (f" and {len(written)} plot(s) in {plots_dir}" if written else ""))
     failed = sum(1 for r in rows if r.get("error"))
     if failed:
         print(f"{failed} of {len(rows)} cell(s) failed; see the error column", file=sys.stderr)
