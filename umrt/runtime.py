@@ -265,15 +265,12 @@ class Runtime(Policy):
             self._over = {}
 
     def make_layout(self, backend: Backend) -> Layout:
-        """umrt's lifetime-aware pool (falls back to the caching-allocator
-        model with ``use_pool=False`` or where the pool is not built)."""
+        """umrt's lifetime-aware pool (the caching-allocator model with
+        ``use_pool=False``)."""
         if self.use_pool:
-            try:
-                from umrt.memory.pool import LifetimePool
-            except ImportError:  # pragma: no cover - pool not in this checkout
-                pass
-            else:
-                return LifetimePool(_SegmentWatch(backend, self._released))
+            from umrt.memory.pool import LifetimePool
+
+            return LifetimePool(_SegmentWatch(backend, self._released))
         return super().make_layout(_SegmentWatch(backend, self._released))
 
     def _released(self, ptr: int, nbytes: int) -> None:
