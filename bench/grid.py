@@ -8,6 +8,7 @@ the run goes on.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -268,27 +269,14 @@ def _group(row: dict) -> tuple:
     return (row["model"], row.get("batch"), row.get("seq"), row["profile"], row["budget"])
 
 
-class _progress:
-    """A rich progress bar, or nothing when disabled."""
+def _progress(enabled: bool):
+    """A rich progress bar, or a context that yields None when disabled."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.bar = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), transient=False)
-        self.bar.__enter__()
-        return self.bar
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-        return False
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), transient=False)
 
 
 def geomean(values: Iterable[float]) -> float | None:
