@@ -8,10 +8,11 @@ from numba import cuda
 
 @cuda.jit
 def touch_kernel(arr, stride, value):
-    # Thread i writes element i*stride: one touch per page when stride = page/itemsize.
-    i = cuda.grid(1)
-    j = i * stride
-    if j < arr.shape[0]:
+    # Page i gets one write, at element i*stride (stride = page/itemsize); grid-stride
+    # over pages, since the grid is capped at MAX_BLOCKS blocks.
+    pages = (arr.shape[0] + stride - 1) // stride
+    for i in range(cuda.grid(1), pages, cuda.gridsize(1)):
+        j = i * stride
         arr[j] = arr[j] + value
 
 

@@ -40,6 +40,12 @@ CHECK = textwrap.dedent("""
     cuda.synchronize()
     touched = np.flatnonzero(np.asarray(d))
     assert pages == 5 and list(touched) == [0, 512, 1024, 1536, 2048], touched
+    e = cuda.mapped_array(600 * 16, dtype=np.float32)  # 600 pages of 64 bytes
+    e[:] = 0
+    kernels.MAX_BLOCKS = 1  # one block of 256 threads: each thread takes several pages
+    assert kernels.touch_pages(e, page_bytes=64) == 600
+    cuda.synchronize()
+    assert list(np.flatnonzero(np.asarray(e))) == list(range(0, 600 * 16, 16))
     try:
         kernels.touch_pages(d, page_bytes=1004)
     except ValueError:
