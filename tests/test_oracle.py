@@ -1,12 +1,10 @@
 """The oracle policy: plans within budget, discards only dead data, follows remapped ids.
 
 Driven here by a small fake driver (LRU-by-migration demand paging at object
-granularity) so the planning logic is tested on its own; the end-to-end check
-against the real simulator runs when umrt.sim.replay is available.
+granularity) so the planning logic is tested on its own, then end to end in
+the real simulator.
 """
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
@@ -266,7 +264,6 @@ def test_oracle_ignores_an_iteration_that_does_not_match():
     assert oracle.report()["matched_iterations"] == 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("umrt.sim.replay") is None, reason="simulator not built yet")
 def test_oracle_beats_um_in_the_simulator():
     from umrt.hardware import load_profile
     from umrt.sim.replay import simulate
@@ -280,10 +277,6 @@ def test_oracle_beats_um_in_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("umrt.sim.replay") is None or importlib.util.find_spec("umrt.zoo") is None,
-    reason="simulator or model zoo not built yet",
-)
 def test_oracle_on_a_real_training_trace_is_safe_and_beats_um():
     from umrt.sim.replay import simulate
     from umrt.zoo import trace_model
