@@ -350,7 +350,7 @@ def trace_model(
         **spec.meta,
     }
     rec = Recorder(model, opt, device=device, model_name=name, meta=meta)
-    bar = _progress(progress, f"tracing {name}", steps)
+    bar = progress_bar(progress, f"tracing {name}", steps)
     with bar as advance, _quiet_transformers():
         with rec:
             for _ in range(steps):
@@ -381,7 +381,8 @@ def _quiet_transformers():
 
 
 @contextlib.contextmanager
-def _progress(show: bool, label: str, total: int):
+def progress_bar(show: bool, label: str, total: int):
+    """A transient rich progress bar of ``total`` steps; yields ``advance()`` (a no-op if not ``show``)."""
     if not show:
         yield lambda: None
         return

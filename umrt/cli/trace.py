@@ -144,6 +144,7 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     from umrt.capture import Recorder, StopRecording
     from umrt.trace import fileformat
     from umrt.trace.events import IterationBoundary
+    from umrt.zoo import progress_bar
 
     _check_steps(args.steps)
     if Path(cmd[0]).name.startswith("python"):
@@ -162,14 +163,12 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
         argv = cmd
     out = args.output or "trace.umrt"
     t0 = time.perf_counter()
-    progress = _ScriptProgress(args.steps, enabled=not args.quiet and sys.stderr.isatty())
     # the first step ends set-up (model build, lazy optimizer state): steps counted after it
     rec = Recorder(
         device=args.device,
         mark_start=False,
         stop_after=args.steps,
         model_name=" ".join(cmd)[:200],
-        listeners=[progress.on_event],
         meta={"argv": cmd, "steps": args.steps},
     )
     old_argv, old_path = sys.argv, list(sys.path)
@@ -177,7 +176,8 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     if module is None:
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     try:
-        with progress, rec:
+        with progress_bar(not args.quiet and sys.stderr.isatty(), "recording steps", args.steps) as advance, rec:
+            rec.listeners.append(lambda e: advance() if isinstance(e, IterationBoundary) and e.index > 0 else None)
             if module is not None:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
@@ -207,40 +207,6 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     if not args.quiet:
         _report(trace, out, time.perf_counter() - t0)
     return 0
-
-
-class _ScriptProgress:
-    """A rich progress bar advanced by the recorder's iteration boundaries."""
-
-    def __init__(self, steps: int, enabled: bool) -> None:
-        self.steps, self.enabled = steps, enabled
-        self._progress = None
-        self._task = None
-
-    def __enter__(self) -> _ScriptProgress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(
-                TextColumn("recording steps"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                transient=True,
-            )
-            self._progress.__enter__()
-            self._task = self._progress.add_task("steps", total=self.steps)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._progress is not None:
-            self._progress.__exit__(*exc)
-
-    def on_event(self, event: Any) -> None:
-        from umrt.trace.events import IterationBoundary
-
-        if self._progress is not None and isinstance(event, IterationBoundary) and event.index > 0:
-            self._progress.update(self._task, completed=event.index)
 
 
 def _report(trace: Any, path: str, seconds: float) -> None:
