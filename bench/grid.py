@@ -2,7 +2,7 @@
 
 Traces are made on the fly on the meta device (``umrt.zoo.trace_model``) and
 cached under ``bench/.cache/`` (``umrt.trace.fileformat``); every cell is one
-``umrt.sim.replay.simulate`` call. A cell that fails (a policy not built yet,
+``umrt.sim.replay.simulate`` call. A cell that fails (a policy that cannot be imported,
 a :class:`~umrt.errors.DataIntegrityError`) is recorded with its error and
 the run goes on.
 """
