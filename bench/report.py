@@ -181,7 +181,8 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
     1. umrt >= 3.06x faster than um (geometric mean over cells; DeepUM's average);
     2. umrt >= 0.95 of oracle throughput in every cell;
     3. umrt >= 0.92 of ideal throughput wherever oracle reaches 0.92 (Sentinel's 8%);
-    4. umrt faster than every peer policy in every cell.
+    4. umrt faster than every peer policy in every cell;
+    5. (sanity, where the rows carry link bounds) no policy beats its cell's bound.
     """
     scope = [r for r in rows if r["budget"] == "20%" and r["model"] in TARGET_MODELS and r["profile"] in PAPER_PROFILES]
     groups = _groups(scope)
