@@ -354,7 +354,8 @@ def test_swapadvisor_search_is_bounded_by_a_count_so_it_is_reproducible():
 
 @pytest.fixture(scope="module")
 def tiny_gpt2():
-    zoo = pytest.importorskip("umrt.zoo")
+    from umrt import zoo
+
     return zoo.trace_model("hf:GPT2Config:n_layer=2,n_embd=64,n_head=2,vocab_size=512,n_positions=64",
                            batch=2, seq=32, steps=3)
 
