@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, LayerExit, Trace
 
 _MAX_CANDIDATES = 64
 
@@ -124,9 +124,8 @@ def insert_boundaries(trace: Trace) -> Trace:
             if depth == 0 and start <= k < start + p:
                 phase = k - start
                 break
-        if isinstance(e, LayerEnter) and e.phase == "forward":
             depth += 1
-        elif type(e).__name__ == "LayerExit" and e.phase == "forward":
+        elif isinstance(e, LayerExit) and e.phase == "forward":
             depth = max(0, depth - 1)
     first = start + phase
     n_iter = (found.stop - first) // p
