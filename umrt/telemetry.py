@@ -66,6 +66,7 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._reported = False
+        self._last_sample: float | None = None
         self.summary = Summary()
 
     def _print(self, text: str) -> None:
@@ -112,8 +113,13 @@ class Sampler:
             rx = nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_RX_BYTES) * 1024.0
         except nvml.NVMLError:  # not supported on some boards (e.g. C2C-attached)
             tx = rx = 0.0
-        s.tx_bytes += tx * self.interval
-        s.rx_bytes += rx * self.interval
+        # Each rate holds until the next sample: the interval plus the time sampling takes
+        # (NVML measures each PCIe counter over 20 ms, so two reads add about 40 ms).
+        now = time.perf_counter()
+        dt = self.interval if self._last_sample is None else max(self.interval, now - self._last_sample)
+        self._last_sample = now
+        s.tx_bytes += tx * dt
+        s.rx_bytes += rx * dt
         s.peak_tx_rate, s.peak_rx_rate = max(s.peak_tx_rate, tx), max(s.peak_rx_rate, rx)
         s.samples += 1
 
