@@ -79,11 +79,9 @@ def _run_shadow_and_exit(cfg: Any) -> None:
     from umrt.errors import UmrtError
 
     try:
-        from umrt.shadow import run_shadow
+        from umrt.cli.run import shadow
 
-        # A percentage here is of the script's peak live bytes; unset keeps run_shadow's default.
-        extra = {"gpu_memory": os.environ["UMRT_GPU_MEMORY"]} if os.environ.get("UMRT_GPU_MEMORY") else {}
-        rc = run_shadow(argv[0], argv[1:], profile=cfg.simulate, policy=cfg.policy, **extra)
+        rc = shadow(cfg, argv[0], argv[1:])
     except UmrtError as exc:
         _fail(str(exc))
         return

@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
                  "device": args.device}
     cfg = from_env().replace(**{k: v for k, v in overrides.items() if v is not None})
     if cfg.shadow:
-        return _shadow(cfg, script, list(args.args), gpu_memory=args.gpu_memory)
+        return shadow(cfg, script, list(args.args), gpu_memory=args.gpu_memory)
 
     from umrt.api import enable, gpu_count, say_no_gpu_once
 
@@ -73,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
         disable()
 
 
-def _shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None) -> int:
+def shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None = None) -> int:
+    """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``)."""
     from umrt.shadow import run_shadow
 
     # In shadow mode a percentage is of the script's peak live bytes; unset keeps run_shadow's default.
