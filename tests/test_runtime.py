@@ -173,23 +173,11 @@ class _Recording(Backend):
 
 
 def test_discard_counters_match_the_calls_made():
-    """The runtime keeps a running total of the bytes pending discard (no
-    sum per launch): it must agree with what the backend was asked to drop,
-    across learned, probed and trusted iterations and the pool's releases."""
-    tr = training_trace(layers=6, steps=6)
-    profile = load_profile(PROFILE)
-    budget = parse_budget("30%", peak_live_bytes(tr))
+    """The runtime's discard counters must agree with what the backend was
+    asked to drop, across learned, probed and trusted iterations and the
+    pool's releases."""
     backend = _Recording()
-    rt = Runtime()
-    layout = rt.make_layout(backend)
-    rt.attach(PolicyContext(backend, layout, budget, profile))
-    for ev in tr.events:
-        if isinstance(ev, Alloc):
-            layout.alloc(ev.obj, ev.nbytes, ev.kind)
-        rt.on_event(ev)
-        if isinstance(ev, Free):
-            layout.free(ev.obj)
-    rep = rt.report()
+    rep = _drive(backend).report()
     assert rep["acted"] >= 3 and rep["discard_calls"] > 0
     assert rep["discard_calls"] == len(backend.discards)
     assert rep["discarded_bytes"] == sum(n for call in backend.discards for _, n in call)
@@ -217,31 +205,41 @@ class _NoIndexPool(LifetimePool):
     live_index = None  # hides the pool's index: the runtime resolves through address()
 
 
-def _calls(hide_index: bool) -> list[tuple]:
-    tr = training_trace(layers=6, steps=6)
+def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper=None, **options) -> Runtime:
+    """Feed a synthetic training trace to a Runtime(**options) over ``backend``,
+    event by event as the replay does; ``tamper(rt)`` runs at each boundary
+    reached while the runtime is frozen."""
+    tr = training_trace(layers=6, steps=steps)
     budget = parse_budget("30%", peak_live_bytes(tr))
-    backend = _AllCalls()
-    rt = Runtime()
+    rt = Runtime(**options)
     layout = rt.make_layout(backend)
     if hide_index:
         layout.__class__ = _NoIndexPool
     rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
     for ev in tr.events:
+        if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
+            tamper(rt)
         if isinstance(ev, Alloc):
             layout.alloc(ev.obj, ev.nbytes, ev.kind)
         rt.on_event(ev)
         if isinstance(ev, Free):
             layout.free(ev.obj)
     assert rt.report()["acted"] >= 3
-    return backend.calls
+    return rt
+
+
+def _calls(**kw) -> tuple[list[tuple], Runtime]:
+    backend = _AllCalls()
+    rt = _drive(backend, **kw)
+    return backend.calls, rt
 
 
 def test_pool_index_and_address_lookups_resolve_the_same_ranges():
     """The hot path reads addresses from the pool's live index; a layout
     without one is resolved through Layout.address: the same moves either way."""
-    fast = _calls(hide_index=False)
+    fast = _calls()[0]
     assert any(c[0] == "prefetch" for c in fast)
-    assert fast == _calls(hide_index=True)
+    assert fast == _calls(hide_index=True)[0]
 
 
 def test_decision_ranges_are_memoized_only_while_objects_stay_put():
@@ -267,30 +265,12 @@ def test_decision_ranges_are_memoized_only_while_objects_stay_put():
     assert isinstance(rt._resolve(keys, memo, False)[0], tuple)
 
 
-def _drive_calls(freeze: bool, steps: int = 8, tamper=None) -> tuple[list[tuple], Runtime]:
-    tr = training_trace(layers=6, steps=steps)
-    budget = parse_budget("30%", peak_live_bytes(tr))
-    backend = _AllCalls()
-    rt = Runtime(freeze=freeze)
-    layout = rt.make_layout(backend)
-    rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
-    for ev in tr.events:
-        if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
-            tamper(rt)
-        if isinstance(ev, Alloc):
-            layout.alloc(ev.obj, ev.nbytes, ev.kind)
-        rt.on_event(ev)
-        if isinstance(ev, Free):
-            layout.free(ev.obj)
-    return backend.calls, rt
-
-
 def test_a_frozen_plan_makes_the_same_moves():
     """Freezing skips resolving keys, never changes a move."""
-    frozen, rt = _drive_calls(freeze=True)
+    frozen, rt = _calls(steps=8)
     rep = rt.report()
     assert rep["frozen_iterations"] >= 2 and rep["unfreezes"] == 0
-    plain, rt2 = _drive_calls(freeze=False)
+    plain, rt2 = _calls(steps=8, freeze=False)
     assert rt2.report()["frozen_iterations"] == 0
     assert any(c[0] == "prefetch" for c in frozen)
     assert frozen == plain
@@ -302,10 +282,10 @@ def test_an_object_at_another_address_unfreezes():
     def tamper(rt):
         ptrs = rt._ref[1]
         ptrs[len(ptrs) // 2] = ptrs[len(ptrs) // 2] + 4096  # "the pool moved it"
-    calls, rt = _drive_calls(freeze=True, tamper=tamper)
+    calls, rt = _calls(steps=8, tamper=tamper)
     rep = rt.report()
     assert rep["unfreezes"] >= 1
-    assert calls == _drive_calls(freeze=False)[0]  # nothing moved really: same moves
+    assert calls == _calls(steps=8, freeze=False)[0]  # nothing moved really: same moves
 
 
 def test_an_object_the_layout_never_allocated_is_a_layout_error():
