@@ -42,6 +42,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from umrt.backends.base import HOST, Advice, Backend, Range
 from umrt.errors import CudaError
 
@@ -309,7 +311,11 @@ class CudaBackend(Backend):
         self.compute_stream = compute_stream
         self._allocs: dict[int, int] = {}  # ptr -> nbytes
         self._starts: list[int] = []  # sorted allocation starts, for range lookups
-        self._pending: list[tuple[Any, list[Range]]] = []  # (event, ranges) queued on the copy stream
+        # Work queued on the copy stream, oldest first: (event, entry number), and the ranges
+        # of all of it as arrays (start, end, entry number) so launch() tests them at once.
+        self._pending: list[tuple[Any, int]] = []
+        self._next_entry = 0
+        self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
         self._spare_events: list[Any] = []
         # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
         self.h2d_bytes = 0
@@ -331,7 +337,7 @@ class CudaBackend(Backend):
             raise CudaError(f"cudaFree: {ptr:#x} is not an allocation of this backend")
         # A prefetch or discard may still be queued on it.
         self.api.stream_synchronize(self.copy_stream)
-        self._pending.clear()
+        self._clear_pending()
         self.api.free(ptr)
         self._place([(ptr, self._allocs[ptr])], on_device=False)
         del self._allocs[ptr]
@@ -421,25 +427,29 @@ class CudaBackend(Backend):
 
     def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0,
                precision: str = "") -> None:
-        touched = list(reads) + list(writes)
-        last = -1
-        for i, (_, ranges) in enumerate(self._pending):
-            if _overlaps(ranges, touched):
-                last = i
-        if last < 0:
+        if not self._pending or not (reads or writes):
             return
+        touched = np.array([*reads, *writes], dtype=np.int64).reshape(-1, 2)
+        # [start, end) overlaps [p, p + n): start < p + n and p < end
+        hit = ((self._p_start[:, None] < touched[:, 0] + touched[:, 1])
+               & (touched[:, 0] < self._p_end[:, None])).any(axis=1)
+        if not hit.any():
+            return
+        newest = int(self._p_entry[hit].max())
+        last = newest - self._pending[0][1]
         # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
         event = self._pending[last][0]
         self.api.stream_wait_event(self.compute_stream, event)
-        for ev, _ in self._pending[: last + 1]:
-            self._spare_events.append(ev)
+        self._spare_events.extend(ev for ev, _ in self._pending[: last + 1])
         del self._pending[: last + 1]
+        keep = int(np.searchsorted(self._p_entry, newest, side="right"))
+        self._p_start, self._p_end, self._p_entry = self._p_start[keep:], self._p_end[keep:], self._p_entry[keep:]
 
     def synchronize(self) -> None:
         self.api.stream_synchronize(self.copy_stream)
         self.api.stream_synchronize(self.compute_stream)
         self._spare_events.extend(ev for ev, _ in self._pending)
-        self._pending.clear()
+        self._clear_pending()
 
     def close(self) -> None:
         """Free every allocation still held (at process exit or session end)."""
@@ -476,13 +486,23 @@ class CudaBackend(Backend):
     def _mark(self, ranges: list[Range]) -> None:
         event = self._event()
         self.api.record_event(event, self.copy_stream)
-        self._pending.append((event, list(ranges)))
+        entry = self._next_entry
+        self._next_entry += 1
+        self._pending.append((event, entry))
+        r = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+        self._p_start = np.concatenate((self._p_start, r[:, 0]))
+        self._p_end = np.concatenate((self._p_end, r[:, 0] + r[:, 1]))
+        self._p_entry = np.concatenate((self._p_entry, np.full(len(r), entry, dtype=np.int64)))
         if len(self._pending) > MAX_PENDING:
             # Ranges no kernel touched for a long time: order the compute stream after all
             # of them at once (the newest event covers the rest) to keep launch() cheap.
             self.api.stream_wait_event(self.compute_stream, event)
             self._spare_events.extend(ev for ev, _ in self._pending)
-            self._pending.clear()
+            self._clear_pending()
+
+    def _clear_pending(self) -> None:
+        self._pending.clear()
+        self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
 
     def _copy_after_compute(self) -> None:
         event = self._event()
@@ -538,6 +558,3 @@ def _shrink(ptr: int, nbytes: int) -> Range | None:
     end = (ptr + nbytes) // DISCARD_ALIGN * DISCARD_ALIGN
     return (start, end - start) if end > start else None
 
-
-def _overlaps(a: Sequence[Range], b: Sequence[Range]) -> bool:
-    return any(p < q + m and q < p + n for p, n in a for q, m in b)
