@@ -61,3 +61,17 @@ def test_pci_bus_id_picks_the_cuda_device():
     s = Sampler(0, nvml=nvml, out=out, pci_bus_id="0000:41:00.0").start()
     s.stop()
     assert s._handle == ("bus", "0000:41:00.0")
+
+
+def test_rates_count_for_the_time_between_samples(monkeypatch):
+    """NVML reads each PCIe counter over 20 ms, so samples lie further apart than the interval."""
+    import umrt.telemetry as telemetry
+
+    clock = iter([10.0, 10.3, 10.35])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    s = Sampler(0, interval=0.1, nvml=fake_nvml(), out=io.StringIO())
+    s._handle = ("h", 0)
+    s.sample()  # the first sample counts one interval
+    s.sample()  # 0.3 s after the first
+    s.sample()  # 0.05 s after: never less than the interval
+    assert abs(s.summary.rx_bytes - 2048 * 1024 * (0.1 + 0.3 + 0.1)) < 1e-6
