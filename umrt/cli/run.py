@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from umrt.errors import ConfigError
@@ -85,19 +87,29 @@ def shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None = None
 
 def run_script(script: str, argv: list[str]) -> int:
     """Run ``script`` as ``__main__`` with ``sys.argv = [script, *argv]``; return its exit status."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    with as_main([script, *argv], os.path.dirname(os.path.abspath(script))):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code
+            if code is None:
+                return 0
+            if isinstance(code, int):
+                return code
+            print(code, file=sys.stderr)
+            return 1
+    return 0
+
+
+@contextlib.contextmanager
+def as_main(argv: list[str], path: str | None) -> Iterator[None]:
+    """A script's view for the block: ``sys.argv = argv`` and ``path`` (its directory) first on
+    ``sys.path``; both restored afterwards."""
+    saved_argv, saved_path = sys.argv, sys.path[:]
+    sys.argv = list(argv)
+    if path is not None:
+        sys.path.insert(0, path)
     try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
+        yield
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
-    return 0

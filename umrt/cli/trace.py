@@ -142,6 +142,7 @@ def _default_name(model: str) -> str:
 
 def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     from umrt.capture import Recorder, StopRecording
+    from umrt.cli.run import as_main
     from umrt.trace import fileformat
     from umrt.trace.events import IterationBoundary
     from umrt.zoo import progress_bar
@@ -171,12 +172,12 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
         model_name=" ".join(cmd)[:200],
         meta={"argv": cmd, "steps": args.steps},
     )
-    old_argv, old_path = sys.argv, list(sys.path)
-    sys.argv = list(argv)
-    if module is None:
-        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     try:
-        with progress_bar(not args.quiet and sys.stderr.isatty(), "recording steps", args.steps) as advance, rec:
+        with (
+            as_main(argv, None if module is not None else str(Path(argv[0]).resolve().parent)),
+            progress_bar(not args.quiet and sys.stderr.isatty(), "recording steps", args.steps) as advance,
+            rec,
+        ):
             rec.listeners.append(lambda e: advance() if isinstance(e, IterationBoundary) and e.index > 0 else None)
             if module is not None:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -194,8 +195,6 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     except BaseException as exc:
         traceback.print_exception(exc, file=sys.stderr)
         raise ScriptFailed(f"the script raised {type(exc).__name__}: {exc}") from None
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
     trace = rec.trace()
     if not trace.iteration_spans():
         n = sum(isinstance(e, IterationBoundary) for e in trace.events)
