@@ -91,3 +91,22 @@ def test_managed_only_keeps_managed_ranges(fake_gpu):
     view.prefetch([(ptr, 4096), (0xDEAD0000, 4096), (ptr + (1 << 20) - 16, 64)], 0)
     calls = [c for c in fake_gpu.calls if c[0] == "memPrefetchAsync"]
     assert [(c[1], c[2]) for c in calls] == [(ptr, 4096)]
+
+
+def test_the_live_runtime_plans_with_the_profile_of_its_gpu(monkeypatch, fake_gpu, caplog):
+    """UMRT_PROFILE unset (auto): the shipped profile closest to the GPU; a GPU
+    umrt has no profile for says so; UMRT_PROFILE wins; no GPU: no profile."""
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert api._profile_for(Config(enabled=True), backend).name == "h100-pcie5-80g"
+    assert api._profile_for(Config(enabled=True, profile="v100-pcie3-16g"), backend).name == "v100-pcie3-16g"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
+    with caplog.at_level("WARNING"):
+        assert api._profile_for(Config(enabled=True), backend) is not None
+    assert "no shipped hardware profile for NVIDIA L4" in caplog.text
+
+    def no_gpu(device=None):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
+    assert api._profile_for(Config(enabled=True), backend) is None

@@ -244,6 +244,33 @@ class LiveLayout:
         return self.pool.reserved_bytes()
 
 
+_KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
+
+
+def _profile_for(cfg: Any, backend: Any) -> Any:
+    """The hardware profile the runtime plans with: ``UMRT_PROFILE``, else (auto)
+    the shipped profile closest to this GPU, as ``umrt calibrate`` starts from;
+    None (the runtime's generic guesses) where the GPU cannot be read."""
+    from umrt.calibrate import closest_profile_name
+    from umrt.hardware import load_profile
+
+    if cfg.profile:
+        return load_profile(cfg.profile)
+    try:
+        import torch
+
+        name = torch.cuda.get_device_name(cfg.device)
+        total = backend.mem_info()[1]
+    except Exception as exc:  # noqa: BLE001 - no CUDA device to read: plan without a profile
+        log.info("umrt: no GPU to pick a hardware profile for (%s); set UMRT_PROFILE", exc)
+        return None
+    chosen = closest_profile_name(name, total)
+    if not any(k in name.upper() for k in _KNOWN_GPUS):
+        log.warning("umrt: no shipped hardware profile for %s; planning with %s. Run `umrt calibrate` "
+                    "and set UMRT_PROFILE to its file for this GPU's own figures", name, chosen)
+    return load_profile(chosen)
+
+
 class LiveBridge:
     """Feeds a capture :class:`~umrt.capture.Recorder`'s live events to the policy,
     in the order the simulator's replay uses (Alloc: layout then policy; Launch:
@@ -265,11 +292,7 @@ class LiveBridge:
         self.events = 0
         self.backend = ManagedOnly(session.backend)
         self.layout = LiveLayout(self.recorder, session.pool)
-        profile = None
-        if cfg.profile:
-            from umrt.hardware import load_profile
-
-            profile = load_profile(cfg.profile)
+        profile = _profile_for(cfg, session.backend)
         self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
 
     def on_event(self, ev: Any) -> None:
