@@ -11,7 +11,7 @@ def register(subparsers: Any) -> None:
         help="measure this GPU's Unified Memory behaviour and write a hardware profile",
         description="Measures fault-batch latency, fault-driven and prefetch bandwidth by transfer size, "
         "link rates and HBM bandwidth on a CUDA GPU, and writes a profile file that "
-        "`umrt simulate --profile FILE` reads. Needs a GPU (exit status 2 without one).",
+        "`umrt simulate --gpu FILE` and `UMRT_PROFILE=FILE` read. Needs a GPU (exit status 2 without one).",
     )
     p.add_argument("-o", "--output", default="calibrated.json", help="profile file to write (default %(default)s)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
