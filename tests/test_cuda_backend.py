@@ -94,15 +94,35 @@ def test_runtime_errors_name_the_call(fake_gpu):
         backend.free(0xDEAD)
 
 
-def test_discard_cuda13_is_page_aligned_and_ordered(cuda13, fake_gpu):
-    ptr = cuda13.malloc(4 * MiB)
+def test_discard_cuda13_is_page_aligned_and_in_kernel_order(cuda13, fake_gpu):
+    """A discard destroys data: it runs on the compute stream, between the kernel
+    that last used the dead bytes and the one that writes the block's next owner,
+    after copies still queued on the range; a later prefetch of it waits for it."""
+    cuda13.set_compute_stream(0)
+    ptr, other = cuda13.malloc(4 * MiB), cuda13.malloc(4 * MiB)
+    cuda13.prefetch([(ptr, 4 * MiB)], HOST)  # an eviction still queued on the copy stream
+    n = len(fake_gpu.calls)
     cuda13.discard([(ptr + 100, 2 * MiB)])
-    (start, n), = fake_gpu.discarded
-    assert start == ptr + DISCARD_ALIGN and start % DISCARD_ALIGN == 0 and (start + n) <= ptr + 100 + 2 * MiB
-    names = fake_gpu.names()
+    (start, size), = fake_gpu.discarded
+    assert start == ptr + DISCARD_ALIGN and start % DISCARD_ALIGN == 0 and (start + size) <= ptr + 100 + 2 * MiB
+    calls = fake_gpu.calls[n:]
+    names = [c[0] for c in calls]
     i = names.index("cudaMemDiscardBatchAsync")
-    # The copy stream waited for queued kernels before discarding.
-    assert "cudaStreamWaitEvent" in names[:i]
+    assert calls[i][-1] == 0  # on the compute stream
+    waits = [c for c in calls[:i] if c[0] == "cudaStreamWaitEvent"]
+    assert waits and waits[0][1] == 0  # the compute stream waited for the queued eviction first
+    n = len(fake_gpu.calls)
+    cuda13.prefetch([(other, MiB)], 0)  # elsewhere: no wait
+    assert "cudaStreamWaitEvent" not in [c[0] for c in fake_gpu.calls[n:]]
+    n = len(fake_gpu.calls)
+    cuda13.prefetch([(ptr, 4 * MiB)], 0)  # the discarded range: the copy stream waits for the discard
+    calls = fake_gpu.calls[n:]
+    names = [c[0] for c in calls]
+    w = names.index("cudaStreamWaitEvent")
+    assert calls[w][1] == cuda13.copy_stream and w < names.index("cudaMemPrefetchAsync")
+    n = len(fake_gpu.calls)
+    cuda13.prefetch([(ptr, 4 * MiB)], 0)  # ordered once is enough
+    assert "cudaStreamWaitEvent" not in [c[0] for c in fake_gpu.calls[n:]]
     cuda13.discard([(ptr, 1000)])  # smaller than a page: nothing safe to discard
     assert len(fake_gpu.discarded) == 1
 

@@ -317,6 +317,10 @@ class CudaBackend(Backend):
         self._next_entry = 0
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
         self._spare_events: list[Any] = []
+        # Ranges discarded on the compute stream that the copy stream is not yet ordered
+        # after, and an event recorded after the newest of those discards.
+        self._discarded: list[Range] = []
+        self._discard_event: Any = None
         # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
         self.h2d_bytes = 0
         self.d2h_bytes = 0
@@ -368,6 +372,8 @@ class CudaBackend(Backend):
         if device == HOST:
             # An eviction: wait for kernels already queued that may use these pages.
             self._copy_after_compute()
+        elif self._discarded and _overlaps(self._discarded, ranges):
+            self._copy_after_discards()
         if self.api.has_batch and len(ranges) > 1:
             self.api.prefetch_batch(ranges, device, self.copy_stream)
         else:
@@ -382,14 +388,23 @@ class CudaBackend(Backend):
         self._mark(ranges)
 
     def discard(self, ranges: Sequence[Range]) -> None:
+        """Drop dead ranges' pages, in order with the kernels (on the compute stream).
+
+        A discard destroys data, so its place in the kernel order is what makes it
+        correct: after the last kernel that used the dead bytes (queued before the
+        free) and before the first kernel that writes the block's next owner (queued
+        after its allocation). The compute stream gives both; on the copy stream it
+        would race with that kernel. Copies still queued on these ranges finish first,
+        and a later prefetch of them waits for it (touching a range while its discard
+        runs is undefined)."""
         ranges = [r for r in (_shrink(p, n) for p, n in self._checked("cudaMemDiscardBatchAsync", ranges)) if r]
         if not ranges or not self.api.has_batch or not self._can_migrate():
             return  # CUDA 12: documented no-op; the pool reuses dead ranges in place
-        self._copy_after_compute()  # touching a range while its discard runs is undefined
-        self.api.discard_batch(ranges, self.copy_stream)
+        self.launch((), ranges)  # after copies still queued on them
+        self.api.discard_batch(ranges, self.compute_stream)
         self.discarded_bytes += sum(n for _, n in ranges)
         self._place(ranges, on_device=False)  # discarded pages are released
-        self._mark(ranges)
+        self._after_discard(ranges)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Make ranges resident on ``device`` without copying their dead contents.
@@ -510,6 +525,23 @@ class CudaBackend(Backend):
         self.api.stream_wait_event(self.copy_stream, event)
         # Recording an event only snapshots the stream's work, so it can be reused at once.
         self._spare_events.append(event)
+        self._discarded.clear()  # the copy stream is now after every discard queued so far
+
+    def _after_discard(self, ranges: list[Range]) -> None:
+        """Remember a compute-stream discard (an event after it) until the copy stream is ordered after it."""
+        event = self._event()
+        self.api.record_event(event, self.compute_stream)
+        if self._discard_event is not None:
+            self._spare_events.append(self._discard_event)  # the new event covers the old one
+        self._discard_event = event
+        self._discarded.extend(ranges)
+        if len(self._discarded) > MAX_PENDING:
+            self._copy_after_discards()
+
+    def _copy_after_discards(self) -> None:
+        """Order the copy stream after the discards queued so far (not after later kernels)."""
+        self.api.stream_wait_event(self.copy_stream, self._discard_event)
+        self._discarded.clear()
 
     def _can_migrate(self) -> bool:
         if self.concurrent:
@@ -551,6 +583,13 @@ def _advice(advice: Advice | int) -> Advice:
         return Advice(int(advice))
     except ValueError:
         raise CudaError(f"cudaMemAdvise: {advice!r} is not a cudaMemoryAdvise value (1..6)") from None
+
+
+def _overlaps(a: Sequence[Range], b: Sequence[Range]) -> bool:
+    """Whether any range of ``a`` overlaps any range of ``b``."""
+    x = np.array(a, dtype=np.int64).reshape(-1, 2)
+    y = np.array(b, dtype=np.int64).reshape(-1, 2)
+    return bool(((x[:, None, 0] < y[None, :, 0] + y[None, :, 1]) & (y[None, :, 0] < x[:, None, 0] + x[:, None, 1])).any())
 
 
 def _shrink(ptr: int, nbytes: int) -> Range | None:
