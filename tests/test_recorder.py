@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from umrt.capture import Recorder
-from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 from umrt.trace.stats import summarize
 from umrt.zoo import trace_model
 
@@ -232,3 +232,125 @@ def test_launches_record_the_precision_of_their_arithmetic():
     shape = (2, 3, 8, 8)
     conv = precisions(lambda: torch.nn.Conv2d(3, 4, 3))
     assert {p for op, p in conv.items() if "conv" in op} == {"tf32" if torch.backends.cudnn.allow_tf32 else "fp32"}
+
+
+def _step(model, opt, device="meta"):
+    x = torch.randn(8, 16, device=device)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_suspended_ops_keep_layer_events_and_boundaries():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+
+    def one_step():
+        mark = len(rec.events)
+        _step(model, opt)
+        tail = rec.events[mark:]
+        layers = [e for e in tail if isinstance(e, (LayerEnter, LayerExit))]
+        return sum(isinstance(e, Launch) for e in tail), layers, sum(isinstance(e, IterationBoundary) for e in tail)
+
+    with rec:
+        one_step()
+        launches_on, layers_on, _ = one_step()
+        assert rec.suspend_ops() and rec.suspend_ops()  # idempotent
+        assert rec.ops_suspended and _get_current_dispatch_mode_stack() == []
+        launches_off, layers_off, boundaries_off = one_step()
+        rec.resume_ops()
+        rec.resume_ops()
+        assert not rec.ops_suspended and len(_get_current_dispatch_mode_stack()) == 1
+        launches_again, _, _ = one_step()
+    assert launches_on > 0 and launches_off == 0 and launches_again == launches_on
+    assert layers_off == layers_on  # forward and backward layers, module paths as with ops on
+    assert {e.phase for e in layers_off} == {"forward", "backward"}
+    assert boundaries_off == 1
+
+
+def test_storages_made_while_suspended_are_announced_when_first_seen():
+    rec = Recorder(device="meta", auto_step=False)
+    with rec:
+        rec.suspend_ops()
+        x = torch.ones(64, device="meta") * 2  # no launch, no alloc
+        assert not any(isinstance(e, (Launch, Alloc)) for e in rec.events)
+        rec.resume_ops()
+        (x + 1).sum()
+    allocs = [e for e in rec.events if isinstance(e, Alloc)]
+    assert allocs[0].nbytes == 64 * 4 and allocs[0].kind == Kind.INPUT
+    assert rec.events.index(allocs[0]) < next(i for i, e in enumerate(rec.events) if isinstance(e, Launch))
+
+
+def test_a_users_mode_on_top_is_never_popped():
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+    class Mine(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    rec = Recorder(device="meta", auto_step=False)
+    with rec:
+        with Mine() as mine:
+            assert rec.suspend_ops() is False and not rec.ops_suspended
+            n = sum(isinstance(e, Launch) for e in rec.events)
+            torch.ones(4, device="meta") + 1
+            assert sum(isinstance(e, Launch) for e in rec.events) > n
+            assert _get_current_dispatch_mode_stack()[-1] is mine
+        assert rec.suspend_ops()
+        with Mine():
+            rec.resume_ops()  # would sit above the user's mode: waits until it is gone
+            assert len(_get_current_dispatch_mode_stack()) == 1
+        model = torch.nn.Linear(4, 4, device="meta")
+        model(torch.ones(2, 4, device="meta"))  # a module hook re-enters it
+        assert len(_get_current_dispatch_mode_stack()) == 1
+        n = sum(isinstance(e, Launch) for e in rec.events)
+        torch.ones(4, device="meta") + 1
+        assert sum(isinstance(e, Launch) for e in rec.events) > n
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_suspending_from_inside_an_op_leaves_the_mode_at_the_next_hook():
+    """The live bridge suspends from a listener, i.e. while one of the recorder's
+    ops runs: launches stop at once, the mode is left at the next module hook."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    model, opt = _mlp("meta")
+    launches = []
+
+    def listener(ev):
+        if isinstance(ev, Launch):
+            launches.append(ev)
+            if len(launches) == 2:
+                assert rec.suspend_ops()
+
+    rec = Recorder(model, opt, listeners=[listener])
+    with rec:
+        x = torch.randn(8, 16, device="meta")
+        y = x * 2
+        y = y + 1  # the second launch suspends
+        y * 3
+        assert len(launches) == 2 and len(_get_current_dispatch_mode_stack()) == 1
+        model(x)
+        assert _get_current_dispatch_mode_stack() == []
+    assert len(launches) == 2
+
+
+def test_exit_while_suspended_is_clean():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+    with rec:
+        _step(model, opt)
+        rec.suspend_ops()
+        _step(model, opt)
+    assert _get_current_dispatch_mode_stack() == [] and not rec.ops_suspended
+    assert rec.suspend_ops() is False  # closed
+    rec.resume_ops()
+    assert _get_current_dispatch_mode_stack() == []
+    tr = rec.trace()
+    assert tr.header.iterations == 2
+    _step(model, opt)  # torch runs on, unrecorded
+    assert len(rec.events) == len(tr.events)

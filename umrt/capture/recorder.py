@@ -38,6 +38,24 @@ How the pieces are found:
   started on (a pre-hook on each module output's ``grad_fn``): backward layer
   events are therefore flat (enter/exit pairs, never nested), and ops between
   two modules' gradients (residual adds) are attributed to the last module.
+
+Suspending ops (the live runtime's steady state): :meth:`Recorder.suspend_ops`
+leaves the dispatch mode, so ops run at full speed and no ``Launch`` is
+recorded, while the module, backward-layer and optimizer hooks keep emitting
+``LayerEnter``/``LayerExit`` and iteration boundaries (module paths as
+before), and storages already known still emit their ``Free``.
+:meth:`Recorder.resume_ops` re-enters the same mode; storages made meanwhile
+are announced when first seen after it, as for paused code. Torch keeps the
+dispatch-mode stack per thread and autograd runs each backward node with the
+modes that were on when ``backward()`` was called, so the mode itself is left
+or re-entered only on the thread that entered the recorder, outside autograd
+and outside an op: at once where that is so, else at the next module or
+optimizer hook there (launches stop, or are recorded again, at once either
+way, as far as the mode is on). A mode of the user's on top of the recorder's
+is never popped (:meth:`Recorder.suspend_ops` then returns False and launches
+keep coming); the mode is re-entered only onto the mode it was left from.
+While ops are suspended, a pending iteration boundary is emitted at the next
+module or optimizer hook instead of before the next launch.
 """
 
 from __future__ import annotations
@@ -51,7 +69,13 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 
 from umrt.capture import steer
 from umrt.trace.events import (
@@ -256,6 +280,16 @@ class Recorder:
         self._exit_stack: contextlib.ExitStack | None = None
         self._mode: _Mode | None = None
         self._stop_requested = False
+        # Suspending ops (see the module docstring): _ops_off is what was asked
+        # (launches are not recorded while it is set), _mode_on whether the mode
+        # is on the owner thread's dispatch stack; they are brought in line at
+        # safe points (_sync_mode). The lock never wraps an emit, so any lock
+        # may be held by the caller.
+        self._ops_off = False
+        self._mode_on = False
+        self._below: TorchDispatchMode | None = None  # the mode under ours when we left it
+        self._owner: int | None = None  # thread that entered the recorder
+        self._mode_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public API
     def __enter__(self) -> Recorder:
@@ -278,13 +312,18 @@ class Recorder:
                 self._module_names[id(m)] = name
         self._setup()
         self._mode = _Mode(self)
-        stack.enter_context(self._mode)
         self._exit_stack = stack
+        self._mode.__enter__()  # outside the exit stack: suspend_ops may leave it
+        self._mode_on = True
+        self._owner = threading.get_ident()
         self._recording = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._recording = False
+        with self._mode_lock:
+            self._leave_mode()
+            self._ops_off = False
         if self._exit_stack is not None:
             self._exit_stack.close()
             self._exit_stack = None
@@ -317,6 +356,40 @@ class Recorder:
             yield
         finally:
             self._paused -= 1
+
+    def suspend_ops(self) -> bool:
+        """Stop recording ops and leave the dispatch mode; hooks keep emitting.
+
+        Returns True when ops are (or already were) suspended; False when the
+        recorder is not recording or a mode of the user's is on top of its own
+        (the mode stays on and launches keep coming). Safe from any thread.
+        """
+        with self._mode_lock:
+            if not self._recording or self._closed:
+                return False
+            if self._ops_off:
+                return True
+            if self._mode_on and self._owner == threading.get_ident():
+                stack = _get_current_dispatch_mode_stack()
+                if self._mode in stack and stack[-1] is not self._mode:
+                    return False  # a user's mode on top: never pop it
+            self._ops_off = True
+            self._sync_mode()
+            return True
+
+    def resume_ops(self) -> None:
+        """Record ops again, re-entering the dispatch mode (see the module docstring)."""
+        with self._mode_lock:
+            if not self._ops_off:
+                return
+            self._ops_off = False
+            if self._recording and not self._closed:
+                self._sync_mode()
+
+    @property
+    def ops_suspended(self) -> bool:
+        """Whether ops are suspended (:meth:`suspend_ops`)."""
+        return self._ops_off
 
     def address(self, obj: int) -> int:
         """Device address of a live object's storage (0 if dead, unknown, or on meta).
@@ -397,11 +470,64 @@ class Recorder:
                         continue  # a host step counter, as on CUDA (not capturable)
                     self._mark(v, Kind.OPTIMIZER_STATE)
 
+    # ------------------------------------------------------------------ the dispatch mode
+    def _sync_mode(self) -> None:
+        """Leave or re-enter the mode as asked, where that is safe (mode lock held).
+
+        Safe: on the owner thread (the stack is per thread), outside autograd
+        (each backward node runs with the modes of ``backward()``'s caller)
+        and not inside an op (the mode being run is off the stack meanwhile).
+        """
+        if self._owner != threading.get_ident() or torch._C._current_graph_task_id() != -1:
+            return
+        if self._ops_off and self._mode_on:
+            stack = _get_current_dispatch_mode_stack()
+            if stack and stack[-1] is self._mode:
+                self._mode.__exit__(None, None, None)
+                self._mode_on = False
+                self._below = stack[-2] if len(stack) > 1 else None
+            elif self._mode in stack:
+                self._ops_off = False  # a user's mode came on top meanwhile: stay on
+            # else: inside one of our ops (the mode is off the stack): next time
+        elif not self._ops_off and not self._mode_on:
+            if _get_current_dispatch_mode() is self._below:
+                self._mode.__enter__()
+                self._mode_on = True
+            # else: a mode entered since we left sits on top; entering ours above
+            # it would make its exit pop ours: wait until it is gone
+
+    def _maybe_sync(self) -> None:
+        """At a hook: bring the mode in line with what was asked (cheap when it is)."""
+        if self._ops_off == self._mode_on:
+            with self._mode_lock:
+                if self._recording and not self._closed:
+                    self._sync_mode()
+
+    def _leave_mode(self) -> None:
+        """Exit the mode for good (mode lock held), whoever sits above it."""
+        if not self._mode_on:
+            return
+        self._mode_on = False
+        stack = _get_current_dispatch_mode_stack()
+        if self._mode not in stack:
+            return  # another thread's stack, or an op of ours is running: nothing to pop here
+        above = []
+        while stack[-1] is not self._mode:  # modes entered on top of ours stay on
+            above.append(_pop_mode())
+            stack.pop()
+        self._mode.__exit__(None, None, None)
+        for mode in reversed(above):
+            _push_mode(mode)
+
     # ------------------------------------------------------------------ hooks
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._recording or self._closed or self._paused:
             self._stack.append(None)  # keeps pushes and pops paired
             return
+        self._maybe_sync()
+        if self._bwd_module is not None and torch._C._current_graph_task_id() == -1:
+            with self._lock:  # forward after a backward without a step (gradient accumulation)
+                self._end_backward()
         name = self._module_names.get(id(module))
         if name is None:
             parent = self._current_module()
@@ -429,6 +555,7 @@ class Recorder:
         name = self._stack.pop()
         if name is None or self._closed or not self._recording:
             return
+        self._maybe_sync()
         with self._lock:
             self._emit(LayerExit(name, "forward"))
         if torch.is_grad_enabled():
@@ -470,6 +597,7 @@ class Recorder:
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._recording or self._closed:
             return
+        self._maybe_sync()
         with self._lock:
             self._flush()
             self._end_backward()
@@ -481,6 +609,7 @@ class Recorder:
         self._in_step = max(0, self._in_step - 1)
         if not self._recording or self._closed:
             return
+        self._maybe_sync()
         if self.optimizer is not None and opt is not self.optimizer:
             return
         with self._lock:
@@ -630,7 +759,7 @@ class Recorder:
         return info
 
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if not self._recording or self._closed or self._paused:
+        if not self._recording or self._closed or self._paused or self._ops_off:
             return func(*args, **kwargs)
         info = self._op_info(func)
         if info.skip:
