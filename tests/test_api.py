@@ -1,9 +1,14 @@
 """umrt.enable / session / disable, and the live bridge, over the fake runtime."""
 from __future__ import annotations
 
+import logging
+import weakref
+
 import pytest
 import torch
 from fake_cuda import FakeCupyRuntime
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import umrt.api as api
 from umrt import stats
@@ -11,6 +16,7 @@ from umrt.allocators.managed import ManagedPool
 from umrt.backends.cuda import CudaBackend, CupyApi
 from umrt.config import Config
 from umrt.errors import ConfigError
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 
 @pytest.fixture(autouse=True)
@@ -110,3 +116,198 @@ def test_the_live_runtime_plans_with_the_profile_of_its_gpu(monkeypatch, fake_gp
 
     monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
     assert api._profile_for(Config(enabled=True), backend) is None
+
+
+# -- the live bridge with objects from the allocator ------------------------------------
+
+
+class StubPolicy:
+    """Records what it is given; ``wants`` maps an iteration to the ``wants_launches``
+    it sets at that iteration's boundary; raises at its ``fail_at``-th event."""
+
+    def __init__(self, wants=None, fail_at=None):
+        self.got, self.wants_launches = [], True
+        self.wants, self.fail_at, self.n = dict(wants or {}), fail_at, 0
+
+    def attach(self, ctx):
+        self.ctx = ctx
+
+    def on_event(self, ev):
+        self.got.append(ev)
+        self.n += 1
+        if self.n == self.fail_at:
+            raise RuntimeError("stub policy broke")
+        if isinstance(ev, IterationBoundary):
+            self.wants_launches = self.wants.get(ev.index, self.wants_launches)
+
+
+class FakeAllocator(TorchDispatchMode):
+    """Plays umrt's pool for CPU tensors: tells the pool's listeners about each
+    new storage from inside the op that made it (before the recorder's Launch,
+    as ManagedPool.malloc runs inside the op) and about its end."""
+
+    def __init__(self, pool):
+        super().__init__()
+        self.pool, self.live = pool, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ptr, n = st.data_ptr(), st.nbytes()
+                if ptr and n and ptr not in self.live:
+                    self.live[ptr] = weakref.finalize(st, self._tell, "free", ptr, n)
+                    self._tell("alloc", ptr, n)
+        return out
+
+    def _tell(self, what, ptr, n):
+        if what == "free":
+            self.live.pop(ptr, None)
+        for listener in list(self.pool.listeners):
+            listener(what, ptr, n)
+
+
+def _session(fake_gpu):
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    return api.Session(Config(enabled=True), active=True, backend=backend,
+                       pool=ManagedPool(backend), budget_bytes=1 << 30)
+
+
+def _train(bridge, steps, policy=None, before=None):
+    """Train a small MLP under the bridge, every storage made through FakeAllocator;
+    a "STEP" marker goes into the policy's events after each optimizer step."""
+    policy = policy or bridge.policy
+    with FakeAllocator(bridge.pool):
+        bridge.start()
+        hook = register_optimizer_step_post_hook(lambda *a: policy.got.append("STEP"))
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(steps):
+                x = torch.randn(4, 8)
+                y = model(x) if before is None else model(x) * before
+                y.sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                del x, y
+        finally:
+            hook.remove()
+            bridge.close()
+
+
+def test_allocator_objects_reach_the_policy_before_the_launches_that_use_them(fake_gpu):
+    policy = StubPolicy()
+    session = _session(fake_gpu)
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    outside = torch.ones(1)  # made before umrt: not the allocator's
+    _train(bridge, 3, before=outside)
+    assert bridge.failed is None and session.pool.listeners == []
+    got = [e for e in policy.got if e != "STEP"]
+    alive, launches = set(), 0
+    for e in got:
+        if isinstance(e, Alloc):
+            assert e.kind == Kind.OTHER and e.launch == 0 and e.obj not in alive
+            alive.add(e.obj)
+        elif isinstance(e, Free):
+            alive.remove(e.obj)
+        elif isinstance(e, Launch):
+            launches += 1
+            assert {a.obj for a in e.accesses} <= alive, e.op  # allocator ids, born before
+    assert launches > 30
+    recorded = [e for e in bridge.recorder.events if isinstance(e, Launch)]
+    fed = [e for e in got if isinstance(e, Launch)]
+    assert [e.seq for e in fed] == [e.seq for e in recorded]
+    # the multiply by `outside` (forward and backward, 3 steps) lost the access to it, and only that one
+    lost = [(r, len(r.accesses) - len(f.accesses)) for r, f in zip(recorded, fed, strict=True)
+            if len(r.accesses) != len(f.accesses)]
+    assert len(lost) == 6 and all(n == 1 and r.op == "aten::mul.Tensor" for r, n in lost)
+    outside_obj = {r.accesses[1].obj for r, _ in lost}  # mul(y, outside), mul(grad, outside)
+    (alloc,) = [e for e in bridge.recorder.events if isinstance(e, Alloc) and e.obj in outside_obj]
+    assert alloc.nbytes == 4 and alloc.launch == -1  # first seen as an input: made before umrt
+
+
+def test_bridge_boundaries_fall_before_the_first_alloc_layer_or_launch_after_a_step(fake_gpu):
+    policy = StubPolicy()
+    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    _train(bridge, 3)
+    got = policy.got
+    boundaries = [e.index for e in got if isinstance(e, IterationBoundary)]
+    assert boundaries == [0, 1, 2, 3]  # the last one at close
+    assert isinstance(got[0], IterationBoundary)
+    steps = [i for i, e in enumerate(got) if e == "STEP"]
+    assert len(steps) == 3
+    for i in steps:
+        j = next(k for k in range(i + 1, len(got)) if isinstance(got[k], IterationBoundary))
+        assert all(isinstance(e, Free) for e in got[i + 1:j])  # zero_grad's frees close the old one
+        assert any(isinstance(e, Free) for e in got[i + 1:j])
+        assert j == len(got) - 1 or isinstance(got[j + 1], (Alloc, LayerEnter, Launch))
+
+
+def test_ops_are_suspended_while_the_policy_wants_no_launches(fake_gpu):
+    """The stub stops wanting launches at iteration 1's boundary and wants them
+    again at 2's; a probe that always wants them shows what the run looks like."""
+
+    def run(wants=None):
+        policy = StubPolicy(wants)
+        bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+        _train(bridge, 3)
+        got = [e for e in policy.got if e != "STEP"]
+        at = [got.index(IterationBoundary(i)) for i in range(4)]
+        return bridge, [got[at[i]:at[i + 1]] for i in range(3)]
+
+    def of(span, *types):
+        return [e for e in span if isinstance(e, types)]
+
+    _, probe = run()
+    bridge, spans = run({1: False, 2: True})
+    assert len(of(probe[1], Launch)) > 10 and of(spans[1], Launch) == []
+    # launches again from the first layer on (the op whose allocation opened
+    # iteration 2 was running when the bridge resumed), as if never suspended
+    assert isinstance(spans[2][1], Alloc) and of(probe[2], Launch)[0].op == "aten::randn.default"
+
+    def ops(span):
+        return [(e.op, e.module, e.accesses) for e in of(span, Launch)]
+
+    assert ops(spans[2]) == ops(probe[2])[1:]
+    assert of(spans[1], LayerEnter, LayerExit) == of(probe[1], LayerEnter, LayerExit)
+    assert len(of(spans[1], Alloc)) == len(of(probe[1], Alloc)) > 0  # the allocator keeps announcing
+    assert not bridge.recorder.ops_suspended
+
+
+def test_a_failing_policy_stops_the_bridge_with_one_warning(fake_gpu, caplog):
+    policy = StubPolicy(fail_at=40)
+    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    with caplog.at_level(logging.WARNING, logger="umrt"):
+        _train(bridge, 3)  # the training runs to its end
+    assert isinstance(bridge.failed, RuntimeError)
+    assert len([e for e in policy.got if e != "STEP"]) == 40
+    assert caplog.text.count("runtime stopped acting") == 1
+
+
+def test_the_pool_listener_never_raises_into_the_allocator(fake_gpu, caplog):
+    session = _session(fake_gpu)
+    policy = StubPolicy(fail_at=3)
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge.start()
+    try:
+        ptr = session.pool.malloc(1 << 20)
+        assert bridge.layout.address(policy.got[-1].obj) == ptr  # the layout answers from the allocator
+        with caplog.at_level(logging.WARNING, logger="umrt"):
+            session.pool.free(ptr)  # the policy raises here
+            session.pool.free(session.pool.malloc(4096))
+    finally:
+        bridge.close()
+    assert [type(e) for e in policy.got] == [IterationBoundary, Alloc, Free]
+    assert isinstance(bridge.failed, RuntimeError) and caplog.text.count("runtime stopped acting") == 1
+
+
+def test_the_source_of_objects(fake_gpu):
+    session = _session(fake_gpu)
+    assert api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
+    assert not api.LiveBridge(session, device="cpu", policy=StubPolicy()).from_allocator
+    session.pool = object()
+    assert not api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
+    with pytest.raises(ConfigError, match="pool with listeners"):
+        api.LiveBridge(session, device="cuda", policy=StubPolicy(), from_allocator=True)

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from umrt import stats
 from umrt.config import Config, from_env
 from umrt.errors import ConfigError, CudaError
+from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 log = logging.getLogger("umrt")
 
@@ -224,14 +226,18 @@ class ManagedOnly:
 
 class LiveLayout:
     """The :class:`~umrt.memory.base.Layout` of a live program: torch already placed
-    every storage (through umrt's pool); this layout only reports where."""
+    every storage (through umrt's pool); this layout only reports where.
 
-    def __init__(self, recorder: Any, pool: Any) -> None:
-        self.recorder, self.pool = recorder, pool
+    ``locate(obj)`` gives a newborn object's address (a storage's data pointer,
+    or the block the allocator just returned).
+    """
+
+    def __init__(self, locate: Callable[[int], int], pool: Any) -> None:
+        self.locate, self.pool = locate, pool
         self._where: dict[int, int] = {}
 
     def alloc(self, obj: int, nbytes: int, kind: Any) -> int:
-        ptr = self._where[obj] = self.recorder.address(obj)
+        ptr = self._where[obj] = self.locate(obj)
         return ptr
 
     def free(self, obj: int) -> None:
@@ -272,48 +278,181 @@ def _profile_for(cfg: Any, backend: Any) -> Any:
 
 
 class LiveBridge:
-    """Feeds a capture :class:`~umrt.capture.Recorder`'s live events to the policy,
-    in the order the simulator's replay uses (Alloc: layout then policy; Launch:
-    policy then ``backend.launch``; Free: policy then layout)."""
+    """Feeds a live program's events to the policy, in the order the simulator's
+    replay uses (Alloc: layout then policy; Launch: policy then ``backend.launch``;
+    Free: policy then layout).
 
-    def __init__(self, session: Session, device: str = "cuda") -> None:
+    Two sources of objects:
+
+    * **the allocator** (the live GPU case: ``device="cuda"`` and a pool with
+      ``listeners``, umrt's :class:`~umrt.allocators.managed.ManagedPool`):
+      each ``malloc`` is a new object, announced at once as
+      ``Alloc(obj, nbytes, Kind.OTHER, launch=0)``, from inside the op that
+      asked for it and so before its kernel is enqueued; each ``free`` is its
+      ``Free``. The capture :class:`~umrt.capture.Recorder` adds layer events
+      and launches, whose accesses are mapped from its storages to these
+      objects by address (storages umrt did not allocate are dropped).
+      Iteration boundaries are the bridge's own, so they fall at the same place
+      whether ops are recorded or not: after the recorder's first one, the
+      next alloc, layer event or launch after an optimizer step opens the next
+      iteration (frees after the step still close the old one). The policy
+      may set ``wants_launches = False`` to have the recorder's ops suspended
+      (:meth:`~umrt.capture.Recorder.suspend_ops`) until it sets it True again.
+    * **the recorder** (otherwise, e.g. CPU tensors in tests): every event as
+      the recorder emits it, after its op ran; ops are never suspended, and
+      umrt's runtime discards a freed range at the ``Free`` itself.
+
+    A failure in any callback stops umrt's actions with one warning, never the
+    training. Events come from torch's autograd thread too: one lock orders
+    their delivery to the policy.
+
+    Args:
+        session: the enabled session (backend, pool, budget, config).
+        device: the device whose tensors are recorded.
+        policy: a policy object to feed instead of the one ``session.config`` names.
+        from_allocator: force the source of objects (None: as described above).
+
+    Raises:
+        ConfigError: ``from_allocator=True`` with a pool that has no ``listeners``.
+    """
+
+    def __init__(self, session: Session, device: str = "cuda", *, policy: Any = None,
+                 from_allocator: bool | None = None) -> None:
         from umrt.capture import Recorder
-        from umrt.policy import make_policy
         from umrt.policy.base import PolicyContext
 
         cfg = session.config
-        options: dict[str, Any] = {}
-        if cfg.policy == "umrt":
-            options = {"learn_iterations": cfg.learn_iterations, "op_level": cfg.granularity == "op",
-                       "use_pool": False}
-        self.policy = make_policy(cfg.policy, **options)
+        has_listeners = isinstance(getattr(session.pool, "listeners", None), list)
+        if from_allocator is None:
+            from_allocator = device == "cuda" and has_listeners
+        elif from_allocator and not has_listeners:
+            raise ConfigError("objects from the allocator need a pool with listeners (umrt's ManagedPool); "
+                              f"got {type(session.pool).__name__}")
+        self.from_allocator: bool = from_allocator
+        self.policy = policy if policy is not None else _live_policy(cfg, discard_on_free=not from_allocator)
         self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False)
+        self.pool = session.pool
         self.failed: BaseException | None = None
-        self.events = 0
+        self.events = 0  # events delivered to the policy
+        self._lock = threading.RLock()  # re-entrant: a free can fire inside our own handling
+        self._ids = itertools.count(1)  # allocator objects (pointers are reused, ids never)
+        self._obj_at: dict[int, int] = {}  # block start -> the allocator object living there
+        self._born: dict[int, int] = {}  # object -> block, until the layout takes it
+        self._next_boundary: int | None = None  # None until the recorder's first boundary
+        self._step_ended = False
+        self._wants = True  # the policy's wants_launches as last followed
+        self._step_hook: Any = None
         self.backend = ManagedOnly(session.backend)
-        self.layout = LiveLayout(self.recorder, session.pool)
+        self.layout = LiveLayout(self._born.pop if from_allocator else self.recorder.address, session.pool)
         profile = _profile_for(cfg, session.backend)
         self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
 
+    # -- callbacks ------------------------------------------------------------
+
     def on_event(self, ev: Any) -> None:
-        """One live event; a failure stops umrt's actions (with one warning), never the training."""
+        """The recorder's listener: one live event."""
         if self.failed is not None:
             return
-        self.events += 1
+        with self._lock:
+            if self.failed is not None:
+                return
+            try:
+                if self.from_allocator:
+                    self._from_recorder(ev)
+                    self._follow_wants()
+                else:
+                    self._deliver(ev)
+            except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
+                self._fail(exc)
+
+    def on_pool_event(self, what: str, ptr: int, nbytes: int) -> None:
+        """The pool's listener (``("alloc"|"free", ptr, nbytes)``, from inside
+        malloc/free): never raises into torch's allocator."""
+        if self.failed is not None:
+            return
         try:
-            self._dispatch(ev)
-        except Exception as exc:  # noqa: BLE001
-            self.failed = exc
-            log.warning("umrt: runtime stopped acting after an error (%s: %s); memory stays managed",
-                        type(exc).__name__, exc)
+            with self._lock:
+                if self.failed is not None:
+                    return
+                try:
+                    if what == "alloc":
+                        self._boundary_if_stepped()
+                        obj = next(self._ids)
+                        self._obj_at[ptr] = obj
+                        self._born[obj] = ptr
+                        self._deliver(Alloc(obj, nbytes, Kind.OTHER, 0))
+                    elif what == "free":
+                        obj = self._obj_at.pop(ptr, None)
+                        if obj is not None:  # else allocated before the bridge started
+                            self._deliver(Free(obj))
+                    self._follow_wants()
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(exc)
+        except BaseException:  # noqa: BLE001 - even a failing warning must not reach the allocator
+            pass
 
-    def _dispatch(self, ev: Any) -> None:
-        from umrt.trace.events import Alloc, Free, Launch
+    def _on_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._step_ended = True  # the next alloc, layer event or launch opens an iteration
 
-        if isinstance(ev, Alloc):
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        log.warning("umrt: runtime stopped acting after an error (%s: %s); memory stays managed",
+                    type(exc).__name__, exc)
+
+    # -- allocator-sourced objects ------------------------------------------------
+
+    def _from_recorder(self, ev: Any) -> None:
+        """A recorder event when objects come from the allocator: its own objects
+        and boundaries give way to the allocator's and the bridge's."""
+        t = type(ev)
+        if t is Launch:
+            self._boundary_if_stepped()
+            self._deliver(self._translate(ev))
+        elif t is LayerEnter or t is LayerExit:
+            self._boundary_if_stepped()
+            self._deliver(ev)
+        elif t is IterationBoundary:
+            if self._next_boundary is None:  # the recorder's first: iterations start here
+                self._next_boundary = ev.index + 1
+                self._step_ended = False
+                self._deliver(ev)
+        # Alloc / Free of the recorder's storages: the allocator announced them
+
+    def _translate(self, ev: Launch) -> Launch:
+        """The launch with each storage mapped to the allocator object at its address."""
+        address, obj_at = self.recorder.address, self._obj_at
+        accesses = []
+        for a in ev.accesses:
+            obj = obj_at.get(address(a.obj))
+            if obj is not None:
+                accesses.append(Access(obj, a.offset, a.length, a.write))
+        return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
+
+    def _boundary_if_stepped(self) -> None:
+        if self._step_ended and self._next_boundary is not None:
+            self._step_ended = False
+            index, self._next_boundary = self._next_boundary, self._next_boundary + 1
+            self._deliver(IterationBoundary(index))
+
+    def _follow_wants(self) -> None:
+        """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns."""
+        want = getattr(self.policy, "wants_launches", True)
+        if want != self._wants:
+            self._wants = want
+            if want:
+                self.recorder.resume_ops()
+            else:
+                self.recorder.suspend_ops()
+
+    # -- delivery ---------------------------------------------------------------
+
+    def _deliver(self, ev: Any) -> None:
+        self.events += 1
+        t = type(ev)
+        if t is Alloc:
             self.layout.alloc(ev.obj, ev.nbytes, ev.kind)
             self.policy.on_event(ev)
-        elif isinstance(ev, Launch):
+        elif t is Launch:
             self.policy.on_event(ev)
             reads: list[tuple[int, int]] = []
             writes: list[tuple[int, int]] = []
@@ -322,17 +461,59 @@ class LiveBridge:
                 if ptr:
                     (writes if a.write else reads).append((ptr + a.offset, a.length))
             self.backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
-        elif isinstance(ev, Free):
+        elif t is Free:
             self.policy.on_event(ev)
             self.layout.free(ev.obj)
         else:
             self.policy.on_event(ev)
 
+    # -- life ---------------------------------------------------------------------
+
     def start(self) -> None:
+        """Start listening: the pool and optimizer hooks first, then the recorder
+        (whose first iteration boundary opens the policy's first iteration)."""
+        if self.from_allocator:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(self._on_step)
+            self.pool.listeners.append(self.on_pool_event)
         self.recorder.__enter__()
+        if self.from_allocator:
+            with self._lock:  # a policy may want no launches from the start
+                if self.failed is None:
+                    self._follow_wants()
 
     def close(self) -> None:
+        """Stop listening; a completed last iteration is closed with its boundary."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self.from_allocator:
+            with contextlib.suppress(ValueError):
+                self.pool.listeners.remove(self.on_pool_event)
         self.recorder.__exit__(None, None, None)
+        if self.from_allocator:
+            with self._lock:
+                if self.failed is None:
+                    try:
+                        self._boundary_if_stepped()
+                    except Exception as exc:  # noqa: BLE001
+                        self._fail(exc)
+
+
+def _live_policy(cfg: Config, *, discard_on_free: bool) -> Any:
+    """The policy ``cfg`` names, with the live runtime's options for ``umrt``
+    (``discard_on_free``: events come after their op ran, so a freed range is
+    discarded at its ``Free`` rather than before the next allocation)."""
+    from umrt.policy import make_policy
+
+    options: dict[str, Any] = {}
+    if cfg.policy == "umrt":
+        options = {"learn_iterations": cfg.learn_iterations, "op_level": cfg.granularity == "op",
+                   "use_pool": False}
+        if discard_on_free:
+            options["discard_on_free"] = True
+    return make_policy(cfg.policy, **options)
 
 
 def current() -> Session | None:

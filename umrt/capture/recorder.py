@@ -765,6 +765,8 @@ class Recorder:
         if info.skip:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
+        if self._ops_off:  # suspended while it ran (a listener of the allocator's): no launch after that
+            return out
         with self._lock:
             self._record(func, info, args, kwargs, out)
         return out
