@@ -3,18 +3,22 @@
     python -m bench.recording [--models gpt2,bert-base] [--batch 2] [--seq 128]
                               [--device meta] [--steps 3] [--repeat 5] [--out bench/out/recording.json]
 
-For each model the same training steps run three ways, on the same device
+For each model the same training steps run four ways, on the same device
 and with the same meta/CPU steering (so the same ops run):
 
 * ``plain`` — no dispatch mode at all;
 * ``mode`` — an empty ``TorchDispatchMode`` that only forwards each op (the
   floor any Python-level recorder pays);
 * ``recorder`` — the umrt :class:`~umrt.capture.Recorder` with module and
-  optimizer hooks and full bookkeeping.
+  optimizer hooks and full bookkeeping;
+* ``hooks`` — the same Recorder with its ops suspended
+  (:meth:`~umrt.capture.Recorder.suspend_ops`): module, backward-layer and
+  optimizer hooks only, what the live runtime's steady state pays.
 
-Per-launch cost = (time per step with the recorder - plain time per step) /
-launches per step, in CPU time of this process (robust on a shared machine);
-the best of ``--repeat`` runs is taken for each. The bench
+Per-launch cost = (time per step with the recorder, the empty mode or the hooks
+- plain time per step) / launches per step (the recorder's count, for all
+three, so they compare), in CPU time of this process (robust on a shared
+machine); the best of ``--repeat`` runs is taken for each. The bench
 also saves and loads the recorded trace and reports the file size and times.
 """
 
@@ -71,9 +75,9 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         with steer.steered():
             _steps(model, opt, spec, batch, seq, device, 1)  # warm-up: AdamW state, lazy imports
-        plain_times, mode_times, rec_times = [], [], []
+        plain_times, mode_times, rec_times, hook_times = [], [], [], []
         trace = None
-        for _ in range(repeat):  # interleaved, so load from other processes hits all three alike
+        for _ in range(repeat):  # interleaved, so load from other processes hits all four alike
             with steer.steered():
                 plain_times.append(_steps(model, opt, spec, batch, seq, device, steps))
                 with _Forward():
@@ -82,6 +86,11 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
             with rec:
                 rec_times.append(_steps(model, opt, spec, batch, seq, device, steps, rec))
             trace = rec.trace()
+            hooks = Recorder(model, opt, device=device, model_name=name)
+            with hooks:
+                if not hooks.suspend_ops():
+                    raise UmrtError("the recorder's ops could not be suspended (another dispatch mode is on)")
+                hook_times.append(_steps(model, opt, spec, batch, seq, device, steps, hooks))
         plain = min(plain_times)
     launches = sum(isinstance(e, Launch) for e in trace.events)
     per_step = launches / steps
@@ -94,7 +103,7 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
         fileformat.load(path)
         t_load = time.process_time() - t0
         size = path.stat().st_size
-    recorder, mode = min(rec_times), min(mode_times)
+    recorder, mode, hooks_s = min(rec_times), min(mode_times), min(hook_times)
     return {
         "model": name,
         "batch": batch,
@@ -105,8 +114,10 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
         "plain_s_per_step": plain,
         "mode_s_per_step": mode,
         "recorder_s_per_step": recorder,
+        "hooks_s_per_step": hooks_s,
         "mode_us_per_launch": (mode - plain) / per_step * 1e6,
         "recorder_us_per_launch": (recorder - plain) / per_step * 1e6,
+        "hooks_us_per_launch": (hooks_s - plain) / per_step * 1e6,
         "trace_events": len(trace.events),
         "file_bytes": size,
         "save_s": t_save,
@@ -133,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:>12} {args.device}: {row['launches_per_step']:.0f} launches/step, "
                 f"plain {row['plain_s_per_step'] * 1e3:.0f} ms, empty mode +{row['mode_us_per_launch']:.0f} us/launch, "
-                f"recorder +{row['recorder_us_per_launch']:.0f} us/launch; file {row['file_bytes'] / 1024:.0f} KiB, "
+                f"recorder +{row['recorder_us_per_launch']:.0f} us/launch, "
+                f"hooks only (ops suspended) +{row['hooks_us_per_launch']:.1f} us/launch; "
+                f"file {row['file_bytes'] / 1024:.0f} KiB, "
                 f"save {row['save_s'] * 1e3:.0f} ms, load {row['load_s'] * 1e3:.0f} ms",
                 flush=True,
             )
