@@ -11,6 +11,7 @@ from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
+from umrt.policy.planner import PAGE
 from umrt.predict.synthetic import training_trace
 from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
@@ -108,21 +109,27 @@ def test_relearns_after_a_changed_batch_size():
     assert modes[-1] == "act"
 
 
-def test_misprediction_guard_falls_back_and_relearns():
+@pytest.mark.parametrize("launch_free", [True, False])
+def test_misprediction_guard_falls_back_and_relearns(launch_free):
     """After a few regular steps (the plan is trusted), every step ends
-    differently (its optimizer launches are new each time): the trusted plan
-    keeps failing mid-iteration, so the runtime stops acting for a while
-    (plain UM) instead of fighting the driver, then re-learns."""
+    differently (its optimizer launches are new each time, with a scratch
+    buffer of a new size): the trusted plan keeps failing mid-iteration, so
+    the runtime stops acting for a while (plain UM) instead of fighting the
+    driver, then re-learns. Acting without launches, the sizes give it away."""
     base = training_trace(layers=6, steps=14)
     rng = random.Random(0)
-    events, step = [], -1
+    events, step, scratch = [], -1, 10**9
     for e in base.events:
         if isinstance(e, IterationBoundary):
             step = e.index
         if step >= 6 and isinstance(e, Launch) and "adamw" in e.op:
-            e = replace(e, exec_id=rng.getrandbits(62))
+            scratch += 1
+            events.append(Alloc(scratch, rng.randrange(1, 1 << 20) * PAGE, Kind.TEMPORARY, e.seq))
+            events.append(replace(e, exec_id=rng.getrandbits(62)))
+            events.append(Free(scratch))
+            continue
         events.append(e)
-    rt = Runtime()
+    rt = Runtime(launch_free=launch_free)
     drive(Trace(base.header, events), rt)
     rep = rt.report()
     assert rep["deviations"] >= 2
@@ -200,15 +207,21 @@ class _AllCalls(_Recording):
     def advise(self, ranges, advice, device) -> None:
         self.calls.append(("advise", tuple(ranges), advice, device))
 
+    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
+        self.calls.append(("launch",))
+
 
 class _NoIndexPool(LifetimePool):
     live_index = None  # hides the pool's index: the runtime resolves through address()
 
 
-def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper=None, **options) -> Runtime:
+def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper=None, honour: bool = False,
+           **options) -> Runtime:
     """Feed a synthetic training trace to a Runtime(**options) over ``backend``,
     event by event as the replay does; ``tamper(rt)`` runs at each boundary
-    reached while the runtime is frozen."""
+    reached while the runtime is frozen. ``honour``: hold back launches while
+    the runtime does not want them, as the live bridge does (it stops
+    capturing them); counted in ``rt.held_back``."""
     tr = training_trace(layers=6, steps=steps)
     budget = parse_budget("30%", peak_live_bytes(tr))
     rt = Runtime(**options)
@@ -216,12 +229,19 @@ def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper
     if hide_index:
         layout.__class__ = _NoIndexPool
     rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
+    rt.held_back = 0
     for ev in tr.events:
         if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
             tamper(rt)
+        if isinstance(ev, Launch) and honour and not rt.wants_launches:
+            rt.held_back += 1
+            backend.launch((), (), 0, 0)  # the kernel runs all the same
+            continue
         if isinstance(ev, Alloc):
             layout.alloc(ev.obj, ev.nbytes, ev.kind)
         rt.on_event(ev)
+        if isinstance(ev, Launch):
+            backend.launch((), (), 0, 0)
         if isinstance(ev, Free):
             layout.free(ev.obj)
     assert rt.report()["acted"] >= 3
@@ -274,6 +294,29 @@ def test_a_frozen_plan_makes_the_same_moves():
     assert rt2.report()["frozen_iterations"] == 0
     assert any(c[0] == "prefetch" for c in frozen)
     assert frozen == plain
+
+
+def _moves(calls: list[tuple]) -> tuple[list, list]:
+    """Prefetches and advice in order between the launches, and every
+    discarded range in order (how frees are batched into discard calls may differ)."""
+    return ([c for c in calls if c[0] != "discard"],
+            [r for c in calls if c[0] == "discard" for r in c[1]])
+
+
+def test_acting_without_launches_makes_the_same_moves():
+    """A trusted plan runs on the clock of allocations, frees and module
+    boundaries: a driver that stops delivering launches while the runtime
+    does not want them gets the same moves as one that delivers them all.
+    (The caching-allocator layout: like a live allocator it never sees
+    launches, so both runs place every object alike.)"""
+    light, rt = _calls(steps=8, honour=True, use_pool=False)
+    rep = rt.report()
+    assert rep["light_iterations"] >= 3 and rep["deviations"] == 0
+    assert rt.held_back > 0
+    full, rt2 = _calls(steps=8, launch_free=False, use_pool=False)
+    assert rt2.report()["light_iterations"] == 0
+    assert any(c[0] == "prefetch" for c in full)
+    assert _moves(light) == _moves(full)
 
 
 def test_an_object_at_another_address_unfreezes():

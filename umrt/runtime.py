@@ -36,8 +36,21 @@ Life cycle, per iteration (between two :class:`IterationBoundary` events):
     lands elsewhere ends freezing for the iteration). Discards never rely on
     it: they always use the freed object's own address.
 
+    A trusted plan also runs *without launches* (``launch_free``, default):
+    its decisions are placed on the clock of the other events — allocations,
+    frees, module boundaries — which a live driver gets from the allocator
+    and module hooks, without capturing ops (the costly part of capture). The
+    iteration is checked against its plan by a running hash of every
+    allocation's size, every freed size and every module boundary, at each
+    decision and at the iteration's end. ``wants_launches`` tells the driver
+    when launches are needed after all: from the event before a decision that
+    no event precedes (inside an optimizer step) or an oversized launch, to
+    the next event, and for every iteration that is learned or probed.
+
 Always, in every mode: freed memory is discarded (a fact, not a
-prediction), batched until the next launch.
+prediction), batched until the next allocation or launch: before any
+newborn can be written into a dead range (``discard_on_free`` for a driver
+whose events arrive after their op's kernel was queued).
 ``guard``
     If plans keep failing part-way (``guard_failures`` of the last
     ``guard_window`` acted iterations deviate after their first decision
@@ -140,6 +153,16 @@ class Runtime(Policy):
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
+    launch_free:
+        Act on a trusted plan from allocations, frees and module boundaries
+        alone (``wants_launches`` turns False: a live driver may stop
+        capturing launches, the costly part of capture). Off: every
+        iteration is followed launch by launch.
+    discard_on_free:
+        Discard a dead range at its ``Free`` instead of at the next
+        allocation or launch: for a driver whose events arrive after the
+        op's kernel was queued (a newborn's kernel may already be writing
+        the range the pending discard would drop).
     """
 
     name = "umrt"
@@ -159,6 +182,8 @@ class Runtime(Policy):
         min_discard: int = PAGE,
         read_mostly: bool = False,
         freeze: bool = True,
+        launch_free: bool = True,
+        discard_on_free: bool = False,
     ) -> None:
         if not 0 < headroom <= 1:
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
@@ -175,6 +200,10 @@ class Runtime(Policy):
         self.min_discard = min_discard
         self.read_mostly = read_mostly
         self.freeze = freeze
+        self.launch_free = launch_free
+        self.discard_on_free = discard_on_free
+        # False while the runtime acts without launches (a live driver may stop capturing them).
+        self.wants_launches = True
 
         self.keys = ObjectKeys()
         self.correlation = CorrelationTable()
@@ -197,7 +226,13 @@ class Runtime(Policy):
         self._plan: Plan | None = None
         self._actions: list[Action] = []
         self._ai = 0
-        self._next_at = -1
+        self._next_at = -1  # the next decision's launch ordinal, when launches decide it
+        self._light = False  # acting on the clock of non-launch events (launch_free)
+        self._next_light = -1  # the next decision's light event, when that clock decides it
+        self._counting = False  # acting light, but counting launches for decisions no event precedes
+        self._resume: dict[int, tuple[int, int]] = {}
+        self._ne = 0  # non-launch events this iteration
+        self._lh = 0  # their running hash (sizes, freed sizes, module names)
         self._nl = 0
         self._nf = 0
         self._probe = 0
@@ -226,7 +261,7 @@ class Runtime(Policy):
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0, "launch_host_mapped_bytes": 0,
-            "frozen_iterations": 0, "unfreezes": 0,
+            "frozen_iterations": 0, "unfreezes": 0, "light_iterations": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -260,6 +295,8 @@ class Runtime(Policy):
         self.plans.clear()
         if self._mode == "act":
             self._mode = "off"
+            self._light = self._counting = False
+            self.wants_launches = True
             self._fresh = frozenset()
             self._discard_keys = None
             self._over = {}
@@ -322,11 +359,21 @@ class Runtime(Policy):
                 ptr = self.layout.address(obj)
                 end = ptr + event.nbytes
                 self._pending = [r for r in self._pending if r[0] + r[1] <= ptr or r[0] >= end]
+            ne = self._ne  # the clock of non-launch events
+            self._ne = ne + 1
+            lh = self._lh = ((self._lh * 1000003) ^ (event.nbytes << 1)) & _MASK
             rec = self._rec
             if rec is not None:
                 rec.allocs.append((self._nl, key))
                 rec.sizes[key] = event.nbytes
                 rec.kinds[key] = event.kind
+                rec.light.append((self._nl, lh))
+            # Dead ranges are discarded before the newborn that may reuse one is
+            # written (a live allocation arrives before its op's kernel is queued).
+            if self._pending or self._born:
+                self._flush()
+            if self._light:
+                self._light_event(ne)
         elif t is Free:
             obj = event.obj
             keys = self.keys  # ObjectKeys.free, inlined
@@ -351,42 +398,36 @@ class Runtime(Policy):
                         ptr = self._lives[obj].ptr
                     except KeyError:
                         ptr = self._not_live(obj)
-                    if self._born:  # died before any launch: nothing left to populate
-                        self._born = [b for b in self._born if b[0] != ptr]
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
                     end = (ptr + nb) // PAGE * PAGE
                     if end > start:
                         self._pending.append((start, end - start))
-            rec = self._rec
-            if rec is not None and key is not None:
-                rec.frees.append((self._nl, key))
             self._nf += 1
+            ne = self._ne
+            self._ne = ne + 1
+            lh = self._lh = ((self._lh * 1000003) ^ ((nb << 1) | 1)) & _MASK
+            rec = self._rec
+            if rec is not None:
+                if key is not None:
+                    rec.frees.append((self._nl, key))
+                rec.light.append((self._nl, lh))
+            if self.discard_on_free and self._pending:
+                self._flush()
+            if self._light:
+                self._light_event(ne)
         elif t is Launch:
             if self._pool_launch is not None:
                 self._pool_launch(event.exec_id)
             elif self._pool_observe is not None:
                 self._pool_observe(event)
+            if self._light and not self._counting:
+                return  # acting on the other events' clock: launches are not needed
             if self._rec is not None:
                 self._record_launch(event)
             if self._temp:
                 self._unmap_temp()
-            if self._pending:
-                # Discard the ranges freed since the last launch in one call. Safe
-                # although the pool may already have handed a range to a newborn:
-                # nothing writes it before this launch (and a newborn's bytes are
-                # garbage anyway). Ranges of segments the pool gave back meanwhile
-                # were dropped (_released).
-                ranges = self._pending
-                self._pending = []
-                self.backend.discard(ranges)
-                self._n_discard_calls += 1
-                self._n_discarded += sum(map(_N, ranges))
-            if self._born:  # newborns the plan populates on the GPU
-                ranges = self._born
-                self._born = []
-                backend = self.backend
-                backend.prefetch(ranges, backend.device)
-                self._n_populate_calls += 1
+            if self._pending or self._born:
+                self._flush()
             n = self._nl
             self._nl = n + 1
             if n == self._next_at and self._mode == "act":
@@ -398,8 +439,17 @@ class Runtime(Policy):
                 self._pool_layer(t is LayerEnter)
             elif self._pool_observe is not None:
                 self._pool_observe(event)
-            if self._rec is not None:
-                self._rec.boundaries.append(self._nl)
+            ne = self._ne
+            self._ne = ne + 1
+            lh = self._lh = ((self._lh * 1000003) ^ hash(event.module) ^ (t is LayerEnter)) & _MASK
+            rec = self._rec
+            if rec is not None:
+                rec.boundaries.append(self._nl)
+                rec.light.append((self._nl, lh))
+            if self._light:
+                if self._pending or self._born:
+                    self._flush()
+                self._light_event(ne)
         elif t is IterationBoundary:
             if self._pool_observe is not None:
                 self._pool_observe(event)
@@ -454,6 +504,8 @@ class Runtime(Policy):
 
     def _boundary(self, index: int) -> None:
         c = self.counters
+        if self._light and self._mode == "act":
+            self._light_tail()
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
@@ -475,6 +527,8 @@ class Runtime(Policy):
         # the next one of that shape is checked against (a frozen one held them).
         if self._frozen:
             self.counters["frozen_iterations"] += 1
+        if self._light and mode == "act":
+            self.counters["light_iterations"] += 1
         if self._ptrs is not None and mode in ("act", "learn"):
             self._ref = (self._plan.signature if mode == "act" else self._sig, self._ptrs)
         elif not self._frozen:
@@ -515,6 +569,8 @@ class Runtime(Policy):
     def _start_iteration(self) -> None:
         self._nl = 0
         self._nf = 0
+        self._ne = 0
+        self._lh = 0
         self._sig = 0
         self._rec = None
         self._plan = None
@@ -545,12 +601,19 @@ class Runtime(Policy):
         self._frozen = bool(self.freeze and trusted and plan.actions and ref is not None
                             and ref[0] == plan.signature)
         self._ptrs = None if self._frozen else []
+        # A trusted plan with a clock of non-launch events needs no launches.
+        self._light = light = bool(self.launch_free and trusted and plan.actions and plan.light_end is not None)
+        self._counting = False
+        self.wants_launches = not light
+        self._resume = plan.light_resume if light else {}
+        if light and -1 in self._resume:  # a decision before the iteration's first event
+            self._counting = self.wants_launches = True
         if plan is not None and plan.actions:
             self._mode = "act"
             self._plan = plan
             self._actions = plan.actions
             self._ai = 0
-            self._next_at = plan.actions[0].at
+            self._arm()
             # A plan not yet confirmed twice is probed (recorded) all along,
             # so a late deviation still teaches the runtime the new shape.
             self._probe = 0 if trusted else len(plan.actions) + 1
@@ -564,7 +627,7 @@ class Runtime(Policy):
                 self._read_mostly(plan.read_mostly)
         else:
             self._mode = "learn"
-            self._next_at = -1
+            self._next_at = self._next_light = -1
             self._fresh = frozenset()
             self._discard_keys = None
             self._over = {}
@@ -593,7 +656,26 @@ class Runtime(Policy):
             if not self._probe:
                 self._rec = None  # the plan holds: stop recording
         self._ai += 1
-        self._next_at = self._actions[self._ai].at if self._ai < len(self._actions) else -1
+        self._arm()
+        self._act(a)
+
+    def _arm(self) -> None:
+        """Set the trigger of the next decision: its launch ordinal, or (acting
+        without launches) its light event; counting launches stops once no
+        decision needs them."""
+        if self._ai >= len(self._actions):
+            self._next_at = self._next_light = -1
+            return
+        a = self._actions[self._ai]
+        if not self._light:
+            self._next_at = a.at
+        elif a.light_at >= 0:
+            self._next_at, self._next_light = -1, a.light_at
+        else:  # counted from the event before it (Plan.light_resume)
+            self._next_at, self._next_light = a.at, -1
+
+    def _act(self, a: Action) -> None:
+        """Issue one decision's moves."""
         c = self.counters
         c["decisions"] += 1
         if a.evict:
@@ -609,6 +691,94 @@ class Runtime(Policy):
                 self.backend.prefetch(ranges, self.backend.device)
                 c["prefetch_calls"] += 1
                 c["prefetched_bytes"] += moved
+
+    # -- acting without launches -------------------------------------------------
+
+    def _light_event(self, ne: int) -> None:
+        """Non-launch event ``ne`` of an iteration acted on without launches:
+        the decisions placed on it (Action.light_at), then host mappings."""
+        if self._temp:
+            self._unmap_temp()  # the oversized launch it was made for has been queued
+        if ne == self._next_light:
+            self._decide_light(ne)
+        # Launches are counted from an event the plan names to the next event.
+        r = self._resume.get(ne)
+        if r is None:
+            if self._counting:
+                self._counting = self.wants_launches = False
+        elif self._mode == "act":
+            if r[1] != self._lh:
+                self._deviate()
+                return
+            self._nl = r[0]  # launches before this event, as recorded
+            self._counting = self.wants_launches = True
+
+    def _decide_light(self, ne: int) -> None:
+        """The decisions at event ``ne``, if the iteration has matched its plan
+        so far: the running hash of every allocation's size, every freed size
+        and every module boundary must be the recorded one."""
+        actions = self._actions
+        a = actions[self._ai]
+        if self._lh != a.light_hash:
+            a = self._switch_light(ne)
+            if a is None:
+                self._deviate()
+                return
+            actions = self._actions
+        while True:
+            self._ai += 1
+            self._act(a)
+            if self._ai >= len(actions) or actions[self._ai].light_at != ne:
+                break
+            a = actions[self._ai]
+        self._arm()
+
+    def _switch_light(self, ne: int) -> Action | None:
+        """Another learned shape that matches at event ``ne`` (as :meth:`_switch`)."""
+        for sig in reversed(self.plans):
+            plan = self.plans[sig]
+            if plan is self._plan or plan.light_end is None:
+                continue
+            idx = plan.index_at_light(ne)
+            if idx is not None and plan.actions[idx].light_hash == self._lh:
+                self.counters["switches"] += 1
+                self._unfreeze()
+                self._plan = plan
+                self._actions = plan.actions
+                self._ai = idx
+                self._over = plan.remote_at
+                self._resume = plan.light_resume
+                return plan.actions[idx]
+        return None
+
+    def _light_tail(self) -> None:
+        """The iteration ends: if it matched its plan to the last event, the
+        decisions placed after that event run now (they prepare the next one)."""
+        if (self._ne, self._lh) != self._plan.light_end:
+            self._deviate()
+            return
+        if self._pending or self._born:
+            self._flush()
+        while self._ai < len(self._actions):
+            self._act(self._actions[self._ai])
+            self._ai += 1
+
+    def _flush(self) -> None:
+        """Discard the ranges freed since the last flush in one call, then
+        populate the plan's newborns on the GPU. Ranges of segments the pool
+        gave back meanwhile were dropped (_released)."""
+        backend = self.backend
+        if self._pending:
+            ranges = self._pending
+            self._pending = []
+            backend.discard(ranges)
+            self._n_discard_calls += 1
+            self._n_discarded += sum(map(_N, ranges))
+        if self._born:
+            ranges = self._born
+            self._born = []
+            backend.prefetch(ranges, backend.device)
+            self._n_populate_calls += 1
 
     def _resolve(self, keys: tuple[int, ...], memo: dict, evict: bool) -> tuple[list, int, int]:
         """The ranges a decision moves for ``keys``: ``(ranges, bytes, keys not alive)``.
@@ -681,6 +851,8 @@ class Runtime(Policy):
         if self._ai > 0:  # failed after it had started to hold: the guard counts that
             self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
+        self._light = self._counting = False
+        self.wants_launches = True  # the next iteration is learned
         self._plan = None
         self._fresh = frozenset()
         self._discard_keys = None

@@ -71,6 +71,10 @@ class IterationRecord:
     carried: dict[int, int] = field(default_factory=dict)  # survivor's key -> its key next iteration
     alloc_counts: list[int] = field(default_factory=list)  # allocations before launch i (validation)
     free_counts: list[int] = field(default_factory=list)  # frees before launch i
+    # Every event but launches (allocations, frees, module boundaries), in order:
+    # (position, the runtime's running hash after it). The clock a runtime that
+    # no longer sees launches acts on (see Plan.light_end).
+    light: list[tuple[int, int]] = field(default_factory=list)
     signature: int = 0
 
     def __len__(self) -> int:
@@ -87,6 +91,11 @@ class Action:
     n_free: int
     evict: tuple[int, ...]  # keys to move to the host
     prefetch: tuple[int, ...]  # keys to move to the GPU, in need order
+    # The same point on the clock of non-launch events (IterationRecord.light):
+    # that event's index (-1: none before the iteration ends) and the running
+    # hash expected there.
+    light_at: int = -1
+    light_hash: int = 0
 
 
 @dataclass
@@ -102,6 +111,14 @@ class Plan:
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
     fresh: frozenset[int] = frozenset()  # keys to populate on the GPU as they are born
+    # Acting without launches: (events, running hash) at the iteration's end
+    # (None: the record had no light events), and where the runtime must
+    # count launches until the next event: light event -> (launches before
+    # it, running hash there), for decisions no event precedes and oversized
+    # launches (host-mapped for their own duration).
+    light_end: tuple[int, int] | None = None
+    light_resume: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _light_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
@@ -110,6 +127,50 @@ class Plan:
         """Index of the action tied to launch ordinal ``launch``, if any."""
         i = bisect.bisect_left(self.actions, launch, key=lambda a: a.at)
         return i if i < len(self.actions) and self.actions[i].at == launch else None
+
+    def index_at_light(self, event: int) -> int | None:
+        """Index of the first action tied to light event ``event``, if any."""
+        idx = self._light_index
+        if idx is None:
+            idx = self._light_index = {}
+            for i, a in enumerate(self.actions):
+                if a.light_at >= 0:
+                    idx.setdefault(a.light_at, i)
+        return idx.get(event)
+
+
+def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversized: Sequence[int]
+                 ) -> tuple[list[Action], dict[int, tuple[int, int]]]:
+    """Place each action on the clock of non-launch events.
+
+    An action before launch ``at`` goes to the last event between launches
+    ``at - 1`` and ``at`` (a module boundary, the launch's own output
+    allocations, a free). Where there is none (inside an optimizer step:
+    launch after launch, nothing allocated), the runtime counts launches
+    from the last event before ``at`` to the next event (``resume``); the
+    action keeps ``light_at = -1`` and is acted on at its launch. So it does
+    around each oversized launch, host-mapped for that launch alone.
+    Positions are "before launch i" (IterationRecord).
+    """
+    pos = [p for p, _ in light]
+    placed = []
+    resume: dict[int, tuple[int, int]] = {}
+
+    def count_from(at: int) -> None:
+        e = bisect.bisect_right(pos, at) - 1
+        # before the iteration's first event: count from its start
+        resume.setdefault(e, (pos[e], light[e][1]) if e >= 0 else (0, 0))
+
+    for a in actions:
+        e = bisect.bisect_right(pos, a.at) - 1
+        if e >= 0 and pos[e] == a.at:
+            placed.append(replace(a, light_at=e, light_hash=light[e][1]))
+        else:
+            placed.append(a)
+            count_from(a.at)
+    for n in oversized:
+        count_from(n)
+    return placed, resume
 
 
 def _round(n: int) -> int:
@@ -246,8 +307,12 @@ class Planner:
         dead = {k for _, k in rec.frees}
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
                            and rec.kinds.get(k) == Kind.PARAMETER)
+        light_end = (len(rec.light), rec.light[-1][1]) if rec.light else None
+        resume: dict[int, tuple[int, int]] = {}
+        if light_end is not None:
+            actions, resume = light_points(rec.light, actions, sorted(remote_at))
         return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly,
-                    remote_at=remote_at)
+                    remote_at=remote_at, light_end=light_end, light_resume=resume)
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""
