@@ -164,6 +164,9 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     start = time.perf_counter()
     try:
         policy = make_policy(cell.policy, trace=trace)
+        # Each policy in its steady state: a runtime that learns needs more iterations.
+        iterations = max(iterations, policy.warmup_iterations + 1)
+        row["iterations"] = iterations
         result = simulate(trace, policy, profile, cell.budget, iterations)
         data = result.to_json() if hasattr(result, "to_json") else dict(result)
     except Exception as exc:  # noqa: BLE001 - one bad cell must not end the run

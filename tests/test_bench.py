@@ -259,3 +259,20 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
     assert (tmp_path / "results.csv").exists() and (tmp_path / "results.md").exists()
     assert list((tmp_path / "plots").glob("*.png"))
     assert list((tmp_path / "cache").glob("*.umrt"))  # the trace was cached
+
+
+def test_each_policy_is_measured_in_its_steady_state(monkeypatch):
+    """A runtime that learns (umrt: 2 learned + 2 probed iterations) gets enough
+    iterations that its reported one is steady; the others keep the grid's."""
+    fake_profiles(monkeypatch)
+    seen = {}
+
+    def simulate(trace, policy, profile, budget, iterations):
+        seen[policy.name] = iterations
+        return fake_simulate(trace, policy, profile, budget, iterations)
+
+    monkeypatch.setitem(SLOWDOWN, "umrt", 1.1)
+    grid = Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=("ideal", "um", "umrt"), iterations=3)
+    rows = run_grid(grid, progress=False, trace_fn=fake_trace, simulate=simulate)
+    assert seen == {"ideal": 3, "um": 3, "umrt": 5}
+    assert {r["policy"]: r["iterations"] for r in rows} == seen

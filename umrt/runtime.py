@@ -267,6 +267,12 @@ class Runtime(Policy):
 
     # -- Policy -----------------------------------------------------------------
 
+    @property
+    def warmup_iterations(self) -> int:
+        """Learned iterations, then two acted on while still recorded (probed)
+        before the plan is trusted and runs in steady state."""
+        return self.learn_iterations + 2
+
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
         self.backend: Backend = ctx.backend

@@ -35,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"('20%%'), a size ('8GiB', '512MB') or bytes (default {DEFAULT_BUDGET.replace('%', '%%')})")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy name, e.g. ideal, um, um-advise, oracle, deepum, umrt (default {DEFAULT_POLICY})")
-    p.add_argument("--iterations", type=int, default=3, metavar="N",
-                   help="iterations to simulate; the last one is reported (default 3)")
+    p.add_argument("--iterations", type=int, default=None, metavar="N",
+                   help="iterations to simulate; the last one is reported (default 3, or as many as the "
+                        "policy needs to reach its steady state: 5 for umrt)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -48,13 +49,17 @@ def run(args: argparse.Namespace) -> int:
     from umrt.sim.replay import simulate
     from umrt.trace.fileformat import load
 
-    if args.iterations < 1:
+    from umrt.policy import make_policy
+
+    if args.iterations is not None and args.iterations < 1:
         raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")
     profile = load_profile(args.gpu)  # before the (slow) trace load: fail fast on a typo
     trace = load(args.trace)
-    result = simulate(trace, args.policy, profile, args.budget, iterations=args.iterations,
+    policy = make_policy(args.policy, trace)
+    iterations = args.iterations or max(3, policy.warmup_iterations + 1)
+    result = simulate(trace, policy, profile, args.budget, iterations=iterations,
                       progress=not args.json and sys.stderr.isatty())
-    bound = link_bound(trace, profile, args.budget, iterations=args.iterations)
+    bound = link_bound(trace, profile, args.budget, iterations=iterations)
     if args.json:
         json.dump(result.to_json() | {"link_bound": bound.to_json()}, sys.stdout, indent=2)
         print()

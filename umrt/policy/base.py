@@ -37,6 +37,9 @@ class Policy(ABC):
     """Decides what to move, and when."""
 
     name: str = "policy"
+    #: Iterations before the policy's steady state (a runtime that learns):
+    #: a bench reports the iteration after them at the earliest.
+    warmup_iterations: int = 0
 
     def attach(self, ctx: PolicyContext) -> None:
         """Called once before the first event."""
