@@ -17,6 +17,12 @@ is reported beside it, with what they cost on the profile
 time). The pool's ``alloc``/``free`` (umrt's allocator, standing in for
 PyTorch's caching allocator) are timed the same way and reported beside it.
 
+Launches are held back while the runtime does not want them
+(``Runtime.wants_launches``: a trusted plan runs on allocations, frees and
+module boundaries), as the live bridge does by suspending capture; the
+launches it was handed per iteration are reported. ``--all-launches`` feeds
+every launch instead (and acts on launches: ``launch_free=False``).
+
 The figure is compared with the simulated ideal (unlimited-memory) iteration
 time on the hardware profile (default h100-pcie5-80g); the target is <= 1%.
 """
@@ -62,7 +68,7 @@ class NullBackend(BumpBackend, Backend):
 
 
 def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bool,
-            repeats: int = 1) -> dict:
+            repeats: int = 1, all_launches: bool = False) -> dict:
     """Feed ``iterations + repeats - 1`` iterations; time each of the last ``repeats``.
 
     An iteration is timed from its opening :class:`IterationBoundary`
@@ -79,7 +85,7 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
     spans = trace.iteration_spans()
     budget_bytes = parse_budget(budget, peak_live_bytes(trace))
     backend = NullBackend()
-    rt = Runtime(op_level=op_level)
+    rt = Runtime(op_level=op_level, launch_free=not all_launches)
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, budget_bytes, profile))
     clock = time.perf_counter_ns
@@ -94,7 +100,7 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
 
     boundary = 0
     spent = pool = 0
-    events = pool_calls = 0
+    events = pool_calls = launches = delivered = 0
     calls0 = 0
     ideal = 0.0
     samples: list[dict] = []
@@ -104,6 +110,7 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
             "runtime_s": max(0.0, spent - events * per_call_floor) / 1e9,
             "pool_s": max(0.0, pool - pool_calls * per_call_floor) / 1e9,
             "events": events, "ideal_s": ideal, "calls": backend.calls - calls0,
+            "launches": launches, "delivered": delivered,
         })
 
     for ev in _stream(trace, spans, total):
@@ -114,6 +121,13 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
                 close()
             if boundary >= iterations:  # a measured iteration starts
                 spent, pool, events, pool_calls, ideal, calls0 = 0, 0, 0, 0, 0.0, backend.calls
+                launches = delivered = 0
+        if t is Launch:
+            ideal += profile.compute_time(ev.flops, ev.bytes, ev.precision)
+            launches += 1
+            if not rt.wants_launches:
+                continue  # not captured live: the runtime acts without it
+            delivered += 1
         if t is Alloc:
             a = clock()
             alloc(ev.obj, ev.nbytes, ev.kind)
@@ -128,8 +142,6 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
             free(ev.obj)
             pool += clock() - a
             pool_calls += 1
-        elif t is Launch:
-            ideal += profile.compute_time(ev.flops, ev.bytes, ev.precision)
     # (the closing boundary of the stream opens no iteration; it is not timed)
     first = samples[0]
     runtime_s = [s["runtime_s"] for s in samples]
@@ -144,6 +156,8 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
         "budget_bytes": budget_bytes,
         "op_level": op_level,
         "events_per_iteration": first["events"],
+        "launches_per_iteration": first["launches"],
+        "launches_delivered_per_iteration": first["delivered"],
         "measured_iterations": len(samples),
         "runtime_cpu_s_per_iteration": best,
         "runtime_cpu_s_first": runtime_s[0],
@@ -191,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="steady iterations measured from --iterations on; the minimum is reported "
                              "(the machine is shared: the minimum is the least disturbed), the median beside it")
     parser.add_argument("--op-level", action="store_true", help="act before every launch")
+    parser.add_argument("--all-launches", action="store_true",
+                        help="deliver every launch (the runtime acts on launches), as before capture could be "
+                             "suspended")
     parser.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     args = parser.parse_args(argv)
     from bench.grid import trace_for
@@ -198,12 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     trace = trace_for(args.model, args.batch, args.seq, dtype=args.dtype)
     print(f"trace {args.model} b{args.batch} s{args.seq}: {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    res = measure(trace, args.profile, args.budget, args.iterations, args.op_level, args.repeats)
+    res = measure(trace, args.profile, args.budget, args.iterations, args.op_level, args.repeats,
+                  args.all_launches)
     ideal = res["ideal_iteration_s"]
     print(f"{res['model']} ({res['dtype']}) on {res['profile']} (simulated ideal iteration {ideal * 1e3:.1f} ms): "
           f"runtime CPU {res['runtime_cpu_s_per_iteration'] * 1e3:.2f} ms per steady iteration "
           f"(min of {res['measured_iterations']}; median {res['runtime_cpu_s_median'] * 1e3:.2f} ms) over "
-          f"{res['events_per_iteration']} events = {res['overhead_fraction'] * 100:.2f}% "
+          f"{res['events_per_iteration']} events ({res['launches_delivered_per_iteration']} of "
+          f"{res['launches_per_iteration']} launches) = {res['overhead_fraction'] * 100:.2f}% "
           f"(median {res['overhead_fraction_median'] * 100:.2f}%; target <= 1%); "
           f"{res['backend_calls_per_iteration']} backend calls "
           f"({res['backend_call_time_s'] * 1e3:.2f} ms of driver time on the profile)")

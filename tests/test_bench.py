@@ -276,3 +276,19 @@ def test_each_policy_is_measured_in_its_steady_state(monkeypatch):
     rows = run_grid(grid, progress=False, trace_fn=fake_trace, simulate=simulate)
     assert seen == {"ideal": 3, "um": 3, "umrt": 5}
     assert {r["policy"]: r["iterations"] for r in rows} == seen
+
+
+def test_overhead_bench_holds_back_launches_the_runtime_does_not_want():
+    """bench.overhead delivers events as the live bridge does: in the trusted
+    steady state launches are held back, and the runtime still acts."""
+    from bench.overhead import measure
+    from umrt.predict.synthetic import training_trace
+
+    tr = training_trace(layers=6, steps=3)
+    light = measure(tr, "h100-pcie5-80g", "30%", iterations=6, op_level=False, repeats=2)
+    assert light["runtime_report"]["light_iterations"] >= 2 and light["runtime_report"]["deviations"] == 0
+    assert light["launches_delivered_per_iteration"] < light["launches_per_iteration"]
+    assert light["backend_calls_per_iteration"] > 0
+    full = measure(tr, "h100-pcie5-80g", "30%", iterations=6, op_level=False, repeats=2, all_launches=True)
+    assert full["launches_delivered_per_iteration"] == full["launches_per_iteration"] > 0
+    assert full["runtime_report"]["light_iterations"] == 0
