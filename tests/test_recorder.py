@@ -354,3 +354,21 @@ def test_exit_while_suspended_is_clean():
     assert tr.header.iterations == 2
     _step(model, opt)  # torch runs on, unrecorded
     assert len(rec.events) == len(tr.events)
+
+
+def test_a_recorder_that_keeps_no_events_stays_bounded():
+    """A live listener's recorder runs for a whole training: with keep_events=False
+    it passes every event on and holds only what is alive."""
+    model, opt = _mlp("meta")
+    seen = []
+    rec = Recorder(model, opt, listeners=[seen.append], keep_events=False)
+    with rec:
+        _step(model, opt)
+        _step(model, opt)
+        tracked = len(rec._objs)
+        for _ in range(3):
+            _step(model, opt)
+        assert len(rec._objs) == tracked  # freed objects are forgotten
+    assert rec.events == [] and sum(isinstance(e, Launch) for e in seen) > 0
+    with pytest.raises(RuntimeError, match="keeps no events"):
+        rec.trace()

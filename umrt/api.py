@@ -330,7 +330,7 @@ class LiveBridge:
                               f"got {type(session.pool).__name__}")
         self.from_allocator: bool = from_allocator
         self.policy = policy if policy is not None else _live_policy(cfg, discard_on_free=not from_allocator)
-        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False)
+        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False, keep_events=False)
         self.pool = session.pool
         self.failed: BaseException | None = None
         self.events = 0  # events delivered to the policy

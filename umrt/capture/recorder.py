@@ -223,6 +223,9 @@ class Recorder:
         model_name: recorded in the trace header.
         steer: route attention and dropout to single fused ops on meta/CPU
             (see :mod:`umrt.capture.steer`).
+        keep_events: keep the events for :meth:`trace` and :attr:`events`;
+            False for a live listener's recorder that runs for a whole training
+            (events are only passed on, so memory stays bounded).
     """
 
     def __init__(
@@ -238,6 +241,7 @@ class Recorder:
         model_name: str = "",
         steer: bool = True,
         meta: dict | None = None,
+        keep_events: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -257,6 +261,7 @@ class Recorder:
         self.device = torch.device(device).type
 
         self._events: list[Event] = []
+        self._keep = keep_events
         self._objs: dict[int, _Obj] = {}  # obj id -> facts
         self._by_storage: dict[int, int] = {}  # id(storage object) -> obj id
         self._finalizers: dict[int, weakref.finalize] = {}
@@ -404,7 +409,13 @@ class Recorder:
         return 0 if storage.device.type == "meta" else int(storage.data_ptr())
 
     def trace(self) -> Trace:
-        """The trace so far, with refined kinds (and detected iterations if unmarked)."""
+        """The trace so far, with refined kinds (and detected iterations if unmarked).
+
+        Raises:
+            RuntimeError: the recorder was made with ``keep_events=False``.
+        """
+        if not self._keep:
+            raise RuntimeError("this Recorder keeps no events (keep_events=False): it has no trace")
         with self._lock:
             if self._pending_boundary and not self._closed:
                 self._emit_boundary()
@@ -432,7 +443,7 @@ class Recorder:
 
     @property
     def events(self) -> list[Event]:
-        """Events as emitted so far (kinds as announced live)."""
+        """Events as emitted so far (kinds as announced live; none with ``keep_events=False``)."""
         return self._events
 
     # ------------------------------------------------------------------ set-up
@@ -619,7 +630,8 @@ class Recorder:
 
     # ------------------------------------------------------------------ events
     def _emit(self, ev: Event) -> None:
-        self._events.append(ev)
+        if self._keep:
+            self._events.append(ev)
         for listener in self.listeners:
             listener(ev)
 
@@ -697,6 +709,8 @@ class Recorder:
             info.freed_iteration = self._iteration
             if info.key is not None and info.known is None and info.iteration == self._iteration:
                 self._learned[info.key] = self._lifetime_kind(info)
+            if not self._keep:
+                del self._objs[obj]  # kept only to refine the trace's kinds
             self._emit(Free(obj))
 
     def _phase(self, in_graph: bool | None = None) -> int:
