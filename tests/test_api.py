@@ -281,10 +281,15 @@ def test_ops_are_suspended_while_the_policy_wants_no_launches(fake_gpu):
 def test_a_failing_policy_stops_the_bridge_with_one_warning(fake_gpu, caplog):
     policy = StubPolicy(fail_at=40)
     bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    seen = []
+    bridge.recorder.listeners.append(seen.append)
     with caplog.at_level(logging.WARNING, logger="umrt"):
         _train(bridge, 3)  # the training runs to its end
     assert isinstance(bridge.failed, RuntimeError)
     assert len([e for e in policy.got if e != "STEP"]) == 40
+    # the recorder's ops were suspended at the failure: no launch recorded after it
+    assert sum(isinstance(e, Launch) for e in seen) == sum(isinstance(e, Launch) for e in policy.got) > 0
+    assert sum(isinstance(e, LayerEnter) for e in seen) > sum(isinstance(e, LayerEnter) for e in policy.got)
     assert caplog.text.count("runtime stopped acting") == 1
 
 

@@ -303,7 +303,7 @@ class LiveBridge:
       umrt's runtime discards a freed range at the ``Free`` itself.
 
     A failure in any callback stops umrt's actions with one warning, never the
-    training. Events come from torch's autograd thread too: one lock orders
+    training (and suspends the recorder's ops: nothing reads them). Events come from torch's autograd thread too: one lock orders
     their delivery to the policy.
 
     Args:
@@ -398,6 +398,7 @@ class LiveBridge:
         self.failed = exc
         log.warning("umrt: runtime stopped acting after an error (%s: %s); memory stays managed",
                     type(exc).__name__, exc)
+        self.recorder.suspend_ops()  # nothing reads its launches any more: stop paying for them
 
     # -- allocator-sourced objects ------------------------------------------------
 
