@@ -372,3 +372,37 @@ def test_a_recorder_that_keeps_no_events_stays_bounded():
     assert rec.events == [] and sum(isinstance(e, Launch) for e in seen) > 0
     with pytest.raises(RuntimeError, match="keeps no events"):
         rec.trace()
+
+
+def test_suspending_from_another_thread_takes_effect_at_the_owners_next_hook():
+    """Torch keeps dispatch modes per thread (autograd's worker runs CUDA backward):
+    a request from another thread stops launches at once; the mode itself is left,
+    and re-entered, on the thread that entered the recorder, at its next hook."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def elsewhere(call):
+        out = []
+        t = threading.Thread(target=lambda: out.append(call()))
+        t.start()
+        t.join()
+        return out[0]
+
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+    with rec:
+        x = torch.randn(8, 16, device="meta")
+        assert elsewhere(rec.suspend_ops) is True
+        n = sum(isinstance(e, Launch) for e in rec.events)
+        x * 2
+        assert sum(isinstance(e, Launch) for e in rec.events) == n  # at once
+        assert len(_get_current_dispatch_mode_stack()) == 1  # still on here
+        model(x)
+        assert _get_current_dispatch_mode_stack() == []  # left at the module hook
+        elsewhere(rec.resume_ops)
+        assert _get_current_dispatch_mode_stack() == []
+        model(x)
+        assert len(_get_current_dispatch_mode_stack()) == 1
+        x * 2
+        assert sum(isinstance(e, Launch) for e in rec.events) > n
