@@ -20,7 +20,9 @@ PyTorch's caching allocator) are timed the same way and reported beside it.
 Launches are held back while the runtime does not want them
 (``Runtime.wants_launches``: a trusted plan runs on allocations, frees and
 module boundaries), as the live bridge does by suspending capture; the
-launches it was handed per iteration are reported. ``--all-launches`` feeds
+launches it was handed per iteration are reported (the pool, which keys
+its layout by launch in the simulator, is told of the others, as its own
+time). ``--all-launches`` feeds
 every launch instead (and acts on launches: ``launch_free=False``).
 
 The figure is compared with the simulated ideal (unlimited-memory) iteration
@@ -126,7 +128,13 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
             ideal += profile.compute_time(ev.flops, ev.bytes, ev.precision)
             launches += 1
             if not rt.wants_launches:
-                continue  # not captured live: the runtime acts without it
+                # Not captured live: the runtime acts without it. The simulator's
+                # pool keys its layout by launch; it is told here (as the pool's time).
+                a = clock()
+                layout.observe_launch(ev.exec_id)
+                pool += clock() - a
+                pool_calls += 1
+                continue
             delivered += 1
         if t is Alloc:
             a = clock()

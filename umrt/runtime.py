@@ -378,8 +378,8 @@ class Runtime(Policy):
             # written (a live allocation arrives before its op's kernel is queued).
             if self._pending or self._born:
                 self._flush()
-            if self._light:
-                self._light_event(ne)
+            if self._light and (ne == self._next_light or ne in self._resume or self._counting or self._temp):
+                self._light_event(ne)  # something is due at this event
         elif t is Free:
             obj = event.obj
             keys = self.keys  # ObjectKeys.free, inlined
@@ -419,8 +419,8 @@ class Runtime(Policy):
                 rec.light.append((self._nl, lh))
             if self.discard_on_free and self._pending:
                 self._flush()
-            if self._light:
-                self._light_event(ne)
+            if self._light and (ne == self._next_light or ne in self._resume or self._counting or self._temp):
+                self._light_event(ne)  # something is due at this event
         elif t is Launch:
             if self._pool_launch is not None:
                 self._pool_launch(event.exec_id)
@@ -455,7 +455,8 @@ class Runtime(Policy):
             if self._light:
                 if self._pending or self._born:
                     self._flush()
-                self._light_event(ne)
+                if ne == self._next_light or ne in self._resume or self._counting or self._temp:
+                    self._light_event(ne)
         elif t is IterationBoundary:
             if self._pool_observe is not None:
                 self._pool_observe(event)
