@@ -174,16 +174,17 @@ def _session(fake_gpu):
                        pool=ManagedPool(backend), budget_bytes=1 << 30)
 
 
-def _train(bridge, steps, policy=None, before=None):
-    """Train a small MLP under the bridge, every storage made through FakeAllocator;
-    a "STEP" marker goes into the policy's events after each optimizer step."""
-    policy = policy or bridge.policy
+def _train(bridge, steps, before=None, width=16, layers=1):
+    """Train an MLP under the bridge, every storage made through FakeAllocator;
+    a "STEP" marker goes into a stub policy's events after each optimizer step."""
+    got = getattr(bridge.policy, "got", [])
     with FakeAllocator(bridge.pool):
         bridge.start()
-        hook = register_optimizer_step_post_hook(lambda *a: policy.got.append("STEP"))
+        hook = register_optimizer_step_post_hook(lambda *a: got.append("STEP"))
         try:
             torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            hidden = [m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+            model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), *hidden, torch.nn.Linear(width, 1))
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             for _ in range(steps):
                 x = torch.randn(4, 8)
@@ -318,3 +319,30 @@ def test_the_source_of_objects(fake_gpu):
     assert not api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
     with pytest.raises(ConfigError, match="pool with listeners"):
         api.LiveBridge(session, device="cuda", policy=StubPolicy(), from_allocator=True)
+
+
+def test_the_runtime_over_the_bridge_acts_without_launches(fake_gpu):
+    """umrt's runtime, live: it learns, then follows its trusted plan from
+    allocations, frees and layers; while it wants no launches the recorder's
+    ops are suspended, so it is given fewer than the program runs."""
+    session = _session(fake_gpu)
+    session.config = Config(enabled=True, policy="umrt", learn_iterations=2)
+    session.budget_bytes = 1 << 20  # a quarter of the MLP's 3.8 MiB of parameters, gradients and momentum
+    bridge = api.LiveBridge(session, device="cpu", from_allocator=True)
+    per_iteration = []
+    deliver = bridge.policy.on_event
+
+    def count(ev):
+        if isinstance(ev, IterationBoundary):
+            per_iteration.append(0)
+        elif isinstance(ev, Launch):
+            per_iteration[-1] += 1
+        deliver(ev)
+
+    bridge.policy.on_event = count
+    _train(bridge, 10, width=256, layers=5)
+    rep = bridge.policy.report()
+    assert bridge.failed is None and rep["learned"] == 2 and rep["acted"] == 8
+    assert rep["light_iterations"] >= 3
+    full = per_iteration[1]  # a learned iteration: every launch
+    assert full > 0 and sum(n < full for n in per_iteration[2:-1]) >= 3
