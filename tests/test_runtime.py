@@ -17,7 +17,7 @@ from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
-from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace
 
 PROFILE = "v100-pcie3-32g"
 
@@ -216,12 +216,13 @@ class _NoIndexPool(LifetimePool):
 
 
 def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper=None, honour: bool = False,
-           **options) -> Runtime:
+           lag: bool = False, **options) -> Runtime:
     """Feed a synthetic training trace to a Runtime(**options) over ``backend``,
     event by event as the replay does; ``tamper(rt)`` runs at each boundary
     reached while the runtime is frozen. ``honour``: hold back launches while
     the runtime does not want them, as the live bridge does (it stops
-    capturing them); counted in ``rt.held_back``."""
+    capturing them); counted in ``rt.held_back``. ``lag``: as a live capture
+    that resumes only at the next module hook (layer event)."""
     tr = training_trace(layers=6, steps=steps)
     budget = parse_budget("30%", peak_live_bytes(tr))
     rt = Runtime(**options)
@@ -230,10 +231,15 @@ def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper
         layout.__class__ = _NoIndexPool
     rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
     rt.held_back = 0
+    capturing = True
     for ev in tr.events:
+        if not rt.wants_launches:
+            capturing = False
+        elif not lag or isinstance(ev, (LayerEnter, LayerExit)):
+            capturing = True
         if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
             tamper(rt)
-        if isinstance(ev, Launch) and honour and not rt.wants_launches:
+        if isinstance(ev, Launch) and honour and not capturing:
             rt.held_back += 1
             backend.launch((), (), 0, 0)  # the kernel runs all the same
             continue
@@ -317,6 +323,19 @@ def test_acting_without_launches_makes_the_same_moves():
     assert rt2.report()["light_iterations"] == 0
     assert any(c[0] == "prefetch" for c in full)
     assert _moves(light) == _moves(full)
+
+
+def test_launches_delivered_late_make_late_decisions_not_deviations():
+    """A live capture resumes only at the next module hook: the decisions
+    among launches it missed are taken at the next event, late, and the plan
+    still holds (the same moves, no deviation)."""
+    late, rt = _calls(steps=8, honour=True, lag=True, use_pool=False)
+    rep = rt.report()
+    assert rep["deviations"] == 0 and rep["late_decisions"] > 0 and rep["light_iterations"] >= 3
+    full, rt2 = _calls(steps=8, launch_free=False, use_pool=False)
+    assert rep["decisions"] == rt2.report()["decisions"]
+    assert rep["prefetched_bytes"] == rt2.report()["prefetched_bytes"]
+    assert rep["evicted_bytes"] == rt2.report()["evicted_bytes"]
 
 
 def test_an_object_at_another_address_unfreezes():

@@ -261,7 +261,7 @@ class Runtime(Policy):
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0, "launch_host_mapped_bytes": 0,
-            "frozen_iterations": 0, "unfreezes": 0, "light_iterations": 0,
+            "frozen_iterations": 0, "unfreezes": 0, "light_iterations": 0, "late_decisions": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -653,7 +653,11 @@ class Runtime(Policy):
 
     def _decide(self, ev: Launch) -> None:
         a = self._actions[self._ai]
-        if ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc or self._nf != a.n_free:
+        # Acting without launches, the iteration was checked at the event the
+        # count started from; a live driver may deliver launches late (its
+        # capture resumes at the next hook), so the count can only lag: late.
+        if not self._light and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
+                                or self._nf != a.n_free):
             a = self._switch(ev)
             if a is None:
                 self._deviate()
@@ -706,6 +710,16 @@ class Runtime(Policy):
         the decisions placed on it (Action.light_at), then host mappings."""
         if self._temp:
             self._unmap_temp()  # the oversized launch it was made for has been queued
+        if self._counting:
+            # The launches counted since an earlier event are all queued by now:
+            # a decision among them not yet taken (a launch not delivered) is taken now.
+            actions = self._actions
+            while self._ai < len(actions) and actions[self._ai].light_at < 0 and actions[self._ai].light_from < ne:
+                a = actions[self._ai]
+                self._ai += 1
+                self.counters["late_decisions"] += 1
+                self._act(a)
+            self._arm()
         if ne == self._next_light:
             self._decide_light(ne)
         # Launches are counted from an event the plan names to the next event.

@@ -96,6 +96,7 @@ class Action:
     # hash expected there.
     light_at: int = -1
     light_hash: int = 0
+    light_from: int = -1  # light_at -1: the event launches are counted from (Plan.light_resume)
 
 
 @dataclass
@@ -156,18 +157,18 @@ def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversi
     placed = []
     resume: dict[int, tuple[int, int]] = {}
 
-    def count_from(at: int) -> None:
+    def count_from(at: int) -> int:
         e = bisect.bisect_right(pos, at) - 1
         # before the iteration's first event: count from its start
         resume.setdefault(e, (pos[e], light[e][1]) if e >= 0 else (0, 0))
+        return e
 
     for a in actions:
         e = bisect.bisect_right(pos, a.at) - 1
         if e >= 0 and pos[e] == a.at:
             placed.append(replace(a, light_at=e, light_hash=light[e][1]))
         else:
-            placed.append(a)
-            count_from(a.at)
+            placed.append(replace(a, light_from=count_from(a.at)))
     for n in oversized:
         count_from(n)
     return placed, resume
