@@ -66,6 +66,28 @@ returned once its objects are dead).
 
 Gradients that are never freed (``set_to_none=False``) stay where the
 learning iteration put them, in the ``learning`` arena.
+
+The live feed (``live_feed=True``). Under a framework allocator (umrt's
+:class:`~umrt.allocators.managed.ManagedPool` behind torch) the pool sees
+every malloc and free in order, with sizes, but no kind: each allocation is
+announced as :attr:`Kind.OTHER`, which then means *unknown*, not persistent.
+Launches stop once the runtime stops recording, so this mode ignores them:
+a plan key is ``(None, nbytes, -1, ordinal)`` (no context, no kind), which
+a steady iteration reproduces without any hint. Kinds arrive late, if at
+all, through :meth:`LifetimePool.hint_kind` (a recorder's kind, an
+optimizer's facts); what matters is the hint that an object is persistent
+(:attr:`Kind.PARAMETER`, :attr:`Kind.OPTIMIZER_STATE`, given before the
+boundary that plans): it is left out of the plan and the ordinals of the
+others are counted without it. An object the learned iteration never frees
+and no hint names is planned as alive all along once, then drops out at
+the refinement, since the next iteration does not allocate it again.
+Placement cannot wait for the hint: before a plan exists, an unknown
+allocation outside any module (model set-up, the optimizer step, where
+persistent state is born) goes to the ``persistent`` arena, one inside a
+module to ``learning``. Since the guess is sometimes wrong, empty segments of
+the ``persistent`` and ``learning`` arenas are returned at every iteration
+boundary (neither is allocated in after planning, so nothing is returned and
+re-obtained), and ``overflow``'s once an iteration had no miss.
 """
 from __future__ import annotations
 
@@ -84,12 +106,14 @@ BLOCK = 2 << 20  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 
-PlanKey = tuple  # (context exec id | None, nbytes, kind, ordinal)
+PlanKey = tuple  # (context exec id | None, nbytes, kind code (-1: live feed), ordinal)
 # Never freed in training: served online, never planned. Gradients are Kind.persistent but
 # PyTorch re-creates them every iteration (zero_grad(set_to_none=True), the default since 2.0),
 # so they are planned with the transients, by their observed lifetimes.
 _PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE, Kind.OTHER})
 _KIND_CODE = {k: int(k) for k in Kind}  # int(kind), as a lookup (plan keys hold plain ints)
+_HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints that leave a plan
+_NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
 
 
 def _up(x: int, a: int) -> int:
@@ -191,6 +215,19 @@ class _Online:
             self.pool._release(ptr)
         self.__init__(self.pool, self.name, self.slab)
 
+    def release_empty(self) -> int:
+        """Return the segments nothing lives in (a free block spans each of them); their bytes."""
+        empty = [(p, n) for p, n in self.segments if self._free_at.get(p) == n]
+        for ptr, n in empty:
+            self._del_free(ptr, n)
+            self._seg_starts.discard(ptr)
+            self._seg_ends.discard(ptr + n)
+            self.pool._release(ptr)
+        if empty:
+            gone = {p for p, _ in empty}
+            self.segments = [sg for sg in self.segments if sg[0] not in gone]
+        return sum(n for _, n in empty)
+
     def _add_free(self, ptr: int, size: int) -> None:
         bisect.insort(self._free_keys, (size, ptr))
         self._free_at[ptr] = size
@@ -285,6 +322,12 @@ class LifetimePool(Layout):
     replan_threshold:
         Re-plan when more than this fraction of an iteration's planned-class
         bytes missed the plan (``None``: never re-plan).
+    live_feed:
+        Allocations come from a framework allocator: :attr:`Kind.OTHER` means
+        unknown (hinted later with :meth:`hint_kind`, or never), launches are
+        ignored and plan keys hold neither context nor kind (see "The live
+        feed" in the module docstring). ``False`` (the simulator's feed):
+        kinds are true at allocation and launches give the keys' context.
     """
 
     def __init__(
@@ -297,6 +340,7 @@ class LifetimePool(Layout):
         short_ticks: int = 2,
         min_group_bytes: int | None = None,
         replan_threshold: float | None = 0.5,
+        live_feed: bool = False,
     ) -> None:
         if block <= 0 or alignment <= 0 or block % alignment:
             raise LayoutError(f"block ({block}) must be a positive multiple of alignment ({alignment})")
@@ -308,6 +352,7 @@ class LifetimePool(Layout):
         self.short_ticks = short_ticks
         self.min_group_bytes = 16 * block if min_group_bytes is None else min_group_bytes
         self.replan_threshold = replan_threshold
+        self.live_feed = live_feed
 
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
@@ -357,9 +402,9 @@ class LifetimePool(Layout):
         align = self.alignment
         size = -(-(nbytes or 1) // align) * align  # (nbytes >= 0 here: ``or 1`` is max(nbytes, 1))
         self._clock += 1
-        if kind in _PERSISTENT:
+        if kind in _PERSISTENT and not (self.live_feed and kind is Kind.OTHER and self._iteration is not None):
             live = _Live("persistent", self._online["persistent"].alloc(size), size, nbytes)
-        else:
+        else:  # recurring, or (live feed, in an iteration) not known yet
             live = self._alloc_transient(size, nbytes, kind)
         self._live[obj] = live
         self.live_bytes += nbytes
@@ -399,6 +444,28 @@ class LifetimePool(Layout):
 
     def footprint(self) -> int:
         return self._footprint
+
+    def hint_kind(self, obj: int, kind: Kind) -> None:
+        """What live ``obj`` holds, learned after its allocation (the live feed's kinds).
+
+        Used when the pool next plans: a :attr:`Kind.PARAMETER` or
+        :attr:`Kind.OPTIMIZER_STATE` object is left out of the plan, any other
+        kind is planned by its lifetime as before. :attr:`Kind.OTHER` says
+        nothing and is ignored, as is a hint for an object allocated outside an
+        iteration (already persistent). The object's address never changes.
+
+        Raises:
+            LayoutError: ``obj`` is not live, or ``kind`` is not a :class:`Kind`.
+        """
+        live = self._live.get(obj)
+        if live is None:
+            raise LayoutError(f"kind hint for object {obj}, which is not live in the pool")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise LayoutError(f"object {obj}: unknown kind {kind!r}") from None
+        if live.record is not None and kind is not Kind.OTHER:
+            live.record.kind = kind
 
     @property
     def live_index(self) -> Mapping[int, _Live]:
@@ -463,7 +530,10 @@ class LifetimePool(Layout):
 
     def observe_launch(self, exec_id: int) -> None:
         """``observe(Launch)`` for a caller that already knows the event's type
-        (the runtime's hot path); only its execution id matters."""
+        (the runtime's hot path); only its execution id matters. Ignored with
+        ``live_feed``: steady iterations have no launches to key by."""
+        if self.live_feed:
+            return
         self._clock += 1
         self._context = exec_id
         if self._depth == 0 and self._tick:
@@ -505,7 +575,7 @@ class LifetimePool(Layout):
         stats = self._stats
         if self._iteration is not None:
             context = self._context
-            code = _KIND_CODE[kind]
+            code = _NO_KIND if self.live_feed else _KIND_CODE[kind]
             ctx = (context, size, code)
             ordinals = self._ordinals
             ordinal = ordinals.get(ctx, 0)
@@ -515,8 +585,10 @@ class LifetimePool(Layout):
             self._records.append(record)
             stats.eligible_bytes += size
         if not self.planned:
-            ptr = self._online["learning"].alloc(size)
-            return _Live("learning", ptr, size, nbytes, record=record, iteration=self._iteration)
+            # Live feed, kind unknown: outside any module is where persistent state is born.
+            name = "persistent" if self.live_feed and self._depth == 0 and kind is Kind.OTHER else "learning"
+            ptr = self._online[name].alloc(size)
+            return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
         hit = self._plan.get(record.key) if record is not None else None
         if hit is not None:
             region, offset, name = hit
@@ -544,6 +616,8 @@ class LifetimePool(Layout):
     def _finish_iteration(self) -> None:
         st = self._stats
         self.last_iteration_stats = st
+        if self.live_feed:
+            self._release_empty(st)
         if not self._records:
             return
         if not self.planned:
@@ -558,14 +632,15 @@ class LifetimePool(Layout):
         length = max(self._clock - self._iter_clock, 1)
         ticks = self._tick
         saw_layers = ticks > 0
+        records = self._recurring_records()
 
         # Cyclic lifetimes: an object still alive at the boundary ends where its counterpart
         # (same key) from the previous iteration ended, one iteration later; if that is not
         # known yet, it is planned as alive all along and the plan is refined once later.
         ends: dict[int, tuple[int, int] | None] = {}
         unknown = 0
-        prev_records = {r.key: r for r in self._prev_records}
-        for r in self._records:
+        prev_records = {r.key: r for r in self._prev_records if r.kind not in _HINTED_PERSISTENT}
+        for r in records:
             if r.end is not None:
                 ends[id(r)] = (r.end, r.end_tick)
                 continue
@@ -576,7 +651,7 @@ class LifetimePool(Layout):
                 ends[id(r)] = None
                 unknown += 1
         self._refine = unknown > 0 and not self.planned
-        cut = _quietest_point(self._records, ends, length)
+        cut = _quietest_point(records, ends, length)
 
         def lifetime(r: _Record) -> Lifetime:
             e = ends[id(r)]
@@ -594,7 +669,7 @@ class LifetimePool(Layout):
 
         short: list[_Record] = []
         groups: dict[tuple, list[_Record]] = {}
-        for r in self._records:
+        for r in records:
             e = ends[id(r)]
             if e is not None and e[0] <= length and self._is_short(r, e[1], saw_layers):
                 short.append(r)
@@ -664,6 +739,31 @@ class LifetimePool(Layout):
         self._plan = new_plan
         self.planned = True
         self.plans_made += 1
+
+    def _recurring_records(self) -> list[_Record]:
+        """This iteration's records without those hinted persistent, whose keys
+        (ordinals) are then counted again without them: the next iterations do
+        not allocate them again."""
+        records = self._records
+        kept = [r for r in records if r.kind not in _HINTED_PERSISTENT]
+        if len(kept) < len(records):
+            ordinals: dict[tuple, int] = {}
+            for r in kept:
+                ctx = r.key[:3]
+                ordinal = ordinals.get(ctx, 0)
+                ordinals[ctx] = ordinal + 1
+                r.key = (*ctx, ordinal)
+        return kept
+
+    def _release_empty(self, st: _IterStats) -> None:
+        # Live feed: objects guessed persistent that died, learning segments pinned by an
+        # object that outlives the learned iteration, and overflow segments left over once
+        # the plan serves every allocation (not before: a recurring miss would re-obtain them).
+        online = self._online
+        online["persistent"].release_empty()
+        online["learning"].release_empty()
+        if self.planned and not st.misses:
+            online["overflow"].release_empty()
 
     def _is_short(self, r: _Record, end_tick: int, saw_layers: bool) -> bool:
         # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
