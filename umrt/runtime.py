@@ -61,6 +61,7 @@ whose events arrive after their op's kernel was queued).
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict, deque
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
@@ -231,6 +232,8 @@ class Runtime(Policy):
         self._next_light = -1  # the next decision's light event, when that clock decides it
         self._counting = False  # acting light, but counting launches for decisions no event precedes
         self._resume: dict[int, tuple[int, int]] = {}
+        self._resume_at: list[int] = []  # its events, in order
+        self._due = -1  # the next light event something is due at (-1: none)
         self._ne = 0  # non-launch events this iteration
         self._lh = 0  # their running hash (sizes, freed sizes, module names)
         self._nl = 0
@@ -302,6 +305,7 @@ class Runtime(Policy):
         if self._mode == "act":
             self._mode = "off"
             self._light = self._counting = False
+            self._due = -1
             self.wants_launches = True
             self._fresh = frozenset()
             self._discard_keys = None
@@ -378,8 +382,8 @@ class Runtime(Policy):
             # written (a live allocation arrives before its op's kernel is queued).
             if self._pending or self._born:
                 self._flush()
-            if self._light and (ne == self._next_light or ne in self._resume or self._counting or self._temp):
-                self._light_event(ne)  # something is due at this event
+            if ne == self._due:
+                self._light_event(ne)
         elif t is Free:
             obj = event.obj
             keys = self.keys  # ObjectKeys.free, inlined
@@ -419,8 +423,8 @@ class Runtime(Policy):
                 rec.light.append((self._nl, lh))
             if self.discard_on_free and self._pending:
                 self._flush()
-            if self._light and (ne == self._next_light or ne in self._resume or self._counting or self._temp):
-                self._light_event(ne)  # something is due at this event
+            if ne == self._due:
+                self._light_event(ne)
         elif t is Launch:
             if self._pool_launch is not None:
                 self._pool_launch(event.exec_id)
@@ -455,7 +459,7 @@ class Runtime(Policy):
             if self._light:
                 if self._pending or self._born:
                     self._flush()
-                if ne == self._next_light or ne in self._resume or self._counting or self._temp:
+                if ne == self._due:
                     self._light_event(ne)
         elif t is IterationBoundary:
             if self._pool_observe is not None:
@@ -613,6 +617,7 @@ class Runtime(Policy):
         self._counting = False
         self.wants_launches = not light
         self._resume = plan.light_resume if light else {}
+        self._resume_at = sorted(self._resume)
         if light and -1 in self._resume:  # a decision before the iteration's first event
             self._counting = self.wants_launches = True
         if plan is not None and plan.actions:
@@ -638,6 +643,7 @@ class Runtime(Policy):
             self._fresh = frozenset()
             self._discard_keys = None
             self._over = {}
+        self._set_due(-1)
 
     def _new_record(self) -> IterationRecord:
         """A record of the iteration starting now, with what is alive."""
@@ -733,6 +739,22 @@ class Runtime(Policy):
                 return
             self._nl = r[0]  # launches before this event, as recorded
             self._counting = self.wants_launches = True
+        self._set_due(ne)
+
+    def _set_due(self, ne: int) -> None:
+        """The next light event after ``ne`` that something is due at: a
+        decision, a count to start, or (counting, or a launch host-mapped)
+        the very next one; -1 when nothing is (the hot path compares one int)."""
+        if not self._light or self._mode != "act":
+            self._due = -1
+        elif self._counting or self._temp:
+            self._due = ne + 1
+        else:
+            nxt = self._next_light if self._next_light > ne else -1
+            i = bisect.bisect_right(self._resume_at, ne)
+            if i < len(self._resume_at) and (nxt < 0 or self._resume_at[i] < nxt):
+                nxt = self._resume_at[i]
+            self._due = nxt
 
     def _decide_light(self, ne: int) -> None:
         """The decisions at event ``ne``, if the iteration has matched its plan
@@ -873,6 +895,7 @@ class Runtime(Policy):
             self._outcomes.append(False)
         self._mode = "learn" if self._rec is not None else "off"
         self._light = self._counting = False
+        self._due = -1
         self.wants_launches = True  # the next iteration is learned
         self._plan = None
         self._fresh = frozenset()
