@@ -85,6 +85,20 @@ def test_survives_variation(variation):
     assert d.steady()["time_s"] < um.steady()["time_s"]
 
 
+@pytest.mark.parametrize("variation", [{"eval_every": 2, "steps": 16}, {"seqs": [128, 256] * 8, "steps": 16}])
+def test_acting_without_launches_follows_alternating_shapes(variation):
+    """Two iteration shapes in turn (an eval pass every other step, two
+    sequence lengths): each shape's trusted plan runs without launches, the
+    right one is predicted each time, and the GPU does what it would with
+    every launch seen."""
+    tr = training_trace(layers=6, **variation)
+    light, full = Runtime(), Runtime(launch_free=False)
+    a, b = drive(tr, light, budget="40%"), drive(tr, full, budget="40%")
+    rep = light.report()
+    assert rep["light_iterations"] >= 6 and rep["guard_trips"] == 0 and rep["late_decisions"] == 0
+    assert a.iteration_times()[-4:] == pytest.approx(b.iteration_times()[-4:], rel=2e-3)
+
+
 def test_relearns_after_a_changed_batch_size():
     first = training_trace(layers=6, steps=4, seqs=[128])
     second = training_trace(layers=6, steps=4, seqs=[192])
