@@ -344,3 +344,147 @@ def test_typed_entry_points_plan_as_observe_does():
     assert a == b
     assert plain.report() == typed.report()
     assert plain._tick == typed._tick and plain._depth == typed._depth and plain._clock == typed._clock
+
+
+# -- the live feed: kinds unknown at allocation, hinted later; no launches ----------------------
+
+
+def with_optimizer_step(events, *, zero_grad_after_step: bool = False):
+    """``model_events`` plus an Adam-like step at the end of each iteration: in the first, one
+    never-freed state tensor per parameter (as big as it, so as big as its gradient); in every
+    one, a step temporary per parameter. ``zero_grad_after_step``: gradients are freed right
+    after the step instead of at the next iteration's start."""
+    params = [e for e in events if isinstance(e, Alloc) and e.kind == Kind.PARAMETER]
+    grads = {e.obj for e in events if isinstance(e, Alloc) and e.kind == Kind.GRADIENT}
+    ids = itertools.count(10**6)
+    out: list = []
+    iteration = None
+    born: list[int] = []
+    for e in events:
+        if isinstance(e, IterationBoundary) and iteration is not None:
+            for p in params:
+                if iteration == 0:
+                    out.append(Alloc(next(ids), p.nbytes, Kind.OPTIMIZER_STATE))
+                t = next(ids)
+                out += [Alloc(t, p.nbytes, Kind.TEMPORARY), Free(t)]
+            if zero_grad_after_step:
+                out += [Free(g) for g in born]
+                born = []
+        if isinstance(e, IterationBoundary):
+            iteration = e.index
+        if zero_grad_after_step and isinstance(e, (Alloc, Free)) and e.obj in grads:
+            if isinstance(e, Free):
+                continue
+            born.append(e.obj)
+        out.append(e)
+    return out
+
+
+def drive_live(pool: LifetimePool, events, *, hinted: int = 2, check=None, launches: bool = False):
+    """Replay events as a live run feeds the pool: every allocation as ``Kind.OTHER``, its
+    kind hinted right after it in the first ``hinted`` iterations, launches dropped (unless
+    ``launches``). Returns {(iteration, alloc ordinal): address}."""
+    sizes: dict[int, int] = {}
+    addresses: dict[tuple[int, int], int] = {}
+    iteration, ordinal = -1, 0
+    for e in events:
+        if isinstance(e, Alloc):
+            addresses[(iteration, ordinal)] = pool.alloc(e.obj, e.nbytes, Kind.OTHER)
+            ordinal += 1
+            sizes[e.obj] = e.nbytes
+            if 0 <= iteration < hinted:
+                pool.hint_kind(e.obj, e.kind)
+            if check:
+                check(pool, sizes)
+        elif isinstance(e, Free):
+            pool.free(e.obj)
+            del sizes[e.obj]
+        elif isinstance(e, IterationBoundary):
+            iteration, ordinal = e.index, 0
+            pool.observe(e)
+        elif launches or not isinstance(e, Launch):
+            pool.observe(e)
+    return addresses
+
+
+def same_from(addrs, first: int, last: int) -> bool:
+    """Every iteration from ``first`` to ``last`` got the addresses of iteration ``first``."""
+    n = sum(1 for k in addrs if k[0] == first)
+    return n > 0 and all([addrs.get((it, i)) for i in range(n)] == [addrs[(first, i)] for i in range(n)]
+                         for it in range(first, last + 1))
+
+
+def test_live_feed_plans_stable_and_tight():
+    events = with_optimizer_step(model_events(iterations=6, layers=12, batch=8))
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    addrs = drive_live(pool, events, check=check_layout)
+    assert pool.planned
+    assert same_from(addrs, 2, 5)
+    assert pool.report()["last_iteration"]["plan_misses"] == 0
+    assert pool.report()["last_iteration"]["plan_hits"] > 0
+    assert pool.arena_ranges()["learning"] == [] and pool.arena_ranges()["overflow"] == []
+    # As tight as the simulator's feed (true kinds, launches): the guessed placements are gone.
+    sim = LifetimePool(BumpBackend())
+    drive(sim, events)
+    assert pool.footprint() <= sim.footprint() <= 1.06 * pool.peak_live_bytes
+
+
+def test_live_feed_uses_hints_given_before_planning():
+    """The optimizer state (born in the first step, never freed, as big as the gradients and
+    the step's temporaries) shifts the ordinals of the first iteration's keys: hinted, it is
+    left out of the plan, and the second iteration already gets the steady addresses."""
+    events = with_optimizer_step(model_events(iterations=5), zero_grad_after_step=True)
+    hinted, blind = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
+    a = drive_live(hinted, events, check=check_layout)
+    b = drive_live(blind, events, hinted=0, check=check_layout)
+    assert hinted.plans_made == 1 and same_from(a, 1, 4)
+    assert hinted.report()["total"]["plan_misses"] == 0
+    # Without hints the never-freed state is planned as alive all along, under keys the second
+    # iteration gives to other objects; refined once after it: stable from the third on.
+    assert blind.plans_made == 2 and not same_from(b, 1, 2) and same_from(b, 2, 4)
+    assert hinted.footprint() == blind.footprint()
+
+
+def test_live_feed_keys_ignore_launches():
+    events = with_optimizer_step(model_events(iterations=4))
+    with_launches, without = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
+    assert drive_live(with_launches, events, launches=True) == drive_live(without, events)
+
+
+def test_live_feed_set_up_inside_the_first_iteration_stays_persistent():
+    """A live run's first iteration opens at ``umrt.enable()``: the model is built inside it,
+    outside any module, and its parameters must not be planned or pin the learning arena."""
+    events = with_optimizer_step(model_events(iterations=5))
+    first = next(i for i, e in enumerate(events) if isinstance(e, IterationBoundary))
+    events = [events[first]] + events[:first] + events[first + 1:]
+    params = {e.obj for e in events if isinstance(e, Alloc) and e.kind == Kind.PARAMETER}
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    addrs = drive_live(pool, events, check=check_layout)
+    assert {pool.arena_of(p) for p in params} == {"persistent"}
+    assert same_from(addrs, 2, 4) and pool.arena_ranges()["learning"] == []
+
+
+def test_live_feed_serves_what_the_plan_does_not_know():
+    events = with_optimizer_step(model_events(iterations=4))
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    drive_live(pool, events[:-1], check=check_layout)  # iteration 3 planned, still open
+    pool.alloc(-1, 5 * MiB + 3, Kind.OTHER)  # a size no iteration allocated
+    assert pool.arena_of(-1) == "overflow"
+    check_layout(pool, {-1: 5 * MiB + 3})
+    pool.free(-1)
+    held = pool.footprint()
+    pool.observe(IterationBoundary(4))  # that iteration missed: its overflow segment is kept
+    assert pool.footprint() == held and pool.arena_ranges()["overflow"]
+    pool.observe(IterationBoundary(5))  # an iteration the plan served entirely: returned
+    assert pool.arena_ranges()["overflow"] == [] and pool.footprint() < held
+
+
+def test_hint_kind_errors_and_ignored_hints():
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool.alloc(1, 10, Kind.OTHER)  # set-up: persistent, nothing to hint
+    pool.hint_kind(1, Kind.ACTIVATION)
+    assert pool.arena_of(1) == "persistent"
+    with pytest.raises(UmrtError, match="not live"):
+        pool.hint_kind(2, Kind.PARAMETER)
+    with pytest.raises(UmrtError, match="unknown kind"):
+        pool.hint_kind(1, 99)

@@ -182,7 +182,8 @@ class _Online:
         self.used[ptr] = size
         return ptr
 
-    def free(self, ptr: int) -> None:
+    def free(self, ptr: int) -> int | None:
+        """Free the block at ``ptr``; the start of its segment if that is empty now, else None."""
         size = self.used.pop(ptr)
         end = ptr + size
         if end not in self._seg_ends and end in self._free_at:
@@ -195,6 +196,8 @@ class _Online:
             self._del_free(pptr, psize)
             ptr, size = pptr, psize + size
         self._add_free(ptr, size)
+        # Free blocks never span two segments: one from a segment's start to an end is all of it.
+        return ptr if ptr in self._seg_starts and ptr + size in self._seg_ends else None
 
     def _segment_size(self, size: int) -> int:
         block = self.pool.block
@@ -215,18 +218,25 @@ class _Online:
             self.pool._release(ptr)
         self.__init__(self.pool, self.name, self.slab)
 
-    def release_empty(self) -> int:
-        """Return the segments nothing lives in (a free block spans each of them); their bytes."""
+    def release_empty(self) -> None:
+        """Return the segments nothing lives in (a free block spans each of them)."""
         empty = [(p, n) for p, n in self.segments if self._free_at.get(p) == n]
         for ptr, n in empty:
-            self._del_free(ptr, n)
-            self._seg_starts.discard(ptr)
-            self._seg_ends.discard(ptr + n)
-            self.pool._release(ptr)
+            self._drop(ptr, n)
         if empty:
             gone = {p for p, _ in empty}
             self.segments = [sg for sg in self.segments if sg[0] not in gone]
-        return sum(n for _, n in empty)
+
+    def release_segment(self, ptr: int) -> None:
+        """Return the empty segment starting at ``ptr`` (as :meth:`free` reported it)."""
+        i = next(i for i, (p, _) in enumerate(self.segments) if p == ptr)
+        self._drop(*self.segments.pop(i))
+
+    def _drop(self, ptr: int, n: int) -> None:
+        self._del_free(ptr, n)
+        self._seg_starts.discard(ptr)
+        self._seg_ends.discard(ptr + n)
+        self.pool._release(ptr)
 
     def _add_free(self, ptr: int, size: int) -> None:
         bisect.insort(self._free_keys, (size, ptr))
@@ -432,9 +442,14 @@ class LifetimePool(Layout):
                 self._regions.remove(live.region)
         else:
             arena = self._online[live.arena]
-            arena.free(live.ptr)
+            emptied = arena.free(live.ptr)
             if live.arena == "learning" and self.planned and not arena.used:
                 arena.release()
+            elif emptied is not None and self.live_feed and live.arena in ("persistent", "learning") \
+                    and (self.planned or live.arena == "persistent"):
+                # Live feed: a segment of objects wrongly guessed persistent goes back before
+                # persistent state is placed in it; learning is done with once planned.
+                arena.release_segment(emptied)
 
     def address(self, obj: int) -> int:
         try:
