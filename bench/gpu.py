@@ -332,13 +332,16 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
     """The simulator's prediction for ``modes`` on ``profile`` (a meta trace of the same model)."""
     from bench.grid import trace_for
     from umrt.errors import UmrtError
+    from umrt.policy import make_policy
     from umrt.sim.replay import simulate
 
     trace = trace_for(model, batch, seq)  # the bench grid's meta trace, cached
     out: dict[str, Any] = {"profile": profile, "budget": budget, "modes": {}}
     for mode in modes:
         try:
-            r = simulate(trace, mode, profile, budget, iterations=3)
+            policy = make_policy(mode, trace)
+            # each mode in its steady state, as the timed steps after --warmup
+            r = simulate(trace, policy, profile, budget, iterations=max(3, policy.warmup_iterations + 1))
         except UmrtError as exc:  # e.g. a budget too small for the simulated GPU
             out["modes"][mode] = {"error": str(exc), "iteration_time_s": math.nan}
             continue

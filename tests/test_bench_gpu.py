@@ -204,3 +204,24 @@ def test_tiny_end_to_end_on_a_gpu(tmp_path):
     assert all(v is not None and v > 0 for v in rep["ratios"].values())
     assert rep["measured"]["umrt"]["budget_bytes"] == rep["budget"]["bytes"]
     assert rep["simulated"]["profile"]
+
+
+def test_the_simulated_prediction_is_each_modes_steady_state(monkeypatch):
+    """The timed GPU steps come after --warmup; the simulated column must be the
+    same steady state: umrt after its learned and probed iterations."""
+    import bench.grid
+    import umrt.sim.replay as replay
+
+    seen = {}
+
+    class Result:
+        iteration_time_s, h2d_bytes, d2h_bytes, faults, budget_bytes, peak_live_bytes = 1.0, 0, 0, 0, 1, 1
+
+    def fake_simulate(trace, policy, profile, budget, iterations):
+        seen[policy.name] = iterations
+        return Result()
+
+    monkeypatch.setattr(bench.grid, "trace_for", lambda model, batch, seq: None)
+    monkeypatch.setattr(replay, "simulate", fake_simulate)
+    gpu.simulate_modes("gpt2", 1, 32, "50%", "h100-pcie5-80g", ["ideal", "um", "umrt"])
+    assert seen == {"ideal": 3, "um": 3, "umrt": 5}
