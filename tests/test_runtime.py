@@ -378,3 +378,10 @@ def test_an_object_the_layout_never_allocated_is_a_layout_error():
     rt.keys.obj_of[5] = 7
     with pytest.raises(LayoutError):
         rt._resolve((5,), {}, False)
+
+
+def test_op_level_follows_every_launch():
+    """Acting before every launch needs them all: op level never asks a driver to stop capturing."""
+    assert not Runtime(op_level=True).launch_free
+    rt = _drive(_AllCalls(), steps=8, honour=True, op_level=True, use_pool=False)
+    assert rt.held_back == 0 and rt.report()["light_iterations"] == 0

@@ -157,7 +157,8 @@ class Runtime(Policy):
     launch_free:
         Act on a trusted plan from allocations, frees and module boundaries
         alone (``wants_launches`` turns False: a live driver may stop
-        capturing launches, the costly part of capture). Off: every
+        capturing launches, the costly part of capture). Off, or with
+        ``op_level`` (a decision before every launch needs them all): every
         iteration is followed launch by launch.
     discard_on_free:
         Discard a dead range at its ``Free`` instead of at the next
@@ -201,7 +202,7 @@ class Runtime(Policy):
         self.min_discard = min_discard
         self.read_mostly = read_mostly
         self.freeze = freeze
-        self.launch_free = launch_free
+        self.launch_free = launch_free and not op_level
         self.discard_on_free = discard_on_free
         # False while the runtime acts without launches (a live driver may stop capturing them).
         self.wants_launches = True
