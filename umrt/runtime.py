@@ -679,8 +679,8 @@ class Runtime(Policy):
 
     def _arm(self) -> None:
         """Set the trigger of the next decision: its launch ordinal, or (acting
-        without launches) its light event; counting launches stops once no
-        decision needs them."""
+        without launches) its light event, or for a decision no event precedes
+        its launch ordinal, counted from the event named in Plan.light_resume."""
         if self._ai >= len(self._actions):
             self._next_at = self._next_light = -1
             return
@@ -713,8 +713,10 @@ class Runtime(Policy):
     # -- acting without launches -------------------------------------------------
 
     def _light_event(self, ne: int) -> None:
-        """Non-launch event ``ne`` of an iteration acted on without launches:
-        the decisions placed on it (Action.light_at), then host mappings."""
+        """Non-launch event ``ne`` of an iteration acted on without launches,
+        when something is due at it (_set_due): decisions among the launches
+        counted since the last event that were not taken, the decisions placed
+        on this event (Action.light_at), counting launches from it or not."""
         if self._temp:
             self._unmap_temp()  # the oversized launch it was made for has been queued
         if self._counting:
@@ -792,6 +794,7 @@ class Runtime(Policy):
                 self._ai = idx
                 self._over = plan.remote_at
                 self._resume = plan.light_resume
+                self._resume_at = sorted(plan.light_resume)
                 return plan.actions[idx]
         return None
 
