@@ -92,11 +92,12 @@ class Action:
     evict: tuple[int, ...]  # keys to move to the host
     prefetch: tuple[int, ...]  # keys to move to the GPU, in need order
     # The same point on the clock of non-launch events (IterationRecord.light):
-    # that event's index (-1: none before the iteration ends) and the running
-    # hash expected there.
+    # the event right before launch ``at`` and the running hash expected there;
+    # -1 where no event falls between launches at - 1 and at: the runtime then
+    # counts launches from event ``light_from`` (-1: the iteration's start).
     light_at: int = -1
     light_hash: int = 0
-    light_from: int = -1  # light_at -1: the event launches are counted from (Plan.light_resume)
+    light_from: int = -1
 
 
 @dataclass
@@ -149,9 +150,10 @@ def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversi
     allocations, a free). Where there is none (inside an optimizer step:
     launch after launch, nothing allocated), the runtime counts launches
     from the last event before ``at`` to the next event (``resume``); the
-    action keeps ``light_at = -1`` and is acted on at its launch. So it does
-    around each oversized launch, host-mapped for that launch alone.
-    Positions are "before launch i" (IterationRecord).
+    action keeps ``light_at = -1`` and is acted on at its launch. It counts
+    around each oversized launch the same way, so that the launch is
+    host-mapped for its own duration. Positions are "before launch i"
+    (IterationRecord).
     """
     pos = [p for p, _ in light]
     placed = []
