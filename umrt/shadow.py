@@ -25,7 +25,6 @@ reported too (it is usually the first iteration's).
 from __future__ import annotations
 
 import math
-import runpy
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -186,6 +185,7 @@ def run_shadow(
     """
     from umrt.capture import Recorder, StopRecording
     from umrt.hardware import load_profile
+    from umrt.scripts import run_script
     from umrt.policy import make_policy
     from umrt.sim.replay import parse_budget
 
@@ -201,21 +201,13 @@ def run_shadow(
     pol = make_policy(policy)
     driver = ShadowDriver(pol, prof, gpu_memory)
 
-    old_argv, old_path = sys.argv, list(sys.path)
-    sys.argv = [str(path)] + list(argv)
-    sys.path.insert(0, str(path.resolve().parent))
     status = 0
     rec = Recorder(listeners=[driver], stop_after=steps, model_name=path.stem, meta={"argv": list(argv)})
-    try:
-        with rec:
-            try:
-                runpy.run_path(str(path), run_name="__main__")
-            except StopRecording:
-                pass
-            except SystemExit as exc:
-                status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv, sys.path[:] = old_argv, old_path
+    with rec:
+        try:
+            status = run_script(str(path), list(argv))
+        except StopRecording:
+            pass
     driver.finish()
     trace = rec.trace()
     report = _report(trace, driver, prof, policy)

@@ -12,14 +12,12 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import runpy
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from umrt.errors import ConfigError
+from umrt.scripts import run_script
 
 
 def register(subparsers: Any) -> None:
@@ -83,33 +81,3 @@ def shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None = None
     budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
     extra = {"gpu_memory": budget} if budget else {}
     return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)
-
-
-def run_script(script: str, argv: list[str]) -> int:
-    """Run ``script`` as ``__main__`` with ``sys.argv = [script, *argv]``; return its exit status."""
-    with as_main([script, *argv], os.path.dirname(os.path.abspath(script))):
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as exc:
-            code = exc.code
-            if code is None:
-                return 0
-            if isinstance(code, int):
-                return code
-            print(code, file=sys.stderr)
-            return 1
-    return 0
-
-
-@contextlib.contextmanager
-def as_main(argv: list[str], path: str | None) -> Iterator[None]:
-    """A script's view for the block: ``sys.argv = argv`` and ``path`` (its directory) first on
-    ``sys.path``; both restored afterwards."""
-    saved_argv, saved_path = sys.argv, sys.path[:]
-    sys.argv = list(argv)
-    if path is not None:
-        sys.path.insert(0, path)
-    try:
-        yield
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path

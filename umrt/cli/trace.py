@@ -142,7 +142,7 @@ def _default_name(model: str) -> str:
 
 def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     from umrt.capture import Recorder, StopRecording
-    from umrt.cli.run import as_main
+    from umrt.scripts import as_main
     from umrt.trace import fileformat
     from umrt.trace.events import IterationBoundary
     from umrt.zoo import progress_bar
