@@ -210,3 +210,51 @@ def test_without_the_shim_out_of_memory_stops_the_process(pool, fake_gpu, monkey
     fake_gpu.managed_limit = 0
     assert ut._alloc(64 * MiB, 0, None) == 0
     assert len(stopped) == 1 and "out of managed memory" in stopped[0]
+
+
+def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
+    """What the live bridge feeds the pool (boundaries, layer events, kind hints by block
+    start) reaches each stream's layout: umrt's pool plans, so an activation gets one address."""
+    from umrt.memory.caching import CachingAllocatorLayout
+    from umrt.memory.pool import LifetimePool
+    from umrt.trace.events import IterationBoundary, Kind, LayerEnter, LayerExit
+
+    made = []
+
+    def factory(backend):
+        made.append(LifetimePool(backend, live_feed=True))
+        return made[-1]
+
+    pool = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), factory)
+    pool.malloc(2 * MiB)  # a parameter, before the first boundary
+    pool.malloc(MiB, stream=7)  # a second stream: its own layout, fed the same events
+    addrs = []
+    for it in range(4):
+        pool.observe(IterationBoundary(it))
+        pool.observe(LayerEnter("layer"))
+        act = pool.malloc(3 * MiB)
+        tmp = pool.malloc(MiB)
+        pool.free(tmp)
+        pool.observe(LayerExit("layer"))
+        if it == 0:  # the first step's lazily made state, as big as the temporary
+            assert pool.hint_kind(pool.malloc(MiB), Kind.OPTIMIZER_STATE)
+        pool.free(act)
+        addrs.append((act, tmp))
+    assert made[0].planned and made[0].plans_made == 1
+    assert addrs[1] == addrs[2] == addrs[3]
+    assert made[1]._iteration == 3 and not made[1].planned  # saw the boundaries, nothing to plan
+    assert not pool.hint_kind(12345, Kind.PARAMETER)  # not a block of this pool: ignored
+    with pytest.raises(UmrtError, match="unknown kind"):
+        pool.hint_kind(addrs[0][0], 99)
+    caching = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), CachingAllocatorLayout)
+    ptr = caching.malloc(MiB)
+    caching.observe(IterationBoundary(0))  # a layout that reads no events: nothing to do
+    assert not caching.hint_kind(ptr, Kind.PARAMETER)
+
+
+def test_before_malloc_hooks_run_before_the_block_is_placed(pool):
+    seen = []
+    pool.before_malloc.append(lambda n: seen.append((n, pool.reserved_bytes())))
+    pool.malloc(0)  # nothing to place, nothing to tell
+    pool.free(pool.malloc(5 * MiB))
+    assert seen == [(5 * MiB, 0)]

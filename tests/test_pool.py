@@ -488,3 +488,16 @@ def test_hint_kind_errors_and_ignored_hints():
         pool.hint_kind(2, Kind.PARAMETER)
     with pytest.raises(UmrtError, match="unknown kind"):
         pool.hint_kind(1, 99)
+
+
+def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch):
+    """With no boundaries (no optimizer step; the feed stopped) a live-feed pool stops
+    recording after a bound: nothing is planned from a cut iteration, and all is served."""
+    import umrt.memory.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "_MAX_RECORDS", 8)
+    events = model_events(iterations=3)
+    assert sum(isinstance(e, Alloc) for e in events[:events.index(IterationBoundary(1))]) > 8
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    drive_live(pool, events, check=check_layout)
+    assert not pool.planned

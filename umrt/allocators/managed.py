@@ -11,6 +11,14 @@ overwritten where they are instead of being migrated.
 Blocks are reused only on the stream they were allocated on (one layout per
 stream), which keeps reuse stream-ordered without synchronising, like
 PyTorch's caching allocator without ``record_stream``.
+
+The pool knows no kind at ``malloc`` (each block is announced to its layout
+as :attr:`Kind.OTHER`, which the default ``LifetimePool(live_feed=True)``
+reads as unknown). What lets the layout plan comes from the live bridge
+(:class:`umrt.api.LiveBridge`): :meth:`ManagedPool.observe` (iteration
+boundaries, layer events) and :meth:`ManagedPool.hint_kind` (what a block
+turned out to hold). Layouts without ``observe`` / ``hint_kind`` (the
+caching-allocator model) simply do not get them.
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ from typing import Any
 
 from umrt import stats
 from umrt.errors import CudaError
-from umrt.trace.events import Kind
+from umrt.memory.caching import LayoutError
+from umrt.trace.events import Event, Kind
 
 
 class ManagedOutOfMemoryError(CudaError):
@@ -29,10 +38,10 @@ class ManagedOutOfMemoryError(CudaError):
 
 
 def default_layout_factory(backend: Any) -> Any:
-    """umrt's lifetime-aware pool, ``LifetimePool(backend)``."""
+    """umrt's lifetime-aware pool as an allocator feeds it, ``LifetimePool(backend, live_feed=True)``."""
     from umrt.memory.pool import LifetimePool
 
-    return LifetimePool(backend)
+    return LifetimePool(backend, live_feed=True)
 
 
 class ManagedPool:
@@ -43,7 +52,10 @@ class ManagedPool:
         layout_factory: ``callable(backend) -> Layout``; default :func:`default_layout_factory`.
 
     ``listeners`` receive ``("alloc", ptr, nbytes)`` / ``("free", ptr, nbytes)``
-    (the object registry of the runtime subscribes here).
+    (the object registry of the runtime subscribes here). ``before_malloc``
+    hooks receive ``nbytes`` before the block is placed (the live bridge opens
+    an iteration there, so the layout counts the block in it); they must not
+    raise.
     """
 
     def __init__(self, backend: Any, layout_factory: Callable[[Any], Any] | None = None) -> None:
@@ -54,6 +66,7 @@ class ManagedPool:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # torch frees from the autograd thread too
         self.listeners: list[Callable[[str, int, int], None]] = []
+        self.before_malloc: list[Callable[[int], None]] = []
 
     def malloc(self, nbytes: int, stream: Any = 0) -> int:
         """A managed block of at least ``nbytes``; ``0`` for a zero-byte request."""
@@ -61,6 +74,8 @@ class ManagedPool:
             raise ValueError(f"malloc of {nbytes} bytes")
         if nbytes == 0:
             return 0
+        for hook in self.before_malloc:
+            hook(nbytes)
         with self._lock:
             layout = self._layouts.get(stream)
             if layout is None:
@@ -92,6 +107,39 @@ class ManagedPool:
         stats.record_free(nbytes)
         for listener in self.listeners:
             listener("free", ptr, nbytes)
+
+    def observe(self, event: Event) -> None:
+        """Pass one program event (an iteration boundary, a layer event) to every
+        stream's layout that reads events (``layout.observe``)."""
+        with self._lock:
+            for layout in self._layouts.values():
+                observe = getattr(layout, "observe", None)
+                if observe is not None:
+                    observe(event)
+
+    def hint_kind(self, ptr: int, kind: Kind) -> bool:
+        """Tell the layout holding the live block that starts at ``ptr`` what it holds.
+
+        Returns False, doing nothing, when no live block of this pool starts at
+        ``ptr`` (memory umrt did not allocate) or its layout takes no hints.
+
+        Raises:
+            LayoutError: ``kind`` is not a :class:`~umrt.trace.events.Kind`.
+        """
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise LayoutError(f"kind hint for block {ptr:#x}: unknown kind {kind!r}") from None
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                return False
+            stream, obj, _ = entry
+            hint = getattr(self._layouts[stream], "hint_kind", None)
+            if hint is None:
+                return False
+            hint(obj, kind)
+            return True
 
     def size_of(self, ptr: int) -> int:
         """Requested bytes of a live block."""

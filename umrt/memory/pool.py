@@ -84,10 +84,15 @@ the refinement, since the next iteration does not allocate it again.
 Placement cannot wait for the hint: before a plan exists, an unknown
 allocation outside any module (model set-up, the optimizer step, where
 persistent state is born) goes to the ``persistent`` arena, one inside a
-module to ``learning``. Since the guess is sometimes wrong, empty segments of
-the ``persistent`` and ``learning`` arenas are returned at every iteration
-boundary (neither is allocated in after planning, so nothing is returned and
-re-obtained), and ``overflow``'s once an iteration had no miss.
+module to ``learning``. Since the guess is sometimes wrong, memory goes back
+to the backend early: a ``persistent`` segment that empties while the pool
+learns (a step's temporaries), at once, before persistent state fills it;
+``learning`` segments as they empty once a plan exists; at every boundary
+the empty segments of both (neither is allocated in after planning, so
+nothing is returned and re-obtained), and ``overflow``'s once an iteration
+had no miss. An iteration longer than ``2**16`` allocations (no boundaries
+come: no optimizer step, or the feed stopped) stops being recorded and is
+not planned from, so the pool's memory stays bounded.
 """
 from __future__ import annotations
 
@@ -113,6 +118,7 @@ PlanKey = tuple  # (context exec id | None, nbytes, kind code (-1: live feed), o
 _PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE, Kind.OTHER})
 _KIND_CODE = {k: int(k) for k in Kind}  # int(kind), as a lookup (plan keys hold plain ints)
 _HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints that leave a plan
+_MAX_RECORDS = 1 << 16  # live feed: allocations recorded in one iteration, at most
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
 
 
@@ -391,6 +397,7 @@ class LifetimePool(Layout):
         self._records: list[_Record] = []
         self._prev_records: list[_Record] = []  # the previous iteration's (indexed by key when planning)
         self._refine = False  # the plan assumed unknown-end objects alive all along
+        self._recording = True  # False: this (live-feed) iteration grew too long to plan from
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
         self.totals = _IterStats()  # over the pool's life
@@ -445,10 +452,14 @@ class LifetimePool(Layout):
             emptied = arena.free(live.ptr)
             if live.arena == "learning" and self.planned and not arena.used:
                 arena.release()
-            elif emptied is not None and self.live_feed and live.arena in ("persistent", "learning") \
-                    and (self.planned or live.arena == "persistent"):
-                # Live feed: a segment of objects wrongly guessed persistent goes back before
-                # persistent state is placed in it; learning is done with once planned.
+            elif emptied is not None and self.live_feed and (
+                    live.arena == "learning" and self.planned
+                    or live.arena == "persistent" and not self.planned and self._recording
+                    and self._iteration is not None):
+                # Live feed: learning is done with once planned; a persistent segment emptied
+                # while learning held objects wrongly guessed persistent: it goes back before
+                # persistent state is placed in it (not forever: a run with no boundaries
+                # would return and re-obtain a segment at every top-level allocation).
                 arena.release_segment(emptied)
 
     def address(self, obj: int) -> int:
@@ -529,6 +540,7 @@ class LifetimePool(Layout):
         self._tick = 0
         self._context = None
         self._ordinals = {}
+        self._recording = True
         self._prev_records = self._records
         self._records = []
         self._stats = _IterStats()
@@ -586,7 +598,7 @@ class LifetimePool(Layout):
     # -- internals --------------------------------------------------------------
 
     def _alloc_transient(self, size: int, nbytes: int, kind: Kind) -> _Live:
-        record = None
+        record = key = None
         stats = self._stats
         if self._iteration is not None:
             context = self._context
@@ -595,16 +607,22 @@ class LifetimePool(Layout):
             ordinals = self._ordinals
             ordinal = ordinals.get(ctx, 0)
             ordinals[ctx] = ordinal + 1
-            record = _Record((context, size, code, ordinal), size, kind, self._clock - self._iter_clock,
-                             self._tick, self._depth > 0)
-            self._records.append(record)
+            key = (context, size, code, ordinal)
+            if self._recording:
+                record = _Record(key, size, kind, self._clock - self._iter_clock, self._tick, self._depth > 0)
+                self._records.append(record)
+                if self.live_feed and len(self._records) >= _MAX_RECORDS:
+                    # No boundary for this long (no optimizer step, or the feed stopped): stop
+                    # recording an iteration that will not be planned, so memory stays bounded.
+                    self._recording = False
+                    self._records = []
             stats.eligible_bytes += size
         if not self.planned:
             # Live feed, kind unknown: outside any module is where persistent state is born.
             name = "persistent" if self.live_feed and self._depth == 0 and kind is Kind.OTHER else "learning"
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
-        hit = self._plan.get(record.key) if record is not None else None
+        hit = self._plan.get(key) if key is not None else None
         if hit is not None:
             region, offset, name = hit
             ptr = region.ptr + offset
