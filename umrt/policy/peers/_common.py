@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from umrt.backends.base import Range
+from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 BLOCK = 2 << 20  # UVM VA block: the migration/eviction unit (uvm_va_block_types.h)
@@ -253,6 +254,30 @@ class IterationProfiler:
             p.layer_events.append(event)
             if event.phase == "backward" and p.backward_from < 0:
                 p.backward_from = n
+
+
+class ProfilingPolicy(Policy):
+    """A peer that plans from one profiled iteration (Sentinel, vDNN): ``keys``
+    and ``profiler`` see every event, and :meth:`next_iteration`, called at
+    each iteration boundary, re-plans (:meth:`_plan`) whenever the iteration
+    just profiled differed from the one the plan came from (the first step
+    creates optimizer state; later ones repeat)."""
+
+    def __init__(self) -> None:
+        self.keys = ObjectKeys()
+        self.profiler = IterationProfiler(self.keys, target=1)
+        self._plan_sig: int | None = None
+
+    def _plan(self, profile: IterationProfile) -> None:
+        raise NotImplementedError
+
+    def next_iteration(self) -> None:
+        if self.profiler.done:
+            sig = self.profiler.profile.signature()
+            if sig != self._plan_sig:
+                self._plan(self.profiler.profile)
+                self._plan_sig = sig
+        self.profiler = IterationProfiler.next(self.keys)
 
 
 def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, ObjectKeys]:

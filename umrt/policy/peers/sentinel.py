@@ -25,8 +25,7 @@ from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.memory.base import Layout
 from umrt.memory.caching import CachingAllocatorLayout
-from umrt.policy.base import Policy
-from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
+from umrt.policy.peers._common import IterationProfile, ProfilingPolicy, object_ranges
 from umrt.trace.events import Alloc, IterationBoundary, Kind, Launch, LayerEnter
 
 __all__ = ["SentinelPolicy", "SentinelLayout"]
@@ -78,7 +77,7 @@ class SentinelLayout(Layout):
         return new
 
 
-class SentinelPolicy(Policy):
+class SentinelPolicy(ProfilingPolicy):
     """Options: ``interval`` (layers per migration interval; default from the
     performance model), ``reserve`` (keep the short-lived region resident;
     default on)."""
@@ -90,10 +89,8 @@ class SentinelPolicy(Policy):
             raise ConfigError(f"sentinel: interval must be >= 1 layer, got {interval}")
         self.fixed_interval = None if interval is None else int(interval)
         self.reserve = bool(reserve)
-        self.keys = ObjectKeys()
-        self.profiler = IterationProfiler(self.keys, target=1)
+        super().__init__()
         self.interval: int | None = None
-        self._plan_sig: int | None = None
         self._short_keys: set | None = None  # short-lived objects, once profiled
         self._pin = self.reserve  # keep the short-lived region resident
         self._reserve_bytes = 0
@@ -127,14 +124,7 @@ class SentinelPolicy(Policy):
                 if segs:
                     self.ctx.backend.prefetch(segs, self.ctx.backend.device)
         elif isinstance(event, IterationBoundary):
-            if self.profiler.done:
-                # Re-plan whenever an iteration differed from the one the plan came from
-                # (the first step creates optimizer state; later ones repeat).
-                sig = self.profiler.profile.signature()
-                if sig != self._plan_sig:
-                    self._plan(self.profiler.profile)
-                    self._plan_sig = sig
-            self.profiler = IterationProfiler.next(self.keys)
+            self.next_iteration()
             self._launch = 0
         self.keys.forget(event)
 

@@ -23,14 +23,13 @@ import bisect
 
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
-from umrt.policy.base import Policy
-from umrt.policy.peers._common import IterationProfile, IterationProfiler, ObjectKeys, object_ranges
+from umrt.policy.peers._common import IterationProfile, ProfilingPolicy, object_ranges
 from umrt.trace.events import IterationBoundary, Kind, LayerEnter, LayerExit
 
 __all__ = ["VDNNPolicy"]
 
 
-class VDNNPolicy(Policy):
+class VDNNPolicy(ProfilingPolicy):
     """Options: ``lookahead`` (backward layers prefetched ahead; default 1)."""
 
     name = "vdnn"
@@ -39,9 +38,7 @@ class VDNNPolicy(Policy):
         if int(lookahead) < 1:
             raise ConfigError(f"vdnn: lookahead must be >= 1 layer, got {lookahead}")
         self.lookahead = int(lookahead)
-        self.keys = ObjectKeys()
-        self.profiler = IterationProfiler(self.keys, target=1)
-        self._plan_sig: int | None = None
+        super().__init__()
         self._mark = 0  # layer events seen in the current iteration
         self._offload_at: dict[int, list[tuple]] = {}  # layer-event ordinal -> keys
         self._fetch_at: dict[int, list[tuple]] = {}
@@ -55,14 +52,7 @@ class VDNNPolicy(Policy):
             self._move(self._fetch_at.get(self._mark), self.ctx.backend.device, "prefetched_bytes")
             self._mark += 1
         elif isinstance(event, IterationBoundary):
-            if self.profiler.done:
-                # Re-learn when an iteration's structure differs from the plan's
-                # (the first step creates optimizer state; later ones repeat).
-                sig = self.profiler.profile.signature()
-                if sig != self._plan_sig:
-                    self._plan(self.profiler.profile)
-                    self._plan_sig = sig
-            self.profiler = IterationProfiler.next(self.keys)
+            self.next_iteration()
             self._mark = 0
         self.keys.forget(event)
 
