@@ -16,6 +16,12 @@ from collections.abc import Sequence
 
 HOST = -1  # cudaCpuDeviceId
 
+# The UVM driver's units (uvm_va_block_types.h; umrt/sim/MODEL.md): a 2 MB VA
+# block is the unit of eviction, a 64 KB big page that of residency, migration
+# and discard.
+BLOCK = 2 << 20
+PAGE = 64 << 10
+
 Range = tuple[int, int]  # (ptr, nbytes)
 
 

@@ -44,10 +44,9 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from umrt.backends.base import BLOCK, PAGE  # the driver's units (PAGE re-exported for the runtime)
 from umrt.trace.events import Kind
 
-BLOCK = 2 << 20  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
-PAGE = 64 << 10  # the UVM driver's big page: residency and discard granularity (umrt/sim/MODEL.md)
 INF = float("inf")
 
 

@@ -11,11 +11,10 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from umrt.backends.base import Range
+from umrt.backends.base import BLOCK, Range
 from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-BLOCK = 2 << 20  # UVM VA block: the migration/eviction unit (uvm_va_block_types.h)
 
 
 def block_of(addr: int) -> int:
