@@ -161,7 +161,7 @@ def _layout_factory(arena: int | None) -> Any:
         return default_layout_factory
     from umrt.memory.pool import LifetimePool
 
-    return lambda backend: LifetimePool(backend, short_lived_bytes=arena)
+    return lambda backend: LifetimePool(backend, short_lived_bytes=arena, live_feed=True)
 
 
 def _install_torch(session: Session) -> None:
@@ -251,6 +251,7 @@ class LiveLayout:
 
 
 _KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
+_FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)
 
 
 def _profile_for(cfg: Any, backend: Any) -> Any:
@@ -298,6 +299,13 @@ class LiveBridge:
       iteration (frees after the step still close the old one). The policy
       may set ``wants_launches = False`` to have the recorder's ops suspended
       (:meth:`~umrt.capture.Recorder.suspend_ops`) until it sets it True again.
+      The pool is fed too, so that its layout (umrt's ``LifetimePool`` in its
+      live feed) can plan: the same boundaries (opened from the pool's
+      ``before_malloc`` hook when an allocation opens the iteration, so the
+      block counts in it) and layer events (``pool.observe``), and what the
+      blocks hold as kind hints (``pool.hint_kind``): the recorder's kind for
+      each storage it announces, and in the first two optimizer steps the
+      optimizer's facts (its parameters, their gradients, its state).
     * **the recorder** (otherwise, e.g. CPU tensors in tests): every event as
       the recorder emits it, after its op ran; ops are never suspended, and
       umrt's runtime discards a freed range at the ``Free`` itself.
@@ -342,6 +350,12 @@ class LiveBridge:
         self._step_ended = False
         self._wants = True  # the policy's wants_launches as last followed
         self._step_hook: Any = None
+        self._device = device
+        self._facts_left = _FACT_STEPS if from_allocator else 0  # optimizer steps still read for hints
+        # Feeding the pool's layout (allocator-sourced objects only).
+        observe, hint = getattr(session.pool, "observe", None), getattr(session.pool, "hint_kind", None)
+        self._pool_observe = observe if from_allocator and callable(observe) else None
+        self._pool_hint = hint if from_allocator and callable(hint) else None
         self.backend = ManagedOnly(session.backend)
         self.layout = LiveLayout(self._born.pop if from_allocator else self.recorder.address, session.pool)
         profile = _profile_for(cfg, session.backend)
@@ -393,6 +407,46 @@ class LiveBridge:
 
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._step_ended = True  # the next alloc, layer event or launch opens an iteration
+        if self._facts_left > 0 and self._pool_hint is not None and self.failed is None:
+            self._facts_left -= 1
+            with self._lock:
+                try:
+                    self._hint_optimizer(opt)
+                except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
+                    self._fail(exc)
+
+    def _before_malloc(self, nbytes: int) -> None:
+        """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
+        block is placed, so the pool's layout counts the block in it. Never raises."""
+        if not self._step_ended or self.failed is not None:
+            return
+        try:
+            with self._lock:
+                if self.failed is not None:
+                    return
+                try:
+                    self._boundary_if_stepped()
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(exc)
+        except BaseException:  # noqa: BLE001 - nothing may reach the allocator
+            pass
+
+    def _hint_optimizer(self, opt: Any) -> None:
+        """The optimizer's facts as kind hints: persistent state (parameters, optimizer
+        state made lazily in the first step) is kept out of the pool's plan."""
+        import torch
+
+        def hint(t: Any, kind: Kind) -> None:
+            if isinstance(t, torch.Tensor) and t.device.type == self._device:
+                self._pool_hint(t.untyped_storage().data_ptr(), kind)
+
+        for group in opt.param_groups:
+            for p in group["params"]:
+                hint(p, Kind.PARAMETER)
+                hint(p.grad, Kind.GRADIENT)
+        for state in opt.state.values():
+            for v in state.values():
+                hint(v, Kind.OPTIMIZER_STATE)
 
     def _fail(self, exc: BaseException) -> None:
         self.failed = exc
@@ -411,13 +465,23 @@ class LiveBridge:
             self._deliver(self._translate(ev))
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
+            if self._pool_observe is not None:
+                self._pool_observe(ev)
             self._deliver(ev)
         elif t is IterationBoundary:
             if self._next_boundary is None:  # the recorder's first: iterations start here
                 self._next_boundary = ev.index + 1
                 self._step_ended = False
+                if self._pool_observe is not None:
+                    self._pool_observe(ev)
                 self._deliver(ev)
-        # Alloc / Free of the recorder's storages: the allocator announced them
+        elif t is Alloc:
+            # The allocator announced the object; the recorder knows better what it holds.
+            if self._pool_hint is not None and ev.kind is not Kind.OTHER:
+                ptr = self.recorder.address(ev.obj)
+                if ptr:
+                    self._pool_hint(ptr, ev.kind)
+        # Free of the recorder's storages: the allocator announced it
 
     def _translate(self, ev: Launch) -> Launch:
         """The launch with each storage mapped to the allocator object at its address."""
@@ -433,7 +497,10 @@ class LiveBridge:
         if self._step_ended and self._next_boundary is not None:
             self._step_ended = False
             index, self._next_boundary = self._next_boundary, self._next_boundary + 1
-            self._deliver(IterationBoundary(index))
+            ev = IterationBoundary(index)
+            if self._pool_observe is not None:
+                self._pool_observe(ev)
+            self._deliver(ev)
 
     def _follow_wants(self) -> None:
         """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns."""
@@ -478,6 +545,8 @@ class LiveBridge:
 
             self._step_hook = register_optimizer_step_post_hook(self._on_step)
             self.pool.listeners.append(self.on_pool_event)
+            if isinstance(getattr(self.pool, "before_malloc", None), list):
+                self.pool.before_malloc.append(self._before_malloc)
         self.recorder.__enter__()
         if self.from_allocator:
             with self._lock:  # a policy may want no launches from the start
@@ -492,6 +561,8 @@ class LiveBridge:
         if self.from_allocator:
             with contextlib.suppress(ValueError):
                 self.pool.listeners.remove(self.on_pool_event)
+            with contextlib.suppress(ValueError, AttributeError):
+                self.pool.before_malloc.remove(self._before_malloc)
         self.recorder.__exit__(None, None, None)
         if self.from_allocator:
             with self._lock:
