@@ -181,8 +181,15 @@ def test_free_and_mem_info(cuda_backend, fake_gpu):
     ptr = cuda_backend.malloc(MiB)
     free, total = cuda_backend.mem_info()
     assert total == fake_gpu.total and free <= total
+    cuda_backend.set_compute_stream(0)
+    n = len(fake_gpu.calls)
     cuda_backend.free(ptr)
     assert ptr not in fake_gpu.allocs
+    # a prefetch (copy stream) or a kernel or discard (compute stream) may still use it
+    names = [c[0] for c in fake_gpu.calls[n:]]
+    free = max(i for i, name in enumerate(names) if "ree" in name)
+    synced = {c[1] for c in fake_gpu.calls[n:][:free] if "StreamSynchronize" in c[0] or c[0] == "streamSynchronize"}
+    assert synced == {cuda_backend.copy_stream, 0}
     with pytest.raises(CudaError):
         cuda_backend.prefetch([(ptr, 16)], 0)
 

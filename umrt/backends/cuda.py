@@ -339,9 +339,10 @@ class CudaBackend(Backend):
     def free(self, ptr: int) -> None:
         if ptr not in self._allocs:
             raise CudaError(f"cudaFree: {ptr:#x} is not an allocation of this backend")
-        # A prefetch or discard may still be queued on it.
-        self.api.stream_synchronize(self.copy_stream)
-        self._clear_pending()
+        # A prefetch (copy stream) or a kernel or discard (compute stream) may still use
+        # it, and cudaFree only "may" synchronize for managed memory: wait for both
+        # (the pool gives a segment back rarely; PyTorch's empty_cache synchronizes too).
+        self.synchronize()
         self.api.free(ptr)
         self._place([(ptr, self._allocs[ptr])], on_device=False)
         del self._allocs[ptr]
@@ -465,6 +466,7 @@ class CudaBackend(Backend):
         self.api.stream_synchronize(self.compute_stream)
         self._spare_events.extend(ev for ev, _ in self._pending)
         self._clear_pending()
+        self._discarded.clear()
 
     def close(self) -> None:
         """Free every allocation still held (at process exit or session end)."""
