@@ -243,6 +243,10 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
     assert made[0].planned and made[0].plans_made == 1
     assert addrs[1] == addrs[2] == addrs[3]
     assert made[1]._iteration == 3 and not made[1].planned  # saw the boundaries, nothing to plan
+    pool.observe(IterationBoundary(4))
+    pool.observe(LayerEnter("layer"))
+    pool.malloc(MiB, stream=9)  # a stream's first block, mid-iteration: its new layout is told where
+    assert made[2]._iteration == 4 and made[2]._depth == 1
     assert not pool.hint_kind(12345, Kind.PARAMETER)  # not a block of this pool: ignored
     with pytest.raises(UmrtError, match="unknown kind"):
         pool.hint_kind(addrs[0][0], 99)

@@ -346,3 +346,87 @@ def test_the_runtime_over_the_bridge_acts_without_launches(fake_gpu):
     assert rep["light_iterations"] >= 3
     full = per_iteration[1]  # a learned iteration: every launch
     assert full > 0 and sum(n < full for n in per_iteration[2:-1]) >= 3
+
+
+class SpyPool(ManagedPool):
+    """umrt's pool, noting what the bridge feeds it."""
+
+    def __init__(self, backend, layout_factory=None):
+        super().__init__(backend, layout_factory)
+        self.fed = []
+
+    def observe(self, event):
+        self.fed.append(event)
+        super().observe(event)
+
+    def hint_kind(self, ptr, kind):
+        self.fed.append(("hint", ptr, Kind(kind)))
+        return super().hint_kind(ptr, kind)
+
+
+def test_the_bridge_feeds_the_pool_boundaries_layers_and_kind_hints(fake_gpu):
+    session = _session(fake_gpu)
+    session.pool = pool = SpyPool(session.backend)
+    policy = StubPolicy()
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    facts = []  # per step: (parameter blocks, optimizer state blocks)
+
+    def read(opt, args, kwargs):
+        params = {p.untyped_storage().data_ptr() for g in opt.param_groups for p in g["params"]}
+        state = {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)}
+        facts.append((params, state))
+
+    hook = register_optimizer_step_post_hook(read)
+    try:
+        _train(bridge, 3)
+    finally:
+        hook.remove()
+    assert bridge.failed is None and pool.before_malloc == []
+    events = [e for e in pool.fed if not isinstance(e, tuple)]
+    assert events == [e for e in policy.got if isinstance(e, (IterationBoundary, LayerEnter, LayerExit))]
+    assert any(isinstance(e, LayerEnter) for e in events)
+    hints = [e for e in pool.fed if isinstance(e, tuple)]
+    assert {k for _, _, k in hints} >= {Kind.ACTIVATION, Kind.PARAMETER, Kind.OPTIMIZER_STATE}  # recorder's, facts
+    # The first two steps' facts (momentum buffers are made in the first), each before the
+    # boundary that ends the step's iteration (the pool plans there); none from the third.
+    assert len(facts) == 3
+    ends = [pool.fed.index(IterationBoundary(i)) for i in range(4)]
+    for step, (params, state) in enumerate(facts[:2]):
+        told = {(e[1], e[2]) for e in pool.fed[ends[step]:ends[step + 1]] if isinstance(e, tuple)}
+        assert state and params
+        assert {(p, Kind.PARAMETER) for p in params} | {(p, Kind.OPTIMIZER_STATE) for p in state} <= told
+    third = pool.fed[ends[2]:]
+    assert not any(isinstance(e, tuple) and e[2] == Kind.PARAMETER for e in third)
+
+
+def test_an_allocation_after_a_step_opens_the_pools_iteration_before_it_is_placed(fake_gpu):
+    from umrt.memory.pool import LifetimePool
+
+    log = []
+
+    class Logged(LifetimePool):
+        def alloc(self, obj, nbytes, kind):
+            log.append(("alloc", nbytes))
+            return super().alloc(obj, nbytes, kind)
+
+        def observe(self, event):
+            log.append(event)
+            super().observe(event)
+
+    session = _session(fake_gpu)
+    session.pool = ManagedPool(session.backend, lambda b: Logged(b, live_feed=True))
+    policy = StubPolicy()
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge.start()
+    try:
+        session.pool.free(session.pool.malloc(4096))
+        w = torch.nn.Parameter(torch.ones(2))
+        w.grad = torch.ones(2)
+        torch.optim.SGD([w], lr=0.1).step()
+        session.pool.malloc(1 << 20)
+    finally:
+        bridge.close()
+    assert log == [IterationBoundary(0), ("alloc", 4096), IterationBoundary(1), ("alloc", 1 << 20)]
+    got = [e for e in policy.got if e != "STEP"]
+    assert got[-2] == IterationBoundary(1) and isinstance(got[-1], Alloc)  # the policy's order as before

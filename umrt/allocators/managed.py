@@ -30,7 +30,7 @@ from typing import Any
 from umrt import stats
 from umrt.errors import CudaError
 from umrt.memory.caching import LayoutError
-from umrt.trace.events import Event, Kind
+from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit
 
 
 class ManagedOutOfMemoryError(CudaError):
@@ -67,6 +67,10 @@ class ManagedPool:
         self._lock = threading.RLock()  # torch frees from the autograd thread too
         self.listeners: list[Callable[[str, int, int], None]] = []
         self.before_malloc: list[Callable[[int], None]] = []
+        # What a layout made later (a stream's first malloc) is told first: the iteration
+        # and the modules running, as observed so far.
+        self._boundary: Event | None = None
+        self._open_layers: list[Event] = []
 
     def malloc(self, nbytes: int, stream: Any = 0) -> int:
         """A managed block of at least ``nbytes``; ``0`` for a zero-byte request."""
@@ -79,7 +83,7 @@ class ManagedPool:
         with self._lock:
             layout = self._layouts.get(stream)
             if layout is None:
-                layout = self._layouts[stream] = self._factory(self.backend)
+                layout = self._layouts[stream] = self._new_layout()
             obj = next(self._ids)
             try:
                 ptr = layout.alloc(obj, nbytes, Kind.OTHER)
@@ -112,10 +116,24 @@ class ManagedPool:
         """Pass one program event (an iteration boundary, a layer event) to every
         stream's layout that reads events (``layout.observe``)."""
         with self._lock:
+            if isinstance(event, IterationBoundary):
+                self._boundary, self._open_layers = event, []
+            elif isinstance(event, LayerEnter):
+                self._open_layers.append(event)
+            elif isinstance(event, LayerExit) and self._open_layers:
+                self._open_layers.pop()
             for layout in self._layouts.values():
                 observe = getattr(layout, "observe", None)
                 if observe is not None:
                     observe(event)
+
+    def _new_layout(self) -> Any:
+        layout = self._factory(self.backend)
+        observe = getattr(layout, "observe", None)
+        if observe is not None and self._boundary is not None:
+            for event in (self._boundary, *self._open_layers):
+                observe(event)
+        return layout
 
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
         """Tell the layout holding the live block that starts at ``ptr`` what it holds.
