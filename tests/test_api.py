@@ -430,3 +430,99 @@ def test_an_allocation_after_a_step_opens_the_pools_iteration_before_it_is_place
     assert log == [IterationBoundary(0), ("alloc", 4096), IterationBoundary(1), ("alloc", 1 << 20)]
     got = [e for e in policy.got if e != "STEP"]
     assert got[-2] == IterationBoundary(1) and isinstance(got[-1], Alloc)  # the policy's order as before
+
+
+class MirrorPool:
+    """umrt's pool over CPU storages: what torch allocates (as FakeAllocator sees it) is placed
+    by a live-feed LifetimePool as ManagedPool does (hooks, then the layout, then listeners),
+    and the bridge feeds it through the same calls."""
+
+    def __init__(self, hints: bool = True) -> None:
+        from umrt.memory.pool import LifetimePool
+
+        class Bump:  # 2 MB-aligned segments, as cudaMallocManaged's
+            next = 1 << 40
+
+            def malloc(self, n):
+                ptr, self.next = self.next, self.next + -(-n // (2 << 20)) * (2 << 20)
+                return ptr
+
+            def free(self, ptr):
+                pass
+
+        self.listeners, self.before_malloc = [], []
+        self.layout = LifetimePool(Bump(), live_feed=True)
+        self.hints = hints
+        self._obj, self._ids = {}, iter(range(1, 1 << 62))
+        self.iteration, self.addresses = -1, {}  # (iteration, ordinal) -> address
+        self.live, self.peaks = 0, {}  # iteration -> (peak live bytes, peak footprint)
+
+    def observe(self, event):
+        self.layout.observe(event)
+        if isinstance(event, IterationBoundary):
+            self.iteration = event.index
+            self.peaks[event.index] = (self.live, self.layout.footprint())
+
+    def hint_kind(self, ptr, kind):
+        obj = self._obj.get(ptr)
+        if obj is not None and self.hints:
+            self.layout.hint_kind(obj, kind)
+        return obj is not None
+
+    def reserved_bytes(self):
+        return self.layout.footprint()
+
+    def tell(self, what, ptr, n):
+        if what == "alloc":
+            for hook in self.before_malloc:
+                hook(n)
+            obj = self._obj[ptr] = next(self._ids)
+            ordinal = sum(1 for k in self.addresses if k[0] == self.iteration)
+            self.addresses[(self.iteration, ordinal)] = self.layout.alloc(obj, n, Kind.OTHER)
+            self.live += n
+            live, footprint = self.peaks.get(self.iteration, (0, 0))
+            self.peaks[self.iteration] = (max(live, self.live), max(footprint, self.layout.footprint()))
+        else:
+            self.layout.free(self._obj.pop(ptr))
+            self.live -= n
+
+
+class MirrorAllocator(FakeAllocator):
+    def _tell(self, what, ptr, n):
+        self.pool.tell(what, ptr, n)
+        super()._tell(what, ptr, n)
+
+
+@pytest.mark.parametrize("hints", [True, False])
+def test_the_pool_fed_by_the_bridge_plans_a_real_training_loop(fake_gpu, hints):
+    """An Adam training loop (state made lazily in the first step) through the bridge:
+    the pool's plan gives every allocation the same address from the second step on with
+    the bridge's kind hints, from the third without them, in little more than live memory."""
+    session = _session(fake_gpu)
+    session.pool = pool = MirrorPool(hints)
+    bridge = api.LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
+    with MirrorAllocator(pool):
+        bridge.start()
+        try:
+            torch.manual_seed(0)
+            layers = [m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())]
+            model = torch.nn.Sequential(torch.nn.Linear(64, 1024), *layers, torch.nn.Linear(1024, 1))
+            opt = torch.optim.Adam(model.parameters())
+            for _ in range(5):
+                model(torch.randn(256, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            bridge.close()
+    assert bridge.failed is None
+    addrs = pool.addresses
+    steady = 1 if hints else 2
+    n = sum(1 for k in addrs if k[0] == steady)
+    assert n > 20
+    for it in range(steady, 5):
+        assert [addrs.get((it, i)) for i in range(n + 1)] == [addrs[(steady, i)] for i in range(n)] + [None]
+    assert [addrs.get((steady - 1, i)) for i in range(n)] != [addrs[(steady, i)] for i in range(n)]
+    assert pool.layout.plans_made == (1 if hints else 2)
+    assert pool.layout.report()["last_iteration"]["plan_misses"] == 0
+    live, footprint = pool.peaks[4]  # the last step
+    assert footprint <= 1.15 * live  # 2 MB rounding of a few arenas
