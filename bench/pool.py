@@ -128,7 +128,8 @@ def measure(model: str, batch: int | None, seq: int | None, steps: int) -> dict:
     pool = replay(trace, pool_layout, feed=True)
     t2 = time.perf_counter()
     report = pool_layout.report()
-    live = replay(trace, LifetimePool(BumpBackend(), live_feed=True), feed=True, live_feed=True)
+    live_layout = LifetimePool(BumpBackend(), live_feed=True)
+    live = replay(trace, live_layout, feed=True, live_feed=True)
     meta = trace.header.meta or {}
     peak_live = pool["peak_live"]
     return {
@@ -150,6 +151,7 @@ def measure(model: str, batch: int | None, seq: int | None, steps: int) -> dict:
         "live_footprint_bytes": live["footprint"],
         "live_vs_live": live["footprint"] / peak_live if peak_live else None,
         "live_stable": live["stable"],
+        "live_peak_footprint_bytes": live_layout.report()["peak_footprint"],  # includes the learning iteration
         "caching_stable": caching["stable"],
         "pool_arena_bytes": report["arena_bytes"],
         "pool_plan": report["last_iteration"],
