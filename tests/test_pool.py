@@ -427,6 +427,7 @@ def test_live_feed_plans_stable_and_tight():
     sim = LifetimePool(BumpBackend())
     drive(sim, events)
     assert pool.footprint() <= sim.footprint() <= 1.06 * pool.peak_live_bytes
+    assert pool.report()["peak_footprint"] <= sim.report()["peak_footprint"]  # learning included
 
 
 def test_live_feed_uses_hints_given_before_planning():
@@ -501,3 +502,17 @@ def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch):
     pool = LifetimePool(BumpBackend(), live_feed=True)
     drive_live(pool, events, check=check_layout)
     assert not pool.planned
+
+
+def test_live_feed_learning_memory_goes_back_before_the_step_needs_more():
+    """While learning, what the layers freed is returned before the persistent arena (where
+    top-level allocations such as the optimizer step's go) obtains a segment."""
+    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool.observe(IterationBoundary(0))
+    pool.observe(LayerEnter("layer"))
+    pool.alloc(1, 8 * MiB, Kind.OTHER)  # an activation
+    pool.observe(LayerExit("layer"))
+    pool.free(1)
+    pool.alloc(2, 8 * MiB, Kind.OTHER)  # the step's, outside any module
+    assert pool.arena_of(2) == "persistent" and pool.arena_ranges()["learning"] == []
+    assert pool.footprint() < 16 * MiB  # one segment (and its alignment), not two

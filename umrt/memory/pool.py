@@ -85,8 +85,11 @@ Placement cannot wait for the hint: before a plan exists, an unknown
 allocation outside any module (model set-up, the optimizer step, where
 persistent state is born) goes to the ``persistent`` arena, one inside a
 module to ``learning``. Since the guess is sometimes wrong, memory goes back
-to the backend early: a ``persistent`` segment that empties while the pool
-learns (a step's temporaries), at once, before persistent state fills it;
+to the backend early: the empty ``learning`` segments before the
+``persistent`` arena grows while the pool learns (the optimizer step runs
+after the layers freed their activations); a ``persistent`` segment that
+empties while the pool learns (a step's temporaries), at once, before
+persistent state fills it;
 ``learning`` segments as they empty once a plan exists; at every boundary
 the empty segments of both (neither is allocated in after planning, so
 nothing is returned and re-obtained), and ``overflow``'s once an iteration
@@ -187,6 +190,10 @@ class _Online:
             self._add_free(ptr + size, fsize - size)
         self.used[ptr] = size
         return ptr
+
+    def fits(self, size: int) -> bool:
+        """Whether a free block of ``size`` bytes is there (no new segment needed)."""
+        return bisect.bisect_left(self._free_keys, (size, -1)) < len(self._free_keys)
 
     def free(self, ptr: int) -> int | None:
         """Free the block at ``ptr``; the start of its segment if that is empty now, else None."""
@@ -620,6 +627,8 @@ class LifetimePool(Layout):
         if not self.planned:
             # Live feed, kind unknown: outside any module is where persistent state is born.
             name = "persistent" if self.live_feed and self._depth == 0 and kind is Kind.OTHER else "learning"
+            if name == "persistent" and not self._online[name].fits(size):
+                self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
         hit = self._plan.get(key) if key is not None else None
