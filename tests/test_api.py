@@ -526,3 +526,41 @@ def test_the_pool_fed_by_the_bridge_plans_a_real_training_loop(fake_gpu, hints):
     assert pool.layout.report()["last_iteration"]["plan_misses"] == 0
     live, footprint = pool.peaks[4]  # the last step
     assert footprint <= 1.15 * live  # 2 MB rounding of a few arenas
+
+
+def test_the_policy_is_told_what_allocator_objects_hold(fake_gpu):
+    """The allocator announces every block as Kind.OTHER; the bridge passes the
+    recorder's kinds and the optimizer's facts on to a policy that takes hints
+    (umrt's runtime plans with them), by the policy's own object ids."""
+    class Hinted(StubPolicy):
+        def __init__(self):
+            super().__init__()
+            self.hints = []
+
+        def hint_kind(self, obj, kind):
+            self.hints.append((obj, Kind(kind)))
+
+    session = _session(fake_gpu)
+    policy = Hinted()
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    _train(bridge, 3)
+    assert bridge.failed is None
+    announced = {ev.obj for ev in policy.got if isinstance(ev, Alloc)}
+    kinds = {k for _, k in policy.hints}
+    assert policy.hints and {o for o, _ in policy.hints} <= announced
+    assert {Kind.PARAMETER, Kind.OPTIMIZER_STATE} <= kinds
+
+
+def test_the_runtime_plans_with_hinted_kinds():
+    """Runtime.hint_kind: the kind an object was announced with is replaced, in
+    what the runtime knows of it and in the iteration it is recording."""
+    from umrt.runtime import Runtime
+
+    rt = Runtime()
+    rt._rec = rt._new_record()
+    rt.on_event(Alloc(7, 1 << 20, Kind.OTHER, 0))
+    rt.hint_kind(7, Kind.OPTIMIZER_STATE)
+    rt.hint_kind(8, Kind.PARAMETER)  # never announced: ignored
+    key = rt.keys.key_of[7]
+    assert rt._rec.kinds[key] == Kind.OPTIMIZER_STATE
+    assert rt._new_record().kinds[key] == Kind.OPTIMIZER_STATE

@@ -438,7 +438,7 @@ class LiveBridge:
 
         def hint(t: Any, kind: Kind) -> None:
             if isinstance(t, torch.Tensor) and t.device.type == self._device:
-                self._pool_hint(t.untyped_storage().data_ptr(), kind)
+                self._hint(t.untyped_storage().data_ptr(), kind)
 
         for group in opt.param_groups:
             for p in group["params"]:
@@ -480,8 +480,18 @@ class LiveBridge:
             if self._pool_hint is not None and ev.kind is not Kind.OTHER:
                 ptr = self.recorder.address(ev.obj)
                 if ptr:
-                    self._pool_hint(ptr, ev.kind)
+                    self._hint(ptr, ev.kind)
         # Free of the recorder's storages: the allocator announced it
+
+    def _hint(self, ptr: int, kind: Kind) -> None:
+        """What the block at ``ptr`` holds, for the pool's layout and the policy
+        (umrt's runtime plans with kinds: optimizer state read by one launch is
+        kept on the host)."""
+        self._pool_hint(ptr, kind)
+        obj = self._obj_at.get(ptr)
+        hint = getattr(self.policy, "hint_kind", None)
+        if obj is not None and callable(hint):
+            hint(obj, kind)
 
     def _translate(self, ev: Launch) -> Launch:
         """The launch with each storage mapped to the allocator object at its address."""

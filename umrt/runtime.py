@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict, deque
+from dataclasses import replace
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ from umrt.backends.base import HOST, Advice, Backend
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.planner import PAGE, Action, IterationRecord, Plan, Planner
 from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys, VariantTable
-from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, LayerExit
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.memory.base import Layout
@@ -466,6 +467,19 @@ class Runtime(Policy):
             if self._pool_observe is not None:
                 self._pool_observe(event)
             self._boundary(event.index)
+
+    def hint_kind(self, obj: int, kind: Kind) -> None:
+        """What a live object holds, learned after it was announced (a live
+        allocator announces every block as ``Kind.OTHER``; the optimizer's
+        facts come after its step). Plans compiled from then on see it."""
+        ev = self._info.get(obj)
+        if ev is None or ev.kind == kind:
+            return
+        self._info[obj] = replace(ev, kind=kind)
+        rec = self._rec
+        key = self.keys.key_of.get(obj)
+        if rec is not None and key is not None:
+            rec.kinds[key] = kind
 
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
