@@ -406,3 +406,26 @@ def test_suspending_from_another_thread_takes_effect_at_the_owners_next_hook():
         assert len(_get_current_dispatch_mode_stack()) == 1
         x * 2
         assert sum(isinstance(e, Launch) for e in rec.events) > n
+
+
+def test_suspended_ops_skip_the_optimizers_facts():
+    """With ops suspended nothing reads kinds: the optimizer's tensors are not
+    marked (a pass over every parameter each step); resumed, they are again."""
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+    marked = []
+    real = rec._mark_optimizer
+    rec._mark_optimizer = lambda o, *, grads: (marked.append(grads), real(o, grads=grads))
+
+    def marks_in_a_step() -> list:
+        n = len(marked)
+        _step(model, opt)
+        return marked[n:]
+
+    with rec:
+        on = marks_in_a_step()
+        rec.suspend_ops()
+        off = marks_in_a_step()
+        rec.resume_ops()
+        again = marks_in_a_step()
+    assert on == again == [True, False] and off == []  # step pre (with gradients) and post

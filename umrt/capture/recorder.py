@@ -612,7 +612,9 @@ class Recorder:
         with self._lock:
             self._flush()
             self._end_backward()
-            if self.optimizer is None or opt is self.optimizer:
+            # Facts about the optimizer's tensors (kinds) are for recorded ops; with
+            # ops suspended they would cost a pass over every parameter each step.
+            if (self.optimizer is None or opt is self.optimizer) and not self._ops_off:
                 self._mark_optimizer(opt, grads=True)
         self._in_step += 1
 
@@ -623,8 +625,9 @@ class Recorder:
         self._maybe_sync()
         if self.optimizer is not None and opt is not self.optimizer:
             return
-        with self._lock:
-            self._mark_optimizer(opt, grads=False)
+        if not self._ops_off:
+            with self._lock:
+                self._mark_optimizer(opt, grads=False)
         if self.auto_step:
             self.step()
 
