@@ -237,6 +237,11 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         events = getattr(session.runtime, "events", None)
         if events is not None:
             result["runtime_events"] = int(events)
+        # What the policy did (umrt: iterations learned / acted / acted without launches,
+        # deviations, late decisions, moves): the first thing to read on a real GPU.
+        report = getattr(getattr(session.runtime, "policy", None), "report", None)
+        if callable(report):
+            result["policy_report"] = {k: v for k, v in report().items() if not isinstance(v, dict)}
     if summary is not None:
         result["telemetry"] = {
             "samples": summary.samples, "peak_used_bytes": summary.peak_used_bytes,
