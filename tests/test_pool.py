@@ -219,6 +219,46 @@ def test_unknown_allocations_without_replanning_use_overflow():
     assert pool.plans_made == 2 and overflow
 
 
+def test_a_replan_out_of_memory_never_serves_from_the_returned_region():
+    """The old region goes back before the new one is obtained; if that fails, the old
+    plan must not hand out addresses in it (a live run's pool goes on serving torch)."""
+
+    class Failing(BumpBackend):
+        fail = False
+
+        def malloc(self, nbytes: int) -> int:
+            if self.fail:
+                raise UmrtError("out of memory")
+            return super().malloc(nbytes)
+
+    backend = Failing()
+    pool = LifetimePool(backend)
+    ids = itertools.count()
+
+    def iteration(index: int, sizes: list[int]) -> None:
+        pool.observe(IterationBoundary(index))
+        objs = [next(ids) for _ in sizes]
+        for o, n in zip(objs, sizes, strict=True):
+            pool.alloc(o, n, Kind.ACTIVATION)
+        for o in objs:
+            pool.free(o)
+
+    iteration(0, [3 * MiB, MiB])
+    iteration(1, [3 * MiB, MiB])
+    iteration(2, [5 * MiB, 7 * MiB])  # every byte missed: the next boundary re-plans
+    planned_region = next(iter(pool._regions)).ptr
+    backend.fail = True
+    with pytest.raises(UmrtError, match="out of memory"):
+        pool.observe(IterationBoundary(3))
+    assert planned_region not in backend.live  # returned before the new region was asked for
+    backend.fail = False
+    sizes = {next(ids): n for n in (3 * MiB, MiB)}  # what the old plan knew
+    for o, n in sizes.items():
+        pool.alloc(o, n, Kind.ACTIVATION)
+        assert pool.arena_of(o) == "overflow"
+    check_layout(pool, sizes)
+
+
 def test_an_extra_allocation_shifts_no_other_address():
     events = model_events(iterations=5)
     # In iteration 4, one extra temporary in layer 2's forward (after its first launch).

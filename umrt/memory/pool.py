@@ -758,7 +758,10 @@ class LifetimePool(Layout):
                     items.append(lifetime(r))
                     aligns.append(self.alignment)
 
-        # Return what is already empty before asking for the new region (a lower peak).
+        # Return what is already empty before asking for the new region (a lower peak). The old
+        # plan points into the regions returned here: it goes first, so that if the new region
+        # cannot be had (out of memory) every allocation is served online, never from freed memory.
+        self._plan = {}
         learning = self._online["learning"]
         if learning.segments and not learning.used:
             learning.release()
