@@ -487,9 +487,14 @@ def test_live_feed_uses_hints_given_before_planning():
 
 
 def test_live_feed_keys_ignore_launches():
-    events = with_optimizer_step(model_events(iterations=4))
+    """A live run has launches while it learns and none once the runtime stops recording:
+    the plan learned then must still serve the iterations without them."""
+    events = with_optimizer_step(model_events(iterations=5))
+    stop = events.index(IterationBoundary(2))
+    learning_launches = events[:stop] + [e for e in events[stop:] if not isinstance(e, Launch)]
     with_launches, without = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
-    assert drive_live(with_launches, events, launches=True) == drive_live(without, events)
+    assert drive_live(with_launches, learning_launches, launches=True) == drive_live(without, events)
+    assert with_launches.report()["last_iteration"]["plan_misses"] == 0
 
 
 def test_live_feed_set_up_inside_the_first_iteration_stays_persistent():
