@@ -39,9 +39,10 @@ class Advice(enum.IntEnum):
 class Backend(ABC):
     """A GPU with managed memory, real or simulated.
 
-    All calls are asynchronous in the CUDA sense: they are ordered on the
+    All calls are asynchronous in the CUDA sense: prefetches are ordered on the
     backend's copy stream, and :meth:`launch` orders a kernel after every
-    prefetch issued before it that touches its ranges.
+    prefetch issued before it that touches its ranges; a discard is ordered
+    with the kernels (after those queued before it, before those queued after).
     """
 
     name: str = "backend"
@@ -61,7 +62,10 @@ class Backend(ABC):
 
     @abstractmethod
     def discard(self, ranges: Sequence[Range]) -> None:
-        """Declare the ranges' contents dead: a later migration copies nothing."""
+        """Declare the ranges' contents dead: a later migration copies nothing.
+
+        In kernel order: the kernels queued before it may still read the dead
+        bytes, those queued after it may write a new owner's."""
 
     @abstractmethod
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:

@@ -23,13 +23,15 @@ no-op, and umrt's pool reuses a dead range *in place* for the next
 allocation of that size, so its stale pages are never migrated back and
 forth only to be overwritten.
 
-Ordering: every prefetch, eviction and discard runs on a dedicated
-non-blocking *copy stream*. After each one the backend records an event;
-:meth:`CudaBackend.launch` makes the *compute stream* (the framework's stream,
-see :meth:`CudaBackend.set_compute_stream`) wait on the latest event that
-touched the kernel's ranges. Evictions and discards first make the copy stream
-wait for the work already queued on the compute stream, so no page moves
-while a kernel still uses it.
+Ordering: every prefetch and eviction runs on a dedicated non-blocking *copy
+stream*. After each one the backend records an event; :meth:`CudaBackend.launch`
+makes the *compute stream* (the framework's stream, see
+:meth:`CudaBackend.set_compute_stream`) wait on the latest event that touched
+the kernel's ranges. Evictions first make the copy stream wait for the work
+already queued on the compute stream, so no page moves while a kernel still
+uses it. A discard destroys data, so it runs on the compute stream itself, in
+kernel order (after copies queued on its ranges); a later prefetch of a
+discarded range makes the copy stream wait for the discard.
 
 Without concurrent managed access (Windows, WSL, pre-Pascal GPUs) the
 driver rejects prefetch and advice; they become no-ops with one warning.
