@@ -245,8 +245,7 @@ class Runtime(Policy):
         self._mostly: set[int] = set()  # objects advised ReadMostly
         self._over: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launches
         self._temp: list[tuple[int, int]] = []  # ranges host-mapped for the launch that just ran
-        self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next launch
-        self._born: list[tuple[int, int]] = []  # newborns to populate on the GPU before the next launch
+        self._pending: list[tuple[int, int]] = []  # dead ranges to discard before the next allocation or launch
         # Decision ranges memoized per key tuple (see _resolve), evictions and prefetches apart.
         self._memo_evict: dict[int, tuple] = {}
         self._memo_prefetch: dict[int, tuple] = {}
@@ -363,8 +362,8 @@ class Runtime(Policy):
                     ref = self._ref[1]
                     if key >= len(ref) or ref[key] != ptr:
                         self._unfreeze()
-                if fresh:  # populated on the GPU before the next launch
-                    self._born.append((ptr, event.nbytes))
+                if fresh:  # populated on the GPU below, before its op's kernel is queued
+                    born = (ptr, event.nbytes)
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
@@ -382,8 +381,12 @@ class Runtime(Policy):
                 rec.light.append((self._nl, lh))
             # Dead ranges are discarded before the newborn that may reuse one is
             # written (a live allocation arrives before its op's kernel is queued).
-            if self._pending or self._born:
+            if self._pending:
                 self._flush()
+            if fresh:
+                backend = self.backend
+                backend.prefetch([born], backend.device)
+                self._n_populate_calls += 1
             if ne == self._due:
                 self._light_event(ne)
         elif t is Free:
@@ -401,7 +404,7 @@ class Runtime(Policy):
                 self.backend.advise([(self.layout.address(obj), self._info.get(obj, _NOINFO).nbytes)],
                                     Advice.UNSET_READ_MOSTLY, self.backend.device)
             # Dead bytes are dropped in every mode: it is a fact, not a prediction.
-            # Batched until the next launch (nothing can read or write them before).
+            # Batched until the next allocation or launch (nothing can write them before).
             nb = self._info.pop(obj, _NOINFO).nbytes
             if nb >= self.min_discard:
                 dk = self._discard_keys
@@ -438,7 +441,7 @@ class Runtime(Policy):
                 self._record_launch(event)
             if self._temp:
                 self._unmap_temp()
-            if self._pending or self._born:
+            if self._pending:
                 self._flush()
             n = self._nl
             self._nl = n + 1
@@ -459,7 +462,7 @@ class Runtime(Policy):
                 rec.boundaries.append(self._nl)
                 rec.light.append((self._nl, lh))
             if self._light:
-                if self._pending or self._born:
+                if self._pending:
                     self._flush()
                 if ne == self._due:
                     self._light_event(ne)
@@ -818,28 +821,20 @@ class Runtime(Policy):
         if (self._ne, self._lh) != self._plan.light_end:
             self._deviate()
             return
-        if self._pending or self._born:
+        if self._pending:
             self._flush()
         while self._ai < len(self._actions):
             self._act(self._actions[self._ai])
             self._ai += 1
 
     def _flush(self) -> None:
-        """Discard the ranges freed since the last flush in one call, then
-        populate the plan's newborns on the GPU. Ranges of segments the pool
-        gave back meanwhile were dropped (_released)."""
-        backend = self.backend
-        if self._pending:
-            ranges = self._pending
-            self._pending = []
-            backend.discard(ranges)
-            self._n_discard_calls += 1
-            self._n_discarded += sum(map(_N, ranges))
-        if self._born:
-            ranges = self._born
-            self._born = []
-            backend.prefetch(ranges, backend.device)
-            self._n_populate_calls += 1
+        """Discard the ranges freed since the last flush in one call. Ranges
+        of segments the pool gave back meanwhile were dropped (_released)."""
+        ranges = self._pending
+        self._pending = []
+        self.backend.discard(ranges)
+        self._n_discard_calls += 1
+        self._n_discarded += sum(map(_N, ranges))
 
     def _resolve(self, keys: tuple[int, ...], memo: dict, evict: bool) -> tuple[list, int, int]:
         """The ranges a decision moves for ``keys``: ``(ranges, bytes, keys not alive)``.
