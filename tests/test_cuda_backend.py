@@ -186,9 +186,9 @@ def test_free_and_mem_info(cuda_backend, fake_gpu):
     cuda_backend.free(ptr)
     assert ptr not in fake_gpu.allocs
     # a prefetch (copy stream) or a kernel or discard (compute stream) may still use it
-    names = [c[0] for c in fake_gpu.calls[n:]]
-    free = max(i for i, name in enumerate(names) if "ree" in name)
-    synced = {c[1] for c in fake_gpu.calls[n:][:free] if "StreamSynchronize" in c[0] or c[0] == "streamSynchronize"}
+    calls = fake_gpu.calls[n:]
+    freed = next(i for i, c in enumerate(calls) if c[0] in ("free", "cudaFree"))
+    synced = {c[1] for c in calls[:freed] if c[0] in ("streamSynchronize", "cudaStreamSynchronize")}
     assert synced == {cuda_backend.copy_stream, 0}
     with pytest.raises(CudaError):
         cuda_backend.prefetch([(ptr, 16)], 0)

@@ -471,8 +471,7 @@ class CudaBackend(Backend):
         self._discarded.clear()
 
     def close(self) -> None:
-        """Free every allocation still held (at process exit or session end)."""
-        self.api.stream_synchronize(self.copy_stream)
+        """Free every allocation still held (at process exit or session end; :meth:`free` waits for both streams)."""
         for ptr in list(self._allocs):
             self.free(ptr)
 
