@@ -185,8 +185,8 @@ def run_shadow(
     """
     from umrt.capture import Recorder, StopRecording
     from umrt.hardware import load_profile
-    from umrt.scripts import run_script
     from umrt.policy import make_policy
+    from umrt.scripts import run_script
     from umrt.sim.replay import parse_budget
 
     path = Path(script)

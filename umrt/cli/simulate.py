@@ -45,11 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from umrt.errors import ConfigError
     from umrt.hardware import load_profile
+    from umrt.policy import make_policy
     from umrt.sim.bound import link_bound
     from umrt.sim.replay import simulate
     from umrt.trace.fileformat import load
-
-    from umrt.policy import make_policy
 
     if args.iterations is not None and args.iterations < 1:
         raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")

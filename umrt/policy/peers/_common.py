@@ -16,7 +16,6 @@ from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 
-
 def block_of(addr: int) -> int:
     """The 2 MB block holding ``addr``."""
     return addr - addr % BLOCK
