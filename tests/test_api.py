@@ -311,6 +311,21 @@ def test_the_pool_listener_never_raises_into_the_allocator(fake_gpu, caplog):
     assert isinstance(bridge.failed, RuntimeError) and caplog.text.count("runtime stopped acting") == 1
 
 
+def test_a_policy_that_wants_no_launches_from_the_start_has_none_recorded(fake_gpu):
+    """The recorder emits its first boundary before it records (suspend_ops is
+    refused there): the bridge asks again once it records."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    policy = StubPolicy()
+    policy.wants_launches = False
+    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    _train(bridge, 2)
+    assert bridge.failed is None and isinstance(policy.got[0], IterationBoundary)
+    assert not any(isinstance(e, Launch) for e in policy.got)
+    assert any(isinstance(e, LayerEnter) for e in policy.got) and any(isinstance(e, Alloc) for e in policy.got)
+    assert _get_current_dispatch_mode_stack() == []
+
+
 def test_the_source_of_objects(fake_gpu):
     session = _session(fake_gpu)
     assert api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator

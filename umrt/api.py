@@ -515,12 +515,13 @@ class LiveBridge:
     def _follow_wants(self) -> None:
         """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns."""
         want = getattr(self.policy, "wants_launches", True)
-        if want != self._wants:
-            self._wants = want
-            if want:
-                self.recorder.resume_ops()
-            else:
-                self.recorder.suspend_ops()
+        if want == self._wants:
+            return
+        if want:
+            self.recorder.resume_ops()
+        elif not self.recorder.suspend_ops():
+            return  # not recording yet (its first boundary) or a user's mode on top: asked again next event
+        self._wants = want
 
     # -- delivery ---------------------------------------------------------------
 
