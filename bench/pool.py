@@ -48,7 +48,9 @@ DEFAULT_SEQ = {"gpt2": 512, "bert-base": 256}
 DEFAULT_OUT = Path(__file__).resolve().parent / "out" / "pool.json"
 TARGET_VS_LIVE = 1.03
 TARGET_VS_CACHING = 0.87
-LIVE_HINTED_ITERATIONS = 2  # the live runtime records (and so hints) its first iterations only
+# The live bridge hints kinds while it learns only: the recorder's while the runtime records
+# (Config.learn_iterations = 2), the optimizer's facts in its first steps (umrt.api._FACT_STEPS = 2).
+LIVE_HINTED_ITERATIONS = 2
 
 
 class BumpBackend:
@@ -189,8 +191,8 @@ def _table(rows: list[dict]):
         )
     t.caption = (f"targets: pool/live <= {TARGET_VS_LIVE}, pool/caching <= {TARGET_VS_CACHING}; "
                  "bound = live/caching, the best pool/caching any layout can reach; live feed: the pool "
-                 "as a live run feeds it (kinds unknown at allocation, hinted in the first 2 iterations, "
-                 "no launches)")
+                 "as a live run feeds it (kinds unknown at allocation, hinted in the first "
+                 f"{LIVE_HINTED_ITERATIONS} iterations, no launches)")
     return t
 
 
