@@ -777,24 +777,19 @@ class Runtime(Policy):
             self._due = nxt
 
     def _decide_light(self, ne: int) -> None:
-        """The decisions at event ``ne``, if the iteration has matched its plan
-        so far: the running hash of every allocation's size, every freed size
-        and every module boundary must be the recorded one."""
-        actions = self._actions
-        a = actions[self._ai]
+        """The decision at event ``ne`` (one at most: light_points places each
+        launch's action on its own event), if the iteration has matched its
+        plan so far: the running hash of every allocation's size, every freed
+        size and every module boundary must be the recorded one."""
+        a = self._actions[self._ai]
         if self._lh != a.light_hash:
             a = self._switch_light(ne)
             if a is None:
                 self._deviate()
                 return
-            actions = self._actions
-        while True:
-            self._ai += 1
-            self._act(a)
-            if self._ai >= len(actions) or actions[self._ai].light_at != ne:
-                break
-            a = actions[self._ai]
+        self._ai += 1
         self._arm()
+        self._act(a)
 
     def _switch_light(self, ne: int) -> Action | None:
         """Another learned shape that matches at event ``ne`` (as :meth:`_switch`)."""
