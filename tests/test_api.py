@@ -326,6 +326,36 @@ def test_a_policy_that_wants_no_launches_from_the_start_has_none_recorded(fake_g
     assert _get_current_dispatch_mode_stack() == []
 
 
+def test_a_resume_from_the_allocator_waits_for_the_recorders_next_hook(fake_gpu):
+    """A pool event comes from inside the op that asked for memory: a policy that
+    wants launches again there has the recorder's mode re-entered at its next
+    hook, not pushed in the middle of that op."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    class WantsAfterAnAlloc(StubPolicy):
+        def on_event(self, ev):
+            super().on_event(ev)
+            if isinstance(ev, Alloc):
+                self.wants_launches = True
+
+    policy = WantsAfterAnAlloc()
+    policy.wants_launches = False
+    session = _session(fake_gpu)
+    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge.start()
+    try:
+        assert bridge.recorder.ops_suspended and _get_current_dispatch_mode_stack() == []
+        ptr = session.pool.malloc(4096)  # as torch's allocator calls it, from inside an op
+        assert not bridge.recorder.ops_suspended and _get_current_dispatch_mode_stack() == []
+        torch.nn.Linear(4, 4)(torch.ones(2, 4))  # its module hook re-enters the mode
+        assert len(_get_current_dispatch_mode_stack()) == 1
+        assert any(isinstance(e, Launch) for e in policy.got)
+        session.pool.free(ptr)
+    finally:
+        bridge.close()
+    assert bridge.failed is None and _get_current_dispatch_mode_stack() == []
+
+
 def test_the_source_of_objects(fake_gpu):
     session = _session(fake_gpu)
     assert api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator

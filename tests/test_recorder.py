@@ -408,6 +408,29 @@ def test_suspending_from_another_thread_takes_effect_at_the_owners_next_hook():
         assert sum(isinstance(e, Launch) for e in rec.events) > n
 
 
+def test_a_deferred_resume_reenters_the_mode_at_the_next_hook():
+    """resume_ops(at_once=False), for a caller that may be inside a C++ op (the
+    live bridge's allocator listener): the mode is not pushed there and then,
+    but at the next module hook."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+
+    def launches():
+        return sum(isinstance(e, Launch) for e in rec.events)
+
+    with rec:
+        assert rec.suspend_ops() and _get_current_dispatch_mode_stack() == []
+        rec.resume_ops(at_once=False)
+        assert not rec.ops_suspended and _get_current_dispatch_mode_stack() == []
+        n = launches()
+        x = torch.randn(8, 16, device="meta") * 2
+        assert launches() == n  # the mode is still off
+        model(x)
+        assert len(_get_current_dispatch_mode_stack()) == 1 and launches() > n
+
+
 def test_suspended_ops_skip_the_optimizers_facts():
     """With ops suspended nothing reads kinds: the optimizer's tensors are not
     marked (a pass over every parameter each step); resumed, they are again."""

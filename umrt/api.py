@@ -399,7 +399,7 @@ class LiveBridge:
                         obj = self._obj_at.pop(ptr, None)
                         if obj is not None:  # else allocated before the bridge started
                             self._deliver(Free(obj))
-                    self._follow_wants()
+                    self._follow_wants(in_op=True)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(exc)
         except BaseException:  # noqa: BLE001 - even a failing warning must not reach the allocator
@@ -512,13 +512,15 @@ class LiveBridge:
                 self._pool_observe(ev)
             self._deliver(ev)
 
-    def _follow_wants(self) -> None:
-        """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns."""
+    def _follow_wants(self, *, in_op: bool = False) -> None:
+        """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns
+        (``in_op``: called from the allocator, inside the op that asked for memory:
+        the recorder's mode is re-entered at its next hook, not in the middle of it)."""
         want = getattr(self.policy, "wants_launches", True)
         if want == self._wants:
             return
         if want:
-            self.recorder.resume_ops()
+            self.recorder.resume_ops(at_once=not in_op)
         elif not self.recorder.suspend_ops():
             return  # not recording yet (its first boundary) or a user's mode on top: asked again next event
         self._wants = want

@@ -51,9 +51,11 @@ modes that were on when ``backward()`` was called, so the mode itself is left
 or re-entered only on the thread that entered the recorder, outside autograd
 and outside an op: at once where that is so, else at the next module or
 optimizer hook there (launches stop, or are recorded again, at once either
-way, as far as the mode is on). A mode of the user's on top of the recorder's
-is never popped (:meth:`Recorder.suspend_ops` then returns False and launches
-keep coming); the mode is re-entered only onto the mode it was left from.
+way, as far as the mode is on). With the mode left, the recorder cannot
+tell that a C++ op is running: a caller that may be inside one (an
+allocator's callback) resumes with ``at_once=False``. A mode of the user's
+on top of the recorder's is never popped (:meth:`Recorder.suspend_ops` then
+returns False and launches keep coming); the mode is re-entered only onto the mode it was left from.
 While ops are suspended, a pending iteration boundary is emitted at the next
 module or optimizer hook instead of before the next launch.
 """
@@ -382,13 +384,21 @@ class Recorder:
             self._sync_mode()
             return True
 
-    def resume_ops(self) -> None:
-        """Record ops again, re-entering the dispatch mode (see the module docstring)."""
+    def resume_ops(self, *, at_once: bool = True) -> None:
+        """Record ops again, re-entering the dispatch mode (see the module docstring).
+
+        Args:
+            at_once: re-enter the mode now where that is safe; False leaves it to
+                the next module or optimizer hook. A caller that may be inside a
+                C++ op (an allocator's callback) passes False: the recorder cannot
+                tell, and a mode pushed in the middle of an op would catch the rest
+                of a composite op's inner ops.
+        """
         with self._mode_lock:
             if not self._ops_off:
                 return
             self._ops_off = False
-            if self._recording and not self._closed:
+            if at_once and self._recording and not self._closed:
                 self._sync_mode()
 
     @property
