@@ -812,13 +812,15 @@ class Runtime(Policy):
 
     def _light_tail(self) -> None:
         """The iteration ends: if it matched its plan to the last event, the
-        decisions placed after that event run now (they prepare the next one)."""
+        decisions counted from that event whose launches were not delivered
+        run now, late (they prepare the next iteration)."""
         if (self._ne, self._lh) != self._plan.light_end:
             self._deviate()
             return
         if self._pending:
             self._flush()
         while self._ai < len(self._actions):
+            self.counters["late_decisions"] += 1
             self._act(self._actions[self._ai])
             self._ai += 1
 
