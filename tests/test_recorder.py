@@ -431,6 +431,27 @@ def test_a_deferred_resume_reenters_the_mode_at_the_next_hook():
         assert len(_get_current_dispatch_mode_stack()) == 1 and launches() > n
 
 
+def test_gradient_accumulation_closes_each_backward_layer_with_ops_suspended():
+    """Two backwards before a step: with no launch to close it, the last backward
+    layer is closed at the next forward's first module hook, as with ops on."""
+
+    def layer_events(suspend):
+        model, opt = _mlp("meta")
+        rec = Recorder(model, opt)
+        with rec:
+            if suspend:
+                assert rec.suspend_ops()
+            for _ in range(2):
+                model(torch.randn(8, 16, device="meta")).sum().backward()
+            opt.step()
+        return [e for e in rec.events if isinstance(e, (LayerEnter, LayerExit))]
+
+    on, off = layer_events(False), layer_events(True)
+    assert off == on
+    second_forward = [i for i, e in enumerate(off) if e == LayerEnter("", "forward")][1]
+    assert off[second_forward - 1] == LayerExit("0", "backward")
+
+
 def test_suspended_ops_skip_the_optimizers_facts():
     """With ops suspended nothing reads kinds: the optimizer's tensors are not
     marked (a pass over every parameter each step); resumed, they are again."""
