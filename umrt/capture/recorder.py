@@ -55,9 +55,10 @@ way, as far as the mode is on). With the mode left, the recorder cannot
 tell that a C++ op is running: a caller that may be inside one (an
 allocator's callback) resumes with ``at_once=False``. A mode of the user's
 on top of the recorder's is never popped (:meth:`Recorder.suspend_ops` then
-returns False and launches keep coming); the mode is re-entered only onto the mode it was left from.
-While ops are suspended, a pending iteration boundary is emitted at the next
-module or optimizer hook instead of before the next launch.
+returns False and launches keep coming); the mode is re-entered only onto
+the mode it was left from. While ops are suspended, a pending iteration
+boundary is emitted at the next module or optimizer hook instead of before the
+next launch.
 """
 
 from __future__ import annotations
