@@ -25,8 +25,9 @@ def as_main(argv: list[str], path: str | None) -> Iterator[None]:
 
 def run_script(script: str, argv: list[str]) -> int:
     """Run ``script`` as ``__main__`` with ``sys.argv = [script, *argv]``; return its exit status
-    (a non-integer ``SystemExit`` message is printed to stderr and counts as 1)."""
-    with as_main([script, *argv], os.path.dirname(os.path.abspath(script))):
+    (a non-integer ``SystemExit`` message is printed to stderr and counts as 1). Its directory
+    goes on ``sys.path`` with symlinks resolved, as ``python script.py`` does."""
+    with as_main([script, *argv], os.path.dirname(os.path.realpath(script))):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:
