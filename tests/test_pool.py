@@ -536,17 +536,20 @@ def test_hint_kind_errors_and_ignored_hints():
         pool.hint_kind(1, 99)
 
 
-def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch):
+def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch, caplog):
     """With no boundaries (no optimizer step; the feed stopped) a live-feed pool stops
-    recording after a bound: nothing is planned from a cut iteration, and all is served."""
+    recording after a bound, and says so: nothing is planned from a cut iteration,
+    and all is served."""
     import umrt.memory.pool as pool_mod
 
     monkeypatch.setattr(pool_mod, "_MAX_RECORDS", 8)
     events = model_events(iterations=3)
     assert sum(isinstance(e, Alloc) for e in events[:events.index(IterationBoundary(1))]) > 8
     pool = LifetimePool(BumpBackend(), live_feed=True)
-    drive_live(pool, events, check=check_layout)
+    with caplog.at_level("WARNING", logger="umrt"):
+        drive_live(pool, events, check=check_layout)
     assert not pool.planned
+    assert "8 allocations without an optimizer step" in caplog.text
 
 
 def test_live_feed_learning_memory_goes_back_before_the_step_needs_more():

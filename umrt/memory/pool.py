@@ -100,6 +100,7 @@ not planned from, so the pool's memory stays bounded.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -121,7 +122,11 @@ PlanKey = tuple  # (context exec id | None, nbytes, kind code (-1: live feed), o
 _PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE, Kind.OTHER})
 _KIND_CODE = {k: int(k) for k in Kind}  # int(kind), as a lookup (plan keys hold plain ints)
 _HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints that leave a plan
-_MAX_RECORDS = 1 << 16  # live feed: allocations recorded in one iteration, at most
+# Live feed: allocations recorded in one iteration, at most (gpt2-xl makes ~3,600 per
+# step: this covers gradient accumulation over ~70 micro-batches; ~40 MB of records).
+_MAX_RECORDS = 1 << 18
+
+log = logging.getLogger("umrt")
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
 
 
@@ -623,6 +628,8 @@ class LifetimePool(Layout):
                     # recording an iteration that will not be planned, so memory stays bounded.
                     self._recording = False
                     self._records = []
+                    log.warning("umrt: %d allocations without an optimizer step; umrt's pool serves this "
+                                "iteration without a planned layout", _MAX_RECORDS)
             stats.eligible_bytes += size
         if not self.planned:
             # Live feed, kind unknown: outside any module is where persistent state is born.
