@@ -230,7 +230,7 @@ class Runtime(Policy):
         self._actions: list[Action] = []
         self._ai = 0
         self._next_at = -1  # the next decision's launch ordinal, when launches decide it
-        self._light = False  # acting on the clock of non-launch events (launch_free)
+        self._light = False  # acting on the clock of non-launch events (launch_free): implies mode act
         self._next_light = -1  # the next decision's light event, when that clock decides it
         self._counting = False  # acting light, but counting launches for decisions no event precedes
         self._resume: dict[int, tuple[int, int]] = {}
@@ -533,7 +533,7 @@ class Runtime(Policy):
 
     def _boundary(self, index: int) -> None:
         c = self.counters
-        if self._light and self._mode == "act":
+        if self._light:
             self._light_tail()
         if self._iteration is not None:
             c["iterations"] += 1
@@ -556,7 +556,7 @@ class Runtime(Policy):
         # the next one of that shape is checked against (a frozen one held them).
         if self._frozen:
             self.counters["frozen_iterations"] += 1
-        if self._light and mode == "act":
+        if self._light:
             self.counters["light_iterations"] += 1
         if self._ptrs is not None and mode in ("act", "learn"):
             self._ref = (self._plan.signature if mode == "act" else self._sig, self._ptrs)
@@ -753,7 +753,7 @@ class Runtime(Policy):
         if r is None:
             if self._counting:
                 self._counting = self.wants_launches = False
-        elif self._mode == "act":
+        elif self._light:  # not if the decision above deviated
             if r[1] != self._lh:
                 self._deviate()
                 return
@@ -765,7 +765,7 @@ class Runtime(Policy):
         """The next light event after ``ne`` that something is due at: a
         decision, a count to start, or (counting, or a launch host-mapped)
         the very next one; -1 when nothing is (the hot path compares one int)."""
-        if not self._light or self._mode != "act":
+        if not self._light:
             self._due = -1
         elif self._counting or self._temp:
             self._due = ne + 1
