@@ -262,3 +262,39 @@ def test_before_malloc_hooks_run_before_the_block_is_placed(pool):
     pool.malloc(0)  # nothing to place, nothing to tell
     pool.free(pool.malloc(5 * MiB))
     assert seen == [(5 * MiB, 0)]
+
+
+def test_a_free_from_inside_the_pool_waits_until_the_pool_is_done(fake_gpu):
+    """Python's garbage collector can release a tensor while this thread is inside
+    a layout call: that free must not re-enter the layout half-way; it runs
+    (and is announced) once the pool is done."""
+    from umrt.memory.pool import LifetimePool
+
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    order = []
+
+    class Layout(LifetimePool):
+        inside = False
+
+        def alloc(self, obj, nbytes, kind):
+            self.inside = True
+            if victim:  # "the collector" frees a tensor in the middle of this call
+                pool.free(victim.pop())
+            ptr = super().alloc(obj, nbytes, kind)
+            self.inside = False
+            return ptr
+
+        def free(self, obj):
+            assert not self.inside, "a layout re-entered half-way"
+            super().free(obj)
+
+    pool = ManagedPool(backend, lambda b: Layout(b, live_feed=True))
+    pool.listeners.append(lambda what, ptr, n: order.append((what, ptr)))
+    victim = []
+    a = pool.malloc(1 << 20)
+    victim.append(a)
+    b = pool.malloc(1 << 20)
+    assert order == [("alloc", a), ("alloc", b), ("free", a)]
+    with pytest.raises(KeyError):
+        pool.size_of(a)  # freed once the pool was done
+    pool.free(b)

@@ -65,6 +65,11 @@ class ManagedPool:
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (stream, obj, nbytes)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # torch frees from the autograd thread too
+        # A free that arrives while this thread is inside the pool (Python's garbage
+        # collector can release a tensor in the middle of a layout call) waits until
+        # the pool is done, so a layout is never re-entered half-way.
+        self._busy = 0
+        self._deferred: list[int] = []
         self.listeners: list[Callable[[str, int, int], None]] = []
         self.before_malloc: list[Callable[[int], None]] = []
         # What a layout made later (a stream's first malloc) is told first: the iteration
@@ -81,21 +86,26 @@ class ManagedPool:
         for hook in self.before_malloc:
             hook(nbytes)
         with self._lock:
-            layout = self._layouts.get(stream)
-            if layout is None:
-                layout = self._layouts[stream] = self._new_layout()
-            obj = next(self._ids)
+            self._busy += 1
             try:
-                ptr = layout.alloc(obj, nbytes, Kind.OTHER)
-            except CudaError as exc:
-                raise ManagedOutOfMemoryError(
-                    f"out of managed memory allocating {nbytes} bytes "
-                    f"(umrt holds {self.reserved_bytes()} bytes): {exc}"
-                ) from exc
-            self._live[ptr] = (stream, obj, nbytes)
+                layout = self._layouts.get(stream)
+                if layout is None:
+                    layout = self._layouts[stream] = self._new_layout()
+                obj = next(self._ids)
+                try:
+                    ptr = layout.alloc(obj, nbytes, Kind.OTHER)
+                except CudaError as exc:
+                    raise ManagedOutOfMemoryError(
+                        f"out of managed memory allocating {nbytes} bytes "
+                        f"(umrt holds {self.reserved_bytes()} bytes): {exc}"
+                    ) from exc
+                self._live[ptr] = (stream, obj, nbytes)
+            finally:
+                self._busy -= 1
         stats.record_alloc(nbytes)
         for listener in self.listeners:
             listener("alloc", ptr, nbytes)
+        self._free_deferred()
         return ptr
 
     def free(self, ptr: int) -> None:
@@ -103,14 +113,31 @@ class ManagedPool:
         if ptr == 0:
             return
         with self._lock:
+            if self._busy:  # re-entered from inside the pool on this thread: later
+                self._deferred.append(ptr)
+                return
+            self._busy += 1
             try:
-                stream, obj, nbytes = self._live.pop(ptr)
-            except KeyError:
-                raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
-            self._layouts[stream].free(obj)
+                try:
+                    stream, obj, nbytes = self._live.pop(ptr)
+                except KeyError:
+                    raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
+                self._layouts[stream].free(obj)
+            finally:
+                self._busy -= 1
         stats.record_free(nbytes)
         for listener in self.listeners:
             listener("free", ptr, nbytes)
+        self._free_deferred()
+
+    def _free_deferred(self) -> None:
+        """The frees that arrived while the pool was busy on this thread."""
+        while True:
+            with self._lock:
+                if self._busy or not self._deferred:
+                    return
+                ptr = self._deferred.pop(0)
+            self.free(ptr)
 
     def observe(self, event: Event) -> None:
         """Pass one program event (an iteration boundary, a layer event) to every
