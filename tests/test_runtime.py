@@ -385,3 +385,30 @@ def test_op_level_follows_every_launch():
     assert not Runtime(op_level=True).launch_free
     rt = _drive(_AllCalls(), steps=8, honour=True, op_level=True, use_pool=False)
     assert rt.held_back == 0 and rt.report()["light_iterations"] == 0
+
+
+@pytest.mark.parametrize("on_free", [False, True])
+def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
+    """A live allocator announces an op's outputs before its kernel is queued,
+    and may hand a newborn the range that just died with no launch between:
+    the dead range is discarded at that allocation at the latest (on the
+    compute stream, so before the newborn's writer). A driver whose events
+    come after the op's kernel (``discard_on_free``) has it discarded at the
+    Free itself, before the allocator can hand it out again."""
+    backend = _AllCalls()
+    rt = Runtime(discard_on_free=on_free, use_pool=False)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
+    size = 4 << 20
+    rt.on_event(IterationBoundary(0))
+    layout.alloc(1, size, Kind.ACTIVATION)
+    rt.on_event(Alloc(1, size, Kind.ACTIVATION, 0))
+    dead = (layout.address(1), size)
+    rt.on_event(Free(1))
+    layout.free(1)
+    at_free = list(backend.calls)
+    layout.alloc(2, size, Kind.ACTIVATION)
+    assert layout.address(2) == dead[0]  # the caching allocator reuses the block at once
+    rt.on_event(Alloc(2, size, Kind.ACTIVATION, 0))
+    assert backend.calls == [("discard", (dead,))]
+    assert at_free == ([("discard", (dead,))] if on_free else [])
