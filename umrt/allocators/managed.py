@@ -143,16 +143,21 @@ class ManagedPool:
         """Pass one program event (an iteration boundary, a layer event) to every
         stream's layout that reads events (``layout.observe``)."""
         with self._lock:
-            if isinstance(event, IterationBoundary):
-                self._boundary, self._open_layers = event, []
-            elif isinstance(event, LayerEnter):
-                self._open_layers.append(event)
-            elif isinstance(event, LayerExit) and self._open_layers:
-                self._open_layers.pop()
-            for layout in self._layouts.values():
-                observe = getattr(layout, "observe", None)
-                if observe is not None:
-                    observe(event)
+            self._busy += 1
+            try:
+                if isinstance(event, IterationBoundary):
+                    self._boundary, self._open_layers = event, []
+                elif isinstance(event, LayerEnter):
+                    self._open_layers.append(event)
+                elif isinstance(event, LayerExit) and self._open_layers:
+                    self._open_layers.pop()
+                for layout in self._layouts.values():
+                    observe = getattr(layout, "observe", None)
+                    if observe is not None:
+                        observe(event)  # a boundary may plan: no free half-way through it
+            finally:
+                self._busy -= 1
+        self._free_deferred()
 
     def _new_layout(self) -> Any:
         layout = self._factory(self.backend)
