@@ -140,6 +140,9 @@ def test_discard_and_prefetch(cuda_backend, fake_gpu):
     assert fake_gpu.location[ptr] == 0
     expect = "cudaMemDiscardAndPrefetchBatchAsync" if cuda_backend.api.has_batch else "memPrefetchAsync"
     assert expect in fake_gpu.names()
+    if cuda_backend.api.has_batch:  # it destroys data: in order with the kernels, as discard
+        (call,) = [c for c in fake_gpu.calls if c[0] == expect]
+        assert call[-1] == cuda_backend.compute_stream
 
 
 def test_launch_waits_on_overlapping_prefetch_only(cuda_backend, fake_gpu):

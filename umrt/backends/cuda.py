@@ -412,8 +412,11 @@ class CudaBackend(Backend):
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Make ranges resident on ``device`` without copying their dead contents.
 
-        CUDA 13: ``cudaMemDiscardAndPrefetchBatchAsync``; CUDA 12: a plain
-        prefetch (correct, it just copies bytes nobody reads).
+        CUDA 13: ``cudaMemDiscardAndPrefetchBatchAsync``, on the compute
+        stream like :meth:`discard` (it destroys data: it must come before the
+        kernel that writes the ranges' new owner, whenever the caller learns
+        of it); CUDA 12: a plain prefetch (correct, it just copies bytes
+        nobody reads).
         """
         checked = self._checked("cudaMemDiscardAndPrefetchBatchAsync", ranges)
         self._check_device(device)
@@ -423,11 +426,11 @@ class CudaBackend(Backend):
             return
         if not self._can_migrate():
             return
-        self._copy_after_compute()
-        self.api.discard_and_prefetch_batch(aligned, device, self.copy_stream)
+        self.launch((), aligned)  # after copies still queued on them
+        self.api.discard_and_prefetch_batch(aligned, device, self.compute_stream)
         self.discarded_bytes += sum(n for _, n in aligned)
         self._place(aligned, on_device=device != HOST)
-        self._mark(aligned)
+        self._after_discard(aligned)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         ranges = self._checked("cudaMemAdvise", ranges)
