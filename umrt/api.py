@@ -348,7 +348,6 @@ class LiveBridge:
         self._born: dict[int, int] = {}  # object -> block, until the layout takes it
         self._next_boundary: int | None = None  # None until the recorder's first boundary
         self._step_ended = False
-        self._wants = True  # the policy's wants_launches as last followed
         self._step_hook: Any = None
         self._device = device
         self._facts_left = _FACT_STEPS if from_allocator else 0  # optimizer steps still read for hints
@@ -513,17 +512,18 @@ class LiveBridge:
             self._deliver(ev)
 
     def _follow_wants(self, *, in_op: bool = False) -> None:
-        """Suspend or resume the recorder's ops as the policy's ``wants_launches`` turns
-        (``in_op``: called from the allocator, inside the op that asked for memory:
-        the recorder's mode is re-entered at its next hook, not in the middle of it)."""
+        """Suspend or resume the recorder's ops so that they follow the policy's
+        ``wants_launches``; a suspension refused or undone by the recorder (not
+        recording yet at its first boundary, a user's mode on top) is asked for
+        again at the next event. ``in_op``: called from the allocator, inside the
+        op that asked for memory: the recorder's mode is re-entered at its next
+        hook, not in the middle of that op."""
         want = getattr(self.policy, "wants_launches", True)
-        if want == self._wants:
-            return
-        if want:
-            self.recorder.resume_ops(at_once=not in_op)
-        elif not self.recorder.suspend_ops():
-            return  # not recording yet (its first boundary) or a user's mode on top: asked again next event
-        self._wants = want
+        if want == self.recorder.ops_suspended:
+            if want:
+                self.recorder.resume_ops(at_once=not in_op)
+            else:
+                self.recorder.suspend_ops()
 
     # -- delivery ---------------------------------------------------------------
 
