@@ -311,8 +311,9 @@ class LiveBridge:
       umrt's runtime discards a freed range at the ``Free`` itself.
 
     A failure in any callback stops umrt's actions with one warning, never the
-    training (and suspends the recorder's ops: nothing reads them). Events come from torch's autograd thread too: one lock orders
-    their delivery to the policy.
+    training (and suspends the recorder's ops: nothing reads them). Events come
+    from torch's autograd thread too: one lock orders their delivery to the
+    policy.
 
     Args:
         session: the enabled session (backend, pool, budget, config).
