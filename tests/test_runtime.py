@@ -412,3 +412,31 @@ def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
     rt.on_event(Alloc(2, size, Kind.ACTIVATION, 0))
     assert backend.calls == [("discard", (dead,))]
     assert at_free == ([("discard", (dead,))] if on_free else [])
+
+
+def test_a_switch_adopts_everything_keyed_by_the_other_plan():
+    """Keys and launch ordinals mean something only within their plan: after a
+    switch, the newborns to populate, the keys to discard and the oversized
+    launches are the new plan's, on either clock."""
+    from umrt.policy.planner import Action, Plan
+
+    a = Action(0, 1, 0, 0, (), ())
+    first = Plan(1, 4, [a], frozenset({1}), fresh=frozenset({2}), remote_at={3: (4,)}, light_resume={0: (0, 0)})
+    second = Plan(2, 4, [a], frozenset({5}), fresh=frozenset({6}), remote_at={7: (8,)}, light_resume={1: (1, 1)})
+    for light in (False, True):
+        rt = Runtime()
+        rt._plan, rt._light = first, light
+        rt._fresh, rt._discard_keys, rt._over, rt._resume = first.fresh, first.discard, first.remote_at, first.light_resume
+        rt._adopt(second, 0)
+        assert (rt._plan, rt._fresh, rt._discard_keys, rt._over) == (second, second.fresh, second.discard, second.remote_at)
+        assert rt._resume == (second.light_resume if light else first.light_resume)
+        assert rt.counters["switches"] == 1
+
+
+def test_a_segment_given_back_takes_its_launch_advice_with_it():
+    """Advice held for the launch that just ran is undone at the next launch; a
+    segment the pool gave back meanwhile is freed memory, never advised again."""
+    rt = Runtime()
+    rt._temp = [(1 << 30, 4096), (2 << 30, 4096)]
+    rt._released(1 << 30, 1 << 21)
+    assert rt._temp == [(2 << 30, 4096)]

@@ -322,10 +322,13 @@ class Runtime(Policy):
         return super().make_layout(_SegmentWatch(backend, self._released))
 
     def _released(self, ptr: int, nbytes: int) -> None:
-        """The pool handed a segment back: pending discards inside it are moot."""
+        """The pool handed a segment back: pending discards inside it are moot, and
+        advice held for the launch that just ran must not be undone on freed memory."""
+        end = ptr + nbytes
         if self._pending:
-            end = ptr + nbytes
             self._pending = [r for r in self._pending if not ptr <= r[0] < end]
+        if self._temp:
+            self._temp = [r for r in self._temp if not ptr <= r[0] < end]
         # Memoized decision ranges may point into it: never reuse them unchecked.
         self._unfreeze()
         self._ref = None
@@ -799,14 +802,7 @@ class Runtime(Policy):
                 continue
             idx = plan.index_at_light(ne)
             if idx is not None and plan.actions[idx].light_hash == self._lh:
-                self.counters["switches"] += 1
-                self._unfreeze()
-                self._plan = plan
-                self._actions = plan.actions
-                self._ai = idx
-                self._over = plan.remote_at
-                self._resume = plan.light_resume
-                self._resume_at = sorted(plan.light_resume)
+                self._adopt(plan, idx)
                 return plan.actions[idx]
         return None
 
@@ -887,13 +883,24 @@ class Runtime(Policy):
                 continue
             a = plan.actions[idx]
             if ev.exec_id == a.exec_id and self.keys.ordinal == a.n_alloc and self._nf == a.n_free:
-                self.counters["switches"] += 1
-                self._unfreeze()  # the addresses seen so far were checked against another shape
-                self._plan = plan
-                self._actions = plan.actions
-                self._ai = idx
+                self._adopt(plan, idx)
                 return a
         return None
+
+    def _adopt(self, plan: Plan, idx: int) -> None:
+        """Continue with another shape's plan from its action ``idx``: everything
+        keyed by that plan's keys and launches comes with it."""
+        self.counters["switches"] += 1
+        self._unfreeze()  # the addresses seen so far were checked against another shape
+        self._plan = plan
+        self._actions = plan.actions
+        self._ai = idx
+        self._fresh = plan.fresh
+        self._discard_keys = plan.discard
+        self._over = plan.remote_at
+        if self._light:
+            self._resume = plan.light_resume
+            self._resume_at = sorted(plan.light_resume)
 
     def _deviate(self) -> None:
         """The program left the plan: stop acting. Early in the iteration the
