@@ -346,7 +346,7 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
         try:
             policy = make_policy(mode, trace)
             # each mode in its steady state, as the timed steps after --warmup
-            r = simulate(trace, policy, profile, budget, iterations=max(3, policy.warmup_iterations + 1))
+            r = simulate(trace, policy, profile, budget, iterations=policy.steady_iterations())
         except UmrtError as exc:  # e.g. a budget too small for the simulated GPU
             out["modes"][mode] = {"error": str(exc), "iteration_time_s": math.nan}
             continue

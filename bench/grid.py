@@ -165,7 +165,7 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     try:
         policy = make_policy(cell.policy, trace=trace)
         # Each policy in its steady state: a runtime that learns needs more iterations.
-        iterations = max(iterations, policy.warmup_iterations + 1)
+        iterations = policy.steady_iterations(at_least=iterations)
         row["iterations"] = iterations
         result = simulate(trace, policy, profile, cell.budget, iterations)
         data = result.to_json() if hasattr(result, "to_json") else dict(result)

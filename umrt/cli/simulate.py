@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.gpu)  # before the (slow) trace load: fail fast on a typo
     trace = load(args.trace)
     policy = make_policy(args.policy, trace)
-    iterations = args.iterations or max(3, policy.warmup_iterations + 1)
+    iterations = args.iterations or policy.steady_iterations()
     result = simulate(trace, policy, profile, args.budget, iterations=iterations,
                       progress=not args.json and sys.stderr.isatty())
     bound = link_bound(trace, profile, args.budget, iterations=iterations)

@@ -41,6 +41,11 @@ class Policy(ABC):
     #: a bench reports the iteration after them at the earliest.
     warmup_iterations: int = 0
 
+    def steady_iterations(self, at_least: int = 3) -> int:
+        """Iterations to simulate so that the last one (the one reported) is
+        this policy's steady state: at least ``at_least``."""
+        return max(at_least, self.warmup_iterations + 1)
+
     def attach(self, ctx: PolicyContext) -> None:
         """Called once before the first event."""
         self.ctx = ctx
