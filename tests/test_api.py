@@ -609,3 +609,20 @@ def test_the_runtime_plans_with_hinted_kinds():
     key = rt.keys.key_of[7]
     assert rt._rec.kinds[key] == Kind.OPTIMIZER_STATE
     assert rt._new_record().kinds[key] == Kind.OPTIMIZER_STATE
+
+
+def test_a_failure_of_the_recorder_itself_stops_umrt_not_the_training(fake_gpu, caplog, monkeypatch):
+    """The recorder's own bookkeeping can fail on an op it cannot read: in a live
+    run that stops umrt's actions with one warning, and the training goes on."""
+    from umrt.capture.recorder import Recorder
+
+    def broken(self, *args):
+        raise RuntimeError("an op the recorder cannot read")
+
+    monkeypatch.setattr(Recorder, "_record", broken)
+    session = _session(fake_gpu)
+    bridge = api.LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
+    with caplog.at_level("WARNING", logger="umrt"):
+        _train(bridge, 3)
+    assert isinstance(bridge.failed, RuntimeError)
+    assert caplog.text.count("runtime stopped acting") == 1

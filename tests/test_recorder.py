@@ -473,3 +473,25 @@ def test_suspended_ops_skip_the_optimizers_facts():
         rec.resume_ops()
         again = marks_in_a_step()
     assert on == again == [True, False] and off == []  # step pre (with gradients) and post
+
+
+def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
+    """A trace must not silently miss ops: by default the recorder's own failure
+    reaches the program. With on_error (a live run) it goes there instead, from
+    ops and hooks alike, and the program runs on."""
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("cannot read this op")
+
+    monkeypatch.setattr(Recorder, "_record", broken)
+    model, opt = _mlp("meta")
+    with pytest.raises(RuntimeError, match="cannot read this op"):
+        _train(Recorder(model, opt), model, opt, 1)
+    seen = []
+    _train(Recorder(model, opt, on_error=seen.append), model, opt, 2)
+    assert seen and all("cannot read this op" in str(e) for e in seen)
+    monkeypatch.setattr(Recorder, "_maybe_sync", broken)  # a hook's own bookkeeping
+    with pytest.raises(RuntimeError, match="cannot read this op"):
+        _train(Recorder(model, opt), model, opt, 1)
+    hooks = []
+    _train(Recorder(model, opt, on_error=hooks.append), model, opt, 2)
+    assert len(hooks) > len(seen)  # the module and optimizer hooks' failures too

@@ -339,7 +339,8 @@ class LiveBridge:
                               f"got {type(session.pool).__name__}")
         self.from_allocator: bool = from_allocator
         self.policy = policy if policy is not None else _live_policy(cfg, discard_on_free=not from_allocator)
-        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False, keep_events=False)
+        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False, keep_events=False,
+                                 on_error=self._recorder_failed)
         self.pool = session.pool
         self.failed: BaseException | None = None
         self.events = 0  # events delivered to the policy
@@ -447,6 +448,13 @@ class LiveBridge:
         for state in opt.state.values():
             for v in state.values():
                 hint(v, Kind.OPTIMIZER_STATE)
+
+    def _recorder_failed(self, exc: BaseException) -> None:
+        """The recorder's own bookkeeping failed (an op it cannot read, say): as any
+        failure of umrt's, it stops umrt's actions, never the training."""
+        with self._lock:
+            if self.failed is None:
+                self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         self.failed = exc

@@ -64,6 +64,7 @@ next launch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -109,6 +110,21 @@ _ALLOC_ONLY = frozenset(
     }
 )
 _SETUP, _FORWARD, _BACKWARD, _STEP = 0, 1, 2, 3
+
+
+def _guarded(method: Callable) -> Callable:
+    """A hook of the recorder's: an exception of its own bookkeeping goes to
+    :meth:`Recorder._error` (re-raised unless the recorder has ``on_error``)."""
+
+    @functools.wraps(method)
+    def hook(self: Recorder, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except Exception as exc:  # noqa: BLE001 - see Recorder(on_error=...)
+            self._error(exc)
+            return None
+
+    return hook
 
 
 class StopRecording(BaseException):
@@ -229,6 +245,10 @@ class Recorder:
         keep_events: keep the events for :meth:`trace` and :attr:`events`;
             False for a live listener's recorder that runs for a whole training
             (events are only passed on, so memory stays bounded).
+        on_error: called with an exception the recorder's own bookkeeping
+            raised (in an op, a hook, a finalizer), which then never reaches
+            the program: a live run must not stop for umrt's sake. Default:
+            the exception propagates (a trace must not silently miss ops).
     """
 
     def __init__(
@@ -245,6 +265,7 @@ class Recorder:
         steer: bool = True,
         meta: dict | None = None,
         keep_events: bool = True,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -265,6 +286,7 @@ class Recorder:
 
         self._events: list[Event] = []
         self._keep = keep_events
+        self._on_error = on_error
         self._objs: dict[int, _Obj] = {}  # obj id -> facts
         self._by_storage: dict[int, int] = {}  # id(storage object) -> obj id
         self._finalizers: dict[int, weakref.finalize] = {}
@@ -542,6 +564,13 @@ class Recorder:
             _push_mode(mode)
 
     # ------------------------------------------------------------------ hooks
+    def _error(self, exc: Exception) -> None:
+        """The recorder's own bookkeeping failed: re-raise, or hand it to ``on_error``."""
+        if self._on_error is None:
+            raise exc
+        self._on_error(exc)
+
+    @_guarded
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         if not self._recording or self._closed or self._paused:
             self._stack.append(None)  # keeps pushes and pops paired
@@ -571,6 +600,7 @@ class Recorder:
             self._flush()
             self._emit(LayerEnter(name, "forward"))
 
+    @_guarded
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self._stack:
             return
@@ -601,13 +631,16 @@ class Recorder:
         def hook(grad_outputs: Any) -> None:
             if not self._recording or self._closed:
                 return
-            with self._lock:
-                if self._bwd_module == name:
-                    return
-                if self._bwd_module is not None:
-                    self._emit(LayerExit(self._bwd_module, "backward"))
-                self._bwd_module = name
-                self._emit(LayerEnter(name, "backward"))
+            try:
+                with self._lock:
+                    if self._bwd_module == name:
+                        return
+                    if self._bwd_module is not None:
+                        self._emit(LayerExit(self._bwd_module, "backward"))
+                    self._bwd_module = name
+                    self._emit(LayerEnter(name, "backward"))
+            except Exception as exc:  # noqa: BLE001 - see on_error
+                self._error(exc)
 
         return hook
 
@@ -616,6 +649,7 @@ class Recorder:
             self._emit(LayerExit(self._bwd_module, "backward"))
             self._bwd_module = None
 
+    @_guarded
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._recording or self._closed:
             return
@@ -629,6 +663,7 @@ class Recorder:
                 self._mark_optimizer(opt, grads=True)
         self._in_step += 1
 
+    @_guarded
     def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_step = max(0, self._in_step - 1)
         if not self._recording or self._closed:
@@ -711,6 +746,7 @@ class Recorder:
         self._emit(Alloc(obj, nbytes, kind, launch))
         return obj
 
+    @_guarded
     def _on_free(self, obj: int, sid: int) -> None:
         with self._lock:
             self._finalizers.pop(obj, None)
@@ -789,14 +825,21 @@ class Recorder:
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self._recording or self._closed or self._paused or self._ops_off:
             return func(*args, **kwargs)
-        info = self._op_info(func)
+        try:
+            info = self._op_info(func)
+        except Exception as exc:  # noqa: BLE001 - see on_error; the op itself still runs
+            self._error(exc)
+            return func(*args, **kwargs)
         if info.skip:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if self._ops_off:  # suspended while it ran (a listener of the allocator's): no launch after that
             return out
-        with self._lock:
-            self._record(func, info, args, kwargs, out)
+        try:
+            with self._lock:
+                self._record(func, info, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - see on_error
+            self._error(exc)
         return out
 
     def _record(self, func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> None:
