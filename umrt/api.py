@@ -383,27 +383,35 @@ class LiveBridge:
     def on_pool_event(self, what: str, ptr: int, nbytes: int) -> None:
         """The pool's listener (``("alloc"|"free", ptr, nbytes)``, from inside
         malloc/free): never raises into torch's allocator."""
-        if self.failed is not None:
-            return
+        if self.failed is None:
+            self._in_allocator(self._pool_event, what, ptr, nbytes)
+
+    def _pool_event(self, what: str, ptr: int, nbytes: int) -> None:
+        if what == "alloc":
+            self._boundary_if_stepped()
+            obj = next(self._ids)
+            self._obj_at[ptr] = obj
+            self._born[obj] = ptr
+            self._deliver(Alloc(obj, nbytes, Kind.OTHER, 0))
+        elif what == "free":
+            obj = self._obj_at.pop(ptr, None)
+            if obj is not None:  # else allocated before the bridge started
+                self._deliver(Free(obj))
+        self._follow_wants(in_op=True)
+
+    def _in_allocator(self, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` under the bridge's lock, called from inside torch's allocator:
+        a failure stops umrt's actions; nothing, not even a failing warning, reaches
+        the allocator."""
         try:
             with self._lock:
                 if self.failed is not None:
                     return
                 try:
-                    if what == "alloc":
-                        self._boundary_if_stepped()
-                        obj = next(self._ids)
-                        self._obj_at[ptr] = obj
-                        self._born[obj] = ptr
-                        self._deliver(Alloc(obj, nbytes, Kind.OTHER, 0))
-                    elif what == "free":
-                        obj = self._obj_at.pop(ptr, None)
-                        if obj is not None:  # else allocated before the bridge started
-                            self._deliver(Free(obj))
-                    self._follow_wants(in_op=True)
+                    fn(*args)
                 except Exception as exc:  # noqa: BLE001
                     self._fail(exc)
-        except BaseException:  # noqa: BLE001 - even a failing warning must not reach the allocator
+        except BaseException:  # noqa: BLE001
             pass
 
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -419,18 +427,8 @@ class LiveBridge:
     def _before_malloc(self, nbytes: int) -> None:
         """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
         block is placed, so the pool's layout counts the block in it. Never raises."""
-        if not self._step_ended or self.failed is not None:
-            return
-        try:
-            with self._lock:
-                if self.failed is not None:
-                    return
-                try:
-                    self._boundary_if_stepped()
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(exc)
-        except BaseException:  # noqa: BLE001 - nothing may reach the allocator
-            pass
+        if self._step_ended and self.failed is None:
+            self._in_allocator(self._boundary_if_stepped)
 
     def _hint_optimizer(self, opt: Any) -> None:
         """The optimizer's facts as kind hints: persistent state (parameters, optimizer
