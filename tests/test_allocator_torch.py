@@ -298,3 +298,19 @@ def test_a_free_from_inside_the_pool_waits_until_the_pool_is_done(fake_gpu):
     with pytest.raises(KeyError):
         pool.size_of(a)  # freed once the pool was done
     pool.free(b)
+
+
+def test_the_backend_follows_the_stream_the_program_allocates_on(fake_gpu):
+    """Under ``with torch.cuda.stream(s):`` torch allocates (and launches) on s: a
+    discard of a dead range the next block may reuse must be ordered there, so the
+    backend's compute stream follows the stream of each allocation."""
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    pool = ManagedPool(backend)
+    side = backend.api.create_stream()
+    pool.free(pool.malloc(1 << 20))
+    assert backend.compute_stream == 0
+    a = pool.malloc(1 << 20, side)
+    assert backend.compute_stream == side
+    pool.free(pool.malloc(1 << 20))
+    assert backend.compute_stream == 0
+    pool.free(a)

@@ -70,6 +70,7 @@ class ManagedPool:
         # the pool is done, so a layout is never re-entered half-way.
         self._busy = 0
         self._deferred: list[int] = []
+        self._stream: Any = None  # the stream of the last allocation (the backend's compute stream)
         self.listeners: list[Callable[[str, int, int], None]] = []
         self.before_malloc: list[Callable[[int], None]] = []
         # What a layout made later (a stream's first malloc) is told first: the iteration
@@ -83,6 +84,13 @@ class ManagedPool:
             raise ValueError(f"malloc of {nbytes} bytes")
         if nbytes == 0:
             return 0
+        if stream != self._stream:
+            # The program's kernels now run on this stream (torch passes its current one):
+            # work ordered with kernels (a discard of a dead range this block may reuse) goes there.
+            self._stream = stream
+            follow = getattr(self.backend, "set_compute_stream", None)
+            if follow is not None:
+                follow(stream)
         for hook in self.before_malloc:
             hook(nbytes)
         with self._lock:
