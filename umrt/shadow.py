@@ -294,7 +294,8 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
     rt = rep.get("runtime") or {}
     if "prefetched_bytes" in rt:
         lines.append(
-            f"runtime: learned {rt.get('learned', 0)} iteration(s), acted in {rt.get('acted', 0)}; "
+            f"runtime: learned {rt.get('learned', 0)} iteration(s), acted in {rt.get('acted', 0)} "
+            f"({rt.get('light_iterations', 0)} without launches, as a live run stops capturing ops); "
             f"prefetched {_fmt_bytes(rt['prefetched_bytes'])}, pre-evicted {_fmt_bytes(rt['evicted_bytes'])} "
             f"in {rt.get('prefetch_calls', 0)} calls at {rt.get('decisions', 0)} decision points; "
             f"discarded {_fmt_bytes(rt['discarded_bytes'])} in {rt.get('discard_calls', 0)} calls; "
