@@ -100,4 +100,7 @@ def test_the_embedded_example_runs_end_to_end(capsys):
                     profile="h100-pcie5-80g", gpu_memory="20%", out=lines.append)
     assert rc == 0
     assert "step 4: loss" in capsys.readouterr().out
-    assert re.search(r"│ umrt +│ live ", "\n".join(lines))
+    text = "\n".join(lines)
+    assert re.search(r"│ umrt +│ live ", text)
+    # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would
+    assert re.search(r"acted in 3 \(1 without launches", text), text
