@@ -89,16 +89,23 @@ def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at
     return ev
 
 
-def drive(pool: LifetimePool, events, *, observe: bool = True, check=None):
-    """Replay events the way the simulator does; returns {(iteration, alloc ordinal): address}."""
+def drive(pool: LifetimePool, events, *, observe: bool = True, check=None, live: bool = False,
+          hinted: int = 2, launches: bool = True):
+    """Replay events the way the simulator does; returns {(iteration, alloc ordinal): address}.
+
+    ``live``: as a live run feeds the pool: every allocation as ``Kind.OTHER``, its
+    kind hinted right after it in the first ``hinted`` iterations; ``launches``
+    False drops launches (a live run's allocator never sees them)."""
     sizes: dict[int, int] = {}
     addresses: dict[tuple[int, int], int] = {}
     iteration, ordinal = -1, 0
     for e in events:
         if isinstance(e, Alloc):
-            addresses[(iteration, ordinal)] = pool.alloc(e.obj, e.nbytes, e.kind)
+            addresses[(iteration, ordinal)] = pool.alloc(e.obj, e.nbytes, Kind.OTHER if live else e.kind)
             ordinal += 1
             sizes[e.obj] = e.nbytes
+            if live and 0 <= iteration < hinted:
+                pool.hint_kind(e.obj, e.kind)
             if check:
                 check(pool, sizes)
         elif isinstance(e, Free):
@@ -110,7 +117,7 @@ def drive(pool: LifetimePool, events, *, observe: bool = True, check=None):
                 pool.observe(e)
             elif hasattr(pool, "on_iteration_boundary"):
                 pool.on_iteration_boundary(e.index)
-        elif observe:
+        elif observe and (launches or not isinstance(e, Launch)):
             pool.observe(e)
     return addresses
 
@@ -421,30 +428,8 @@ def with_optimizer_step(events, *, zero_grad_after_step: bool = False):
 
 
 def drive_live(pool: LifetimePool, events, *, hinted: int = 2, check=None, launches: bool = False):
-    """Replay events as a live run feeds the pool: every allocation as ``Kind.OTHER``, its
-    kind hinted right after it in the first ``hinted`` iterations, launches dropped (unless
-    ``launches``). Returns {(iteration, alloc ordinal): address}."""
-    sizes: dict[int, int] = {}
-    addresses: dict[tuple[int, int], int] = {}
-    iteration, ordinal = -1, 0
-    for e in events:
-        if isinstance(e, Alloc):
-            addresses[(iteration, ordinal)] = pool.alloc(e.obj, e.nbytes, Kind.OTHER)
-            ordinal += 1
-            sizes[e.obj] = e.nbytes
-            if 0 <= iteration < hinted:
-                pool.hint_kind(e.obj, e.kind)
-            if check:
-                check(pool, sizes)
-        elif isinstance(e, Free):
-            pool.free(e.obj)
-            del sizes[e.obj]
-        elif isinstance(e, IterationBoundary):
-            iteration, ordinal = e.index, 0
-            pool.observe(e)
-        elif launches or not isinstance(e, Launch):
-            pool.observe(e)
-    return addresses
+    """:func:`drive` as a live run feeds the pool (launches dropped unless ``launches``)."""
+    return drive(pool, events, check=check, live=True, hinted=hinted, launches=launches)
 
 
 def same_from(addrs, first: int, last: int) -> bool:
