@@ -495,3 +495,21 @@ def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
     hooks = []
     _train(Recorder(model, opt, on_error=hooks.append), model, opt, 2)
     assert len(hooks) > len(seen)  # the module and optimizer hooks' failures too
+
+
+def test_without_torchs_mode_stack_helpers_ops_are_never_suspended(monkeypatch):
+    """A torch that moved its private mode-stack helpers: the recorder still
+    records (every op, as before suspending existed) and exits cleanly."""
+    import umrt.capture.recorder as recorder_mod
+
+    monkeypatch.setattr(recorder_mod, "_CAN_SUSPEND", False)
+    model, opt = _mlp("meta")
+    rec = Recorder(model, opt)
+    with rec:
+        assert rec.suspend_ops() is False and not rec.ops_suspended
+        mark = len(rec.events)
+        _step(model, opt)
+        assert any(isinstance(e, Launch) for e in rec.events[mark:])
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert _get_current_dispatch_mode_stack() == []

@@ -73,13 +73,18 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _get_current_dispatch_mode_stack,
-    _pop_mode,
-    _push_mode,
-)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:  # torch's private mode-stack helpers (2.x): without them ops cannot be suspended
+    from torch.utils._python_dispatch import (
+        _get_current_dispatch_mode,
+        _get_current_dispatch_mode_stack,
+        _pop_mode,
+        _push_mode,
+    )
+    _CAN_SUSPEND = True
+except ImportError:  # pragma: no cover - a torch that moved them: record every op, as before
+    _CAN_SUSPEND = False
 
 from umrt.capture import steer
 from umrt.trace.events import (
@@ -392,10 +397,11 @@ class Recorder:
 
         Returns True when ops are (or already were) suspended; False when the
         recorder is not recording or a mode of the user's is on top of its own
-        (the mode stays on and launches keep coming). Safe from any thread.
+        (the mode stays on and launches keep coming), or torch lacks the
+        helpers to move its mode stack. Safe from any thread.
         """
         with self._mode_lock:
-            if not self._recording or self._closed:
+            if not self._recording or self._closed or not _CAN_SUSPEND:
                 return False
             if self._ops_off:
                 return True
@@ -552,6 +558,9 @@ class Recorder:
         if not self._mode_on:
             return
         self._mode_on = False
+        if not _CAN_SUSPEND:  # never suspended: the mode is where __enter__ left it
+            self._mode.__exit__(None, None, None)
+            return
         stack = _get_current_dispatch_mode_stack()
         if self._mode not in stack:
             return  # another thread's stack, or an op of ours is running: nothing to pop here
