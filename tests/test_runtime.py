@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.overhead import NullBackend
 from umrt.backends.base import Backend
 from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
@@ -160,37 +161,17 @@ def test_bad_options():
 
 
 
-class _Recording(Backend):
+class _Recording(NullBackend):
     """Records every discard call (addresses from a bump allocator; moves are no-ops)."""
 
     name = "recording"
 
     def __init__(self) -> None:
-        self.top = 1 << 40
+        super().__init__()
         self.discards: list[list[tuple[int, int]]] = []
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self.top
-        self.top += -(-nbytes // (2 << 20)) * (2 << 20)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        pass
-
-    def prefetch(self, ranges, device) -> None:
-        pass
 
     def discard(self, ranges) -> None:
         self.discards.append(list(ranges))
-
-    def advise(self, ranges, advice, device) -> None:
-        pass
-
-    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
 
 
 def test_discard_counters_match_the_calls_made():
