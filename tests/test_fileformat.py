@@ -7,7 +7,6 @@ import struct
 import zlib
 
 import numpy as np
-
 import pytest
 
 from umrt.errors import TraceFormatError

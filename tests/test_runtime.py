@@ -18,7 +18,7 @@ from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
-from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, LayerEnter, LayerExit, Launch, Trace
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit, Trace
 
 PROFILE = "v100-pcie3-32g"
 
