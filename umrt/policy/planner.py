@@ -21,8 +21,8 @@ How a decision point is planned (a Belady schedule with prefetch):
   window is as long, in kernels, as the hardware needs to hide the missing
   bytes — short on a fast link, long on a slow one.
 * **Prefetch** each missing object of a covered launch, in the order they
-  are needed (objects that are not born yet only reserve room: their first
-  write populates them on the GPU).
+  are needed (objects that are not born yet only reserve room: the runtime
+  populates them on the GPU at birth where their pages are not there).
 * **Pre-evict** to make room, choosing resident objects whose next use is
   farthest ahead and never one the window needs; if nothing qualifies the
   window stops (capacity-bound), so the plan never holds more bytes than
@@ -30,8 +30,10 @@ How a decision point is planned (a Belady schedule with prefetch):
 * **Host-map** what migration cannot help: optimizer state and long-lived
   data that only launches larger than the budget touch stay on the host
   (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
-* **Discard** objects when they die instead of letting the driver copy dead
-  bytes back; short-lived temporaries are never evicted (they stay resident).
+* **Discard** long-lived objects when they die, where the plan evicts,
+  instead of letting the driver copy dead bytes back; when everything fits
+  nothing is discarded (a dead range is reused in place). Short-lived
+  temporaries are never evicted (they stay resident).
 
 The schedule is cyclic: it is planned twice over the iteration and the
 second pass, which starts from the residency the first one ends with, is the
@@ -111,7 +113,6 @@ class Plan:
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
-    fresh: frozenset[int] = frozenset()  # keys to populate on the GPU as they are born
     # Acting without launches: (events, running hash) at the iteration's end
     # (None: the record had no light events), and where the runtime must
     # count launches until the next event: light event -> (launches before
@@ -211,9 +212,6 @@ class Planner:
     early_evict:
         Issue each pre-eviction right after the victim's last use instead of
         when its room is needed.
-    min_fresh:
-        Newborn objects at least this large are populated on the GPU at
-        birth (default ``min(16 MB, budget / 64)``).
     remote_access:
         Keep optimizer state, and long-lived data only oversized launches
         touch, on the host, accessed over the link (see :meth:`remote_keys`).
@@ -231,7 +229,6 @@ class Planner:
         min_discard: int = PAGE,
         short_launches: int = 4,
         remote_access: bool = True,
-        min_fresh: int | None = None,
         early_evict: bool = True,
     ) -> None:
         if budget_bytes <= 0:
@@ -250,10 +247,6 @@ class Planner:
         self.min_discard = min_discard
         self.short_launches = short_launches
         self.remote_access = remote_access
-        # A first touch faults once per 64 KB page in batches; a populate call
-        # pays off for large newborns, and for any sizeable one when the
-        # budget is small. Default: min(16 MB, budget / 64).
-        self.min_fresh = min_fresh if min_fresh is not None else min(16 << 20, budget_bytes // 64)
         self.early_evict = early_evict
 
     # -- public ---------------------------------------------------------------
@@ -292,19 +285,20 @@ class Planner:
         state = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
             actions, state, stats, remote_at = self._pass(rec, points, state)
-        # Discard what dies after a long life: its pages may be evicted (or
-        # were), so dropping them saves a copy. Short-lived temporaries die
-        # resident and their range is reused at once; a call would be waste.
+        # Discard what dies after a long life, where the plan evicts: its pages
+        # may be evicted (or were), so dropping them saves a copy. When
+        # everything fits nothing is evicted and a dead range is reused in
+        # place, resident: a discard would only cost a call and a prefetch
+        # before the range's next owner may use it. Short-lived temporaries
+        # die resident and their range is reused at once; a call would be waste.
         born = {k: p for p, k in rec.allocs}
+        pressure = stats["planned_d2h_bytes"] > 0 or bool(remote)
         discard = frozenset(
             k for p, k in rec.frees
             if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE) and p - born.get(k, -len(rec)) > self.short_launches
-        )
+        ) if pressure else frozenset()
         stats["decision_points"] = len(points)
         stats["remote_bytes"] = sum(rec.sizes.get(k, 0) for k in remote)
-        # A newborn's first touch on the GPU faults page by page although
-        # nothing is copied; prefetching it at birth populates it in one call.
-        fresh = frozenset(k for _, k in rec.allocs if rec.sizes.get(k, 0) >= self.min_fresh and k not in remote)
         # Parameters: read by forward and backward, written once by the step.
         dead = {k for _, k in rec.frees}
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
@@ -313,7 +307,7 @@ class Planner:
         resume: dict[int, tuple[int, int]] = {}
         if light_end is not None:
             actions, resume = light_points(rec.light, actions, sorted(remote_at))
-        return Plan(rec.signature, n, actions, discard, stats, remote=remote, fresh=fresh, read_mostly=mostly,
+        return Plan(rec.signature, n, actions, discard, stats, remote=remote, read_mostly=mostly,
                     remote_at=remote_at, light_end=light_end, light_resume=resume)
 
     def oversize(self, rec: IterationRecord) -> set[int]:

@@ -1,0 +1,40 @@
+"""RangeSet against a model: the set of bytes it holds."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from umrt.backends.ranges import RangeSet
+
+ops = st.lists(st.tuples(st.sampled_from(["add", "take"]), st.integers(0, 60), st.integers(0, 20)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_rangeset_holds_exactly_the_bytes_added_and_not_taken(seq):
+    rs = RangeSet()
+    model: set[int] = set()
+    for op, ptr, n in seq:
+        if op == "add":
+            rs.add(ptr, n)
+            model |= set(range(ptr, ptr + n))
+        else:
+            taken = rs.take(ptr, n)
+            want = model & set(range(ptr, ptr + n))
+            got = {b for p, k in taken for b in range(p, p + k)}
+            assert got == want
+            assert sum(k for _, k in taken) == len(want)  # taken pieces are disjoint
+            model -= want
+        held = {b for p, k in rs for b in range(p, p + k)}
+        assert held == model
+        pieces = list(rs)
+        # sorted, disjoint and merged (no two intervals touch)
+        assert all(p1 + n1 < p2 for (p1, n1), (p2, _) in zip(pieces, pieces[1:], strict=False))
+        assert rs.nbytes() == len(model)
+        assert bool(rs) == bool(model)
+
+
+def test_take_clips_to_the_asked_range():
+    rs = RangeSet()
+    rs.add(100, 100)
+    assert rs.take(150, 100) == [(150, 50)]
+    assert list(rs) == [(100, 50)]
+    assert rs.take(0, 10) == []
