@@ -647,20 +647,20 @@ class Runtime(Policy):
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
         trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
-        self._rec = None if trusted and plan.actions else self._new_record()
+        self._rec = None if trusted else self._new_record()
         ref = self._ref
-        self._frozen = bool(self.freeze and trusted and plan.actions and ref is not None
+        self._frozen = bool(self.freeze and trusted and ref is not None
                             and ref[0] == plan.signature)
         self._ptrs = None if self._frozen else []
         # A trusted plan with a clock of non-launch events needs no launches.
-        self._light = light = bool(self.launch_free and trusted and plan.actions and plan.light_end is not None)
+        self._light = light = bool(self.launch_free and trusted and plan.light_end is not None)
         self._counting = False
         self.wants_launches = not light
         self._resume = plan.light_resume if light else {}
         self._resume_at = sorted(self._resume)
         if light and -1 in self._resume:  # a decision before the iteration's first event
             self._counting = self.wants_launches = True
-        if plan is not None and plan.actions:
+        if plan is not None:  # a plan with nothing to do (everything fits) is acted on too: no capture
             self._mode = "act"
             self._plan = plan
             self._actions = plan.actions

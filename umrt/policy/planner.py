@@ -176,6 +176,24 @@ def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversi
     return placed, resume
 
 
+def peak_live(rec: IterationRecord) -> int:
+    """The most bytes the iteration holds alive at once, from what is alive at its
+    start and its allocations and frees (2 MB-block rounding aside; at a launch
+    boundary, allocations are counted before frees: an upper bound)."""
+    sizes = rec.sizes
+    live = sum(sizes.get(k, 0) for k in rec.start_live)
+    peak = live
+    frees = sorted(rec.frees)
+    fi = 0
+    for p, k in sorted(rec.allocs):
+        while fi < len(frees) and frees[fi][0] < p:
+            live -= sizes.get(frees[fi][1], 0)
+            fi += 1
+        live += sizes.get(k, 0)
+        peak = max(peak, live)
+    return peak
+
+
 def _round(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
 
@@ -277,6 +295,14 @@ class Planner:
         n = len(rec)
         if n == 0:
             return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
+        light_end = (len(rec.light), rec.light[-1][1]) if rec.light else None
+        peak = peak_live(rec)
+        if peak <= self.cap:
+            # Everything fits: once touched, every object stays resident and a dead
+            # range is reused in place. Nothing to move, advise or discard.
+            stats = {"fits": True, "planned_peak_bytes": peak, "capacity_bytes": self.cap,
+                     "planned_h2d_bytes": 0, "planned_d2h_bytes": 0, "decision_points": 0}
+            return Plan(rec.signature, n, [], frozenset(), stats, light_end=light_end)
         remote = self.remote_keys(rec) if self.remote_access else frozenset()
         if remote:
             uses = [tuple(k for k in u if k not in remote) for u in rec.uses]
@@ -303,7 +329,6 @@ class Planner:
         dead = {k for _, k in rec.frees}
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
                            and rec.kinds.get(k) == Kind.PARAMETER)
-        light_end = (len(rec.light), rec.light[-1][1]) if rec.light else None
         resume: dict[int, tuple[int, int]] = {}
         if light_end is not None:
             actions, resume = light_points(rec.light, actions, sorted(remote_at))
