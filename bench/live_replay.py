@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import gzip
 import json
 import re
@@ -304,6 +305,11 @@ class CountingBackend(Backend):
         return getattr(self._b, name)
 
 
+@functools.lru_cache(maxsize=4)
+def _source(path: str) -> ClosedLoop:
+    return ClosedLoop(read_live_log(path))
+
+
 def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile: str = "h100-pcie5-80g",
            lag: bool = False, runtime=None) -> list[dict]:
     """Replay a live log (a name of :data:`RUNS` or a path) in closed loop under
@@ -314,7 +320,7 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
     from umrt.sim.backend import SimBackend
 
     path = LOGS / RUNS[run] if run in RUNS else Path(run)
-    source = ClosedLoop(read_live_log(path))
+    source = _source(str(path))
     prof = load_profile(profile)
     rt = runtime if runtime is not None else Runtime()
     sim = SimBackend(prof, budget_bytes)

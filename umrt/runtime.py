@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING
 from umrt.backends.base import HOST, Advice, Backend
 from umrt.backends.ranges import RangeSet
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.planner import PAGE, Action, IterationRecord, Plan, Planner
+from umrt.policy.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan, Planner, rebase
 from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys, VariantTable
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
@@ -127,6 +127,13 @@ class _AddressIndex:
 
 
 _MASK = (1 << 63) - 1  # the iteration signature's width
+_MAX_REBASES = 2  # light clocks re-based per plan before a mismatch counts as a deviation
+
+
+def _ref_key(plan: Plan) -> tuple[int, bool]:
+    """What an iteration's addresses (by allocation ordinal) are a reference for: the
+    plan's shape, run with launches or as its light variant (other ordinals)."""
+    return plan.signature, plan.keymap is not None
 
 
 class Runtime(Policy):
@@ -255,6 +262,14 @@ class Runtime(Policy):
         self._nl = 0
         self._nf = 0
         self._probe = 0
+        # Acting without launches on a plan whose light clock is not yet confirmed:
+        # this iteration's non-launch events as tokens (see planner.rebase), and the
+        # plan variant's allocation ordinal -> key map (None: ordinals are keys).
+        self._tokens: list[int] | None = None
+        self._token_objs: list[int] = []  # the objects those allocation tokens announced
+        self._keymap: tuple[int, ...] | None = None
+        self._light_ok: set[int] = set()  # signatures whose light clock ran a whole iteration
+        self._rebased: dict[int, int] = {}  # signature -> times its light clock was re-based
         self._advised: dict[int, tuple[int, int]] = {}  # host-mapped obj -> range
         self._mostly: set[int] = set()  # objects advised ReadMostly
         self._over: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launches
@@ -280,7 +295,7 @@ class Runtime(Policy):
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0, "discard_calls": 0, "launch_host_mapped_bytes": 0,
-            "frozen_iterations": 0, "unfreezes": 0, "light_iterations": 0, "late_decisions": 0,
+            "frozen_iterations": 0, "unfreezes": 0, "light_iterations": 0, "late_decisions": 0, "light_rebases": 0,
         }
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
@@ -318,6 +333,8 @@ class Runtime(Policy):
         self.planner = Planner(max(1, int(budget_bytes)), self.profile, headroom=self.headroom,
                                op_level=self.op_level)
         self.plans.clear()
+        self._light_ok.clear()
+        self._rebased.clear()
         if self._mode == "act":
             self._mode = "off"
             self._light = self._counting = False
@@ -363,8 +380,10 @@ class Runtime(Policy):
         if t is Alloc:
             obj = event.obj
             keys = self.keys  # ObjectKeys.alloc, inlined
-            key = keys.ordinal
-            keys.ordinal = key + 1
+            ordinal = keys.ordinal
+            keys.ordinal = ordinal + 1
+            km = self._keymap
+            key = ordinal if km is None else (km[ordinal] if ordinal < len(km) else SPARE_KEY + ordinal)
             key_of = keys.key_of
             old = key_of.get(obj)
             if old is not None:
@@ -383,7 +402,7 @@ class Runtime(Policy):
                     ptrs.append(ptr)
                 elif self._frozen:
                     ref = self._ref[1]
-                    if key >= len(ref) or ref[key] != ptr:
+                    if ordinal >= len(ref) or ref[ordinal] != ptr:
                         self._unfreeze()
             if self._pending and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
@@ -400,6 +419,10 @@ class Runtime(Policy):
                 rec.sizes[key] = event.nbytes
                 rec.kinds[key] = event.kind
                 rec.light.append((self._nl, lh))
+                rec.tokens.append(event.nbytes << 3)  # planner.light_token(nbytes << 1, ALLOC_TOKEN)
+            if self._tokens is not None:
+                self._tokens.append(event.nbytes << 3)
+                self._token_objs.append(obj)
             # Dead ranges are discarded before the newborn that may reuse one is
             # written (a live allocation arrives before its op's kernel is queued),
             # and what of its range umrt took off the GPU comes back first.
@@ -446,6 +469,9 @@ class Runtime(Policy):
                 if key is not None:
                     rec.frees.append((self._nl, key))
                 rec.light.append((self._nl, lh))
+                rec.tokens.append((nb << 3) | 5)  # light_token((nb << 1) | 1, FREE_TOKEN)
+            if self._tokens is not None:
+                self._tokens.append((nb << 3) | 5)
             if self.discard_on_free and self._pending:
                 self._flush()
             if ne == self._due:
@@ -476,11 +502,15 @@ class Runtime(Policy):
                 self._pool_observe(event)
             ne = self._ne
             self._ne = ne + 1
-            lh = self._lh = ((self._lh * 1000003) ^ hash(event.module) ^ (t is LayerEnter)) & _MASK
+            v = hash(event.module) ^ (t is LayerEnter)
+            lh = self._lh = ((self._lh * 1000003) ^ v) & _MASK
             rec = self._rec
             if rec is not None:
                 rec.boundaries.append(self._nl)
                 rec.light.append((self._nl, lh))
+                rec.tokens.append((v << 2) | 2)  # light_token(v, LAYER_TOKEN)
+            if self._tokens is not None:
+                self._tokens.append((v << 2) | 2)
             if self._light:
                 if self._pending:
                     self._flush()
@@ -563,7 +593,7 @@ class Runtime(Policy):
         self._iteration = index
         # The signature of the iteration that just ended names its survivors.
         sig = self._sig if self._mode == "learn" else (self._plan.signature if self._plan else 0)
-        if self._mode not in ("learn", "act"):
+        if self._mode not in ("learn", "act", "rebase"):
             sig = self._sig ^ 0x5A5A  # a shape we never finished; its keys must not clash
         moved = self.keys.boundary(sig)
         if self._rec is not None and self._mode == "learn":
@@ -581,18 +611,22 @@ class Runtime(Policy):
         if self._light:
             self.counters["light_iterations"] += 1
         if self._ptrs is not None and mode in ("act", "learn"):
-            self._ref = (self._plan.signature if mode == "act" else self._sig, self._ptrs)
+            self._ref = (_ref_key(self._plan) if mode == "act" else (self._sig, False), self._ptrs)
         elif not self._frozen:
             self._ref = None
         if mode == "act":
             self._outcomes.append(True)
             sig = self._plan.signature
+            if self._tokens is not None:  # its light clock held for a whole iteration
+                self._light_ok.add(sig)
             self._confirmed[sig] = self._confirmed.get(sig, 0) + 1
             if len(self._confirmed) > 4 * self.max_variants:
                 self._confirmed = {k: v for k, v in self._confirmed.items() if k in self.plans}
             self.variants.observe(self._plan.signature)
             self.counters["acted"] += 1
             entry["signature"] = self._plan.signature
+        elif mode == "rebase":
+            self._rebase_light(entry)
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
             self._relearn = True
@@ -602,9 +636,40 @@ class Runtime(Policy):
             self.counters["learned"] += 1
             self._learned += 1
             entry["signature"] = self._sig
+        self._tokens = None
+        self._token_objs = []
         self.log.append(entry)
         if len(self.log) > 256:
             del self.log[:128]
+
+    def _rebase_light(self, entry: dict) -> None:
+        """An iteration acted on without launches left its plan's light clock and ran on
+        without acting: its events are the clock of iterations that run the way acting
+        ones do (a capture can change what a program allocates). The plan's decisions
+        are placed on them (planner.rebase) for the next iteration of its shape, and
+        the survivors born in it take the keys the plan knows them by."""
+        sig = self._plan.signature
+        base = self.plans.get(sig)
+        variant = rebase(base, self._tokens) if base is not None else None
+        entry["signature"] = sig
+        if variant is None:  # not the same shape after all: as a deviation
+            self.counters["deviations"] += 1
+            self.variants.last = None
+            self._relearn = True
+            return
+        base.light_variant = variant
+        self._rebased[sig] = self._rebased.get(sig, 0) + 1
+        self.counters["light_rebases"] += 1
+        self.variants.observe(sig)
+        keys = self.keys
+        for ordinal, obj in enumerate(self._token_objs):
+            old = keys.key_of.get(obj)
+            if old is None or old < 0 or keys.obj_of.get(old) != obj:
+                continue  # dead, or carried over from an earlier iteration
+            new = variant.keymap[ordinal]
+            del keys.obj_of[old]
+            keys.obj_of[new] = obj
+            keys.key_of[obj] = new
 
     def _compile(self, rec: IterationRecord) -> None:
         sig = rec.signature
@@ -630,6 +695,8 @@ class Runtime(Policy):
             self.counters["guard_trips"] += 1
             self._outcomes.clear()
             self.plans.clear()
+            self._light_ok.clear()
+            self._rebased.clear()
             self._cooldown = self.guard_cooldown
         plan = None
         if self._cooldown > 0:
@@ -648,12 +715,18 @@ class Runtime(Policy):
         # one more iteration of plain UM before the new shape is learned).
         trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
         self._rec = None if trusted else self._new_record()
-        ref = self._ref
-        self._frozen = bool(self.freeze and trusted and ref is not None
-                            and ref[0] == plan.signature)
-        self._ptrs = None if self._frozen else []
-        # A trusted plan with a clock of non-launch events needs no launches.
+        # A trusted plan with a clock of non-launch events needs no launches; it acts
+        # on its variant re-based on an iteration that ran without them, once there
+        # is one, and records this iteration's events until that clock has held.
         self._light = light = bool(self.launch_free and trusted and plan.light_end is not None)
+        if light:
+            plan = plan.light_variant or plan
+            if plan.signature not in self._light_ok:
+                self._tokens, self._token_objs = [], []
+        self._keymap = plan.keymap if light else None
+        ref = self._ref
+        self._frozen = bool(self.freeze and trusted and ref is not None and ref[0] == _ref_key(plan))
+        self._ptrs = None if self._frozen else []
         self._counting = False
         self.wants_launches = not light
         self._resume = plan.light_resume if light else {}
@@ -781,7 +854,7 @@ class Runtime(Policy):
                 self._counting = self.wants_launches = False
         elif self._light:  # not if the decision above deviated
             if r[1] != self._lh:
-                self._deviate()
+                self._light_mismatch()
                 return
             self._nl = r[0]  # launches before this event, as recorded
             self._counting = self.wants_launches = True
@@ -811,7 +884,7 @@ class Runtime(Policy):
         if self._lh != a.light_hash:
             a = self._switch_light(ne)
             if a is None:
-                self._deviate()
+                self._light_mismatch()
                 return
         self._ai += 1
         self._arm()
@@ -821,6 +894,7 @@ class Runtime(Policy):
         """Another learned shape that matches at event ``ne`` (as :meth:`_switch`)."""
         for sig in reversed(self.plans):
             plan = self.plans[sig]
+            plan = plan.light_variant or plan
             if plan is self._plan or plan.light_end is None:
                 continue
             idx = plan.index_at_light(ne)
@@ -834,7 +908,7 @@ class Runtime(Policy):
         decisions counted from that event whose launches were not delivered
         run now, late (they prepare the next iteration)."""
         if (self._ne, self._lh) != self._plan.light_end:
-            self._deviate()
+            self._light_mismatch()
             return
         if self._pending:
             self._flush()
@@ -936,8 +1010,29 @@ class Runtime(Policy):
         self._discard_keys = plan.discard
         self._over = plan.remote_at
         if self._light:
+            self._keymap = plan.keymap  # allocations from here on (those before keep their keys)
             self._resume = plan.light_resume
             self._resume_at = sorted(plan.light_resume)
+
+    def _light_mismatch(self) -> None:
+        """Acting without launches, the iteration's running hash is not the plan's.
+        While the plan's light clock is unconfirmed (the iteration's events are being
+        recorded) that is what a capture changes in a program (the recorded
+        iteration ran with the capture on; this one without it): stop acting, but let
+        the iteration run on without launches, as acting ones do, and re-base the
+        plan on it at its end (_rebase_light). Otherwise it is a deviation."""
+        if self._tokens is None or self._rebased.get(self._plan.signature, 0) >= _MAX_REBASES:
+            self._deviate()
+            return
+        self._unfreeze()
+        if self._temp:
+            self._unmap_temp()
+        self._mode = "rebase"
+        self._light = self._counting = False
+        self._due = -1
+        self.wants_launches = False
+        self._discard_keys = frozenset()
+        self._over = {}
 
     def _deviate(self) -> None:
         """The program left the plan: stop acting. Early in the iteration the
@@ -952,6 +1047,7 @@ class Runtime(Policy):
         self._due = -1
         self.wants_launches = True  # the next iteration is learned
         self._plan = None
+        self._tokens = None
         self._discard_keys = frozenset()
         self._over = {}
 

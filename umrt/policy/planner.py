@@ -42,6 +42,7 @@ steady-state plan.
 from __future__ import annotations
 
 import bisect
+import difflib
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,8 @@ class IterationRecord:
     # (position, the runtime's running hash after it). The clock a runtime that
     # no longer sees launches acts on (see Plan.light_end).
     light: list[tuple[int, int]] = field(default_factory=list)
+    # The same events as tokens (see light_token): what rebase() aligns.
+    tokens: list[int] = field(default_factory=list)
     signature: int = 0
 
     def __len__(self) -> int:
@@ -120,6 +123,14 @@ class Plan:
     # launches (host-mapped for their own duration).
     light_end: tuple[int, int] | None = None
     light_resume: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The recorded iteration's non-launch events as tokens (light_token), in order.
+    tokens: tuple[int, ...] = ()
+    # Acting without launches, the program may run differently from the recorded
+    # iteration (a capture can change what it allocates): the plan re-based on an
+    # iteration that ran without launches (see rebase), and, in such a variant,
+    # each allocation ordinal's key in the recorded iteration (None: the same).
+    light_variant: Plan | None = field(default=None, repr=False, compare=False)
+    keymap: tuple[int, ...] | None = None
     _light_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def action_at(self) -> dict[int, Action]:
@@ -139,6 +150,109 @@ class Plan:
                 if a.light_at >= 0:
                     idx.setdefault(a.light_at, i)
         return idx.get(event)
+
+
+ALLOC_TOKEN, FREE_TOKEN, LAYER_TOKEN = 0, 1, 2
+SPARE_KEY = 1 << 32  # keys of allocations a re-based plan's recorded iteration did not make
+
+
+def light_token(value: int, kind: int) -> int:
+    """A non-launch event as one int: the value it mixes into the runtime's running
+    hash (see Runtime.on_event) and its kind (ALLOC_TOKEN, FREE_TOKEN, LAYER_TOKEN)."""
+    return (value << 2) | kind
+
+
+def _running_hashes(tokens: Sequence[int]) -> list[int]:
+    """The runtime's running hash after each token (as Runtime.on_event mixes them)."""
+    out = []
+    h = 0
+    for tok in tokens:
+        h = ((h * 1000003) ^ (tok >> 2)) & HASH_MASK
+        out.append(h)
+    return out
+
+
+HASH_MASK = (1 << 63) - 1  # the running hash's and the iteration signature's width
+
+
+def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | None:
+    """``plan`` moved onto an iteration that ran without launches, whose non-launch
+    events were ``tokens``: the same decisions, placed on that iteration's events,
+    with its running hashes and a ``keymap`` from its allocation ordinals to the
+    plan's keys. None where the two iterations are not the same shape (less than
+    ``min_match`` of their events align) or the decisions cannot keep their order.
+
+    The two are aligned as sequences (difflib, no junk heuristic): an event the
+    recorded iteration had and this one lacks (a temporary the capture caused)
+    moves its decision to the last aligned event before it, so decisions come
+    early, never late.
+    """
+    rec = plan.tokens
+    if not rec or not tokens or plan.light_end is None:
+        return None
+    sm = difflib.SequenceMatcher(None, rec, tokens, autojunk=False)
+    to_light = [-1] * len(rec)  # recorded event -> this iteration's event (or the last aligned before)
+    matched = 0
+    for a, b, n in sm.get_matching_blocks():
+        for k in range(n):
+            to_light[a + k] = b + k
+        matched += n
+    if matched < min_match * max(len(rec), len(tokens)):
+        return None
+    last = -1
+    for i, j in enumerate(to_light):
+        if j < 0:
+            to_light[i] = last
+        else:
+            last = j
+    # Allocation ordinals: this iteration's -> the recorded key (an unmatched one a spare key).
+    rec_ordinal = _alloc_ordinals(rec)
+    light_ordinal = _alloc_ordinals(tokens)
+    keymap = [SPARE_KEY + o for o in range(len(light_ordinal))]
+    for a, b, n in sm.get_matching_blocks():
+        for k in range(n):
+            if (rec[a + k] & 3) == ALLOC_TOKEN:
+                keymap[light_ordinal[b + k]] = rec_ordinal[a + k]
+    hashes = _running_hashes(tokens)
+
+    def moved(e: int) -> int:
+        return to_light[e] if e >= 0 else -1
+
+    actions: list[Action] = []
+    for a in plan.actions:
+        if a.light_at >= 0:
+            e = moved(a.light_at)
+            if e < 0:
+                return None  # a decision before this iteration's first event: keep the old clock
+            prev = actions[-1] if actions else None
+            if prev is not None and prev.light_at == e:  # two decisions now on one event: one
+                actions[-1] = replace(prev, evict=_union(prev.evict, a.evict),
+                                      prefetch=_union(prev.prefetch, a.prefetch))
+                continue
+            if prev is not None and prev.light_at > e:
+                return None
+            actions.append(replace(a, light_at=e, light_hash=hashes[e]))
+        else:
+            actions.append(replace(a, light_from=moved(a.light_from)))
+    resume = {}
+    for e, (launches, _) in plan.light_resume.items():
+        f = moved(e)
+        resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
+    return replace(plan, actions=actions, light_end=(len(tokens), hashes[-1]), light_resume=resume,
+                   tokens=tuple(tokens), keymap=tuple(keymap), light_variant=None, _light_index=None)
+
+
+def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:
+    """Event index -> allocation ordinal, for the allocation tokens."""
+    out: dict[int, int] = {}
+    for i, tok in enumerate(tokens):
+        if (tok & 3) == ALLOC_TOKEN:
+            out[i] = len(out)
+    return out
+
+
+def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return a + tuple(k for k in b if k not in set(a))
 
 
 def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversized: Sequence[int]
@@ -302,7 +416,7 @@ class Planner:
             # range is reused in place. Nothing to move, advise or discard.
             stats = {"fits": True, "planned_peak_bytes": peak, "capacity_bytes": self.cap,
                      "planned_h2d_bytes": 0, "planned_d2h_bytes": 0, "decision_points": 0}
-            return Plan(rec.signature, n, [], frozenset(), stats, light_end=light_end)
+            return Plan(rec.signature, n, [], frozenset(), stats, light_end=light_end, tokens=tuple(rec.tokens))
         remote = self.remote_keys(rec) if self.remote_access else frozenset()
         if remote:
             uses = [tuple(k for k in u if k not in remote) for u in rec.uses]
@@ -333,7 +447,7 @@ class Planner:
         if light_end is not None:
             actions, resume = light_points(rec.light, actions, sorted(remote_at))
         return Plan(rec.signature, n, actions, discard, stats, remote=remote, read_mostly=mostly,
-                    remote_at=remote_at, light_end=light_end, light_resume=resume)
+                    remote_at=remote_at, light_end=light_end, light_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""
