@@ -326,6 +326,22 @@ def test_a_policy_that_wants_no_launches_from_the_start_has_none_recorded(fake_g
     assert _get_current_dispatch_mode_stack() == []
 
 
+def test_plain_um_and_the_baselines_never_have_ops_recorded(fake_gpu):
+    """``um`` acts on nothing: the bridge must not pay for (nor perturb the program
+    with) the dispatch-mode capture. It used to default wants_launches to True."""
+    from umrt.policy import make_policy
+
+    for name in ("um", "um-advise", "ideal"):
+        policy = make_policy(name)
+        seen = []
+        on_event = policy.on_event
+        policy.on_event = lambda ev, f=on_event: (seen.append(ev), f(ev))
+        bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+        _train(bridge, 2)
+        assert bridge.failed is None
+        assert any(isinstance(e, Alloc) for e in seen) and not any(isinstance(e, Launch) for e in seen), name
+
+
 def test_a_resume_from_the_allocator_waits_for_the_recorders_next_hook(fake_gpu):
     """A pool event comes from inside the op that asked for memory: a policy that
     wants launches again there has the recorder's mode re-entered at its next

@@ -525,7 +525,7 @@ class LiveBridge:
         again at the next event. ``in_op``: called from the allocator, inside the
         op that asked for memory: the recorder's mode is re-entered at its next
         hook, not in the middle of that op."""
-        want = getattr(self.policy, "wants_launches", True)
+        want = self.policy.wants_launches
         if want == self.recorder.ops_suspended:
             if want:
                 self.recorder.resume_ops(at_once=not in_op)

@@ -40,6 +40,11 @@ class Policy(ABC):
     #: Iterations before the policy's steady state (a runtime that learns):
     #: a bench reports the iteration after them at the earliest.
     warmup_iterations: int = 0
+    #: Whether the policy needs :class:`~umrt.trace.events.Launch` events now. A
+    #: live driver captures launches with a dispatch mode that costs CPU on every
+    #: op and changes what the program allocates; it suspends that capture while
+    #: this is False. A policy that acts on allocations alone says False.
+    wants_launches: bool = True
 
     def steady_iterations(self, at_least: int = 3) -> int:
         """Iterations to simulate so that the last one (the one reported) is

@@ -73,6 +73,7 @@ class IdealPolicy(Policy):
     """
 
     name = "ideal"
+    wants_launches = False  # acts on allocations and frees only, if at all
     unlimited_memory = True
 
     def __init__(self, trace: Trace | None = None) -> None:
@@ -86,6 +87,7 @@ class UMPolicy(Policy):
     """Plain CUDA managed memory: the driver alone decides what moves."""
 
     name = "um"
+    wants_launches = False  # acts on allocations and frees only, if at all
 
     def __init__(self, trace: Trace | None = None) -> None:
         del trace
@@ -105,6 +107,7 @@ class UMAdvisePolicy(Policy):
     """
 
     name = "um-advise"
+    wants_launches = False  # acts on allocations and frees only, if at all
 
     def __init__(self, trace: Trace | None = None, *, scheme: str = "choi-lee") -> None:
         del trace
