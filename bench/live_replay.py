@@ -284,6 +284,10 @@ class CountingBackend(Backend):
         self._count("prefetch_h2d" if device >= 0 else "prefetch_d2h", ranges)
         self._b.prefetch(ranges, device)
 
+    def populate(self, ranges) -> None:
+        self._count("populate", ranges)
+        self._b.populate(ranges)
+
     def discard(self, ranges) -> None:
         self._count("discard", ranges)
         self._b.discard(ranges)

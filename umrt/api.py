@@ -130,7 +130,7 @@ def _start(cfg: Config) -> Session:
     _, total = backend.mem_info()
     budget = cfg.gpu_memory.resolve(total)
     arena = cfg.short_lived_arena.resolve(budget) if cfg.short_lived_arena else None
-    pool = ManagedPool(backend, _layout_factory(arena))
+    pool = ManagedPool(backend, _layout_factory(arena), populate_limit=budget)
     session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget)
     stats.attach(pool=pool, backend=backend)
     cupy_alloc.set_pool(pool)
@@ -210,6 +210,9 @@ class ManagedOnly:
 
     def prefetch(self, ranges: Any, device: int) -> None:
         self._b.prefetch(self._keep(ranges), device)
+
+    def populate(self, ranges: Any) -> None:
+        self._b.populate(self._keep(ranges))
 
     def discard(self, ranges: Any) -> None:
         self._b.discard(self._keep(ranges))

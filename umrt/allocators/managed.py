@@ -58,9 +58,15 @@ class ManagedPool:
     raise.
     """
 
-    def __init__(self, backend: Any, layout_factory: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, backend: Any, layout_factory: Callable[[Any], Any] | None = None, *,
+                 populate_limit: int = 0) -> None:
         self.backend = backend
         self._factory = layout_factory or default_layout_factory
+        # New segments are populated on the GPU as they are made (one prefetch each:
+        # no copy, ~11 ms per 2 GiB on the H100, where first-touch faults populate at
+        # 3.4-8 GB/s) while the populated segments fit this many bytes (the budget).
+        self.populate_limit = populate_limit
+        self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._layouts: dict[Any, Any] = {}  # stream -> layout
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (stream, obj, nbytes)
         self._ids = itertools.count(1)
@@ -168,7 +174,7 @@ class ManagedPool:
         self._free_deferred()
 
     def _new_layout(self) -> Any:
-        layout = self._factory(self.backend)
+        layout = self._factory(_Segments(self))
         observe = getattr(layout, "observe", None)
         if observe is not None and self._boundary is not None:
             for event in (self._boundary, *self._open_layers):
@@ -215,3 +221,27 @@ class ManagedPool:
                 release = getattr(layout, "release", None)
                 if callable(release):
                     release()
+
+
+class _Segments:
+    """The backend as a pool's layout sees it: each segment it makes is populated on
+    the GPU at once while the pool's populated segments fit ``populate_limit``."""
+
+    def __init__(self, pool: ManagedPool) -> None:
+        self._pool = pool
+        self._b = pool.backend
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self._b.malloc(nbytes)
+        pool = self._pool
+        if sum(pool._populated.values()) + nbytes <= pool.populate_limit:
+            self._b.populate([(ptr, nbytes)])
+            pool._populated[ptr] = nbytes
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._pool._populated.pop(ptr, None)
+        self._b.free(ptr)
+
+    def __getattr__(self, name: str) -> Any:  # prefetch, device, mem_info, ...
+        return getattr(self._b, name)

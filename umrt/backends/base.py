@@ -60,6 +60,15 @@ class Backend(ABC):
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Migrate ranges to ``device`` (a GPU id or :data:`HOST`) on the copy stream."""
 
+    def populate(self, ranges: Sequence[Range]) -> None:
+        """Make ranges resident on this backend's GPU before the kernels queued after
+        this call run (a newborn's pages that are not there: never populated,
+        discarded or evicted), keeping their contents. A kernel that reaches such
+        pages first faults them in, a discarded range at 0.8 GB/s on the H100.
+        Default: a prefetch to the GPU (a backend with streams orders it with the
+        kernels)."""
+        self.prefetch(ranges, self.device)
+
     @abstractmethod
     def discard(self, ranges: Sequence[Range]) -> None:
         """Declare the ranges' contents dead: a later migration copies nothing.
