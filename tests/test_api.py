@@ -335,7 +335,7 @@ def test_plain_um_and_the_baselines_never_have_ops_recorded(fake_gpu):
         policy = make_policy(name)
         seen = []
         on_event = policy.on_event
-        policy.on_event = lambda ev, f=on_event: (seen.append(ev), f(ev))
+        policy.on_event = lambda ev, f=on_event, seen=seen: (seen.append(ev), f(ev))
         bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
         _train(bridge, 2)
         assert bridge.failed is None
