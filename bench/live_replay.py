@@ -118,9 +118,14 @@ class ClosedLoop:
             variant (default: the last one before the first iteration that ran
             without launches); the iteration before it must be recorded too.
         light: index of an allocation-only iteration (default: the first).
+        start: the first iteration made in closed loop (default 2: the runtime
+            learns the first two whatever it does); the log's iterations before
+            it are replayed as they are, and the one just before it must be a
+            recorded iteration of the same shape.
     """
 
-    def __init__(self, events: Sequence[Event], recorded: int | None = None, light: int | None = None) -> None:
+    def __init__(self, events: Sequence[Event], recorded: int | None = None, light: int | None = None,
+                 start: int = 2) -> None:
         its = _iterations(events)
         launches = [sum(type(e) is Launch for e in it) for it in its]
         if light is None:
@@ -129,10 +134,10 @@ class ClosedLoop:
                 raise ValueError("the log holds no iteration that ran without launches")
         if recorded is None:
             recorded = light - 1
-        if not 1 <= recorded < len(its) or not 1 <= light < len(its):
-            raise ValueError(f"iterations {recorded} / {light} are not in the log ({len(its)} iterations)")
-        self.prefix = list(events[: sum(len(it) + 1 for it in its[:recorded])])
-        self.first_index = recorded
+        if not 1 <= recorded < len(its) or not 1 <= light < len(its) or not 1 <= start <= recorded:
+            raise ValueError(f"iterations {recorded} / {light} / {start} do not fit the log ({len(its)} iterations)")
+        self.prefix = list(events[: sum(len(it) + 1 for it in its[:start])])
+        self.first_index = start
         born: dict[int, tuple[int, int]] = {}  # obj -> (iteration, allocation ordinal)
         size: dict[int, int] = {}
         for i, it in enumerate(its):
@@ -190,8 +195,10 @@ class ClosedLoop:
             i += 1
         slots.extend(_Slot("light", None, light_ne[k]) for k in range(j_next, len(light_ne)))
         self.slots = slots
-        born_prev = {ev.obj: born[ev.obj][1] for ev in its[recorded - 1] if type(ev) is Alloc}
-        self._prev0 = {("prev", o): obj for obj, o in born_prev.items()}
+        before = [ev for ev in its[start - 1] if type(ev) is Alloc]
+        if [e.nbytes for e in before] != [e.nbytes for e in rec_it if type(e) is Alloc]:
+            raise ValueError(f"iteration {start - 1} is not a recorded iteration of the shape of {recorded}")
+        self._prev0 = {("prev", born[ev.obj][1]): ev.obj for ev in before}
 
     def stream(self, iterations: int, wants_launches: Callable[[], bool], *, lag: bool = False
                ) -> Iterator[tuple[Event, bool]]:

@@ -58,7 +58,7 @@ def _converges(rows):
 @pytest.mark.parametrize("lag", [False, True])
 def test_a_plan_that_fits_converges_and_then_moves_nothing(logs, lag):
     """40 GiB for a 15 GiB peak: after learning, launch-free and not a byte moved."""
-    rows = replay("40GiB", 40 << 30, 22, lag=lag)
+    rows = replay("40GiB", 40 << 30, 16, lag=lag)
     first = _converges(rows)
     assert first <= 8
     for r in rows[2:]:
@@ -68,7 +68,7 @@ def test_a_plan_that_fits_converges_and_then_moves_nothing(logs, lag):
 def test_a_plan_under_pressure_converges(logs):
     """7.5 GiB, about half the footprint: the plan evicts and discards, and still
     runs launch-free from its first re-based iteration on, the same moves each step."""
-    rows = replay("50pct", int(7.5 * 2**30), 20, lag=True)
+    rows = replay("50pct", int(7.5 * 2**30), 16, lag=True)
     first = _converges(rows)
     assert first <= 8
     steady = rows[first + 2:]
@@ -129,3 +129,14 @@ def test_a_light_clock_is_re_based_a_bounded_number_of_times():
     rt._rebased[sig] = 2
     rt._light_mismatch()
     assert rt.report()["deviations"] == 1
+
+
+def test_without_probing_a_plan_runs_launch_free_right_after_learning(logs):
+    """probe_iterations=0 (a capture that hands over an iteration's launches at its
+    end): trusted at once, launch-free from the third iteration, and still converged."""
+    from umrt.runtime import Runtime
+
+    rt = Runtime(probe_iterations=0)
+    assert rt.warmup_iterations == rt.learn_iterations
+    rows = replay("40GiB", 40 << 30, 10, runtime=rt)
+    assert _converges(rows) <= 4 and rows[-1]["deviations"] == 0

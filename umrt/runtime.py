@@ -152,6 +152,11 @@ class Runtime(Policy):
         Iterations to learn before acting the first time (2: a training
         loop's first step is special — lazy optimizer state, no gradients to
         free — so the plan comes from the second).
+    probe_iterations:
+        Iterations a new plan is acted on while still recorded launch by
+        launch (a deviation then teaches the runtime the new shape) before it
+        is trusted and runs without launches; 0 for a capture that delivers an
+        iteration's launches only at its end.
     guard_window, guard_failures, guard_cooldown:
         The misprediction guard (see the module docstring).
     max_variants:
@@ -192,6 +197,7 @@ class Runtime(Policy):
         op_level: bool = False,
         headroom: float = 0.9,
         learn_iterations: int = 2,
+        probe_iterations: int = 2,
         guard_window: int = 4,
         guard_failures: int = 3,
         guard_cooldown: int = 2,
@@ -207,6 +213,9 @@ class Runtime(Policy):
             raise ValueError(f"headroom must be in (0, 1], got {headroom}")
         if learn_iterations < 1:
             raise ValueError("learn_iterations must be >= 1")
+        if probe_iterations < 0:
+            raise ValueError("probe_iterations must be >= 0")
+        self.probe_iterations = probe_iterations
         self.op_level = op_level
         self.headroom = headroom
         self.learn_iterations = learn_iterations
@@ -303,9 +312,9 @@ class Runtime(Policy):
 
     @property
     def warmup_iterations(self) -> int:
-        """Learned iterations, then two acted on while still recorded (probed)
-        before the plan is trusted and runs in steady state."""
-        return self.learn_iterations + 2
+        """Learned iterations, then ``probe_iterations`` acted on while still
+        recorded before the plan is trusted and runs in steady state."""
+        return self.learn_iterations + self.probe_iterations
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
@@ -713,7 +722,7 @@ class Runtime(Policy):
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= 2
+        trusted = plan is not None and self._confirmed.get(plan.signature, 0) >= self.probe_iterations
         self._rec = None if trusted else self._new_record()
         # A trusted plan with a clock of non-launch events needs no launches; it acts
         # on its variant re-based on an iteration that ran without them, once there
