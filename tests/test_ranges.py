@@ -38,3 +38,13 @@ def test_take_clips_to_the_asked_range():
     assert rs.take(150, 100) == [(150, 50)]
     assert list(rs) == [(100, 50)]
     assert rs.take(0, 10) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(0, 80), st.integers(1, 20))
+def test_overlaps_agrees_with_take(seq, ptr, n):
+    rs = RangeSet()
+    for op, p, k in seq:
+        (rs.add if op == "add" else rs.take)(p, k)
+    assert rs.overlaps(ptr, n) == bool(rs.take(ptr, n))
+    assert rs.ends == [p + k for p, k in rs]

@@ -247,6 +247,7 @@ class Runtime(Policy):
         # no one has populated yet (new pool segments): a newborn landing on them is
         # prefetched to the GPU before its kernel (see _populate).
         self._away = RangeSet()
+        self._away_ends = self._away.ends  # empty while nothing is away (the hot path's test)
         self._mode = "learn"
         self._iteration: int | None = None
         self._learned = 0
@@ -401,7 +402,7 @@ class Runtime(Policy):
             keys.obj_of[key] = obj
             self._info[obj] = event  # its nbytes and kind, for as long as it lives
             ptrs = self._ptrs
-            away = self._away
+            away = self._away_ends
             if ptrs is not None or self._frozen or away:
                 try:
                     ptr = self._lives[obj].ptr
@@ -437,7 +438,7 @@ class Runtime(Policy):
             # and what of its range umrt took off the GPU comes back first.
             if self._pending:
                 self._flush()
-            if away:
+            if away and self._away.overlaps(ptr, event.nbytes):
                 self._populate(ptr, event.nbytes)
             if ne == self._due:
                 self._light_event(ne)

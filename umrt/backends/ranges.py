@@ -25,6 +25,17 @@ class RangeSet:
     def __bool__(self) -> bool:
         return bool(self._starts)
 
+    @property
+    def ends(self) -> list[int]:
+        """The intervals' ends, in order (the list itself: empty when the set is;
+        for a hot path's truth test, read only)."""
+        return self._ends
+
+    def overlaps(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` overlaps the set."""
+        i = bisect.bisect_right(self._ends, ptr)
+        return i < len(self._starts) and self._starts[i] < ptr + nbytes
+
     def __len__(self) -> int:
         return len(self._starts)
 
