@@ -29,8 +29,9 @@ class Pool:
 def test_memory_stats_keys_and_types():
     stats.attach(pool=Pool(), backend=Backend())
     got = umrt.memory_stats()
-    assert got == {"allocated_bytes": 0, "peak_allocated_bytes": 0, "allocation_count": 0,
-                   "reserved_bytes": 8 << 20, "resident_bytes": 5 << 20, "migrated_bytes": 4 << 20,
+    process = ("allocated_bytes", "peak_allocated_bytes", "allocation_count")  # other tests' blocks count too
+    assert all(isinstance(got.pop(k), int) for k in process)
+    assert got == {"reserved_bytes": 8 << 20, "resident_bytes": 5 << 20, "migrated_bytes": 4 << 20,
                    "h2d_bytes": 3 << 20, "d2h_bytes": 1 << 20, "discarded_bytes": 2 << 20,
                    "acting": False, "stopped_reason": None}
 
