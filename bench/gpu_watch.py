@@ -35,7 +35,8 @@ PROGRESS_PREFIX = "@bench.gpu step "
 #: The signal a worker dumps its threads' stacks on.
 STACK_SIGNAL = getattr(signal, "SIGUSR1", None)
 _STACK_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+ .*\(most recent call first\):\s*$")
-_STACK_LINE = re.compile(r"^(  File \".*\", line \d+ in .*|  <no Python frame>|  \.\.\.|\s*)$")
+# a frame, "  Garbage-collecting", "  <no Python frame>", "  ...", or the blank line between threads
+_STACK_LINE = re.compile(r"^(  \S.*|\s*)$")
 
 
 @dataclass

@@ -280,6 +280,7 @@ def test_extract_stacks_keeps_only_the_dump():
           File "/x/pcie.py", line 12 in _run
 
         Current thread 0x00007f0000000002 (most recent call first):
+          Garbage-collecting
           File "/x/cuda.py", line 99 in prefetch
           File "/x/train.py", line 5 in <module>
         later line
