@@ -44,7 +44,7 @@ def test_bad_amounts(text):
     ("UMRT_DEVICE", "gpu0", "whole number"), ("UMRT_DEVICE", "-1", ">= 0"),
     ("UMRT_GRANULARITY", "layer", "module, op"), ("UMRT_LEARN_ITERATIONS", "0", ">= 1"),
     ("UMRT_LOG_LEVEL", "loud", "debug, info"), ("UMRT_TELEMETRY", "maybe", "UMRT_TELEMETRY"),
-    ("UMRT_POLICY", "  ", "empty"),
+    ("UMRT_POLICY", "  ", "empty"), ("UMRT_STRICT", "always", "UMRT_STRICT"),
 ])
 def test_each_knob_is_validated(var, value, match):
     with pytest.raises(ConfigError, match=match) as info:
@@ -56,11 +56,21 @@ def test_all_knobs_parse():
     cfg = from_env({"UMRT": "1", "UMRT_GPU_MEMORY": "20%", "UMRT_PROFILE": "a100-pcie4-40g",
                     "UMRT_DEVICE": "1", "UMRT_SIMULATE": "h100-pcie5-80g", "UMRT_GRANULARITY": "op",
                     "UMRT_LEARN_ITERATIONS": "3", "UMRT_TELEMETRY": "on", "UMRT_LOG_LEVEL": "DEBUG",
-                    "UMRT_SHORT_LIVED_ARENA": "256MiB"})
+                    "UMRT_SHORT_LIVED_ARENA": "256MiB", "UMRT_STRICT": "1"})
     assert cfg.gpu_memory == Amount(fraction=0.2) and cfg.device == 1 and cfg.shadow
     assert cfg.simulate == "h100-pcie5-80g" and cfg.granularity == "op" and cfg.learn_iterations == 3
     assert cfg.telemetry and cfg.log_level == "debug" and cfg.short_lived_arena == Amount(bytes=256 * 2**20)
     assert from_env({"UMRT_SHORT_LIVED_ARENA": "off"}).short_lived_arena is None
+    assert cfg.strict and not from_env({}).strict and not from_env({"UMRT_STRICT": "off"}).strict
+
+
+def test_strict_is_documented_and_overridable():
+    import umrt.config
+
+    assert "UMRT_STRICT" in umrt.config.__doc__ and "UMRT_STRICT" in umrt.config.ENV_VARS
+    assert Config().replace(strict="yes").strict is True
+    with pytest.raises(ConfigError, match="strict"):
+        Config().replace(strict="sometimes")
 
 
 def test_unknown_variable_warns():

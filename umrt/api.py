@@ -27,7 +27,7 @@ from typing import Any
 
 from umrt import stats
 from umrt.config import Config, from_env
-from umrt.errors import ConfigError, CudaError
+from umrt.errors import ConfigError, CudaError, StoppedActing
 from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 log = logging.getLogger("umrt")
@@ -56,8 +56,8 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        disable()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        _disable_keeping(exc_type is not None)
 
 
 def gpu_count() -> int:
@@ -314,9 +314,20 @@ class LiveBridge:
       umrt's runtime discards a freed range at the ``Free`` itself.
 
     A failure in any callback stops umrt's actions with one warning, never the
-    training (and suspends the recorder's ops: nothing reads them). Events come
-    from torch's autograd thread too: one lock orders their delivery to the
-    policy.
+    training (and suspends the recorder's ops: nothing reads them);
+    ``umrt.memory_stats()`` shows it (``acting``, ``stopped_reason``). With
+    ``UMRT_STRICT`` (``config.strict``) the failure is raised as
+    :class:`~umrt.errors.StoppedActing`, once, in the training program's
+    thread at the next safe point: the end of the next ``optimizer.step()``
+    (a post hook that runs after the recorder's own), else ``umrt.disable()``.
+    Not where it happens: failures arrive inside torch's allocator callbacks
+    (an exception out of malloc or free would leave a block the pool handed
+    out with no owner, or unwind through torch's C++ free) and inside the
+    recorder's dispatch and module hooks, which run in autograd's threads too
+    (an exception there unwinds half-done bookkeeping in an arbitrary op). At
+    the end of a step no umrt or allocator frame is on the stack and the
+    step's work is complete. Events come from torch's autograd thread too:
+    one lock orders their delivery to the policy.
 
     Args:
         session: the enabled session (backend, pool, budget, config).
@@ -346,6 +357,9 @@ class LiveBridge:
                                  on_error=self._recorder_failed)
         self.pool = session.pool
         self.failed: BaseException | None = None
+        self.strict: bool = cfg.strict  # raise a failure at the next safe point (UMRT_STRICT)
+        self._failure_raised = False
+        self._strict_hook: Any = None
         self.events = 0  # events delivered to the policy
         self._lock = threading.RLock()  # re-entrant: a free can fire inside our own handling
         self._ids = itertools.count(1)  # allocator objects (pointers are reused, ids never)
@@ -458,10 +472,28 @@ class LiveBridge:
                 self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
+        """Stop acting: the first failure is kept, said once and shown in
+        ``umrt.memory_stats()``; later ones are dropped."""
+        if self.failed is not None:
+            return
         self.failed = exc
-        log.warning("umrt: runtime stopped acting after an error (%s: %s); memory stays managed",
-                    type(exc).__name__, exc)
+        reason = f"{type(exc).__name__}: {exc}"
+        stats.runtime_stopped(reason)
+        then = ("UMRT_STRICT: raising it at the next optimizer step" if self.strict
+                else "memory stays managed, no longer prefetched")
+        log.warning("umrt: runtime stopped acting after an error (%s); %s", reason, then)
         self.recorder.suspend_ops()  # nothing reads its launches any more: stop paying for them
+
+    def raise_if_failed(self, *_hook_args: Any) -> None:
+        """With ``strict``: raise the failure as :class:`~umrt.errors.StoppedActing`
+        (once; the original error is its cause). Called at safe points only
+        (an optimizer step's post hook, ``umrt.disable()``)."""
+        exc = self.failed
+        if exc is None or not self.strict or self._failure_raised:
+            return
+        self._failure_raised = True
+        raise StoppedActing(f"umrt stopped acting: {type(exc).__name__}: {exc} (UMRT_STRICT is set; "
+                            "unset it to train on with memory managed but not prefetched)") from exc
 
     # -- allocator-sourced objects ------------------------------------------------
 
@@ -571,6 +603,11 @@ class LiveBridge:
             if isinstance(getattr(self.pool, "before_malloc", None), list):
                 self.pool.before_malloc.append(self._before_malloc)
         self.recorder.__enter__()
+        stats.runtime_started()
+        if self.strict:  # after the recorder's: its step bookkeeping is done when this raises
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._strict_hook = register_optimizer_step_post_hook(self.raise_if_failed)
         if self.from_allocator:
             with self._lock:  # a policy may want no launches from the start
                 if self.failed is None:
@@ -578,9 +615,10 @@ class LiveBridge:
 
     def close(self) -> None:
         """Stop listening; a completed last iteration is closed with its boundary."""
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for hook in (self._step_hook, self._strict_hook):
+            if hook is not None:
+                hook.remove()
+        self._step_hook = self._strict_hook = None
         if self.from_allocator:
             with contextlib.suppress(ValueError):
                 self.pool.listeners.remove(self.on_pool_event)
@@ -594,6 +632,7 @@ class LiveBridge:
                         self._boundary_if_stepped()
                     except Exception as exc:  # noqa: BLE001
                         self._fail(exc)
+        stats.runtime_closed()
 
 
 def _live_policy(cfg: Config, *, discard_on_free: bool) -> Any:
@@ -622,7 +661,17 @@ def disable() -> None:
     torch cannot swap its allocator back: tensors already made stay in
     managed memory and new ones keep coming from umrt's pool (without
     prefetching) until the process ends.
+
+    Raises:
+        StoppedActing: with ``UMRT_STRICT``, a failure not raised yet (after
+            everything is stopped).
     """
+    _disable_keeping(False)
+
+
+def _disable_keeping(other_error: bool) -> None:
+    """:func:`disable`; ``other_error``: an exception is already on its way out
+    (a ``with`` block's), so a strict failure is not raised over it (it was warned)."""
     global _current
     with _lock:
         session, _current = _current, None
@@ -634,6 +683,8 @@ def disable() -> None:
     if session.telemetry is not None:
         session.telemetry.stop_and_report()
     session.backend.synchronize()
+    if isinstance(session.runtime, LiveBridge) and not other_error:
+        session.runtime.raise_if_failed()
 
 
 @contextlib.contextmanager
@@ -642,5 +693,7 @@ def session(config: Config | None = None, **overrides: Any) -> Iterator[Session]
     s = enable(config, **overrides)
     try:
         yield s
-    finally:
-        disable()
+    except BaseException:
+        _disable_keeping(True)
+        raise
+    _disable_keeping(False)

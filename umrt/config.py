@@ -21,7 +21,16 @@ Variable                    Meaning                                    Default
 ``UMRT_LOG_LEVEL``          debug/info/warning/error                    ``warning``
 ``UMRT_SHORT_LIVED_ARENA``  arena for short-lived tensors: bytes/``%``  ``0`` (off)
                             or ``off``
+``UMRT_STRICT``             raise when umrt stops acting (bool)         off
 ==========================  =========================================  ===========
+
+When umrt stops acting (a CUDA call fails, the event recorder cannot read an
+op) it says so in one warning, ``umrt.memory_stats()`` shows it (``acting``,
+``stopped_reason``) and the training goes on with its memory managed but no
+longer prefetched. With ``UMRT_STRICT=1`` the failure is raised instead, as
+:class:`umrt.errors.StoppedActing`, in the training program's thread at the
+next safe point: the end of the next ``optimizer.step()``, or
+``umrt.disable()`` (see :class:`umrt.api.LiveBridge`).
 """
 from __future__ import annotations
 
@@ -138,6 +147,7 @@ class Config:
     telemetry: bool = False
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
+    strict: bool = False
 
     @property
     def shadow(self) -> bool:
@@ -170,6 +180,7 @@ _ENV = {  # field -> environment variable
     "telemetry": "UMRT_TELEMETRY",
     "log_level": "UMRT_LOG_LEVEL",
     "short_lived_arena": "UMRT_SHORT_LIVED_ARENA",
+    "strict": "UMRT_STRICT",
 }
 ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
 
@@ -177,7 +188,7 @@ ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
 def _coerce(field: str, value: object, name: str | None = None) -> object:
     """Validate one setting; ``name`` is what error messages call it."""
     name = name or field
-    if field in ("enabled", "telemetry"):
+    if field in ("enabled", "telemetry", "strict"):
         return value if isinstance(value, bool) else parse_bool(str(value), name)
     if field == "gpu_memory":
         return value if isinstance(value, Amount) else parse_amount(value, name)  # type: ignore[arg-type]

@@ -34,3 +34,14 @@ class CudaError(UmrtError):
     """A CUDA runtime call failed; the message names the call."""
 
     exit_code = 1
+
+
+class StoppedActing(UmrtError):
+    """umrt's runtime stopped acting after an error (``UMRT_STRICT=1`` raises this).
+
+    The original error is the ``__cause__``. Raised in the training program's
+    thread at a safe point (see :class:`umrt.api.LiveBridge`), never from
+    inside torch's allocator.
+    """
+
+    exit_code = 1

@@ -8,6 +8,10 @@ a pluggable allocator, see pytorch #133281).
   the block, nestable; plus :func:`push_statistics`, :func:`pop_statistics`
   and :func:`get_statistics`.
 
+``acting`` and ``stopped_reason`` say whether umrt's runtime is acting (a
+policy is live and nothing has failed) and, once it stopped after an error,
+why (``"CudaError: cudaMemDiscardBatchAsync failed: ..."``).
+
 ``resident_bytes`` and ``migrated_bytes`` count what umrt itself placed and
 moved (prefetches, evictions); pages the driver migrates on demand faults
 are invisible to a CUDA program, so resident is a lower bound. NVML's device
@@ -53,9 +57,49 @@ _stack: list[Statistics] = []
 _sources: dict[str, Any] = {"pool": None, "backend": None}
 
 
+@dataclass
+class RuntimeStatus:
+    """Whether umrt's runtime acts, and why it stopped (None while it acts or never ran)."""
+
+    acting: bool = False
+    stopped_reason: str | None = None
+
+
+_status = RuntimeStatus()
+
+
 def attach(*, pool: Any = None, backend: Any = None) -> None:
-    """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from."""
+    """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from.
+
+    A new session: no runtime acts yet (and no earlier failure is reported).
+    """
     _sources["pool"], _sources["backend"] = pool, backend
+    with _lock:
+        _status.acting, _status.stopped_reason = False, None
+
+
+def runtime_started() -> None:
+    """The live runtime started acting (:meth:`umrt.api.LiveBridge.start`)."""
+    with _lock:
+        _status.acting, _status.stopped_reason = True, None
+
+
+def runtime_stopped(reason: str) -> None:
+    """The live runtime stopped acting after an error; ``reason`` names it."""
+    with _lock:
+        _status.acting, _status.stopped_reason = False, reason
+
+
+def runtime_closed() -> None:
+    """The live runtime was closed (``umrt.disable``); a failure's reason stays readable."""
+    with _lock:
+        _status.acting = False
+
+
+def runtime_status() -> RuntimeStatus:
+    """A copy of the runtime's status."""
+    with _lock:
+        return dataclasses.replace(_status)
 
 
 def record_alloc(nbytes: int) -> None:
@@ -74,14 +118,16 @@ def record_free(nbytes: int) -> None:
             frame._free(nbytes)
 
 
-def memory_stats() -> dict[str, int]:
-    """Process-wide counters of umrt's pool and backend.
+def memory_stats() -> dict[str, Any]:
+    """Process-wide counters of umrt's pool and backend, and whether umrt acts.
 
     Keys: ``allocated_bytes`` (live, requested sizes), ``peak_allocated_bytes``,
     ``allocation_count``, ``reserved_bytes`` (managed memory the pool holds),
     ``resident_bytes`` (placed on the GPU by umrt; a lower bound),
     ``migrated_bytes`` (= ``h2d_bytes + d2h_bytes`` moved by umrt's prefetches),
-    ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes``.
+    ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes`` (ints); ``acting`` (bool:
+    the runtime is live and has not failed) and ``stopped_reason`` (str, or
+    None while it acts or when it never ran).
     """
     pool, backend = _sources["pool"], _sources["backend"]
     h2d = int(getattr(backend, "h2d_bytes", 0))
@@ -98,6 +144,8 @@ def memory_stats() -> dict[str, int]:
             "h2d_bytes": h2d,
             "d2h_bytes": d2h,
             "discarded_bytes": int(getattr(backend, "discarded_bytes", 0)),
+            "acting": _status.acting,
+            "stopped_reason": _status.stopped_reason,
         }
 
 
