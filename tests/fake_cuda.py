@@ -1,8 +1,9 @@
 """A fake CUDA runtime that enforces the real contract, for tests without a GPU.
 
 One :class:`FakeGpu` holds the state (managed allocations, streams, events,
-residency). Two front ends expose it with the *exact* call shapes of the two
-real Python runtimes umrt drives:
+the order of everything queued, and the state of every 64 KiB page). Two
+front ends expose it with the *exact* call shapes of the two real Python
+runtimes umrt drives:
 
 * :class:`FakeCupyRuntime` mirrors ``cupy.cuda.runtime`` (CUDA 12):
   ``memPrefetchAsync(devPtr, count, dstDevice, stream)``, errors raised as
@@ -11,17 +12,76 @@ real Python runtimes umrt drives:
   ``cudaMemPrefetchAsync(devPtr, count, cudaMemLocation, flags, stream)``,
   every call returns ``(cudaError_t, *results)``, plus the batch calls.
 
-Contract enforced (cudaErrorInvalidValue / InvalidDevice as the runtime
-would return): every range lies inside one live managed allocation; devices
-exist; host is -1 on CUDA 12 and a Host-typed location on CUDA 13 (a Device
-location with id -1 is rejected, the cupy-cuda13x pitfall); advice values are
-1..6; streams and events were created; batch flags are 0, counts match the
-lists, location indices start at 0; without concurrent managed access,
-prefetch/advice/discard fail like the driver does.
+**The call contract.** Every "must" / "must not" / invalid-value condition in
+the doc comments of the calls umrt makes, as written in the CUDA 13.0 runtime
+header (``/usr/local/cuda/include/cuda_runtime_api.h``, ``CUDART_VERSION
+13000``), is enforced with the error the header names; each rule has a test
+in ``tests/test_cuda_contract.py`` that cites the header line. Measured on a
+real H100 (``/work/shared/reference/h100-measured.md`` section 2): the three
+batch calls reject the legacy default stream (handle 0 and
+``cudaStreamLegacy`` = 1) with ``cudaErrorInvalidValue`` and accept
+``cudaStreamPerThread`` (2) and created streams. A few rules are the fake's
+own and stricter than the header (a range must lie inside one allocation, a
+batch must not be empty): umrt never needs what they refuse.
+
+**Stream order.** Everything queued is an operation on a stream with a vector
+clock, so :meth:`FakeGpu.ordered` answers "is A guaranteed to finish before
+B starts" exactly: same-stream FIFO; ``cudaEventRecord`` captures the
+stream's work so far and ``cudaStreamWaitEvent`` orders all later work of a
+stream after it (an event never recorded is empty work); a host wait
+(``cudaStreamSynchronize``, :meth:`FakeGpu.device_synchronize`) orders
+everything queued afterwards after what it waited for; and the legacy default
+stream's implicit synchronization (CUDA driver API docs, "Stream
+synchronization behavior"): an action in the legacy stream (a kernel, a
+prefetch, a discard, a ``cudaStreamWaitEvent``) first waits for all blocking
+streams, then all blocking streams wait for it. Blocking streams are those
+created without ``cudaStreamNonBlocking`` and every thread's per-thread
+default stream (handle 2, one stream per host thread). Where the docs are
+silent the fake assumes *no* ordering: an event recorded on the legacy stream
+captures only the legacy stream's own work, ``cudaStreamSynchronize`` on it
+waits for that work only, a blocking stream created after a legacy action is
+not ordered after it, and ``cudaFree`` does not synchronize.
+
+**Page state.** Per 64 KiB page of each managed allocation: where it is
+(``"gpu"``, ``"host"``, or ``None``: not populated), whether its contents
+were discarded and not repopulated on the GPU since, the last migration
+(prefetch either way, discard, discard-and-prefetch), the discard and the
+GPU prefetch after it, and the newest kernel per stream that touched it; and
+per byte, whether it was discarded and not written since. Kernels are queued
+with :meth:`FakeGpu.kernel` (what torch's launch of a kernel is; umrt's
+``backend.launch`` only orders streams). Violations, each a
+:class:`PageStateError` raised at the offending call (``strict=True``, the
+default) or appended to ``FakeGpu.violations``:
+
+``discarded-read``
+    a kernel reads bytes that were discarded and not written since (the data
+    is lost; a prefetch does not bring it back).
+``refault``
+    a kernel touches a discarded page with no prefetch to the GPU (or
+    discard-and-prefetch) ordered between the discard and the kernel: the
+    fault path measured at 0.8 GB/s on the H100.
+``discard-race``
+    a kernel or a migration is not ordered after an earlier discard of its
+    page ("reads, writes or prefetches ... simultaneously with the discard
+    operation result in undefined behavior", header line 7210).
+``migrated-in-use``
+    a page is evicted (prefetched to the host) or discarded while a kernel
+    that touched it is queued and not ordered before it. A prefetch *to* the
+    GPU is exempt: it moves the page toward the kernel, and "memory accesses
+    to this range are always coherent and are allowed even when the data is
+    actively being migrated" (header line 7127).
+``migration-race``
+    two migrations of a page to different places are not ordered (where the
+    page ends up is a race).
+``illegal-address``
+    a kernel touches memory that is not a live managed allocation.
 """
 from __future__ import annotations
 
+import bisect
 import enum
+import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 SUCCESS, INVALID_VALUE, MEMORY_ALLOCATION, INVALID_DEVICE, INVALID_HANDLE, NOT_SUPPORTED = 0, 1, 2, 101, 400, 801
@@ -33,14 +93,137 @@ ERROR_NAMES = {
     INVALID_HANDLE: "cudaErrorInvalidResourceHandle",
     NOT_SUPPORTED: "cudaErrorNotSupported",
 }
-HOST = -1
-ALIGN = 2 * 1024 * 1024
+HOST = -1  # cudaCpuDeviceId
+ALIGN = 2 * 1024 * 1024  # the fake places allocations on 2 MiB boundaries
+PAGE = 64 * 1024  # the GPU's big page: unit of residency, migration and discard
+CPU_PAGE = 4096  # the driver rounds ranges to CPU pages (header lines 7096, 7282)
+
+# driver_types.h (CUDA 13.0)
+STREAM_LEGACY = 1  # cudaStreamLegacy; handle 0 (NULL) means the same stream here
+STREAM_PER_THREAD = 2  # cudaStreamPerThread
+STREAM_DEFAULT, STREAM_NON_BLOCKING = 0x0, 0x1
+EVENT_DEFAULT, EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 0x0, 0x1, 0x2, 0x4
+EVENT_WAIT_DEFAULT, EVENT_WAIT_EXTERNAL = 0x0, 0x1
+MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST = 0x1, 0x2
+ATTR_MANAGED_MEMORY, ATTR_PAGEABLE_MEMORY_ACCESS, ATTR_CONCURRENT_MANAGED_ACCESS = 83, 88, 89
+ADVICE_SET_READ_MOSTLY, ADVICE_UNSET_READ_MOSTLY = 1, 2
+ADVICE_SET_PREFERRED, ADVICE_UNSET_PREFERRED = 3, 4
+ADVICE_SET_ACCESSED_BY, ADVICE_UNSET_ACCESSED_BY = 5, 6
+
+LEGACY = "legacy"  # the stream key of handles 0 and 1
 
 
 class FakeCudaError(Exception):
+    """A call the real runtime would fail, with the status it would return."""
+
     def __init__(self, status: int, call: str, why: str) -> None:
         super().__init__(f"{call}: {why}")
         self.status = status
+
+
+class PageStateError(AssertionError):
+    """Data would be lost, refaulted or raced on a real GPU (see the module docstring)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: str
+    message: str
+
+
+@dataclass(eq=False)
+class Op:
+    """One queued operation: a kernel, a migration or a discard."""
+
+    name: str
+    stream: object  # the stream key (LEGACY, ("ptds", thread id) or a created handle)
+    seq: int  # its place in its stream, from 1
+    vc: dict  # vector clock: stream key -> newest op of that stream it is ordered after
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name}#{self.seq} on {_stream_name(self.stream)}{(' ' + self.detail) if self.detail else ''}"
+
+
+def _stream_name(key: object) -> str:
+    if key == LEGACY:
+        return "the legacy default stream"
+    if isinstance(key, tuple):
+        return "the per-thread default stream"
+    return f"stream {key:#x}" if isinstance(key, int) else str(key)
+
+
+def _join(into: dict, other: dict) -> None:
+    for k, v in other.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+@dataclass
+class _Stream:
+    key: object
+    blocking: bool
+    device: int
+    frontier: dict = field(default_factory=dict)  # everything later work on it is ordered after
+    seq: int = 0
+
+
+class _Page:
+    """The state of one 64 KiB page (see the module docstring)."""
+
+    __slots__ = ("loc", "discarded", "last_move", "discard_op", "revive_op", "uses")
+
+    def __init__(self) -> None:
+        self.loc: str | None = None  # "gpu", "host" or None (never populated, or released by a discard)
+        self.discarded = False  # discarded and not repopulated on the GPU since
+        self.last_move: tuple[Op, str] | None = None  # the newest migration and where it sent the page
+        self.discard_op: Op | None = None  # the newest discard
+        self.revive_op: Op | None = None  # the prefetch to the GPU that repopulated it after that discard
+        self.uses: dict[object, Op] = {}  # stream key -> newest kernel on it that touched the page
+
+
+class _Intervals:
+    """A set of bytes as sorted, disjoint ``[start, end)`` intervals."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def add(self, start: int, end: int) -> None:
+        i = bisect.bisect_left(self.ends, start)  # first interval that ends at or after start
+        j = bisect.bisect_right(self.starts, end)  # intervals from i to j touch [start, end)
+        if i < j:
+            start, end = min(start, self.starts[i]), max(end, self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = [start], [end]
+
+    def remove(self, start: int, end: int) -> None:
+        i = bisect.bisect_right(self.ends, start)
+        j = bisect.bisect_left(self.starts, end)
+        if i >= j:
+            return
+        keep_s, keep_e = [], []
+        if self.starts[i] < start:
+            keep_s.append(self.starts[i])
+            keep_e.append(start)
+        if self.ends[j - 1] > end:
+            keep_s.append(end)
+            keep_e.append(self.ends[j - 1])
+        self.starts[i:j], self.ends[i:j] = keep_s, keep_e
+
+    def overlap(self, start: int, end: int) -> list[tuple[int, int]]:
+        i = bisect.bisect_right(self.ends, start)
+        out = []
+        while i < len(self.starts) and self.starts[i] < end:
+            out.append((max(start, self.starts[i]), min(end, self.ends[i])))
+            i += 1
+        return out
+
+    def __len__(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
 
 
 @dataclass
@@ -51,92 +234,367 @@ class FakeGpu:
     concurrent: bool = True
     total: int = 16 * 2**30
     managed_limit: int = 64 * 2**30  # host + device: managed memory may oversubscribe
+    numa_nodes: int = 1
+    strict: bool = True  # raise PageStateError at the offending call (else only record it)
+    # Accept a range that runs on into the next allocation when the two touch (what the
+    # UVM kernel driver does, uvm_migrate.c; not shown for the CUDA runtime on a GPU).
+    span_allocations: bool = False
     allocs: dict[int, int] = field(default_factory=dict)
-    location: dict[int, int] = field(default_factory=dict)  # alloc base -> last prefetch target
-    discarded: list[tuple[int, int]] = field(default_factory=list)
+    discarded: list[tuple[int, int]] = field(default_factory=list)  # every range a discard was asked for
     advice: list[tuple[int, int, int, int]] = field(default_factory=list)
-    streams: set = field(default_factory=lambda: {0})
-    events: set = field(default_factory=set)
-    recorded: dict[int, int] = field(default_factory=dict)  # event -> stream it was recorded on
+    events: dict[int, dict | None] = field(default_factory=dict)  # event -> captured work (None: never recorded)
+    recorded: dict[int, object] = field(default_factory=dict)  # event -> stream it was last recorded on
     calls: list[tuple] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    faults: Counter = field(default_factory=Counter)  # GPU faults by cause: first-touch, host, discarded
+    ops: list[Op] = field(default_factory=list)  # everything queued, in the order it was issued
     current: int = 0
     _next: int = 0x7F00_0000_0000
     _handles: int = 0x1000
 
+    def __post_init__(self) -> None:
+        self._streams: dict[object, _Stream] = {LEGACY: _Stream(LEGACY, True, 0)}
+        self._created: dict[int, object] = {}  # created handle -> stream key (the handle itself)
+        self._event_device: dict[int, int] = {}
+        self._host: dict = {}  # what the host has waited for
+        self._pages: dict[int, _Page] = {}  # page index (address // PAGE) -> state
+        self._dead = _Intervals()  # bytes discarded and not written since
+        self._starts: list[int] = []  # sorted allocation bases
+
     # -- checks --------------------------------------------------------------
+    def allocation_of(self, ptr: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return None
+        base = self._starts[i]
+        return (base, self.allocs[base]) if ptr < base + self.allocs[base] else None
+
     def check_range(self, call: str, ptr: object, n: object) -> None:
         if not isinstance(ptr, int) or not isinstance(n, int):
             raise TypeError(f"{call}: pointer and count must be int, got {type(ptr).__name__}, {type(n).__name__}")
-        for base, size in self.allocs.items():
-            if base <= ptr < base + size:
-                if n <= 0 or ptr + n > base + size:
-                    raise FakeCudaError(INVALID_VALUE, call, f"range ({ptr:#x}, {n}) leaves its allocation")
-                return
-        raise FakeCudaError(INVALID_VALUE, call, f"{ptr:#x} is not managed memory")
+        alloc = self.allocation_of(ptr)
+        if alloc is None:
+            raise FakeCudaError(INVALID_VALUE, call, f"{ptr:#x} is not managed memory")
+        end = alloc[0] + alloc[1]
+        while self.span_allocations and ptr + n > end and end in self.allocs:
+            end += self.allocs[end]  # the next allocation starts right where this one ends
+        if n <= 0 or ptr + n > end:
+            raise FakeCudaError(INVALID_VALUE, call, f"range ({ptr:#x}, {n}) leaves its allocation")
 
     def check_device(self, call: str, device: int, host_ok: bool = True) -> None:
         if device == HOST and host_ok:
             return
-        if not 0 <= device < self.devices:
+        if not isinstance(device, int) or not 0 <= device < self.devices:
             raise FakeCudaError(INVALID_DEVICE, call, f"invalid device {device}")
-
-    def check_stream(self, call: str, stream: int) -> None:
-        if stream not in self.streams:
-            raise FakeCudaError(INVALID_HANDLE, call, f"unknown stream {stream!r}")
 
     def check_concurrent(self, call: str) -> None:
         if not self.concurrent:
             raise FakeCudaError(INVALID_DEVICE, call, "device lacks concurrent managed access")
 
+    def check_not_legacy(self, call: str, stream: object) -> None:
+        if _handle(stream) in (0, STREAM_LEGACY):
+            raise FakeCudaError(INVALID_VALUE, call, "the stream must not be the legacy NULL stream (0 or 1)")
+
     def handle(self) -> int:
         self._handles += 1
         return self._handles
 
-    # -- operations ----------------------------------------------------------
+    # -- streams and events --------------------------------------------------
+    def stream_key(self, call: str, stream: object) -> object:
+        """The stream a handle names (raises cudaErrorInvalidResourceHandle for an unknown one)."""
+        h = _handle(stream)
+        if h in (0, STREAM_LEGACY):
+            return LEGACY
+        if h == STREAM_PER_THREAD:
+            key = ("ptds", threading.get_ident())
+            if key not in self._streams:
+                self._streams[key] = _Stream(key, True, self.current)
+            return key
+        if h in self._created:
+            return self._created[h]
+        raise FakeCudaError(INVALID_HANDLE, call, f"unknown stream {stream!r}")
+
+    def create_stream(self, call: str, flags: int) -> int:
+        if flags not in (STREAM_DEFAULT, STREAM_NON_BLOCKING):
+            raise FakeCudaError(INVALID_VALUE, call, f"stream flags {flags!r} (cudaStreamDefault or NonBlocking)")
+        h = self.handle()
+        self._created[h] = h
+        self._streams[h] = _Stream(h, flags == STREAM_DEFAULT, self.current)
+        return h
+
+    @property
+    def streams(self) -> set:
+        """The stream handles the fake accepts: the three built-in ones and every created one."""
+        return {0, STREAM_LEGACY, STREAM_PER_THREAD, *self._created}
+
+    def create_event(self, call: str, flags: int) -> int:
+        if not isinstance(flags, int) or flags & ~(EVENT_BLOCKING_SYNC | EVENT_DISABLE_TIMING | EVENT_INTERPROCESS):
+            raise FakeCudaError(INVALID_VALUE, call, f"event flags {flags!r}")
+        if flags & EVENT_INTERPROCESS and not flags & EVENT_DISABLE_TIMING:
+            raise FakeCudaError(INVALID_VALUE, call, "cudaEventInterprocess needs cudaEventDisableTiming")
+        h = self.handle()
+        self.events[h] = None
+        self._event_device[h] = self.current
+        return h
+
+    def record(self, call: str, event: int, stream: object) -> None:
+        if event not in self.events:
+            raise FakeCudaError(INVALID_HANDLE, call, f"unknown event {event!r}")
+        st = self._streams[self.stream_key(call, stream)]
+        device = self.current if st.key in (LEGACY,) or isinstance(st.key, tuple) else st.device
+        if self._event_device[event] != device:
+            raise FakeCudaError(INVALID_HANDLE, call, "event and stream are on different devices (contexts)")
+        work = dict(st.frontier)
+        _join(work, self._host)
+        self.events[event] = work
+        self.recorded[event] = st.key
+
+    def wait(self, call: str, stream: object, event: int, flags: int) -> None:
+        if flags not in (EVENT_WAIT_DEFAULT, EVENT_WAIT_EXTERNAL):
+            raise FakeCudaError(INVALID_VALUE, call, f"wait flags {flags!r}")
+        key = self.stream_key(call, stream)
+        if event not in self.events:
+            raise FakeCudaError(INVALID_HANDLE, call, f"unknown event {event!r}")
+        work = self.events[event] or {}  # an event never recorded is an empty set of work
+        if key == LEGACY:
+            self._legacy_action(lambda st: _join(st.frontier, work))
+        else:
+            _join(self._streams[key].frontier, work)
+
+    def synchronize(self, call: str, stream: object) -> None:
+        """The host waits for a stream's work (and whatever that work waited for)."""
+        _join(self._host, self._streams[self.stream_key(call, stream)].frontier)
+
+    def device_synchronize(self) -> None:
+        """The host waits for every stream (cudaDeviceSynchronize)."""
+        for st in self._streams.values():
+            _join(self._host, st.frontier)
+
+    def _legacy_action(self, act) -> None:
+        """The legacy stream waits for every blocking stream, acts, then they all wait for it."""
+        legacy = self._streams[LEGACY]
+        blocking = [st for st in self._streams.values() if st.blocking and st.key != LEGACY]
+        for st in blocking:
+            _join(legacy.frontier, st.frontier)
+        act(legacy)
+        for st in blocking:
+            _join(st.frontier, legacy.frontier)
+
+    def issue(self, call: str, stream: object, detail: str = "") -> Op:
+        """Queue one operation on ``stream``; return it (with its place in the order)."""
+        key = self.stream_key(call, stream)
+        made: list[Op] = []
+
+        def act(st: _Stream) -> None:
+            _join(st.frontier, self._host)
+            st.seq += 1
+            st.frontier[st.key] = st.seq
+            made.append(Op(call, st.key, st.seq, dict(st.frontier), detail))
+
+        if key == LEGACY:
+            self._legacy_action(act)
+        else:
+            act(self._streams[key])
+        self.ops.append(made[0])
+        return made[0]
+
+    def completed(self, op: Op) -> bool:
+        """Whether the host has waited for ``op`` (a stream or device synchronize after it)."""
+        return self._host.get(op.stream, 0) >= op.seq
+
+    def ops_named(self, name: str) -> list[Op]:
+        return [op for op in self.ops if op.name == name]
+
+    @staticmethod
+    def ordered(before: Op, after: Op) -> bool:
+        """Whether ``before`` is guaranteed to finish before ``after`` starts."""
+        return after.vc.get(before.stream, 0) >= before.seq
+
+    # -- allocation ------------------------------------------------------------
     def malloc(self, call: str, n: int, flags: int) -> int:
-        if n <= 0 or flags not in (1, 2):
-            raise FakeCudaError(INVALID_VALUE, call, f"size {n}, flags {flags}")
+        if not isinstance(n, int) or n < 0:
+            raise OverflowError(f"{call}: size {n!r} is not a size_t")
+        if n == 0:
+            raise FakeCudaError(INVALID_VALUE, call, "size 0")
+        if flags not in (MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST):
+            raise FakeCudaError(INVALID_VALUE, call, f"flags {flags!r} (cudaMemAttachGlobal or cudaMemAttachHost)")
         if sum(self.allocs.values()) + n > self.managed_limit:
             raise FakeCudaError(MEMORY_ALLOCATION, call, "out of memory")
         ptr = self._next
         self._next += -(-n // ALIGN) * ALIGN
         self.allocs[ptr] = n
-        self.location[ptr] = HOST
+        bisect.insort(self._starts, ptr)
         return ptr
 
     def free(self, call: str, ptr: int) -> None:
+        if ptr == 0:
+            return  # "If devPtr is 0, no operation is performed"
         if ptr not in self.allocs:
-            raise FakeCudaError(INVALID_VALUE, call, f"{ptr:#x} was not allocated")
-        del self.allocs[ptr]
-        self.location.pop(ptr, None)
+            raise FakeCudaError(INVALID_VALUE, call, f"{ptr:#x} was not allocated (or was freed already)")
+        n = self.allocs.pop(ptr)
+        self._starts.remove(ptr)
+        for i in range(ptr // PAGE, -(-(ptr + n) // PAGE)):
+            self._pages.pop(i, None)
+        self._dead.remove(ptr, ptr + n)
 
     def base_of(self, ptr: int) -> int:
-        return next(b for b, s in self.allocs.items() if b <= ptr < b + s)
+        alloc = self.allocation_of(ptr)
+        if alloc is None:
+            raise KeyError(f"{ptr:#x} is not managed memory")
+        return alloc[0]
 
-    def prefetch(self, call: str, ptr: int, n: int, device: int, stream: int) -> None:
+    # -- migrations ------------------------------------------------------------
+    def prefetch(self, call: str, ptr: int, n: int, device: int, stream: object) -> None:
+        """``cudaMemPrefetchAsync`` (either front end), checked and applied."""
         self.check_range(call, ptr, n)
         self.check_device(call, device)
-        self.check_stream(call, stream)
+        self.stream_key(call, stream)
         self.check_concurrent(call)
-        self.location[self.base_of(ptr)] = device
+        op = self.issue(call, stream, f"({ptr:#x}, {n}) -> {_where(device)}")
+        self._move(op, [(ptr, n)], "gpu" if device != HOST else "host", discard=False)
 
-    def advise(self, call: str, ptr: int, n: int, advice: int, device: int) -> None:
+    def migrate_batch(self, call: str, ranges: list[tuple[int, int]], targets: list[int], stream: object,
+                      discard: bool) -> None:
+        """A checked batch of prefetches, discards or discard-and-prefetches (one stream-ordered op)."""
+        detail = f"{len(ranges)} range(s)"
+        op = self.issue(call, stream, detail)
+        if discard:
+            self.discarded.extend(ranges)
+        for (p, n), target in zip(ranges, targets, strict=True):
+            self._move(op, [(p, n)], None if target is None else ("gpu" if target != HOST else "host"),
+                       discard=discard)
+
+    def _move(self, op: Op, ranges: list[tuple[int, int]], dest: str | None, discard: bool) -> None:
+        for ptr, n in ranges:
+            if discard:
+                # The driver may drop whole CPU pages around the range's ends.
+                start, end = ptr // CPU_PAGE * CPU_PAGE, -(-(ptr + n) // CPU_PAGE) * CPU_PAGE
+                self._dead.add(start, end)
+            for i in range(ptr // PAGE, -(-(ptr + n) // PAGE)):
+                page = self._pages.get(i)
+                if page is None:
+                    page = self._pages[i] = _Page()
+                self._check_move(op, i, page, dest, discard)
+                if discard:
+                    page.discard_op, page.revive_op = op, None
+                    page.discarded, page.loc = True, None
+                if dest == "gpu":
+                    if page.discarded:
+                        page.discarded, page.revive_op = False, op
+                    page.loc = "gpu"
+                elif dest == "host":
+                    page.loc = "host"
+                page.last_move = (op, "discarded" if dest is None else dest)
+
+    def _check_move(self, op: Op, index: int, page: _Page, dest: str | None, discard: bool) -> None:
+        where = f"page {index * PAGE:#x}"
+        # A prefetch *to* the GPU cannot take a page from a GPU kernel (accesses stay coherent
+        # during a migration, header line 7127), so only evictions and discards must wait.
+        for k in (page.uses.values() if discard or dest == "host" else ()):
+            if not self.ordered(k, op):
+                self._violate("migrated-in-use", f"{op} moves {where} while {k}, which touches it, is queued "
+                                                 "and not ordered before it")
+        if page.discard_op is not None and not self.ordered(page.discard_op, op):
+            self._violate("discard-race", f"{op} touches {where} while {page.discard_op} may still run")
+        if page.last_move is not None:
+            prev, prev_dest = page.last_move
+            mine = "discarded" if dest is None else dest
+            if (discard or prev_dest != mine) and not self.ordered(prev, op):
+                self._violate("migration-race" if not discard else "discard-race",
+                              f"{op} and {prev} both move {where} and are not ordered")
+
+    # -- kernels -----------------------------------------------------------------
+    def kernel(self, stream: object, reads=(), writes=(), name: str = "kernel") -> Op:
+        """Queue a kernel that reads and writes these ``(ptr, nbytes)`` ranges on ``stream``,
+        as the framework would launch it. Checks the page-state rules (module docstring)."""
+        op = self.issue(name, stream)
+        touched = [(int(p), int(n), False) for p, n in reads] + [(int(p), int(n), True) for p, n in writes]
+        pages: set[int] = set()
+        for p, n, _ in touched:
+            alloc = self.allocation_of(p)
+            if n <= 0 or alloc is None or p + n > alloc[0] + alloc[1]:
+                self._violate("illegal-address", f"{op} touches ({p:#x}, {n}), not inside a live managed allocation")
+                continue
+            pages.update(range(p // PAGE, -(-(p + n) // PAGE)))
+        for i in sorted(pages):
+            page = self._pages.get(i)
+            if page is None:
+                page = self._pages[i] = _Page()
+            where = f"page {i * PAGE:#x}"
+            if page.discard_op is not None and not self.ordered(page.discard_op, op):
+                self._violate("discard-race", f"{op} touches {where} while {page.discard_op} may still run")
+            if page.discarded:
+                self.faults["discarded"] += 1
+                self._violate("refault", f"{op} touches {where}, discarded by {page.discard_op}, with no prefetch "
+                                         "to the GPU ordered in between")
+                page.discarded = False
+            elif page.revive_op is not None and not self.ordered(page.revive_op, op):
+                self._violate("refault", f"{op} touches {where}, discarded by {page.discard_op}; the prefetch "
+                                         f"that repopulates it, {page.revive_op}, is not ordered before the kernel")
+            elif page.loc != "gpu":
+                self.faults["first-touch" if page.loc is None else "host"] += 1
+            page.loc = "gpu"
+            page.uses[op.stream] = op
+        for p, n, write in touched:
+            if not write:
+                lost = self._dead.overlap(p, p + n)
+                if lost:
+                    s, e = lost[0]
+                    self._violate("discarded-read", f"{op} reads ({s:#x}, {e - s}) bytes that were discarded and "
+                                                    "not written since")
+        for p, n, write in touched:
+            if write:
+                self._dead.remove(p, p + n)
+        return op
+
+    # -- advice and queries --------------------------------------------------------
+    def advise(self, call: str, ptr: int, n: int, advice: int, device: int | None) -> None:
+        """``cudaMemAdvise``; ``device`` None: a location the advice ignores."""
         self.check_range(call, ptr, n)
         if advice not in range(1, 7):
-            raise FakeCudaError(INVALID_VALUE, call, f"invalid advice {advice}")
-        self.check_device(call, device)
-        self.check_concurrent(call)
-        self.advice.append((ptr, n, advice, device))
+            raise FakeCudaError(INVALID_VALUE, call, f"invalid advice {advice!r}")
+        if device is not None:
+            self.check_device(call, device)
+            if device != HOST:
+                self.check_concurrent(call)
+        self.advice.append((ptr, n, advice, HOST if device is None else device))
+
+    def where(self, ptr: int) -> str | None:
+        """Where the page holding ``ptr`` is: "gpu", "host" or None (not populated)."""
+        page = self._pages.get(ptr // PAGE)
+        return None if page is None else page.loc
+
+    def resident_bytes(self) -> int:
+        return PAGE * sum(1 for p in self._pages.values() if p.loc == "gpu")
+
+    def dead_bytes(self) -> int:
+        """Bytes discarded and not written since (reading them is a ``discarded-read``)."""
+        return len(self._dead)
 
     def mem_info(self) -> tuple[int, int]:
-        resident = sum(self.allocs[b] for b, loc in self.location.items() if loc != HOST)
-        return max(0, self.total - resident), self.total
+        return max(0, self.total - self.resident_bytes()), self.total
+
+    def _violate(self, kind: str, message: str) -> None:
+        self.violations.append(Violation(kind, message))
+        if self.strict:
+            raise PageStateError(kind, message)
 
     def log(self, *entry: object) -> None:
         self.calls.append(entry)
 
     def names(self) -> list[str]:
         return [c[0] for c in self.calls]
+
+
+def _handle(stream: object) -> int | None:
+    try:
+        return int(stream)
+    except (TypeError, ValueError):
+        return None
+
+
+def _where(device: int) -> str:
+    return "host" if device == HOST else f"GPU {device}"
 
 
 # ---------------------------------------------------------------------------
@@ -153,11 +611,18 @@ class CUDARuntimeError(RuntimeError):
 class FakeCupyRuntime:
     """The subset of ``cupy.cuda.runtime`` (cupy-cuda12x 14.x) umrt calls, same signatures."""
 
-    cudaCpuDeviceId = -1
-    cudaMemAttachGlobal = 1
-    streamNonBlocking = 1
-    eventDisableTiming = 2
-    cudaDevAttrConcurrentManagedAccess = 89
+    cudaCpuDeviceId = HOST
+    cudaMemAttachGlobal = MEM_ATTACH_GLOBAL
+    cudaMemAttachHost = MEM_ATTACH_HOST
+    streamDefault = STREAM_DEFAULT
+    streamNonBlocking = STREAM_NON_BLOCKING
+    streamLegacy = STREAM_LEGACY
+    streamPerThread = STREAM_PER_THREAD
+    eventDefault = EVENT_DEFAULT
+    eventBlockingSync = EVENT_BLOCKING_SYNC
+    eventDisableTiming = EVENT_DISABLE_TIMING
+    eventInterprocess = EVENT_INTERPROCESS
+    cudaDevAttrConcurrentManagedAccess = ATTR_CONCURRENT_MANAGED_ACCESS
     CUDARuntimeError = CUDARuntimeError
 
     def __init__(self, gpu: FakeGpu, version: int = 12080) -> None:
@@ -197,17 +662,13 @@ class FakeCupyRuntime:
 
     def deviceGetAttribute(self, attrib: int, device: int) -> int:
         self._ints("deviceGetAttribute", attrib, device)
-        def op(a, d):
-            self.gpu.check_device("deviceGetAttribute", d, host_ok=False)
-            if a != 89:
-                raise FakeCudaError(INVALID_VALUE, "deviceGetAttribute", f"fake knows only attribute 89, not {a}")
-            return int(self.gpu.concurrent)
-        return self._run("deviceGetAttribute", op, attrib, device)
+        return self._run("deviceGetAttribute", lambda a, d: _attribute(self.gpu, "deviceGetAttribute", a, d),
+                         attrib, device)
 
     def memGetInfo(self) -> tuple[int, int]:
         return self.gpu.mem_info()
 
-    def mallocManaged(self, size: int, flags: int = 1) -> int:
+    def mallocManaged(self, size: int, flags: int = MEM_ATTACH_GLOBAL) -> int:
         self._ints("mallocManaged", size, flags)
         return self._run("mallocManaged", lambda s, f: self.gpu.malloc("mallocManaged", s, f), size, flags)
 
@@ -216,37 +677,27 @@ class FakeCupyRuntime:
         self._run("free", lambda p: self.gpu.free("free", p), ptr)
 
     def streamCreateWithFlags(self, flags: int) -> int:
-        h = self.gpu.handle()
-        self.gpu.streams.add(h)
-        self.gpu.log("streamCreateWithFlags", flags)
-        return h
+        self._ints("streamCreateWithFlags", flags)
+        return self._run("streamCreateWithFlags", lambda f: self.gpu.create_stream("streamCreateWithFlags", f), flags)
 
     def eventCreateWithFlags(self, flags: int) -> int:
-        h = self.gpu.handle()
-        self.gpu.events.add(h)
-        self.gpu.log("eventCreateWithFlags", flags)
-        return h
+        self._ints("eventCreateWithFlags", flags)
+        return self._run("eventCreateWithFlags", lambda f: self.gpu.create_event("eventCreateWithFlags", f), flags)
 
     def eventRecord(self, event: int, stream: int) -> None:
         self._ints("eventRecord", event, stream)
-        def op(e, s):
-            if e not in self.gpu.events:
-                raise FakeCudaError(INVALID_HANDLE, "eventRecord", f"unknown event {e}")
-            self.gpu.check_stream("eventRecord", s)
-            self.gpu.recorded[e] = s
-        self._run("eventRecord", op, event, stream)
+        self._run("eventRecord", lambda e, s: self.gpu.record("eventRecord", e, s), event, stream)
 
     def streamWaitEvent(self, stream: int, event: int, flags: int = 0) -> None:
         self._ints("streamWaitEvent", stream, event, flags)
-        def op(s, e, f):
-            self.gpu.check_stream("streamWaitEvent", s)
-            if e not in self.gpu.recorded:
-                raise FakeCudaError(INVALID_HANDLE, "streamWaitEvent", f"event {e} never recorded")
-        self._run("streamWaitEvent", op, stream, event, flags)
+        self._run("streamWaitEvent", lambda s, e, f: self.gpu.wait("streamWaitEvent", s, e, f), stream, event, flags)
 
     def streamSynchronize(self, stream: int) -> None:
         self._ints("streamSynchronize", stream)
-        self._run("streamSynchronize", lambda s: self.gpu.check_stream("streamSynchronize", s), stream)
+        self._run("streamSynchronize", lambda s: self.gpu.synchronize("streamSynchronize", s), stream)
+
+    def deviceSynchronize(self) -> None:
+        self._run("deviceSynchronize", self.gpu.device_synchronize)
 
     def memPrefetchAsync(self, devPtr: int, count: int, dstDevice: int, stream: int) -> None:
         self._ints("memPrefetchAsync", devPtr, count, dstDevice, stream)
@@ -255,7 +706,21 @@ class FakeCupyRuntime:
 
     def memAdvise(self, devPtr: int, count: int, advice: int, device: int) -> None:
         self._ints("memAdvise", devPtr, count, advice, device)
-        self._run("memAdvise", lambda *a: self.gpu.advise("memAdvise", *a), devPtr, count, advice, device)
+
+        def op(p, n, a, d):
+            # CUDA 12: the device matters for PreferredLocation and AccessedBy only.
+            self.gpu.advise("memAdvise", p, n, a, d if a in (ADVICE_SET_PREFERRED, ADVICE_SET_ACCESSED_BY,
+                                                              ADVICE_UNSET_ACCESSED_BY) else None)
+        self._run("memAdvise", op, devPtr, count, advice, device)
+
+
+def _attribute(gpu: FakeGpu, call: str, attr: int, device: int) -> int:
+    gpu.check_device(call, device, host_ok=False)
+    values = {ATTR_MANAGED_MEMORY: 1, ATTR_PAGEABLE_MEMORY_ACCESS: 0,
+              ATTR_CONCURRENT_MANAGED_ACCESS: int(gpu.concurrent)}
+    if int(attr) not in values:
+        raise FakeCudaError(INVALID_VALUE, call, f"attribute {attr!r} (the fake knows {sorted(values)})")
+    return values[int(attr)]
 
 
 # ---------------------------------------------------------------------------
@@ -274,6 +739,8 @@ class cudaMemLocationType(enum.IntEnum):
     cudaMemLocationTypeInvalid = 0
     cudaMemLocationTypeDevice = 1
     cudaMemLocationTypeHost = 2
+    cudaMemLocationTypeHostNuma = 3
+    cudaMemLocationTypeHostNumaCurrent = 4
 
 
 class cudaMemoryAdvise(enum.IntEnum):
@@ -286,7 +753,9 @@ class cudaMemoryAdvise(enum.IntEnum):
 
 
 class cudaDeviceAttr(enum.IntEnum):
-    cudaDevAttrConcurrentManagedAccess = 89
+    cudaDevAttrManagedMemory = ATTR_MANAGED_MEMORY
+    cudaDevAttrPageableMemoryAccess = ATTR_PAGEABLE_MEMORY_ACCESS
+    cudaDevAttrConcurrentManagedAccess = ATTR_CONCURRENT_MANAGED_ACCESS
 
 
 class cudaMemLocation:
@@ -303,9 +772,18 @@ class FakeBindingsRuntime:
     cudaMemoryAdvise = cudaMemoryAdvise
     cudaDeviceAttr = cudaDeviceAttr
     cudaMemLocation = cudaMemLocation
-    cudaMemAttachGlobal = 1
-    cudaStreamNonBlocking = 1
-    cudaEventDisableTiming = 2
+    cudaMemAttachGlobal = MEM_ATTACH_GLOBAL
+    cudaMemAttachHost = MEM_ATTACH_HOST
+    cudaStreamDefault = STREAM_DEFAULT
+    cudaStreamNonBlocking = STREAM_NON_BLOCKING
+    cudaStreamLegacy = STREAM_LEGACY
+    cudaStreamPerThread = STREAM_PER_THREAD
+    cudaEventDefault = EVENT_DEFAULT
+    cudaEventBlockingSync = EVENT_BLOCKING_SYNC
+    cudaEventDisableTiming = EVENT_DISABLE_TIMING
+    cudaEventInterprocess = EVENT_INTERPROCESS
+    cudaEventWaitDefault = EVENT_WAIT_DEFAULT
+    cudaEventWaitExternal = EVENT_WAIT_EXTERNAL
 
     def __init__(self, gpu: FakeGpu, version: int = 13000) -> None:
         self.gpu = gpu
@@ -319,32 +797,55 @@ class FakeBindingsRuntime:
             return (cudaError_t(exc.status),)
         return (cudaError_t.cudaSuccess,) + (out if isinstance(out, tuple) else (() if out is None else (out,)))
 
-    def _target(self, call: str, loc: object) -> int:
+    def _target(self, call: str, loc: object, *, numa: bool = True) -> int:
+        """A location as a device id or HOST (-1); ``numa``: host NUMA types are valid here."""
         if not isinstance(loc, cudaMemLocation):
             raise TypeError(f"{call}: location must be a cudaMemLocation, got {type(loc).__name__}")
-        if loc.type == cudaMemLocationType.cudaMemLocationTypeHost:
-            return HOST
-        if loc.type == cudaMemLocationType.cudaMemLocationTypeDevice:
+        kind = loc.type
+        if kind == cudaMemLocationType.cudaMemLocationTypeHost:
+            return HOST  # id ignored
+        if kind == cudaMemLocationType.cudaMemLocationTypeDevice:
             self.gpu.check_device(call, loc.id, host_ok=False)  # id -1 is NOT the host here
             return loc.id
-        raise FakeCudaError(INVALID_VALUE, call, f"location type {loc.type}")
+        if numa and kind == cudaMemLocationType.cudaMemLocationTypeHostNumaCurrent:
+            return HOST  # id ignored
+        if numa and kind == cudaMemLocationType.cudaMemLocationTypeHostNuma:
+            if not 0 <= loc.id < self.gpu.numa_nodes:
+                raise FakeCudaError(INVALID_VALUE, call, f"host NUMA node {loc.id}")
+            return HOST
+        raise FakeCudaError(INVALID_VALUE, call, f"location type {kind!r}")
 
-    def _batch(self, call: str, dptrs, sizes, count, flags, stream) -> None:
+    def _batch(self, call: str, dptrs, sizes, count, flags, stream) -> list[tuple[int, int]]:
+        """Checks common to the three batch calls (header lines 7159-7271)."""
         if not isinstance(dptrs, (list, tuple)) or not isinstance(sizes, (list, tuple)):
             raise TypeError(f"{call}: dptrs and sizes must be lists")
         if count != len(dptrs) or count != len(sizes) or count == 0:
             raise FakeCudaError(INVALID_VALUE, call, f"count {count} vs {len(dptrs)}/{len(sizes)}")
         if flags != 0:
             raise FakeCudaError(INVALID_VALUE, call, "flags must be 0")
-        self.gpu.check_stream(call, stream)
+        self.gpu.check_not_legacy(call, stream)
+        self.gpu.stream_key(call, stream)
         self.gpu.check_concurrent(call)
-        for p, n in zip(dptrs, sizes, strict=False):
+        for p, n in zip(dptrs, sizes, strict=True):
             self.gpu.check_range(call, p, n)
+        return list(zip(dptrs, sizes, strict=True))
 
-    def _locs(self, call: str, locs, idxs, num) -> int:
-        if num != len(locs) or num != len(idxs) or num == 0 or idxs[0] != 0:
-            raise FakeCudaError(INVALID_VALUE, call, f"locations {num} / indices {idxs}")
-        return self._target(call, locs[0])
+    def _locs(self, call: str, count, locs, idxs, num) -> list[int]:
+        """The destination of each operation (prefetchLocs / prefetchLocIdxs rules)."""
+        if not isinstance(locs, (list, tuple)) or not isinstance(idxs, (list, tuple)):
+            raise TypeError(f"{call}: prefetchLocs and prefetchLocIdxs must be lists")
+        if num != len(locs) or num != len(idxs) or num == 0 or num > count:
+            raise FakeCudaError(INVALID_VALUE, call, f"numPrefetchLocs {num} vs {len(locs)}/{len(idxs)}, count {count}")
+        if idxs[0] != 0:
+            raise FakeCudaError(INVALID_VALUE, call, f"the first prefetchLocIdxs entry must be 0, got {idxs[0]}")
+        if any(b <= a for a, b in zip(idxs, idxs[1:], strict=False)) or idxs[-1] >= count:
+            raise FakeCudaError(INVALID_VALUE, call, f"prefetchLocIdxs {list(idxs)} must increase and stay < count")
+        targets = [self._target(call, loc) for loc in locs]
+        out = []
+        for k, target in enumerate(targets):
+            end = idxs[k + 1] if k + 1 < num else count
+            out.extend([target] * (end - idxs[k]))
+        return out
 
     def cudaRuntimeGetVersion(self):
         return (cudaError_t.cudaSuccess, self._version)
@@ -368,8 +869,7 @@ class FakeBindingsRuntime:
         def op(a, d):
             if not isinstance(a, cudaDeviceAttr):
                 raise TypeError("attr must be a cudaDeviceAttr")
-            self.gpu.check_device("cudaDeviceGetAttribute", d, host_ok=False)
-            return int(self.gpu.concurrent)
+            return _attribute(self.gpu, "cudaDeviceGetAttribute", a, d)
         return self._run("cudaDeviceGetAttribute", op, attr, device)
 
     def cudaMemGetInfo(self):
@@ -382,71 +882,76 @@ class FakeBindingsRuntime:
         return self._run("cudaFree", lambda p: self.gpu.free("cudaFree", p), ptr)
 
     def cudaStreamCreateWithFlags(self, flags):
-        h = self.gpu.handle()
-        self.gpu.streams.add(h)
-        return self._run("cudaStreamCreateWithFlags", lambda f: h, flags)
+        return self._run("cudaStreamCreateWithFlags",
+                         lambda f: self.gpu.create_stream("cudaStreamCreateWithFlags", f), flags)
 
     def cudaEventCreateWithFlags(self, flags):
-        h = self.gpu.handle()
-        self.gpu.events.add(h)
-        return self._run("cudaEventCreateWithFlags", lambda f: h, flags)
+        return self._run("cudaEventCreateWithFlags",
+                         lambda f: self.gpu.create_event("cudaEventCreateWithFlags", f), flags)
 
     def cudaEventRecord(self, event, stream):
-        def op(e, s):
-            if e not in self.gpu.events:
-                raise FakeCudaError(INVALID_HANDLE, "cudaEventRecord", f"unknown event {e}")
-            self.gpu.check_stream("cudaEventRecord", s)
-            self.gpu.recorded[e] = s
-        return self._run("cudaEventRecord", op, event, stream)
+        return self._run("cudaEventRecord", lambda e, s: self.gpu.record("cudaEventRecord", e, s), event, stream)
 
     def cudaStreamWaitEvent(self, stream, event, flags):
-        def op(s, e, f):
-            self.gpu.check_stream("cudaStreamWaitEvent", s)
-            if e not in self.gpu.recorded:
-                raise FakeCudaError(INVALID_HANDLE, "cudaStreamWaitEvent", f"event {e} never recorded")
-        return self._run("cudaStreamWaitEvent", op, stream, event, flags)
+        return self._run("cudaStreamWaitEvent", lambda s, e, f: self.gpu.wait("cudaStreamWaitEvent", s, e, f),
+                         stream, event, flags)
 
     def cudaStreamSynchronize(self, stream):
-        return self._run("cudaStreamSynchronize", lambda s: self.gpu.check_stream("cudaStreamSynchronize", s), stream)
+        return self._run("cudaStreamSynchronize", lambda s: self.gpu.synchronize("cudaStreamSynchronize", s), stream)
+
+    def cudaDeviceSynchronize(self):
+        return self._run("cudaDeviceSynchronize", self.gpu.device_synchronize)
 
     def cudaMemPrefetchAsync(self, devPtr, count, location, flags, stream):
         def op(p, n, loc, f, s):
+            target = self._target("cudaMemPrefetchAsync", loc)
             if f != 0:
                 raise FakeCudaError(INVALID_VALUE, "cudaMemPrefetchAsync", "flags must be 0")
-            self.gpu.prefetch("cudaMemPrefetchAsync", p, n, self._target("cudaMemPrefetchAsync", loc), s)
+            self.gpu.prefetch("cudaMemPrefetchAsync", p, n, target, s)
         return self._run("cudaMemPrefetchAsync", op, devPtr, count, location, flags, stream)
 
     def cudaMemAdvise(self, devPtr, count, advice, location):
         def op(p, n, a, loc):
             if not isinstance(a, cudaMemoryAdvise):
                 raise TypeError("advice must be a cudaMemoryAdvise")
-            self.gpu.advise("cudaMemAdvise", p, n, int(a), self._target("cudaMemAdvise", loc))
+            call = "cudaMemAdvise"
+            if a in (cudaMemoryAdvise.cudaMemAdviseSetReadMostly, cudaMemoryAdvise.cudaMemAdviseUnsetReadMostly,
+                     cudaMemoryAdvise.cudaMemAdviseUnsetPreferredLocation):
+                if not isinstance(loc, cudaMemLocation):
+                    raise TypeError(f"{call}: location must be a cudaMemLocation")
+                device = None  # "The location argument is ignored for this advice"
+            else:
+                # AccessedBy: Device or Host only ("All other location types are invalid").
+                device = self._target(call, loc, numa=a == cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation)
+            self.gpu.advise(call, p, n, int(a), device)
         return self._run("cudaMemAdvise", op, devPtr, count, advice, location)
 
     def cudaMemPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                   numPrefetchLocs, flags, stream):
-        def op(*a):
-            self._batch("cudaMemPrefetchBatchAsync", dptrs, sizes, count, flags, stream)
-            target = self._locs("cudaMemPrefetchBatchAsync", prefetchLocs, prefetchLocIdxs, numPrefetchLocs)
-            for p in dptrs:
-                self.gpu.location[self.gpu.base_of(p)] = target
-        return self._run("cudaMemPrefetchBatchAsync", op, dptrs, sizes, count, prefetchLocs,
-                         prefetchLocIdxs, numPrefetchLocs, flags, stream)
+        call = "cudaMemPrefetchBatchAsync"
+
+        def op(*_):
+            ranges = self._batch(call, dptrs, sizes, count, flags, stream)
+            targets = self._locs(call, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs)
+            self.gpu.migrate_batch(call, ranges, targets, stream, discard=False)
+        return self._run(call, op, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags,
+                         stream)
 
     def cudaMemDiscardBatchAsync(self, dptrs, sizes, count, flags, stream):
-        def op(*a):
-            self._batch("cudaMemDiscardBatchAsync", dptrs, sizes, count, flags, stream)
-            self.gpu.discarded.extend(zip(dptrs, sizes, strict=False))
-        return self._run("cudaMemDiscardBatchAsync", op, dptrs, sizes, count, flags, stream)
+        call = "cudaMemDiscardBatchAsync"
+
+        def op(*_):
+            ranges = self._batch(call, dptrs, sizes, count, flags, stream)
+            self.gpu.migrate_batch(call, ranges, [None] * len(ranges), stream, discard=True)
+        return self._run(call, op, dptrs, sizes, count, flags, stream)
 
     def cudaMemDiscardAndPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                             numPrefetchLocs, flags, stream):
-        def op(*a):
-            self._batch("cudaMemDiscardAndPrefetchBatchAsync", dptrs, sizes, count, flags, stream)
-            target = self._locs("cudaMemDiscardAndPrefetchBatchAsync", prefetchLocs, prefetchLocIdxs,
-                                numPrefetchLocs)
-            self.gpu.discarded.extend(zip(dptrs, sizes, strict=False))
-            for p in dptrs:
-                self.gpu.location[self.gpu.base_of(p)] = target
-        return self._run("cudaMemDiscardAndPrefetchBatchAsync", op, dptrs, sizes, count, prefetchLocs,
-                         prefetchLocIdxs, numPrefetchLocs, flags, stream)
+        call = "cudaMemDiscardAndPrefetchBatchAsync"
+
+        def op(*_):
+            ranges = self._batch(call, dptrs, sizes, count, flags, stream)
+            targets = self._locs(call, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs)
+            self.gpu.migrate_batch(call, ranges, targets, stream, discard=True)
+        return self._run(call, op, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags,
+                         stream)

@@ -227,7 +227,8 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
 
     pool = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), factory)
     pool.malloc(2 * MiB)  # a parameter, before the first boundary
-    pool.malloc(MiB, stream=7)  # a second stream: its own layout, fed the same events
+    side, late = pool.backend.api.create_stream(), pool.backend.api.create_stream()  # torch's side streams
+    pool.malloc(MiB, stream=side)  # a second stream: its own layout, fed the same events
     addrs = []
     for it in range(4):
         pool.observe(IterationBoundary(it))
@@ -245,7 +246,7 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
     assert made[1]._iteration == 3 and not made[1].planned  # saw the boundaries, nothing to plan
     pool.observe(IterationBoundary(4))
     pool.observe(LayerEnter("layer"))
-    pool.malloc(MiB, stream=9)  # a stream's first block, mid-iteration: its new layout is told where
+    pool.malloc(MiB, stream=late)  # a stream's first block, mid-iteration: its new layout is told where
     assert made[2]._iteration == 4 and made[2]._depth == 1
     assert not pool.hint_kind(12345, Kind.PARAMETER)  # not a block of this pool: ignored
     with pytest.raises(UmrtError, match="unknown kind"):

@@ -10,8 +10,9 @@ of two thin adapters that make the actual runtime calls:
   ``cudaMemPrefetchAsync``/``cudaMemAdvise`` to take a ``cudaMemLocation``
   ``{type, id}``; host targets need ``type=cudaMemLocationTypeHost``
   (cupy-cuda13x always builds a *device* location, so -1 would not reach the
-  host). It also has ``cudaMemPrefetchBatchAsync``, ``cudaMemDiscardBatchAsync``
-  and ``cudaMemDiscardAndPrefetchBatchAsync``, which umrt uses.
+  host). It also has ``cudaMemDiscardBatchAsync`` and
+  ``cudaMemDiscardAndPrefetchBatchAsync``, which umrt uses (prefetches stay
+  single calls: ``cudaMemPrefetchBatchAsync`` measured slower).
 
 Why not cuda-core (1.2.2)? Its ``ManagedBuffer.prefetch`` and
 ``utils.prefetch_batch/discard_batch/discard_prefetch_batch`` act on whole
@@ -24,14 +25,25 @@ allocation of that size, so its stale pages are never migrated back and
 forth only to be overwritten.
 
 Ordering: every prefetch and eviction runs on a dedicated non-blocking *copy
-stream*. After each one the backend records an event; :meth:`CudaBackend.launch`
-makes the *compute stream* (the framework's stream, see
+stream*, one ``cudaMemPrefetchAsync`` per coalesced range (the batched call
+is slower for many small ranges: :meth:`CudaBackend.prefetch`). After each
+one the backend records an event; :meth:`CudaBackend.launch` makes the
+*compute stream* (the framework's stream, see
 :meth:`CudaBackend.set_compute_stream`) wait on the latest event that touched
 the kernel's ranges. Evictions first make the copy stream wait for the work
 already queued on the compute stream, so no page moves while a kernel still
-uses it. A discard destroys data, so it runs on the compute stream itself, in
-kernel order (after copies queued on its ranges); a later prefetch of a
-discarded range makes the copy stream wait for the discard.
+uses it. A discard (``cudaMemDiscardBatchAsync``) or discard-and-prefetch
+(``cudaMemDiscardAndPrefetchBatchAsync``; neither has a single-range form)
+destroys data, so it is ordered with the kernels: after the last kernel
+queued before it, before the first kernel queued after it. On a created (or
+per-thread) compute stream it runs on that stream. The batch calls reject the
+legacy default stream (``0`` and ``cudaStreamLegacy``: "Must not be legacy
+NULL stream", ``cudaErrorInvalidValue`` on the H100), which is torch's
+default current stream; then the discard runs on a *blocking* stream of the
+backend's own, which the legacy stream synchronizes with implicitly (why not
+``cudaStreamPerThread``: :meth:`CudaBackend.discard_stream`). Either way the
+discard stream first waits for copies still queued on its ranges, and a later
+prefetch of a discarded range makes the copy stream wait for the discard.
 
 Without concurrent managed access (Windows, WSL, pre-Pascal GPUs) the
 driver rejects prefetch and advice; they become no-ops with one warning.
@@ -41,6 +53,7 @@ from __future__ import annotations
 import bisect
 import warnings
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,6 +68,7 @@ DISCARD_ALIGN = 64 * 1024
 CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
 CUDA13 = 13000
 MAX_PENDING = 256  # copy-stream events awaiting a kernel before they are folded together
+LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy (driver_types.h): the legacy default stream
 
 
 # ---------------------------------------------------------------------------
@@ -81,7 +95,9 @@ class CudaApi(ABC):
     @abstractmethod
     def free(self, ptr: int) -> None: ...
     @abstractmethod
-    def create_stream(self) -> Any: ...
+    def create_stream(self, blocking: bool = False) -> Any:
+        """cudaStreamCreateWithFlags: ``cudaStreamNonBlocking``, or ``cudaStreamDefault``
+        (``blocking``: implicitly synchronized with the legacy default stream)."""
     @abstractmethod
     def create_event(self) -> Any: ...
     @abstractmethod
@@ -94,9 +110,6 @@ class CudaApi(ABC):
     def prefetch(self, ptr: int, nbytes: int, device: int, stream: Any) -> None: ...
     @abstractmethod
     def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None: ...
-
-    def prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
-        raise NotImplementedError("cudaMemPrefetchBatchAsync needs CUDA 13")
 
     def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
         raise NotImplementedError("cudaMemDiscardBatchAsync needs CUDA 13")
@@ -140,8 +153,9 @@ class CupyApi(CudaApi):
     def free(self, ptr: int) -> None:
         self._call("cudaFree", self.rt.free, ptr)
 
-    def create_stream(self) -> int:
-        return self._call("cudaStreamCreateWithFlags", self.rt.streamCreateWithFlags, self.rt.streamNonBlocking)
+    def create_stream(self, blocking: bool = False) -> int:
+        flags = self.rt.streamDefault if blocking else self.rt.streamNonBlocking
+        return self._call("cudaStreamCreateWithFlags", self.rt.streamCreateWithFlags, flags)
 
     def create_event(self) -> int:
         return self._call("cudaEventCreateWithFlags", self.rt.eventCreateWithFlags, self.rt.eventDisableTiming)
@@ -224,8 +238,9 @@ class BindingsApi(CudaApi):
     def free(self, ptr: int) -> None:
         self._call("cudaFree", ptr)
 
-    def create_stream(self) -> Any:
-        return self._call("cudaStreamCreateWithFlags", self.rt.cudaStreamNonBlocking)[0]
+    def create_stream(self, blocking: bool = False) -> Any:
+        flags = self.rt.cudaStreamDefault if blocking else self.rt.cudaStreamNonBlocking
+        return self._call("cudaStreamCreateWithFlags", flags)[0]
 
     def create_event(self) -> Any:
         return self._call("cudaEventCreateWithFlags", self.rt.cudaEventDisableTiming)[0]
@@ -245,12 +260,6 @@ class BindingsApi(CudaApi):
 
     def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None:
         self._call("cudaMemAdvise", ptr, nbytes, self.rt.cudaMemoryAdvise(int(advice)), self._location(device))
-
-    def prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
-        ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
-        # One location that applies from operation 0 onwards.
-        self._call("cudaMemPrefetchBatchAsync", ptrs, sizes, len(ranges),
-                   [self._location(device)], [0], 1, 0, stream)
 
     def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
         ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
@@ -296,21 +305,46 @@ class CudaBackend(Backend):
         api: the runtime adapter; default :func:`default_api` (tests pass a fake).
         compute_stream: the stream kernels run on (``0`` = legacy default
             stream); the torch allocator sets torch's current stream.
+        merge_across_allocations: let one call cover ranges of two managed
+            allocations that touch in the address space (see :meth:`prefetch`).
+            Off by default: the UVM kernel driver migrates across contiguous
+            managed ranges (``uvm_migrate_ranges`` fails only on a gap), but
+            no GPU run has shown that the CUDA runtime accepts such a range.
+
+    Counters, for ``umrt.memory_stats()`` and ``bench.gpu`` (take a
+    :meth:`counters` snapshot per training step and diff two with
+    :func:`counters_delta`):
+
+    * ``h2d_bytes`` / ``d2h_bytes``: bytes umrt prefetched to the GPU /
+      evicted to the host (faults are invisible to it);
+    * ``discarded_bytes``: bytes discarded (alone or with a prefetch after);
+    * ``calls``: a :class:`collections.Counter` of the CUDA runtime calls the
+      backend issued, keyed by the runtime's name (``"cudaMemPrefetchAsync"``,
+      ``"cudaMemDiscardBatchAsync"``, ``"cudaStreamWaitEvent"``, ...) whichever
+      adapter makes them.
     """
 
     name = "cuda"
 
-    def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0) -> None:
+    def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0,
+                 merge_across_allocations: bool = False) -> None:
         self.api = api or default_api()
-        count = self.api.device_count()
+        self.calls: Counter[str] = Counter()
+        count = self._call("cudaGetDeviceCount", self.api.device_count)
         if not 0 <= device < count:
             raise CudaError(f"CUDA device {device} does not exist; this machine has {count} device(s)")
         self.device = device
-        self.api.set_device(device)
-        self.concurrent = self.api.concurrent_managed_access(device)
+        self._call("cudaSetDevice", self.api.set_device, device)
+        self.concurrent = self._call("cudaDeviceGetAttribute", self.api.concurrent_managed_access, device)
+        self.merge_across_allocations = merge_across_allocations
         self._warned = False
-        self.copy_stream = self.api.create_stream()
+        self.copy_stream = self._call("cudaStreamCreateWithFlags", self.api.create_stream, False)
         self.compute_stream = compute_stream
+        # Where discards go while the compute stream is the legacy default stream (discard_stream);
+        # made now, before any kernel that uses umrt's memory, so it follows all of them.
+        self._order_stream: Any = None
+        if self.api.has_batch:
+            self._order_stream = self._call("cudaStreamCreateWithFlags", self.api.create_stream, True)
         self._allocs: dict[int, int] = {}  # ptr -> nbytes
         self._starts: list[int] = []  # sorted allocation starts, for range lookups
         # Work queued on the copy stream, oldest first: (event, entry number), and the ranges
@@ -319,10 +353,10 @@ class CudaBackend(Backend):
         self._next_entry = 0
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
         self._spare_events: list[Any] = []
-        # Ranges discarded on the compute stream that the copy stream is not yet ordered
-        # after, and an event recorded after the newest of those discards.
+        # Ranges discarded that the copy stream is not yet ordered after, and per stream that
+        # discarded, an event recorded after its newest discard.
         self._discarded: list[Range] = []
-        self._discard_event: Any = None
+        self._discard_events: dict[Any, Any] = {}
         # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
         self.h2d_bytes = 0
         self.d2h_bytes = 0
@@ -333,7 +367,7 @@ class CudaBackend(Backend):
     def malloc(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"malloc of {nbytes} bytes")
-        ptr = self.api.malloc_managed(nbytes)
+        ptr = self._call("cudaMallocManaged", self.api.malloc_managed, nbytes)
         self._allocs[ptr] = nbytes
         bisect.insort(self._starts, ptr)
         return ptr
@@ -341,11 +375,11 @@ class CudaBackend(Backend):
     def free(self, ptr: int) -> None:
         if ptr not in self._allocs:
             raise CudaError(f"cudaFree: {ptr:#x} is not an allocation of this backend")
-        # A prefetch (copy stream) or a kernel or discard (compute stream) may still use
-        # it, and cudaFree only "may" synchronize for managed memory: wait for both
+        # A prefetch (copy stream), a kernel (compute stream) or a discard may still use
+        # it, and cudaFree only "may" synchronize for managed memory: wait for all of them
         # (the pool gives a segment back rarely; PyTorch's empty_cache synchronizes too).
         self.synchronize()
-        self.api.free(ptr)
+        self._call("cudaFree", self.api.free, ptr)
         self._place([(ptr, self._allocs[ptr])], on_device=False)
         del self._allocs[ptr]
         self._starts.pop(bisect.bisect_left(self._starts, ptr))
@@ -360,28 +394,39 @@ class CudaBackend(Backend):
         return (base, size) if ptr < base + size else None
 
     def mem_info(self) -> tuple[int, int]:
-        return self.api.mem_get_info()
+        return self._call("cudaMemGetInfo", self.api.mem_get_info)
 
     def resident_bytes(self) -> int:
         """Bytes umrt placed on the GPU and has not evicted (demand faults are not seen)."""
         return sum(n for _, n in self._resident)
 
+    def counters(self) -> dict:
+        """A snapshot of the counters (see the class docstring): bytes per direction,
+        bytes discarded, and ``calls``, a dict of runtime call name -> calls issued."""
+        return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes,
+                "discarded_bytes": self.discarded_bytes, "calls": dict(self.calls)}
+
     # -- migration -------------------------------------------------------------
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        """Migrate ranges on the copy stream: one ``cudaMemPrefetchAsync`` per
+        coalesced range (touching and overlapping ranges are merged first).
+
+        Single calls, not ``cudaMemPrefetchBatchAsync``: on the H100 1024
+        already-resident 2 MiB ranges took 7.9 ms as single calls and 56 ms as
+        one batch, and the batch moved host -> GPU at 19 GB/s against 17 GB/s
+        for single 2 MiB calls (h100-measured.md, section 1): coalescing into
+        few large calls is what pays (48-50 GB/s from 256 MiB up)."""
         ranges = self._checked("cudaMemPrefetchAsync", ranges)
         self._check_device(device)
         if not ranges or not self._can_migrate():
             return
+        if self._discarded and _overlaps(self._discarded, ranges):
+            self._copy_after_discards()  # touching a range while its discard runs is undefined
         if device == HOST:
             # An eviction: wait for kernels already queued that may use these pages.
-            self._copy_after_compute()
-        elif self._discarded and _overlaps(self._discarded, ranges):
-            self._copy_after_discards()
-        if self.api.has_batch and len(ranges) > 1:
-            self.api.prefetch_batch(ranges, device, self.copy_stream)
-        else:
-            for ptr, n in ranges:
-                self.api.prefetch(ptr, n, device, self.copy_stream)
+            self._stream_after(self.copy_stream, self.compute_stream)
+        for ptr, n in ranges:
+            self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, device, self.copy_stream)
         moved = sum(n for _, n in ranges)
         if device == HOST:
             self.d2h_bytes += moved
@@ -391,32 +436,33 @@ class CudaBackend(Backend):
         self._mark(ranges)
 
     def discard(self, ranges: Sequence[Range]) -> None:
-        """Drop dead ranges' pages, in order with the kernels (on the compute stream).
+        """Drop dead ranges' pages, in order with the kernels (see :meth:`discard_stream`).
 
         A discard destroys data, so its place in the kernel order is what makes it
         correct: after the last kernel that used the dead bytes (queued before the
         free) and before the first kernel that writes the block's next owner (queued
-        after its allocation). The compute stream gives both; on the copy stream it
-        would race with that kernel. Copies still queued on these ranges finish first,
-        and a later prefetch of them waits for it (touching a range while its discard
-        runs is undefined)."""
+        after its allocation). The compute stream's order gives both; on the copy
+        stream it would race with that kernel. Copies still queued on these ranges
+        finish first, and a later prefetch of them waits for it (touching a range
+        while its discard runs is undefined)."""
         ranges = [r for r in (_shrink(p, n) for p, n in self._checked("cudaMemDiscardBatchAsync", ranges)) if r]
         if not ranges or not self.api.has_batch or not self._can_migrate():
             return  # CUDA 12: documented no-op; the pool reuses dead ranges in place
-        self.launch((), ranges)  # after copies still queued on them
-        self.api.discard_batch(ranges, self.compute_stream)
+        stream = self.discard_stream()
+        self._wait_copies(stream, ranges)
+        self._call("cudaMemDiscardBatchAsync", self.api.discard_batch, ranges, stream)
         self.discarded_bytes += sum(n for _, n in ranges)
         self._place(ranges, on_device=False)  # discarded pages are released
-        self._after_discard(ranges)
+        self._after_discard(stream, ranges)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Make ranges resident on ``device`` without copying their dead contents.
 
-        CUDA 13: ``cudaMemDiscardAndPrefetchBatchAsync``, on the compute
-        stream like :meth:`discard` (it destroys data: it must come before the
-        kernel that writes the ranges' new owner, whenever the caller learns
-        of it); CUDA 12: a plain prefetch (correct, it just copies bytes
-        nobody reads).
+        CUDA 13: ``cudaMemDiscardAndPrefetchBatchAsync``, in kernel order like
+        :meth:`discard` (it destroys data: it must come before the kernel that
+        writes the ranges' new owner, whenever the caller learns of it); CUDA
+        12, or ranges not made of whole 64 KiB pages: a plain prefetch
+        (correct, it just copies bytes nobody reads).
         """
         checked = self._checked("cudaMemDiscardAndPrefetchBatchAsync", ranges)
         self._check_device(device)
@@ -426,11 +472,13 @@ class CudaBackend(Backend):
             return
         if not self._can_migrate():
             return
-        self.launch((), aligned)  # after copies still queued on them
-        self.api.discard_and_prefetch_batch(aligned, device, self.compute_stream)
+        stream = self.discard_stream()
+        self._wait_copies(stream, aligned)
+        self._call("cudaMemDiscardAndPrefetchBatchAsync", self.api.discard_and_prefetch_batch, aligned, device,
+                   stream)
         self.discarded_bytes += sum(n for _, n in aligned)
         self._place(aligned, on_device=device != HOST)
-        self._after_discard(aligned)
+        self._after_discard(stream, aligned)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         ranges = self._checked("cudaMemAdvise", ranges)
@@ -439,38 +487,61 @@ class CudaBackend(Backend):
         if not self._can_migrate():
             return
         for ptr, n in ranges:
-            self.api.advise(ptr, n, advice, device)
+            self._call("cudaMemAdvise", self.api.advise, ptr, n, advice, device)
 
     # -- ordering --------------------------------------------------------------
     def set_compute_stream(self, stream: Any) -> None:
-        """The stream the framework launches kernels on (torch: ``current_stream().cuda_stream``)."""
+        """The stream the framework launches kernels on (torch: ``current_stream().cuda_stream``).
+
+        A change makes the new stream wait for the work queued so far on the old
+        one (and on the discard stream): the backend's ordering (evictions after
+        the kernels, kernels after the prefetches and discards they need) is kept
+        on one stream at a time, so nothing queued before the change is left
+        unordered. It costs two calls per change and orders the new stream's
+        later work after the old stream's earlier work."""
+        if _same_stream(stream, self.compute_stream):
+            return
+        old, old_discards = self.compute_stream, self.discard_stream()
         self.compute_stream = stream
+        self._stream_after(stream, old)
+        if old_discards is not None and not _same_stream(old_discards, old):
+            self._stream_after(stream, old_discards)
+
+    def discard_stream(self) -> Any:
+        """The stream discards and discard-and-prefetches are queued on.
+
+        The compute stream itself, unless it is the legacy default stream (``0``
+        or ``cudaStreamLegacy``), which the batch calls reject (header: "Must not
+        be legacy NULL stream"; ``cudaErrorInvalidValue`` on the H100) and which
+        is torch's default. Then a stream of the backend's own, created
+        *blocking* (``cudaStreamDefault``): the legacy stream synchronizes
+        implicitly with every blocking stream ("an action in the legacy stream
+        first waits on all blocking streams ... then all blocking streams wait
+        on the legacy stream", CUDA docs, Stream synchronization behavior), so
+        a discard queued there runs after the kernels queued before it and
+        before those queued after it, with no event. Not the per-thread default
+        stream (``cudaStreamPerThread``, blocking too and accepted): it is a
+        different stream in each host thread (torch runs backward on its own
+        autograd thread), so a :meth:`synchronize` or an event on one thread
+        would not cover discards queued from another; the backend's stream is
+        one handle for every thread. It is created with the backend (CUDA 13),
+        before any kernel touches umrt's memory. None on CUDA 12 (no discards)."""
+        return self._order_stream if is_legacy_stream(self.compute_stream) else self.compute_stream
 
     def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0,
                precision: str = "") -> None:
-        if not self._pending or not (reads or writes):
-            return
-        touched = np.array([*reads, *writes], dtype=np.int64).reshape(-1, 2)
-        # [start, end) overlaps [p, p + n): start < p + n and p < end
-        hit = ((self._p_start[:, None] < touched[:, 0] + touched[:, 1])
-               & (touched[:, 0] < self._p_end[:, None])).any(axis=1)
-        if not hit.any():
-            return
-        newest = int(self._p_entry[hit].max())
-        last = newest - self._pending[0][1]
-        # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
-        event = self._pending[last][0]
-        self.api.stream_wait_event(self.compute_stream, event)
-        self._spare_events.extend(ev for ev, _ in self._pending[: last + 1])
-        del self._pending[: last + 1]
-        keep = int(np.searchsorted(self._p_entry, newest, side="right"))
-        self._p_start, self._p_end, self._p_entry = self._p_start[keep:], self._p_end[keep:], self._p_entry[keep:]
+        if self._pending and (reads or writes):
+            self._wait_copies(self.compute_stream, [*reads, *writes])
 
     def synchronize(self) -> None:
-        self.api.stream_synchronize(self.copy_stream)
-        self.api.stream_synchronize(self.compute_stream)
+        self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.copy_stream)
+        self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.compute_stream)
+        if self._order_stream is not None:
+            self._call("cudaStreamSynchronize", self.api.stream_synchronize, self._order_stream)
         self._spare_events.extend(ev for ev, _ in self._pending)
         self._clear_pending()
+        self._spare_events.extend(self._discard_events.values())
+        self._discard_events.clear()
         self._discarded.clear()
 
     def close(self) -> None:
@@ -479,6 +550,11 @@ class CudaBackend(Backend):
             self.free(ptr)
 
     # -- helpers ----------------------------------------------------------------
+    def _call(self, name: str, fn: Any, *args: Any) -> Any:
+        """Issue one runtime call through the adapter, counted under its CUDA name."""
+        self.calls[name] += 1
+        return fn(*args)
+
     def _place(self, ranges: Sequence[Range], on_device: bool) -> None:
         """Add ``ranges`` to (or cut them from) the sorted, disjoint residency set."""
         res = self._resident
@@ -502,11 +578,27 @@ class CudaBackend(Backend):
                 res[i:j] = pieces
 
     def _event(self) -> Any:
-        return self._spare_events.pop() if self._spare_events else self.api.create_event()
+        if self._spare_events:
+            return self._spare_events.pop()
+        return self._call("cudaEventCreateWithFlags", self.api.create_event)
+
+    def _record(self, event: Any, stream: Any) -> None:
+        self._call("cudaEventRecord", self.api.record_event, event, stream)
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        self._call("cudaStreamWaitEvent", self.api.stream_wait_event, stream, event)
+
+    def _stream_after(self, waiter: Any, source: Any) -> None:
+        """Order everything queued on ``waiter`` from now on after the work queued on ``source`` so far."""
+        event = self._event()
+        self._record(event, source)
+        self._wait(waiter, event)
+        # Recording an event only snapshots the stream's work, so it can be reused at once.
+        self._spare_events.append(event)
 
     def _mark(self, ranges: list[Range]) -> None:
         event = self._event()
-        self.api.record_event(event, self.copy_stream)
+        self._record(event, self.copy_stream)
         entry = self._next_entry
         self._next_entry += 1
         self._pending.append((event, entry))
@@ -517,36 +609,54 @@ class CudaBackend(Backend):
         if len(self._pending) > MAX_PENDING:
             # Ranges no kernel touched for a long time: order the compute stream after all
             # of them at once (the newest event covers the rest) to keep launch() cheap.
-            self.api.stream_wait_event(self.compute_stream, event)
+            self._wait(self.compute_stream, event)
             self._spare_events.extend(ev for ev, _ in self._pending)
             self._clear_pending()
+
+    def _wait_copies(self, stream: Any, touched: Sequence[Range]) -> None:
+        """Make ``stream`` wait for the copies queued on any of ``touched``.
+
+        The copies it is then ordered after are forgotten: ``stream`` is the compute
+        stream, or the discard stream, whose work the compute stream's later kernels
+        come after (same stream, or the legacy stream's implicit synchronization)."""
+        if not self._pending or not touched:
+            return
+        t = np.array(touched, dtype=np.int64).reshape(-1, 2)
+        # [start, end) overlaps [p, p + n): start < p + n and p < end
+        hit = ((self._p_start[:, None] < t[:, 0] + t[:, 1]) & (t[:, 0] < self._p_end[:, None])).any(axis=1)
+        if not hit.any():
+            return
+        newest = int(self._p_entry[hit].max())
+        last = newest - self._pending[0][1]
+        # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
+        self._wait(stream, self._pending[last][0])
+        self._spare_events.extend(ev for ev, _ in self._pending[: last + 1])
+        del self._pending[: last + 1]
+        keep = int(np.searchsorted(self._p_entry, newest, side="right"))
+        self._p_start, self._p_end, self._p_entry = self._p_start[keep:], self._p_end[keep:], self._p_entry[keep:]
 
     def _clear_pending(self) -> None:
         self._pending.clear()
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
 
-    def _copy_after_compute(self) -> None:
+    def _after_discard(self, stream: Any, ranges: list[Range]) -> None:
+        """Remember a discard (an event after it) until the copy stream is ordered after it."""
         event = self._event()
-        self.api.record_event(event, self.compute_stream)
-        self.api.stream_wait_event(self.copy_stream, event)
-        # Recording an event only snapshots the stream's work, so it can be reused at once.
-        self._spare_events.append(event)
-        self._discarded.clear()  # the copy stream is now after every discard queued so far
-
-    def _after_discard(self, ranges: list[Range]) -> None:
-        """Remember a compute-stream discard (an event after it) until the copy stream is ordered after it."""
-        event = self._event()
-        self.api.record_event(event, self.compute_stream)
-        if self._discard_event is not None:
-            self._spare_events.append(self._discard_event)  # the new event covers the old one
-        self._discard_event = event
+        self._record(event, stream)
+        old = self._discard_events.pop(_stream_key(stream), None)
+        if old is not None:
+            self._spare_events.append(old)  # the new event covers the old one (same stream)
+        self._discard_events[_stream_key(stream)] = event
         self._discarded.extend(ranges)
         if len(self._discarded) > MAX_PENDING:
             self._copy_after_discards()
 
     def _copy_after_discards(self) -> None:
         """Order the copy stream after the discards queued so far (not after later kernels)."""
-        self.api.stream_wait_event(self.copy_stream, self._discard_event)
+        for event in self._discard_events.values():
+            self._wait(self.copy_stream, event)
+            self._spare_events.append(event)
+        self._discard_events.clear()
         self._discarded.clear()
 
     def _can_migrate(self) -> bool:
@@ -568,7 +678,8 @@ class CudaBackend(Backend):
             raise CudaError(f"device {device} is not valid here; use {self.device} (this backend's GPU) or -1 (host)")
 
     def _checked(self, call: str, ranges: Sequence[Range]) -> list[Range]:
-        """Validate that each range lies inside one allocation; merge adjacent ranges."""
+        """Validate that each range lies inside one allocation; merge overlapping and
+        touching ranges (across allocations only with ``merge_across_allocations``)."""
         out: list[Range] = []
         for ptr, n in sorted((int(p), int(n)) for p, n in ranges):
             if n <= 0:
@@ -576,12 +687,40 @@ class CudaBackend(Backend):
             alloc = self.allocation_of(ptr)
             if alloc is None or ptr + n > alloc[0] + alloc[1]:
                 raise CudaError(f"{call}: range ({ptr:#x}, {n}) is not inside one managed allocation of this backend")
-            if out and out[-1][0] + out[-1][1] >= ptr and self.allocation_of(out[-1][0]) == alloc:
-                start = out[-1][0]
-                out[-1] = (start, max(out[-1][0] + out[-1][1], ptr + n) - start)
-            else:
-                out.append((ptr, n))
+            if out:
+                start, end = out[-1][0], out[-1][0] + out[-1][1]
+                # A range that starts at or before the previous one's end: the same allocation
+                # (overlapping or touching), or the next one, right where the previous ends.
+                if end >= ptr and (alloc[0] <= start or (self.merge_across_allocations and end == ptr)):
+                    out[-1] = (start, max(end, ptr + n) - start)
+                    continue
+            out.append((ptr, n))
         return out
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    """``after - before`` for two :meth:`CudaBackend.counters` snapshots (what one step issued)."""
+    out = {k: v - before.get(k, 0) for k, v in after.items() if k != "calls"}
+    was = before.get("calls", {})
+    out["calls"] = {name: n - was.get(name, 0) for name, n in after.get("calls", {}).items() if n != was.get(name, 0)}
+    return out
+
+
+def is_legacy_stream(stream: Any) -> bool:
+    """Whether a stream handle is the legacy default stream: ``0`` or ``cudaStreamLegacy`` (1)."""
+    return _stream_key(stream) in LEGACY_STREAMS
+
+
+def _stream_key(stream: Any) -> Any:
+    """A stream handle as a dict key: its integer value (ints, ``cudaStream_t``), else the object."""
+    try:
+        return int(stream)
+    except (TypeError, ValueError):
+        return stream
+
+
+def _same_stream(a: Any, b: Any) -> bool:
+    return a is b or _stream_key(a) == _stream_key(b)
 
 
 def _advice(advice: Advice | int) -> Advice:
