@@ -308,7 +308,9 @@ class FakeGpu:
         if h == STREAM_PER_THREAD:
             key = ("ptds", threading.get_ident())
             if key not in self._streams:
-                self._streams[key] = _Stream(key, True, self.current)
+                # It exists as long as its thread and, being blocking, has waited for every
+                # legacy action so far.
+                self._streams[key] = _Stream(key, True, self.current, dict(self._streams[LEGACY].frontier))
             return key
         if h in self._created:
             return self._created[h]
@@ -496,7 +498,7 @@ class FakeGpu:
                                                  "and not ordered before it")
         if page.discard_op is not None and not self.ordered(page.discard_op, op):
             self._violate("discard-race", f"{op} touches {where} while {page.discard_op} may still run")
-        if page.last_move is not None:
+        if page.last_move is not None and page.last_move[0] is not page.discard_op:  # (checked just above)
             prev, prev_dest = page.last_move
             mine = "discarded" if dest is None else dest
             if (discard or prev_dest != mine) and not self.ordered(prev, op):
