@@ -5,7 +5,7 @@ import threading
 import warnings
 
 import pytest
-from fake_cuda import FakeBindingsRuntime, FakeCupyRuntime, FakeGpu
+from fake_cuda import FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, PageStateError
 
 from umrt.backends.base import HOST, Advice
 from umrt.backends.cuda import DISCARD_ALIGN, BindingsApi, CudaBackend, CupyApi, counters_delta
@@ -120,11 +120,15 @@ def test_discard_cuda13_is_page_aligned_and_in_kernel_order(cuda13, fake_gpu):
     n = len(fake_gpu.calls)
     cuda13.prefetch([(other, MiB)], 0)  # elsewhere: no wait
     assert "cudaStreamWaitEvent" not in [c[0] for c in fake_gpu.calls[n:]]
+    cuda13.prefetch([(ptr, 4 * MiB)], 0)  # its discarded part is populated in kernel order, after it
+    populate = [op for op in fake_gpu.ops_named("cudaMemPrefetchAsync") if op.stream == discard.stream]
+    assert len(populate) == 1 and fake_gpu.ordered(discard, populate[0])
     n = len(fake_gpu.calls)
-    cuda13.prefetch([(ptr, 4 * MiB)], 0)  # the discarded range: the copy stream waits for the discard
+    cuda13.prefetch([(ptr + DISCARD_ALIGN, DISCARD_ALIGN)], HOST)  # a copy of it waits for both
     names = [c[0] for c in fake_gpu.calls[n:]]
     assert names.index("cudaStreamWaitEvent") < names.index("cudaMemPrefetchAsync")
-    assert fake_gpu.ordered(discard, fake_gpu.ops_named("cudaMemPrefetchAsync")[-1])
+    evict = fake_gpu.ops_named("cudaMemPrefetchAsync")[-1]
+    assert fake_gpu.ordered(discard, evict) and fake_gpu.ordered(populate[0], evict)
     n = len(fake_gpu.calls)
     cuda13.prefetch([(ptr, 4 * MiB)], 0)  # ordered once is enough
     assert "cudaStreamWaitEvent" not in [c[0] for c in fake_gpu.calls[n:]]
@@ -223,7 +227,8 @@ def test_counters_count_calls_by_runtime_name_and_bytes(cuda_backend):
     delta = counters_delta(before, cuda_backend.counters())
     calls = delta.pop("calls")
     cuda13 = cuda_backend.api.has_batch
-    assert delta == {"h2d_bytes": 2 * MiB, "d2h_bytes": MiB, "discarded_bytes": MiB if cuda13 else 0}
+    assert delta == {"h2d_bytes": 2 * MiB, "d2h_bytes": MiB, "populated_bytes": 0,
+                     "discarded_bytes": MiB if cuda13 else 0}
     assert calls["cudaMemPrefetchAsync"] == 3 and calls["cudaMemAdvise"] == 1
     assert calls.get("cudaMemDiscardBatchAsync", 0) == int(cuda13)
     assert calls["cudaEventRecord"] >= 3 and "cudaMallocManaged" not in calls  # before the snapshot
@@ -345,3 +350,25 @@ def test_pending_events_stay_bounded(cuda12, fake_gpu):
     for _ in range(MAX_PENDING + 5):
         cuda12.prefetch([(ptr, 4096)], 0)
     assert len(cuda12._pending) <= MAX_PENDING
+
+
+@pytest.mark.parametrize("compute", [0, "created"])
+def test_a_discarded_range_is_repopulated_in_kernel_order(cuda13, fake_gpu, compute):
+    """A newborn placed on discarded pages is prefetched to the GPU before its first
+    kernel even when no launch() announces that kernel (a live run that stopped
+    capturing ops): the discarded parts go in kernel order, the rest on the copy stream."""
+    stream = cuda13.api.create_stream() if compute == "created" else 0
+    cuda13.set_compute_stream(stream)
+    a = cuda13.malloc(4 * MiB)
+    fake_gpu.kernel(stream, writes=[(a, 4 * MiB)])
+    cuda13.discard([(a, 2 * MiB)])
+    before = cuda13.h2d_bytes
+    cuda13.prefetch([(a + MiB, 2 * MiB)], 0)  # half discarded, half not
+    calls = [(c[1], c[2], c[-1]) for c in fake_gpu.calls if c[0] == "cudaMemPrefetchAsync"]
+    assert calls == [(a + MiB, MiB, cuda13.discard_stream()), (a + 2 * MiB, MiB, cuda13.copy_stream)]
+    assert cuda13.populated_bytes == MiB and cuda13.h2d_bytes - before == MiB
+    fake_gpu.kernel(stream, writes=[(a + MiB, MiB)])  # no launch(): still no refault
+    with pytest.raises(PageStateError, match="refault"):
+        fake_gpu.kernel(stream, writes=[(a, MiB)])  # the part nobody prefetched
+    cuda13.prefetch([(a + MiB, MiB)], 0)  # repopulated already: an ordinary prefetch now
+    assert fake_gpu.calls[-2][0] == "cudaMemPrefetchAsync" and fake_gpu.calls[-2][-1] == cuda13.copy_stream

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.backends.ranges import RangeSet
 from umrt.errors import CudaError
 
 #: Discards are shrunk inward to this alignment: the driver drops whole pages,
@@ -317,6 +318,8 @@ class CudaBackend(Backend):
 
     * ``h2d_bytes`` / ``d2h_bytes``: bytes umrt prefetched to the GPU /
       evicted to the host (faults are invisible to it);
+    * ``populated_bytes``: bytes prefetched to the GPU that umrt had
+      discarded (populated on the GPU, nothing copied; not in ``h2d_bytes``);
     * ``discarded_bytes``: bytes discarded (alone or with a prefetch after);
     * ``calls``: a :class:`collections.Counter` of the CUDA runtime calls the
       backend issued, keyed by the runtime's name (``"cudaMemPrefetchAsync"``,
@@ -357,9 +360,12 @@ class CudaBackend(Backend):
         # discarded, an event recorded after its newest discard.
         self._discarded: list[Range] = []
         self._discard_events: dict[Any, Any] = {}
+        # Discarded and not prefetched to the GPU since: prefetches of these go in kernel order.
+        self._dropped = RangeSet()
         # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.populated_bytes = 0
         self.discarded_bytes = 0
         self._resident: list[Range] = []  # disjoint, sorted: what umrt placed on the GPU
 
@@ -381,6 +387,7 @@ class CudaBackend(Backend):
         self.synchronize()
         self._call("cudaFree", self.api.free, ptr)
         self._place([(ptr, self._allocs[ptr])], on_device=False)
+        self._dropped.remove(ptr, self._allocs[ptr])
         del self._allocs[ptr]
         self._starts.pop(bisect.bisect_left(self._starts, ptr))
 
@@ -403,7 +410,7 @@ class CudaBackend(Backend):
     def counters(self) -> dict:
         """A snapshot of the counters (see the class docstring): bytes per direction,
         bytes discarded, and ``calls``, a dict of runtime call name -> calls issued."""
-        return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes,
+        return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "populated_bytes": self.populated_bytes,
                 "discarded_bytes": self.discarded_bytes, "calls": dict(self.calls)}
 
     # -- migration -------------------------------------------------------------
@@ -415,11 +422,22 @@ class CudaBackend(Backend):
         already-resident 2 MiB ranges took 7.9 ms as single calls and 56 ms as
         one batch, and the batch moved host -> GPU at 19 GB/s against 17 GB/s
         for single 2 MiB calls (h100-measured.md, section 1): coalescing into
-        few large calls is what pays (48-50 GB/s from 256 MiB up)."""
+        few large calls is what pays (48-50 GB/s from 256 MiB up).
+
+        The parts umrt discarded and has not repopulated are prefetched in
+        kernel order instead (:meth:`discard_stream`, like the discard): they
+        reach the GPU before any kernel queued afterwards, whether or not that
+        kernel is announced with :meth:`launch` (a kernel touching a discarded
+        page first refaults at 0.8 GB/s on the H100), and populating them
+        copies nothing."""
         ranges = self._checked("cudaMemPrefetchAsync", ranges)
         self._check_device(device)
         if not ranges or not self._can_migrate():
             return
+        if device != HOST and self._dropped:
+            ranges = self._populate(ranges, device)
+            if not ranges:
+                return
         if self._discarded and _overlaps(self._discarded, ranges):
             self._copy_after_discards()  # touching a range while its discard runs is undefined
         if device == HOST:
@@ -453,7 +471,9 @@ class CudaBackend(Backend):
         self._call("cudaMemDiscardBatchAsync", self.api.discard_batch, ranges, stream)
         self.discarded_bytes += sum(n for _, n in ranges)
         self._place(ranges, on_device=False)  # discarded pages are released
-        self._after_discard(stream, ranges)
+        for p, n in ranges:
+            self._dropped.add(p, n)
+        self._after_kernel_ordered(stream, ranges)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Make ranges resident on ``device`` without copying their dead contents.
@@ -478,7 +498,9 @@ class CudaBackend(Backend):
                    stream)
         self.discarded_bytes += sum(n for _, n in aligned)
         self._place(aligned, on_device=device != HOST)
-        self._after_discard(stream, aligned)
+        for p, n in aligned:  # populated on the GPU, or dead bytes on the host
+            (self._dropped.add if device == HOST else self._dropped.remove)(p, n)
+        self._after_kernel_ordered(stream, aligned)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         ranges = self._checked("cudaMemAdvise", ranges)
@@ -639,8 +661,35 @@ class CudaBackend(Backend):
         self._pending.clear()
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
 
-    def _after_discard(self, stream: Any, ranges: list[Range]) -> None:
-        """Remember a discard (an event after it) until the copy stream is ordered after it."""
+    def _populate(self, ranges: list[Range], device: int) -> list[Range]:
+        """Prefetch to ``device`` the parts of ``ranges`` umrt discarded, on the discard
+        stream (in kernel order, after the discard); return the other parts."""
+        taken: list[Range] = []
+        rest: list[Range] = []
+        for ptr, n in ranges:
+            pieces = self._dropped.take(ptr, n)
+            at = ptr
+            for q, m in pieces:
+                if q > at:
+                    rest.append((at, q - at))
+                at = q + m
+            if at < ptr + n:
+                rest.append((at, ptr + n - at))
+            taken.extend(pieces)
+        if taken:
+            stream = self.discard_stream()
+            self._wait_copies(stream, taken)
+            for q, m in taken:
+                self._call("cudaMemPrefetchAsync", self.api.prefetch, q, m, device, stream)
+            self.populated_bytes += sum(m for _, m in taken)
+            self._place(taken, on_device=True)
+            self._after_kernel_ordered(stream, taken)
+        return rest
+
+    def _after_kernel_ordered(self, stream: Any, ranges: list[Range]) -> None:
+        """Remember a move queued in kernel order (a discard, a discard-and-prefetch, a
+        populate after a discard) with an event after it, until the copy stream is
+        ordered after it: a copy of these ranges must not run at the same time."""
         event = self._event()
         self._record(event, stream)
         old = self._discard_events.pop(_stream_key(stream), None)
