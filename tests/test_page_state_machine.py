@@ -1,0 +1,431 @@
+"""umrt's runtime on the fake CUDA 13 GPU, driven by random programs: no data lost,
+no refault, no race.
+
+A Hypothesis state machine. Each example draws one training-loop template
+(layers, object sizes that are and are not whole 64 KiB pages, inputs copied in
+from the host, gradients kept until the next step's ``zero_grad``), a budget
+below (or sometimes above) its footprint, the compute stream (the legacy stream
+0 or 1, the per-thread stream, a created blocking or non-blocking stream), and
+how events arrive (every launch, as the simulator delivers them, or as a live
+run does once the runtime stops asking for launches). Then a random sequence of
+steps: whole iterations of the template (the common step, so that the runtime
+learns it and acts: 2 learned + 2 probed iterations, then trusted, then without
+launches), perturbed iterations (an extra temporary, another kernel in one launch's
+place, a bigger input, an iteration cut short), stray allocations, launches and frees between
+iterations, budget changes, compute-stream changes and host synchronizations.
+
+Events are fed in the simulator's order (:func:`umrt.sim.replay.simulate`):
+``Alloc`` -> ``layout.alloc`` then ``runtime.on_event``; ``Launch`` ->
+``runtime.on_event`` then ``backend.launch`` on the resolved ranges; ``Free`` ->
+``runtime.on_event`` then ``layout.free``; boundaries and layer events ->
+``runtime.on_event``. Every kernel is also queued on the fake GPU's compute
+stream (:meth:`FakeGpu.kernel`), as torch would launch it, announced or not; an
+object born on the host (``Alloc.launch == -1``) is filled by a copy kernel.
+
+The fake GPU raises :class:`PageStateError` at the call that breaks one of the
+invariants (tests/fake_cuda.py has the details):
+
+* no kernel reads a byte that was discarded and not written since;
+* no discarded range reaches a kernel without a prefetch to the GPU ordered first;
+* no page is evicted or discarded while a queued kernel that uses it is not
+  ordered before it, and no two moves of a page race.
+
+``test_runtime_keeps_every_invariant`` runs ``EXAMPLES`` (500) sequences and
+prints how many ran and what they exercised; ``test_the_machine_finds_a_planted_bug``
+removes the runtime's prefetch-before-reuse (``Runtime._populate``) and must
+fail.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from fake_cuda import FakeBindingsRuntime, FakeGpu, PageStateError
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from umrt.backends.cuda import BindingsApi, CudaBackend
+from umrt.errors import CudaError
+from umrt.hardware import load_profile
+from umrt.policy.base import PolicyContext
+from umrt.runtime import Runtime
+from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
+
+KiB, MiB = 1 << 10, 1 << 20
+EXAMPLES = 500
+PROFILE = load_profile("h100-pcie5-80g")
+FLOPS = 2 * 10**11  # per launch: ~milliseconds on the profile, so decision points fall between launches
+# Object sizes: whole 64 KiB pages and not (page-rounded discards, shared edge pages), under a page too.
+SIZES = (48 * KiB, 64 * KiB, 100 * KiB, 192 * KiB, 256 * KiB, 320 * KiB, 512 * KiB, 1 * MiB, 1536 * KiB)
+STREAMS = ("legacy", "legacy1", "per-thread", "blocking", "non-blocking")
+
+# What the examples exercised, summed over a test run (reset by each test).
+SEEN: Counter = Counter()
+
+
+@dataclass(frozen=True)
+class Template:
+    """One training step's shape: ``layers`` linear layers with parameters (copied in
+    from the host), activations saved for backward, optional temporaries, gradients."""
+
+    params: tuple[int, ...]
+    acts: tuple[int, ...]
+    temps: tuple[int, ...]  # 0: the layer has no temporary
+    input_bytes: int
+    host_input: bool  # copied in from the host (Alloc.launch == -1) or written by a kernel
+    carry_grads: bool  # gradients live until the next step's zero_grad (set_to_none)
+    optimizer_state: bool
+
+    def footprint(self) -> int:
+        persistent = sum(self.params) * (3 if self.optimizer_state else 1)
+        return persistent + sum(self.params) + self.input_bytes + sum(self.acts) + max(self.temps)
+
+
+@st.composite
+def templates(draw) -> Template:
+    layers = draw(st.integers(1, 4))
+    size = st.sampled_from(SIZES)
+    return Template(
+        params=tuple(draw(size) for _ in range(layers)),
+        acts=tuple(draw(size) for _ in range(layers)),
+        temps=tuple(draw(st.sampled_from((0, *SIZES[:5]))) for _ in range(layers)),
+        input_bytes=draw(size),
+        host_input=draw(st.booleans()),
+        carry_grads=draw(st.booleans()),
+        optimizer_state=draw(st.booleans()),
+    )
+
+
+class Program:
+    """Feeds one program's events to the runtime, its layout and backend, and queues its
+    kernels on the fake GPU (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, layout, backend: CudaBackend, gpu: FakeGpu, live: bool) -> None:
+        self.runtime, self.layout, self.backend, self.gpu, self.live = runtime, layout, backend, gpu, live
+        self.addr: dict[int, tuple[int, int]] = {}  # live object -> (ptr, nbytes)
+        self.ids = itertools.count(1)
+        self.seq = 0  # launches so far
+        self.index = 0  # iteration boundaries so far
+
+    def alloc(self, nbytes: int, kind: Kind, host: bool = False) -> int:
+        obj = next(self.ids)
+        ptr = self.layout.alloc(obj, nbytes, kind)
+        self.addr[obj] = (ptr, nbytes)
+        self.runtime.on_event(Alloc(obj, nbytes, kind, -1 if host else self.seq))
+        if host:  # its data is copied in on the current stream (torch: tensor.to("cuda"))
+            self.gpu.kernel(self.backend.compute_stream, writes=[(ptr, nbytes)], name=f"copy into object {obj}")
+        return obj
+
+    def launch(self, exec_id: int, reads: tuple[int, ...], writes: tuple[int, ...], module: str = "") -> None:
+        acc = tuple(Access(o, 0, self.addr[o][1], False) for o in reads) + tuple(
+            Access(o, 0, self.addr[o][1], True) for o in writes)
+        r = [self.addr[o] for o in reads]
+        w = [self.addr[o] for o in writes]
+        nbytes = sum(n for _, n in r + w)
+        ev = Launch(self.seq, exec_id, f"op{exec_id}", acc, FLOPS, nbytes, module)
+        self.seq += 1
+        if not self.live or self.runtime.wants_launches:  # a live run stops capturing when told
+            self.runtime.on_event(ev)
+            self.backend.launch(r, w, FLOPS, nbytes)
+            SEEN["launches delivered"] += 1
+        self.gpu.kernel(self.backend.compute_stream, reads=r, writes=w, name=f"kernel op{exec_id}")
+        SEEN["kernels"] += 1
+
+    def free(self, obj: int) -> None:
+        self.runtime.on_event(Free(obj))
+        del self.addr[obj]
+        self.layout.free(obj)
+
+    def layer(self, enter: bool, module: str, phase: str) -> None:
+        self.runtime.on_event(LayerEnter(module, phase) if enter else LayerExit(module, phase))
+
+    def boundary(self) -> None:
+        self.runtime.on_event(IterationBoundary(self.index))
+        self.index += 1
+
+
+class PageStateMachine(RuleBasedStateMachine):
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.program: Program | None = None
+
+    # -- set-up ------------------------------------------------------------------
+    @initialize(template=templates(), budget=st.floats(0.3, 1.3), stream=st.sampled_from(STREAMS),
+                live=st.booleans(), options=st.fixed_dictionaries(
+                    {}, optional={"discard_on_free": st.booleans(), "op_level": st.booleans(),
+                                  "read_mostly": st.booleans(), "freeze": st.booleans()}))
+    def start(self, template: Template, budget: float, stream: str, live: bool, options: dict) -> None:
+        self.t = template
+        self.gpu = FakeGpu()
+        self.rt = FakeBindingsRuntime(self.gpu)
+        self.backend = CudaBackend(0, api=BindingsApi(self.rt))
+        self.backend.set_compute_stream(self.make_stream(stream))
+        self.runtime = Runtime(**options)
+        layout = self.runtime.make_layout(self.backend)
+        self.runtime.attach(PolicyContext(backend=self.backend, layout=layout,
+                                          budget_bytes=self.budget_bytes(budget), profile=PROFILE))
+        self.program = p = Program(self.runtime, layout, self.backend, self.gpu, live)
+        self.params = [p.alloc(n, Kind.PARAMETER, host=True) for n in template.params]
+        self.states = [(p.alloc(n, Kind.OPTIMIZER_STATE, host=True), p.alloc(n, Kind.OPTIMIZER_STATE, host=True))
+                       for n in template.params] if template.optimizer_state else []
+        self.grads: list[int] = []  # carried to the next iteration
+        self.strays: list[int] = []
+        self.iterations = 0
+        p.boundary()
+
+    def make_stream(self, kind: str) -> int:
+        if kind in ("legacy", "legacy1"):
+            return 0 if kind == "legacy" else FakeBindingsRuntime.cudaStreamLegacy
+        if kind == "per-thread":
+            return FakeBindingsRuntime.cudaStreamPerThread
+        flags = self.rt.cudaStreamDefault if kind == "blocking" else self.rt.cudaStreamNonBlocking
+        return self.rt.cudaStreamCreateWithFlags(flags)[1]
+
+    def budget_bytes(self, fraction: float) -> int:
+        return max(64 * KiB, int(fraction * self.t.footprint()))
+
+    # -- the program ---------------------------------------------------------------
+    def iteration(self, *, extra: bool = False, other: int = -1, input_scale: int = 1, cut: int = -1) -> None:
+        """One step of the template (perturbed as asked); ``cut``: stop after that many
+        events and free what the step made, as an exception would."""
+        p = self.program
+        made: list[int] = []
+        steps = self.steps(extra, other, input_scale, made)
+        for n, step in enumerate(steps):
+            if n == cut:
+                for obj in made:
+                    if obj in p.addr and obj not in self.grads:
+                        p.free(obj)
+                break
+            step()
+        p.boundary()
+        self.iterations += 1
+        SEEN["iterations"] += 1
+
+    def steps(self, extra: bool, other: int, input_scale: int, made: list[int]):
+        """The template's events as callables, in order (``made``: the objects born;
+        ``other``: that launch runs another kernel on the same objects)."""
+        p, t = self.program, self.t
+        out = []
+        names: dict[str, int] = {}
+
+        def alloc(name, nbytes, kind, host=False):
+            def go():
+                names[name] = p.alloc(nbytes, kind, host)
+                made.append(names[name])
+            out.append(go)
+
+        def launch(exec_id, reads, writes, module=""):
+            index = len([f for f in out if getattr(f, "launch", False)])
+
+            def go():
+                p.launch(exec_id + 1000 * (index == other), tuple(r() for r in reads), tuple(w() for w in writes),
+                         module)
+            go.launch = True
+            out.append(go)
+
+        def free(name):
+            out.append(lambda: p.free(names.pop(name)))
+
+        def get(name):
+            return lambda: names[name]
+
+        if t.carry_grads:  # zero_grad(set_to_none=True): last step's gradients die first
+            def drop():
+                for g in self.grads:
+                    p.free(g)
+                self.grads.clear()
+            out.append(drop)
+        alloc("x", t.input_bytes * input_scale, Kind.INPUT, host=t.host_input)
+        if not t.host_input:
+            launch(1, (), (get("x"),))
+        prev = "x"
+        for i, (act, temp) in enumerate(zip(t.acts, t.temps, strict=True)):
+            mod = f"layers.{i}"
+            out.append(lambda mod=mod: p.layer(True, mod, "forward"))
+            alloc(f"a{i}", act, Kind.ACTIVATION)
+            w = lambda i=i: self.params[i]  # noqa: E731
+            if temp:
+                alloc(f"t{i}", temp, Kind.TEMPORARY)
+                launch(10 + i, (get(prev), w), (get(f"t{i}"),), mod)
+                launch(20 + i, (get(f"t{i}"),), (get(f"a{i}"),), mod)
+                free(f"t{i}")
+            else:
+                launch(10 + i, (get(prev), w), (get(f"a{i}"),), mod)
+            if extra and i == 0:
+                alloc("extra", SIZES[3], Kind.TEMPORARY)
+                launch(99, (get(f"a{i}"),), (get("extra"),), mod)
+                free("extra")
+            out.append(lambda mod=mod: p.layer(False, mod, "forward"))
+            prev = f"a{i}"
+        alloc("loss", 4 * KiB, Kind.ACTIVATION)
+        launch(30, (get(prev),), (get("loss"),))
+        for i in reversed(range(len(t.params))):
+            mod = f"layers.{i}"
+            out.append(lambda mod=mod: p.layer(True, mod, "backward"))
+            alloc(f"g{i}", t.params[i], Kind.GRADIENT)
+            below = f"a{i - 1}" if i else "x"
+            launch(40 + i, (get(f"a{i}"), get(below), lambda i=i: self.params[i]), (get(f"g{i}"),), mod)
+            free(f"a{i}")
+            out.append(lambda mod=mod: p.layer(False, mod, "backward"))
+        free("x")
+        free("loss")
+        for i in range(len(t.params)):
+            state = (lambda i=i: self.states[i][0], lambda i=i: self.states[i][1]) if self.states else ()
+            launch(50 + i, (get(f"g{i}"),), (lambda i=i: self.params[i], *state))
+        if t.carry_grads:
+            out.append(lambda: self.grads.extend(names[f"g{i}"] for i in range(len(t.params))))
+        else:
+            for i in range(len(t.params)):
+                free(f"g{i}")
+        return out
+
+    @rule(n=st.integers(1, 8))
+    def iterations_of_the_template(self, n: int) -> None:
+        for _ in range(n):
+            self.iteration()
+
+    @rule(kind=st.sampled_from(("extra", "other kernel", "bigger input")), at=st.integers(0, 40))
+    def perturbed_iteration(self, kind: str, at: int) -> None:
+        SEEN[f"perturbed: {kind}"] += 1
+        self.iteration(extra=kind == "extra", other=at if kind == "other kernel" else -1,
+                       input_scale=2 if kind == "bigger input" else 1)
+
+    @rule(cut=st.integers(0, 80))
+    def iteration_cut_short(self, cut: int) -> None:
+        SEEN["cut short"] += 1
+        self.iteration(cut=cut)
+
+    @rule(nbytes=st.sampled_from(SIZES), host=st.booleans(), kind=st.sampled_from((Kind.OTHER, Kind.TEMPORARY)))
+    def stray_alloc(self, nbytes: int, host: bool, kind: Kind) -> None:
+        obj = self.program.alloc(nbytes, kind, host=host)
+        if not host:
+            self.program.launch(70, (), (obj,))
+        self.strays.append(obj)
+
+    @precondition(lambda self: self.program is not None and self.strays)
+    @rule(data=st.data())
+    def stray_launch(self, data) -> None:
+        reads = data.draw(st.lists(st.sampled_from(self.strays + self.params), max_size=3, unique=True))
+        writes = data.draw(st.lists(st.sampled_from(self.strays), min_size=1, max_size=2, unique=True))
+        self.program.launch(71, tuple(reads), tuple(writes))
+
+    @precondition(lambda self: self.program is not None and self.strays)
+    @rule(data=st.data())
+    def stray_free(self, data) -> None:
+        obj = data.draw(st.sampled_from(self.strays))
+        self.strays.remove(obj)
+        self.program.free(obj)
+
+    @rule(fraction=st.floats(0.3, 1.3))
+    def budget_change(self, fraction: float) -> None:
+        SEEN["budget changes"] += 1
+        self.runtime.set_budget(self.budget_bytes(fraction))
+
+    @rule(kind=st.sampled_from(STREAMS))
+    def stream_change(self, kind: str) -> None:
+        SEEN["stream changes"] += 1
+        self.backend.set_compute_stream(self.make_stream(kind))
+
+    @rule()
+    def host_waits(self) -> None:
+        """The program reads a result on the host (loss.item()): the compute stream is synchronized."""
+        self.rt.cudaStreamSynchronize(self.backend.compute_stream)
+
+    # -- checks --------------------------------------------------------------------
+    @invariant()
+    def nothing_lost_refaulted_or_raced(self) -> None:
+        if self.program is not None:
+            assert not self.gpu.violations, self.gpu.violations[:3]
+
+    def teardown(self) -> None:
+        if self.program is None:
+            return
+        SEEN["examples"] += 1
+        rep = self.runtime.report()
+        names = self.gpu.names()
+        SEEN["examples with acted iterations"] += rep["acted"] > 0
+        SEEN["examples with light iterations"] += rep["light_iterations"] > 0
+        SEEN["examples with discards"] += "cudaMemDiscardBatchAsync" in names
+        SEEN["examples with evictions"] += rep["evicted_bytes"] > 0
+        SEEN["examples with populates"] += rep["populate_calls"] > 0
+        SEEN["examples with deviations"] += rep["deviations"] > 0
+        SEEN["discard calls"] += names.count("cudaMemDiscardBatchAsync")
+        SEEN["prefetch calls"] += names.count("cudaMemPrefetchAsync")
+        SEEN["refaults"] += self.gpu.faults["discarded"]
+        self.backend.synchronize()
+
+
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=10, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def test_runtime_keeps_every_invariant(capsys):
+    SEEN.clear()
+    run_state_machine_as_test(PageStateMachine, settings=SETTINGS)
+    with capsys.disabled():
+        print(f"\npage-state machine: {SEEN['examples']} sequences, " + ", ".join(
+            f"{k} {v}" for k, v in sorted(SEEN.items()) if k != "examples"))
+    assert SEEN["examples"] >= EXAMPLES
+    # Not vacuous: the runtime learned, acted, discarded, evicted and repopulated in many of them.
+    for what in ("acted iterations", "light iterations", "discards", "evictions", "populates", "deviations"):
+        assert SEEN[f"examples with {what}"] >= EXAMPLES // 20, (what, SEEN)
+
+
+def _discard_on_the_compute_stream(self):
+    return self.compute_stream
+
+
+def _no_wait_on_stream_change(self, stream):
+    self.compute_stream = stream
+
+
+_STREAM_AFTER = CudaBackend._stream_after
+
+
+def _evictions_not_after_kernels(self, waiter, source):
+    if waiter is not self.copy_stream:
+        _STREAM_AFTER(self, waiter, source)
+
+
+# Backend bugs the machine must find: what the H100 hit in issue 10 (discards on the
+# legacy stream 0), and each ordering the backend promises, removed in turn.
+BACKEND_BUGS = {
+    "discards on the legacy compute stream": (("discard_stream", _discard_on_the_compute_stream),
+                                              "cudaErrorInvalidValue"),
+    "discards on the copy stream": (("discard_stream", lambda self: self.copy_stream), "migrated-in-use"),
+    "repopulating on the copy stream": (("_populate", lambda self, ranges, device: ranges), "refault"),
+    "no wait on a stream change": (("set_compute_stream", _no_wait_on_stream_change), "migrated-in-use|discard-race"),
+    "evictions not after kernels": (("_stream_after", _evictions_not_after_kernels), "migrated-in-use"),
+}
+
+
+@pytest.mark.parametrize("bug", BACKEND_BUGS)
+def test_the_machine_finds_planted_backend_bugs(monkeypatch, bug):
+    (name, patched), error = BACKEND_BUGS[bug]
+    monkeypatch.setattr(CudaBackend, name, patched)
+    found = settings(SETTINGS, max_examples=300, phases=(Phase.generate,))
+    with pytest.raises((PageStateError, CudaError), match=error):
+        run_state_machine_as_test(PageStateMachine, settings=found)
+
+
+def test_the_machine_finds_a_planted_bug(monkeypatch):
+    """Without the prefetch-before-reuse (Runtime._populate), a newborn on discarded
+    pages is written by its first kernel: the machine must report a refault."""
+    assert hasattr(Runtime, "_populate")
+    monkeypatch.setattr(Runtime, "_populate", lambda self, ptr, nbytes: None)
+    found = settings(SETTINGS, max_examples=200, phases=(Phase.generate,))  # report the first failure, unshrunk
+    with pytest.raises(PageStateError, match="refault"):
+        run_state_machine_as_test(PageStateMachine, settings=found)
