@@ -556,3 +556,25 @@ def test_real_gpu_batch_calls_reject_the_legacy_stream_only():
     backend.discard_and_prefetch([(a + 2 * MiB, 2 * MiB)], 0)
     backend.synchronize()
     backend.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=False, reason="unverified on a GPU: XPASS means the CUDA runtime accepts one prefetch "
+                                        "over two touching managed allocations (merge_across_allocations may be on)")
+def test_real_gpu_prefetch_over_two_touching_allocations():
+    rt = pytest.importorskip("cuda.bindings.runtime")
+    size = 2 * MiB
+    (e1, a), (e2, b) = rt.cudaMallocManaged(size, rt.cudaMemAttachGlobal), rt.cudaMallocManaged(size, 1)
+    try:
+        assert e1 == e2 == rt.cudaError_t.cudaSuccess
+        a, b = int(a), int(b)
+        if abs(a - b) != size:
+            pytest.skip(f"the two allocations do not touch ({a:#x}, {b:#x})")
+        where = rt.cudaMemLocation()
+        where.type, where.id = rt.cudaMemLocationType.cudaMemLocationTypeDevice, 0
+        err, = rt.cudaMemPrefetchAsync(min(a, b), 2 * size, where, 0, rt.cudaStreamPerThread)
+        rt.cudaDeviceSynchronize()
+        assert err == rt.cudaError_t.cudaSuccess
+    finally:
+        rt.cudaFree(a)
+        rt.cudaFree(b)
