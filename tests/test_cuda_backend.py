@@ -121,7 +121,7 @@ def test_discard_cuda13_is_page_aligned_and_in_kernel_order(cuda13, fake_gpu):
     cuda13.prefetch([(other, MiB)], 0)  # elsewhere: no wait
     assert "cudaStreamWaitEvent" not in [c[0] for c in fake_gpu.calls[n:]]
     cuda13.prefetch([(ptr, 4 * MiB)], 0)  # its discarded part is populated in kernel order, after it
-    populate = [op for op in fake_gpu.ops_named("cudaMemPrefetchAsync") if op.stream == discard.stream]
+    populate = [op for op in fake_gpu.ops_named("cudaMemPrefetchAsync") if op.stream == "legacy"]
     assert len(populate) == 1 and fake_gpu.ordered(discard, populate[0])
     n = len(fake_gpu.calls)
     cuda13.prefetch([(ptr + DISCARD_ALIGN, DISCARD_ALIGN)], HOST)  # a copy of it waits for both
@@ -356,7 +356,8 @@ def test_pending_events_stay_bounded(cuda12, fake_gpu):
 def test_a_discarded_range_is_repopulated_in_kernel_order(cuda13, fake_gpu, compute):
     """A newborn placed on discarded pages is prefetched to the GPU before its first
     kernel even when no launch() announces that kernel (a live run that stopped
-    capturing ops): the discarded parts go in kernel order, the rest on the copy stream."""
+    capturing ops): the discarded parts go on the compute stream, the rest on the
+    copy stream."""
     stream = cuda13.api.create_stream() if compute == "created" else 0
     cuda13.set_compute_stream(stream)
     a = cuda13.malloc(4 * MiB)
@@ -365,10 +366,33 @@ def test_a_discarded_range_is_repopulated_in_kernel_order(cuda13, fake_gpu, comp
     before = cuda13.h2d_bytes
     cuda13.prefetch([(a + MiB, 2 * MiB)], 0)  # half discarded, half not
     calls = [(c[1], c[2], c[-1]) for c in fake_gpu.calls if c[0] == "cudaMemPrefetchAsync"]
-    assert calls == [(a + MiB, MiB, cuda13.discard_stream()), (a + 2 * MiB, MiB, cuda13.copy_stream)]
+    assert calls == [(a + MiB, MiB, stream), (a + 2 * MiB, MiB, cuda13.copy_stream)]
     assert cuda13.populated_bytes == MiB and cuda13.h2d_bytes - before == MiB
     fake_gpu.kernel(stream, writes=[(a + MiB, MiB)])  # no launch(): still no refault
     with pytest.raises(PageStateError, match="refault"):
         fake_gpu.kernel(stream, writes=[(a, MiB)])  # the part nobody prefetched
     cuda13.prefetch([(a + MiB, MiB)], 0)  # repopulated already: an ordinary prefetch now
     assert fake_gpu.calls[-2][0] == "cudaMemPrefetchAsync" and fake_gpu.calls[-2][-1] == cuda13.copy_stream
+
+
+@pytest.mark.parametrize("compute", [0, 1, "created"])
+def test_populate_is_in_kernel_order(cuda_backend, fake_gpu, compute):
+    """Backend.populate: a newborn's pages that are not on the GPU (discarded, evicted,
+    never touched) are there before the next kernel, with no launch() announcing it."""
+    stream = cuda_backend.api.create_stream() if compute == "created" else compute
+    cuda_backend.set_compute_stream(stream)
+    a = cuda_backend.malloc(6 * MiB)
+    fake_gpu.kernel(stream, writes=[(a, 4 * MiB)])
+    cuda_backend.prefetch([(a, 2 * MiB)], HOST)  # evicted, still queued on the copy stream
+    cuda_backend.discard([(a + 2 * MiB, 2 * MiB)])  # discarded (CUDA 13)
+    h2d = cuda_backend.h2d_bytes
+    cuda_backend.populate([(a, 6 * MiB)])  # the last 2 MiB: never touched
+    (call,) = [c for c in fake_gpu.calls if c[0] in ("cudaMemPrefetchAsync", "memPrefetchAsync")][1:]
+    assert call[1:3] == (a, 6 * MiB) and call[-1] == stream
+    cuda13 = cuda_backend.api.has_batch
+    assert cuda_backend.populated_bytes == (2 * MiB if cuda13 else 0)
+    assert cuda_backend.h2d_bytes - h2d == (4 if cuda13 else 6) * MiB
+    populate = fake_gpu.ops_named(call[0])[-1]
+    assert fake_gpu.ordered(fake_gpu.ops_named(call[0])[0], populate)  # after the eviction
+    fake_gpu.kernel(stream, writes=[(a, 6 * MiB)])  # no launch(): no refault, no race
+    assert not fake_gpu.violations and fake_gpu.faults["host"] == 0

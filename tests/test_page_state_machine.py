@@ -392,6 +392,12 @@ def _no_wait_on_stream_change(self, stream):
     self.compute_stream = stream
 
 
+def _populate_on_the_copy_stream(self, ranges, dropped):
+    for ptr, n in ranges:
+        self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, self.device, self.copy_stream)
+    self._mark(ranges)
+
+
 _STREAM_AFTER = CudaBackend._stream_after
 
 
@@ -406,7 +412,7 @@ BACKEND_BUGS = {
     "discards on the legacy compute stream": (("discard_stream", _discard_on_the_compute_stream),
                                               "cudaErrorInvalidValue"),
     "discards on the copy stream": (("discard_stream", lambda self: self.copy_stream), "migrated-in-use"),
-    "repopulating on the copy stream": (("_populate", lambda self, ranges, device: ranges), "refault"),
+    "populating on the copy stream": (("_in_kernel_order", _populate_on_the_copy_stream), "refault|discard-race"),
     "no wait on a stream change": (("set_compute_stream", _no_wait_on_stream_change), "migrated-in-use|discard-race"),
     "evictions not after kernels": (("_stream_after", _evictions_not_after_kernels), "migrated-in-use"),
 }

@@ -43,7 +43,11 @@ default current stream; then the discard runs on a *blocking* stream of the
 backend's own, which the legacy stream synchronizes with implicitly (why not
 ``cudaStreamPerThread``: :meth:`CudaBackend.discard_stream`). Either way the
 discard stream first waits for copies still queued on its ranges, and a later
-prefetch of a discarded range makes the copy stream wait for the discard.
+copy of a discarded range makes the copy stream wait for the discard.
+:meth:`CudaBackend.populate` (a newborn's missing pages) and the prefetch of
+pages umrt discarded run on the compute stream itself (a single
+``cudaMemPrefetchAsync`` accepts the legacy stream), so the next kernel finds
+them resident even when no :meth:`CudaBackend.launch` announces it.
 
 Without concurrent managed access (Windows, WSL, pre-Pascal GPUs) the
 driver rejects prefetch and advice; they become no-ops with one warning.
@@ -424,18 +428,17 @@ class CudaBackend(Backend):
         for single 2 MiB calls (h100-measured.md, section 1): coalescing into
         few large calls is what pays (48-50 GB/s from 256 MiB up).
 
-        The parts umrt discarded and has not repopulated are prefetched in
-        kernel order instead (:meth:`discard_stream`, like the discard): they
-        reach the GPU before any kernel queued afterwards, whether or not that
-        kernel is announced with :meth:`launch` (a kernel touching a discarded
-        page first refaults at 0.8 GB/s on the H100), and populating them
-        copies nothing."""
+        The parts umrt discarded and has not repopulated are populated in
+        kernel order instead (as :meth:`populate` does): they reach the GPU
+        before any kernel queued afterwards, whether or not that kernel is
+        announced with :meth:`launch` (a kernel touching a discarded page
+        first refaults at 0.8 GB/s on the H100)."""
         ranges = self._checked("cudaMemPrefetchAsync", ranges)
         self._check_device(device)
         if not ranges or not self._can_migrate():
             return
         if device != HOST and self._dropped:
-            ranges = self._populate(ranges, device)
+            ranges = self._split_dropped(ranges)
             if not ranges:
                 return
         if self._discarded and _overlaps(self._discarded, ranges):
@@ -452,6 +455,20 @@ class CudaBackend(Backend):
             self.h2d_bytes += moved
         self._place(ranges, on_device=device != HOST)
         self._mark(ranges)
+
+    def populate(self, ranges: Sequence[Range]) -> None:
+        """Make ranges resident on the GPU before the kernels queued after this call:
+        ``cudaMemPrefetchAsync`` on the compute stream itself (the single call takes
+        any stream, the legacy one included), after the copies still queued on
+        the ranges; the legacy stream's implicit synchronization or the compute
+        stream's own order puts it after discards of them too. No :meth:`launch`
+        is needed for the kernel to find the pages there (a live run stops
+        announcing kernels once the runtime trusts its plan). Pages umrt
+        discarded are populated without a copy (``populated_bytes``); the rest is
+        copied (``h2d_bytes``)."""
+        ranges = self._checked("cudaMemPrefetchAsync", ranges)
+        if ranges and self._can_migrate():
+            self._in_kernel_order(ranges, [r for p, n in ranges for r in self._dropped.take(p, n)])
 
     def discard(self, ranges: Sequence[Range]) -> None:
         """Drop dead ranges' pages, in order with the kernels (see :meth:`discard_stream`).
@@ -661,9 +678,9 @@ class CudaBackend(Backend):
         self._pending.clear()
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
 
-    def _populate(self, ranges: list[Range], device: int) -> list[Range]:
-        """Prefetch to ``device`` the parts of ``ranges`` umrt discarded, on the discard
-        stream (in kernel order, after the discard); return the other parts."""
+    def _split_dropped(self, ranges: list[Range]) -> list[Range]:
+        """Populate in kernel order the parts of ``ranges`` umrt discarded (see
+        :meth:`prefetch`); return the other parts."""
         taken: list[Range] = []
         rest: list[Range] = []
         for ptr, n in ranges:
@@ -677,19 +694,25 @@ class CudaBackend(Backend):
                 rest.append((at, ptr + n - at))
             taken.extend(pieces)
         if taken:
-            stream = self.discard_stream()
-            self._wait_copies(stream, taken)
-            for q, m in taken:
-                self._call("cudaMemPrefetchAsync", self.api.prefetch, q, m, device, stream)
-            self.populated_bytes += sum(m for _, m in taken)
-            self._place(taken, on_device=True)
-            self._after_kernel_ordered(stream, taken)
+            self._in_kernel_order(taken, taken)
         return rest
 
+    def _in_kernel_order(self, ranges: list[Range], dropped: list[Range]) -> None:
+        """Prefetch ``ranges`` to the GPU on the compute stream (``dropped``: the parts
+        of them umrt had discarded, now taken out of ``_dropped``)."""
+        stream = self.compute_stream
+        self._wait_copies(stream, ranges)
+        for ptr, n in ranges:
+            self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, self.device, stream)
+        populated = sum(n for _, n in dropped)
+        self.populated_bytes += populated
+        self.h2d_bytes += sum(n for _, n in ranges) - populated
+        self._place(ranges, on_device=True)
+
     def _after_kernel_ordered(self, stream: Any, ranges: list[Range]) -> None:
-        """Remember a move queued in kernel order (a discard, a discard-and-prefetch, a
-        populate after a discard) with an event after it, until the copy stream is
-        ordered after it: a copy of these ranges must not run at the same time."""
+        """Remember a discard or discard-and-prefetch with an event after it, until the
+        copy stream is ordered after it: a copy of these ranges must not run at the
+        same time. (Populates run on the compute stream, which evictions follow.)"""
         event = self._event()
         self._record(event, stream)
         old = self._discard_events.pop(_stream_key(stream), None)
