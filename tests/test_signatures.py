@@ -56,6 +56,7 @@ def _drive(backend):
     backend.advise([(b, MiB)], Advice.SET_ACCESSED_BY, 0)
     backend.discard([(a, 2 * MiB)])
     backend.discard_and_prefetch([(b, 2 * MiB)], 0)
+    backend.populate([(a, 4 * MiB)])  # on the compute stream (0): the discarded part without a copy
     backend.launch([(a, 16)], [(b, 16)], 0, 0)
     backend.synchronize()
     backend.mem_info()
