@@ -33,7 +33,24 @@ def test_memory_stats_keys_and_types():
     assert all(isinstance(got.pop(k), int) for k in process)
     assert got == {"reserved_bytes": 8 << 20, "resident_bytes": 5 << 20, "migrated_bytes": 4 << 20,
                    "h2d_bytes": 3 << 20, "d2h_bytes": 1 << 20, "discarded_bytes": 2 << 20,
-                   "acting": False, "stopped_reason": None}
+                   "populated_bytes": 0, "cuda_calls": {}, "acting": False, "stopped_reason": None}
+
+
+def test_memory_stats_counts_the_cuda_calls_umrt_issued(fake_gpu):
+    """What the CUDA backend issued, by call name, and the bytes it populated."""
+    from fake_cuda import FakeBindingsRuntime
+
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
+    stats.attach(pool=Pool(), backend=backend)
+    ptr = backend.malloc(4 << 20)
+    backend.discard([(ptr, 4 << 20)])
+    backend.populate([(ptr, 4 << 20)])  # discarded pages back without a copy
+    backend.prefetch([(ptr, 1 << 20)], -1)
+    got = umrt.memory_stats()
+    assert got["populated_bytes"] == 4 << 20 and got["d2h_bytes"] == 1 << 20 and got["h2d_bytes"] == 0
+    assert got["cuda_calls"]["cudaMemPrefetchAsync"] == 2 and got["cuda_calls"]["cudaMemDiscardBatchAsync"] == 1
 
 
 def test_runtime_status_transitions():

@@ -125,14 +125,19 @@ def memory_stats() -> dict[str, Any]:
     ``allocation_count``, ``reserved_bytes`` (managed memory the pool holds),
     ``resident_bytes`` (placed on the GPU by umrt; a lower bound),
     ``migrated_bytes`` (= ``h2d_bytes + d2h_bytes`` moved by umrt's prefetches),
-    ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes`` (ints); ``acting`` (bool:
-    the runtime is live and has not failed) and ``stopped_reason`` (str, or
-    None while it acts or when it never ran).
+    ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes``, ``populated_bytes``
+    (pages umrt discarded, made resident again for a newborn without a copy) (ints); ``cuda_calls`` (dict:
+    CUDA runtime call name -> calls umrt issued, e.g. ``cudaMemPrefetchAsync``);
+    ``acting`` (bool: the runtime is live and has not failed) and
+    ``stopped_reason`` (str, or None while it acts or when it never ran). Diff
+    two snapshots around a training step for what umrt issued per step.
     """
     pool, backend = _sources["pool"], _sources["backend"]
     h2d = int(getattr(backend, "h2d_bytes", 0))
     d2h = int(getattr(backend, "d2h_bytes", 0))
     resident = getattr(backend, "resident_bytes", None)
+    snapshot = getattr(backend, "counters", None)
+    counters = snapshot() if callable(snapshot) else {}
     with _lock:
         return {
             "allocated_bytes": _process.current_bytes,
@@ -144,6 +149,8 @@ def memory_stats() -> dict[str, Any]:
             "h2d_bytes": h2d,
             "d2h_bytes": d2h,
             "discarded_bytes": int(getattr(backend, "discarded_bytes", 0)),
+            "populated_bytes": int(counters.get("populated_bytes", 0)),
+            "cuda_calls": dict(counters.get("calls", {})),
             "acting": _status.acting,
             "stopped_reason": _status.stopped_reason,
         }
