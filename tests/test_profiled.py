@@ -381,12 +381,12 @@ class _Dev:
 class _TM:
     """Stands in for torch's _TensorMetadata (a float32 tensor on the CPU)."""
 
-    def __init__(self, ptr: int, sizes: list[int]) -> None:
+    def __init__(self, ptr: int, sizes: list[int], device: str = "cpu") -> None:
         self.storage_data_ptr = ptr
         self.sizes = sizes
         self.strides = [sizes[1], 1] if len(sizes) == 2 else [1]
         self.dtype = torch.float32
-        self.device = _Dev("cpu")
+        self.device = _Dev(device)
 
 
 class _Fields:
@@ -408,10 +408,10 @@ def _op(name, t, end, inputs, children=(), tid=1):
     return _Ev(_EventType.TorchOp, name, t, end, tid, children, inputs=inputs)
 
 
-def _mem(ptr, size, t, tid=1):
+def _mem(ptr, size, t, tid=1, device="cpu"):
     from torch._C._profiler import _EventType
 
-    return _Ev(_EventType.Allocation, "[memory]", t, t, tid, (), ptr=ptr, alloc_size=size, device=_Dev("cpu"))
+    return _Ev(_EventType.Allocation, "[memory]", t, t, tid, (), ptr=ptr, alloc_size=size, device=_Dev(device))
 
 
 def test_conversion_orders_two_threads_and_places_frees_after_their_launch(monkeypatch):
@@ -471,3 +471,27 @@ def test_conversion_orders_two_threads_and_places_frees_after_their_launch(monke
     kinds = {ev.obj: ev.kind for ev in events if isinstance(ev, Alloc)}
     assert kinds[2] is Kind.ACTIVATION  # made in forward, freed in backward
     assert kinds[0] is Kind.INPUT
+
+
+def test_conversion_on_cuda_keeps_host_memory_out_and_marks_copied_batches_as_inputs(monkeypatch):
+    import umrt.capture.profiled as profiled
+
+    monkeypatch.setattr(profiled, "_TENSOR_METADATA", _TM)
+    host, dev_w, dev_x, dev_y = 0x10, 0x100, 0x200, 0x300
+    roots = [
+        _mem(host, 24, 5),  # the batch, made on the host: not the traced device's memory
+        _op("aten::_to_copy", 10, 20, [_TM(host, [2, 3])], [_mem(dev_x, 512, 11, device="cuda")]),
+        _op("aten::mm", 30, 40, [_TM(dev_x, [2, 3], "cuda"), _TM(dev_w, [3, 3], "cuda")],
+            [_mem(dev_y, 512, 31, device="cuda")]),
+        _op("aten::add", 50, 60, [_TM(host, [2, 3]), _TM(host, [2, 3])], [_mem(0x20, 24, 51)]),  # a host op
+    ]
+    conv = profiled._Converter("cuda", (False, True), allocator_events=False)
+    conv.open_window()
+    conv.boundary()
+    events = conv.convert(roots).events
+    launches = [e for e in events if isinstance(e, Launch)]
+    assert [e.op for e in launches] == ["aten::_to_copy.default", "aten::mm.default"]
+    assert launches[1].flops == 2 * 2 * 3 * 3
+    allocs = {e.obj: e for e in events if isinstance(e, Alloc)}
+    assert [a.nbytes for a in allocs.values()] == [512, 36, 512]  # x, w (first seen), y: no host block
+    assert allocs[0].kind is Kind.INPUT and allocs[0].launch == 0  # batch data arriving

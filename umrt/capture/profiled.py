@@ -127,8 +127,8 @@ _TENSOR_METADATA = _TensorMetadata
 
 @dataclass
 class ProfiledWindow:
-    """One converted profile (normally one iteration, from a point after its
-    optimizer step's predecessor to the next window)."""
+    """The events of one read of the profile: normally one iteration's, from the
+    first top-level module forward after an optimizer step to the next."""
 
     index: int
     events: list[Event]
@@ -759,13 +759,19 @@ class _Converter:
             else:
                 self._free(obj, nbytes, phase)
         gone = {obj for obj, _ in after}
-        for obj in created:  # its outputs; temporaries it frees itself are no access
-            o = self.objs[obj]
-            if o.freed_iteration == -2 and obj not in gone and o.nbytes:
-                acc[(obj, 0, o.nbytes)] = True
+        outputs = [o for o in created if self.objs[o].freed_iteration == -2 and o not in gone]
+        for obj in outputs:  # what it made and keeps; temporaries it frees itself are no access
+            nb = self.objs[obj].nbytes
+            if nb:
+                acc[(obj, 0, nb)] = True
+        if outputs and dev != "cpu" and any(t[4] == "cpu" and t[1] for t in tensors):
+            for obj in outputs:  # a host-to-device copy: batch data arriving
+                self.objs[obj].known = Kind.INPUT
         accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
-        flops = _flops(info, inputs)
-        nbytes_moved = sum(ln for _, _, ln in acc)
+        flops = _flops(info, inputs) if info.flop_fn is not None or "attention" in info.name else 0
+        nbytes_moved = 0
+        for _, _, ln in acc:
+            nbytes_moved += ln
         precision = _precision(info.name, dtypes, self.tf32)
         self.seq += 1
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes_moved, module, precision))
@@ -975,6 +981,8 @@ class ProfiledCapture:
                 conv.open_window()
                 conv.boundary()
                 self._deliver(conv._finish(), as_window=False)
+        except Exception as exc:  # noqa: BLE001 - see on_error
+            self._error(exc)
         finally:
             self._active = False
             if self._profiling:  # reading failed: still give the profiler back
