@@ -129,7 +129,7 @@ def measure_tiny_ops(n: int) -> dict:
 
     loop()
     plain = per_op(loop)
-    config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config())
+    config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config()[0])
     _prepare_profiler(config, {ProfilerActivity.CPU})
     _enable_profiler(config, {ProfilerActivity.CPU})
     on = per_op(loop)

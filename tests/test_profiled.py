@@ -495,3 +495,28 @@ def test_conversion_on_cuda_keeps_host_memory_out_and_marks_copied_batches_as_in
     allocs = {e.obj: e for e in events if isinstance(e, Alloc)}
     assert [a.nbytes for a in allocs.values()] == [512, 36, 512]  # x, w (first seen), y: no host block
     assert allocs[0].kind is Kind.INPUT and allocs[0].launch == 0  # batch data arriving
+
+
+def test_without_overload_names_schemas_are_matched_from_the_inputs(monkeypatch):
+    """A torch without ``capture_overload_names`` (or with it off): the same
+    launches, found by torch's SchemaMatcher from the recorded arguments."""
+    import umrt.capture.profiled as profiled
+
+    def run() -> list[tuple[str, int]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        cap = ProfiledCapture(model, opt)
+        with cap:
+            for _ in range(2):
+                (model(torch.randn(4, 8)) * 2.0).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return [(e.op, e.exec_id) for e in cap.events if isinstance(e, Launch)]
+
+    with_names = run()
+    monkeypatch.setattr(profiled, "_experimental_config", lambda: (profiled._ExperimentalConfig(), False))
+    without = run()
+    assert len(with_names) > 20
+    assert without == with_names
+    assert ("aten::mul.Tensor" in {op for op, _ in without}) and ("aten::addmm.default" in {op for op, _ in without})

@@ -46,12 +46,27 @@ after an optimizer step (outside any op), the profiler is stopped, its tree
 converted into events (delivered to listeners, in program order) and a new
 profile started. :data:`NOTES` lists what differs from the Recorder's events.
 
-Aligning with a live allocator (the live bridge): the capture keeps, per
-converted window, the allocations it saw in order (:attr:`ProfiledWindow.allocations`:
-object, address, bytes). A bridge that records its allocator's ``(ptr, nbytes)``
-sequence over the same span calls :func:`align_allocations` (same sizes in the
-same order, addresses checked when both sides have them) and then
-:func:`translate` to map the window's launches onto its own objects.
+Aligning with a live allocator (the live bridge). Each window keeps the
+allocations it saw, in order (:attr:`ProfiledWindow.allocations`: object,
+address, bytes). On CUDA under umrt's pool a bridge would:
+
+1. construct ``ProfiledCapture(model, optimizer, device="cuda",
+   allocator_events=True, iterations=k, window_listeners=[on_window],
+   on_error=...)`` and start it when its own listening starts;
+2. in its pool listener (called inside ``malloc``/``free``, so inside the op),
+   call :meth:`ProfiledCapture.note_alloc` / :meth:`~ProfiledCapture.note_free`
+   and append each allocation's ``(ptr, nbytes)`` and its own object id to a
+   list for the running window;
+3. in ``on_window(window)`` (called at the window's read, on the thread that
+   runs the forward, no op in flight: every allocation before it belongs to
+   the window), call :func:`align_allocations` with that list (same sizes, same
+   order, same addresses, else :class:`AlignmentError`: do not learn from that
+   window), start a new list, and :func:`translate` the window's events with
+   ``{profile object: own id}`` to merge its launches and layer events into the
+   plan it learns.
+
+With torch's caching allocator (no umrt pool) the profiler's own memory events
+are its blocks (sizes rounded: compare with :func:`caching_block_fits`).
 """
 
 from __future__ import annotations
@@ -288,18 +303,19 @@ def _op_info_for(name: str, overload: str) -> _OpInfo | None:
     )
 
 
-def _op_info(ev: Any) -> _OpInfo | None:
-    """The op info of a profiler TorchOp event (matching its schema when the
-    profiler did not record the overload name)."""
+def _op_info(ev: Any, overloads: bool) -> _OpInfo | None:
+    """The op info of a profiler TorchOp event. ``overloads``: the profiler
+    recorded overload names (``capture_overload_names``; "" is the default
+    overload); else the schema is matched from the recorded arguments."""
     name = ev.name
     if "::" not in name or name.startswith(_PREFIX):
         return None
-    overload = ev.overload_name
-    info = _op_info_for(name, overload)
-    if info is not None or overload or not _schemas(name):
-        return info
-    # No overload recorded (a torch without capture_overload_names): match by arity and types.
-    from torch.profiler._memory_profiler import SchemaMatcher
+    if overloads:
+        return _op_info_for(name, getattr(ev, "overload_name", ""))
+    schemas = _schemas(name)
+    if len(schemas) <= 1:
+        return _op_info_for(name, schemas[0].overload_name) if schemas else None
+    from torch.profiler._memory_profiler import SchemaMatcher  # torch's own matcher: arity and types
 
     matches = SchemaMatcher.match_schemas(ev.extra_fields)
     return _op_info_for(name, matches[0].overload_name) if matches else None
@@ -385,8 +401,9 @@ class _Converter:
     """Turns profiler event trees into umrt events; its state (objects alive,
     iteration, learned kinds) carries over from one window to the next."""
 
-    def __init__(self, device: str, tf32: tuple[bool, bool], allocator_events: bool) -> None:
+    def __init__(self, device: str, tf32: tuple[bool, bool], allocator_events: bool, *, overloads: bool = True) -> None:
         self.device = device
+        self.overloads = overloads  # the profile has overload names
         self.tf32 = tf32
         self.allocator_events = allocator_events
         self.events: list[Event] = []  # everything emitted (when kept)
@@ -583,7 +600,7 @@ class _Converter:
             if name.startswith(_PREFIX):
                 self._marker(ev, name, in_bwd, items)
             else:
-                info = _op_info(ev)
+                info = _op_info(ev, self.overloads)
                 if info is None or info.composite:
                     self._walk(ev.children, in_bwd or name.startswith(_EVALUATE), items)
                 else:
@@ -817,11 +834,12 @@ def _guarded(method: Callable) -> Callable:
     return hook
 
 
-def _experimental_config() -> _ExperimentalConfig:
+def _experimental_config() -> tuple[_ExperimentalConfig, bool]:
+    """The profiler's experimental settings, and whether it records overload names."""
     try:
-        return _ExperimentalConfig(capture_overload_names=True)
+        return _ExperimentalConfig(capture_overload_names=True), True
     except TypeError:  # an older torch: overloads are matched from the inputs (SchemaMatcher)
-        return _ExperimentalConfig()
+        return _ExperimentalConfig(), False
 
 
 class ProfiledCapture:
@@ -942,7 +960,7 @@ class ProfiledCapture:
             raise RuntimeError("another torch profiler is running: umrt's profiled capture needs the profiler to itself")
         self._started = True
         tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
-        conv = _Converter(self.device, tf32, self.allocator_events)
+        conv = _Converter(self.device, tf32, self.allocator_events, overloads=_experimental_config()[1])
         conv.auto_step = self.auto_step
         self._conv = conv
         if self.model is not None:
@@ -1075,7 +1093,7 @@ class ProfiledCapture:
         from torch._C._autograd import _enable_profiler, _prepare_profiler
         from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState
 
-        config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config())
+        config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config()[0])
         activities = {ProfilerActivity.CPU}
         _prepare_profiler(config, activities)
         _enable_profiler(config, activities)
