@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 import pytest
 import torch
@@ -311,8 +312,8 @@ def _pool_op(cap: ProfiledCapture, noted: list):
     def grow(x):
         out = torch.empty(x.numel() * 2, dtype=x.dtype)
         st = out.untyped_storage()
-        noted.append((st.data_ptr(), st.nbytes()))
-        cap.note_alloc(st.data_ptr(), st.nbytes())
+        if cap.note_alloc(st.data_ptr(), st.nbytes()):
+            noted.append((st.data_ptr(), st.nbytes()))
         out.copy_(torch.cat([x, x]))
         return out
 
@@ -328,8 +329,12 @@ def test_allocator_markers_land_inside_the_op_and_align_with_the_allocator():
     with cap:
         y = grow(x)
         ptr = y.untyped_storage().data_ptr()
-        cap.note_free(ptr, y.untyped_storage().nbytes())
+        assert cap.note_free(ptr, y.untyped_storage().nbytes())
         del y
+        elsewhere = threading.Thread(target=lambda: grow(x))  # a thread the profiler does not follow
+        elsewhere.start()
+        elsewhere.join()
+    assert not cap.note_alloc(1, 1)  # not profiling
     (window,) = cap.windows
     # Only the pool's blocks are objects: the profiler's own memory events are ignored.
     assert [(p, n) for _, p, n in window.allocations] == noted

@@ -55,8 +55,9 @@ address, bytes). On CUDA under umrt's pool a bridge would:
    on_error=...)`` and start it when its own listening starts;
 2. in its pool listener (called inside ``malloc``/``free``, so inside the op),
    call :meth:`ProfiledCapture.note_alloc` / :meth:`~ProfiledCapture.note_free`
-   and append each allocation's ``(ptr, nbytes)`` and its own object id to a
-   list for the running window;
+   and, when ``note_alloc`` returns True (the profile holds it), append the
+   allocation's ``(ptr, nbytes)`` and its own object id to a list for the
+   running window;
 3. in ``on_window(window)`` (called at the window's read, on the thread that
    runs the forward, no op in flight: every allocation before it belongs to
    the window), call :func:`align_allocations` with that list (same sizes, same
@@ -1021,18 +1022,32 @@ class ProfiledCapture:
         if self._profiling:
             self._read_profile(restart=True)
 
-    def note_alloc(self, ptr: int, nbytes: int) -> None:
+    def note_alloc(self, ptr: int, nbytes: int) -> bool:
         """The allocator (umrt's pool) made a block: leave its marker in the profile,
-        inside the op that asked for it (``allocator_events=True``). Never raises."""
-        if self._active:
-            with contextlib.suppress(Exception), _RecordFunctionFast(_ALLOC_MARK, (int(ptr), int(nbytes))):
-                pass
+        inside the op that asked for it (``allocator_events=True``).
 
-    def note_free(self, ptr: int, nbytes: int = 0) -> None:
+        Returns whether the profile holds it: False while not profiling, and on
+        a thread the profiler does not follow (it follows the thread that
+        started it and autograd's threads; not a data loader's pin-memory
+        thread): such a block is in no window. Never raises.
+        """
+        return self._note(_ALLOC_MARK, ptr, nbytes)
+
+    def note_free(self, ptr: int, nbytes: int = 0) -> bool:
         """The allocator freed the block at ``ptr`` (see :meth:`note_alloc`). Never raises."""
-        if self._active:
-            with contextlib.suppress(Exception), _RecordFunctionFast(_FREE_MARK, (int(ptr), int(nbytes))):
+        return self._note(_FREE_MARK, ptr, nbytes)
+
+    def _note(self, marker: str, ptr: int, nbytes: int) -> bool:
+        if not self._active:
+            return False
+        try:
+            if not torch._C._autograd._profiler_enabled():  # (per thread)
+                return False
+            with _RecordFunctionFast(marker, (int(ptr), int(nbytes))):
                 pass
+            return True
+        except Exception:  # noqa: BLE001 - called from inside the allocator: never raise there
+            return False
 
     @property
     def events(self) -> list[Event]:
