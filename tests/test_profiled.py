@@ -239,6 +239,8 @@ def test_bad_arguments_and_a_busy_profiler_are_clear_errors():
 
     with profile(activities=[ProfilerActivity.CPU]), pytest.raises(RuntimeError, match="another torch profiler"):
         ProfiledCapture(device="cpu").start()
+    with ProfiledCapture(device="cpu"), pytest.raises(RuntimeError, match="another torch profiler"):
+        ProfiledCapture(device="cpu").start()
     cap = ProfiledCapture(device="cpu", keep_events=False)
     with cap:
         pass
@@ -525,3 +527,33 @@ def test_without_overload_names_schemas_are_matched_from_the_inputs(monkeypatch)
     assert len(with_names) > 20
     assert without == with_names
     assert ("aten::mul.Tensor" in {op for op, _ in without}) and ("aten::addmm.default" in {op for op, _ in without})
+
+
+def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
+    import umrt.capture.profiled as profiled
+
+    def broken(self, *args):
+        raise KeyError("bookkeeping")
+
+    monkeypatch.setattr(profiled._Converter, "_op", broken)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(cap, steps):
+        with cap:
+            for _ in range(steps):
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    errors: list[BaseException] = []
+    cap = ProfiledCapture(model, opt, on_error=errors.append)
+    train(cap, 3)  # the training goes on
+    assert len(errors) == 1 and isinstance(errors[0], KeyError)
+    assert not cap.profiling and cap.failed is errors[0]
+    assert not torch._C._autograd._profiler_enabled()
+    with pytest.raises(RuntimeError, match="partial"):
+        cap.trace()
+    with pytest.raises(KeyError, match="bookkeeping"):
+        train(ProfiledCapture(model, opt), 2)
+    assert not torch._C._autograd._profiler_enabled()

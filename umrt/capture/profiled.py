@@ -407,7 +407,6 @@ class _Converter:
         self.overloads = overloads  # the profile has overload names
         self.tf32 = tf32
         self.allocator_events = allocator_events
-        self.events: list[Event] = []  # everything emitted (when kept)
         self.objs: dict[int, _Obj] = {}
         self.live: dict[int, int] = {}  # address -> object alive there
         self.next_obj = 0
@@ -423,7 +422,6 @@ class _Converter:
         self.facts: dict[str, list[tuple[int, int, Kind]]] = {}  # marker -> (ptr, nbytes, kind)
         self.bare_host: set[int] = set()  # host blocks allocated outside any op, alive
         self.auto_step = True
-        self.on_boundary: Callable[[int], None] | None = None
         # Per window:
         self._out: list[Event] = []
         self._base = 0  # index of self._out[0] among all events
@@ -443,8 +441,6 @@ class _Converter:
         self.iteration += 1
         self.occurrence.clear()
         self._emit(IterationBoundary(self.iteration))
-        if self.on_boundary is not None:
-            self.on_boundary(self.iteration)
 
     def _flush(self) -> None:
         if self.pending_boundary:
@@ -926,6 +922,7 @@ class ProfiledCapture:
         self._meta = dict(meta or {})
         self._keep = keep_events
         self._on_error = on_error
+        self.failed: BaseException | None = None  # the capture's own error, once on_error took one
         self._events: list[Event] = []
         self._windows: list[ProfiledWindow] = []
         self._conv: _Converter | None = None
@@ -957,7 +954,7 @@ class ProfiledCapture:
         """
         if self._started:
             raise RuntimeError("a ProfiledCapture can be started only once")
-        if torch.autograd.profiler._is_profiler_enabled:
+        if torch._C._autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:
             raise RuntimeError("another torch profiler is running: umrt's profiled capture needs the profiler to itself")
         self._started = True
         tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
@@ -1072,6 +1069,8 @@ class ProfiledCapture:
         """
         if not self._keep:
             raise RuntimeError("this ProfiledCapture keeps no events (keep_events=False): it has no trace")
+        if self.failed is not None:
+            raise RuntimeError(f"the capture stopped after an error of its own ({self.failed!r}): its events are partial")
         events = list(self._events)
         conv = self._conv
         if conv is not None:
@@ -1162,6 +1161,7 @@ class ProfiledCapture:
         hand it to ``on_error``."""
         if self._on_error is None:
             raise exc
+        self.failed = exc
         self._active = False
         if self._profiling:
             self._profiling = False
