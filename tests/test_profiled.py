@@ -557,3 +557,12 @@ def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
     with pytest.raises(KeyError, match="bookkeeping"):
         train(ProfiledCapture(model, opt), 2)
     assert not torch._C._autograd._profiler_enabled()
+
+
+def test_the_cost_bench_measures_each_observer():
+    from bench.profiled_cost import measure_tiny_ops
+
+    out = measure_tiny_ops(300)
+    assert out["ops"] == 300
+    assert out["recorder_us"] > out["plain_us"] > 0  # a Python hook per op costs more than the op
+    assert out["profiled_on_us"] > 0 and out["profiled_read_us"] > 0
