@@ -1,0 +1,1296 @@
+"""Observe a training iteration without changing it: umrt events from torch's profiler.
+
+Why not the :class:`~umrt.capture.Recorder`: any active ``TorchDispatchMode``
+makes every tensor "subclass-like" to ATen, so autograd accumulates gradients
+out of place (``old + new`` instead of ``old.add_(new)``) and composite ops
+take their out-of-place paths: a recorded GPT-2 step makes more, and
+different, allocations than the same step unrecorded (1,101 against 1,053 on
+an H100). A plan learned from it never matches the iterations it acts on.
+
+:class:`ProfiledCapture` watches through torch's profiler instead (Kineto's
+RecordFunction callbacks, ``record_shapes`` + ``profile_memory``), which sets
+no dispatch key: the program allocates the same sizes in the same order with
+the capture on and off, and computes the same values. What it reads:
+
+* **ops**: the profiler's event tree holds every aten op with its inputs'
+  metadata (storage address, sizes, strides, dtype), nested: a composite op
+  contains the ops it calls. A *launch* is the outermost op that is not
+  ``CompositeImplicitAutograd`` (what a ``TorchDispatchMode`` sees, and what
+  reaches a device kernel); view/metadata-only ops and ops that only allocate
+  launch nothing. Written inputs come from the op's schema (the profiler gives
+  overload names; without them torch's own ``SchemaMatcher`` matches by arity
+  and types).
+* **objects**: each allocation is an object. Its ``Alloc`` sits where the
+  allocation happened: inside the op that asked for it (``Alloc.launch`` is
+  that launch, which also writes the object), or outside any launch
+  (``launch = -1``). On CPU, and on CUDA with torch's caching allocator, the
+  profiler reports the allocator's blocks itself. umrt's pluggable pool is not
+  reported by torch: its listener calls :meth:`ProfiledCapture.note_alloc` /
+  :meth:`~ProfiledCapture.note_free`, which leave a marker in the profile at
+  the same place (construct the capture with ``allocator_events=True``).
+  Inputs are mapped to objects by storage address; storages made before the
+  capture started are announced when first seen, as the Recorder does.
+* **module boundaries**: module forward pre/post hooks open and close a
+  profiler range ``umrt::fwd::<module>`` around each module's forward, and a
+  pre-hook on each module output's ``grad_fn`` leaves a ``umrt::bwd::<module>``
+  marker (on autograd's thread too): layer events land exactly among the ops,
+  with the Recorder's semantics (backward layer events are flat).
+* **iterations and kinds**: optimizer step pre/post hooks leave markers and
+  read the optimizer's facts (parameters, gradients, state, by storage
+  address), applied at the marker's place; the boundary follows the step as
+  the Recorder places it (before the next allocation, launch or layer entry).
+  Other kinds come from lifetimes, as the Recorder decides them.
+
+The profile is read once per iteration: at the first top-level module forward
+after an optimizer step (outside any op), the profiler is stopped, its tree
+converted into events (delivered to listeners, in program order) and a new
+profile started. :data:`NOTES` lists what differs from the Recorder's events.
+
+Aligning with a live allocator (the live bridge). Each window keeps the
+allocations it saw, in order (:attr:`ProfiledWindow.allocations`: object,
+address, bytes). On CUDA under umrt's pool a bridge would:
+
+1. construct ``ProfiledCapture(model, optimizer, device="cuda",
+   allocator_events=True, iterations=k, window_listeners=[on_window],
+   on_error=...)`` and start it when its own listening starts;
+2. in its pool listener (called inside ``malloc``/``free``, so inside the op),
+   call :meth:`ProfiledCapture.note_alloc` / :meth:`~ProfiledCapture.note_free`
+   and, when ``note_alloc`` returns True (the profile holds it), append the
+   allocation's ``(ptr, nbytes)`` and its own object id to a list for the
+   running window;
+3. in ``on_window(window)`` (called at the window's read, on the thread that
+   runs the forward, no op in flight: every allocation before it belongs to
+   the window), call :func:`align_allocations` with that list (same sizes, same
+   order, same addresses, else :class:`AlignmentError`: do not learn from that
+   window), start a new list, and :func:`translate` the window's events with
+   ``{profile object: own id}`` to merge its launches and layer events into the
+   plan it learns.
+
+With torch's caching allocator (no umrt pool) the profiler's own memory events
+are its blocks (sizes rounded: compare with :func:`caching_block_fits`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._C._profiler import _EventType, _ExperimentalConfig, _RecordFunctionFast, _TensorMetadata
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from umrt.capture import steer
+from umrt.capture.recorder import _ALLOC_ONLY, _PRECISION, _output_tensors
+from umrt.trace.events import (
+    Access,
+    Alloc,
+    Event,
+    Free,
+    IterationBoundary,
+    Kind,
+    Launch,
+    LayerEnter,
+    LayerExit,
+    Trace,
+    TraceHeader,
+    execution_id,
+)
+
+Listener = Callable[[Event], None]
+
+NOTES = [
+    "captured with torch's profiler (no dispatch mode): allocations are the program's own, in its order",
+    "objects are allocations (the allocator's blocks: on CUDA's caching allocator, sizes are rounded "
+    "block sizes); temporaries an op allocates inside itself are objects too",
+    "launches are the outermost ops that are not CompositeImplicitAutograd; on CPU, ops run their "
+    "CPU paths (attention may decompose, dropout is bernoulli_/div_/mul) as the program does",
+    "storage offsets are not recorded by the profiler: accesses start at the object's first byte "
+    "and span the view's extent (clamped to the object)",
+    "FLOPs from torch.utils.flop_counter where input shapes suffice (matmul, attention); "
+    "convolutions and other ops count 0",
+    "storages made before the capture started are announced when first seen, sized by the "
+    "largest view seen (their true size when they are freed inside the capture)",
+]
+
+_PREFIX = "umrt::"
+_FWD = "umrt::fwd::"
+_BWD = "umrt::bwd::"
+_STEP_PRE = "umrt::step_pre::"
+_STEP_POST = "umrt::step_post::"
+_MARK = "umrt::mark"
+_ALLOC_MARK = "umrt::alloc"
+_FREE_MARK = "umrt::free"
+_EVALUATE = "autograd::engine::evaluate_function"
+
+_SETUP, _FORWARD, _BACKWARD, _STEP = 0, 1, 2, 3
+# A Python number an op's caller passes where the schema wants a tensor is wrapped
+# into a 0-dim CPU tensor of one of these dtypes, allocated outside any op (``x * 0.5``;
+# autograd saves it so for backward): a kernel argument, not memory, and a dispatch
+# mode sees the number itself.
+_WRAPPED_DTYPES = frozenset({torch.float64, torch.int64, torch.bool, torch.complex128})
+_ALLOCATION = _EventType.Allocation
+_TORCH_OP = _EventType.TorchOp
+_TENSOR_METADATA = _TensorMetadata
+
+
+# ---------------------------------------------------------------------------- alignment
+
+
+@dataclass
+class ProfiledWindow:
+    """The events of one read of the profile: normally one iteration's, from the
+    first top-level module forward after an optimizer step to the next."""
+
+    index: int
+    events: list[Event]
+    # Each allocation on the traced device, in order: (object, address, bytes).
+    allocations: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+class AlignmentError(ValueError):
+    """The allocator's sequence and the profile's allocations do not match."""
+
+
+def caching_block_fits(requested: int, block: int) -> bool:
+    """Whether torch's CUDA caching allocator could have served ``requested``
+    bytes with a block of ``block`` bytes (what the profiler reports there).
+
+    Requests round up to 512 bytes (``kMinBlockSize``); a block is not split
+    when the rest would be under 512 bytes (small pool) or 1 MiB (large pool,
+    ``kSmallSize``), so it may exceed the rounded request by less than that
+    (c10/cuda/CUDACachingAllocator.cpp: ``round_size``, ``should_split``).
+    """
+    rounded = max(512, -(-requested // 512) * 512)
+    return rounded <= block < rounded + (1 << 20)
+
+
+def _exact(requested: int, block: int) -> bool:
+    return requested == block
+
+
+def align_allocations(
+    allocator: Sequence[tuple[int, int]],
+    profile: ProfiledWindow | Sequence[tuple[int, int, int]],
+    *,
+    fits: Callable[[int, int], bool] = _exact,
+    check_addresses: bool = True,
+) -> dict[int, int]:
+    """Match a profile's allocations with a live allocator's, one for one.
+
+    Args:
+        allocator: the allocator's ``(ptr, nbytes)`` of each allocation over
+            the same span, in order (umrt's pool listener sees these).
+        profile: a :class:`ProfiledWindow` (or its ``allocations``).
+        fits: ``fits(allocator_nbytes, profile_nbytes)``; exact by default (a
+            profile whose allocations came from the same allocator, e.g. umrt's
+            pool through :meth:`ProfiledCapture.note_alloc`); use
+            :func:`caching_block_fits` against torch's caching allocator.
+        check_addresses: also require equal addresses (same run, same allocator).
+
+    Returns:
+        profile object -> position in ``allocator``.
+
+    Raises:
+        AlignmentError: the counts differ or a pair does not match (the message
+            names the first position that differs).
+    """
+    allocs = profile.allocations if isinstance(profile, ProfiledWindow) else list(profile)
+    mapping: dict[int, int] = {}
+    for i, ((ptr, nbytes), (obj, pptr, pbytes)) in enumerate(zip(allocator, allocs, strict=False)):
+        if not fits(nbytes, pbytes):
+            raise AlignmentError(
+                f"allocation {i}: the allocator gave {nbytes} bytes, the profile shows {pbytes} "
+                f"(object {obj}); the two sequences diverge here"
+            )
+        if check_addresses and ptr != pptr:
+            raise AlignmentError(
+                f"allocation {i}: the allocator's block is at {ptr:#x}, the profile's at {pptr:#x} (object {obj})"
+            )
+        mapping[obj] = i
+    if len(allocator) != len(allocs):
+        raise AlignmentError(
+            f"the allocator made {len(allocator)} allocations, the profile shows {len(allocs)} "
+            f"(the first {len(mapping)} match)"
+        )
+    return mapping
+
+
+def translate(events: Sequence[Event], objects: dict[int, int]) -> list[Event]:
+    """The events with each object renamed through ``objects`` (e.g. the live
+    bridge's ids for the aligned positions); accesses to, and allocations and
+    frees of, objects not in it are dropped."""
+    out: list[Event] = []
+    for ev in events:
+        t = type(ev)
+        if t is Launch:
+            acc = tuple(Access(objects[a.obj], a.offset, a.length, a.write) for a in ev.accesses if a.obj in objects)
+            out.append(Launch(ev.seq, ev.exec_id, ev.op, acc, ev.flops, ev.bytes, ev.module, ev.precision))
+        elif t is Alloc:
+            if ev.obj in objects:
+                out.append(Alloc(objects[ev.obj], ev.nbytes, ev.kind, ev.launch))
+        elif t is Free:
+            if ev.obj in objects:
+                out.append(Free(objects[ev.obj]))
+        else:
+            out.append(ev)
+    return out
+
+
+# ---------------------------------------------------------------------------- ops
+
+
+@dataclass(slots=True)
+class _OpInfo:
+    name: str  # "aten::mm.default" (renamed as the Recorder renames)
+    composite: bool  # CompositeImplicitAutograd: decomposes into the ops it calls
+    skip: bool  # view/metadata only: no kernel
+    alloc_only: bool
+    returns_tensors: bool  # every return is a tensor (or list): without allocating or writing, they alias
+    writes: frozenset  # positions of written arguments
+    kwarg_only: tuple  # (position, name) of keyword-only arguments
+    flop_fn: Any
+
+
+@functools.lru_cache(maxsize=4096)
+def _schemas(name: str) -> tuple:
+    try:
+        return tuple(torch._C._jit_get_schemas_for_operator(name)) if "::" in name else ()
+    except RuntimeError:
+        return ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_info_for(name: str, overload: str) -> _OpInfo | None:
+    """What umrt needs of an operator (None: not an operator, e.g. a user range)."""
+    schemas = [s for s in _schemas(name) if s.overload_name == overload]
+    if not schemas:
+        return None
+    schema = schemas[0]
+    qual = f"{name}.{overload}" if overload else name
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeImplicitAutograd")
+    except RuntimeError:
+        composite = False
+    writes = frozenset(
+        i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+    rets = schema.returns
+    skip = (
+        not writes
+        and len(rets) > 0
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+    )
+    full = f"{name}.{overload or 'default'}"
+    from torch.utils.flop_counter import flop_registry
+
+    packet = None
+    with contextlib.suppress(AttributeError, RuntimeError):
+        ns, op = name.split("::", 1)
+        packet = getattr(getattr(torch.ops, ns), op)
+    return _OpInfo(
+        name=steer.OP_RENAMES.get(full, full),
+        composite=bool(composite),
+        skip=skip,
+        alloc_only=full in _ALLOC_ONLY,
+        returns_tensors=len(rets) > 0 and all(str(r.type) in ("Tensor", "Tensor[]", "Tensor?") for r in rets),
+        writes=writes,
+        kwarg_only=tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.kwarg_only),
+        flop_fn=flop_registry.get(packet) if packet is not None else None,
+    )
+
+
+def _op_info(ev: Any, overloads: bool) -> _OpInfo | None:
+    """The op info of a profiler TorchOp event. ``overloads``: the profiler
+    recorded overload names (``capture_overload_names``; "" is the default
+    overload); else the schema is matched from the recorded arguments."""
+    name = ev.name
+    if "::" not in name or name.startswith(_PREFIX):
+        return None
+    if overloads:
+        return _op_info_for(name, getattr(ev, "overload_name", ""))
+    schemas = _schemas(name)
+    if len(schemas) <= 1:
+        return _op_info_for(name, schemas[0].overload_name) if schemas else None
+    from torch.profiler._memory_profiler import SchemaMatcher  # torch's own matcher: arity and types
+
+    matches = SchemaMatcher.match_schemas(ev.extra_fields)
+    return _op_info_for(name, matches[0].overload_name) if matches else None
+
+
+def _extent(sizes: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes a tensor's view spans from its first element."""
+    n = 1
+    for s in sizes:
+        n *= s
+    if n == 0:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides, strict=False) if s > 0)
+    return span * dtype.itemsize
+
+
+def _precision(op: str, dtypes: Sequence[torch.dtype], tf32: tuple[bool, bool]) -> str:
+    """As :func:`umrt.capture.recorder._precision`, from the inputs' dtypes."""
+    for dt in dtypes:
+        if dt.is_floating_point:
+            p = _PRECISION.get(dt, "")
+            if p == "fp32" and (tf32[1] if "conv" in op else tf32[0]):
+                return "tf32"
+            return p
+    return ""
+
+
+def _flops(info: _OpInfo, inputs: Sequence[Any]) -> int:
+    """FLOPs from torch.utils.flop_counter's formulas, on meta tensors shaped as
+    the inputs (0 where a formula needs more than the profiler recorded)."""
+    TM = _TENSOR_METADATA
+
+    def meta(m: Any) -> Any:
+        if isinstance(m, TM):
+            return torch.empty_strided(tuple(m.sizes), tuple(m.strides), dtype=m.dtype, device="meta")
+        if isinstance(m, list):
+            return [meta(x) for x in m]
+        return m
+
+    try:
+        if info.name == "aten::_scaled_dot_product_flash_attention.default":
+            from torch.utils.flop_counter import sdpa_flop_count
+
+            q, k, v = (tuple(m.sizes) for m in inputs[:3])
+            return int(sdpa_flop_count(q, k, v))
+        if info.name == "aten::_scaled_dot_product_flash_attention_backward.default":
+            from torch.utils.flop_counter import sdpa_backward_flop_count
+
+            g, q, k, v = (tuple(m.sizes) for m in inputs[:4])
+            return int(sdpa_backward_flop_count(g, q, k, v))
+        if info.flop_fn is None:
+            return 0
+        kw_pos = {i for i, _ in info.kwarg_only}
+        args = [meta(m) for i, m in enumerate(inputs) if i not in kw_pos]
+        kwargs = {n: meta(inputs[i]) for i, n in info.kwarg_only if i < len(inputs)}
+        return int(info.flop_fn(*args, **kwargs, out_val=None))
+    except Exception:  # noqa: BLE001 - a formula that needs more than shapes: count nothing
+        return 0
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+@dataclass(slots=True)
+class _Obj:
+    nbytes: int
+    kind: Kind  # kind announced in its Alloc
+    known: Kind | None  # a fact (parameter, gradient, optimizer state, input)
+    phase: int
+    iteration: int
+    key: tuple | None  # (exec_id, occurrence, allocation index) of the creating launch
+    event_index: int  # index of its Alloc in the capture's events
+    ptr: int
+    freed_phase: int = -1
+    freed_iteration: int = -2  # -2: alive
+
+
+# Items of one window, in program order: (time, kind, payload).
+_I_ALLOC, _I_FREE, _I_OP, _I_ENTER, _I_EXIT, _I_BWD, _I_STEP_PRE, _I_STEP_POST, _I_MARK, _I_BARE = range(10)
+
+
+class _Converter:
+    """Turns profiler event trees into umrt events; its state (objects alive,
+    iteration, learned kinds) carries over from one window to the next."""
+
+    def __init__(self, device: str, tf32: tuple[bool, bool], allocator_events: bool, *, overloads: bool = True) -> None:
+        self.device = device
+        self.overloads = overloads  # the profile has overload names
+        self.tf32 = tf32
+        self.allocator_events = allocator_events
+        self.objs: dict[int, _Obj] = {}
+        self.live: dict[int, int] = {}  # address -> object alive there
+        self.next_obj = 0
+        self.seq = 0
+        self.iteration = -1
+        self.pending_boundary = False
+        self.in_step = 0
+        self.bwd_module: str | None = None
+        self.fwd_stack: list[str] = []
+        self.occurrence: dict[int, int] = {}
+        self.learned: dict[tuple, Kind] = {}
+        self.exec_cache: dict[tuple, int] = {}
+        self.facts: dict[str, list[tuple[int, int, Kind]]] = {}  # marker -> (ptr, nbytes, kind)
+        self.bare_host: set[int] = set()  # host blocks allocated outside any op, alive
+        self.auto_step = True
+        # Per window:
+        self._out: list[Event] = []
+        self._base = 0  # index of self._out[0] among all events
+        self._born: list[int] = []
+        self._allocs: list[tuple[int, int, int]] = []
+
+    # -- emission ------------------------------------------------------------
+    def _emit(self, ev: Event) -> None:
+        self._out.append(ev)
+
+    def _index(self) -> int:
+        return self._base + len(self._out)
+
+    def boundary(self) -> None:
+        self.pending_boundary = False
+        self._end_backward()
+        self.iteration += 1
+        self.occurrence.clear()
+        self._emit(IterationBoundary(self.iteration))
+
+    def _flush(self) -> None:
+        if self.pending_boundary:
+            self.boundary()
+
+    def step(self) -> None:
+        """An iteration ends (its boundary is emitted before the next alloc, launch or layer entry)."""
+        if self.iteration < 0:
+            self.boundary()
+        elif self.seq > 0:
+            self.pending_boundary = True
+
+    def _end_backward(self) -> None:
+        if self.bwd_module is not None:
+            self._emit(LayerExit(self.bwd_module, "backward"))
+            self.bwd_module = None
+
+    def _phase(self, in_bwd: bool) -> int:
+        if self.iteration < 0:
+            return _SETUP
+        if self.in_step:
+            return _STEP
+        return _BACKWARD if in_bwd else _FORWARD
+
+    # -- objects -------------------------------------------------------------
+    def _new(self, ptr: int, nbytes: int, kind: Kind, known: Kind | None, phase: int, key: tuple | None,
+             launch: int) -> int:
+        old = self.live.get(ptr)
+        if old is not None:  # its free was never seen (made before the capture): it is gone now
+            self._free(old, 0, phase)
+        obj = self.next_obj
+        self.next_obj += 1
+        self.objs[obj] = _Obj(nbytes, kind, known, phase, self.iteration, key, self._index(), ptr)
+        self.live[ptr] = obj
+        self._born.append(obj)
+        self._emit(Alloc(obj, nbytes, kind, launch))
+        return obj
+
+    def allocated(self, ptr: int, nbytes: int, phase: int, key: tuple | None = None, launch: int = -1) -> int:
+        """An allocation the allocator made (kind: learned for the same launch's
+        allocation last iteration, else by the phase it is born in)."""
+        kind = Kind.ACTIVATION if phase == _FORWARD else (Kind.OTHER if phase == _SETUP else Kind.TEMPORARY)
+        if key is not None:
+            kind = self.learned.get(key, kind)
+        obj = self._new(ptr, nbytes, kind, None, phase, key, launch)
+        self._allocs.append((obj, ptr, nbytes))
+        return obj
+
+    def first_seen(self, ptr: int, nbytes: int, phase: int, kind: Kind | None = None) -> int:
+        """A storage the capture did not see allocated (made before it started)."""
+        if kind is None:
+            kind = Kind.OTHER if self.iteration < 0 else Kind.INPUT
+        return self._new(ptr, nbytes, kind, kind, phase, None, -1)
+
+    def _resize(self, obj: int, nbytes: int) -> None:
+        """A storage first seen through a view turns out larger (a wider view, or
+        its free): its Alloc, not yet delivered, says so."""
+        info = self.objs[obj]
+        if nbytes > info.nbytes and info.key is None and info.event_index >= self._base:
+            info.nbytes = nbytes
+            i = info.event_index - self._base
+            ev = self._out[i]
+            self._out[i] = Alloc(ev.obj, nbytes, ev.kind, ev.launch)
+
+    def _free(self, obj: int, nbytes: int, phase: int) -> None:
+        info = self.objs[obj]
+        if self.live.get(info.ptr) == obj:
+            del self.live[info.ptr]
+        self._resize(obj, nbytes)
+        info.freed_phase = phase
+        info.freed_iteration = self.iteration
+        if info.key is not None and info.known is None and info.iteration == self.iteration:
+            self.learned[info.key] = _lifetime_kind(info)
+        self._emit(Free(obj))
+
+    def freed(self, ptr: int, nbytes: int, phase: int) -> None:
+        """The allocator freed the block at ``ptr`` (unknown blocks are ignored)."""
+        obj = self.live.get(ptr)
+        if obj is not None:
+            self._free(obj, nbytes, phase)
+
+    def fact(self, ptr: int, nbytes: int, kind: Kind, phase: int) -> None:
+        """What the storage at ``ptr`` holds, from the optimizer."""
+        obj = self.live.get(ptr)
+        if obj is None:
+            obj = self.first_seen(ptr, nbytes, phase, kind)
+        info = self.objs[obj]
+        info.known = kind
+        if info.key is not None:
+            self.learned[info.key] = kind
+
+    # -- a window ------------------------------------------------------------
+    def convert(self, roots: Sequence[Any]) -> ProfiledWindow:
+        """Convert one profile's event tree; returns the window (events not yet delivered)."""
+        streams: dict[int, list] = {}
+        by_thread: dict[int, list] = {}
+        for root in roots:
+            by_thread.setdefault(root.start_tid, []).append(root)
+        for tid, thread_roots in by_thread.items():
+            self._walk(thread_roots, False, streams.setdefault(tid, []))
+        order = [s for _, s in sorted(streams.items())]
+        merged: Iterator = (
+            iter(order[0]) if len(order) == 1 else heapq.merge(*order, key=lambda it: it[0])
+        ) if order else iter(())
+        for item in merged:
+            self._handle(item)
+        return self._finish()
+
+    def open_window(self) -> None:
+        self._base = self._base + len(self._out)
+        self._out = []
+        self._born = []
+        self._allocs = []
+
+    def _finish(self) -> ProfiledWindow:
+        # Kinds the window now knows (facts found after the birth, lifetimes that ended in it).
+        for obj in self._born:
+            info = self.objs[obj]
+            if info.known is not None:
+                kind = info.known
+            elif info.freed_iteration != -2:
+                kind = _lifetime_kind(info)
+            else:
+                kind = info.kind
+            if kind != info.kind:
+                info.kind = kind
+                i = info.event_index - self._base
+                ev = self._out[i]
+                self._out[i] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
+        return ProfiledWindow(0, list(self._out), list(self._allocs))
+
+    # -- the tree walk (one thread's roots, in time order) --------------------
+    def _alloc_item(self, ev: Any, in_bwd: bool, items: list) -> None:
+        ef = ev.extra_fields
+        if self.allocator_events or ef.device.type != self.device:
+            return
+        size = ef.alloc_size
+        items.append((ev.start_time_ns, _I_ALLOC if size > 0 else _I_FREE, (ef.ptr, abs(size), in_bwd)))
+
+    def _walk(self, children: Sequence[Any], in_bwd: bool, items: list) -> None:
+        """Items of a list of sibling events (one thread's, in time order)."""
+        for ev in children:
+            tag = ev.tag
+            if tag == _ALLOCATION:
+                ef = ev.extra_fields
+                if ef.device.type == "cpu":  # a host block allocated outside any op (a wrapped number?)
+                    items.append((ev.start_time_ns, _I_BARE, (ef.ptr, ef.alloc_size)))
+                self._alloc_item(ev, in_bwd, items)
+                continue
+            if tag != _TORCH_OP:
+                self._walk(ev.children, in_bwd, items)
+                continue
+            name = ev.name
+            if name.startswith(_PREFIX):
+                self._marker(ev, name, in_bwd, items)
+            else:
+                info = _op_info(ev, self.overloads)
+                if info is None or info.composite:
+                    self._walk(ev.children, in_bwd or name.startswith(_EVALUATE), items)
+                else:
+                    nested: list = []
+                    made = [False]
+                    for c in ev.children:
+                        self._nested(c, nested, made)
+                    items.append((ev.start_time_ns, _I_OP, (ev, info, nested, made[0], in_bwd)))
+
+    def _nested(self, ev: Any, out: list, made: list) -> None:
+        """Allocations (and allocator markers) anywhere inside a launch, in order
+        (``made[0]``: it allocated anything, on any device)."""
+        tag = ev.tag
+        if tag == _ALLOCATION:
+            if ev.extra_fields.alloc_size > 0:
+                made[0] = True
+            self._alloc_item(ev, False, out)
+            return
+        if tag == _TORCH_OP and ev.name in (_ALLOC_MARK, _FREE_MARK):
+            if ev.name == _ALLOC_MARK:
+                made[0] = True
+            self._marker(ev, ev.name, False, out)
+            return
+        for c in ev.children:
+            self._nested(c, out, made)
+
+    def _marker(self, ev: Any, name: str, in_bwd: bool, items: list) -> None:
+        t = ev.start_time_ns
+        if name.startswith(_FWD):
+            module = name[len(_FWD):]
+            items.append((t, _I_ENTER, (module, in_bwd)))
+            self._walk(ev.children, in_bwd, items)
+            items.append((max(t, ev.end_time_ns), _I_EXIT, module))
+        elif name.startswith(_BWD):
+            items.append((t, _I_BWD, name[len(_BWD):]))
+        elif name in (_ALLOC_MARK, _FREE_MARK):
+            if self.allocator_events:
+                vals = list(ev.extra_fields.inputs)
+                ptr, nbytes = int(vals[0]), int(vals[1])
+                items.append((t, _I_ALLOC if name == _ALLOC_MARK else _I_FREE, (ptr, nbytes, in_bwd)))
+        elif name.startswith(_STEP_PRE):
+            items.append((t, _I_STEP_PRE, name))
+        elif name.startswith(_STEP_POST):
+            items.append((t, _I_STEP_POST, name))
+        elif name == _MARK:
+            items.append((t, _I_MARK, None))
+        else:
+            self._walk(ev.children, in_bwd, items)
+
+    # -- items ---------------------------------------------------------------
+    def _handle(self, item: tuple) -> None:
+        _, what, payload = item
+        if what == _I_OP:
+            self._op(*payload)
+        elif what == _I_ALLOC:
+            self._flush()
+            self.allocated(payload[0], payload[1], self._phase(payload[2]))
+        elif what == _I_FREE:
+            self.freed(payload[0], payload[1], self._phase(payload[2]))
+        elif what == _I_ENTER:
+            module, in_bwd = payload
+            if self.bwd_module is not None and not in_bwd:
+                self._end_backward()  # a forward after a backward without a step
+            self._flush()
+            self.fwd_stack.append(module)
+            self._emit(LayerEnter(module, "forward"))
+        elif what == _I_EXIT:
+            if self.fwd_stack:
+                self.fwd_stack.pop()
+            self._emit(LayerExit(payload, "forward"))
+        elif what == _I_BWD:
+            if self.bwd_module != payload:
+                self._end_backward()
+                self.bwd_module = payload
+                self._emit(LayerEnter(payload, "backward"))
+        elif what == _I_STEP_PRE:
+            self._flush()
+            self._end_backward()
+            for ptr, nbytes, kind in self.facts.pop(payload, ()):
+                self.fact(ptr, nbytes, kind, self._phase(False))
+            self.in_step += 1
+        elif what == _I_STEP_POST:
+            self.in_step = max(0, self.in_step - 1)
+            for ptr, nbytes, kind in self.facts.pop(payload, ()):
+                self.fact(ptr, nbytes, kind, self._phase(False))
+            if self.auto_step:
+                self.step()
+        elif what == _I_MARK:
+            self.step()
+        elif what == _I_BARE:
+            if payload[1] > 0:
+                self.bare_host.add(payload[0])
+            else:
+                self.bare_host.discard(payload[0])
+
+    def _op(self, ev: Any, info: _OpInfo, nested: list, made: bool, in_bwd: bool) -> None:
+        dev = self.device
+        TM = _TENSOR_METADATA
+        inputs = list(ev.extra_fields.inputs)
+        # (storage address, sizes, strides, dtype, device type, written), each read once
+        tensors: list[tuple[int, tuple, tuple, torch.dtype, str, bool]] = []
+        for i, m in enumerate(inputs):
+            if isinstance(m, TM):
+                group = (m,)
+            elif isinstance(m, list):
+                group = tuple(x for x in m if isinstance(x, TM))
+            else:
+                continue
+            w = i in info.writes
+            for x in group:
+                ptr, sizes, dtype = x.storage_data_ptr or 0, tuple(x.sizes), x.dtype
+                if not sizes and ptr in self.bare_host and dtype in _WRAPPED_DTYPES:
+                    continue  # a wrapped Python scalar: an argument of the kernel, not memory it reads
+                tensors.append((ptr, sizes, tuple(x.strides), dtype, x.device.type, w))
+        on_dev = [t for t in tensors if t[0] and t[4] == dev]
+        launch = not (info.skip or info.alloc_only) and (on_dev or any(k == _I_ALLOC for _, k, _ in nested))
+        if launch and info.returns_tensors and not made and not any(t[5] for t in tensors):
+            launch = False  # its outputs alias its inputs and nothing is written: no kernel
+        if launch and self.in_step and dev == "cpu" and all(not t[1] for t in tensors):
+            launch = False  # optimizer step counters: host scalars on CUDA too
+        if not launch:
+            self._plain(nested, in_bwd)
+            return
+        self._flush()
+        if self.bwd_module is not None and not in_bwd:
+            self._end_backward()
+        phase = self._phase(in_bwd)
+        if phase == _BACKWARD:
+            module = self.bwd_module or ""
+        elif phase == _STEP:
+            module = ""
+        else:
+            module = self.fwd_stack[-1] if self.fwd_stack else ""
+        shapes = tuple(t[1] for t in tensors)
+        dtypes = tuple(t[3] for t in tensors)
+        ck = (info.name, shapes, dtypes, module)
+        exec_id = self.exec_cache.get(ck)
+        if exec_id is None:
+            exec_id = execution_id(info.name, shapes, [str(d)[6:] for d in dtypes], module)
+            self.exec_cache[ck] = exec_id
+        occ = self.occurrence.get(exec_id, 0)
+        self.occurrence[exec_id] = occ + 1
+        seq = self.seq
+
+        acc: dict[tuple[int, int, int], bool] = {}
+        for ptr, sizes, strides, dtype, _, w in on_dev:
+            length = _extent(sizes, strides, dtype)
+            obj = self.live.get(ptr)
+            if obj is None:
+                obj = self.first_seen(ptr, length, phase)
+            self._resize(obj, length)
+            length = min(length, self.objs[obj].nbytes)
+            if length:
+                k3 = (obj, 0, length)
+                acc[k3] = acc.get(k3, False) or w
+        # The launch goes after the last allocation it made; what it frees before
+        # that (its own temporaries) stays in place, the frees of its inputs and
+        # everything after its last allocation follow it.
+        inputs_objs = {o for o, _, _ in acc}
+        last_alloc = max((i for i, (_, k, _) in enumerate(nested) if k == _I_ALLOC), default=-1)
+        created: list[int] = []
+        after: list[tuple[int, int]] = []
+        for i, (_, k, (ptr, nbytes, _)) in enumerate(nested):
+            if k == _I_ALLOC:
+                created.append(self.allocated(ptr, nbytes, phase, key=(exec_id, occ, len(created)), launch=seq))
+                continue
+            obj = self.live.get(ptr)
+            if obj is None:
+                continue
+            if i > last_alloc or obj in inputs_objs:
+                del self.live[ptr]  # gone for the allocator; its Free follows the launch
+                after.append((obj, nbytes))
+            else:
+                self._free(obj, nbytes, phase)
+        gone = {obj for obj, _ in after}
+        outputs = [o for o in created if self.objs[o].freed_iteration == -2 and o not in gone]
+        for obj in outputs:  # what it made and keeps; temporaries it frees itself are no access
+            nb = self.objs[obj].nbytes
+            if nb:
+                acc[(obj, 0, nb)] = True
+        if outputs and dev != "cpu" and any(t[4] == "cpu" and t[1] for t in tensors):
+            for obj in outputs:  # a host-to-device copy: batch data arriving
+                self.objs[obj].known = Kind.INPUT
+        accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
+        flops = _flops(info, inputs) if info.flop_fn is not None or "attention" in info.name else 0
+        nbytes_moved = 0
+        for _, _, ln in acc:
+            nbytes_moved += ln
+        precision = _precision(info.name, dtypes, self.tf32)
+        self.seq += 1
+        self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes_moved, module, precision))
+        for obj, nbytes in after:
+            self._free(obj, nbytes, phase)
+
+    def _plain(self, nested: list, in_bwd: bool) -> None:
+        """Allocations and frees inside an op that launches nothing."""
+        phase = self._phase(in_bwd)
+        for _, k, (ptr, nbytes, _) in nested:
+            if k == _I_ALLOC:
+                self._flush()
+                self.allocated(ptr, nbytes, phase)
+            else:
+                self.freed(ptr, nbytes, phase)
+
+
+def _lifetime_kind(info: _Obj) -> Kind:
+    if info.iteration < 0 or info.freed_iteration != info.iteration:
+        return Kind.OTHER
+    if info.phase == _FORWARD and info.freed_phase == _BACKWARD:
+        return Kind.ACTIVATION
+    return Kind.TEMPORARY
+
+
+
+
+# ---------------------------------------------------------------------------- the capture
+
+
+def _guarded(method: Callable) -> Callable:
+    """A hook of the capture's: an exception of its own bookkeeping goes to
+    :meth:`ProfiledCapture._error` (re-raised unless the capture has ``on_error``)."""
+
+    @functools.wraps(method)
+    def hook(self: ProfiledCapture, *args: Any) -> Any:
+        try:
+            return method(self, *args)
+        except Exception as exc:  # noqa: BLE001 - see ProfiledCapture(on_error=...)
+            self._error(exc)
+            return None
+
+    return hook
+
+
+def _experimental_config() -> tuple[_ExperimentalConfig, bool]:
+    """The profiler's experimental settings, and whether it records overload names."""
+    try:
+        return _ExperimentalConfig(capture_overload_names=True), True
+    except TypeError:  # an older torch: overloads are matched from the inputs (SchemaMatcher)
+        return _ExperimentalConfig(), False
+
+
+class ProfiledCapture:
+    """Captures a training loop into umrt events through torch's profiler,
+    without changing what the loop allocates (see the module docstring)::
+
+        cap = ProfiledCapture(model, optimizer)
+        with cap:
+            for batch in batches:
+                loss = model(batch).loss
+                loss.backward()
+                optimizer.step()          # an iteration boundary
+                optimizer.zero_grad(set_to_none=True)
+        trace = cap.trace()
+
+    Events reach listeners one window (normally one iteration) at a time, in
+    program order, when the window is read: at the first top-level module
+    forward after an optimizer step, at :meth:`flush`, and at :meth:`stop`.
+
+    Args:
+        model: the model, if known: its parameters and buffers are announced at
+            the start and module paths are relative to it.
+        optimizer: the optimizer, if known (else any optimizer that steps).
+        listeners: callables that receive each event.
+        window_listeners: callables that receive each :class:`ProfiledWindow`
+            after its events went to ``listeners`` (a live bridge aligns it).
+        device: the device whose memory is traced ("cpu", "cuda"); default: the
+            model's, else "cuda" if available, else "cpu".
+        auto_step: an optimizer step ends an iteration.
+        mark_start: emit ``IterationBoundary(0)`` at the start.
+        per_iteration: read the profile once per iteration (False: only at
+            :meth:`flush` and :meth:`stop`).
+        iterations: stop profiling once this many iterations are complete (the
+            hooks stay until :meth:`stop`, inert): a live run learns a few
+            iterations, then runs at full speed.
+        allocator_events: allocations come from :meth:`note_alloc` /
+            :meth:`note_free` (umrt's pool, which torch's profiler does not see)
+            instead of the profiler's own memory events for ``device``.
+        keep_events: keep the events for :meth:`trace`, :attr:`events` and
+            :attr:`windows`.
+        on_error: called with an exception of the capture's own (in a hook or
+            while reading a profile), which then never reaches the program; the
+            capture stops profiling. Default: the exception propagates.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        listeners: Sequence[Listener] = (),
+        *,
+        window_listeners: Sequence[Callable[[ProfiledWindow], None]] = (),
+        device: str | None = None,
+        auto_step: bool = True,
+        mark_start: bool = True,
+        per_iteration: bool = True,
+        iterations: int | None = None,
+        allocator_events: bool = False,
+        keep_events: bool = True,
+        model_name: str = "",
+        meta: dict | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if iterations is not None and iterations < 1:
+            raise ValueError(f"iterations must be at least 1, got {iterations}")
+        self.model = model
+        self.optimizer = optimizer
+        self.listeners = list(listeners)
+        self.window_listeners = list(window_listeners)
+        if device is None:
+            if model is not None:
+                first = next(iter(model.parameters()), None)
+                device = first.device.type if first is not None else "cpu"
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device).type
+        self.auto_step = auto_step
+        self.mark_start = mark_start
+        self.per_iteration = per_iteration
+        self.iterations = iterations
+        self.allocator_events = allocator_events
+        self.model_name = model_name or (type(model).__name__ if model is not None else "")
+        self._meta = dict(meta or {})
+        self._keep = keep_events
+        self._on_error = on_error
+        self.failed: BaseException | None = None  # the capture's own error, once on_error took one
+        self._events: list[Event] = []
+        self._windows: list[ProfiledWindow] = []
+        self._conv: _Converter | None = None
+        self._handles: list[Any] = []
+        self._module_names: dict[int, str] = {}
+        self._local = threading.local()  # per thread: the open forward ranges
+        self._owner: int | None = None
+        self._started = False
+        self._stopped = False
+        self._profiling = False  # torch's profiler is on (ours)
+        self._active = False  # markers are being left
+        self._rotate_pending = False
+        self._steps = 0
+        self._window_count = 0
+
+    # ------------------------------------------------------------------ public API
+    def __enter__(self) -> ProfiledCapture:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Install the hooks, announce the model's and optimizer's tensors, start profiling.
+
+        Raises:
+            RuntimeError: started before, or another torch profiler is running.
+        """
+        if self._started:
+            raise RuntimeError("a ProfiledCapture can be started only once")
+        if torch._C._autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:
+            raise RuntimeError("another torch profiler is running: umrt's profiled capture needs the profiler to itself")
+        self._started = True
+        tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
+        conv = _Converter(self.device, tf32, self.allocator_events, overloads=_experimental_config()[1])
+        conv.auto_step = self.auto_step
+        self._conv = conv
+        if self.model is not None:
+            for name, m in self.model.named_modules():
+                self._module_names[id(m)] = name
+        conv.open_window()
+        for kind, tensors in self._setup_tensors():
+            for ptr, nbytes in tensors:
+                conv.fact(ptr, nbytes, kind, _SETUP)
+        if self.mark_start:
+            conv.boundary()
+        self._deliver(conv._finish(), as_window=False)
+        mm = torch.nn.modules.module
+        self._handles = [
+            mm.register_module_forward_pre_hook(self._forward_pre),
+            mm.register_module_forward_hook(self._forward_post, always_call=True),
+            register_optimizer_step_pre_hook(self._step_pre),
+            register_optimizer_step_post_hook(self._step_post),
+        ]
+        self._owner = threading.get_ident()
+        self._start_profiler()
+
+    def stop(self) -> None:
+        """Read the last profile, close a completed iteration, remove the hooks."""
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        try:
+            if self._profiling:
+                self._read_profile(restart=False)
+            conv = self._conv
+            if conv is not None and conv.pending_boundary:
+                conv.open_window()
+                conv.boundary()
+                self._deliver(conv._finish(), as_window=False)
+        except Exception as exc:  # noqa: BLE001 - see on_error
+            self._error(exc)
+        finally:
+            self._active = False
+            if self._profiling:  # reading failed: still give the profiler back
+                self._profiling = False
+                with contextlib.suppress(Exception):
+                    torch._C._autograd._disable_profiler()
+
+    def step(self) -> None:
+        """Mark the end of an iteration here (for loops without an optimizer step)."""
+        if self._active:
+            with _RecordFunctionFast(_MARK):
+                pass
+            self._rotate_pending = self.per_iteration
+
+    def flush(self) -> None:
+        """Read what was profiled so far and deliver it now. Call it outside any
+        op and outside autograd (e.g. between iterations)."""
+        if self._profiling:
+            self._read_profile(restart=True)
+
+    def note_alloc(self, ptr: int, nbytes: int) -> bool:
+        """The allocator (umrt's pool) made a block: leave its marker in the profile,
+        inside the op that asked for it (``allocator_events=True``).
+
+        Returns whether the profile holds it: False while not profiling, and on
+        a thread the profiler does not follow (it follows the thread that
+        started it and autograd's threads; not a data loader's pin-memory
+        thread): such a block is in no window. Never raises.
+        """
+        return self._note(_ALLOC_MARK, ptr, nbytes)
+
+    def note_free(self, ptr: int, nbytes: int = 0) -> bool:
+        """The allocator freed the block at ``ptr`` (see :meth:`note_alloc`). Never raises."""
+        return self._note(_FREE_MARK, ptr, nbytes)
+
+    def _note(self, marker: str, ptr: int, nbytes: int) -> bool:
+        if not self._active:
+            return False
+        try:
+            if not torch._C._autograd._profiler_enabled():  # (per thread)
+                return False
+            with _RecordFunctionFast(marker, (int(ptr), int(nbytes))):
+                pass
+            return True
+        except Exception:  # noqa: BLE001 - called from inside the allocator: never raise there
+            return False
+
+    @property
+    def events(self) -> list[Event]:
+        """Events delivered so far (kinds as delivered; none with ``keep_events=False``)."""
+        return self._events
+
+    @property
+    def windows(self) -> list[ProfiledWindow]:
+        """The windows read so far (none with ``keep_events=False``)."""
+        return self._windows
+
+    @property
+    def profiling(self) -> bool:
+        """Whether torch's profiler is on for the capture now."""
+        return self._profiling
+
+    def trace(self) -> Trace:
+        """The events so far as a trace, with kinds refined by what came later.
+
+        Raises:
+            RuntimeError: the capture keeps no events (``keep_events=False``).
+        """
+        if not self._keep:
+            raise RuntimeError("this ProfiledCapture keeps no events (keep_events=False): it has no trace")
+        if self.failed is not None:
+            raise RuntimeError(f"the capture stopped after an error of its own ({self.failed!r}): its events are partial")
+        events = list(self._events)
+        conv = self._conv
+        if conv is not None:
+            for info in conv.objs.values():
+                if info.known is not None:
+                    kind = info.known
+                elif info.freed_iteration == -2:
+                    born_last = info.iteration == conv.iteration and info.phase in (_FORWARD, _BACKWARD)
+                    kind = info.kind if born_last else Kind.OTHER
+                else:
+                    kind = _lifetime_kind(info)
+                ev = events[info.event_index]
+                if ev.kind != kind:
+                    events[info.event_index] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
+        from umrt import __version__
+        from umrt.trace.fileformat import FORMAT_VERSION
+
+        header = TraceHeader(
+            format_version=FORMAT_VERSION,
+            umrt_version=__version__,
+            model=self.model_name,
+            torch_version=torch.__version__,
+            device=self.device,
+            iterations=0,
+            notes=list(NOTES),
+            meta=dict(self._meta),
+        )
+        trace = Trace(header, events)
+        trace.header.iterations = len(trace.iteration_spans())
+        return trace
+
+    # ------------------------------------------------------------------ profiler
+    def _start_profiler(self) -> None:
+        from torch._C._autograd import _enable_profiler, _prepare_profiler
+        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState
+
+        config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config()[0])
+        activities = {ProfilerActivity.CPU}
+        _prepare_profiler(config, activities)
+        _enable_profiler(config, activities)
+        self._profiling = True
+        self._active = True
+
+    def _read_profile(self, *, restart: bool) -> None:
+        """Stop the profiler, convert and deliver its events, start it again
+        (unless ``restart`` is False or the iteration limit is reached)."""
+        conv = self._conv
+        assert conv is not None
+        self._active = False
+        self._rotate_pending = False
+        result = torch._C._autograd._disable_profiler()
+        self._profiling = False
+        conv.open_window()
+        window = conv.convert(result.experimental_event_tree())
+        del result
+        done = conv.iteration + (1 if conv.pending_boundary else 0)
+        limit_reached = self.iterations is not None and done >= self.iterations
+        if limit_reached and conv.pending_boundary:
+            conv.boundary()  # the last iteration is complete: close it now
+            window = conv._finish()
+        self._deliver(window)
+        if restart and not limit_reached:
+            self._start_profiler()
+
+    def _deliver(self, win: ProfiledWindow, *, as_window: bool = True) -> None:
+        """Hand a converted window's events to the listeners (and keep them)."""
+        conv = self._conv
+        assert conv is not None
+        if as_window:
+            win.index = self._window_count
+            self._window_count += 1
+        if self._keep:
+            self._events.extend(win.events)
+            if as_window:
+                self._windows.append(win)
+        else:  # bounded memory: forget the objects that are gone
+            for obj in [o for o, info in conv.objs.items() if info.freed_iteration != -2]:
+                del conv.objs[obj]
+        for ev in win.events:
+            for listener in self.listeners:
+                listener(ev)
+        if as_window:
+            for wl in self.window_listeners:
+                wl(win)
+
+    def _error(self, exc: Exception) -> None:
+        """The capture's own bookkeeping failed: re-raise, or stop profiling and
+        hand it to ``on_error``."""
+        if self._on_error is None:
+            raise exc
+        self.failed = exc
+        self._active = False
+        if self._profiling:
+            self._profiling = False
+            with contextlib.suppress(Exception):
+                torch._C._autograd._disable_profiler()
+        self._on_error(exc)
+
+    # ------------------------------------------------------------------ facts
+    def _storages(self, tensors: Iterator[Any]) -> list[tuple[int, int]]:
+        out = []
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device:
+                st = t.untyped_storage()
+                if st.data_ptr():
+                    out.append((st.data_ptr(), st.nbytes()))
+        return out
+
+    def _setup_tensors(self) -> list[tuple[Kind, list[tuple[int, int]]]]:
+        out: list[tuple[Kind, list[tuple[int, int]]]] = []
+        if self.model is not None:
+            out.append((Kind.PARAMETER, self._storages(self.model.parameters())))
+            out.append((Kind.OTHER, self._storages(self.model.buffers())))
+        if self.optimizer is not None:
+            out.extend(self._optimizer_facts(self.optimizer, grads=False))
+        return out
+
+    def _optimizer_facts(self, opt: torch.optim.Optimizer, *, grads: bool) -> list[tuple[Kind, list]]:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        facts = [(Kind.PARAMETER, self._storages(iter(params)))]
+        if grads:
+            facts.append((Kind.GRADIENT, self._storages(p.grad for p in params)))
+        state = []
+        for st in opt.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
+                    state.append(v)  # (a host step counter is not device memory on CUDA)
+        facts.append((Kind.OPTIMIZER_STATE, self._storages(iter(state))))
+        return facts
+
+    def _leave_facts(self, marker: str, opt: torch.optim.Optimizer, *, grads: bool) -> None:
+        """Read the optimizer's facts now, to be applied at ``marker``'s place."""
+        conv = self._conv
+        assert conv is not None
+        if self.optimizer is None or opt is self.optimizer:
+            conv.facts[marker] = [(p, n, k) for k, pairs in self._optimizer_facts(opt, grads=grads) for p, n in pairs]
+        with _RecordFunctionFast(marker):
+            pass
+
+    # ------------------------------------------------------------------ hooks
+    def _stack(self) -> list:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _module_name(self, module: torch.nn.Module, stack: list) -> str:
+        name = self._module_names.get(id(module))
+        if name is None:
+            parent = next((e[0] for e in reversed(stack) if e is not None), None)
+            if parent is not None:
+                name = f"{parent}.{type(module).__name__.lower()}".lstrip(".")
+            else:  # a root we were not told about: name its tree
+                for sub, m in module.named_modules():
+                    self._module_names.setdefault(id(m), sub)
+                name = ""
+            self._module_names[id(module)] = name
+        return name
+
+    @_guarded
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        stack = self._stack()
+        if (
+            self._rotate_pending
+            and not stack
+            and self._profiling
+            and threading.get_ident() == self._owner
+            and torch._C._current_graph_task_id() == -1
+        ):
+            self._read_profile(restart=True)
+        if not self._active:
+            stack.append(None)  # keeps pushes and pops paired
+            return
+        name = self._module_name(module, stack)
+        rf = _RecordFunctionFast(_FWD + name)
+        rf.__enter__()
+        stack.append((name, rf))
+
+    @_guarded
+    def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if not stack:
+            return
+        entry = stack.pop()
+        if entry is None:
+            return
+        name, rf = entry
+        rf.__exit__(None, None, None)
+        if not self._active or not torch.is_grad_enabled():
+            return
+        for t in _output_tensors(output):
+            node = t.grad_fn
+            if node is None:
+                continue
+            md = node.metadata
+            if "umrt_profiled_module" in md:  # an inner module claimed it first
+                continue
+            md["umrt_profiled_module"] = name
+            node.register_prehook(self._backward_hook(_BWD + name))
+
+    def _backward_hook(self, marker: str) -> Callable:
+        def hook(grad_outputs: Any) -> None:
+            if self._active:
+                with contextlib.suppress(Exception), _RecordFunctionFast(marker):
+                    pass
+
+        return hook
+
+    @_guarded
+    def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._active:
+            self._steps += 1
+            self._leave_facts(f"{_STEP_PRE}{self._steps}", opt, grads=True)
+
+    @_guarded
+    def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._active:
+            return
+        if self.optimizer is not None and opt is not self.optimizer:
+            return
+        self._leave_facts(f"{_STEP_POST}{self._steps}", opt, grads=False)
+        if self.auto_step:
+            self._rotate_pending = self.per_iteration
