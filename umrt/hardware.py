@@ -8,9 +8,9 @@ published, saying whether ``umrt calibrate`` measures it). ``umrt calibrate``
 writes the same format from measurements on a real GPU::
 
     >>> from umrt.hardware import load_profile
-    >>> p = load_profile("v100-pcie3-16g")
-    >>> round(p.transfer_rate(2 << 20) / 2**30, 2)  # GiB/s for a 2 MB migration
-    11.95
+    >>> p = load_profile("h100-sxm5-80g")
+    >>> round(p.transfer_rate(1 << 30) / 1e9, 1)  # GB/s of one 1 GiB prefetch to the GPU
+    48.0
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ PROFILES: tuple[str, ...] = (
     "a100-pcie4-40g",
     "a100-pcie4-80g",
     "h100-pcie5-80g",
+    "h100-sxm5-80g",
     "gh200-c2c",
 )
 
@@ -42,47 +43,83 @@ KIB = 1 << 10
 class HardwareProfile:
     """One GPU and its host link, as the simulator sees them.
 
-    Bandwidths are bytes/s, times seconds. ``sources`` maps each numeric
-    field to the citation it was loaded with.
+    Bandwidths and rates are bytes/s, times seconds. ``sources`` maps each
+    numeric field to the citation it was loaded with. The Unified Memory
+    costs (prefetch, faults, population, discard, calls) are the model of
+    ``umrt/sim/MODEL.md``: each is a fixed cost plus size over a rate, fitted
+    to measurements (``umrt.calibrate``).
     """
 
     name: str
     gpu_memory_bytes: int
-    peak_flops: float  # dense tensor-core FLOP/s at training precision
-    hbm_bandwidth: float
-    h2d_bandwidth: float  # per-direction link rate: caps every host-to-device copy
+    peak_flops: float  # dense tensor-core FLOP/s at training precision (datasheet)
+    hbm_bandwidth: float  # datasheet
+    h2d_bandwidth: float  # the link per direction: remote access (AccessedBy, PreferredLocation=host)
     d2h_bandwidth: float
-    transfer_curve_a: float  # GiB/s: asymptote/(2/pi) of the UVMSmart size-vs-rate curve
-    transfer_curve_b: float  # per KB: steepness of that curve
     fault_batch_size: int  # faults serviced per batch (one replay per batch)
     fault_batch_latency_s: float  # fixed cost of servicing one fault batch
     prefetch_threshold: float  # density prefetcher threshold, percent
-    prefetch_call_overhead_s: float  # host cost of one prefetch/discard/advise call
+    prefetch_call_overhead_s: float  # CPU time of one prefetch/discard call (and of a discard-and-prefetch)
     launch_floor_s: float  # shortest kernel: launch + tail
-    compute_efficiency: float  # achieved fraction of peak FLOP/s and HBM bandwidth
+    compute_efficiency: float  # achieved fraction of the peak FLOP/s
+    # Explicit migration (cudaMemPrefetchAsync): per range that moves, a fixed set-up
+    # plus bytes over the rate; the two directions share one migration path.
+    prefetch_h2d_rate: float = 0.0
+    prefetch_h2d_setup_s: float = 0.0
+    prefetch_d2h_rate: float = 0.0
+    prefetch_d2h_setup_s: float = 0.0
+    fault_migration_rate: float = 0.0  # host -> GPU migration on the fault path (after the batch latency)
+    first_touch_rate: float = 0.0  # never-populated pages a kernel faults in (zero-fill), bytes/s
+    prefetch_populate_rate: float = 0.0  # never-populated pages a prefetch to the GPU populates (no copy)
+    host_populate_rate: float = 0.0  # extra cost of the first migration of a page to the host
+    discard_rate: float = 0.0  # the discard call's own work, bytes/s of the ranges
+    discard_range_s: float = 0.0  # the discard call's work per range
+    discard_refault_rate: float = 0.0  # a kernel writing discarded pages (the refault path)
+    discard_prefetch_rate: float = 0.0  # a prefetch (or discard-and-prefetch) to the GPU of discarded pages
+    advise_call_s: float = 0.0  # one cudaMemAdvise call (one range)
+    batch_range_s: float = 0.0  # CPU time per range of a batched prefetch call (cudaMemPrefetchBatchAsync)
+    batch_d2h_range_s: float = 0.0  # extra migration time per range of a batched prefetch to the host
     # FP32 arithmetic: on CUDA cores (PyTorch's default for matmuls), or TF32 tensor
     # cores (its default for cuDNN convolutions, Ampere and later). 0: as peak_flops.
     peak_flops_fp32: float = 0.0
     peak_flops_tf32: float = 0.0
+    memory_efficiency: float = 0.0  # achieved fraction of hbm_bandwidth; 0: as compute_efficiency
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
-    def transfer_rate(self, nbytes: int, direction: str = "h2d") -> float:
-        """Bytes/s of one migration of ``nbytes`` over the link.
+    def prefetch_time(self, nbytes: int, direction: str = "h2d") -> float:
+        """Migration seconds of one prefetch call moving ``nbytes`` of data: set-up + bytes / rate.
 
-        UVMSmart's curve ``(2a/pi) * atan(b * size_KB)`` GiB/s (gpu-sim.cc):
-        small migrations pay a fixed set-up cost and run far below the link
-        rate; the result is capped at the profile's per-direction link rate.
+        ``direction`` is ``"h2d"`` (to the GPU) or ``"d2h"`` (to the host, its
+        host pages already populated). Zero bytes cost nothing.
         """
+        if nbytes < 0:
+            raise ValueError("transfer size must not be negative")
+        if nbytes == 0:
+            return 0.0
+        if direction == "d2h":
+            return self.prefetch_d2h_setup_s + nbytes / self.prefetch_d2h_rate
+        return self.prefetch_h2d_setup_s + nbytes / self.prefetch_h2d_rate
+
+    def transfer_rate(self, nbytes: int, direction: str = "h2d") -> float:
+        """Effective bytes/s of one prefetch call of ``nbytes`` (its set-up included)."""
         if nbytes <= 0:
             raise ValueError("transfer size must be positive")
-        rate = (2.0 * self.transfer_curve_a / math.pi) * math.atan(self.transfer_curve_b * nbytes / KIB) * GIB
-        cap = self.d2h_bandwidth if direction == "d2h" else self.h2d_bandwidth
-        return min(rate, cap)
+        return nbytes / self.prefetch_time(nbytes, direction)
 
     def transfer_time(self, nbytes: int, direction: str = "h2d") -> float:
-        """Seconds to migrate ``nbytes`` in one contiguous copy."""
-        return 0.0 if nbytes <= 0 else nbytes / self.transfer_rate(nbytes, direction)
+        """Seconds to migrate ``nbytes`` in one prefetch call (:meth:`prefetch_time`)."""
+        return self.prefetch_time(max(nbytes, 0), direction)
+
+    def migration_rate_limit(self, direction: str = "h2d") -> float:
+        """The fastest any migration of data runs in ``direction`` (prefetch or fault path), bytes/s.
+
+        No copy of populated data is faster in the simulator: what
+        :mod:`umrt.sim.bound` may assume of every policy.
+        """
+        if direction == "d2h":
+            return self.prefetch_d2h_rate
+        return max(self.prefetch_h2d_rate, self.fault_migration_rate)
 
     def peak_for(self, math_mode: str = "") -> float:
         """Peak FLOP/s for a kernel whose arithmetic runs in ``math_mode``.
@@ -98,12 +135,17 @@ class HardwareProfile:
             return self.peak_flops_tf32 or self.peak_flops_fp32 or self.peak_flops
         return self.peak_flops
 
+    @property
+    def achieved_hbm_bandwidth(self) -> float:
+        """Bytes/s a kernel reaches: ``hbm_bandwidth * memory_efficiency``."""
+        return self.hbm_bandwidth * (self.memory_efficiency or self.compute_efficiency)
+
     def compute_time(self, flops: int, nbytes: int, math_mode: str = "") -> float:
-        """Roofline time of one kernel: ``max(flops/(peak*eff), bytes/(hbm*eff), launch floor)``,
+        """Roofline time of one kernel: ``max(flops/(peak*eff), bytes/(hbm*mem_eff), launch floor)``,
         with the peak of its arithmetic (:meth:`peak_for`)."""
-        eff = self.compute_efficiency
         peak = self.peak_flops if not math_mode else self.peak_for(math_mode)
-        return max(flops / (peak * eff), nbytes / (self.hbm_bandwidth * eff), self.launch_floor_s)
+        return max(flops / (peak * self.compute_efficiency), nbytes / self.achieved_hbm_bandwidth,
+                   self.launch_floor_s)
 
     def to_dict(self) -> dict:
         """The JSON form: numbers as ``{"value", "source"}`` pairs."""
@@ -118,22 +160,45 @@ class HardwareProfile:
 _NUMERIC: dict[str, tuple[type, float, float]] = {
     "gpu_memory_bytes": (int, 0, math.inf),
     "peak_flops": (float, 0, math.inf),
-    "hbm_bandwidth": (float, 0, math.inf),
-    "h2d_bandwidth": (float, 0, math.inf),
-    "d2h_bandwidth": (float, 0, math.inf),
-    "transfer_curve_a": (float, 0, math.inf),
-    "transfer_curve_b": (float, 0, math.inf),
-    "fault_batch_size": (int, 0, math.inf),
-    "fault_batch_latency_s": (float, -1, 1.0),
-    "prefetch_threshold": (float, -1, 100.0),
-    "prefetch_call_overhead_s": (float, -1, 1.0),
-    "launch_floor_s": (float, -1, 1.0),
-    "compute_efficiency": (float, 0, 1.0),
     "peak_flops_fp32": (float, 0, math.inf),
     "peak_flops_tf32": (float, 0, math.inf),
+    "hbm_bandwidth": (float, 0, math.inf),
+    "compute_efficiency": (float, 0, 1.0),
+    "memory_efficiency": (float, 0, 1.0),
+    "launch_floor_s": (float, -1, 1.0),
+    "h2d_bandwidth": (float, 0, math.inf),
+    "d2h_bandwidth": (float, 0, math.inf),
+    "prefetch_h2d_rate": (float, 0, math.inf),
+    "prefetch_h2d_setup_s": (float, -1, 1.0),
+    "prefetch_d2h_rate": (float, 0, math.inf),
+    "prefetch_d2h_setup_s": (float, -1, 1.0),
+    "fault_batch_size": (int, 0, math.inf),
+    "fault_batch_latency_s": (float, -1, 1.0),
+    "fault_migration_rate": (float, 0, math.inf),
+    "prefetch_threshold": (float, -1, 100.0),
+    "first_touch_rate": (float, 0, math.inf),
+    "prefetch_populate_rate": (float, 0, math.inf),
+    "host_populate_rate": (float, 0, math.inf),
+    "discard_rate": (float, 0, math.inf),
+    "discard_range_s": (float, -1, 1.0),
+    "discard_refault_rate": (float, 0, math.inf),
+    "discard_prefetch_rate": (float, 0, math.inf),
+    "prefetch_call_overhead_s": (float, -1, 1.0),
+    "advise_call_s": (float, -1, 1.0),
+    "batch_range_s": (float, -1, 1.0),
+    "batch_d2h_range_s": (float, -1, 1.0),
 }
-# Fields a profile file may leave out (written before they existed): as peak_flops.
-_OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32"})
+# Fields a profile file may leave out (written before they existed): the FP32/TF32
+# peaks as peak_flops, memory_efficiency as compute_efficiency.
+_OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32", "memory_efficiency"})
+# The Unified Memory cost model of umrt/sim/MODEL.md (umrt 0.2): a file written before it
+# (with the UVMSmart transfer curve) lacks these and is refused with a hint.
+_UM_MODEL = frozenset({
+    "prefetch_h2d_rate", "prefetch_h2d_setup_s", "prefetch_d2h_rate", "prefetch_d2h_setup_s",
+    "fault_migration_rate", "first_touch_rate", "prefetch_populate_rate", "host_populate_rate",
+    "discard_rate", "discard_range_s", "discard_refault_rate", "discard_prefetch_rate", "advise_call_s",
+    "batch_range_s", "batch_d2h_range_s",
+})
 
 
 def _parse(data: object, origin: str) -> HardwareProfile:
@@ -148,7 +213,11 @@ def _parse(data: object, origin: str) -> HardwareProfile:
         if key not in data:
             if key in _OPTIONAL:
                 continue
-            raise ConfigError(f"{origin}: missing field '{key}'")
+            hint = ""
+            if key in _UM_MODEL and "transfer_curve_a" in data:
+                hint = (" (this file predates the measured Unified Memory model: run `umrt calibrate` again, "
+                        "or copy the field from a shipped profile such as h100-sxm5-80g)")
+            raise ConfigError(f"{origin}: missing field '{key}'{hint}")
         entry = data[key]
         if not isinstance(entry, dict) or "value" not in entry or not isinstance(entry.get("source"), str):
             raise ConfigError(f"{origin}: field '{key}' must be {{\"value\": number, \"source\": \"...\"}}")
