@@ -17,11 +17,12 @@ from umrt.sim.replay import peak_live_bytes, simulate
 from umrt.trace.events import Access, Alloc, IterationBoundary, Kind, Launch, Trace, TraceHeader
 
 MB = 1 << 20
-# Round numbers: migrations at most 8 GiB/s (the curve's supremum), remote access at 10 GB/s,
+# Round numbers: migrations at most 8 GiB/s (prefetch and fault path), remote access at 10 GB/s,
 # sharing one link: the cheapest way in is a remote read by the launch that needs the bytes.
 PROFILE = dataclasses.replace(load_profile("v100-pcie3-32g"), h2d_bandwidth=10e9, d2h_bandwidth=10e9,
-                              transfer_curve_a=8.0, peak_flops=1e12, compute_efficiency=1.0,
-                              hbm_bandwidth=1e15, launch_floor_s=1e-6)
+                              prefetch_h2d_rate=8.0 * GIB, prefetch_d2h_rate=8.0 * GIB,
+                              fault_migration_rate=8.0 * GIB, peak_flops=1e12, compute_efficiency=1.0,
+                              memory_efficiency=1.0, hbm_bandwidth=1e15, launch_floor_s=1e-6)
 RATE, LINK = 8 * GIB, 10e9
 
 

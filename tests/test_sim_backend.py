@@ -43,7 +43,7 @@ def test_prefetch_then_launch_waits_for_the_copy_instead_of_faulting():
     b.prefetch([(ptr, 8 * BLOCK)], 0)
     b.launch([(ptr, 8 * BLOCK)], [], 0, 0)
     assert b.faults == 0
-    copy = 8 * PROFILE.transfer_time(BLOCK)  # pipelined per 2 MB VA block
+    copy = PROFILE.prefetch_time(8 * BLOCK)  # one set-up, then pipelined per 2 MB VA block
     assert b.breakdown["transfer_wait_s"] == pytest.approx(copy, rel=1e-6)
     assert b.breakdown["overhead_s"] == pytest.approx(OVERHEAD)
     assert b.now() == pytest.approx(OVERHEAD + copy + PROFILE.launch_floor_s, rel=1e-6)
@@ -61,7 +61,8 @@ def test_prefetch_overlaps_compute():
     assert b.breakdown["transfer_wait_s"] == 0.0
 
 
-def test_h2d_and_d2h_engines_run_concurrently():
+def test_prefetches_in_both_directions_share_one_migration_path():
+    # h100-measured.md: 2 GiB each way at once on two streams took as long as both one after the other
     b = gpu()
     out = host_data(b, 8 * BLOCK)
     inn = host_data(b, 8 * BLOCK)
@@ -71,8 +72,8 @@ def test_h2d_and_d2h_engines_run_concurrently():
     b.prefetch([(out, 8 * BLOCK)], HOST)
     b.prefetch([(inn, 8 * BLOCK)], 0)
     b.synchronize()
-    one_way = 8 * PROFILE.transfer_time(BLOCK)
-    assert b.now() - t0 == pytest.approx(one_way + 2 * OVERHEAD, rel=1e-6)  # not 2 * one_way
+    both = PROFILE.prefetch_time(8 * BLOCK, "d2h") + PROFILE.prefetch_time(8 * BLOCK)
+    assert b.now() - t0 == pytest.approx(OVERHEAD + both, rel=1e-6)  # the second call is issued during the first
     assert b.d2h_bytes == 8 * BLOCK and b.h2d_bytes == 16 * BLOCK
 
 
@@ -173,7 +174,74 @@ def test_policy_calls_cost_overhead_before_the_next_launch():
     b.discard([])
     b.launch([], [], 0, 0)
     assert b.calls == 3
-    assert b.breakdown["overhead_s"] == pytest.approx(3 * OVERHEAD)
+    assert b.breakdown["overhead_s"] == pytest.approx(3 * PROFILE.advise_call_s)
+
+
+def test_a_batched_prefetch_costs_cpu_per_range_beside_its_migrations():
+    # h100-measured.md: cudaMemPrefetchBatchAsync costs 55 us per range even when nothing moves;
+    # the migrations of the ranges issued so far run meanwhile
+    b = gpu()
+    ptr = host_data(b, 4 * BLOCK)
+    ranges = [(ptr + i * BLOCK, BLOCK) for i in range(4)]
+    b.prefetch(ranges, 0)
+    b.synchronize()
+    per_range = PROFILE.prefetch_time(BLOCK)
+    assert per_range > PROFILE.batch_range_s  # the migrations are the bottleneck
+    assert b.now() == pytest.approx(OVERHEAD + PROFILE.batch_range_s + 4 * per_range, rel=1e-9)
+    before = b.breakdown["overhead_s"]
+    b.prefetch(ranges, 0)  # all resident: only the CPU cost
+    b.launch([], [], 0, 0)
+    assert b.breakdown["overhead_s"] - before == pytest.approx(OVERHEAD + 4 * PROFILE.batch_range_s, rel=1e-9)
+
+
+def test_a_batched_prefetch_to_the_host_pays_more_per_range():
+    b = gpu()
+    ptr = host_data(b, 4 * BLOCK)
+    b.prefetch([(ptr, 4 * BLOCK)], 0)
+    b.synchronize()
+    t = b.now()
+    b.prefetch([(ptr + i * BLOCK, BLOCK) for i in range(4)], HOST)
+    b.synchronize()
+    per_range = PROFILE.prefetch_time(BLOCK, "d2h") + PROFILE.batch_d2h_range_s
+    assert b.now() - t == pytest.approx(OVERHEAD + PROFILE.batch_range_s + 4 * per_range, rel=1e-9)
+
+
+def test_a_discard_costs_its_call_its_ranges_and_its_bytes():
+    b = gpu()
+    ptr = host_data(b, 4 * BLOCK)
+    b.launch([(ptr, 4 * BLOCK)], [], 0, 0)
+    before = b.breakdown["overhead_s"]
+    b.discard([(ptr, BLOCK), (ptr + 2 * BLOCK, 2 * BLOCK)])
+    b.launch([], [], 0, 0)
+    cost = OVERHEAD + 2 * PROFILE.discard_range_s + 3 * BLOCK / PROFILE.discard_rate
+    assert b.breakdown["overhead_s"] - before == pytest.approx(cost, rel=1e-9)
+
+
+def test_advice_costs_one_call_per_range():
+    b = gpu()
+    ptr = host_data(b, 4 * BLOCK)
+    b.advise([(ptr + i * BLOCK, BLOCK) for i in range(3)], Advice.SET_ACCESSED_BY, 0)
+    b.launch([], [], 0, 0)
+    assert b.breakdown["overhead_s"] == pytest.approx(3 * PROFILE.advise_call_s, rel=1e-9)
+
+
+def test_discard_and_prefetch_to_the_host_copies_nothing():
+    b = gpu()
+    ptr = host_data(b, BLOCK)
+    b.launch([(ptr, BLOCK)], [], 0, 0)
+    b.discard_and_prefetch([(ptr, BLOCK)], HOST)
+    assert b.resident_bytes == 0 and b.d2h_bytes == 0
+    with pytest.raises(DataIntegrityError):
+        b.launch([(ptr, 8)], [], 0, 0)
+    with pytest.raises(ValueError, match="device 2"):
+        b.discard_and_prefetch([(ptr, BLOCK)], 2)
+
+
+def test_a_profile_without_the_um_rates_is_refused():
+    import dataclasses
+
+    with pytest.raises(ConfigError, match="Unified Memory rate"):
+        SimBackend(dataclasses.replace(PROFILE, first_touch_rate=0.0))
 
 
 def test_actions_start_no_earlier_than_the_next_launch_would():
@@ -185,7 +253,7 @@ def test_actions_start_no_earlier_than_the_next_launch_would():
     t = b.now()
     b.prefetch([(ptr, BLOCK)], 0)
     b.synchronize()
-    assert b.now() == pytest.approx(t + OVERHEAD + PROFILE.transfer_time(BLOCK), rel=1e-6)
+    assert b.now() == pytest.approx(t + OVERHEAD + PROFILE.prefetch_time(BLOCK), rel=1e-6)
 
 
 def test_free_drops_pages_and_content_and_reuses_the_address_space():
@@ -245,7 +313,7 @@ def test_remote_access_shares_the_link_with_copies_in_its_direction(direction):
     access = [(remote, 8 * BLOCK)]
     b.launch(access if direction == "h2d" else [], access if direction == "d2h" else [], 0, 0)  # ... and remote
     b.synchronize()
-    copies = 8 * PROFILE.transfer_time(BLOCK, direction)
+    copies = PROFILE.prefetch_time(8 * BLOCK, direction)
     link = PROFILE.h2d_bandwidth if direction == "h2d" else PROFILE.d2h_bandwidth
     assert b.faults == 0
     assert b.now() - t == pytest.approx(OVERHEAD + copies + 8 * BLOCK / link, rel=1e-6)  # one after the other

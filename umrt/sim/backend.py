@@ -17,10 +17,16 @@ Time model, chosen to be fair to every policy:
   fault-path copy (below), so they delay those copies and are slowed by them.
 * The CPU is taken to be synchronised with the GPU: policy calls issued
   between launch i-1 and launch i start no earlier than the GPU time at which
-  launch i would begin. Each prefetch/discard/advise call costs the
-  profile's ``prefetch_call_overhead_s`` of CPU time; launch i starts after
-  the calls issued before it (*overhead*).
+  launch i would begin. Each call costs CPU time by kind, as measured
+  (``prefetch_call_overhead_s`` per prefetch or discard call,
+  ``batch_range_s`` per range of a batched prefetch, ``advise_call_s`` per
+  advised range, a discard's own work per range and byte); launch i starts
+  after the calls issued before it (*overhead*).
 * ``cudaMallocManaged``/``cudaFree`` cost no time.
+* Prefetches in both directions go through one migration path, one at a
+  time in issue order (h100-measured.md: 2 GiB each way at once took as long
+  as both one after the other); each range that moves pays a set-up, then its
+  bytes over the direction's rate (``umrt/sim/MODEL.md``).
 * Fault migrations do not queue behind pending prefetches: the driver's
   fault-servicing copies run on their own channels and share the link with
   them (time-sliced copy engines), at half rate while both run; total link
@@ -122,13 +128,19 @@ class SimBackend(Backend):
         self.capacity_bytes = cap_pages * E.PAGE
         p = self.profile
         self._prm = np.zeros(E.NP, np.float64)
-        self._prm[E.P_A] = p.transfer_curve_a
-        self._prm[E.P_B] = p.transfer_curve_b
-        self._prm[E.P_H2D] = p.h2d_bandwidth
-        self._prm[E.P_D2H] = p.d2h_bandwidth
-        self._prm[E.P_BATCH] = p.fault_batch_size
-        self._prm[E.P_LAT] = p.fault_batch_latency_s
-        self._prm[E.P_THRESH] = p.prefetch_threshold
+        for index, value in ((E.P_H2D, p.h2d_bandwidth), (E.P_D2H, p.d2h_bandwidth),
+                             (E.P_BATCH, p.fault_batch_size), (E.P_LAT, p.fault_batch_latency_s),
+                             (E.P_THRESH, p.prefetch_threshold), (E.P_PF_H2D, p.prefetch_h2d_rate),
+                             (E.P_PF_D2H, p.prefetch_d2h_rate), (E.P_SETUP_H2D, p.prefetch_h2d_setup_s),
+                             (E.P_SETUP_D2H, p.prefetch_d2h_setup_s), (E.P_FAULT, p.fault_migration_rate),
+                             (E.P_TOUCH, p.first_touch_rate), (E.P_POPULATE, p.prefetch_populate_rate),
+                             (E.P_HOSTPOP, p.host_populate_rate), (E.P_REFAULT, p.discard_refault_rate),
+                             (E.P_REVALIDATE, p.discard_prefetch_rate)):
+            self._prm[index] = value
+        rates = (E.P_H2D, E.P_D2H, E.P_PF_H2D, E.P_PF_D2H, E.P_FAULT, E.P_TOUCH, E.P_POPULATE, E.P_HOSTPOP,
+                 E.P_REFAULT, E.P_REVALIDATE)
+        if not all(self._prm[i] > 0 for i in rates):
+            raise ConfigError(f"hardware profile {p.name!r} lacks a Unified Memory rate (every rate must be > 0)")
         self._g, self._tf = E.new_scalars(cap_pages)
         self._q_r = np.zeros(_QUEUE, np.int64)  # pending D2H copies (copy records) ...
         self._rec_t = np.zeros((2, E.RING), np.float64)  # ... and every copy record's completion time
@@ -218,47 +230,92 @@ class SimBackend(Backend):
         self._holes.insert(i, (first, nb))
 
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
-        """Migrate to the GPU (``device == 0``) or host on the matching copy engine.
+        """Migrate to the GPU (``device == 0``) or host on the prefetch path.
 
-        One call costs one ``prefetch_call_overhead_s`` however many ranges it
-        holds (the CUDA 13 batched call); an empty call costs nothing.
+        As the ``cuda`` backend issues it: one range is one
+        ``cudaMemPrefetchAsync`` (``prefetch_call_overhead_s`` of CPU time),
+        several are one ``cudaMemPrefetchBatchAsync`` that also costs
+        ``batch_range_s`` of CPU time per range, each range starting to
+        migrate once issued (and, to the host, ``batch_d2h_range_s`` more of
+        migration each). An empty call costs nothing.
         """
         if not ranges:
             return
-        t = self._issue()
+        if device not in (HOST, self.device):
+            raise ValueError(f"prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
+        p = self.profile
+        k = len(ranges)
         lo, hi = self._page_spans(ranges, inward=False)
+        per_range = p.batch_range_s if k > 1 else 0.0
+        t0 = self._issue(p.prefetch_call_overhead_s + k * per_range)
+        issue = t0 - (k - 1 - np.arange(k)) * per_range  # range r is issued (r + 1) ranges into the call
         if device == HOST:
             E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                            self._q_r, self._q_n, lo, hi, t)
-        elif device == self.device:
-            err = E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                                 self._q_r, self._q_n, lo, hi, t)
-            self._check(err)
+                            self._q_r, self._q_n, lo, hi, issue, p.batch_d2h_range_s if k > 1 else 0.0)
         else:
-            raise ValueError(f"prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
+            err = E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                                 self._q_r, self._q_n, lo, hi, issue)
+            self._check(err)
 
     def discard(self, ranges: Sequence[Range]) -> None:
         """Contents become undefined: no copy-back, and reading them is an integrity error.
 
-        Only whole 64 KB pages inside a range lose their content physically
-        (the rest still migrates); the byte ranges become undefined exactly.
+        One ``cudaMemDiscardBatchAsync`` call, as the ``cuda`` backend makes
+        it: ``prefetch_call_overhead_s`` plus ``discard_range_s`` per range
+        plus the bytes over ``discard_rate``, in order with the kernels. The
+        pages are *discarded*: a kernel writing one before a prefetch to the
+        GPU takes the refault path (``discard_refault_rate``). Only whole
+        64 KB pages inside a range lose their content physically (the rest
+        still migrates); the byte ranges become undefined exactly.
         """
         if not ranges:
             return
-        self._issue()
+        p = self.profile
+        self._issue(p.prefetch_call_overhead_s + len(ranges) * p.discard_range_s
+                    + sum(n for _, n in ranges) / p.discard_rate)
         lo, hi = self._page_spans(ranges, inward=True)
         E.discard(self._pf, self._bi, self._g, lo, hi)
         for ptr, n in ranges:
             self._defined.remove(ptr, ptr + n)
 
-    def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
-        """cudaMemAdvise: ReadMostly, PreferredLocation (GPU or host), AccessedBy(GPU)."""
+    def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        """``cudaMemDiscardAndPrefetchBatchAsync``: contents undefined, and the pages placed on ``device``.
+
+        Costs one call (``prefetch_call_overhead_s`` and ``discard_range_s``
+        per range); to the GPU, the pages then come as a prefetch brings
+        discarded ones (``discard_prefetch_rate`` for those still on the GPU,
+        population without a copy for the others), so a kernel may write them
+        at once; to the host they leave the GPU copying nothing.
+        """
         if not ranges:
             return
-        self._issue()
+        if device not in (HOST, self.device):
+            raise ValueError(f"discard_and_prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
+        p = self.profile
+        t = self._issue(p.prefetch_call_overhead_s + len(ranges) * p.discard_range_s)
+        lo, hi = self._page_spans(ranges, inward=True)
+        E.discard(self._pf, self._bi, self._g, lo, hi)
+        for ptr, n in ranges:
+            self._defined.remove(ptr, ptr + n)
+        issue = np.full(len(ranges), t)
+        if device == HOST:
+            E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                            self._q_r, self._q_n, lo, hi, issue, 0.0)
+        else:
+            self._check(E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                                       self._q_r, self._q_n, lo, hi, issue))
+
+    def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
+        """cudaMemAdvise: ReadMostly, PreferredLocation (GPU or host), AccessedBy(GPU).
+
+        One call per range, as the ``cuda`` backend makes them (``advise_call_s`` each).
+        """
+        if not ranges:
+            return
         advice = Advice(advice)
         if device not in (HOST, self.device):
             raise ValueError(f"advise for device {device}: the simulator has GPU 0 and HOST (-1)")
+        self._issue(len(ranges) * self.profile.advise_call_s)
         lo, hi = self._page_spans(ranges, inward=False)
         pf = self._pf
         for a, b in zip(lo.tolist(), hi.tolist(), strict=True):
@@ -440,10 +497,10 @@ class SimBackend(Backend):
 
     # ------------------------------------------------------------ internals
 
-    def _issue(self) -> float:
-        """One policy call: it starts when the GPU reaches it and costs CPU time."""
+    def _issue(self, cpu_s: float) -> float:
+        """One policy call costing ``cpu_s`` of CPU time: it starts when the GPU reaches it; returns its end."""
         self.calls += 1
-        self._t_action = max(self._t_action, self._t_compute) + self.profile.prefetch_call_overhead_s
+        self._t_action = max(self._t_action, self._t_compute) + cpu_s
         return self._t_action
 
     def _find(self, ptr: int, n: int) -> int:

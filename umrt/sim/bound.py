@@ -30,11 +30,12 @@ host-to-device after cut ``k1`` and before the launch that reads it ends,
 i.e. within the window (a page holding defined data is populated, so a
 migration copies it). The simulator can carry it three ways:
 
-1. an explicit prefetch: a copy on the H2D engine taking ``bytes / rate``
-   seconds of the link, rate at most the transfer curve's supremum
-   ``rate = min(h2d_bandwidth, transfer_curve_a GiB/s)``; copies issued after
-   the cut start no earlier than it (the CPU is synchronised with the GPU);
-2. a fault migration: the same link time, stalling the compute stream;
+1. an explicit prefetch: a copy on the prefetch path taking at least
+   ``bytes / rate`` seconds, ``rate`` the fastest migration the profile has
+   (``HardwareProfile.migration_rate_limit``: the larger of the prefetch and
+   fault-driven rates; every set-up cost only adds); copies issued after the
+   cut start no earlier than it (the CPU is synchronised with the GPU);
+2. a fault migration: at most the same rate, stalling the compute stream;
 3. a remote read (AccessedBy / PreferredLocation=host) by a launch of the
    window: ``bytes / h2d_bandwidth`` seconds of the link, within that launch.
 
@@ -56,8 +57,8 @@ overlap in time, so the iteration lasts at least the sum of their costs; the
 bound is the largest such sum over every choice of cuts (a dynamic programme
 over pairs of cuts, one numpy row per first cut), and at least the ideal
 time. Nothing in it depends on what a policy does, so it holds for every
-policy; fault latency, call overhead and the transfer curve below its
-supremum only add time.
+policy; fault latency, call costs, migration set-ups, host population and
+the sharing of one migration path by both directions only add time.
 
 What the bound does not count (see :attr:`LinkBound.d2h_min_bytes`): copying
 written data *back* to the host before the cut. A written value that must
@@ -78,7 +79,7 @@ import numpy as np
 
 from umrt import hardware
 from umrt.errors import ConfigError, TraceFormatError
-from umrt.hardware import GIB, HardwareProfile
+from umrt.hardware import HardwareProfile
 from umrt.trace.events import Alloc, Free, Launch, Trace
 
 __all__ = ["LinkBound", "link_bound"]
@@ -268,8 +269,7 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     n = c.shape[0]
     before = np.concatenate([[0.0], np.cumsum(c)])  # compute before cut k
     ideal = float(before[-1])
-    curve = profile.transfer_curve_a * GIB  # the transfer curve's supremum (atan < pi/2)
-    rate_h = min(profile.h2d_bandwidth, curve)
+    rate_h = profile.migration_rate_limit("h2d")  # no migration of data is faster
     link_h, link_d = profile.h2d_bandwidth, profile.d2h_bandwidth  # remote access runs at the link rate
     cap = link_h * c  # remote bytes launch i carries for free under its compute
 
@@ -338,7 +338,7 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         compute_after_s=float(before[b] - before[a]),
         remote_free_bytes=int(win_free[b]) if windows else 0,
         h2d_rate=float(rate_h),
-        d2h_rate=float(min(profile.d2h_bandwidth, curve)),
+        d2h_rate=float(profile.migration_rate_limit("d2h")),
         conserving_s=max(float(shared[n]), ideal),
     )
 

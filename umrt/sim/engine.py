@@ -45,7 +45,9 @@ F_PREF = 4  # PreferredLocation advice: PREF_*
 F_ACCBY = 5  # AccessedBy(GPU) advice: host-resident data is read over the link
 F_REMOTE = 6  # the GPU holds a remote mapping to host memory (PreferredLocation=host fault)
 F_MAPPED = 7  # the page belongs to a live managed allocation
-NFLAGS = 8
+F_DISC = 8  # discarded: a kernel touching it takes the refault path until a prefetch to the GPU
+F_HOSTPOP = 9  # host memory backs the page: a migration to the host need not populate it first
+NFLAGS = 10
 PREF_NONE, PREF_HOST, PREF_GPU = 0, 1, 2
 
 # Per-block columns of ``bi`` (int64, shape (blocks, NBCOLS)).
@@ -97,20 +99,29 @@ T_D2H = 1  # the D2H copy engine is busy until
 T_OUT = 2  # launch: time its faults are all serviced
 T_WAIT = 3  # launch: transfer wait
 T_REMOTE = 4  # launch: time its remote accesses are done (from T_OUT; T_OUT if none)
-NT = 5
+T_MIG = 5  # the driver's prefetch path (both directions, one migration at a time) is busy until
+NT = 6
 
-# Parameters in ``prm`` (float64), from the hardware profile.
-P_A = 0  # transfer_curve_a, GiB/s
-P_B = 1  # transfer_curve_b, per KB
-P_H2D = 2  # link caps, bytes/s
-P_D2H = 3
-P_BATCH = 4  # fault_batch_size
-P_LAT = 5  # fault_batch_latency_s
-P_THRESH = 6  # prefetch_threshold, percent
-NP = 7
+# Parameters in ``prm`` (float64), from the hardware profile (rates in bytes/s).
+P_H2D = 0  # the link per direction: remote access
+P_D2H = 1
+P_BATCH = 2  # fault_batch_size
+P_LAT = 3  # fault_batch_latency_s
+P_THRESH = 4  # prefetch_threshold, percent
+P_PF_H2D = 5  # prefetch_h2d_rate
+P_PF_D2H = 6  # prefetch_d2h_rate: also every copy back (prefetch to host, eviction)
+P_SETUP_H2D = 7  # prefetch_h2d_setup_s: per range a prefetch moves anything in
+P_SETUP_D2H = 8  # prefetch_d2h_setup_s
+P_FAULT = 9  # fault_migration_rate
+P_TOUCH = 10  # first_touch_rate: a fault populates a never-populated page
+P_POPULATE = 11  # prefetch_populate_rate: a prefetch populates one
+P_HOSTPOP = 12  # host_populate_rate: the first copy of a page to the host
+P_REFAULT = 13  # discard_refault_rate: a fault on a discarded page
+P_REVALIDATE = 14  # discard_prefetch_rate: a prefetch of a discarded page already on the GPU
+NP = 15
 
-# Fault entry kinds.
-E_MIGRATE, E_MAPREMOTE, E_COLLAPSE = 0, 1, 2
+# Fault entry kinds (two bits of a sort key).
+E_MIGRATE, E_MAPREMOTE, E_COLLAPSE, E_REFAULT = 0, 1, 2, 3
 # Per-page classes within one launch: on the GPU when it began, served over the link,
 # or migrated in by its fault servicing (used then, so it may leave again).
 C_LOCAL, C_REMOTE, C_LANDED = 0, 1, 2
@@ -130,16 +141,6 @@ def new_scalars(capacity_pages: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@njit(cache=True)
-def _xfer(nbytes, prm, d2h):
-    """Seconds for one contiguous copy: UVMSmart's (2a/pi)*atan(b*KB) GiB/s, capped by the link."""
-    rate = (2.0 * prm[P_A] / math.pi) * math.atan(prm[P_B] * nbytes / 1024.0) * GIB
-    cap = prm[P_D2H] if d2h else prm[P_H2D]
-    if rate > cap:
-        rate = cap
-    return nbytes / rate
 
 
 @njit(cache=True)
@@ -182,6 +183,8 @@ def _share_link(tf, rec_t, g, d, t, secs):
     if busy < 0.0:
         busy = 0.0
     end = t + secs + min(busy, secs)
+    if t < tf[T_MIG] <= tf[d]:  # the prefetch path's last migration is on this link: it ends later too
+        tf[T_MIG] += min(tf[T_MIG] - t, secs)
     tf[d] = max(tf[d], t) + secs
     tail = g[G_RTAIL + d]
     h = max(g[G_RHEAD + d], tail - RING)
@@ -195,41 +198,70 @@ def _share_link(tf, rec_t, g, d, t, secs):
     return end
 
 
-@njit(cache=True, inline="always")
-def _migrate_runs(pf, prec, lo, hi, d2h, mask, prm, g, rec):
-    """Migrate the pages of ``[lo, hi)``; return the copy seconds, one transfer per contiguous run.
+@njit(cache=True)
+def _queue(tf, d, start, secs):
+    """A prefetch-path migration of ``secs`` in direction ``d``, ready at ``start``; returns its end.
 
-    Every migration in the model copies by this rule. To the GPU: mapped,
-    non-resident pages with valid content (invalid ones populate with no
-    copy), and with a ``mask`` only those it marks (``mask[q - lo]``); the
-    caller lands them once it knows when the copy ends. To the host
-    (``d2h``): every resident page leaves the GPU here, and those with valid
-    content are copied back, except clean read-mostly duplicates whose host
-    copy is current; the copied pages take the copy record ``rec`` (-1: the
-    caller waits for the copy itself). The bytes are added to ``g``'s
-    counter for the direction. Inlined, so each caller's fixed direction and mask fold away.
+    Explicit migrations in both directions go through one path, one at a
+    time in issue order (h100-measured.md: 2 GiB each way at once took as
+    long as both one after the other), behind the copies on its own link.
     """
-    secs = 0.0
-    run = 0
-    for q in range(lo, hi + 1):  # q == hi only ends the last run
-        copy = False
-        if q < hi:
-            if mask is not None:  # the caller kept only mapped, non-resident pages in it
-                copy = mask[q - lo] == 1 and pf[q, F_VALID] == 1
-            elif not d2h:
-                copy = pf[q, F_MAPPED] == 1 and pf[q, F_GPU] == 0 and pf[q, F_VALID] == 1
-            elif pf[q, F_GPU]:
-                copy = pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
-                pf[q, F_GPU] = 0
-                pf[q, F_HOSTCOPY] = 0
-                prec[q] = rec if copy else -1
-        if copy:
-            run += 1
-        elif run:
-            secs += _xfer(run * PAGE, prm, d2h)
-            g[G_D2H if d2h else G_H2D] += run * PAGE
-            run = 0
-    return secs
+    begin = max(start, tf[T_MIG], tf[d])
+    end = begin + secs
+    if secs > 0.0:
+        tf[T_MIG] = end
+        tf[d] = end
+    return end
+
+
+@njit(cache=True, inline="always")
+def _migrate_runs(pf, prec, lo, hi, d2h, mask, prm, g, rec, rate, fill_rate):
+    """Migrate the pages of ``[lo, hi)``; return ``(copy seconds, other seconds)``.
+
+    Every migration in the model moves pages by this rule. To the GPU: mapped,
+    non-resident pages, and with a ``mask`` only those it marks
+    (``mask[q - lo]``); those with valid content are copied at ``rate``, the
+    others populate without a copy at ``fill_rate`` (a discarded page at the
+    refault rate instead when ``fill_rate`` is the first-touch one: the
+    caller passes ``-1`` for that); the caller lands them once it knows when
+    the copy ends. To the host (``d2h``): every resident page leaves the GPU
+    here, and those with valid content are copied back at ``rate``, except
+    clean read-mostly duplicates whose host copy is current; a copied page
+    whose host memory was never populated pays ``P_HOSTPOP`` first (the
+    *other* seconds); the copied pages take the copy record ``rec`` (-1: the
+    caller waits for the copy itself). The bytes copied are added to
+    ``g``'s counter for the direction. Inlined, so each caller's fixed
+    direction and mask fold away.
+    """
+    copied = 0
+    other = 0.0
+    for q in range(lo, hi):
+        if mask is not None:  # the caller kept only mapped, non-resident pages in it
+            if mask[q - lo] == 0:
+                continue
+        elif not d2h:
+            if pf[q, F_MAPPED] == 0 or pf[q, F_GPU] == 1:
+                continue
+        elif pf[q, F_GPU] == 0:
+            continue
+        if d2h:
+            copy = pf[q, F_VALID] == 1 and pf[q, F_HOSTCOPY] == 0
+            pf[q, F_GPU] = 0
+            pf[q, F_HOSTCOPY] = 0
+            prec[q] = rec if copy else -1
+            if copy:
+                copied += 1
+                if pf[q, F_HOSTPOP] == 0:
+                    pf[q, F_HOSTPOP] = 1
+                    other += PAGE / prm[P_HOSTPOP]
+        elif pf[q, F_VALID] == 1:
+            copied += 1
+        elif fill_rate < 0.0:  # the fault path: zero-fill, or the refault path of a discarded page
+            other += PAGE / (prm[P_REFAULT] if pf[q, F_DISC] else prm[P_TOUCH])
+        else:
+            other += PAGE / fill_rate
+    g[G_D2H if d2h else G_H2D] += copied * PAGE
+    return copied * PAGE / rate, other
 
 
 @njit(cache=True)
@@ -344,7 +376,8 @@ def _evict_block(pf, prec, rec_t, bi, g, prm, b, rec):
     for q in range(p0, p0 + PAGES_PER_BLOCK):
         if pf[q, F_GPU]:
             arrived = max(arrived, _ready(prec, rec_t, g, q))
-    secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g, rec)
+    copy, hostpop = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, True, None, prm, g, rec, prm[P_PF_D2H], 0.0)
+    secs = copy + hostpop
     g[G_RES] -= bi[b, B_RES]
     g[G_EVENTS] += bi[b, B_RES]
     bi[b, B_RES] = 0
@@ -403,9 +436,7 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
             rec = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the copy record this eviction's pages take
             nres = bi[b, B_RES]
             s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
-            done = max(t, tf[T_D2H], a) + s
-            if s > 0.0:
-                tf[T_D2H] = done
+            done = _queue(tf, T_D2H, max(t, a), s)
             _new_record(rec_t, g, T_D2H, done)
             _push_pending(g, q_r, q_n, rec, nres)
         else:
@@ -466,6 +497,7 @@ def _land(pf, prec, bi, g, p, rec, written):
     pf[p, F_GPU] = 1
     pf[p, F_HOSTCOPY] = 1 if dup else 0
     pf[p, F_VALID] = 1  # populated on the GPU: the driver copies it back from now on
+    pf[p, F_DISC] = 0
     prec[p] = rec
     b = p // PAGES_PER_BLOCK
     bi[b, B_RES] += 1
@@ -531,7 +563,11 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
     for i in range(nu):
         p = ubuf[i]
         pclass[p] = C_LOCAL
-        if pf[p, F_GPU]:
+        if pf[p, F_GPU] and pf[p, F_DISC]:
+            ebuf[ne] = p
+            etype[ne] = E_REFAULT  # discarded: unmapped, it faults and takes the refault path
+            ne += 1
+        elif pf[p, F_GPU]:
             ready = _ready(prec, rec_t, g, p)
             if ready > wait_until:
                 wait_until = ready
@@ -587,6 +623,7 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                 bi[b, B_PIN] = g[G_PIN]
                 pinned += 1
                 any_migrate = False
+                refaults = 0
                 faulted[:] = 0
                 while k < m and (keys[k] >> 2) // PAGES_PER_BLOCK == b:
                     p = keys[k] >> 2
@@ -597,11 +634,17 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                     elif kind == E_MAPREMOTE:
                         pf[p, F_REMOTE] = 1
                         pf[p, F_VALID] = 1  # first touch populates host memory
+                        pf[p, F_HOSTPOP] = 1
+                    elif kind == E_REFAULT:
+                        pf[p, F_DISC] = 0
+                        prec[p] = -1
+                        refaults += 1
                     else:
                         pf[p, F_HOSTCOPY] = 0
                     k += 1
                 flog[g[G_FLOG] % fsize] = b
                 g[G_FLOG] += 1
+                t += refaults * PAGE / prm[P_REFAULT]
                 if not any_migrate:
                     continue
                 _prefetch_mask(pf, b, faulted, prm[P_THRESH], prefix, mask)
@@ -622,8 +665,9 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                 for i in range(PAGES_PER_BLOCK):  # a page moves once its previous move (to the host) is done
                     if mask[i] and pf[p0 + i, F_VALID]:
                         t = max(t, _ready(prec, rec_t, g, p0 + i))
-                secs = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1)
-                t = _share_link(tf, rec_t, g, T_H2D, t, secs)
+                copy, fill = _migrate_runs(pf, prec, p0, p0 + PAGES_PER_BLOCK, False, mask, prm, g, -1,
+                                           prm[P_FAULT], -1.0)
+                t = _share_link(tf, rec_t, g, T_H2D, t, copy) + fill
                 for i in range(PAGES_PER_BLOCK):
                     if mask[i]:
                         p = p0 + i
@@ -677,62 +721,85 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
 
 @njit(cache=True)
 def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue):
-    """cudaMemPrefetchAsync(range, GPU) for page spans ``[p_lo, p_hi)``.
+    """cudaMemPrefetchAsync(range, GPU) for page spans ``[p_lo, p_hi)``, range ``r`` issued at ``t_issue[r]``.
 
-    Pipelined across VA blocks on the H2D engine (uvm_migrate.c); may evict
-    other managed memory, waiting first for its own pending prefetches to host.
-    Each page is usable once its block's copy completes (its copy record).
+    Pipelined across VA blocks on the prefetch path (uvm_migrate.c): a range
+    that moves anything pays ``P_SETUP_H2D`` once, then each block its bytes
+    over ``P_PF_H2D`` (never-populated pages populate at ``P_POPULATE``, no
+    copy; discarded pages still on the GPU come back at ``P_REVALIDATE``). It
+    may evict other managed memory, waiting first for its own pending
+    prefetches to host. Each page is usable once its block's copy completes
+    (its copy record).
     """
     for r in range(p_lo.shape[0]):
         p = p_lo[r]
+        setup = prm[P_SETUP_H2D]
         while p < p_hi[r]:
             b = p // PAGES_PER_BLOCK
             p0 = b * PAGES_PER_BLOCK
             stop = min(p_hi[r], p0 + PAGES_PER_BLOCK)
             n = 0
+            nrev = 0
             for q in range(p, stop):
                 if pf[q, F_MAPPED] and not pf[q, F_GPU]:
                     n += 1
-            if n:
-                g[G_PIN] += 1
-                bi[b, B_PIN] = g[G_PIN]
-                t, _, _ = _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t_issue, True)
-                if t < 0:
-                    g[G_ERRPAGE] = p0
-                    g[G_ERRBLOCKS] = 1
-                    return ERR_NO_VICTIM
-                start = max(t, tf[T_H2D])
+                elif pf[q, F_GPU] and pf[q, F_DISC]:
+                    nrev += 1
+            if n or nrev:
+                t = t_issue[r]
+                if n:
+                    g[G_PIN] += 1
+                    bi[b, B_PIN] = g[G_PIN]
+                    t, _, _ = _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, True)
+                    if t < 0:
+                        g[G_ERRPAGE] = p0
+                        g[G_ERRBLOCKS] = 1
+                        return ERR_NO_VICTIM
+                start = t
                 for q in range(p, stop):  # a page moves once its previous move (to the host) is done
                     if pf[q, F_MAPPED] and not pf[q, F_GPU] and pf[q, F_VALID]:
                         start = max(start, _ready(prec, rec_t, g, q))
-                secs = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1)
-                done = start + secs
-                if secs > 0.0:
-                    tf[T_H2D] = done
+                copy, fill = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1, prm[P_PF_H2D],
+                                           prm[P_POPULATE])
+                done = _queue(tf, T_H2D, start, setup + copy + fill + nrev * PAGE / prm[P_REVALIDATE])
+                setup = 0.0
                 rec = _new_record(rec_t, g, T_H2D, done)
                 for q in range(p, stop):
                     if pf[q, F_MAPPED] and not pf[q, F_GPU]:
                         _land(pf, prec, bi, g, q, rec, False)
-                _arrived(bi, g, b, n)
+                    elif pf[q, F_GPU] and pf[q, F_DISC]:
+                        pf[q, F_DISC] = 0  # mapped and populated again: usable once that is done
+                        prec[q] = rec
+                        if not pf[q, F_VALID]:
+                            pf[q, F_VALID] = 1
+                            bi[b, B_RESVALID] += 1
+                if nrev:
+                    _refresh_block(bi, g, b)
+                if n:
+                    _arrived(bi, g, b, n)
             p = stop
     return 0
 
 
 @njit(cache=True)
-def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue):
-    """cudaMemPrefetchAsync(range, cudaCpuDeviceId): copy back on the D2H engine.
+def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue, extra):
+    """cudaMemPrefetchAsync(range, cudaCpuDeviceId) for page spans, range ``r`` issued at ``t_issue[r]``.
 
-    The pages' GPU memory is free once the copy completes (pending queue).
-    Clean read-mostly duplicates and invalid pages copy nothing.
+    A range that moves anything pays ``P_SETUP_D2H`` plus ``extra`` (a range
+    of a batched call) once, then each block its copied bytes over
+    ``P_PF_D2H``, plus ``P_HOSTPOP`` for pages whose host memory was never
+    populated. The pages' GPU memory is free once the copy completes
+    (pending queue). Clean read-mostly duplicates and invalid pages copy nothing.
     """
     for r in range(p_lo.shape[0]):
         p = p_lo[r]
+        setup = prm[P_SETUP_D2H] + extra
         while p < p_hi[r]:
             b = p // PAGES_PER_BLOCK
             stop = min(p_hi[r], (b + 1) * PAGES_PER_BLOCK)
             n = 0
             nvalid = 0
-            start = max(t_issue, tf[T_D2H])
+            start = t_issue[r]
             for q in range(p, stop):
                 if pf[q, F_GPU]:
                     n += 1
@@ -742,11 +809,10 @@ def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue
                         start = ready  # cannot copy back what has not arrived
             if n:
                 rec = _new_record(rec_t, g, T_D2H, start)
-                secs = _migrate_runs(pf, prec, p, stop, True, None, prm, g, rec)
-                done = start + secs
+                copy, hostpop = _migrate_runs(pf, prec, p, stop, True, None, prm, g, rec, prm[P_PF_D2H], 0.0)
+                done = _queue(tf, T_D2H, start, setup + copy + hostpop)
+                setup = 0.0
                 rec_t[T_D2H, (rec >> 1) % RING] = done
-                if secs > 0.0:
-                    tf[T_D2H] = done
                 bi[b, B_RES] -= n
                 bi[b, B_RESVALID] -= nvalid
                 g[G_RES] -= n
@@ -761,12 +827,15 @@ def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue
 def discard(pf, bi, g, p_lo, p_hi):
     """Pages ``[p_lo, p_hi)`` lose their content: a later migration or eviction copies nothing.
 
-    A resident block left with no valid page moves to the discarded list,
+    They are *discarded* (``F_DISC``): a kernel touching one faults and takes
+    the refault path unless a prefetch to the GPU brings it back first. A
+    resident block left with no valid page moves to the discarded list,
     which the driver evicts before any used block.
     """
     for r in range(p_lo.shape[0]):
         for p in range(p_lo[r], p_hi[r]):
             g[G_EVENTS] += 1
+            pf[p, F_DISC] = 1
             if pf[p, F_VALID]:
                 pf[p, F_VALID] = 0
                 pf[p, F_HOSTCOPY] = 0
@@ -807,3 +876,5 @@ def host_write(pf, prec, bi, g, p_lo, p_hi):
                 _refresh_block(bi, g, b)
             pf[p, F_VALID] = 1
             pf[p, F_HOSTCOPY] = 0
+            pf[p, F_DISC] = 0
+            pf[p, F_HOSTPOP] = 1
