@@ -190,3 +190,30 @@ def test_shipped_sources_claim_calibration_only_for_what_calibrate_measures(cali
     shipped = load_profile(name)
     claims = {k for k, s in shipped.sources.items() if "calibrate measures" in s}
     assert claims <= measured, claims - measured
+
+
+def test_the_summary_states_the_measured_figures():
+    from umrt.cli.calibrate import summary
+
+    text = summary(load_profile("h100-sxm5-80g"))
+    for figure in ("48.2 GB/s", "12.8 GB/s", "6.61 GB/s", "0.82 GB/s", "112 us", "51.4 TFLOP/s", "3.02 TB/s"):
+        assert figure in text, figure
+
+
+@pytest.mark.gpu
+def test_calibrating_a_real_gpu(tmp_path):
+    from umrt.sim.backend import SimBackend
+
+    probe = calibrate.CudaProbe(0)
+    try:
+        m = measure(probe, repeats=1, plan=plan_sizes(min(probe.free_bytes, 2 * GIB)))
+    finally:
+        probe.close()
+    profile = build_profile(m)
+    assert profile.h2d_bandwidth > 1e9 and 1e9 < profile.prefetch_h2d_rate < 2 * profile.h2d_bandwidth
+    assert 0 < profile.fault_batch_latency_s < 1e-2 and profile.discard_refault_rate > 0
+    assert profile.memory_efficiency > 0.3  # a device copy, not a numba triad (0.21 of the H100's datasheet)
+    card = identify_card(m.device_name, m.sm_count, m.total_bytes, m.host_page_tables)
+    assert profile.description.startswith(m.device_name) and card.evidence in profile.description
+    save_profile(profile, tmp_path / "gpu.json")
+    SimBackend(str(tmp_path / "gpu.json")).malloc(1 << 20)

@@ -234,7 +234,8 @@ def fit_fixed_plus_rate(points: Sequence[tuple[int, float]]) -> tuple[float, flo
 
 def fault_batches(nbytes: int, batch_size: int = DEFAULT_FAULT_BATCH) -> int:
     """Fault batches the simulator services for a kernel touching every page of ``nbytes``."""
-    return -(-(-(-nbytes // PAGE)) // batch_size)
+    pages = -(-nbytes // PAGE)
+    return -(-pages // batch_size)
 
 
 def _positive(name: str, what: str, num: float, den: float) -> float:
@@ -838,6 +839,7 @@ class CudaProbe(Probe):
         """A range written on the GPU and moved to the host and back (its host pages populated)."""
         ptr = self._alloc(nbytes)
         self._fill(ptr, nbytes)
+        self._sync()  # the fill runs on CuPy's stream, the prefetches on ours
         self._to(ptr, nbytes, -1)
         self._to(ptr, nbytes, self.device)
         self._sync()
@@ -967,40 +969,32 @@ class CudaProbe(Probe):
         return self._op(run)
 
     def pinned_copy(self, nbytes: int, to_device: bool) -> float:
-        cp = self.cp
-        host = cp.cuda.alloc_pinned_memory(nbytes)
-        dev = cp.cuda.alloc(nbytes)
-        rt = cp.cuda.runtime
-        try:
+        def run() -> float:
+            cp = self.cp
+            rt = cp.cuda.runtime
+            host, dev = cp.cuda.alloc_pinned_memory(nbytes), cp.cuda.alloc(nbytes)
             if to_device:
                 return self._timed(lambda: rt.memcpy(dev.ptr, host.ptr, nbytes, rt.memcpyHostToDevice))
             return self._timed(lambda: rt.memcpy(host.ptr, dev.ptr, nbytes, rt.memcpyDeviceToHost))
-        finally:
-            del host, dev
-            self._free_all()
+        return self._op(run)
 
     def matmul(self, n: int) -> float:
-        cp = self.cp
-        a = cp.random.rand(n, n, dtype=cp.float32)
-        b = cp.random.rand(n, n, dtype=cp.float32)
-        c = cp.empty_like(a)
-        try:
+        def run() -> float:
+            cp = self.cp
+            a, b = cp.random.rand(n, n, dtype=cp.float32), cp.random.rand(n, n, dtype=cp.float32)
+            c = cp.empty_like(a)
             cp.matmul(a, b, out=c)  # warm-up (cuBLAS handle, kernel selection)
             return self._timed(lambda: cp.matmul(a, b, out=c))
-        finally:
-            del a, b, c
-            self._free_all()
+        return self._op(run)
 
     def device_copy(self, nbytes: int) -> float:
-        cp = self.cp
-        src = cp.ones(nbytes // 4, cp.float32)
-        dst = cp.empty_like(src)
-        try:
+        def run() -> float:
+            cp = self.cp
+            src = cp.ones(nbytes // 4, cp.float32)
+            dst = cp.empty_like(src)
             cp.copyto(dst, src)  # warm-up
             return self._timed(lambda: cp.copyto(dst, src))
-        finally:
-            del src, dst
-            self._free_all()
+        return self._op(run)
 
     def close(self) -> None:
         self._free_all()

@@ -12,8 +12,13 @@ Granularity (NVIDIA open-gpu-kernel-modules, kernel-open/nvidia-uvm):
   root chunk, uvm_pmm_gpu.c) and the span of the density prefetcher.
 * 64 KB big pages are the unit of migration: the driver widens a faulted
   4 KB page to its 64 KB page (uvm_perf_prefetch.c), so one fault entry
-  here is one 64 KB page. The 4 KB base page matters only for the
-  transfer-rate curve, which the caller applies per contiguous run.
+  here is one 64 KB page.
+
+Costs are those of ``umrt/sim/MODEL.md``, fitted to a real H100: every
+migration moves its bytes at the rate of its path (prefetch each way, the
+fault path), a prefetched range pays a set-up once, population (first
+touch, by prefetch, of host memory) and the refault path of discarded pages
+have their own rates, and prefetches in both directions share one path.
 
 Capacity is accounted in 64 KB pages (resident pages <= capacity) while
 eviction frees whole 2 MB blocks, victims taken in the driver's order
@@ -23,8 +28,6 @@ Thrashing throttling (uvm_perf_thrashing.c) is not modelled: it skips
 eviction-driven migrations, so single-GPU oversubscription is not throttled.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numba import njit
