@@ -10,7 +10,7 @@ writes the same format from measurements on a real GPU::
     >>> from umrt.hardware import load_profile
     >>> p = load_profile("h100-sxm5-80g")
     >>> round(p.transfer_rate(1 << 30) / 1e9, 1)  # GB/s of one 1 GiB prefetch to the GPU
-    48.0
+    48.1
 """
 from __future__ import annotations
 
