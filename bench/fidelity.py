@@ -294,12 +294,16 @@ def micro_rows(data: dict[str, Any]) -> list[Row]:
 
 def step_rows(data: dict[str, Any], trace: Any) -> list[Row]:
     """Section 3: GPT-2 small (batch 8 x 1024, fp32) steps; the device-memory one is the held-out check."""
+    from umrt.policy import make_policy
     from umrt.sim.replay import simulate
 
     st = data["step"]
 
-    def sim(policy: str, profile: str, budget: Any) -> Callable[[Any], float]:
-        return lambda _p: simulate(trace, policy, profile, budget).iteration_time_s
+    def sim(name: str, profile: str, budget: Any) -> Callable[[Any], float]:
+        def run(_probe: Any) -> float:
+            policy = make_policy(name, trace)  # its steady iteration, as `umrt simulate` reports it
+            return simulate(trace, policy, profile, budget, iterations=policy.steady_iterations()).iteration_time_s
+        return run
 
     old = st["old_simulated_h100_pcie5_ideal_um_umrt50_s"]
     rows = [
