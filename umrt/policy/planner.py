@@ -372,7 +372,11 @@ class Planner:
         # room that object-level accounting does not see: keep 4 spare.
         self.cap = max(int(budget_bytes * headroom) // 2, min(int(budget_bytes * headroom), budget_bytes - 4 * BLOCK))
         self.profile = profile
-        self.rate = float(getattr(profile, "h2d_bandwidth", 12e9))
+        # Migration rates by direction (a prefetch call's data rate on the profile; the
+        # H100 moved 48 GB/s to the GPU but 10-15 GB/s to the host): evictions take
+        # four times as long as prefetches of the same bytes there.
+        self.rate = float(getattr(profile, "prefetch_h2d_rate", getattr(profile, "h2d_bandwidth", 12e9)))
+        self.d2h_rate = float(getattr(profile, "prefetch_d2h_rate", getattr(profile, "d2h_bandwidth", self.rate)))
         self.op_level = op_level
         self.min_segment_s = min_segment_s
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
@@ -514,13 +518,13 @@ class Planner:
         # announced kind, decides: live kinds are only a best guess.
         died = {k: p for p, k in rec.frees}
         pinned = {k for k, b in born.items() if died.get(k, n + 1) - b <= self.short_launches}
-        rate = self.rate
+        rate, d2h_rate = self.rate, self.d2h_rate
 
         def dies_first(k: int, cursor: int) -> bool:
             """Used for the last time and freed before copying it out would be
             done: evicting it would copy dead data for room its death frees anyway."""
             d = died.get(k)
-            return d is not None and t[min(d, n)] - t[cursor] <= size[k] / rate
+            return d is not None and t[min(d, n)] - t[cursor] <= size[k] / d2h_rate
 
         ptr = {k: 0 for k in uses_of}
 
@@ -595,7 +599,7 @@ class Planner:
                     used = self._make_room(heap, resident, used, cap - nbytes, cursor, next_use,
                                            pinned, size, evict, spare=dies_first)
                     if len(evict) > before:  # room comes from copies to the host, on the D2H engine
-                        d2h_free = max(d2h_free, t[d]) + (was - used) / rate
+                        d2h_free = max(d2h_free, t[d]) + (was - used) / d2h_rate
                         link_free = max(link_free, d2h_free)
                     if used + nbytes > cap:
                         break  # capacity-bound: the window ends here
