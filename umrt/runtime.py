@@ -279,6 +279,8 @@ class Runtime(Policy):
         self._token_objs: list[int] = []  # the objects those allocation tokens announced
         self._keymap: tuple[int, ...] | None = None
         self._light_ok: set[int] = set()  # signatures whose light clock ran a whole iteration
+        self._light_failed = False  # this iteration left its plan while acting without launches
+        self._seek = 0  # iterations still learned to find a shape that ran without launches
         self._rebased: dict[int, int] = {}  # signature -> times its light clock was re-based
         self._advised: dict[int, tuple[int, int]] = {}  # host-mapped obj -> range
         self._mostly: set[int] = set()  # objects advised ReadMostly
@@ -597,6 +599,11 @@ class Runtime(Policy):
         c = self.counters
         if self._light:
             self._light_tail()
+        if self._mode == "act" and self._rec is not None and self._sig != self._plan.signature:
+            # A probed iteration (recorded launch by launch) of another shape that no
+            # decision told apart (a plan with nothing to do has none): learn it.
+            c["switches"] += 1
+            self._mode = "learn"
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
@@ -608,7 +615,13 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self._rec is not None and self._mode == "learn":
             self._rec.carried = moved
-            self._compile(self._rec)
+            new = self._compile(self._rec)
+            # After a shape no plan knew ran without launches, the iterations after
+            # it are learned until one is new (an eval pass every few steps comes
+            # back only then), at most max_variants of them.
+            if self._seek:
+                self._seek = 0 if new else self._seek - 1
+                self._relearn = self._seek > 0
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
@@ -640,6 +653,8 @@ class Runtime(Policy):
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
             self._relearn = True
+            if self._light_failed:  # unknown, and not recorded: seek it (see _boundary)
+                self._seek = self.max_variants
         elif mode == "learn" and self._rec is not None:
             self._rec.signature = self._sig
             self.variants.observe(self._sig)
@@ -681,18 +696,21 @@ class Runtime(Policy):
             keys.obj_of[new] = obj
             keys.key_of[obj] = new
 
-    def _compile(self, rec: IterationRecord) -> None:
+    def _compile(self, rec: IterationRecord) -> bool:
+        """A plan for the learned iteration's shape; whether the shape was new."""
         sig = rec.signature
         if sig in self.plans:
             self.plans.move_to_end(sig)
-            return
+            return False
         plan = self.planner.plan(rec)
         self.counters["plans_compiled"] += 1
         self.plans[sig] = plan
         while len(self.plans) > self.max_variants:
             self.plans.popitem(last=False)
+        return True
 
     def _start_iteration(self) -> None:
+        self._light_failed = False
         self._nl = 0
         self._nf = 0
         self._ne = 0
@@ -864,10 +882,15 @@ class Runtime(Policy):
                 self._counting = self.wants_launches = False
         elif self._light:  # not if the decision above deviated
             if r[1] != self._lh:
-                self._light_mismatch()
-                return
-            self._nl = r[0]  # launches before this event, as recorded
-            self._counting = self.wants_launches = True
+                if not self._switch_light(ne):
+                    self._light_mismatch()
+                    return
+                r = self._resume.get(ne)  # the shape switched to counts from here, or not
+            if r is not None:
+                self._nl = r[0]  # launches before this event, as recorded
+                self._counting = self.wants_launches = True
+            elif self._counting:
+                self._counting = self.wants_launches = False
         self._set_due(ne)
 
     def _set_due(self, ne: int) -> None:
@@ -892,34 +915,43 @@ class Runtime(Policy):
         size and every module boundary must be the recorded one."""
         a = self._actions[self._ai]
         if self._lh != a.light_hash:
-            a = self._switch_light(ne)
-            if a is None:
+            if not self._switch_light(ne):
                 self._light_mismatch()
+                return
+            a = self._actions[self._ai] if self._ai < len(self._actions) else None
+            if a is None or a.light_at != ne:  # the other shape decides nothing here
+                self._arm()
                 return
         self._ai += 1
         self._arm()
         self._act(a)
 
-    def _switch_light(self, ne: int) -> Action | None:
-        """Another learned shape that matches at event ``ne`` (as :meth:`_switch`)."""
+    def _switch_light(self, ne: int) -> bool:
+        """Another learned shape whose events so far are this iteration's (its running
+        hash after event ``ne`` is ours: an eval step instead of a train step, say):
+        continue with its plan from its next decision (as :meth:`_switch`)."""
         for sig in reversed(self.plans):
             plan = self.plans[sig]
             plan = plan.light_variant or plan
-            if plan is self._plan or plan.light_end is None:
+            if plan is self._plan or plan.light_end is None or plan.hash_after(ne) != self._lh:
                 continue
             idx = plan.index_at_light(ne)
-            if idx is not None and plan.actions[idx].light_hash == self._lh:
-                self._adopt(plan, idx)
-                return plan.actions[idx]
-        return None
+            self._adopt(plan, idx if idx is not None else plan.index_after_light(ne))
+            return True
+        return False
 
     def _light_tail(self) -> None:
         """The iteration ends: if it matched its plan to the last event, the
         decisions counted from that event whose launches were not delivered
         run now, late (they prepare the next iteration)."""
-        if (self._ne, self._lh) != self._plan.light_end:
-            self._light_mismatch()
-            return
+        end = (self._ne, self._lh)
+        if end != self._plan.light_end:
+            other = next((p for p in (q.light_variant or q for q in self.plans.values())
+                          if p is not self._plan and p.light_end == end), None)
+            if other is None:
+                self._light_mismatch()
+                return
+            self._adopt(other, len(other.actions))  # it was that shape, to its last event
         if self._pending:
             self._flush()
         while self._ai < len(self._actions):
@@ -1052,6 +1084,7 @@ class Runtime(Policy):
         self._unfreeze()
         if self._ai > 0:  # failed after it had started to hold: the guard counts that
             self._outcomes.append(False)
+        self._light_failed = self._light
         self._mode = "learn" if self._rec is not None else "off"
         self._light = self._counting = False
         self._due = -1

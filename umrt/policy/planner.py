@@ -132,6 +132,7 @@ class Plan:
     light_variant: Plan | None = field(default=None, repr=False, compare=False)
     keymap: tuple[int, ...] | None = None
     _light_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
+    _hashes: list[int] | None = field(default=None, repr=False, compare=False)
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
@@ -140,6 +141,22 @@ class Plan:
         """Index of the action tied to launch ordinal ``launch``, if any."""
         i = bisect.bisect_left(self.actions, launch, key=lambda a: a.at)
         return i if i < len(self.actions) and self.actions[i].at == launch else None
+
+    def hash_after(self, event: int) -> int | None:
+        """The runtime's running hash after this shape's light event ``event``
+        (None past its last event): what an iteration of this shape shows there."""
+        h = self._hashes
+        if h is None:
+            h = self._hashes = _running_hashes(self.tokens)
+        return h[event] if 0 <= event < len(h) else None
+
+    def index_after_light(self, event: int) -> int:
+        """Index of the first action still to come once light event ``event`` has
+        been seen: placed after it, or counted from it."""
+        for i, a in enumerate(self.actions):
+            if a.light_at > event or (a.light_at < 0 and a.light_from >= event):
+                return i
+        return len(self.actions)
 
     def index_at_light(self, event: int) -> int | None:
         """Index of the first action tied to light event ``event``, if any."""
@@ -239,7 +256,8 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
         f = moved(e)
         resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
     return replace(plan, actions=actions, light_end=(len(tokens), hashes[-1]), light_resume=resume,
-                   tokens=tuple(tokens), keymap=tuple(keymap), light_variant=None, _light_index=None)
+                   tokens=tuple(tokens), keymap=tuple(keymap), light_variant=None, _light_index=None,
+                   _hashes=hashes)
 
 
 def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:

@@ -1,0 +1,107 @@
+"""A steady loop stays converged through what real training does (issue 10, item 5).
+
+Real PyTorch training loops on the CPU, captured with the profiler (which does
+not change what a program allocates): an evaluation pass every few steps, a
+short last batch, bf16 autocast. The runtime is fed closed loop as a live run
+feeds it: launches only while it wants them. It must reach acting without
+launches and stay there: a new iteration shape is learned once (a deviation
+then), never an endless alternation.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.overhead import NullBackend
+from umrt.capture.profiled import ProfiledCapture
+from umrt.hardware import load_profile
+from umrt.policy.base import PolicyContext
+from umrt.runtime import Runtime
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _capture(steps: int, *, eval_every: int = 0, short_last: bool = False, autocast: bool = False) -> list:
+    """The events of a small GPT-2's training loop (AdamW foreach, dropout on)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    cap = ProfiledCapture(model, opt, keep_events=True)
+    with cap:
+        for step in range(steps):
+            model.train()
+            batch = 1 if short_last and step == steps - 1 else 2
+            tokens = torch.randint(0, 512, (batch, 32))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if eval_every and step % eval_every == eval_every - 1:
+                model.eval()
+                with torch.no_grad():
+                    model(input_ids=torch.randint(0, 512, (2, 32)))
+    return cap.events
+
+
+def _drive(events: list) -> tuple[Runtime, list[bool]]:
+    """Feed the runtime as a live run would: launches only while it wants them."""
+    backend = NullBackend()
+    rt = Runtime()
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile("h100-sxm5-80g")))
+    light: list[bool] = []
+    for ev in events:
+        t = type(ev)
+        if t is Launch:
+            if rt.wants_launches:
+                rt.on_event(ev)
+        elif t is Alloc:
+            layout.alloc(ev.obj, ev.nbytes, ev.kind)
+            rt.on_event(ev)
+        elif t is Free:
+            rt.on_event(ev)
+            layout.free(ev.obj)
+        elif t is IterationBoundary:
+            before = rt.report()["light_iterations"]
+            rt.on_event(ev)
+            light.append(rt.report()["light_iterations"] > before)
+        else:
+            rt.on_event(ev)
+    return rt, light
+
+
+@pytest.mark.parametrize("variation", [
+    {"eval_every": 3},
+    {"autocast": True},
+    {"eval_every": 2, "autocast": True},
+])
+def test_a_real_training_loop_stays_launch_free(variation):
+    rt, light = _drive(_capture(16, **variation))
+    rep = rt.report()
+    first = light.index(True)
+    assert first <= 10, (light, rep)
+    # Once launch-free, every later iteration runs so: no learning, no alternation.
+    assert all(light[first:]), (light, rep)
+    assert rep["deviations"] <= 2 and rep["guard_trips"] == 0, rep
+
+
+def test_a_short_last_batch_is_one_new_shape_not_a_relapse():
+    rt, light = _drive(_capture(14, short_last=True))
+    rep = rt.report()
+    first = light.index(True)
+    assert all(light[first:-1]), (light, rep)  # the last, shorter iteration is a new shape
+    assert rep["deviations"] <= 1 and rep["guard_trips"] == 0, rep
