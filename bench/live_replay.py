@@ -336,7 +336,7 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
     rt = runtime if runtime is not None else Runtime()
     sim = SimBackend(prof, budget_bytes)
     backend = CountingBackend(sim)
-    layout = rt.make_layout(backend)
+    layout = rt.make_layout(backend, live_feed=True)  # as in the live run: every block announced as OTHER
     rt.attach(PolicyContext(backend, layout, budget_bytes, prof))
     addr: dict[int, tuple[int, int]] = {}
     rows: list[dict] = []

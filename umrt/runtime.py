@@ -355,13 +355,14 @@ class Runtime(Policy):
             self._discard_keys = frozenset()
             self._over = {}
 
-    def make_layout(self, backend: Backend) -> Layout:
+    def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
         """umrt's lifetime-aware pool (the caching-allocator model with
-        ``use_pool=False``)."""
+        ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
+        (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
         if self.use_pool:
             from umrt.memory.pool import LifetimePool
 
-            return LifetimePool(_SegmentWatch(backend, self._segment_made, self._released))
+            return LifetimePool(_SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
         return super().make_layout(_SegmentWatch(backend, self._segment_made, self._released))
 
     def _segment_made(self, ptr: int, nbytes: int) -> None:
