@@ -57,12 +57,15 @@ def _converges(rows):
 
 @pytest.mark.parametrize("lag", [False, True])
 def test_a_plan_that_fits_converges_and_then_moves_nothing(logs, lag):
-    """40 GiB for a 15 GiB peak: after learning, launch-free and not a byte moved."""
+    """40 GiB for a 15 GiB peak: after learning, launch-free and not a byte moved.
+    (The live pool lays its blocks out anew once it knows their lifetimes: the new
+    segments are populated, without a copy, and from then on no call at all.)"""
     rows = replay("40GiB", 40 << 30, 16, lag=lag)
     first = _converges(rows)
     assert first <= 8
     for r in rows[2:]:
-        assert r["calls"] == {} and r["h2d_bytes"] == 0 and r["d2h_bytes"] == 0, r
+        assert set(r["calls"]) <= {"populate"} and r["h2d_bytes"] == 0 and r["d2h_bytes"] == 0, r
+    assert all(r["calls"] == {} for r in rows[first:]), rows
 
 
 def test_a_plan_under_pressure_converges(logs):
