@@ -1,8 +1,10 @@
 """The top-level CLI: every subcommand's --help renders (argparse formats help
 strings with %, so a stray % crashes only when a user asks for help)."""
+import re
+
 import pytest
 
-from umrt.cli import SUBCOMMANDS, build_parser, main
+from umrt.cli import SUBCOMMANDS, build_parser, main, plain_text
 
 
 def test_every_subcommand_is_registered():
@@ -22,3 +24,23 @@ def test_help_renders(command, capsys):
 def test_no_command_prints_help_and_exits_2(capsys):
     assert main([]) == 2
     assert "usage: umrt" in capsys.readouterr().out
+
+
+#: reST inline markup that must not reach a terminal: ``literal``, :role:`target`, "Example::".
+REST_MARKUP = r"``|:[a-z]+(:[a-z]+)?:`|\S::$"
+
+
+@pytest.mark.parametrize("command", ["", *SUBCOMMANDS])
+def test_help_has_no_rest_markup(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"] if command else ["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: umrt")
+    assert not re.search(REST_MARKUP, text, re.MULTILINE), text
+
+
+def test_plain_text_keeps_the_words():
+    assert plain_text("* ``--simulate PROFILE`` (:func:`umrt.shadow.run_shadow`, :class:`~a.B`)") == \
+        "* --simulate PROFILE (umrt.shadow.run_shadow, B)"
+    assert plain_text("For example::\n\n    umrt run x.py\nuse `umrt trace`") == \
+        "For example:\n\n    umrt run x.py\nuse `umrt trace`"

@@ -2,12 +2,15 @@
 
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds a parser whose ``func`` default takes the
-parsed arguments and returns an exit status.
+parsed arguments and returns an exit status. Every parser is a
+:class:`PlainHelpParser`, so help text may be written as reST (module
+docstrings are) and still prints as plain text.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from umrt import __version__
@@ -15,9 +18,32 @@ from umrt.errors import UmrtError
 
 SUBCOMMANDS = ("trace", "simulate", "run", "bench", "calibrate")
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]+)`")  # :func:`umrt.x`, :py:class:`~a.B`
+_LITERAL = re.compile(r"``([^`]+)``")
+_LITERAL_BLOCK = re.compile(r"(\S)::$", re.MULTILINE)  # "Example::" introducing a literal block
+
+
+def plain_text(text: str) -> str:
+    """reST inline markup as plain text: ``x`` and :role:`x` become x (:role:`~a.x`:
+    x), a trailing "::" becomes ":". Single back-quotes (command names) stay."""
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], text)
+    text = _LITERAL.sub(r"\1", text)
+    return _LITERAL_BLOCK.sub(r"\1:", text)
+
+
+class PlainHelpParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help and usage print as plain text (:func:`plain_text`);
+    its subcommand parsers are of the same class."""
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+    def format_usage(self) -> str:
+        return plain_text(super().format_usage())
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = PlainHelpParser(
         prog="umrt",
         description="CUDA Unified Memory prefetching runtime for deep learning.",
     )
