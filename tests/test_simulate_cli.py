@@ -95,3 +95,10 @@ def test_bad_flags_exit_2_with_a_message(capsys, trace_file, argv, message):
 def test_missing_trace_file(capsys, tmp_path):
     assert main(["simulate", str(tmp_path / "nope.umrt")]) == 2
     assert "nope.umrt" in capsys.readouterr().err
+
+
+def test_table_sizes_use_the_one_byte_formatter(capsys, trace_file):
+    assert main(["simulate", str(trace_file), "--budget", "50%"]) == 0
+    table = capsys.readouterr().out
+    assert "budget 24.0 MiB" in table and "48.0 MiB" in table  # the 48 MiB trace's peak live bytes
+    assert "0.02 GiB" not in table and "0.05 GiB" not in table

@@ -140,3 +140,12 @@ def test_info_truncated_and_corrupt(tmp_path, capsys):
         (tmp_path / name).write_bytes(blob)
         assert main(["trace", "info", str(tmp_path / name)]) == 2
         assert match in capsys.readouterr().err
+
+
+def test_small_trace_file_size_is_not_zero_mib(tmp_path, capsys):
+    out = tmp_path / "tiny.umrt"
+    assert main(["trace", "--model", TINY, "--batch", "1", "--seq", "4", "--steps", "1", "-o", str(out)]) == 0
+    line = capsys.readouterr().out
+    size = out.stat().st_size
+    assert size < 2**20, size  # a KiB-sized file: the point of this test
+    assert f"{size / 1024:.1f} KiB file" in line and "0.0 MiB" not in line, line

@@ -75,8 +75,9 @@ def _print_table(r, bound) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    gib = float(1 << 30)
-    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · budget {r.budget_bytes / gib:.2f} GiB "
+    from umrt.config import format_bytes
+
+    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · budget {format_bytes(r.budget_bytes)} "
                         f"(simulated, iteration {r.iterations} of {r.iterations})")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -92,14 +93,14 @@ def _print_table(r, bound) -> None:
         ("  transfer wait", _seconds(r.breakdown['transfer_wait_s'])),
         ("  call overhead", _seconds(r.breakdown['overhead_s'])),
         ("  remote access", _seconds(r.breakdown['remote_access_s'])),
-        ("host to device", f"{r.h2d_bytes / gib:.2f} GiB"),
-        ("device to host", f"{r.d2h_bytes / gib:.2f} GiB"),
+        ("host to device", format_bytes(r.h2d_bytes)),
+        ("device to host", format_bytes(r.d2h_bytes)),
         ("faults (64 KB pages)", f"{r.faults:,}"),
         ("fault batches", f"{r.fault_batches:,}"),
         ("evictions (2 MB blocks)", f"{r.evictions:,}"),
-        ("peak resident", f"{r.peak_resident_bytes / gib:.2f} GiB"),
-        ("trace peak live", f"{r.peak_live_bytes / gib:.2f} GiB"),
-        ("layout footprint", f"{r.footprint_bytes / gib:.2f} GiB"),
+        ("peak resident", format_bytes(r.peak_resident_bytes)),
+        ("trace peak live", format_bytes(r.peak_live_bytes)),
+        ("layout footprint", format_bytes(r.footprint_bytes)),
         ("simulated in", f"{r.wall_s:.1f} s ({r.page_events_per_s:,.0f} page events/s)"),
     ]
     for name, value in rows:

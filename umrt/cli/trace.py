@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from umrt.config import format_bytes
 from umrt.errors import ConfigError, UmrtError
 
 
@@ -214,13 +215,9 @@ def _report(trace: Any, path: str, seconds: float) -> None:
     s = summarize(trace)
     print(
         f"wrote {path}: {s['iterations']} iterations, {s['ops_per_iteration']} launches/iteration, "
-        f"peak live {_gib(s['peak_live_bytes'])}, end live {_gib(s['end_live_bytes'])} "
-        f"({seconds:.1f} s, {os.path.getsize(path) / 2**20:.1f} MiB file)"
+        f"peak live {format_bytes(s['peak_live_bytes'])}, end live {format_bytes(s['end_live_bytes'])} "
+        f"({seconds:.1f} s, {format_bytes(os.path.getsize(path))} file)"
     )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _info(argv: list[str], as_json: bool) -> int:
@@ -266,16 +263,16 @@ def _info(argv: list[str], as_json: bool) -> int:
     t.add_row("iterations", str(s["iterations"]))
     t.add_row("launches / iteration", f"{s['ops_per_iteration']:,}")
     t.add_row("objects", f"{s['objects']:,}")
-    t.add_row("peak live", _gib(s["peak_live_bytes"]))
-    t.add_row("end live", _gib(s["end_live_bytes"]))
+    t.add_row("peak live", format_bytes(s["peak_live_bytes"]))
+    t.add_row("end live", format_bytes(s["end_live_bytes"]))
     t.add_row("FLOPs / iteration", f"{s['flops_per_iteration'] / 1e12:.3f} TFLOP")
     total = s["flops_per_iteration"] or 1
     if s["flops_by_precision"]:
         t.add_row("  by precision", ", ".join(f"{p} {100 * f / total:.1f}%" for p, f in s["flops_by_precision"].items()))
-    t.add_row("bytes moved / iteration", _gib(s["bytes_moved_per_iteration"]))
+    t.add_row("bytes moved / iteration", format_bytes(s["bytes_moved_per_iteration"]))
     for k, v in s["bytes_by_kind"].items():
         if v:
-            t.add_row(f"  peak {k}", f"{_gib(v)} ({s['objects_by_kind'][k]} objects)")
+            t.add_row(f"  peak {k}", f"{format_bytes(v)} ({s['objects_by_kind'][k]} objects)")
     console = Console()
     console.print(t)
     if h.notes:
