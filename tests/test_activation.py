@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -152,3 +153,79 @@ def test_shipped_pth_file_matches():
 
     shipped = pathlib.Path(umrt.__file__).with_name(PTH_NAME)
     assert shipped.read_text() == PTH_LINE
+
+
+# -- is the hook installed? ------------------------------------------------------
+def test_hook_status_without_the_pth_says_umrt_1_does_nothing(tmp_path, monkeypatch, capsys):
+    import umrt.activation as act
+
+    monkeypatch.setattr(act, "site_dirs", lambda: [tmp_path])
+    status = act.hook_status()
+    assert status.path is None and not status.works
+    assert "UMRT=1 does nothing here" in status.describe()
+    assert act.main(["--check"]) == 2
+    assert f"fix: {act.INSTALL_COMMAND}" in capsys.readouterr().out
+    install_pth(tmp_path)
+    status = act.hook_status(try_it=False)
+    assert status.path == tmp_path / PTH_NAME and status.works
+    assert act.main(["--print"]) == 0
+
+
+def _copy_of_the_project(dest):
+    """The files an install reads, copied (the test must not write build output into the checkout)."""
+    import shutil
+
+    import umrt
+
+    root = Path(umrt.__file__).resolve().parents[1]
+    dest.mkdir()
+    for name in ("pyproject.toml", "setup.py", "setup.cfg", "README.md"):
+        shutil.copy(root / name, dest / name)
+    for name in ("umrt", "kernels", "bench"):
+        shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".cache", "out"))
+    return dest
+
+
+def test_editable_install_installs_the_hook(tmp_path):
+    """`pip install -e` (PEP 660) writes umrt-activate.pth too: UMRT=1 then activates, and a bad
+    UMRT_* value stops the script with the variable named. The venv borrows this interpreter's
+    packages (setuptools, numpy, ...) through a .pth, so nothing is downloaded."""
+    import sysconfig
+
+    pytest.importorskip("setuptools")
+    pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, text=True)
+    if pip.returncode != 0:
+        pytest.skip("pip is not available to this interpreter")
+    project = _copy_of_the_project(tmp_path / "project")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    site_packages = Path(purelib)
+    (site_packages / "00-borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT") and k != "PYTHONPATH"}
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+         "--no-build-isolation", "--no-index", "-e", str(project)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stdout + install.stderr
+    assert (site_packages / PTH_NAME).read_text() == PTH_LINE
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys, umrt\nprint('ON' if 'umrt.activation' in sys.modules else 'OFF', umrt.__file__)\n")
+
+    def run(**extra):
+        return subprocess.run([str(python), str(script)], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=120)
+
+    on = run(UMRT="1")
+    assert on.returncode == 0 and on.stdout.startswith("ON " + str(project)), on.stdout + on.stderr
+    off = run()
+    assert off.returncode == 0 and off.stdout.startswith("OFF"), off.stdout + off.stderr
+    bad = run(UMRT="1", UMRT_GPU_MEMORY="banana")
+    assert bad.returncode == 2 and bad.stdout == "", bad.stdout
+    assert bad.stderr.startswith("umrt: error: UMRT_GPU_MEMORY='banana'"), bad.stderr
+    check = subprocess.run([str(python), "-m", "umrt.activation", "--check"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert check.returncode == 0 and "UMRT=1 switches umrt on" in check.stdout, check.stdout + check.stderr

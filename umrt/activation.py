@@ -16,16 +16,22 @@ import this module and call :func:`activate_from_env`, which
    before the program can have made a CUDA allocation. A program that never
    imports either runs untouched.
 
-Install the hook with the package (see the README) or by hand with
-``python -m umrt.activation --install``.
+``pip install`` puts the hook into site-packages, an editable install
+(``pip install -e``) included (see ``setup.py``); by hand:
+``python -m umrt.activation --install``. :func:`hook_status` (used by
+``umrt doctor`` and ``python -m umrt.activation --check``) says whether it is
+there and whether ``UMRT=1`` really switches umrt on in a fresh interpreter.
 """
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
 import os
+import site
+import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,8 @@ PTH_LINE = (
     "if os.environ.get('UMRT', '').strip().lower() not in ('', '0', 'false', 'no', 'off') else None\n"
 )
 HOOKED_MODULES = ("torch", "cupy")
+#: The one command that installs the hook into this interpreter's site-packages.
+INSTALL_COMMAND = "python -m umrt.activation --install"
 
 _state: dict[str, Any] = {"activated": False, "enabled_by": None}
 
@@ -165,6 +173,63 @@ def install_pth(directory: str | Path | None = None) -> Path:
     return target
 
 
+def site_dirs() -> list[Path]:
+    """The directories whose .pth files this interpreter runs at start-up."""
+    dirs = [Path(d) for d in site.getsitepackages()]
+    if site.ENABLE_USER_SITE:
+        dirs.append(Path(site.getusersitepackages()))
+    return dirs
+
+
+@dataclass(frozen=True)
+class HookStatus:
+    """Whether ``UMRT=1`` works in this interpreter.
+
+    ``path``: the ``umrt-activate.pth`` that start-up runs (None: there is none);
+    ``fires``: a fresh interpreter with ``UMRT=1`` imported umrt's hook (None: not tried);
+    ``why_not``: what it printed when it did not.
+    """
+
+    path: Path | None
+    fires: bool | None = None
+    why_not: str = ""
+
+    @property
+    def works(self) -> bool:
+        return self.path is not None and self.fires is not False
+
+    def describe(self) -> str:
+        """One line for a person: where the hook is and whether it works, or why not."""
+        if self.path is None:
+            return f"no {PTH_NAME} in {', '.join(str(d) for d in site_dirs())}: UMRT=1 does nothing here"
+        if self.fires is False:
+            return (f"{self.path} is there but UMRT=1 did not switch umrt on in a fresh interpreter "
+                    f"({self.why_not or 'no output'})")
+        return f"{self.path}: UMRT=1 switches umrt on" + (" (checked in a fresh interpreter)" if self.fires else "")
+
+
+def hook_status(try_it: bool = True) -> HookStatus:
+    """Find the installed hook and (``try_it``) start ``python`` with ``UMRT=1`` to see it fire.
+
+    The trial runs ``sys.executable -c ...`` with every other ``UMRT_*`` variable removed,
+    so a bad setting in this shell does not hide a working hook (~0.2 s).
+    """
+    path = next((d / PTH_NAME for d in site_dirs() if (d / PTH_NAME).is_file()), None)
+    if path is None or not try_it:
+        return HookStatus(path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT")}
+    env["UMRT"] = "1"
+    code = "import sys; print('umrt-hook', 'umrt.activation' in sys.modules)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return HookStatus(path, False, f"could not start {sys.executable}: {exc}")
+    if "umrt-hook True" in out.stdout:
+        return HookStatus(path, True)
+    lines = [line for line in (out.stderr or out.stdout).strip().splitlines() if line.strip()]
+    return HookStatus(path, False, lines[-1].strip() if lines else f"exit status {out.returncode}")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -174,9 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--install", action="store_true", help=f"write {PTH_NAME} into site-packages")
     group.add_argument("--uninstall", action="store_true", help=f"remove {PTH_NAME}")
     group.add_argument("--print", action="store_true", help="print the .pth line")
+    group.add_argument("--check", action="store_true",
+                       help="say whether UMRT=1 works here (exit status 0) or not (2, with the fix)")
     args = parser.parse_args(argv)
     if args.print:
         sys.stdout.write(PTH_LINE)
+    elif args.check:
+        status = hook_status()
+        print(f"umrt: {status.describe()}")
+        if not status.works:
+            print(f"umrt: fix: {INSTALL_COMMAND}")
+        return 0 if status.works else 2
     elif args.install:
         print(f"umrt: wrote {install_pth()}")
     else:
