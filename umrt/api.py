@@ -257,11 +257,19 @@ _KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)
 
 
+def auto_profile_name(device_name: str, total_bytes: int) -> tuple[str, bool]:
+    """The shipped profile umrt plans with on this GPU when ``UMRT_PROFILE`` is unset
+    (the closest one, as ``umrt calibrate`` starts from), and whether a shipped
+    profile was made for this kind of GPU (False: only the closest guess)."""
+    from umrt.calibrate import closest_profile_name
+
+    return closest_profile_name(device_name, total_bytes), any(k in device_name.upper() for k in _KNOWN_GPUS)
+
+
 def _profile_for(cfg: Any, backend: Any) -> Any:
     """The hardware profile the runtime plans with: ``UMRT_PROFILE``, else (auto)
-    the shipped profile closest to this GPU, as ``umrt calibrate`` starts from;
-    None (the runtime's generic guesses) where the GPU cannot be read."""
-    from umrt.calibrate import closest_profile_name
+    :func:`auto_profile_name`; None (the runtime's generic guesses) where the GPU
+    cannot be read."""
     from umrt.hardware import load_profile
 
     if cfg.profile:
@@ -274,8 +282,8 @@ def _profile_for(cfg: Any, backend: Any) -> Any:
     except Exception as exc:  # noqa: BLE001 - no CUDA device to read: plan without a profile
         log.info("umrt: no GPU to pick a hardware profile for (%s); set UMRT_PROFILE", exc)
         return None
-    chosen = closest_profile_name(name, total)
-    if not any(k in name.upper() for k in _KNOWN_GPUS):
+    chosen, made_for_it = auto_profile_name(name, total)
+    if not made_for_it:
         log.warning("umrt: no shipped hardware profile for %s; planning with %s. Run `umrt calibrate` "
                     "and set UMRT_PROFILE to its file for this GPU's own figures", name, chosen)
     return load_profile(chosen)

@@ -16,7 +16,7 @@ import sys
 from umrt import __version__
 from umrt.errors import UmrtError
 
-SUBCOMMANDS = ("trace", "simulate", "run", "bench", "calibrate")
+SUBCOMMANDS = ("trace", "simulate", "run", "bench", "calibrate", "doctor")
 
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]+)`")  # :func:`umrt.x`, :py:class:`~a.B`
 _LITERAL = re.compile(r"``([^`]+)``")
