@@ -189,9 +189,7 @@ def _copy_of_the_project(dest):
 def test_editable_install_installs_the_hook(tmp_path):
     """`pip install -e` (PEP 660) writes umrt-activate.pth too: UMRT=1 then activates, and a bad
     UMRT_* value stops the script with the variable named. The venv borrows this interpreter's
-    packages (setuptools, numpy, ...) through a .pth, so nothing is downloaded."""
-    import sysconfig
-
+    site-packages (setuptools, numpy, ...) through a .pth, so nothing is downloaded."""
     pytest.importorskip("setuptools")
     pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, text=True)
     if pip.returncode != 0:
@@ -203,7 +201,8 @@ def test_editable_install_installs_the_hook(tmp_path):
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
     site_packages = Path(purelib)
-    (site_packages / "00-borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    borrowed = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+    (site_packages / "00-borrowed.pth").write_text("".join(f"{p}\n" for p in borrowed))
     env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT") and k != "PYTHONPATH"}
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",

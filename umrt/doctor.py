@@ -39,11 +39,12 @@ OK, NOTE, MISSING = "ok", "note", "missing"
 
 #: The versions umrt is tested with, by where (the README's "Tested versions" table).
 #: "CPU CI": `.ci/run` on the development machine (no GPU; the CUDA packages are imported
-#: for their call signatures only). "H100": the one real-GPU run (reference/h100-measured.md).
+#: for their call signatures only). "H100": the one real-GPU run (an H100 80GB HBM3 on PCIe Gen5).
+#: "CPU (lower bound)": the CPU suite with that version alone changed (CuPy's tests excepted).
 TESTED: dict[str, dict[str, str]] = {
     "python": {"CPU CI": "3.11.7", "H100": "3.12"},
     "torch": {"CPU CI": "2.13.0+cpu", "H100": "2.11.0+cu130"},
-    "numpy": {"CPU CI": "2.4.6", "H100": "2.5.2"},
+    "numpy": {"CPU CI": "2.4.6", "H100": "2.5.2", "CPU (lower bound)": "1.26.4"},
     "numba": {"CPU CI": "0.68.1", "H100": "0.68"},
     "numba-cuda": {"H100": "0.30.4"},
     "transformers": {"CPU CI": "5.24.0"},
