@@ -2,10 +2,14 @@
 
 Each case boots a subprocess that processes umrt's .pth line the way ``site``
 does at start-up (``site.addsitedir`` on a folder holding only that file,
-with ``sys.argv`` already set to the script), then runs the script.
+with ``sys.argv`` already set to the script), then runs the script. The
+``UMRT*`` variables reach the subprocess as an argument and are set just
+before that, so a hook installed in this interpreter's own site-packages
+(``pip install -e`` puts one there) sees none of them at its real start-up.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,9 +21,10 @@ import pytest
 from umrt.activation import PTH_LINE, PTH_NAME, install_pth
 
 BOOT = textwrap.dedent("""
-    import runpy, site, sys, types
+    import json, os, runpy, site, sys, types
     pth_dir, fake_shadow = sys.argv[1], sys.argv[2] == "1"
-    sys.argv = sys.argv[3:]
+    os.environ.update(json.loads(sys.argv[3]))
+    sys.argv = sys.argv[4:]
     if fake_shadow:  # stands in for umrt.shadow (engineer RUNTIME's module)
         mod = types.ModuleType("umrt.shadow")
         def run_shadow(script, argv, profile=None, gpu_memory=None, policy=None):
@@ -53,10 +58,9 @@ def boot(tmp_path):
 
     def run(env_extra: dict[str, str], *args: str, shadow: bool = False):
         env = {k: v for k, v in os.environ.items() if not k.startswith("UMRT")}
-        env.update(env_extra)
         return subprocess.run(
             [sys.executable, str(tmp_path / "boot.py"), str(pth_dir), "1" if shadow else "0",
-             str(tmp_path / "train.py"), *args],
+             json.dumps(env_extra), str(tmp_path / "train.py"), *args],
             env=env, capture_output=True, text=True, timeout=120,
         )
 

@@ -231,7 +231,7 @@ def test_untested_versions_are_notes():
     machine = FakeMachine(cuda13(), nvml=fake_nvml(), versions={**H100_VERSIONS, "transformers": "4.50.0"})
     rc, text = doctor(machine)
     assert rc == 0 and status_of(text, "transformers") == "note"
-    assert "4.50.0 (needs >=4.45; tested: 5.24.0 on CPU CI); this version is untested" in text
+    assert "4.50.0 (needs >=4.45; tested: CPU CI 5.24.0); this version is untested" in text
 
 
 def test_json_report():

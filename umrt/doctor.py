@@ -40,11 +40,11 @@ OK, NOTE, MISSING = "ok", "note", "missing"
 #: The versions umrt is tested with, by where (the README's "Tested versions" table).
 #: "CPU CI": `.ci/run` on the development machine (no GPU; the CUDA packages are imported
 #: for their call signatures only). "H100": the one real-GPU run (an H100 80GB HBM3 on PCIe Gen5).
-#: "CPU (lower bound)": the CPU suite with that version alone changed (CuPy's tests excepted).
+#: "CPU suite (lowest)": the CPU suite with that version alone changed (CuPy's tests excepted).
 TESTED: dict[str, dict[str, str]] = {
     "python": {"CPU CI": "3.11.7", "H100": "3.12"},
     "torch": {"CPU CI": "2.13.0+cpu", "H100": "2.11.0+cu130"},
-    "numpy": {"CPU CI": "2.4.6", "H100": "2.5.2", "CPU (lower bound)": "1.26.4"},
+    "numpy": {"CPU CI": "2.4.6", "H100": "2.5.2", "CPU suite (lowest)": "1.26.4"},
     "numba": {"CPU CI": "0.68.1", "H100": "0.68"},
     "numba-cuda": {"H100": "0.30.4"},
     "transformers": {"CPU CI": "5.24.0"},
@@ -470,7 +470,7 @@ def _versions(machine: Machine, torch: TorchBuild | None, found: list[Finding]) 
 
 def _version_finding(dist: str, version: str, minimum: str | None) -> Finding:
     tested = TESTED.get(dist, {})
-    where = ", ".join(f"{v} on {k}" for k, v in tested.items()) or "none recorded"
+    where = ", ".join(f"{k} {v}" for k, v in tested.items()) or "none recorded"
     if minimum is not None and version_tuple(version) < version_tuple(minimum):
         return Finding(dist, MISSING, f"{version}, older than umrt's minimum {minimum}",
                        f"pip install '{dist}>={minimum}'")
