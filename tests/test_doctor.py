@@ -12,6 +12,7 @@ import pytest
 from fake_cuda import FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, cudaError_t
 
 from umrt.activation import INSTALL_COMMAND, HookStatus
+from umrt.api import auto_profile_name
 from umrt.backends.cuda import BindingsApi, CupyApi
 from umrt.doctor import TESTED, ShimBuild, ThisMachine, TorchBuild, check, minimums, report, version_tuple
 from umrt.errors import CudaError
@@ -127,7 +128,8 @@ def test_cuda13_with_everything_is_ready():
     assert "driver 580.159.04, supports CUDA 13.0" in text
     assert "cuda:0 NVIDIA H100 80GB HBM3, 80.0 GiB" in text
     assert "cudaMemPrefetchBatchAsync, cudaMemDiscardBatchAsync, cudaMemDiscardAndPrefetchBatchAsync" in text
-    assert "h100-pcie5-80g (the shipped profile for a NVIDIA H100 80GB HBM3)" in text
+    picked, _ = auto_profile_name("NVIDIA H100 80GB HBM3", 80 * 2**30)  # what the runtime plans with
+    assert f"profile            {picked} (the shipped profile for a NVIDIA H100 80GB HBM3)" in text
     assert "cached: /cache/umrt_torch_alloc_shim.so" in text
     assert status_of(text, "managed memory") == "ok" and status_of(text, "NVML") == "ok"
     assert status_of(text, "torch build") == "ok" and "torch 2.11.0+cu130, built for CUDA 13.0" in text
