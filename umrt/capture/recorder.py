@@ -67,7 +67,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +86,7 @@ try:  # torch's private mode-stack helpers (2.x): without them ops cannot be sus
 except ImportError:  # pragma: no cover - a torch that moved them: record every op, as before
     _CAN_SUSPEND = False
 
-from umrt.capture import steer
+from umrt.capture import steer as steer_mod
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -237,16 +237,22 @@ class Recorder:
             state OPTIMIZER_STATE. Without one, any optimizer that steps is used.
         listeners: callables that receive each event the moment it is recorded.
         device: the device whose memory is traced ("meta", "cpu", "cuda");
-            default: the model's device, else "cuda" if available, else "cpu".
-            Ops that touch no tensor on it (host scalars) are not recorded.
+            default: the model's device; without a model, the device the
+            program uses: the CPU until an op touches a tensor on an
+            accelerator (CUDA, ...), that device from then on (objects seen on
+            the CPU before are released from the trace then: a model built on
+            the CPU and moved is traced from its move). Ops that touch no
+            tensor on it (host scalars) are not recorded.
         auto_step: mark an iteration boundary after every optimizer step.
         mark_start: emit ``IterationBoundary(0)`` on entry (after set-up);
             otherwise the first step marks it and what runs before is set-up.
         stop_after: raise :class:`StopRecording` into the program once this
             many iterations are complete (after the trace is closed).
         model_name: recorded in the trace header.
-        steer: route attention and dropout to single fused ops on meta/CPU
-            (see :mod:`umrt.capture.steer`).
+        steer: where attention and dropout are routed to single fused ops
+            (see :mod:`umrt.capture.steer`): default meta only, where nothing
+            is computed; True adds the CPU (it changes what the CPU computes:
+            only for umrt's own synthetic loops); False never.
         keep_events: keep the events for :meth:`trace` and :attr:`events`;
             False for a live listener's recorder that runs for a whole training
             (events are only passed on, so memory stays bounded).
@@ -267,7 +273,7 @@ class Recorder:
         mark_start: bool = True,
         stop_after: int | None = None,
         model_name: str = "",
-        steer: bool = True,
+        steer: bool | Collection[str] = ("meta",),
         meta: dict | None = None,
         keep_events: bool = True,
         on_error: Callable[[BaseException], None] | None = None,
@@ -279,14 +285,14 @@ class Recorder:
         self.mark_start = mark_start
         self.stop_after = stop_after
         self.model_name = model_name or (type(model).__name__ if model is not None else "")
-        self._steer = steer
+        self._steer = steer_mod.devices(steer)
         self._meta = dict(meta or {})
+        # Without a device or a model, the program's own device is followed (see device=).
+        self._follow = device is None and model is None
+        self._released_on_move = -1  # objects released when the program moved (-1: it did not)
         if device is None:
-            if model is not None:
-                first = next(iter(model.parameters()), None)
-                device = first.device.type if first is not None else "cpu"
-            else:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+            first = next(iter(model.parameters()), None) if model is not None else None
+            device = first.device.type if first is not None else "cpu"
         self.device = torch.device(device).type
 
         self._events: list[Event] = []
@@ -334,7 +340,7 @@ class Recorder:
         # PyTorch's TF32 switches, read once: which FP32 kernels run on tensor cores.
         self._tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
         if self._steer:
-            stack.enter_context(steer.steered(self.paused))
+            stack.enter_context(steer_mod.steered(self.paused, self._steer))
         mm = torch.nn.modules.module
         self._handles = [
             mm.register_module_forward_pre_hook(self._forward_pre),
@@ -468,7 +474,7 @@ class Recorder:
             torch_version=torch.__version__,
             device=self.device,
             iterations=0,
-            notes=list(steer.NOTES) if self._steer else [],
+            notes=steer_mod.notes(self._steer, self.device) + self._device_notes(),
             meta=dict(self._meta),
         )
         trace = Trace(header, events)
@@ -599,6 +605,9 @@ class Recorder:
                 name = ""
             self._module_names[id(module)] = name
         if self.model is None and self._current_module() is None:
+            if self._follow:
+                with self._lock:
+                    self._follow_to(module.parameters())
             for p in module.parameters():
                 if p.device.type == self.device:
                     with self._lock:
@@ -664,6 +673,8 @@ class Recorder:
             return
         self._maybe_sync()
         with self._lock:
+            if self._follow:
+                self._follow_to(p for group in opt.param_groups for p in group["params"])
             self._flush()
             self._end_backward()
             # Facts about the optimizer's tensors (kinds) are for recorded ops; with
@@ -772,6 +783,37 @@ class Recorder:
                 del self._objs[obj]  # kept only to refine the trace's kinds
             self._emit(Free(obj))
 
+    def _follow_to(self, tensors: Any) -> bool:
+        """Follow the program onto the first accelerator one of ``tensors`` is on (lock held).
+
+        From then on that device is traced; the objects traced on the CPU until
+        then are released (their Free is emitted now): they are host memory.
+        Returns whether the device changed.
+        """
+        device = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)
+                       and t.device.type not in ("cpu", "meta")), None)
+        if device is None:
+            return False
+        self._follow = False
+        self.device = device
+        released = list(self._by_storage.items())
+        self._released_on_move = len(released)
+        for sid, obj in released:
+            fin = self._finalizers.get(obj)
+            if fin is not None:
+                fin.detach()
+                self._on_free(obj, sid)
+        return True
+
+    def _device_notes(self) -> list[str]:
+        """How the traced device was chosen, when the program chose it."""
+        if self._follow:
+            return [f"traced device {self.device}: the program's, as no op touched a tensor on an accelerator"]
+        if self._released_on_move >= 0:
+            return [f"traced device {self.device}: the program's, from its first op on it; the "
+                    f"{self._released_on_move} objects traced on the CPU before then were released there"]
+        return []
+
     def _phase(self, in_graph: bool | None = None) -> int:
         """The running phase (``in_graph``: whether autograd is running, when known)."""
         if self._iteration < 0:
@@ -821,7 +863,7 @@ class Recorder:
 
         flop_fn = flop_registry.get(getattr(func, "_overloadpacket", None))
         info = _OpInfo(
-            name=steer.OP_RENAMES.get(name, name),
+            name=steer_mod.OP_RENAMES.get(name, name),
             skip=skip,
             alloc_only=name in _ALLOC_ONLY,
             write_pos=frozenset(write_pos),
@@ -864,6 +906,12 @@ class Recorder:
             for t in _tensors(a):
                 inputs.append((t, w, t.device.type == dev))
         outs = [(t, t.device.type == dev) for t in _tensors(out)]
+        if self._follow and not (all(on for *_, on in inputs) and all(on for _, on in outs)):
+            moved = self._follow_to([t for t, *_ in inputs] + [t for t, _ in outs])
+            if moved:
+                dev = self.device
+                inputs = [(t, w, t.device.type == dev) for t, w, _ in inputs]
+                outs = [(t, t.device.type == dev) for t, _ in outs]
         if not any(on for *_, on in inputs) and not any(on for _, on in outs):
             return  # a host op: no kernel on the traced device
         if (
