@@ -588,3 +588,26 @@ def test_recording_on_the_cpu_computes_what_the_program_computes():
 def test_steering_a_device_it_cannot_steer_is_a_clear_error():
     with pytest.raises(ValueError, match="steering acts only on meta, cpu; got cuda"):
         Recorder(device="meta", steer=("cuda",))
+
+
+def test_a_storage_from_an_op_that_only_allocates_is_made_by_the_launch_that_writes_it():
+    """empty_like launches nothing: its storage holds no data (on a GPU nothing is copied
+    in) until a kernel writes it, so it is announced by that launch, not as host data."""
+    seen = []
+    rec = Recorder(listeners=(seen.append,), auto_step=False)
+    with rec:
+        x = torch.ones(16)
+        mask = torch.empty_like(x)
+        n = len(seen)
+        mask.bernoulli_(0.5)  # writes it whole
+        assert isinstance(seen[n], Alloc) and isinstance(seen[n + 1], Launch)
+        assert seen[n].launch == seen[n + 1].seq and seen[n + 1].op == "aten::bernoulli_.float"
+        part = torch.empty(16)
+        part[:8].fill_(1.0)  # written in part: the rest is whatever was there
+        unused = torch.empty(4)  # touched by no launch: never in the trace
+        del unused
+        _ = x + mask + part
+    allocs = [e for e in rec.events if isinstance(e, Alloc)]
+    assert sum(e.launch == -1 for e in allocs) == 1  # part only: x, mask and the sums were made by launches
+    assert not any(e.nbytes == 16 for e in allocs + rec.trace().events if isinstance(e, Alloc))  # unused
+    assert not any(isinstance(e, Free) and e.obj not in {a.obj for a in allocs} for e in rec.events)

@@ -19,7 +19,10 @@ How the pieces are found:
   per live storage (shared by all its views); ``weakref.finalize`` on it emits
   the :class:`~umrt.trace.events.Free`. A storage first produced by an op is
   allocated by that launch; one first seen as an input (parameters, a batch
-  loaded while recording was paused) is allocated with ``launch = -1``.
+  loaded while recording was paused) is allocated with ``launch = -1``. One
+  made by an op that only allocates (``empty_like``: no kernel) is announced
+  by the first launch that touches it: made by that launch if it writes it
+  whole (a CPU dropout's mask, filled by ``bernoulli_``), else ``launch = -1``.
 * Kinds: parameters (the model's, or the optimizer's param groups), gradients
   (``param.grad`` at the optimizer step), optimizer state (``optimizer.state``
   after the step) and inputs (storages first seen mid-iteration) are facts.
@@ -157,7 +160,7 @@ class _Obj:
     phase: int  # phase it was born in
     iteration: int  # iteration it was born in (-1: set-up)
     key: tuple | None  # (exec_id, occurrence, output index) of the creating launch
-    event_index: int  # index of its Alloc event
+    event_index: int  # index of its Alloc event (-1: not announced yet, see Recorder._unwritten)
     freed_phase: int = -1
     freed_iteration: int = -2  # -2: still alive
 
@@ -299,6 +302,9 @@ class Recorder:
         self._keep = keep_events
         self._on_error = on_error
         self._objs: dict[int, _Obj] = {}  # obj id -> facts
+        # Storages made by an op that only allocates (empty, empty_like): announced
+        # by the first launch that touches them (see _announce_unwritten).
+        self._unwritten: set[int] = set()
         self._by_storage: dict[int, int] = {}  # id(storage object) -> obj id
         self._finalizers: dict[int, weakref.finalize] = {}
         self._next_obj = 0
@@ -740,9 +746,11 @@ class Recorder:
         key: tuple | None = None,
         kind: Kind | None = None,
         phase: int | None = None,
+        announce: bool = True,
     ) -> int:
         """The object id of a storage, announcing it (Alloc) when new (``phase``: the
-        running phase, when the caller has it)."""
+        running phase, when the caller has it; ``announce=False``: the first launch that
+        touches it announces it)."""
         sid = id(storage)
         obj = self._by_storage.get(sid)
         if obj is not None:
@@ -760,10 +768,14 @@ class Recorder:
                 kind = Kind.INPUT  # pre-existing storage first seen mid-iteration: batch data
         known = None if key is not None else kind  # first seen, not made by an op: a fact
         nbytes = storage.nbytes()
-        self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, len(self._events))
+        index = len(self._events) if announce else -1
+        self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, index)
         self._by_storage[sid] = obj
         self._finalizers[obj] = weakref.finalize(storage, self._on_free, obj, sid)
-        self._emit(Alloc(obj, nbytes, kind, launch))
+        if announce:
+            self._emit(Alloc(obj, nbytes, kind, launch))
+        else:
+            self._unwritten.add(obj)
         return obj
 
     @_guarded
@@ -773,6 +785,10 @@ class Recorder:
             if self._by_storage.get(sid) == obj:
                 del self._by_storage[sid]
             if self._closed:
+                return
+            if obj in self._unwritten:  # no launch ever touched it: it never was in the trace
+                self._unwritten.discard(obj)
+                del self._objs[obj]
                 return
             info = self._objs[obj]
             info.freed_phase = self._phase()
@@ -966,7 +982,8 @@ class Recorder:
                 kind = self._learned.get(key)
                 if kind is None:
                     kind = Kind.ACTIVATION if phase == _FORWARD else Kind.TEMPORARY
-                obj = self._obj_for(st, launch=seq, key=key, kind=kind, phase=phase)
+                obj = self._obj_for(st, launch=seq, key=key, kind=kind, phase=phase,
+                                    announce=not info.alloc_only)
                 created = True
             elif obj in in_objs:
                 continue  # a view of an input, or an input written in place (schema says so)
@@ -982,12 +999,33 @@ class Recorder:
             return
         if outs and not created and not any(acc.values()):
             return  # every output aliases an input and nothing is written: no kernel
+        if self._unwritten:
+            self._announce_unwritten(acc, seq)
         accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
         flops = self._flops(func, info, args, kwargs, out)
         nbytes = sum(ln for _, _, ln in acc)
         self._seq += 1
         precision = _precision(info.name, inputs, self._tf32)
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module, precision))
+
+    def _announce_unwritten(self, acc: dict[tuple[int, int, int], bool], seq: int) -> None:
+        """Announce the storages of ops that only allocate which launch ``seq`` touches.
+
+        Written whole by it: made by it (``Alloc.launch = seq``), like any op's
+        output; its bytes hold nothing before (on a GPU: no copy in, the pages
+        are populated where the kernel runs). Otherwise (read first, or partly
+        written) as data already there (``launch = -1``), the safe reading of
+        uninitialized memory a program uses.
+        """
+        written: dict[int, int] = {}
+        for (obj, _, length), w in acc.items():
+            if obj in self._unwritten:
+                written[obj] = written.get(obj, 0) + (length if w else 0)
+        for obj, nbytes in written.items():
+            self._unwritten.discard(obj)
+            info = self._objs[obj]
+            info.event_index = len(self._events)
+            self._emit(Alloc(obj, info.nbytes, info.kind, seq if nbytes >= info.nbytes else -1))
 
     @staticmethod
     def _flops(func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
@@ -1012,6 +1050,8 @@ class Recorder:
     def _refined_events(self) -> list[Event]:
         events = list(self._events)
         for info in self._objs.values():
+            if info.event_index < 0:  # made by an op that only allocates, touched by no launch yet
+                continue
             if info.known is not None:
                 kind = info.known
             elif info.freed_iteration == -2:  # never freed while recording

@@ -67,7 +67,9 @@ COMMON_NOTES = [
     "optimizer step counters live on the host as on CUDA (AdamW foreach, not capturable): ops that "
     "touch only host scalars are not recorded",
     "view and metadata-only ops (view, transpose, expand, detach, ...) launch no kernel and are not "
-    "recorded; empty/empty_strided allocate without a launch (Alloc.launch = -1)",
+    "recorded; ops that only allocate (empty, empty_like, empty_strided, ...) launch nothing: their "
+    "storage is announced by the first launch that touches it, as made by it when it writes it whole "
+    "(else Alloc.launch = -1, data already there)",
     "FLOPs come from torch.utils.flop_counter (matmul, convolution, attention); other ops count 0",
     "no caching-allocator rounding: object sizes are exact storage sizes",
 ]

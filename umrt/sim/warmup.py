@@ -87,9 +87,13 @@ def _exercise() -> None:
     gpu.launch([(b, 24 * _MIB)], [(c, 24 * _MIB)], 1 << 20, 48 * _MIB, "fp32")  # faults, evicts
     gpu.prefetch([(a, 8 * _MIB)], gpu.device)
     gpu.prefetch([(c, 8 * _MIB)], HOST)
+    gpu.populate([(c, 4 * _MIB)])
     for advice in Advice:
         gpu.advise([(b, 2 * _MIB)], advice, gpu.device)
     gpu.discard([(b, 4 * _MIB)])
+    gpu.discard_and_prefetch([(b, 4 * _MIB)], gpu.device)
+    gpu.discard_and_prefetch([(c, 4 * _MIB)], HOST)
+    gpu.launch([(a, 4 * _MIB)], [(b, 4 * _MIB)], 1 << 20, 8 * _MIB, "fp32")  # writes the discarded range
     gpu.mark_dead([(c, _MIB)])
     gpu.synchronize()
     gpu.mem_info()
