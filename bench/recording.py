@@ -82,11 +82,11 @@ def bench_model(name: str, batch: int, seq: int, device: str, steps: int, repeat
                 plain_times.append(_steps(model, opt, spec, batch, seq, device, steps))
                 with _Forward():
                     mode_times.append(_steps(model, opt, spec, batch, seq, device, steps))
-            rec = Recorder(model, opt, device=device, model_name=name)
+            rec = Recorder(model, opt, device=device, model_name=name, steer=True)
             with rec:
                 rec_times.append(_steps(model, opt, spec, batch, seq, device, steps, rec))
             trace = rec.trace()
-            hooks = Recorder(model, opt, device=device, model_name=name)
+            hooks = Recorder(model, opt, device=device, model_name=name, steer=True)
             with hooks:
                 if not hooks.suspend_ops():
                     raise UmrtError("the recorder's ops could not be suspended (another dispatch mode is on)")

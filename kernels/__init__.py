@@ -7,7 +7,9 @@
   loop, for device bandwidth and prefetched-vs-faulted comparisons.
 
 Kernels are compiled on first use (numba is imported lazily, so
-``import kernels`` is cheap and works without a GPU).
+``import kernels`` is cheap and works without a GPU). Before numba's CUDA
+target is imported, :func:`numpy_compat` restores the one numpy name that
+numba-cuda 0.30 still registers and numpy 2.5 removed.
 """
 from __future__ import annotations
 
@@ -18,8 +20,27 @@ THREADS = 256
 MAX_BLOCKS = 65535
 
 
+def numpy_compat() -> bool:
+    """Let numba-cuda compile on numpy >= 2.5; returns whether numpy needed it.
+
+    numba-cuda 0.30 registers an overload for ``np.row_stack`` when its CUDA
+    target first compiles; numpy 2.5 removed that name (an alias of
+    ``np.vstack`` since numpy 2.0), so every kernel then fails to compile with
+    an AttributeError. Where the name is missing it is set to ``np.vstack``
+    (what it was), and nothing else changes; with an older numpy this does
+    nothing.
+    """
+    import numpy
+
+    if hasattr(numpy, "row_stack"):
+        return False
+    numpy.row_stack = numpy.vstack
+    return True
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled() -> dict[str, Any]:
+    numpy_compat()  # before numba.cuda is imported (by _jit) and compiles anything
     from kernels import _jit
 
     return {"touch": _jit.touch_kernel, "triad": _jit.triad_kernel, "copy": _jit.copy_kernel}
@@ -53,4 +74,4 @@ def copy(dst: Any, src: Any, stream: Any = 0) -> None:
     _compiled()["copy"][_blocks(dst.shape[0]), THREADS, stream](dst, src)
 
 
-__all__ = ["touch_pages", "triad", "copy", "THREADS"]
+__all__ = ["touch_pages", "triad", "copy", "numpy_compat", "THREADS"]

@@ -89,7 +89,9 @@ def test_bad_values_stop_before_the_script(boot):
 
 
 def test_enabled_waits_for_torch_then_runs_unchanged_without_gpu(boot):
-    out = boot({"UMRT": "1"}, "--torch")
+    # "without a GPU" on any machine: CUDA_VISIBLE_DEVICES="" hides every device from the
+    # CUDA runtime of the child (a GPU machine would otherwise really enable umrt there).
+    out = boot({"UMRT": "1", "CUDA_VISIBLE_DEVICES": ""}, "--torch")
     assert out.returncode == 0, out.stderr
     assert "LOADED True" in out.stdout and "ENABLED_BY torch" in out.stdout
     assert out.stderr.count("no CUDA GPU found; running unchanged") == 1

@@ -78,3 +78,55 @@ def test_import_is_cheap_and_validates():
         kernels.touch_pages(Arr(), page_bytes=12)
     with pytest.raises(ValueError, match="equal shapes"):
         kernels.triad(Arr(), Arr(), type("B", (), {"shape": (3,)})(), 1.0)
+
+
+def test_numpy_without_row_stack_is_patched_before_numba_cuda_loads(monkeypatch):
+    """numpy 2.5 removed ``np.row_stack``, which numba-cuda 0.30 registers on its first
+    compilation: kernels restore it (as ``np.vstack``) before the module that imports
+    numba.cuda is loaded. A meta-path finder stands in for that module and notes what
+    numpy looked like when it was imported."""
+    import importlib.abc
+    import importlib.machinery
+    import types
+
+    import numpy
+
+    import kernels
+
+    seen = {}
+
+    class StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path, target=None):
+            return importlib.machinery.ModuleSpec(name, self) if name == "kernels._jit" else None
+
+        def create_module(self, spec):
+            seen["row_stack"] = getattr(numpy, "row_stack", None)
+            mod = types.ModuleType(spec.name)
+            mod.touch_kernel = mod.triad_kernel = mod.copy_kernel = object()
+            return mod
+
+        def exec_module(self, module):
+            pass
+
+    monkeypatch.delattr(numpy, "row_stack", raising=False)  # numpy >= 2.5
+    monkeypatch.delitem(sys.modules, "kernels._jit", raising=False)
+    monkeypatch.delattr(kernels, "_jit", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [StandIn(), *sys.meta_path])
+    kernels._compiled.cache_clear()
+    try:
+        kernels._compiled()
+    finally:
+        kernels._compiled.cache_clear()
+        sys.modules.pop("kernels._jit", None)
+    assert seen["row_stack"] is numpy.vstack
+    assert kernels.numpy_compat() is False  # present now: nothing more to do
+
+
+def test_numpy_compat_leaves_a_numpy_with_row_stack_alone(monkeypatch):
+    import numpy
+
+    import kernels
+
+    marker = object()
+    monkeypatch.setattr(numpy, "row_stack", marker, raising=False)
+    assert kernels.numpy_compat() is False and numpy.row_stack is marker

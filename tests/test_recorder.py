@@ -513,3 +513,101 @@ def test_without_torchs_mode_stack_helpers_ops_are_never_suspended(monkeypatch):
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert _get_current_dispatch_mode_stack() == []
+
+
+class _OnAccelerator(torch.Tensor):
+    """A CPU tensor that says it lives on CUDA: how an op touching a GPU tensor looks to
+    the recorder, on a machine without one."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_without_a_model_the_recorder_follows_the_programs_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine, a CPU program
+    seen = []
+    rec = Recorder(listeners=(seen.append,), auto_step=False)
+    assert rec.device == "cpu"
+    with rec:
+        host = torch.ones(8) * 2  # traced: the program has touched nothing but the CPU
+        assert any(isinstance(e, Launch) and e.op == "aten::mul.Tensor" for e in seen)
+        on_gpu = torch.Tensor._make_subclass(_OnAccelerator, torch.zeros(8))
+        on_gpu.add_(1)  # the program's first op on an accelerator
+        assert rec.device == "cuda"
+        born = {e.obj for e in seen if isinstance(e, Alloc)}
+        freed = {e.obj for e in seen if isinstance(e, Free)}
+        assert born - freed == {max(born)}  # the CPU objects left the trace; on_gpu's storage is in it
+        n = len(seen)
+        _ = host * 3  # host memory now: not traced
+        assert len(seen) == n
+    tr = rec.trace()
+    assert tr.header.device == "cuda"
+    assert any("traced device cuda: the program's, from its first op on it" in note for note in tr.header.notes)
+
+
+def test_a_cpu_program_is_traced_on_the_cpu_where_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model, opt = _mlp("cpu")
+    rec = Recorder()  # neither model nor device: the program's own
+    _train(rec, model, opt, 2, device="cpu")
+    tr = rec.trace()
+    assert tr.header.device == "cpu" and len(tr.launches()) > 20
+    assert any("no op touched a tensor on an accelerator" in note for note in tr.header.notes)
+
+
+def _dropout_attention(seed: int) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    q = torch.randn(2, 4, 16, 8)
+    x = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3, is_causal=True)
+    return F.dropout(x, 0.2, training=True)
+
+
+def test_recording_on_the_cpu_computes_what_the_program_computes():
+    """Steering acts on meta only unless asked: a CPU program's attention dropout, kernels
+    and random stream are its own under the recorder (shadow mode and live capture)."""
+    plain = _dropout_attention(0)
+    for rec in (Recorder(), Recorder(steer=False)):
+        with rec:
+            recorded = _dropout_attention(0)
+        assert torch.equal(recorded, plain)
+        ops = {e.op for e in rec.events if isinstance(e, Launch)}
+        assert "aten::bernoulli_.float" in ops and "aten::native_dropout.default" not in ops
+        notes = rec.trace().header.notes
+        assert any("recorded as the program ran them on cpu" in note for note in notes)
+    steered = Recorder(steer=True)  # umrt's own synthetic loops only: it changes the numbers
+    with steered:
+        assert not torch.equal(_dropout_attention(0), plain)
+    assert "aten::native_dropout.default" in {e.op for e in steered.events if isinstance(e, Launch)}
+
+
+def test_steering_a_device_it_cannot_steer_is_a_clear_error():
+    with pytest.raises(ValueError, match="steering acts only on meta, cpu; got cuda"):
+        Recorder(device="meta", steer=("cuda",))
+
+
+def test_a_storage_from_an_op_that_only_allocates_is_made_by_the_launch_that_writes_it():
+    """empty_like launches nothing: its storage holds no data (on a GPU nothing is copied
+    in) until a kernel writes it, so it is announced by that launch, not as host data."""
+    seen = []
+    rec = Recorder(listeners=(seen.append,), auto_step=False)
+    with rec:
+        x = torch.ones(16)
+        mask = torch.empty_like(x)
+        n = len(seen)
+        mask.bernoulli_(0.5)  # writes it whole
+        assert isinstance(seen[n], Alloc) and isinstance(seen[n + 1], Launch)
+        assert seen[n].launch == seen[n + 1].seq and seen[n + 1].op == "aten::bernoulli_.float"
+        part = torch.empty(16)
+        part[:8].fill_(1.0)  # written in part: the rest is whatever was there
+        unused = torch.empty(4)  # touched by no launch: never in the trace
+        del unused
+        _ = x + mask + part
+    allocs = [e for e in rec.events if isinstance(e, Alloc)]
+    assert sum(e.launch == -1 for e in allocs) == 1  # part only: x, mask and the sums were made by launches
+    assert not any(e.nbytes == 16 for e in allocs + rec.trace().events if isinstance(e, Alloc))  # unused
+    assert not any(isinstance(e, Free) and e.obj not in {a.obj for a in allocs} for e in rec.events)

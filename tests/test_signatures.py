@@ -5,6 +5,12 @@ their functions convert (and type-check) every argument before the driver
 answers ``cudaErrorInsufficientDriver``. A proxy forwards each call the
 backend makes to the real function, so a wrong argument count or type fails
 here, and returns plausible results so the backend can keep going.
+
+The pointers and stream handles those results hold are made up, so the two
+tests that drive the backend run only where no CUDA driver is loaded (the
+``no_cuda_driver`` fixture skips them elsewhere, with the reason): a real
+driver would take them at their word and crash the process. On a GPU
+machine the ``gpu``-marked tests make these calls with real pointers.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ def _drive(backend):
     backend.free(a)
 
 
-def test_cupy_cuda12x_runtime_calls():
+def test_cupy_cuda12x_runtime_calls(no_cuda_driver):
     cupy_runtime = pytest.importorskip("cupy.cuda.runtime")
     ptrs = itertools.count(0x7F00_0000_0000, 16 * MiB)
     handles = itertools.count(0x100)
@@ -85,7 +91,7 @@ def test_cupy_cuda12x_runtime_calls():
     assert not hasattr(cupy_runtime, "memDiscardBatchAsync")  # why CUDA 12 has the no-op fallback
 
 
-def test_cuda_bindings_13_runtime_calls():
+def test_cuda_bindings_13_runtime_calls(no_cuda_driver):
     rt = pytest.importorskip("cuda.bindings.runtime")
     ok = rt.cudaError_t.cudaSuccess
     ptrs = itertools.count(0x7F00_0000_0000, 16 * MiB)

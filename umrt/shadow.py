@@ -1,7 +1,10 @@
 """Shadow mode: run a real training script, show what the GPU would have done.
 
-:func:`run_shadow` runs the user's PyTorch script unchanged (on the CPU)
-under :class:`umrt.capture.Recorder`. Every event the recorder emits goes,
+:func:`run_shadow` runs the user's PyTorch script unchanged under
+:class:`umrt.capture.Recorder`: on the device the script picks (the CPU,
+normally; the recorder follows the script onto a GPU if it moves there), with
+no steering, so every op, kernel and random number is the script's own and its
+losses are bit for bit those of a plain run. Every event the recorder emits goes,
 live, to a driver that does what the GPU would: the runtime (or another
 policy) sees the event and drives a simulated GPU
 (:class:`~umrt.sim.backend.SimBackend`) through the ordinary
@@ -21,11 +24,17 @@ bytes, sizes the simulated GPU from it, and then feeds the held events and
 everything after them live, in order. The comparison replays use the same
 byte budget, so the three rows are like for like; the whole trace's peak is
 reported too (it is usually the first iteration's).
+
+The simulator is compiled (:func:`umrt.sim.warmup.warm_up`) before the
+script starts: never inside its first iteration, where a cold numba cache
+would pause the program for up to a minute and leave reference cycles that
+delay its frees (a cold and a warm cache would report different figures).
 """
 from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +52,11 @@ class ShadowDriver:
     the GPU runs it, a Free is shown before the layout releases it. Objects
     the program made before recording (``Alloc.launch == -1``) start out
     written in host memory.
+
+    Events are handled one at a time, in the order they arrive: one that
+    arrives while another is being handled (a storage freed by Python's
+    garbage collector in the middle of the simulator's work) waits until that
+    one is done, and none overtakes the held set-up events.
     """
 
     def __init__(self, policy, profile, gpu_memory: str | int = "20%") -> None:
@@ -56,6 +70,8 @@ class ShadowDriver:
         self.layout = None
         self.error: UmrtError | None = None
         self._held: list[Event] = []
+        self._queue: deque[Event] = deque()
+        self._handling = False
         self._live = 0
         self._peak = 0
         self._sizes_seen: dict[int, int] = {}
@@ -68,13 +84,24 @@ class ShadowDriver:
     def __call__(self, event: Event) -> None:
         if self.error is not None:
             return
+        self._queue.append(event)
+        if self._handling:  # re-entered from our own handling: after the current event
+            return
+        self._handling = True
         try:
-            if self.backend is None:
-                self._hold(event)
-            else:
-                self._feed(event)
-        except UmrtError as exc:  # never break the user's script; report at the end
-            self.error = exc
+            while self._queue and self.error is None:
+                ev = self._queue.popleft()
+                try:
+                    if self.backend is None:
+                        self._hold(ev)
+                    else:
+                        self._feed(ev)
+                except UmrtError as exc:  # never break the user's script; report at the end
+                    self.error = exc
+        finally:
+            self._handling = False
+        if self.error is not None:
+            self._queue.clear()
 
     def finish(self) -> None:
         """The script ended. A job that never completed an iteration never
@@ -188,6 +215,7 @@ def run_shadow(
     from umrt.policy import make_policy
     from umrt.scripts import run_script
     from umrt.sim.replay import parse_budget
+    from umrt.sim.warmup import warm_up
 
     path = Path(script)
     if not path.is_file():
@@ -200,9 +228,12 @@ def run_shadow(
         raise ConfigError("the oracle needs the whole future; shadow mode runs live (use `umrt simulate` on a trace)")
     pol = make_policy(policy)
     driver = ShadowDriver(pol, prof, gpu_memory)
+    warm_up()  # compile the simulator now, not inside the script's first iteration
 
     status = 0
-    rec = Recorder(listeners=[driver], stop_after=steps, model_name=path.stem, meta={"argv": list(argv)})
+    # Unsteered: the script computes exactly what it computes without umrt (see umrt.capture.steer).
+    rec = Recorder(listeners=[driver], stop_after=steps, model_name=path.stem, meta={"argv": list(argv)},
+                   steer=False)
     with rec:
         try:
             status = run_script(str(path), list(argv))

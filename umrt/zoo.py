@@ -349,7 +349,7 @@ def trace_model(
         "model_class": spec.model_class.__name__,
         **spec.meta,
     }
-    rec = Recorder(model, opt, device=device, model_name=name, meta=meta)
+    rec = Recorder(model, opt, device=device, model_name=name, meta=meta, steer=True)  # meta and CPU agree
     bar = progress_bar(progress, f"tracing {name}", steps)
     with bar as advance, _quiet_transformers():
         with rec:

@@ -19,7 +19,10 @@ How the pieces are found:
   per live storage (shared by all its views); ``weakref.finalize`` on it emits
   the :class:`~umrt.trace.events.Free`. A storage first produced by an op is
   allocated by that launch; one first seen as an input (parameters, a batch
-  loaded while recording was paused) is allocated with ``launch = -1``.
+  loaded while recording was paused) is allocated with ``launch = -1``. One
+  made by an op that only allocates (``empty_like``: no kernel) is announced
+  by the first launch that touches it: made by that launch if it writes it
+  whole (a CPU dropout's mask, filled by ``bernoulli_``), else ``launch = -1``.
 * Kinds: parameters (the model's, or the optimizer's param groups), gradients
   (``param.grad`` at the optimizer step), optimizer state (``optimizer.state``
   after the step) and inputs (storages first seen mid-iteration) are facts.
@@ -67,7 +70,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +89,7 @@ try:  # torch's private mode-stack helpers (2.x): without them ops cannot be sus
 except ImportError:  # pragma: no cover - a torch that moved them: record every op, as before
     _CAN_SUSPEND = False
 
-from umrt.capture import steer
+from umrt.capture import steer as steer_mod
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -157,7 +160,7 @@ class _Obj:
     phase: int  # phase it was born in
     iteration: int  # iteration it was born in (-1: set-up)
     key: tuple | None  # (exec_id, occurrence, output index) of the creating launch
-    event_index: int  # index of its Alloc event
+    event_index: int  # index of its Alloc event (-1: not announced yet, see Recorder._unwritten)
     freed_phase: int = -1
     freed_iteration: int = -2  # -2: still alive
 
@@ -237,16 +240,22 @@ class Recorder:
             state OPTIMIZER_STATE. Without one, any optimizer that steps is used.
         listeners: callables that receive each event the moment it is recorded.
         device: the device whose memory is traced ("meta", "cpu", "cuda");
-            default: the model's device, else "cuda" if available, else "cpu".
-            Ops that touch no tensor on it (host scalars) are not recorded.
+            default: the model's device; without a model, the device the
+            program uses: the CPU until an op touches a tensor on an
+            accelerator (CUDA, ...), that device from then on (objects seen on
+            the CPU before are released from the trace then: a model built on
+            the CPU and moved is traced from its move). Ops that touch no
+            tensor on it (host scalars) are not recorded.
         auto_step: mark an iteration boundary after every optimizer step.
         mark_start: emit ``IterationBoundary(0)`` on entry (after set-up);
             otherwise the first step marks it and what runs before is set-up.
         stop_after: raise :class:`StopRecording` into the program once this
             many iterations are complete (after the trace is closed).
         model_name: recorded in the trace header.
-        steer: route attention and dropout to single fused ops on meta/CPU
-            (see :mod:`umrt.capture.steer`).
+        steer: where attention and dropout are routed to single fused ops
+            (see :mod:`umrt.capture.steer`): default meta only, where nothing
+            is computed; True adds the CPU (it changes what the CPU computes:
+            only for umrt's own synthetic loops); False never.
         keep_events: keep the events for :meth:`trace` and :attr:`events`;
             False for a live listener's recorder that runs for a whole training
             (events are only passed on, so memory stays bounded).
@@ -267,7 +276,7 @@ class Recorder:
         mark_start: bool = True,
         stop_after: int | None = None,
         model_name: str = "",
-        steer: bool = True,
+        steer: bool | Collection[str] = ("meta",),
         meta: dict | None = None,
         keep_events: bool = True,
         on_error: Callable[[BaseException], None] | None = None,
@@ -279,20 +288,23 @@ class Recorder:
         self.mark_start = mark_start
         self.stop_after = stop_after
         self.model_name = model_name or (type(model).__name__ if model is not None else "")
-        self._steer = steer
+        self._steer = steer_mod.devices(steer)
         self._meta = dict(meta or {})
+        # Without a device or a model, the program's own device is followed (see device=).
+        self._follow = device is None and model is None
+        self._released_on_move = -1  # objects released when the program moved (-1: it did not)
         if device is None:
-            if model is not None:
-                first = next(iter(model.parameters()), None)
-                device = first.device.type if first is not None else "cpu"
-            else:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+            first = next(iter(model.parameters()), None) if model is not None else None
+            device = first.device.type if first is not None else "cpu"
         self.device = torch.device(device).type
 
         self._events: list[Event] = []
         self._keep = keep_events
         self._on_error = on_error
         self._objs: dict[int, _Obj] = {}  # obj id -> facts
+        # Storages made by an op that only allocates (empty, empty_like): announced
+        # by the first launch that touches them (see _announce_unwritten).
+        self._unwritten: set[int] = set()
         self._by_storage: dict[int, int] = {}  # id(storage object) -> obj id
         self._finalizers: dict[int, weakref.finalize] = {}
         self._next_obj = 0
@@ -334,7 +346,7 @@ class Recorder:
         # PyTorch's TF32 switches, read once: which FP32 kernels run on tensor cores.
         self._tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
         if self._steer:
-            stack.enter_context(steer.steered(self.paused))
+            stack.enter_context(steer_mod.steered(self.paused, self._steer))
         mm = torch.nn.modules.module
         self._handles = [
             mm.register_module_forward_pre_hook(self._forward_pre),
@@ -468,7 +480,7 @@ class Recorder:
             torch_version=torch.__version__,
             device=self.device,
             iterations=0,
-            notes=list(steer.NOTES) if self._steer else [],
+            notes=steer_mod.notes(self._steer, self.device) + self._device_notes(),
             meta=dict(self._meta),
         )
         trace = Trace(header, events)
@@ -599,6 +611,9 @@ class Recorder:
                 name = ""
             self._module_names[id(module)] = name
         if self.model is None and self._current_module() is None:
+            if self._follow:
+                with self._lock:
+                    self._follow_to(module.parameters())
             for p in module.parameters():
                 if p.device.type == self.device:
                     with self._lock:
@@ -664,6 +679,8 @@ class Recorder:
             return
         self._maybe_sync()
         with self._lock:
+            if self._follow:
+                self._follow_to(p for group in opt.param_groups for p in group["params"])
             self._flush()
             self._end_backward()
             # Facts about the optimizer's tensors (kinds) are for recorded ops; with
@@ -729,9 +746,11 @@ class Recorder:
         key: tuple | None = None,
         kind: Kind | None = None,
         phase: int | None = None,
+        announce: bool = True,
     ) -> int:
         """The object id of a storage, announcing it (Alloc) when new (``phase``: the
-        running phase, when the caller has it)."""
+        running phase, when the caller has it; ``announce=False``: the first launch that
+        touches it announces it)."""
         sid = id(storage)
         obj = self._by_storage.get(sid)
         if obj is not None:
@@ -749,10 +768,14 @@ class Recorder:
                 kind = Kind.INPUT  # pre-existing storage first seen mid-iteration: batch data
         known = None if key is not None else kind  # first seen, not made by an op: a fact
         nbytes = storage.nbytes()
-        self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, len(self._events))
+        index = len(self._events) if announce else -1
+        self._objs[obj] = _Obj(nbytes, kind, known, phase, self._iteration, key, index)
         self._by_storage[sid] = obj
         self._finalizers[obj] = weakref.finalize(storage, self._on_free, obj, sid)
-        self._emit(Alloc(obj, nbytes, kind, launch))
+        if announce:
+            self._emit(Alloc(obj, nbytes, kind, launch))
+        else:
+            self._unwritten.add(obj)
         return obj
 
     @_guarded
@@ -763,6 +786,10 @@ class Recorder:
                 del self._by_storage[sid]
             if self._closed:
                 return
+            if obj in self._unwritten:  # no launch ever touched it: it never was in the trace
+                self._unwritten.discard(obj)
+                del self._objs[obj]
+                return
             info = self._objs[obj]
             info.freed_phase = self._phase()
             info.freed_iteration = self._iteration
@@ -771,6 +798,37 @@ class Recorder:
             if not self._keep:
                 del self._objs[obj]  # kept only to refine the trace's kinds
             self._emit(Free(obj))
+
+    def _follow_to(self, tensors: Any) -> bool:
+        """Follow the program onto the first accelerator one of ``tensors`` is on (lock held).
+
+        From then on that device is traced; the objects traced on the CPU until
+        then are released (their Free is emitted now): they are host memory.
+        Returns whether the device changed.
+        """
+        device = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)
+                       and t.device.type not in ("cpu", "meta")), None)
+        if device is None:
+            return False
+        self._follow = False
+        self.device = device
+        released = list(self._by_storage.items())
+        self._released_on_move = len(released)
+        for sid, obj in released:
+            fin = self._finalizers.get(obj)
+            if fin is not None:
+                fin.detach()
+                self._on_free(obj, sid)
+        return True
+
+    def _device_notes(self) -> list[str]:
+        """How the traced device was chosen, when the program chose it."""
+        if self._follow:
+            return [f"traced device {self.device}: the program's, as no op touched a tensor on an accelerator"]
+        if self._released_on_move >= 0:
+            return [f"traced device {self.device}: the program's, from its first op on it; the "
+                    f"{self._released_on_move} objects traced on the CPU before then were released there"]
+        return []
 
     def _phase(self, in_graph: bool | None = None) -> int:
         """The running phase (``in_graph``: whether autograd is running, when known)."""
@@ -821,7 +879,7 @@ class Recorder:
 
         flop_fn = flop_registry.get(getattr(func, "_overloadpacket", None))
         info = _OpInfo(
-            name=steer.OP_RENAMES.get(name, name),
+            name=steer_mod.OP_RENAMES.get(name, name),
             skip=skip,
             alloc_only=name in _ALLOC_ONLY,
             write_pos=frozenset(write_pos),
@@ -864,6 +922,12 @@ class Recorder:
             for t in _tensors(a):
                 inputs.append((t, w, t.device.type == dev))
         outs = [(t, t.device.type == dev) for t in _tensors(out)]
+        if self._follow and not (all(on for *_, on in inputs) and all(on for _, on in outs)):
+            moved = self._follow_to([t for t, *_ in inputs] + [t for t, _ in outs])
+            if moved:
+                dev = self.device
+                inputs = [(t, w, t.device.type == dev) for t, w, _ in inputs]
+                outs = [(t, t.device.type == dev) for t, _ in outs]
         if not any(on for *_, on in inputs) and not any(on for _, on in outs):
             return  # a host op: no kernel on the traced device
         if (
@@ -918,7 +982,8 @@ class Recorder:
                 kind = self._learned.get(key)
                 if kind is None:
                     kind = Kind.ACTIVATION if phase == _FORWARD else Kind.TEMPORARY
-                obj = self._obj_for(st, launch=seq, key=key, kind=kind, phase=phase)
+                obj = self._obj_for(st, launch=seq, key=key, kind=kind, phase=phase,
+                                    announce=not info.alloc_only)
                 created = True
             elif obj in in_objs:
                 continue  # a view of an input, or an input written in place (schema says so)
@@ -934,12 +999,33 @@ class Recorder:
             return
         if outs and not created and not any(acc.values()):
             return  # every output aliases an input and nothing is written: no kernel
+        if self._unwritten:
+            self._announce_unwritten(acc, seq)
         accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
         flops = self._flops(func, info, args, kwargs, out)
         nbytes = sum(ln for _, _, ln in acc)
         self._seq += 1
         precision = _precision(info.name, inputs, self._tf32)
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module, precision))
+
+    def _announce_unwritten(self, acc: dict[tuple[int, int, int], bool], seq: int) -> None:
+        """Announce the storages of ops that only allocate which launch ``seq`` touches.
+
+        Written whole by it: made by it (``Alloc.launch = seq``), like any op's
+        output; its bytes hold nothing before (on a GPU: no copy in, the pages
+        are populated where the kernel runs). Otherwise (read first, or partly
+        written) as data already there (``launch = -1``), the safe reading of
+        uninitialized memory a program uses.
+        """
+        written: dict[int, int] = {}
+        for (obj, _, length), w in acc.items():
+            if obj in self._unwritten:
+                written[obj] = written.get(obj, 0) + (length if w else 0)
+        for obj, nbytes in written.items():
+            self._unwritten.discard(obj)
+            info = self._objs[obj]
+            info.event_index = len(self._events)
+            self._emit(Alloc(obj, info.nbytes, info.kind, seq if nbytes >= info.nbytes else -1))
 
     @staticmethod
     def _flops(func: Any, info: _OpInfo, args: tuple, kwargs: dict, out: Any) -> int:
@@ -964,6 +1050,8 @@ class Recorder:
     def _refined_events(self) -> list[Event]:
         events = list(self._events)
         for info in self._objs.values():
+            if info.event_index < 0:  # made by an op that only allocates, touched by no launch yet
+                continue
             if info.known is not None:
                 kind = info.known
             elif info.freed_iteration == -2:  # never freed while recording
