@@ -183,15 +183,30 @@ def test_a_batched_prefetch_costs_cpu_per_range_beside_its_migrations():
     b = gpu()
     ptr = host_data(b, 4 * BLOCK)
     ranges = [(ptr + i * BLOCK, BLOCK) for i in range(4)]
-    b.prefetch(ranges, 0)
+    b.prefetch_batch(ranges, 0)
     b.synchronize()
     per_range = PROFILE.prefetch_time(BLOCK)
     assert per_range > PROFILE.batch_range_s  # the migrations are the bottleneck
     assert b.now() == pytest.approx(OVERHEAD + PROFILE.batch_range_s + 4 * per_range, rel=1e-9)
     before = b.breakdown["overhead_s"]
-    b.prefetch(ranges, 0)  # all resident: only the CPU cost
+    b.prefetch_batch(ranges, 0)  # all resident: only the CPU cost
     b.launch([], [], 0, 0)
     assert b.breakdown["overhead_s"] - before == pytest.approx(OVERHEAD + 4 * PROFILE.batch_range_s, rel=1e-9)
+
+
+def test_a_prefetch_is_single_calls_of_merged_ranges_as_the_cuda_backend_issues_it():
+    """Touching ranges are one call; separate ones a call each, with no per-range batch cost."""
+    b = gpu()
+    ptr = host_data(b, 8 * BLOCK)
+    b.prefetch([(ptr + i * BLOCK, BLOCK) for i in range(4)], 0)  # touching: one call
+    b.synchronize()
+    assert b.calls == 1
+    assert b.now() == pytest.approx(OVERHEAD + PROFILE.prefetch_time(4 * BLOCK), rel=1e-9)
+    before, calls = b.breakdown["overhead_s"], b.calls
+    b.prefetch([(ptr + 4 * BLOCK, BLOCK), (ptr + 6 * BLOCK, BLOCK)], 0)  # apart: two calls
+    b.launch([], [], 0, 0)
+    assert b.calls - calls == 2  # two prefetch calls
+    assert b.breakdown["overhead_s"] - before == pytest.approx(2 * OVERHEAD, rel=1e-9)
 
 
 def test_a_batched_prefetch_to_the_host_pays_more_per_range():
@@ -200,7 +215,7 @@ def test_a_batched_prefetch_to_the_host_pays_more_per_range():
     b.prefetch([(ptr, 4 * BLOCK)], 0)
     b.synchronize()
     t = b.now()
-    b.prefetch([(ptr + i * BLOCK, BLOCK) for i in range(4)], HOST)
+    b.prefetch_batch([(ptr + i * BLOCK, BLOCK) for i in range(4)], HOST)
     b.synchronize()
     per_range = PROFILE.prefetch_time(BLOCK, "d2h") + PROFILE.batch_d2h_range_s
     assert b.now() - t == pytest.approx(OVERHEAD + PROFILE.batch_range_s + 4 * per_range, rel=1e-9)

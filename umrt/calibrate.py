@@ -674,7 +674,7 @@ class SimProbe(Probe):
         if target == "gpu":
             b.mark_host_written([(ptr, ranges * size)])
         rs = [(ptr + i * size, size) for i in range(ranges)]
-        return self._timed(b, lambda: b.prefetch(rs, HOST if target == "host" else 0))
+        return self._timed(b, lambda: b.prefetch_batch(rs, HOST if target == "host" else 0))
 
     def write_one_page(self, resident: bool) -> float:
         b = self._gpu()
