@@ -277,10 +277,6 @@ def test_oracle_beats_um_in_the_simulator():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 11: on the recalibrated model (measured call costs: cudaMemAdvise 112 us per range, 55 us per range "
-    "of a batched prefetch, the refault path after a discard) this plan's calls cost more than plain UM's faults "
-    "on this tiny trace; the oracle must account for them (issue 11 item 7)"))
 def test_oracle_on_a_real_training_trace_is_safe_and_beats_um():
     from umrt.sim.replay import simulate
     from umrt.zoo import trace_model

@@ -39,10 +39,6 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 11: on the recalibrated model (measured call costs: cudaMemAdvise 112 us per range, 55 us per range "
-    "of a batched prefetch) umrt's calls cost more than plain UM's faults on this tiny script; the policy must "
-    "issue fewer calls before it is faster again"))
 def test_reports_what_the_gpu_would_have_done(script, capsys):
     lines: list[str] = []
     rc = run_shadow(str(script), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lines.append)
