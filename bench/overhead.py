@@ -81,11 +81,12 @@ def measure(trace, profile_name: str, budget: str, iterations: int, op_level: bo
     ``pool_cpu_s_per_iteration`` is the pool's ``alloc``/``free`` (the
     allocator umrt replaces PyTorch's with), timed the same way.
     """
-    from umrt.sim.replay import _stream, parse_budget, peak_live_bytes
+    from umrt.sim.budget import resolve_budget
+    from umrt.sim.replay import _stream
 
     profile = load_profile(profile_name)
     spans = trace.iteration_spans()
-    budget_bytes = parse_budget(budget, peak_live_bytes(trace))
+    budget_bytes = resolve_budget(budget, trace).bytes  # a percentage: of the footprint the run needs
     backend = NullBackend()
     rt = Runtime(op_level=op_level, launch_free=not all_launches)
     layout = rt.make_layout(backend)

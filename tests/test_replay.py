@@ -8,7 +8,8 @@ from umrt.backends.base import Backend
 from umrt.errors import ConfigError, DataIntegrityError, TraceFormatError
 from umrt.memory.base import Layout
 from umrt.policy.base import Policy
-from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
+from umrt.sim.budget import needs
+from umrt.sim.replay import parse_budget, simulate
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -217,13 +218,13 @@ def test_events_reach_the_policy_in_program_order_with_addresses():
     simulate(trace, p, PROFILE, "100%", iterations=1)
     assert p.seen == trace.events[: len(trace.events) - 1] + [IterationBoundary(1)]
     assert len(seen_addresses) == sum(isinstance(e, Alloc) for e in trace.events)
-    assert p.ctx.budget_bytes == peak_live_bytes(trace)
+    assert p.ctx.budget_bytes == needs(trace).footprint_bytes  # "100%": everything the run needs fits
 
 
 def test_repeating_the_last_iteration_uses_fresh_objects():
     trace = training_trace(iterations=2)
     p = Plain()
-    r = simulate(trace, p, PROFILE, "60%", iterations=5)
+    r = simulate(trace, p, PROFILE, "60%", iterations=5, budget_base="peak")  # 39 MB: a steady um
     original = {e.obj for e in trace.events if isinstance(e, Alloc)}
     allocs = [e.obj for e in p.seen if isinstance(e, Alloc)]
     assert len(allocs) == len(set(allocs))  # never reused

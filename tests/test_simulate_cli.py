@@ -41,7 +41,9 @@ def test_json_has_the_documented_fields(capsys, trace_file):
                 "evictions", "peak_resident_bytes", "breakdown"):
         assert key in data
     assert {"compute_s", "fault_stall_s", "transfer_wait_s", "overhead_s"} <= set(data["breakdown"])
-    assert data["faults"] > 0 and data["budget_bytes"] == 24 * MB
+    # 50% of the footprint the run needs: six 8 MB parameters in PyTorch's 20 MB segments (two per segment)
+    assert data["faults"] > 0 and data["needed_footprint_bytes"] == 60 * MB and data["budget_bytes"] == 30 * MB
+    assert data["budget_description"] == "budget 30.0 MiB = 50% of the footprint 60.0 MiB (peak live 48.0 MiB)"
     assert data["profile"] == "v100-pcie3-16g" and data["iterations"] == 3
 
 
@@ -100,5 +102,14 @@ def test_missing_trace_file(capsys, tmp_path):
 def test_table_sizes_use_the_one_byte_formatter(capsys, trace_file):
     assert main(["simulate", str(trace_file), "--budget", "50%"]) == 0
     table = capsys.readouterr().out
-    assert "budget 24.0 MiB" in table and "48.0 MiB" in table  # the 48 MiB trace's peak live bytes
+    assert "budget 30.0 MiB" in table and "48.0 MiB" in table  # 50% of the 60 MiB footprint; 48 MiB live
     assert "0.02 GiB" not in table and "0.05 GiB" not in table
+
+
+def test_budget_base_peak_keeps_the_older_meaning(capsys, trace_file):
+    data = run_json(capsys, trace_file, "--budget", "50%", "--budget-base", "peak", "--policy", "um")
+    assert data["budget_bytes"] == 24 * MB and data["budget_base"] == "peak"  # half of the 48 MB live
+    assert data["budget_of_footprint"] == pytest.approx(0.4)  # of the 60 MB the layouts need
+    assert main(["simulate", str(trace_file), "--budget", "100%", "--policy", "um"]) == 0
+    out = capsys.readouterr().out
+    assert "budget 60.0 MiB = 100% of the footprint" in out and "(peak live 48.0 MiB)" in out

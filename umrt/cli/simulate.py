@@ -10,6 +10,7 @@ import json
 import sys
 
 from umrt.hardware import PROFILES
+from umrt.sim.budget import BASES
 
 DEFAULT_GPU = "v100-pcie3-32g"
 DEFAULT_BUDGET = "50%"
@@ -31,8 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"hardware profile: one of {', '.join(PROFILES)}, or a profile JSON file "
                         f"(default {DEFAULT_GPU})")
     p.add_argument("--budget", default=DEFAULT_BUDGET,
-                   help="GPU memory the run may use: a percentage of the trace's peak live bytes "
-                        f"('20%%'), a size ('8GiB', '512MB') or bytes (default {DEFAULT_BUDGET.replace('%', '%%')})")
+                   help="GPU memory the run may use: a percentage of the footprint the run needs "
+                        "('20%%'; 100%% holds everything: see --budget-base), a size ('8GiB', '512MB') or bytes "
+                        f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
+    p.add_argument("--budget-base", choices=BASES, default="footprint",
+                   help="what a percentage budget is of: 'footprint' (default), the managed memory the trace "
+                        "needs with nothing evicted (the larger of umrt's pool and PyTorch's caching allocator "
+                        "replayed over it), or 'peak', the trace's peak live bytes (umrt before 0.2)")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy name, e.g. ideal, um, um-advise, oracle, deepum, umrt (default {DEFAULT_POLICY})")
     p.add_argument("--iterations", type=int, default=None, metavar="N",
@@ -57,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     policy = make_policy(args.policy, trace)
     iterations = args.iterations or policy.steady_iterations()
     result = simulate(trace, policy, profile, args.budget, iterations=iterations,
-                      progress=not args.json and sys.stderr.isatty())
-    bound = link_bound(trace, profile, args.budget, iterations=iterations)
+                      progress=not args.json and sys.stderr.isatty(), budget_base=args.budget_base)
+    bound = link_bound(trace, profile, args.budget, iterations=iterations, budget_base=args.budget_base)
     if args.json:
         json.dump(result.to_json() | {"link_bound": bound.to_json()}, sys.stdout, indent=2)
         print()
@@ -77,8 +83,9 @@ def _print_table(r, bound) -> None:
 
     from umrt.config import format_bytes
 
-    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · budget {format_bytes(r.budget_bytes)} "
-                        f"(simulated, iteration {r.iterations} of {r.iterations})")
+    budget = r.budget.describe() if r.budget is not None else f"budget {format_bytes(r.budget_bytes)}"
+    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · {budget} · "
+                        f"simulated, iteration {r.iterations} of {r.iterations}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [

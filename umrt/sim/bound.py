@@ -117,16 +117,17 @@ class LinkBound:
         return asdict(self) | {"slowdown": self.slowdown}
 
 
-def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, iterations: int = 3) -> LinkBound:
+def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, iterations: int = 3,
+               budget_base: str = "footprint") -> LinkBound:
     """The link bound of ``trace``'s steady iteration on ``profile`` with ``budget``.
 
-    ``budget`` is read like :func:`umrt.sim.replay.parse_budget` (``"20%"``
-    of the trace's peak live bytes, ``"8GiB"``, or bytes); ``iterations``
-    picks the iteration as :func:`~umrt.sim.replay.simulate` with the same
-    value reports it (the last simulated one). See the module docstring for
-    why no policy can beat ``time_s``.
+    ``budget`` and ``budget_base`` are read as :func:`~umrt.sim.replay.simulate`
+    reads them (``"20%"`` of the footprint the run needs, ``"8GiB"``, or
+    bytes: :mod:`umrt.sim.budget`); ``iterations`` picks the iteration as
+    ``simulate`` with the same value reports it (the last simulated one).
+    See the module docstring for why no policy can beat ``time_s``.
     """
-    from umrt.sim.replay import parse_budget, peak_live_bytes
+    from umrt.sim.budget import resolve_budget
 
     if not isinstance(profile, HardwareProfile):
         profile = hardware.load_profile(profile)
@@ -135,7 +136,7 @@ def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, 
     spans = trace.iteration_spans()
     if not spans:
         raise TraceFormatError("the trace holds no complete iteration (it needs two IterationBoundary events)")
-    budget_bytes = parse_budget(budget, peak_live_bytes(trace))
+    budget_bytes = resolve_budget(budget, trace, budget_base).bytes
     a, b = spans[min(iterations, len(spans)) - 1]
     flow = _value_flow(trace.events[a + 1 : b], profile)
     return _bound(flow, profile, budget_bytes)

@@ -18,7 +18,6 @@ parameters and inputs made on the host) start out written in host memory.
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -27,61 +26,11 @@ from umrt.errors import ConfigError, DataIntegrityError, TraceFormatError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.policy.base import Policy, PolicyContext
 from umrt.sim.backend import SimBackend
-from umrt.sim.engine import BLOCK
+from umrt.sim.budget import parse_budget, peak_live_bytes, resolve_budget
 from umrt.sim.result import BREAKDOWN_KEYS, SimResult
 from umrt.trace.events import Access, Alloc, Event, Free, IterationBoundary, Launch, Trace
 
-__all__ = ["simulate", "parse_budget", "peak_live_bytes"]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
-
-
-def peak_live_bytes(trace: Trace) -> int:
-    """Largest sum of live object sizes at any point of the trace."""
-    live: dict[int, int] = {}
-    total = peak = 0
-    for ev in trace.events:
-        if isinstance(ev, Alloc):
-            live[ev.obj] = ev.nbytes
-            total += ev.nbytes
-            peak = max(peak, total)
-        elif isinstance(ev, Free):
-            total -= live.pop(ev.obj, 0)
-    return peak
-
-
-def parse_budget(budget: int | str, peak_bytes: int) -> int:
-    """GPU memory budget in bytes from ``20%`` (of ``peak_bytes``), ``8GiB``, ``512MB`` or an int.
-
-    Raises :class:`~umrt.errors.ConfigError` for anything else, or for a
-    budget below one 2 MB block (the unit of GPU memory).
-    """
-    value: float
-    if isinstance(budget, bool):
-        raise ConfigError(f"invalid budget {budget!r}")
-    if isinstance(budget, (int, float)):
-        value = budget
-    elif isinstance(budget, str):
-        if m := _PERCENT.match(budget):
-            pct = float(m.group(1))
-            if pct <= 0:
-                raise ConfigError(f"budget {budget!r} must be above 0%")
-            value = peak_bytes * pct / 100.0
-        elif (m := _SIZE.match(budget)) and m.group(2).lower() in _UNITS:
-            value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        else:
-            raise ConfigError(
-                f"invalid budget {budget!r}: use a percentage of the trace's peak live bytes ('20%'), "
-                "a size ('8GiB', '512MB') or a number of bytes"
-            )
-    else:
-        raise ConfigError(f"invalid budget {budget!r}")
-    if not math.isfinite(value) or value < BLOCK:
-        raise ConfigError(f"budget {budget!r} = {value:.0f} bytes is below one 2 MB block of GPU memory")
-    return int(value)
+__all__ = ["simulate", "parse_budget", "peak_live_bytes", "resolve_budget"]
 
 
 def simulate(
@@ -91,14 +40,17 @@ def simulate(
     budget: int | str,
     iterations: int = 3,
     progress: bool = False,
+    budget_base: str = "footprint",
 ) -> SimResult:
     """Simulate ``iterations`` training iterations of ``trace`` under ``policy``.
 
     ``profile`` is a :class:`~umrt.hardware.HardwareProfile`, a shipped
     profile name or a profile file; ``budget`` is the GPU memory the run may
-    use (see :func:`parse_budget`); a policy with ``unlimited_memory = True``
-    runs with unbounded GPU memory. A policy given by name is built with
-    ``umrt.policy.make_policy(name, trace)``.
+    use: a size, or a percentage of the footprint the run needs
+    (``budget_base="footprint"``, see :mod:`umrt.sim.budget`) or of the
+    trace's peak live bytes (``"peak"``); a policy with
+    ``unlimited_memory = True`` runs with unbounded GPU memory. A policy
+    given by name is built with ``umrt.policy.make_policy(name, trace)``.
     """
     t_wall = time.perf_counter()
     if not isinstance(profile, HardwareProfile):
@@ -112,8 +64,8 @@ def simulate(
     spans = trace.iteration_spans()
     if not spans:
         raise TraceFormatError("the trace holds no complete iteration (it needs two IterationBoundary events)")
-    peak = peak_live_bytes(trace)
-    budget_bytes = parse_budget(budget, peak)
+    resolved = resolve_budget(budget, trace, budget_base)
+    budget_bytes = resolved.bytes
     unlimited = bool(getattr(policy, "unlimited_memory", False))
     backend = SimBackend(profile, math.inf if unlimited else budget_bytes)
     layout = policy.make_layout(backend)
@@ -183,10 +135,11 @@ def simulate(
         launches=delta["launches"],
         breakdown={k: float(delta[k]) for k in BREAKDOWN_KEYS},
         iteration_times_s=[b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:], strict=False)],
-        peak_live_bytes=peak,
+        peak_live_bytes=resolved.needs.peak_live_bytes,
         footprint_bytes=int(layout.footprint()),
         wall_s=time.perf_counter() - t_wall,
         policy_report=dict(policy.report() or {}),
+        budget=resolved,
     )
 
 

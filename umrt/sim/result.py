@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from umrt.sim.budget import Budget
 
 __all__ = ["SimResult", "BREAKDOWN_KEYS"]
 
@@ -35,10 +39,11 @@ class SimResult:
     launches: int
     breakdown: dict[str, float]
     iteration_times_s: list[float] = field(default_factory=list)
-    peak_live_bytes: int = 0  # of the trace: what a percentage budget refers to
+    peak_live_bytes: int = 0  # of the trace (a percentage budget is of the footprint: see budget)
     footprint_bytes: int = 0  # managed memory the layout obtained (>= live bytes: rounding, fragmentation)
     wall_s: float = 0.0  # host seconds the whole simulation took
     policy_report: dict = field(default_factory=dict)
+    budget: Budget | None = None  # what budget_bytes is of (umrt.sim.budget)
 
     @property
     def slowdown(self) -> float:
@@ -53,6 +58,9 @@ class SimResult:
     def to_json(self) -> dict:
         """A JSON-serialisable dict (every field, plus ``slowdown``)."""
         out = asdict(self)
+        del out["budget"]
+        if self.budget is not None:
+            out.update(self.budget.to_json(), budget_description=self.budget.describe())
         out["slowdown"] = self.slowdown
         out["page_events_per_s"] = self.page_events_per_s
         return out

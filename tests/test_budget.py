@@ -1,0 +1,110 @@
+"""What a simulated budget means: a percentage of the footprint the run needs (umrt.sim.budget)."""
+from __future__ import annotations
+
+import pytest
+
+from umrt.errors import ConfigError
+from umrt.predict.synthetic import training_trace
+from umrt.sim.budget import Budget, Needs, needs, needs_of_events, parse_budget, parse_percent, resolve_budget
+from umrt.sim.replay import simulate
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Trace, TraceHeader
+
+MB = 1 << 20
+
+
+def test_the_footprint_is_what_the_hungrier_layout_obtains():
+    # Six 8 MB parameters: PyTorch's caching allocator serves sizes of 1-10 MB from
+    # 20 MB segments, two per segment (60 MB); umrt's pool packs them in 48 MB.
+    n = needs_of_events([Alloc(o, 8 * MB, Kind.PARAMETER) for o in range(6)])
+    assert n == Needs(peak_live_bytes=48 * MB, pool_bytes=48 * MB, caching_bytes=60 * MB)
+    assert n.footprint_bytes == 60 * MB and n.base_bytes("peak") == 48 * MB
+    # An object freed before the next is born: the layouts reuse its memory, peak live counts it once.
+    n = needs_of_events([Alloc(1, 64 * MB, Kind.ACTIVATION), Free(1), Alloc(2, 64 * MB, Kind.ACTIVATION)])
+    assert n.peak_live_bytes == 64 * MB and n.footprint_bytes == 64 * MB
+
+
+def test_needs_are_computed_once_per_trace():
+    trace = training_trace(layers=2, steps=2)
+    assert needs(trace) is needs(trace)
+    other = training_trace(layers=3, steps=2)
+    assert needs(other).footprint_bytes > needs(trace).footprint_bytes
+
+
+def test_one_hundred_percent_fits_where_peak_live_did_not():
+    """The issue's symptom: at "100%" of peak live bytes plain um thrashed, the layout needing more."""
+    trace = training_trace()
+    n = needs(trace)
+    assert n.footprint_bytes > n.peak_live_bytes
+    fits = simulate(trace, "um", "h100-pcie5-80g", "100%")
+    assert fits.budget_bytes == n.footprint_bytes
+    assert fits.evictions == 0 and fits.iteration_time_s == pytest.approx(fits.ideal_time_s)
+    old = simulate(trace, "um", "h100-pcie5-80g", "100%", budget_base="peak")
+    assert old.budget_bytes == n.peak_live_bytes and old.evictions > 0
+    assert old.iteration_time_s > 2 * fits.iteration_time_s
+
+
+def test_every_result_says_what_its_budget_is():
+    trace = training_trace()
+    r = simulate(trace, "um", "h100-pcie5-80g", "20%").to_json()
+    n = needs(trace)
+    assert r["budget_bytes"] == int(n.footprint_bytes * 0.2)
+    assert r["budget_base"] == "footprint" and r["budget_text"] == "20%"
+    assert r["budget_of_footprint"] == pytest.approx(0.2, abs=1e-9)
+    assert r["budget_of_peak"] == pytest.approx(0.2 * n.footprint_bytes / n.peak_live_bytes, abs=1e-9)
+    assert r["needed_footprint_bytes"] == n.footprint_bytes and r["peak_live_bytes"] == n.peak_live_bytes
+    assert r["budget_description"].startswith("budget 79.2 MiB = 20% of the footprint 396.0 MiB (peak live 264.0 MiB)")
+    sized = simulate(trace, "um", "h100-pcie5-80g", "64MiB").to_json()
+    assert sized["budget_bytes"] == 64 * MB and "= 16.2% of the footprint" in sized["budget_description"]
+
+
+def test_describe_names_both_bases():
+    n = Needs(peak_live_bytes=10 << 30, pool_bytes=11 << 30, caching_bytes=12 << 30)
+    b = resolve_budget("50%", n, "peak")
+    assert b.bytes == 5 << 30
+    assert b.describe() == ("budget 5.0 GiB = 41.7% of the footprint 12.0 GiB (peak live 10.0 GiB; "
+                            "given as 50% of peak live)")
+    assert Budget(6 << 30, "6GiB", "footprint", n).describe() == (
+        "budget 6.0 GiB = 50% of the footprint 12.0 GiB (peak live 10.0 GiB)")
+
+
+@pytest.mark.parametrize("budget", ["", "abc", "-5%", "0%", "10 parsecs", "1MB", True, None, "nan", "%"])
+def test_one_parser_one_message(budget):
+    with pytest.raises(ConfigError) as err:
+        parse_budget(budget, 1000 * MB)
+    text = str(err.value)
+    assert repr(budget) in text
+    assert ("percentage" in text and "'8GiB'" in text) or "above 0%" in text or "below one 2 MB block" in text
+
+
+def test_percentages_and_bases():
+    assert parse_percent("20%") == pytest.approx(0.2) and parse_percent(" 150 % ") == pytest.approx(1.5)
+    assert parse_percent("8GiB") is None
+    with pytest.raises(ConfigError, match="above 0%"):
+        parse_percent("0%")
+    with pytest.raises(ConfigError, match="budget base"):
+        resolve_budget("20%", Needs(1 << 30, 1 << 30, 1 << 30), "device")
+    with pytest.raises(ConfigError, match="of the trace's peak live bytes"):
+        parse_budget("twenty", 1 << 30, "peak")
+
+
+def test_an_id_allocated_again_replaces_its_object():
+    events = [IterationBoundary(0), Alloc(1, 8 * MB, Kind.OTHER), Alloc(1, 8 * MB, Kind.OTHER), IterationBoundary(1)]
+    trace = Trace(TraceHeader(2, "t", "reused", "-", "meta", 1), events)
+    assert needs(trace).peak_live_bytes == 8 * MB
+
+
+def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_first_iteration():
+    from umrt.policy import make_policy
+    from umrt.shadow import ShadowDriver
+
+    trace = training_trace()
+    first = trace.iteration_spans()[1][0]  # set-up, iteration 0 and the boundary that opens iteration 1
+    held = trace.events[: first + 1]
+    driver = ShadowDriver(make_policy("um"), "h100-pcie5-80g", "100%")
+    for event in trace.events:
+        driver(event)
+    assert driver.error is None
+    n = needs_of_events(held)
+    assert driver.budget_bytes == n.footprint_bytes > n.peak_live_bytes
+    assert driver.budget.describe().startswith("budget 396.0 MiB = 100% of the footprint 396.0 MiB")
+    assert driver.steady()["evictions"] == 0  # "100%" holds everything

@@ -1,0 +1,246 @@
+"""What a GPU memory budget means when a run is simulated (``umrt simulate``, the bench, shadow mode).
+
+A budget is a size (``"8GiB"``, ``"512MB"``, a number of bytes) or a
+percentage. In a live run a percentage is of the device's memory
+(``UMRT_GPU_MEMORY=80%``, :func:`umrt.config.parse_amount`). In a simulated
+run it is of **the footprint the run needs** (:class:`Needs`), so that
+``100%`` holds everything and nothing has to be evicted:
+
+    the most managed memory the trace's allocations obtain when every
+    Alloc/Free is placed, in order, by the layouts the simulator runs
+    policies with — umrt's :class:`~umrt.memory.pool.LifetimePool` (fed the
+    launches, layer events and boundaries, as the runtime feeds it) and the
+    model of PyTorch's caching allocator
+    (:class:`~umrt.memory.caching.CachingAllocatorLayout`, under ``ideal``,
+    ``um`` and most peers) — whichever needs more.
+
+One pass per layout over the trace, placing objects and simulating no page:
+:func:`needs` is cheap (well under a second for GPT-2 XL) and cached per
+trace. ``base="peak"`` keeps the old meaning, a percentage of the trace's peak
+live bytes (the sum of live object sizes, which no layout reaches: rounding,
+2 MB blocks, fragmentation), so that earlier figures can be reproduced.
+
+:func:`parse_budget` is the one parser of simulated budgets; :func:`resolve_budget`
+turns a budget into a :class:`Budget` that says what it is in every report
+(:meth:`Budget.describe`).
+"""
+from __future__ import annotations
+
+import math
+import re
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from umrt.config import format_bytes
+from umrt.errors import ConfigError
+from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, LayerEnter, LayerExit, Trace
+
+__all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "parse_percent",
+           "resolve_budget", "peak_live_bytes"]
+
+#: What a percentage budget can be of, in a simulated run.
+BASES = ("footprint", "peak")
+BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
+
+BLOCK = 2 << 20  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+FORMS = "a percentage ('20%'), a size ('8GiB', '512MB') or a number of bytes"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a trace needs in GPU memory, in bytes."""
+
+    peak_live_bytes: int  # largest sum of live object sizes
+    pool_bytes: int  # most managed memory umrt's LifetimePool obtains over the trace
+    caching_bytes: int  # the same for the caching-allocator model
+
+    @property
+    def footprint_bytes(self) -> int:
+        """The footprint the run needs: the larger of the two layouts' (see the module docstring)."""
+        return max(self.pool_bytes, self.caching_bytes, self.peak_live_bytes)
+
+    def base_bytes(self, base: str) -> int:
+        """What a percentage is of, for ``base`` in :data:`BASES`."""
+        _check_base(base)
+        return self.footprint_bytes if base == "footprint" else self.peak_live_bytes
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A resolved budget: its bytes, what it was given as, and what it is of."""
+
+    bytes: int
+    text: str  # as given: "20%", "8GiB", "1073741824"
+    base: str  # what a percentage is of: "footprint" or "peak"
+    needs: Needs
+
+    @property
+    def of_footprint(self) -> float:
+        """The budget as a fraction of the footprint the run needs."""
+        return self.bytes / self.needs.footprint_bytes if self.needs.footprint_bytes else math.nan
+
+    @property
+    def of_peak(self) -> float:
+        """The budget as a fraction of the trace's peak live bytes."""
+        return self.bytes / self.needs.peak_live_bytes if self.needs.peak_live_bytes else math.nan
+
+    def describe(self) -> str:
+        """``budget 3.3 GiB = 20% of the footprint 16.3 GiB (peak live 15.6 GiB)`` (umrt.config.format_bytes)."""
+        n = self.needs
+        text = (f"budget {format_bytes(self.bytes)} = {_pct(self.of_footprint)} of the footprint "
+                f"{format_bytes(n.footprint_bytes)} (peak live {format_bytes(n.peak_live_bytes)}")
+        if self.base == "peak":
+            text += f"; given as {self.text} of peak live"
+        return text + ")"
+
+    def to_json(self) -> dict:
+        """Flat keys for result files: how the budget was given and both bases."""
+        n = self.needs
+        return {"budget_text": self.text, "budget_base": self.base,
+                "needed_footprint_bytes": n.footprint_bytes, "pool_footprint_bytes": n.pool_bytes,
+                "caching_footprint_bytes": n.caching_bytes, "budget_of_footprint": self.of_footprint,
+                "budget_of_peak": self.of_peak}
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:.3g}%" if math.isfinite(fraction) else "?%"
+
+
+def _check_base(base: str) -> None:
+    if base not in BASES:
+        raise ConfigError(f"unknown budget base {base!r}; valid: {', '.join(BASES)}")
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_percent(text: str) -> float | None:
+    """``"20%"`` -> 0.2; None for anything that is not a percentage; ConfigError for ``0%``."""
+    if not isinstance(text, str) or not (m := _PERCENT.match(text)):
+        return None
+    pct = float(m.group(1))
+    if not 0 < pct < math.inf:
+        raise ConfigError(f"budget {text!r} must be above 0%")
+    return pct / 100.0
+
+
+def parse_budget(budget: int | str, base_bytes: int, base: str = "footprint") -> int:
+    """GPU memory budget in bytes: ``20%`` (of ``base_bytes``), ``8GiB``, ``512MB`` or an int.
+
+    ``base`` names what ``base_bytes`` is in the error message. Raises
+    :class:`~umrt.errors.ConfigError` for anything else, or for a budget
+    below one 2 MB block (the unit of GPU memory).
+    """
+    value: float
+    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
+        raise ConfigError(f"invalid budget {budget!r}: use {FORMS}")
+    if isinstance(budget, (int, float)):
+        value = budget
+    elif (fraction := parse_percent(budget)) is not None:
+        value = base_bytes * fraction
+    elif (m := _SIZE.match(budget)) and m.group(2).lower() in _UNITS:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise ConfigError(f"invalid budget {budget!r}: use {FORMS.replace('percentage', f'percentage of {BASE_NAMES.get(base, base)}')}")
+    if not math.isfinite(value) or value < BLOCK:
+        raise ConfigError(f"budget {budget!r} = {value:.0f} bytes is below one 2 MB block of GPU memory")
+    return int(value)
+
+
+def resolve_budget(budget: int | str, source: Trace | Needs, base: str = "footprint") -> Budget:
+    """``budget`` for the run of ``source`` (a trace, or its :class:`Needs`): a :class:`Budget`."""
+    _check_base(base)
+    n = source if isinstance(source, Needs) else needs(source)
+    return Budget(parse_budget(budget, max(n.base_bytes(base), 1), base), str(budget), base, n)
+
+
+# ---------------------------------------------------------------- the footprint
+
+
+def peak_live_bytes(events: Iterable[Event] | Trace) -> int:
+    """Largest sum of live object sizes at any point of the trace (or of an event list)."""
+    live: dict[int, int] = {}
+    total = peak = 0
+    for ev in events.events if isinstance(events, Trace) else events:
+        if isinstance(ev, Alloc):
+            total += ev.nbytes - live.get(ev.obj, 0)  # an id allocated again replaces its object
+            live[ev.obj] = ev.nbytes
+            peak = max(peak, total)
+        elif isinstance(ev, Free):
+            total -= live.pop(ev.obj, 0)
+    return peak
+
+
+class _Segments:
+    """A backend that only hands out addresses and counts what is obtained (no pages)."""
+
+    name = "footprint"
+    device = 0
+
+    def __init__(self) -> None:
+        self._next = 1 << 40
+        self._sizes: dict[int, int] = {}
+        self.current = self.peak = 0
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self._next
+        self._next += -(-nbytes // BLOCK) * BLOCK  # 2 MB aligned, like cudaMallocManaged
+        self._sizes[ptr] = nbytes
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.current -= self._sizes.pop(ptr)
+
+
+def _layout_peak(events: list[Event], make_layout, feed: bool) -> int:
+    """Most managed memory ``make_layout(backend)`` obtains while placing ``events``' objects."""
+    backend = _Segments()
+    layout = make_layout(backend)
+    observe = getattr(layout, "observe", None) if feed else None
+    live: set[int] = set()
+    for ev in events:
+        t = type(ev)
+        if t is Alloc:
+            if ev.obj in live:  # an id allocated again without a Free: the old object is gone
+                layout.free(ev.obj)
+            layout.alloc(ev.obj, ev.nbytes, ev.kind)
+            live.add(ev.obj)
+        elif t is Free:
+            if ev.obj in live:
+                live.discard(ev.obj)
+                layout.free(ev.obj)
+        elif observe is not None and t in (Launch, LayerEnter, LayerExit, IterationBoundary):
+            observe(ev)
+    return -(-backend.peak // BLOCK) * BLOCK
+
+
+def needs_of_events(events: Iterable[Event]) -> Needs:
+    """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
+    from umrt.memory.caching import CachingAllocatorLayout
+    from umrt.memory.pool import LifetimePool
+
+    events = list(events)
+    return Needs(peak_live_bytes=peak_live_bytes(events),
+                 pool_bytes=_layout_peak(events, LifetimePool, feed=True),
+                 caching_bytes=_layout_peak(events, CachingAllocatorLayout, feed=False))
+
+
+_CACHE: dict[int, tuple[weakref.ref, int, Needs]] = {}
+
+
+def needs(trace: Trace) -> Needs:
+    """:class:`Needs` of ``trace``, computed once per trace object (and event count)."""
+    key = id(trace)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is trace and hit[1] == len(trace.events):
+        return hit[2]
+    value = needs_of_events(trace.events)
+    _CACHE[key] = (weakref.ref(trace, lambda _ref, key=key: _CACHE.pop(key, None)), len(trace.events), value)
+    return value
