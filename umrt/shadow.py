@@ -16,11 +16,13 @@ the reference for how close the live runtime gets), and a table reports iteratio
 the runtime prefetched, pre-evicted and discarded. Every number is
 simulated.
 
-Sizing the budget live. ``gpu_memory="20%"`` means 20% of the job's peak
-live bytes, which is only known once the job has run. The driver therefore
-holds the events of set-up and the first iteration (the runtime learns from
-that iteration anyway and would not act in it), measures their peak live
-bytes, sizes the simulated GPU from it, and then feeds the held events and
+Sizing the budget live. ``gpu_memory="20%"`` means 20% of the footprint the
+job needs (:mod:`umrt.sim.budget`: the managed memory its allocations obtain
+with nothing evicted, so "100%" fits), which is only known once the job has
+run. The driver therefore holds the events of set-up and the first iteration
+(the runtime learns from that iteration anyway and would not act in it),
+replays their allocations through the layouts to measure that footprint,
+sizes the simulated GPU from it, and then feeds the held events and
 everything after them live, in order. The comparison replays use the same
 byte budget, so the three rows are like for like; the whole trace's peak is
 reported too (it is usually the first iteration's).
@@ -66,6 +68,7 @@ class ShadowDriver:
         self.policy = policy
         self.gpu_memory = gpu_memory
         self.budget_bytes: int | None = None
+        self.budget = None  # umrt.sim.budget.Budget: what budget_bytes is of
         self.backend = None
         self.layout = None
         self.error: UmrtError | None = None
@@ -129,10 +132,11 @@ class ShadowDriver:
     def _start(self) -> None:
         from umrt.policy.base import PolicyContext
         from umrt.sim.backend import SimBackend
-        from umrt.sim.replay import parse_budget
+        from umrt.sim.budget import needs_of_events, resolve_budget
 
         self.peak_bytes = self._peak
-        self.budget_bytes = parse_budget(self.gpu_memory, max(self._peak, 1))
+        self.budget = resolve_budget(self.gpu_memory, needs_of_events(self._held))
+        self.budget_bytes = self.budget.bytes
         unlimited = bool(getattr(self.policy, "unlimited_memory", False))
         self.backend = SimBackend(self.profile, math.inf if unlimited else self.budget_bytes)
         self.layout = self.policy.make_layout(self.backend)
@@ -255,6 +259,7 @@ def _report(trace: Trace, driver: ShadowDriver, prof, policy: str) -> dict:
     from umrt.sim.replay import peak_live_bytes, simulate
 
     rep: dict = {"profile": prof.name, "policy": policy, "budget_bytes": driver.budget_bytes,
+                 "budget_description": driver.budget.describe() if driver.budget is not None else None,
                  "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": getattr(driver, "peak_bytes", 0),
                  "peak_live_bytes": peak_live_bytes(trace), "iterations": len(trace.iteration_spans()),
                  "rows": [], "runtime": {}, "notes": []}
@@ -306,8 +311,8 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
     console = Console(file=sys.stdout, highlight=False, width=max(110, Console().width)) if out is None else None
     budget = rep.get("budget_bytes")
     sized = rep.get("sized_from_bytes") or 0
-    basis = (f" = {rep['gpu_memory']} of the first iteration's peak live {_fmt_bytes(sized)}"
-             if str(rep.get("gpu_memory", "")).strip().endswith("%") and sized else "")
+    basis = (f": {rep['budget_description']} over set-up and the first iteration"
+             if rep.get("budget_description") and sized else "")
     title = (f"umrt shadow run — SIMULATED {rep['profile']}, GPU memory {_fmt_bytes(budget or 0)}{basis} "
              f"(whole-run peak live {_fmt_bytes(rep['peak_live_bytes'])})")
     table = Table(title=title, caption="simulated steady-state iteration; nothing ran on a GPU")
