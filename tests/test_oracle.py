@@ -13,7 +13,7 @@ from umrt.errors import ConfigError, DataIntegrityError
 from umrt.memory.base import Layout
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
-from umrt.policy.oracle import OraclePolicy, Template, plan_cyclic
+from umrt.policy.oracle import CANDIDATES, OraclePolicy, Template, plan_cyclic
 from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, Trace, TraceHeader
 
 MB = 1 << 20
@@ -226,7 +226,7 @@ def test_oracle_removes_steady_state_faults_where_um_faults_every_iteration():
     trace = make_trace(2)
     stream = make_events(5)  # more iterations, different ids: the oracle must map them
     cap = 40 * MB  # peak live is ~13 objects of 8 MB: heavy oversubscription
-    oracle, ours = OraclePolicy(trace, headroom=0.0), None
+    oracle, ours = OraclePolicy(trace, plan="belady", headroom=0.0), None
     ours, it_oracle = drive(oracle, stream, cap)
     um, it_um = drive(make_policy("um"), stream, cap)
     steady = lambda it: (it[-1][0] - it[-2][0], it[-1][1] - it[-2][1])  # noqa: E731
@@ -238,14 +238,14 @@ def test_oracle_removes_steady_state_faults_where_um_faults_every_iteration():
 
 
 def test_oracle_discards_only_objects_being_freed():
-    oracle = OraclePolicy(make_trace(2), headroom=0.0)
+    oracle = OraclePolicy(make_trace(2), plan="belady", headroom=0.0)
     backend, _ = drive(oracle, make_events(4), 40 * MB)  # FakeDriver asserts discards happen on Free
     assert oracle.report()["discards"] > 0
     assert any(c[0] == "discard" for c in backend.calls)
 
 
 def test_oracle_within_capacity_only_prefetches():
-    oracle = OraclePolicy(make_trace(2), headroom=0.0)
+    oracle = OraclePolicy(make_trace(2), plan="belady", headroom=0.0)
     backend, it = drive(oracle, make_events(4), 1 << 40)
     assert oracle.report()["evictions"] == 0
     assert it[-1][0] - it[-2][0] == 0
@@ -258,7 +258,7 @@ def test_oracle_ignores_an_iteration_that_does_not_match():
     mid = next(i for i in range(idx[1], idx[2]) if isinstance(events[i], Launch) and events[i].exec_id == 3)
     old = events[mid]
     events[mid] = Launch(old.seq, 12345, "other", old.accesses, old.flops, old.bytes)
-    oracle = OraclePolicy(make_trace(2), headroom=0.0)
+    oracle = OraclePolicy(make_trace(2), plan="belady", headroom=0.0)
     drive(oracle, events, 40 * MB)
     assert oracle.report()["unmatched_iterations"] == 1
     assert oracle.report()["matched_iterations"] == 2
@@ -289,13 +289,14 @@ def test_oracle_on_a_real_training_trace_is_safe_and_beats_um():
         oracle = simulate(trace, policy, "h100-pcie5-80g", budget).to_json()  # raises on any integrity error
         assert oracle["iteration_time_s"] < um["iteration_time_s"]
         assert oracle["peak_resident_bytes"] <= oracle["budget_bytes"]
-        assert policy.plan.peak_bytes <= policy.plan.capacity <= oracle["budget_bytes"]
-        assert policy.report()["matched_iterations"] >= 1
+        report = policy.report()
+        assert report["planned_peak_bytes"] <= report["plan_capacity_bytes"] <= oracle["budget_bytes"]
+        assert report["matched_iterations"] >= 1 and report["plan"] in CANDIDATES
 
 
 def test_a_launch_larger_than_the_budget_reads_the_rest_over_the_link_for_that_launch_only():
     cap = 64 * MB  # the foreach step touches 12 objects of 8 MB
-    oracle = OraclePolicy(make_trace(2, foreach=True), headroom=0.0)
+    oracle = OraclePolicy(make_trace(2, foreach=True), plan="belady", headroom=0.0)
     backend, _ = drive(oracle, make_events(4, foreach=True), cap)
     assert oracle.plan.unplanned_launches == 1
     advice = [c for c in backend.calls if c[0] == "advise"]
@@ -306,3 +307,98 @@ def test_a_launch_larger_than_the_budget_reads_the_rest_over_the_link_for_that_l
     assert sorted(r for c in sets for r in c[1]) == sorted(r for c in unsets for r in c[1])
     # the planned part still fits
     assert oracle.plan.peak_bytes <= cap
+
+
+# -- the search: candidates made from the whole trace, the fastest followed ---------------
+
+
+def test_the_planner_candidate_plans_what_umrts_runtime_plans():
+    """iteration_record is the iteration umrt's runtime learns, known from the trace: the
+    same planner compiles the same schedule from it (umrt only has to learn it first)."""
+    from umrt.predict.synthetic import training_trace
+    from umrt.sim.replay import simulate
+
+    trace = training_trace()
+    oracle = OraclePolicy(trace, plan="planner")
+    simulate(trace, oracle, "h100-pcie5-80g", "20%", iterations=4)
+    runtime = make_policy("umrt", trace)
+    simulate(trace, runtime, "h100-pcie5-80g", "20%", iterations=5)
+    learned = list(runtime.plans.values())[-1]
+    assert oracle.schedule.stats == learned.stats and oracle.schedule.stats["planned_h2d_bytes"] > 0
+    assert [(a.at, len(a.evict), len(a.prefetch)) for a in oracle.schedule.actions] == \
+        [(a.at, len(a.evict), len(a.prefetch)) for a in learned.actions]
+    assert len(oracle.schedule.discard) == len(learned.discard) and len(oracle.schedule.fresh) == len(learned.fresh)
+    assert oracle.report()["unresolved"] == 0 and oracle.report()["matched_iterations"] >= 3
+
+
+def test_the_oracle_follows_the_fastest_candidate():
+    from umrt.predict.synthetic import training_trace
+    from umrt.sim.replay import simulate
+
+    trace = training_trace()
+    oracle = make_policy("oracle", trace=trace)
+    result = simulate(trace, oracle, "h100-pcie5-80g", "20%", iterations=oracle.steady_iterations())
+    times = oracle.report()["candidate_times_s"]
+    assert set(times) == set(CANDIDATES)
+    assert oracle.report()["plan"] == min(times, key=times.get)
+    assert result.iteration_time_s == pytest.approx(min(times.values()))  # the same plan, simulated again
+    assert result.iteration_time_s < 0.99 * max(times.values())  # the choice matters here
+
+
+def test_where_everything_fits_the_oracle_does_nothing():
+    from umrt.predict.synthetic import training_trace
+    from umrt.sim.replay import simulate
+
+    trace = training_trace()
+    oracle = make_policy("oracle", trace=trace)
+    result = simulate(trace, oracle, "h100-pcie5-80g", "100%", iterations=oracle.steady_iterations())
+    assert oracle.report()["plan"] == "none"
+    assert result.iteration_time_s == pytest.approx(result.ideal_time_s)
+
+
+def test_bad_oracle_options_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown oracle plan 'lru'"):
+        OraclePolicy(make_trace(), plan="lru")
+    oracle = OraclePolicy(make_trace())  # plan="best" needs a profile to simulate its candidates
+    with pytest.raises(ConfigError, match="hardware profile"):
+        drive(oracle, make_events(2), 40 * MB)
+
+
+# A bench grid CI can afford: small GPT-2, BERT and ViT configurations traced on meta, at the
+# grid's budgets on both paper profiles. Each cell runs every policy.
+SMALL_MODELS = {
+    "gpt2": ("hf:GPT2Config:n_layer=4,n_embd=512,n_head=8,vocab_size=8192,n_positions=256", 8, 256),
+    "bert": ("hf:BertConfig:num_hidden_layers=4,hidden_size=512,num_attention_heads=8,intermediate_size=2048,"
+             "vocab_size=8192,max_position_embeddings=256", 8, 256),
+    "vit": ("hf:ViTConfig:num_hidden_layers=4,hidden_size=512,num_attention_heads=8,intermediate_size=2048,"
+            "patch_size=16", 16, 224),
+}
+
+
+@pytest.fixture(scope="module")
+def small_traces(tmp_path_factory):
+    from bench.grid import trace_for
+
+    cache = tmp_path_factory.mktemp("traces")
+    return lambda key: trace_for(*SMALL_MODELS[key], cache_dir=cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(SMALL_MODELS))
+def test_no_policy_beats_the_oracle(model, small_traces):
+    from bench.grid import PAPER_PROFILES
+    from umrt.policy import POLICY_NAMES
+    from umrt.sim.replay import simulate
+
+    trace = small_traces(model)
+    for profile in PAPER_PROFILES:
+        for budget in ("20%", "50%"):
+            times = {}
+            for name in POLICY_NAMES:
+                if name == "ideal":
+                    continue  # unlimited memory: no budget binds it
+                policy = make_policy(name, trace=trace)
+                times[name] = simulate(trace, policy, profile, budget,
+                                       iterations=policy.steady_iterations()).iteration_time_s
+            beaten = {n: times["oracle"] / t for n, t in times.items() if t < times["oracle"]}
+            assert not beaten, f"{model} {profile} {budget}: beats the oracle (x its throughput): {beaten}"
