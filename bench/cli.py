@@ -6,7 +6,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench.grid import PRESETS, Grid, preset, run_grid, split_list
+from bench.grid import DTYPES, PRESETS, Grid, check_dtype, preset, run_grid, split_list
 from umrt.errors import ConfigError, UmrtError
 
 __all__ = ["add_arguments", "run", "main", "build_parser"]
@@ -20,6 +20,13 @@ speedup vs um, and the link bound no policy can beat: umrt.sim.bound) and
 plots (throughput relative to ideal against budget). Traces
 are made on the meta device and cached under bench/.cache/. All results are
 simulated. The default grid finishes within about 5 minutes on 2 cores.
+
+A budget is a percentage of the footprint the run needs (the managed memory
+the trace's allocations obtain with nothing evicted: the larger of umrt's pool
+and PyTorch's caching allocator replayed over the trace), so 100% holds
+everything; --budget-base peak makes it a percentage of the trace's peak live
+bytes instead (the meaning of earlier figures). Every row reports its budget in
+bytes and as a share of both.
 """
 
 EPILOG = """\
@@ -27,7 +34,7 @@ presets:
   default  gpt2 and bert-base at the zoo's batch sizes; 20% and 50%;
            v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle
   readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20% and 50%;
-           both profiles; ideal, um, um-advise, oracle (the README's first table)
+           both profiles; ideal, um, um-advise, oracle; fp32 and bf16 (the README's first table)
   targets  the same 4 models at 20% on both profiles; ideal, um, oracle, umrt and the
            peers deepum, sentinel, vdnn, swapadvisor (issue 4's targets; add --check-targets)
 
@@ -35,6 +42,8 @@ examples:
   python -m bench
   python -m bench --models gpt2 --budgets 10% 30% --policies um oracle --json r.json
   python -m bench --preset targets --check-targets
+  python -m bench --preset targets --check-targets --budget-base peak   # 20% of peak live, as before
+  python -m bench --models gpt2 --dtype float32 bfloat16
   python -m bench --from-json bench/out/results.json --check-targets
 """
 
@@ -44,7 +53,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting grid (default: default)")
     g.add_argument("--models", nargs="+", metavar="MODEL",
                    help="zoo names (gpt2, gpt2-xl, bert-large, vit-large, resnet-152, ...) or hf:Config:k=v,... specs")
-    g.add_argument("--budgets", nargs="+", metavar="PCT", help="GPU memory budgets, as %% of peak live bytes (e.g. 20%%)")
+    g.add_argument("--budgets", nargs="+", metavar="PCT",
+                   help="GPU memory budgets, as %% of the footprint the run needs (e.g. 20%%; see --budget-base)")
+    g.add_argument("--budget-base", choices=("footprint", "peak"),
+                   help="what a budget percentage is of: the footprint the run needs (default) or the trace's "
+                        "peak live bytes (the meaning of figures before the footprint base)")
+    g.add_argument("--dtype", nargs="+", metavar="DTYPE",
+                   help=f"training precision(s), as `umrt trace --dtype`: {', '.join(DTYPES)} "
+                        "(default float32; several run side by side)")
     g.add_argument("--profiles", nargs="+", metavar="GPU", help="hardware profiles (e.g. v100-pcie3-32g h100-pcie5-80g)")
     g.add_argument("--policies", nargs="+", metavar="POLICY", help="policies (ideal, um, um-advise, oracle, umrt, peers)")
     g.add_argument("--batch", nargs="+", metavar="[MODEL=]N", help="batch size for every model, or per model")
@@ -109,6 +125,8 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
         batch={m: n for m, n in base.batch.items() if m in models} | _per_model(args.batch, models, "batch"),
         seq={m: n for m, n in base.seq.items() if m in models} | _per_model(args.seq, models, "seq"),
         iterations=args.iterations if args.iterations is not None else base.iterations,
+        dtypes=tuple(check_dtype(d) for d in split_list(args.dtype)) if args.dtype else base.dtypes,
+        budget_base=args.budget_base or base.budget_base,
     )
     if grid.iterations < 2:
         raise ConfigError("--iterations must be at least 2 (the first iteration pays cold misses)")
@@ -141,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         meta = {"grid": asdict(grid)}
         try:
             rows = run_grid(grid, progress=not args.no_progress, on_row=done.append,
-                            trace_fn=lambda m, b, s: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces))
+                            trace_fn=lambda m, b, s, d: trace_for(m, b, s, cache_dir=cache, refresh=args.refresh_traces,
+                                                                  dtype=d))
         except KeyboardInterrupt:
             if done:  # keep what was measured
                 report.write_json(done, json_path, meta=meta | {"interrupted": True})

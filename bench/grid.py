@@ -1,10 +1,16 @@
 """The bench grid: models x budgets x profiles x policies, simulated cell by cell.
 
-Traces are made on the fly on the meta device (``umrt.zoo.trace_model``) and
-cached under ``bench/.cache/`` (``umrt.trace.fileformat``); every cell is one
+Traces are made on the fly on the meta device (``umrt.zoo.trace_model``), in
+each of the grid's training precisions (``dtypes``), and cached under
+``bench/.cache/`` (``umrt.trace.fileformat``); every cell is one
 ``umrt.sim.replay.simulate`` call. A cell that fails (a policy that cannot be imported,
 a :class:`~umrt.errors.DataIntegrityError`) is recorded with its error and
 the run goes on.
+
+Budgets are percentages of the footprint the run needs (``budget_base =
+"footprint"``, :mod:`umrt.sim.budget`: 100% holds everything), or of the
+trace's peak live bytes (``"peak"``, the meaning of the figures before the
+footprint base); every row carries its bytes and both fractions.
 """
 from __future__ import annotations
 
@@ -17,17 +23,23 @@ from pathlib import Path
 
 from umrt.errors import ConfigError
 
-__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR"]
+__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR",
+           "DTYPES", "BUDGET_KEYS"]
 
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
 PAPER_PROFILES = ("v100-pcie3-32g", "h100-pcie5-80g")
 TARGET_MODELS = ("gpt2-xl", "bert-large", "vit-large", "resnet-152")
 PEERS = ("deepum", "sentinel", "vdnn", "swapadvisor")
+DTYPES = ("float32", "bfloat16", "float16")  # as `umrt trace --dtype`
+# What every row says about its budget (umrt.sim.budget.Budget.to_json, plus its sentence).
+BUDGET_KEYS = ("budget_text", "budget_base", "needed_footprint_bytes", "pool_footprint_bytes",
+               "caching_footprint_bytes", "budget_of_footprint", "budget_of_peak", "budget_description")
 
 
 @dataclass(frozen=True)
 class Grid:
-    """What to run. ``batch``/``seq`` override the zoo's defaults per model (None = default)."""
+    """What to run. ``batch``/``seq`` override the zoo's defaults per model (None = default);
+    ``dtypes`` are training precisions; ``budget_base`` is what a budget percentage is of."""
 
     models: tuple[str, ...]
     budgets: tuple[str, ...]
@@ -36,14 +48,17 @@ class Grid:
     batch: dict[str, int] = field(default_factory=dict)
     seq: dict[str, int] = field(default_factory=dict)
     iterations: int = 3
+    dtypes: tuple[str, ...] = ("float32",)
+    budget_base: str = "footprint"
 
     def cells(self) -> list[Cell]:
         # Models outermost so each trace is made (or loaded) once; "ideal" first
         # within a model so the reference exists when the others are read.
         order = sorted(self.policies, key=lambda p: (p != "ideal", self.policies.index(p)))
         return [
-            Cell(m, self.batch.get(m), self.seq.get(m), prof, b, pol)
+            Cell(m, self.batch.get(m), self.seq.get(m), prof, b, pol, dtype, self.budget_base)
             for m in self.models
+            for dtype in self.dtypes
             for prof in self.profiles
             for b in self.budgets
             for pol in order
@@ -58,6 +73,8 @@ class Cell:
     profile: str
     budget: str
     policy: str
+    dtype: str = "float32"
+    budget_base: str = "footprint"
 
 
 # The default grid must finish within 5 minutes on a 2-core machine: GPT-2
@@ -70,12 +87,13 @@ PRESETS: dict[str, Grid] = {
         profiles=PAPER_PROFILES,
         policies=("ideal", "um", "um-advise", "oracle"),
     ),
-    # The README's first table (issue 3).
+    # The README's first table (issue 3), in fp32 and in bf16 (issue 11: users train in bf16).
     "readme": Grid(
         models=TARGET_MODELS,
         budgets=("20%", "50%"),
         profiles=PAPER_PROFILES,
         policies=("ideal", "um", "um-advise", "oracle"),
+        dtypes=("float32", "bfloat16"),
     ),
     # Issue 4's targets, everything side by side in one run.
     "targets": Grid(
@@ -95,17 +113,20 @@ def preset(name: str) -> Grid:
 
 
 def parse_budget(text: str) -> float:
-    """A bench budget, ``"20%"``, as a fraction of the trace's peak live bytes."""
-    s = str(text).strip()
-    if not s.endswith("%"):
-        raise ConfigError(f"bench budgets are percentages of peak live bytes (e.g. 20%), got {text!r}")
-    try:
-        value = float(s[:-1])
-    except ValueError:
-        raise ConfigError(f"invalid budget {text!r}: expected a percentage such as 20%") from None
-    if not 0 < value <= 1000 or not math.isfinite(value):
-        raise ConfigError(f"invalid budget {text!r}: must be above 0% (and at most 1000%)")
-    return value / 100.0
+    """A bench budget, ``"20%"``, as a fraction (of the footprint the run needs, or of peak live bytes)."""
+    from umrt.sim.budget import parse_percent
+
+    fraction = parse_percent(str(text))
+    if fraction is None:
+        raise ConfigError(f"bench budgets are percentages of the footprint the run needs (e.g. 20%), got {text!r}")
+    return fraction
+
+
+def check_dtype(dtype: str) -> str:
+    """``dtype`` if it is a training precision the zoo traces in, else a ConfigError."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return dtype
 
 
 def trace_for(model: str, batch: int | None, seq: int | None, *, cache_dir: Path = CACHE_DIR,
@@ -147,10 +168,22 @@ def resolved_shape(model: str, batch: int | None, seq: int | None) -> tuple[int,
     return batch, seq
 
 
-def _simulate(trace, policy, profile, budget, iterations):
+def _simulate(trace, policy, profile, budget, iterations, budget_base="footprint"):
     from umrt.sim.replay import simulate
 
-    return simulate(trace, policy, profile, budget, iterations=iterations, progress=False)
+    return simulate(trace, policy, profile, budget, iterations=iterations, progress=False, budget_base=budget_base)
+
+
+def budget_fields(trace, budget: str, base: str) -> dict:
+    """What ``budget`` is for ``trace``: its bytes, both bases and its sentence (empty if it cannot say)."""
+    from umrt.sim.budget import resolve_budget
+
+    try:
+        b = resolve_budget(budget, trace, base)
+    except Exception:  # noqa: BLE001 - a trace without objects has no footprint; the cell reports its own error
+        return {}
+    return {"budget_bytes": b.bytes, "peak_live_bytes": b.needs.peak_live_bytes, **b.to_json(),
+            "budget_description": b.describe()}
 
 
 def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _simulate) -> dict:
@@ -161,13 +194,14 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     header_meta = getattr(getattr(trace, "header", None), "meta", {}) or {}
     row["batch"] = cell.batch if cell.batch is not None else header_meta.get("batch")
     row["seq"] = cell.seq if cell.seq is not None else header_meta.get("seq")
+    row |= budget_fields(trace, cell.budget, cell.budget_base)
     start = time.perf_counter()
     try:
         policy = make_policy(cell.policy, trace=trace)
         # Each policy in its steady state: a runtime that learns needs more iterations.
         iterations = policy.steady_iterations(at_least=iterations)
         row["iterations"] = iterations
-        result = simulate(trace, policy, profile, cell.budget, iterations)
+        result = simulate(trace, policy, profile, cell.budget, iterations, budget_base=cell.budget_base)
         data = result.to_json() if hasattr(result, "to_json") else dict(result)
     except Exception as exc:  # noqa: BLE001 - one bad cell must not end the run
         row.update(error=f"{type(exc).__name__}: {exc}", sim_wall_s=round(time.perf_counter() - start, 3))
@@ -175,7 +209,7 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     wall = time.perf_counter() - start
     for key in ("iteration_time_s", "ideal_time_s", "h2d_bytes", "d2h_bytes", "faults", "fault_batches",
                 "evictions", "peak_resident_bytes", "budget_bytes", "peak_live_bytes", "footprint_bytes",
-                "page_events", "iteration_times_s"):
+                "page_events", "iteration_times_s", *BUDGET_KEYS):
         if key in data:
             row[key] = data[key]
     if "breakdown" in data:
@@ -197,7 +231,7 @@ def run_cell(cell: Cell, trace, profile, iterations: int, simulate: Callable = _
     return row
 
 
-def cell_bound(trace, profile, budget: str, iterations: int) -> dict:
+def cell_bound(trace, profile, budget: str, iterations: int, budget_base: str = "footprint") -> dict:
     """The link bound of one cell (:func:`umrt.sim.bound.link_bound`) as row fields.
 
     ``bound_time_s``: no policy's steady iteration is shorter in the simulator;
@@ -207,7 +241,7 @@ def cell_bound(trace, profile, budget: str, iterations: int) -> dict:
     from umrt.sim.bound import link_bound
 
     try:
-        b = link_bound(trace, profile, budget, iterations=iterations)
+        b = link_bound(trace, profile, budget, iterations=iterations, budget_base=budget_base)
     except Exception as exc:  # noqa: BLE001 - a missing bound must not cost the cell its result
         return {"bound_time_s": None, "bound_conserving_s": None, "bound_error": f"{type(exc).__name__}: {exc}"}
     return {"bound_time_s": b.time_s, "bound_conserving_s": b.conserving_s}
@@ -216,24 +250,33 @@ def cell_bound(trace, profile, budget: str, iterations: int) -> dict:
 def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
              trace_fn: Callable | None = None, simulate: Callable = _simulate,
              on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """Run every cell of ``grid``; returns one row (dict) per cell, in grid order."""
+    """Run every cell of ``grid``; returns one row (dict) per cell, in grid order.
+
+    ``trace_fn(model, batch, seq, dtype)`` makes (or loads) a cell's trace.
+    """
     from umrt.hardware import load_profile
+    from umrt.sim.budget import BASES
 
     for b in grid.budgets:
         parse_budget(b)
+    for d in grid.dtypes:
+        check_dtype(d)
+    if grid.budget_base not in BASES:
+        raise ConfigError(f"unknown budget base {grid.budget_base!r}; valid: {', '.join(BASES)}")
     profiles = {name: load_profile(name) for name in grid.profiles}  # bad names fail before any work
     cells = grid.cells()
     traces: dict[tuple, object] = {}
-    bounds: dict[tuple, dict] = {}  # one link bound per (model, shape, profile, budget), shared by its policies
+    bounds: dict[tuple, dict] = {}  # one link bound per (model, shape, dtype, profile, budget), shared by its policies
     rows: list[dict] = []
-    make_trace = trace_fn or (lambda m, b, s: trace_for(m, b, s, cache_dir=cache_dir))
+    make_trace = trace_fn or (lambda m, b, s, d: trace_for(m, b, s, cache_dir=cache_dir, dtype=d))
 
     with _progress(progress) as bar:
         task = bar.add_task("bench", total=len(cells)) if bar else None
         for cell in cells:
-            key = (cell.model, cell.batch, cell.seq)
+            key = (cell.model, cell.batch, cell.seq, cell.dtype)
             if bar:
-                bar.update(task, description=f"{cell.model} {cell.profile} {cell.budget} {cell.policy}")
+                dtype = "" if cell.dtype == "float32" else f" {cell.dtype}"
+                bar.update(task, description=f"{cell.model}{dtype} {cell.profile} {cell.budget} {cell.policy}")
             if key not in traces:
                 try:
                     traces[key] = make_trace(*key)
@@ -247,7 +290,8 @@ def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
                 row = run_cell(cell, trace, profiles[cell.profile], grid.iterations, simulate)
                 where = key + (cell.profile, cell.budget)
                 if where not in bounds:
-                    bounds[where] = cell_bound(trace, profiles[cell.profile], cell.budget, grid.iterations)
+                    bounds[where] = cell_bound(trace, profiles[cell.profile], cell.budget, grid.iterations,
+                                               cell.budget_base)
                 row |= bounds[where]
             rows.append(row)
             if on_row:
@@ -269,7 +313,18 @@ def derive(rows: list[dict]) -> None:
 
 
 def _group(row: dict) -> tuple:
-    return (row["model"], row.get("batch"), row.get("seq"), row["profile"], row["budget"])
+    return (row["model"], row.get("batch"), row.get("seq"), row["profile"], row["budget"], dtype_of(row),
+            base_of(row))
+
+
+def dtype_of(row: dict) -> str:
+    """A row's training precision (rows written before the bench had dtypes are float32)."""
+    return row.get("dtype") or "float32"
+
+
+def base_of(row: dict) -> str:
+    """What a row's budget percentage is of (rows written before the footprint base: peak live bytes)."""
+    return row.get("budget_base") or "peak"
 
 
 def _progress(enabled: bool):

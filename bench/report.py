@@ -8,7 +8,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.grid import PAPER_PROFILES, PEERS, TARGET_MODELS, _group, derive, geomean, parse_budget
+from bench.grid import (
+    PAPER_PROFILES,
+    PEERS,
+    TARGET_MODELS,
+    _group,
+    base_of,
+    derive,
+    dtype_of,
+    geomean,
+    parse_budget,
+)
 
 __all__ = ["CSV_FIELDS", "write_json", "write_csv", "write_markdown", "write_plots", "check_targets",
            "TargetResult", "load_rows"]
@@ -18,7 +28,11 @@ CSV_FIELDS = (
     "slowdown_vs_ideal", "speedup_vs_um", "h2d_bytes", "d2h_bytes", "faults", "fault_batches", "evictions",
     "peak_resident_bytes", "budget_bytes", "peak_live_bytes", "footprint_bytes", "sim_wall_s", "page_events",
     "page_events_per_s", "error", "bound_time_s", "bound_conserving_s",
+    # Added with the footprint budget base and dtypes (new columns go last: readers by position keep working).
+    "dtype", "budget_base", "needed_footprint_bytes", "budget_of_footprint", "budget_of_peak",
 )
+GIB = float(1 << 30)
+BASE_WORDS = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
 
 def write_json(rows: list[dict], path: Path, meta: dict | None = None) -> None:
@@ -78,25 +92,44 @@ def _ideal_of(cells: dict[str, dict]) -> float | None:
     return next((c.get("ideal_time_s") for c in cells.values() if c.get("ideal_time_s")), None)
 
 
+def _budget_cell(cells: dict[str, dict]) -> str:
+    """``3.27 / 16.32 / 15.60``: the budget, the footprint the run needs and peak live, in GiB."""
+    c = next((c for c in cells.values() if c.get("needed_footprint_bytes") and c.get("budget_bytes")), None)
+    if c is None:
+        return ""
+    live = f"{c['peak_live_bytes'] / GIB:.2f}" if c.get("peak_live_bytes") else "?"
+    return f"{c['budget_bytes'] / GIB:.2f} / {c['needed_footprint_bytes'] / GIB:.2f} / {live}"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """Steady-state slowdown vs ideal, with speedup vs um in parentheses; the link bounds when known."""
     policies = [p for p in _policies(rows) if p != "ideal"]
     bounded = any(r.get("bound_time_s") for r in rows)
     extra = ["bound", "bound + copy-back"] if bounded else []
+    with_dtype = any(dtype_of(r) != "float32" for r in rows)
+    bases = sorted({base_of(r) for r in rows})
+    sized = any(r.get("needed_footprint_bytes") for r in rows)
     lines = [
         "Simulated steady-state iteration time (umrt's Unified Memory simulator, no GPU involved).",
         "Each policy cell: slowdown vs `ideal` (infinite GPU memory; lower is better) and, in",
-        "parentheses, speedup vs plain `um` (higher is better). Budget = % of the trace's peak live bytes.",
+        "parentheses, speedup vs plain `um` (higher is better). "
+        + " ".join(f"Budget = % of {BASE_WORDS.get(b, b)}." for b in bases),
+        *(["`footprint`: the managed memory the trace's allocations obtain with nothing evicted (the larger of",
+           "umrt's pool and PyTorch's caching allocator replayed over the trace): at 100% everything fits.",
+           "`budget GiB`: the budget / the footprint the run needs / the trace's peak live bytes, in GiB."]
+          if "footprint" in bases or sized else []),
         *([
             "`bound`: the link bound over ideal (umrt.sim.bound), which no policy can beat in this simulator;",
             "`bound + copy-back`: the same with the copies back to the host charged too (an estimate,",
             "not guaranteed: the simulator accounts a prefetch's room when it is issued).",
         ] if bounded else []),
         "",
-        "| model | batch | seq | GPU profile | budget | ideal (ms) | " + " | ".join(policies + extra) + " |",
-        "|---|---:|---:|---|---:|---:|" + "---:|" * (len(policies) + len(extra)),
+        "| model | batch | seq | " + ("dtype | " if with_dtype else "") + "GPU profile | budget | "
+        + ("budget GiB | " if sized else "") + "ideal (ms) | " + " | ".join(policies + extra) + " |",
+        "|---|---:|---:|" + ("---|" if with_dtype else "") + "---|---:|" + ("---:|" if sized else "") + "---:|"
+        + "---:|" * (len(policies) + len(extra)),
     ]
-    for (model, batch, seq, profile, budget), cells in _groups(rows).items():
+    for (model, batch, seq, profile, budget, dtype, base), cells in _groups(rows).items():
         ideal = cells.get("ideal", {})
         ideal_t = ideal.get("iteration_time_s") or _ideal_of(cells)
         cols = []
@@ -116,8 +149,10 @@ def markdown_table(rows: list[dict]) -> str:
                 v = some.get(key)
                 cols.append(f"{v / ref:.2f}x" if v and ref else "")
         ms = f"{ideal_t * 1e3:.1f}" if ideal_t else "?"
+        shown = budget + (" of peak" if base == "peak" and len(bases) > 1 else "")
         lines.append(f"| {model} | {batch if batch is not None else ''} | {seq if seq is not None else ''} "
-                     f"| {profile} | {budget} | {ms} | " + " | ".join(cols) + " |")
+                     + (f"| {dtype} " if with_dtype else "") + f"| {profile} | {shown} | "
+                     + (f"{_budget_cell(cells)} | " if sized else "") + f"{ms} | " + " | ".join(cols) + " |")
     errors = [r for r in rows if r.get("error")]
     if errors:
         lines += ["", "Failed cells:", ""]
@@ -139,9 +174,12 @@ def write_plots(rows: list[dict], directory: Path) -> list[Path]:
 
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    combos = dict.fromkeys((r["model"], r.get("batch"), r.get("seq"), r["profile"]) for r in rows)
-    for model, batch, seq, profile in combos:
-        sel = [r for r in rows if (r["model"], r.get("batch"), r.get("seq"), r["profile"]) == (model, batch, seq, profile)]
+
+    def combo(r: dict) -> tuple:
+        return r["model"], r.get("batch"), r.get("seq"), r["profile"], dtype_of(r), base_of(r)
+
+    for model, batch, seq, profile, dtype, base in dict.fromkeys(map(combo, rows)):
+        sel = [r for r in rows if combo(r) == (model, batch, seq, profile, dtype, base)]
         fig, ax = plt.subplots(figsize=(6, 4))
         for policy in _policies(sel):
             pts = sorted(
@@ -150,13 +188,15 @@ def write_plots(rows: list[dict], directory: Path) -> list[Path]:
             )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        ax.set_xlabel("GPU memory budget (% of peak live bytes)")
+        ax.set_xlabel(f"GPU memory budget (% of {BASE_WORDS.get(base, base)})")
         ax.set_ylabel("throughput relative to ideal")
         ax.set_ylim(0, 1.05)
-        ax.set_title(f"{model} (batch {batch}, seq {seq}) on {profile} — simulated", fontsize=9)
+        precision = "" if dtype == "float32" else f", {dtype}"
+        ax.set_title(f"{model} (batch {batch}, seq {seq}{precision}) on {profile} — simulated", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model}_b{batch}_s{seq}_{profile}")
+        tag = ("" if dtype == "float32" else f"_{dtype}") + ("" if base == "footprint" else f"_{base}")
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{model}_b{batch}_s{seq}_{profile}{tag}")
         path = directory / f"{name}.png"
         fig.tight_layout()
         fig.savefig(path, dpi=110)
@@ -182,9 +222,48 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
     2. umrt >= 0.95 of oracle throughput in every cell;
     3. umrt >= 0.92 of ideal throughput wherever oracle reaches 0.92 (Sentinel's 8%);
     4. umrt faster than every peer policy in every cell;
-    5. (sanity, where the rows carry link bounds) no policy beats its cell's bound.
+    5. (sanity, where the rows carry link bounds) no policy beats its cell's bound;
+    6. (sanity) no policy beats the oracle, the reference of target 2.
+
+    "20%" is of the base the rows were run with (the footprint the run needs, or
+    the trace's peak live bytes for ``--budget-base peak`` and older results): an
+    ``info`` line says what it is in bytes and in both bases. Rows of several
+    precisions or bases are judged apart, each result named with its set.
     """
     scope = [r for r in rows if r["budget"] == "20%" and r["model"] in TARGET_MODELS and r["profile"] in PAPER_PROFILES]
+    sets = dict.fromkeys((dtype_of(r), base_of(r)) for r in scope)
+    if len(sets) <= 1:
+        return _budget_info(scope) + _check_set(scope)
+    results = []
+    for dtype, base in sets:
+        tag = f"[{dtype}, 20% of {'peak live' if base == 'peak' else 'footprint'}] "
+        part = [r for r in scope if (dtype_of(r), base_of(r)) == (dtype, base)]
+        for r in _budget_info(part) + _check_set(part):
+            results.append(TargetResult(tag + r.name, r.status, r.detail))
+    return results
+
+
+def _budget_info(scope: list[dict]) -> list[TargetResult]:
+    """What "20%" was in these rows, in the other base and in GiB (an ``info`` line; none without sized rows)."""
+    sized = [r for r in scope if r.get("budget_of_footprint") and r.get("budget_of_peak")]
+    if not sized:
+        return []
+
+    def span(values: list[float], fmt: str) -> str:
+        lo, hi = format(min(values), fmt), format(max(values), fmt)
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    base = base_of(sized[0])
+    other, key = ("peak live bytes", "budget_of_peak") if base == "footprint" else (
+        "the footprint the run needs", "budget_of_footprint")
+    gib = [r["budget_bytes"] / GIB for r in sized if r.get("budget_bytes")]
+    detail = (f"20% of {BASE_WORDS.get(base, base)} = {span([r[key] * 100 for r in sized], '.3g')}% of {other}"
+              + (f" = {span(gib, '.2f')} GiB" if gib else ""))
+    return [TargetResult("budget", "info", detail)]
+
+
+def _check_set(scope: list[dict]) -> list[TargetResult]:
+    """The targets on one set of rows (one precision, one budget base)."""
     groups = _groups(scope)
     missing = [f"{m}/{p}" for m in TARGET_MODELS for p in PAPER_PROFILES
                if not any(k[0] == m and k[3] == p for k in groups)]
@@ -263,7 +342,29 @@ def check_targets(rows: list[dict]) -> list[TargetResult]:
     results.append(per_cell("umrt faster than every peer (every cell)", "no cell has a peer result", vs_peers))
     if check := _bound_check(scope):
         results.append(check)
+    if check := _oracle_check(groups, t):
+        results.append(check)
     return results
+
+
+def _oracle_check(groups: dict, t) -> TargetResult | None:
+    """Sanity: the oracle is a reference only if no policy beats it (umrt.policy.oracle)."""
+    beat, judged = [], 0
+    for key, cells in groups.items():
+        o = t(cells.get("oracle"))
+        if not o:
+            continue
+        for policy, c in cells.items():
+            v = t(c)
+            if policy in ("ideal", "oracle") or not v:
+                continue
+            judged += 1
+            if v < o * (1 - 1e-9):
+                beat.append(f"{key[0]}/{key[3]} {policy} {o / v:.3f}x the oracle's throughput")
+    if not judged:
+        return None
+    return TargetResult("no policy beats the oracle (sanity)", "fail" if beat else "pass",
+                        "; ".join(beat) if beat else f"{judged} result(s) at or below their cell's oracle")
 
 
 def _bound_of(cells: dict, key: str = "bound_time_s") -> float | None:

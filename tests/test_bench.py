@@ -26,12 +26,12 @@ class FakeResult:
         return self.data
 
 
-def fake_trace(model, batch, seq):
+def fake_trace(model, batch, seq, dtype="float32"):
     return Trace(TraceHeader(1, "0", model, "-", "meta", 1, meta={"batch": batch or 8, "seq": seq or 64}),
                  [IterationBoundary(0), IterationBoundary(1)])
 
 
-def fake_simulate(trace, policy, profile, budget, iterations):
+def fake_simulate(trace, policy, profile, budget, iterations, budget_base="footprint"):
     if policy.name == "um-advise" and budget == "50%":
         raise DataIntegrityError("read of discarded object 7")
     ideal = 0.1
@@ -81,7 +81,7 @@ def test_unavailable_policy_is_a_failed_cell_not_a_crash(monkeypatch):
 def test_a_failing_trace_fails_only_its_model(monkeypatch):
     fake_profiles(monkeypatch)
 
-    def trace_fn(model, batch, seq):
+    def trace_fn(model, batch, seq, dtype):
         if model == "bad":
             raise ConfigError("unknown model 'bad'")
         return fake_trace(model, batch, seq)
@@ -122,7 +122,7 @@ def test_every_row_of_a_cell_gets_the_link_bound_computed_once(monkeypatch):
     real = bound_module.link_bound
     monkeypatch.setattr(bound_module, "link_bound", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     trace = training_trace(layers=3, param_mb=4, act_mb=8, steps=3, flops_per_mb=10**6)
-    rows = run_grid(GRID, progress=False, trace_fn=lambda m, b, s: trace, simulate=fake_simulate)
+    rows = run_grid(GRID, progress=False, trace_fn=lambda m, b, s, d: trace, simulate=fake_simulate)
     assert sorted(calls) == ["20%", "50%"]  # once per (model, profile, budget), not per policy
     for budget in ("20%", "50%"):
         cell = [r for r in rows if r["budget"] == budget]
@@ -243,6 +243,7 @@ def test_presets_match_the_issues():
     assert set(readme.policies) == {"ideal", "um", "um-advise", "oracle"}
     assert targets.budgets == ("20%",) and {"umrt", "deepum", "sentinel", "vdnn", "swapadvisor"} <= set(targets.policies)
     assert set(readme.profiles) == set(targets.profiles) == {"v100-pcie3-32g", "h100-pcie5-80g"}
+    assert readme.dtypes == ("float32", "bfloat16") and targets.dtypes == ("float32",)  # issue 11: bf16 beside fp32
 
 
 @pytest.mark.slow
@@ -267,7 +268,7 @@ def test_each_policy_is_measured_in_its_steady_state(monkeypatch):
     fake_profiles(monkeypatch)
     seen = {}
 
-    def simulate(trace, policy, profile, budget, iterations):
+    def simulate(trace, policy, profile, budget, iterations, budget_base="footprint"):
         seen[policy.name] = iterations
         return fake_simulate(trace, policy, profile, budget, iterations)
 
@@ -292,3 +293,83 @@ def test_overhead_bench_holds_back_launches_the_runtime_does_not_want():
     full = measure(tr, "h100-pcie5-80g", "30%", iterations=6, op_level=False, repeats=2, all_launches=True)
     assert full["launches_delivered_per_iteration"] == full["launches_per_iteration"] > 0
     assert full["runtime_report"]["light_iterations"] == 0
+
+
+def test_dtypes_run_side_by_side(monkeypatch):
+    fake_profiles(monkeypatch)
+    asked = []
+
+    def trace_fn(model, batch, seq, dtype):
+        asked.append(dtype)
+        return fake_trace(model, batch, seq)
+
+    grid = Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=("ideal", "um", "oracle"),
+                dtypes=("float32", "bfloat16"))
+    rows = run_grid(grid, progress=False, trace_fn=trace_fn, simulate=fake_simulate)
+    assert asked == ["float32", "bfloat16"]  # one trace per precision
+    assert [r["dtype"] for r in rows] == ["float32"] * 3 + ["bfloat16"] * 3
+    assert all(r["speedup_vs_um"] == pytest.approx(4.0 / 1.2, rel=1e-3) for r in rows if r["policy"] == "oracle")
+    md = report.markdown_table(rows)
+    assert "| model | batch | seq | dtype | GPU profile |" in md
+    assert "| m1 | 8 | 64 | bfloat16 | p | 20% |" in md and "| m1 | 8 | 64 | float32 | p | 20% |" in md
+    assert "dtype" not in report.markdown_table([r for r in rows if r["dtype"] == "float32"])
+    with pytest.raises(ConfigError, match="unknown dtype 'fp8'"):
+        run_grid(Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=("um",), dtypes=("fp8",)),
+                 progress=False, trace_fn=trace_fn, simulate=fake_simulate)
+
+
+def test_cli_takes_dtypes_and_the_budget_base(capsys, tmp_path):
+    grid = grid_from_args(build_parser().parse_args(["--dtype", "float32", "bfloat16", "--budget-base", "peak"]))
+    assert grid.dtypes == ("float32", "bfloat16") and grid.budget_base == "peak"
+    grid = grid_from_args(build_parser().parse_args([]))
+    assert grid.dtypes == ("float32",) and grid.budget_base == "footprint"
+    assert main(["--dtype", "fp8", "--out", str(tmp_path)]) == 2
+    assert "unknown dtype 'fp8'" in capsys.readouterr().err
+
+
+def test_rows_say_what_their_budget_is():
+    from umrt.predict.synthetic import training_trace
+    from umrt.sim.budget import needs
+
+    trace = training_trace(layers=3, param_mb=4, act_mb=8, steps=3, flops_per_mb=10**6)
+    grid = Grid(models=("m1",), budgets=("50%",), profiles=("v100-pcie3-32g",), policies=("um",), iterations=2)
+    (row,) = run_grid(grid, progress=False, trace_fn=lambda m, b, s, d: trace)
+    n = needs(trace)
+    assert row["budget_base"] == "footprint" and row["needed_footprint_bytes"] == n.footprint_bytes
+    assert row["budget_bytes"] == n.footprint_bytes // 2 and row["budget_of_footprint"] == pytest.approx(0.5, abs=1e-6)
+    assert row["budget_description"].startswith("budget ") and "of the footprint" in row["budget_description"]
+    (old,) = run_grid(Grid(**{**grid.__dict__, "budget_base": "peak"}), progress=False,
+                      trace_fn=lambda m, b, s, d: trace)
+    assert old["budget_bytes"] == n.peak_live_bytes // 2 and old["budget_of_peak"] == pytest.approx(0.5, abs=1e-6)
+    md = report.markdown_table([row])
+    assert "Budget = % of the footprint the run needs." in md
+    gib = 1 << 30
+    assert f"| {row['budget_bytes'] / gib:.2f} / {n.footprint_bytes / gib:.2f} / {n.peak_live_bytes / gib:.2f} |" in md
+
+
+def test_check_targets_say_what_20_percent_is_and_catch_a_beaten_oracle():
+    rows = _target_rows(1.08)
+    for r in rows:
+        r |= {"budget_base": "footprint", "budget_bytes": 19 << 30, "budget_of_footprint": 0.2,
+              "budget_of_peak": 0.21 if r["model"] == "gpt2-xl" else 0.23}
+    by = {r.name: r for r in report.check_targets(rows)}
+    assert by["budget"].status == "info"
+    assert by["budget"].detail == "20% of the footprint the run needs = 21-23% of peak live bytes = 19.00 GiB"
+    assert by["no policy beats the oracle (sanity)"].status == "pass"
+    for r in rows:
+        if r["policy"] == "umrt" and r["model"] == "vit-large":
+            r["iteration_time_s"] = 1.0  # faster than the oracle's 1.05
+    sanity = {r.name: r for r in report.check_targets(rows)}["no policy beats the oracle (sanity)"]
+    assert sanity.status == "fail" and "vit-large/v100-pcie3-32g umrt 1.050x" in sanity.detail
+    # precisions (and bases) are judged apart, each result named with its set
+    bf16 = [dict(r, dtype="bfloat16") for r in _target_rows(1.08)]
+    names = [r.name for r in report.check_targets(_target_rows(1.08) + bf16)]
+    assert "[float32, 20% of peak live] umrt >= 3.06x um (geomean)" in names
+    assert "[bfloat16, 20% of peak live] umrt >= 3.06x um (geomean)" in names
+
+
+def test_results_from_before_the_footprint_base_read_as_peak(tmp_path):
+    path = tmp_path / "old.json"
+    report.write_json(_target_rows(1.08), path)  # rows without budget_base, as older runs wrote them
+    rows = report.load_rows(path)
+    assert "Budget = % of the trace's peak live bytes." in report.markdown_table(rows)
