@@ -64,8 +64,8 @@ def test_one_read_over_the_link_is_hand_computable():
     assert bound.time_s == pytest.approx(40 * MB / LINK)
     assert bound.at_launch == 0 and bound.h2d_min_bytes == 40 * MB
     assert bound.conserving_s == pytest.approx(40 * MB / LINK)  # nothing is written
-    for name in ("um", "oracle", "umrt"):
-        assert simulate(trace, name, PROFILE, 24 * MB).iteration_time_s >= bound.time_s
+    for name in ("um", "oracle", "umrt"):  # the oracle reaches the bound: equal up to rounding
+        assert simulate(trace, name, PROFILE, 24 * MB).iteration_time_s >= bound.time_s * (1 - 1e-12)
 
 
 def test_remote_reads_hidden_under_compute_cost_nothing():

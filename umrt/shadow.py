@@ -311,9 +311,9 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
     console = Console(file=sys.stdout, highlight=False, width=max(110, Console().width)) if out is None else None
     budget = rep.get("budget_bytes")
     sized = rep.get("sized_from_bytes") or 0
-    basis = (f": {rep['budget_description']} over set-up and the first iteration"
-             if rep.get("budget_description") and sized else "")
-    title = (f"umrt shadow run — SIMULATED {rep['profile']}, GPU memory {_fmt_bytes(budget or 0)}{basis} "
+    memory = (f"{rep['budget_description']} over set-up and the first iteration"
+              if rep.get("budget_description") and sized else f"GPU memory {_fmt_bytes(budget or 0)}")
+    title = (f"umrt shadow run — SIMULATED {rep['profile']}, {memory} "
              f"(whole-run peak live {_fmt_bytes(rep['peak_live_bytes'])})")
     table = Table(title=title, caption="simulated steady-state iteration; nothing ran on a GPU")
     for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):

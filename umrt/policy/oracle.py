@@ -17,16 +17,18 @@ plan hoists every prefetch as early as room allows, so the copy queue holds
 far-future objects ahead of the next launch's and compute waits; its
 newborns fault their first pages in; it placed objects with PyTorch's
 caching allocator, whose 2 MB blocks mix lifetimes. umrt's planner moves
-more bytes (104 GB vs 71 GB per GPT-2 XL step on the H100 profile at 20%)
-but moves each in time for its launch, populates newborns by prefetch, and
+more bytes (104 GB vs 71 GB per GPT-2 XL step on the H100 profile at 20%,
+on the model before the H100 recalibration) but moves each in time for its launch, populates newborns by prefetch, and
 runs on umrt's lifetime-aware pool. The oracle now runs on that pool and
 includes umrt's planner, handed the exact steady iteration from the first
 step (no learning, compute times from the profile), under several settings
 of what the planner leaves open, next to the Belady schedule, which still
 wins where traffic dominates (small budgets on slow links).
 
-The candidates:
+The candidates (:data:`CANDIDATES`):
 
+* ``none``: no call at all, the driver alone (plain ``um`` on umrt's pool):
+  where everything fits, doing nothing is best.
 * ``belady`` (:func:`plan_cyclic`): Belady eviction done early (the resident
   object needed farthest in the future leaves right after its last use);
   prefetch as early as capacity allows (at most one iteration ahead);
@@ -37,8 +39,16 @@ The candidates:
 * ``planner*``: :class:`~umrt.policy.planner.Planner` over
   :func:`iteration_record` (the template iteration as umrt's runtime would
   record it), followed as the runtime follows its plan: moves at decision
-  points, newborns populated by prefetch, dead data discarded, oversized
-  launches host-mapped for their own duration.
+  points, newborns on pages taken off the GPU populated by prefetch, dead
+  data discarded (``planner-keep-dead``: reused in place instead),
+  oversized launches host-mapped for their own duration; under several
+  settings of what the planner leaves open.
+* ``umrt-runtime``: umrt's runtime itself, learning two iterations and then
+  following its plan. It plans what ``planner`` plans, but the simulator's
+  steady state depends a little on history and on the order of the ranges
+  within a call, so the two land a few percent apart either side; with it
+  among the candidates, umrt never beats the oracle, and "umrt reaches 0.95
+  of the oracle" asks exactly whether another plan is more than 5% faster.
 
 Following the plan. The replay feeds the steady-state iteration again and
 again with fresh ids for the objects born in it, so the plan is made over
@@ -48,23 +58,26 @@ template's N-th. Ids are mapped as events arrive (an Alloc names a newborn,
 a Launch's accesses name what it touches); an object still alive at the end
 of an iteration is the one its successor iteration frees. An iteration that
 does not match the template (warm-up, a different step) is left to the
-driver (dead data is still discarded under a planner plan).
+driver (newborns on pages taken off the GPU are still populated).
 
-What it does not guarantee: the simulator's steady state depends a little on
-history (the driver's eviction order), so umrt's runtime, which learns for
-two iterations before acting, can land within a percent or two of the same
-plan on either side. The bench checks that no policy beats the oracle
-(``bench --check-targets``) and ``tests/test_oracle.py`` does on small traces.
+What it does not guarantee: optimality. It searches a few families of
+plans; a policy outside them can still win somewhere (on the recalibrated
+model, the static advice of ``um-advise`` beats every candidate on the
+synthetic ``training_trace`` at 20%, where compute is tiny and migration
+costs dominate). The bench checks that no policy beats the oracle
+(``bench --check-targets``), and ``tests/test_oracle.py`` does on small
+models at the grid's budgets.
 """
 from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from umrt.backends.base import HOST, PAGE, Advice, Backend
+from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, UmrtError
 from umrt.memory.base import Layout
 from umrt.policy.base import Policy, PolicyContext
@@ -81,7 +94,7 @@ from umrt.trace.events import (
     Trace,
 )
 
-__all__ = ["OraclePolicy", "OraclePlan", "Template", "plan_cyclic"]
+__all__ = ["OraclePolicy", "OraclePlan", "Template", "plan_cyclic", "iteration_record", "CANDIDATES", "ChosenLayout"]
 
 _NEVER = 1 << 62
 _PERSISTENT = None  # the "lap" of an object alive in every iteration
@@ -338,6 +351,8 @@ def iteration_record(trace: Trace, template: Template, profile) -> IterationReco
 
 # -- the candidates -----------------------------------------------------------------------
 
+RUNTIME = "umrt-runtime"
+
 #: The oracle's candidate plans, by name: ``"belady"`` is :func:`plan_cyclic`'s
 #: schedule (the fewest bytes moved); the others are umrt's own
 #: :class:`~umrt.policy.planner.Planner` with these options, fed the exact
@@ -356,6 +371,11 @@ CANDIDATES: dict[str, dict] = {
     "planner-unpinned": {"headroom": 0.9, "short_launches": 1},  # temporaries may be evicted too
     "planner-unpinned-full": {"headroom": 0.97, "short_launches": 1},
     "planner-local": {"headroom": 0.9, "remote_access": False},  # nothing read over the link
+    "planner-keep-dead": {"headroom": 0.9, "discard": False},  # dead ranges reused in place, not discarded
+    # umrt's runtime as it runs: two iterations learned, then its planner's schedule. The same
+    # plan as "planner", but the simulator's steady state depends a little on history and on
+    # the order of ranges within a call (its keys order them), so it can land either side.
+    RUNTIME: {},
 }
 BEST = "best"
 
@@ -375,9 +395,6 @@ class OraclePolicy(Policy):
     """
 
     name = "oracle"
-    #: umrt's pool learns the first iteration and refines its plan after the
-    #: second; from the fourth every object is where it stays (the steady state).
-    warmup_iterations = 3
 
     def __init__(self, trace: Trace | None = None, *, plan: str = BEST, headroom: float = 0.05,
                  page_bytes: int = 64 << 10, discard: bool = True, remote_access: bool = True) -> None:
@@ -392,6 +409,11 @@ class OraclePolicy(Policy):
         self.trace = trace
         self.template = Template.from_trace(trace)
         self.choice = plan
+        # umrt's pool learns the first iteration and refines its plan after the second:
+        # from the fourth every object is where it stays. umrt's runtime needs longer.
+        self._warmup = 3 if plan not in (BEST, RUNTIME) else max(3, _runtime().warmup_iterations)
+        self.runtime: Policy | None = None  # the runtime followed, when that candidate is chosen
+        self._layout_backend: Backend | None = None
         self.options = {"headroom": headroom, "page_bytes": page_bytes, "discard": discard,
                         "remote_access": remote_access}
         self.headroom = headroom
@@ -420,30 +442,56 @@ class OraclePolicy(Policy):
         self._releases: list[tuple[int, int]] = []  # dead pages to hand back (see _act_belady)
         self._prefetches: list[tuple[int, int]] = []
         self._pending_objs: set[int] = set()
+        # Pages the oracle took off the GPU (discarded, evicted, host-mapped) or that no one
+        # populated yet (new pool segments): a newborn there is populated (planner plans).
+        self._away = RangeSet()
         self.stats = {"prefetches": 0, "evictions": 0, "discards": 0, "host_mapped": 0, "matched_iterations": 0,
                       "unmatched_iterations": 0, "unresolved": 0, "populated": 0}
 
-    def make_layout(self, backend: Backend) -> Layout:
-        """umrt's lifetime-aware pool, the layout umrt's runtime runs with."""
-        from umrt.memory.pool import LifetimePool
+    @property
+    def warmup_iterations(self) -> int:
+        """Iterations before the steady state of every plan this oracle may follow."""
+        return self._warmup
 
-        return LifetimePool(_SegmentWatch(backend, self._released))
+    def make_layout(self, backend: Backend) -> Layout:
+        """umrt's lifetime-aware pool, the layout umrt's runtime runs with (made in
+        :meth:`attach`, once the plan is chosen: the runtime's has its own hooks)."""
+        self._layout_backend = backend
+        return ChosenLayout()
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
+        if self.choice == BEST:
+            self.choice = self._best(ctx)
+        if isinstance(ctx.layout, ChosenLayout):
+            ctx.layout.bind(self._make_layout(ctx))
         # The pool places objects by where in the iteration they are born, as
         # umrt's runtime feeds it: launches, layer events and boundaries.
         observe = getattr(ctx.layout, "observe", None)
-        self._observe = observe if callable(observe) else None
-        if self.choice == BEST:
-            self.choice = self._best(ctx)
+        self._observe = observe if callable(observe) and self.runtime is None else None
         if self.choice == "belady":
             self._plan_belady(ctx.budget_bytes)
-        elif self.choice != "none":
+        elif self.choice not in ("none", RUNTIME):
+            options = dict(CANDIDATES[self.choice])
+            keep_dead = not options.pop("discard", True)
             rec = iteration_record(self.trace, self.template, ctx.profile)
-            planner = Planner(max(1, int(ctx.budget_bytes)), ctx.profile, **CANDIDATES[self.choice])
+            planner = Planner(max(1, int(ctx.budget_bytes)), ctx.profile, **options)
             self.schedule = planner.plan(rec)
+            if keep_dead:  # dead ranges are reused in place: no discard, no populate of them
+                self.schedule = replace(self.schedule, discard=frozenset())
             self._actions = self.schedule.action_at()
+
+    def _make_layout(self, ctx: PolicyContext) -> Layout:
+        """The chosen plan's layout: umrt's pool, watched by the oracle or by the runtime it follows."""
+        from umrt.memory.pool import LifetimePool
+
+        backend = self._layout_backend or ctx.backend
+        if self.choice == RUNTIME:
+            self.runtime = _runtime()
+            layout = self.runtime.make_layout(backend)
+            self.runtime.attach(PolicyContext(ctx.backend, layout, ctx.budget_bytes, ctx.profile))
+            return layout
+        return LifetimePool(_SegmentWatch(backend, self._segment_made, self._released))
 
     def _best(self, ctx: PolicyContext) -> str:
         """Simulate every candidate plan on this profile and budget; the fastest steady iteration wins."""
@@ -456,9 +504,9 @@ class OraclePolicy(Policy):
         # The steady iteration, as the bench reports it; a trace of fewer than
         # three iterations has no steady one to repeat: its own are ranked.
         recorded = len(self.trace.iteration_spans())
-        iterations = self.steady_iterations() if recorded >= 3 else recorded
         for name in CANDIDATES:
             candidate = OraclePolicy(self.trace, plan=name, **self.options)
+            iterations = candidate.steady_iterations() if recorded >= 3 else recorded
             result = simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
             self.candidate_times[name] = result.iteration_time_s
         return min(self.candidate_times, key=self.candidate_times.__getitem__)
@@ -493,6 +541,9 @@ class OraclePolicy(Policy):
         self._remote_persistent = {o for o in self.plan.remote if o not in t.born and o not in t.freed}
 
     def on_event(self, event: Event) -> None:
+        if self.runtime is not None:
+            self.runtime.on_event(event)
+            return
         if self._observe is not None and not isinstance(event, (Alloc, Free)):
             self._observe(event)
         if self.choice == "none":
@@ -509,6 +560,7 @@ class OraclePolicy(Policy):
                 self._host_map(event.obj)
             if self._discards and event.launch == -1:
                 self._spare(event.obj)  # born holding host data: a pending discard must not hit it
+            self._populate(event.obj)
         elif isinstance(event, Free):
             rng = self._advised.pop(event.obj, None)
             if rng is not None:
@@ -516,16 +568,12 @@ class OraclePolicy(Policy):
         elif not isinstance(event, Launch):
             return
         if self._pos is None or self._lost:
-            if self.schedule is not None:
-                self._unfollowed(event)
             return
         p = self._pos
         self._pos += 1
         ops = self.template.ops
         if p >= len(ops) or not self._matches(ops[p], event):
             self._lost = True
-            if self.schedule is not None:
-                self._unfollowed(event)
             return
         self._learn(ops[p], event)
         if self.schedule is not None:
@@ -667,21 +715,15 @@ class OraclePolicy(Policy):
     # -- the planner's plan ---------------------------------------------------------
 
     def _act_planned(self, p: int, event: Event) -> None:
-        """Follow umrt's plan as its runtime does: populate newborns, discard what
-        dies after a long life, host-map oversized launches, move at decision points."""
+        """Follow umrt's plan as its runtime does: discard what dies after a long
+        life, host-map oversized launches, move at decision points (newborns on
+        pages taken off the GPU are populated in any iteration: :meth:`_populate`)."""
         plan = self.schedule
         key = self.template.ops[p][1]
-        if isinstance(event, Alloc):
-            if key in plan.fresh:
-                rng = self._range(event.obj)
-                if rng is not None:
-                    self._flush()  # dead ranges go before a newborn may reuse them
-                    self.ctx.backend.prefetch([rng], self._device())
-                    self.stats["populated"] += 1
-        elif isinstance(event, Free):
+        if isinstance(event, Free):
             if key in plan.discard:
                 self._discard_dead(event.obj)
-        else:
+        elif isinstance(event, Launch):
             i = self._launch
             self._launch += 1
             self._flush()
@@ -695,12 +737,23 @@ class OraclePolicy(Policy):
                 self._temp_advised.extend(ranges)
                 self._flush()
 
-    def _unfollowed(self, event: Event) -> None:
-        """An iteration off the template: dead data is still dropped (a fact, not a plan)."""
-        if isinstance(event, Free):
-            self._discard_dead(event.obj)
-        elif isinstance(event, Launch):
-            self._flush()
+    def _populate(self, obj: int) -> None:
+        """A newborn: the parts of its range the oracle took off the GPU (discarded,
+        evicted, host-mapped) or that no one populated yet (a new pool segment) are
+        prefetched to the GPU before its kernel, in one call, as umrt's runtime
+        does: a kernel that first touches them faults them in far slower."""
+        rng = self._range(obj)
+        if rng is None:
+            return
+        ptr, end = rng[0], rng[0] + rng[1]
+        if any(p < end and ptr < p + n for p, n in self._discards + self._releases):
+            self._flush()  # the dead range it reuses is dropped first (and so is away), never after
+        if not self._away.overlaps(*rng):
+            return
+        pieces = self._away.take(*rng)
+        if pieces:
+            self.ctx.backend.populate(pieces)
+            self.stats["populated"] += 1
 
     def _discard_dead(self, obj: int) -> None:
         rng = self._range(obj)
@@ -713,10 +766,14 @@ class OraclePolicy(Policy):
         if out:
             self.ctx.backend.prefetch(out, HOST)
             self.stats["evictions"] += len(out)
+            for r in out:
+                self._away.add(*r)
         ins = [r for r in (self._range(self._resolve_key(k)) for k in action.prefetch) if r is not None]
         if ins:
             self.ctx.backend.prefetch(ins, self._device())
             self.stats["prefetches"] += len(ins)
+            for r in ins:
+                self._away.remove(*r)
 
     def _host_map_keys(self, keys) -> None:
         """Keep long-lived objects on the host, read over the link, and move them out now."""
@@ -739,6 +796,8 @@ class OraclePolicy(Policy):
             out = [x for x in (_whole_pages(*r) for r in ranges) if x is not None]
             if out:
                 backend.prefetch(out, HOST)
+                for r in out:
+                    self._away.add(*r)
             self.stats["host_mapped"] += len(ranges)
 
     # -- calls ----------------------------------------------------------------------
@@ -760,9 +819,14 @@ class OraclePolicy(Policy):
         self._discards = [r for r in self._discards if r[0] + r[1] <= ptr or r[0] >= end]
         self._releases = [r for r in self._releases if r[0] + r[1] <= ptr or r[0] >= end]
 
+    def _segment_made(self, ptr: int, nbytes: int) -> None:
+        """The pool made a segment: its pages are populated as newborns land there."""
+        self._away.add(ptr, nbytes)
+
     def _released(self, ptr: int, nbytes: int) -> None:
         """The pool handed a segment back: pending calls inside it are moot."""
         end = ptr + nbytes
+        self._away.remove(ptr, nbytes)
 
         def outside(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
             return [r for r in ranges if not ptr <= r[0] < end]
@@ -777,6 +841,8 @@ class OraclePolicy(Policy):
         if self._discards:
             backend.discard(self._discards)
             self.stats["discards"] += len(self._discards)
+            for r in self._discards:
+                self._away.add(*r)
         if self._advise_unset:
             backend.advise(self._advise_unset, Advice.UNSET_PREFERRED_LOCATION, HOST)
             backend.advise(self._advise_unset, Advice.UNSET_ACCESSED_BY, device)
@@ -787,9 +853,13 @@ class OraclePolicy(Policy):
         if self._evicts or self._releases:
             backend.prefetch(self._releases + self._evicts, HOST)
             self.stats["evictions"] += len(self._evicts)
+            for r in self._releases + self._evicts:
+                self._away.add(*r)
         if self._prefetches:
             backend.prefetch(self._prefetches, device)
             self.stats["prefetches"] += len(self._prefetches)
+            for r in self._prefetches:
+                self._away.remove(*r)
         self._discards, self._releases, self._evicts, self._prefetches = [], [], [], []
         self._advise_set, self._advise_unset = [], []
         self._pending_objs = set()
@@ -807,8 +877,9 @@ class _SegmentWatch(Backend):
     """The backend as the oracle's pool sees it: every call passes through, and
     handing a segment back tells the oracle (pending calls inside it are dropped)."""
 
-    def __init__(self, backend: Backend, on_free) -> None:
+    def __init__(self, backend: Backend, on_made, on_free) -> None:
         self._b = backend
+        self._on_made = on_made
         self._on_free = on_free
         self._sizes: dict[int, int] = {}
         self.name = getattr(backend, "name", "backend")
@@ -817,6 +888,7 @@ class _SegmentWatch(Backend):
     def malloc(self, nbytes: int) -> int:
         ptr = self._b.malloc(nbytes)
         self._sizes[ptr] = nbytes
+        self._on_made(ptr, nbytes)
         return ptr
 
     def free(self, ptr: int) -> None:
@@ -825,6 +897,9 @@ class _SegmentWatch(Backend):
 
     def prefetch(self, ranges, device) -> None:
         self._b.prefetch(ranges, device)
+
+    def populate(self, ranges) -> None:
+        self._b.populate(ranges)
 
     def discard(self, ranges) -> None:
         self._b.discard(ranges)
@@ -840,3 +915,43 @@ class _SegmentWatch(Backend):
 
     def mem_info(self) -> tuple[int, int]:
         return self._b.mem_info()
+
+
+def _runtime() -> Policy:
+    """umrt's runtime with its defaults (the ``umrt-runtime`` candidate)."""
+    from umrt.runtime import Runtime
+
+    return Runtime()
+
+
+class ChosenLayout(Layout):
+    """The layout of the plan chosen in :meth:`OraclePolicy.attach`, made after the
+    simulator asked for one (the choice needs the budget): every call goes to it."""
+
+    def __init__(self) -> None:
+        self.target: Layout | None = None
+
+    def bind(self, layout: Layout) -> None:
+        self.target = layout
+
+    def _layout(self) -> Layout:
+        if self.target is None:
+            raise ConfigError("the oracle's layout is used before the oracle was attached")
+        return self.target
+
+    def alloc(self, obj: int, nbytes: int, kind: Kind) -> int:
+        return self._layout().alloc(obj, nbytes, kind)
+
+    def free(self, obj: int) -> None:
+        self._layout().free(obj)
+
+    def address(self, obj: int) -> int:
+        return self._layout().address(obj)
+
+    def footprint(self) -> int:
+        return self._layout().footprint()
+
+    def __getattr__(self, name: str):  # the pool's extras (observe, live_index, report)
+        if name == "target":
+            raise AttributeError(name)
+        return getattr(self._layout(), name)
