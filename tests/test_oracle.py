@@ -403,3 +403,25 @@ def test_no_policy_beats_the_oracle(model, small_traces):
                                        iterations=policy.steady_iterations()).iteration_time_s
             beaten = {n: times["oracle"] / t for n, t in times.items() if t < times["oracle"]}
             assert not beaten, f"{model} {profile} {budget}: beats the oracle (x its throughput): {beaten}"
+
+
+def test_an_oversized_launch_host_maps_only_ranges_worth_their_advice_calls():
+    """As umrt's runtime: four cudaMemAdvise calls per range must cost less than
+    faulting the range in instead of reading it over the link."""
+    from dataclasses import replace
+
+    from umrt.hardware import load_profile
+    from umrt.policy.oracle import min_host_map_bytes
+    from umrt.sim.replay import simulate
+
+    trace = make_trace(3, foreach=True)  # the step touches twelve 8 MB objects: more than the budget
+    profile = load_profile("h100-sxm5-80g")
+    assert 0 < min_host_map_bytes(profile) < 8 * MB
+    mapped = {}
+    for advise_s in (profile.advise_call_s, 1.0):  # the measured 112 us; a call that costs a second
+        oracle = OraclePolicy(trace, plan="planner")
+        simulate(trace, oracle, replace(profile, advise_call_s=advise_s), 64 * MB, iterations=4)
+        assert oracle.schedule.remote_at  # the step is planned over the link
+        mapped[advise_s] = oracle.report()["host_mapped"]
+    assert mapped[profile.advise_call_s] > 0 and mapped[1.0] == 0
+    assert min_host_map_bytes(None) == 0

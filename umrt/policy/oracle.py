@@ -79,6 +79,7 @@ import numpy as np
 from umrt.backends.base import HOST, PAGE, Advice, Backend
 from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, UmrtError
+from umrt.hardware import HardwareProfile
 from umrt.memory.base import Layout
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.planner import Action, IterationRecord, Plan, Planner
@@ -309,7 +310,7 @@ def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10
 # -- umrt's planner with the whole trace known ------------------------------------------
 
 
-def iteration_record(trace: Trace, template: Template, profile) -> IterationRecord:
+def iteration_record(trace: Trace, template: Template, profile: HardwareProfile) -> IterationRecord:
     """The template iteration as umrt's runtime records one, known exactly from the trace.
 
     Keys are the trace's own object ids (the template's); compute times come
@@ -426,6 +427,7 @@ class OraclePolicy(Policy):
         self._actions: dict[int, Action] = {}  # the planner's, by launch ordinal
         self._launch = 0  # launches of this iteration followed so far
         self._observe = None  # the pool's event feed, if the layout has one
+        self._least_mapped = 0  # smaller ranges are not host-mapped for one launch (min_host_map_bytes)
         self._remote_persistent: set[int] = set()
         self._advised: dict[int, tuple[int, int]] = {}  # runtime obj -> range advised host-mapped
         self._advise_set: list[tuple[int, int]] = []  # pending advice calls
@@ -461,6 +463,7 @@ class OraclePolicy(Policy):
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
+        self._least_mapped = min_host_map_bytes(ctx.profile)
         if self.choice == BEST:
             self.choice = self._best(ctx)
         if isinstance(ctx.layout, ChosenLayout):
@@ -495,18 +498,21 @@ class OraclePolicy(Policy):
 
     def _best(self, ctx: PolicyContext) -> str:
         """Simulate every candidate plan on this profile and budget; the fastest steady iteration wins."""
-        from umrt.hardware import HardwareProfile
         from umrt.sim.replay import simulate
 
         if not isinstance(ctx.profile, HardwareProfile):
             raise ConfigError("the oracle picks its plan by simulating each candidate: it needs the hardware "
                               "profile (PolicyContext.profile); or name one plan (plan='belady')")
-        # The steady iteration, as the bench reports it; a trace of fewer than
-        # three iterations has no steady one to repeat: its own are ranked.
+        # Each plan's steady iteration, as the bench reports it. The replay repeats
+        # the last recorded iteration to get there, which only a steady iteration
+        # allows: a trace of fewer than three, or whose last one frees what it did
+        # not make and will not hand on (a script's teardown), is ranked on its own.
         recorded = len(self.trace.iteration_spans())
+        t = self.template
+        repeatable = recorded >= 3 and not (set(t.freed) - set(t.born) - set(t.pair))
         for name in CANDIDATES:
             candidate = OraclePolicy(self.trace, plan=name, **self.options)
-            iterations = candidate.steady_iterations() if recorded >= 3 else recorded
+            iterations = candidate.steady_iterations() if repeatable else min(recorded, candidate.steady_iterations())
             result = simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
             self.candidate_times[name] = result.iteration_time_s
         return min(self.candidate_times, key=self.candidate_times.__getitem__)
@@ -706,7 +712,7 @@ class OraclePolicy(Policy):
         if p in plan.remote_at:
             ranges: list[tuple[int, int]] = []
             self._resolve_into(plan.remote_at[p], ranges)
-            ranges = [r for r in ranges if r not in self._advised.values()]
+            ranges = [r for r in ranges if r not in self._advised.values() and r[1] >= self._least_mapped]
             self._advise_set.extend(ranges)
             self._temp_advised.extend(ranges)
         if isinstance(event, Launch):
@@ -732,7 +738,7 @@ class OraclePolicy(Policy):
                 self._move(action)
             if i in plan.remote_at:
                 ranges = [r for r in (self._range(self._resolve_key(k)) for k in plan.remote_at[i])
-                          if r is not None and r not in self._advised.values()]
+                          if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped]
                 self._advise_set.extend(ranges)
                 self._temp_advised.extend(ranges)
                 self._flush()
@@ -915,6 +921,19 @@ class _SegmentWatch(Backend):
 
     def mem_info(self) -> tuple[int, int]:
         return self._b.mem_info()
+
+
+def min_host_map_bytes(profile: HardwareProfile | None) -> int:
+    """The smallest range worth host-mapping for one oversized launch: its four
+    advice calls cost what reading it over the link instead of faulting it in
+    saves, ``bytes x (1 / fault path rate - 1 / link rate)`` (umrt's runtime
+    applies the same rule); 0 where the profile does not say."""
+    if profile is None:
+        return 0
+    advise, fault, link = profile.advise_call_s, profile.fault_migration_rate, profile.h2d_bandwidth
+    if advise <= 0 or fault <= 0 or link <= 0 or fault >= link:
+        return 0
+    return int(4 * advise / (1 / fault - 1 / link))
 
 
 def _runtime() -> Policy:
