@@ -24,6 +24,9 @@ which it redirects to managed memory. Everything below uses only that:
   after which no live object overlaps a 2 MB block), the block's contents are
   discarded instead of being copied back to the host; such dead blocks are
   the first pre-eviction victims (the driver's own order, uvm_pmm_gpu.c).
+  DeepUM does this inside its own driver; on a stock CUDA 13 driver the call
+  is ``cudaMemDiscardBatchAsync``, after which a kernel write refaults at
+  0.8 GB/s, so a block reused for a new object is populated first.
 
 Residency is tracked the way the driver orders it (by migration time), from
 the faults and the policy's own migrations; where the backend does not report
@@ -171,10 +174,17 @@ class DeepUMPolicy(Policy):
         elif isinstance(event, Alloc):
             ptr = self.ctx.layout.address(event.obj)
             self._live.alloc(event.obj, ptr, event.nbytes)
+            reused = []
             for b in blocks_of(ptr, max(event.nbytes, 1)):
                 if b in self._dead:  # the allocator reuses a dead block: live again where it is
                     del self._dead[b]
                     self._migrated[b] = None
+                    reused.append(b)
+            if reused:
+                # DeepUM's driver drops a dead block's pages in place; on a stock CUDA 13 driver
+                # a kernel writing discarded pages refaults at 0.8 GB/s (h100-measured.md), so a
+                # user-level DeepUM populates them first, as umrt's runtime does.
+                self.ctx.backend.populate(block_ranges(reused))
         elif isinstance(event, Free):
             dead = self._live.free(event.obj)
             if dead and self.do_invalidate:
