@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from umrt.backends.base import Backend
+from umrt.backends.base import Backend, ForwardingBackend
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -268,24 +268,17 @@ class ClosedLoop:
         return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
 
 
-class CountingBackend(Backend):
-    """Passes every call to ``backend`` and counts calls and bytes by kind."""
+class CountingBackend(ForwardingBackend):
+    """Passes every call to ``backend`` and counts the moves and advice by kind, with their bytes."""
 
     def __init__(self, backend: Backend) -> None:
-        self._b = backend
-        self.name, self.device = backend.name, backend.device
+        super().__init__(backend)
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
 
     def _count(self, kind: str, ranges) -> None:
         self.calls[kind] += 1
         self.bytes[kind] += sum(n for _, n in ranges)
-
-    def malloc(self, nbytes: int) -> int:
-        return self._b.malloc(nbytes)
-
-    def free(self, ptr: int) -> None:
-        self._b.free(ptr)
 
     def prefetch(self, ranges, device) -> None:
         self._count("prefetch_h2d" if device >= 0 else "prefetch_d2h", ranges)
@@ -302,18 +295,6 @@ class CountingBackend(Backend):
     def advise(self, ranges, advice, device) -> None:
         self._count("advise", ranges)
         self._b.advise(ranges, advice, device)
-
-    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
-        self._b.launch(reads, writes, flops, nbytes, precision)
-
-    def synchronize(self) -> None:
-        self._b.synchronize()
-
-    def mem_info(self) -> tuple[int, int]:
-        return self._b.mem_info()
-
-    def __getattr__(self, name):  # counters and the rest of the simulated backend
-        return getattr(self._b, name)
 
 
 @functools.lru_cache(maxsize=4)

@@ -74,10 +74,19 @@ from dataclasses import replace
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
-from umrt.backends.base import HOST, Advice, Backend
+from umrt.backends.base import HOST, Advice, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan, Planner, rebase
+from umrt.policy.planner import (
+    PAGE,
+    SPARE_KEY,
+    Action,
+    IterationRecord,
+    Plan,
+    Planner,
+    min_host_map_bytes,
+    rebase,
+)
 from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys, VariantTable
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
@@ -362,8 +371,8 @@ class Runtime(Policy):
         if self.use_pool:
             from umrt.memory.pool import LifetimePool
 
-            return LifetimePool(_SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
-        return super().make_layout(_SegmentWatch(backend, self._segment_made, self._released))
+            return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
+        return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
 
     def _segment_made(self, ptr: int, nbytes: int) -> None:
         """The pool made a segment: nothing has populated its pages yet, so each
@@ -1146,8 +1155,9 @@ class Runtime(Policy):
         AccessedBy=GPU) instead of being faulted in and evicted again within
         the launch. Undone before the next launch. Only ranges large enough to
         pay for their four cudaMemAdvise calls (112 us each on the H100; see
-        :meth:`_min_temp_bytes`): the rest faults in as it would anyway."""
-        least = self._min_temp_bytes()
+        :func:`~umrt.policy.planner.min_host_map_bytes`): the rest faults in as
+        it would anyway."""
+        least = min_host_map_bytes(self.profile)
         ranges = [r for _, r in self._live_ranges(keys, self._advised) if r[1] >= least]
         if ranges:
             be = self.backend
@@ -1155,18 +1165,6 @@ class Runtime(Policy):
             be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
             self._temp = ranges
             self.counters["launch_host_mapped_bytes"] += sum(n for _, n in ranges)
-
-    def _min_temp_bytes(self) -> int:
-        """The smallest range worth host-mapping for one launch: its four advice
-        calls cost what reading it over the link instead of faulting it in saves
-        (bytes x (1 / fault path rate - 1 / link rate), from the profile)."""
-        prof = self.profile
-        advise = getattr(prof, "advise_call_s", 0.0)
-        fault = getattr(prof, "fault_migration_rate", 0.0)
-        link = getattr(prof, "h2d_bandwidth", 0.0)
-        if not advise or not fault or not link or fault >= link:
-            return 0
-        return int(4 * advise / (1 / fault - 1 / link))
 
     def _unmap_temp(self) -> None:
         ranges, self._temp = self._temp, []
@@ -1211,50 +1209,3 @@ def _inner(ptr: int, nbytes: int) -> tuple[int, int] | None:
     start = -(-ptr // PAGE) * PAGE
     end = (ptr + nbytes) // PAGE * PAGE
     return (start, end - start) if end > start else None
-
-
-class _SegmentWatch(Backend):
-    """The backend as the runtime's pool sees it: every call passes through,
-    and handing a segment back tells the runtime (see ``Runtime._released``)."""
-
-    def __init__(self, backend: Backend, on_malloc, on_free) -> None:
-        self._b = backend
-        self._on_malloc = on_malloc
-        self._on_free = on_free
-        self._sizes: dict[int, int] = {}
-        self.name = backend.name
-        self.device = backend.device
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self._b.malloc(nbytes)
-        self._sizes[ptr] = nbytes
-        self._on_malloc(ptr, nbytes)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        self._on_free(ptr, self._sizes.pop(ptr, 0))
-        self._b.free(ptr)
-
-    def prefetch(self, ranges, device) -> None:
-        self._b.prefetch(ranges, device)
-
-    def populate(self, ranges) -> None:
-        self._b.populate(ranges)
-
-    def discard(self, ranges) -> None:
-        self._b.discard(ranges)
-
-    def advise(self, ranges, advice, device) -> None:
-        self._b.advise(ranges, advice, device)
-
-    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
-        self._b.launch(reads, writes, flops, nbytes, precision)
-
-    def synchronize(self) -> None:
-        self._b.synchronize()
-
-    def mem_info(self) -> tuple[int, int]:
-        return self._b.mem_info()
-
-    def __getattr__(self, name):  # anything else the layout may ask of its backend
-        return getattr(self._b, name)

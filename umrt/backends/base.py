@@ -98,3 +98,66 @@ class Backend(ABC):
     def mem_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of device memory as the backend sees them."""
         raise NotImplementedError
+
+
+class ForwardingBackend(Backend):
+    """A backend that passes every call to ``backend``: subclass it to watch some
+    calls (a pool's segments, a count of calls); anything else a caller asks of
+    the backend (counters, ``allocation_of``) is read from ``backend``."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._b = backend
+        self.name = backend.name
+        self.device = backend.device
+
+    def malloc(self, nbytes: int) -> int:
+        return self._b.malloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        self._b.free(ptr)
+
+    def prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        self._b.prefetch(ranges, device)
+
+    def populate(self, ranges: Sequence[Range]) -> None:
+        self._b.populate(ranges)
+
+    def discard(self, ranges: Sequence[Range]) -> None:
+        self._b.discard(ranges)
+
+    def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
+        self._b.advise(ranges, advice, device)
+
+    def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int,
+               precision: str = "") -> None:
+        self._b.launch(reads, writes, flops, nbytes, precision)
+
+    def synchronize(self) -> None:
+        self._b.synchronize()
+
+    def mem_info(self) -> tuple[int, int]:
+        return self._b.mem_info()
+
+    def __getattr__(self, name: str):
+        return getattr(self._b, name)
+
+
+class SegmentWatch(ForwardingBackend):
+    """The backend as a pool sees it: ``on_made(ptr, nbytes)`` after each segment
+    the pool makes, ``on_free(ptr, nbytes)`` before each it gives back."""
+
+    def __init__(self, backend: Backend, on_made, on_free) -> None:
+        super().__init__(backend)
+        self._on_made = on_made
+        self._on_free = on_free
+        self._sizes: dict[int, int] = {}
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = self._b.malloc(nbytes)
+        self._sizes[ptr] = nbytes
+        self._on_made(ptr, nbytes)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self._on_free(ptr, self._sizes.pop(ptr, 0))
+        self._b.free(ptr)

@@ -76,13 +76,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from umrt.backends.base import HOST, PAGE, Advice, Backend
+from umrt.backends.base import HOST, PAGE, Advice, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile
 from umrt.memory.base import Layout
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.planner import Action, IterationRecord, Plan, Planner
+from umrt.policy.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
 from umrt.trace.events import (
     Alloc,
     Event,
@@ -494,7 +494,7 @@ class OraclePolicy(Policy):
             layout = self.runtime.make_layout(backend)
             self.runtime.attach(PolicyContext(ctx.backend, layout, ctx.budget_bytes, ctx.profile))
             return layout
-        return LifetimePool(_SegmentWatch(backend, self._segment_made, self._released))
+        return LifetimePool(SegmentWatch(backend, self._segment_made, self._released))
 
     def _best(self, ctx: PolicyContext) -> str:
         """Simulate every candidate plan on this profile and budget; the fastest steady iteration wins."""
@@ -877,63 +877,6 @@ def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
     start = -(-ptr // PAGE) * PAGE
     end = (ptr + nbytes) // PAGE * PAGE
     return (start, end - start) if end > start else None
-
-
-class _SegmentWatch(Backend):
-    """The backend as the oracle's pool sees it: every call passes through, and
-    handing a segment back tells the oracle (pending calls inside it are dropped)."""
-
-    def __init__(self, backend: Backend, on_made, on_free) -> None:
-        self._b = backend
-        self._on_made = on_made
-        self._on_free = on_free
-        self._sizes: dict[int, int] = {}
-        self.name = getattr(backend, "name", "backend")
-        self.device = getattr(backend, "device", 0)
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self._b.malloc(nbytes)
-        self._sizes[ptr] = nbytes
-        self._on_made(ptr, nbytes)
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        self._on_free(ptr, self._sizes.pop(ptr, 0))
-        self._b.free(ptr)
-
-    def prefetch(self, ranges, device) -> None:
-        self._b.prefetch(ranges, device)
-
-    def populate(self, ranges) -> None:
-        self._b.populate(ranges)
-
-    def discard(self, ranges) -> None:
-        self._b.discard(ranges)
-
-    def advise(self, ranges, advice, device) -> None:
-        self._b.advise(ranges, advice, device)
-
-    def launch(self, reads, writes, flops, nbytes, precision="") -> None:
-        self._b.launch(reads, writes, flops, nbytes, precision)
-
-    def synchronize(self) -> None:
-        self._b.synchronize()
-
-    def mem_info(self) -> tuple[int, int]:
-        return self._b.mem_info()
-
-
-def min_host_map_bytes(profile: HardwareProfile | None) -> int:
-    """The smallest range worth host-mapping for one oversized launch: its four
-    advice calls cost what reading it over the link instead of faulting it in
-    saves, ``bytes x (1 / fault path rate - 1 / link rate)`` (umrt's runtime
-    applies the same rule); 0 where the profile does not say."""
-    if profile is None:
-        return 0
-    advise, fault, link = profile.advise_call_s, profile.fault_migration_rate, profile.h2d_bandwidth
-    if advise <= 0 or fault <= 0 or link <= 0 or fault >= link:
-        return 0
-    return int(4 * advise / (1 / fault - 1 / link))
 
 
 def _runtime() -> Policy:
