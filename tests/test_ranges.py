@@ -48,3 +48,14 @@ def test_overlaps_agrees_with_take(seq, ptr, n):
         (rs.add if op == "add" else rs.take)(p, k)
     assert rs.overlaps(ptr, n) == bool(rs.take(ptr, n))
     assert rs.ends == [p + k for p, k in rs]
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(0, 80), st.integers(1, 20))
+def test_covers_and_first_gap_agree_with_the_bytes_held(seq, ptr, n):
+    rs = RangeSet()
+    for op, p, k in seq:
+        (rs.add if op == "add" else rs.take)(p, k)
+    held = {b for p, k in rs for b in range(p, p + k)}
+    assert rs.covers(ptr, n) == all(b in held for b in range(ptr, ptr + n))
+    assert rs.first_gap(ptr, n) == next((b for b in range(ptr, ptr + n) if b not in held), ptr + n)

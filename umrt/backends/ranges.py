@@ -86,6 +86,17 @@ class RangeSet:
         self._ends[i:j] = keep_e
         return [(s, e - s) for s, e in taken]
 
+    def covers(self, ptr: int, nbytes: int) -> bool:
+        """Whether all of ``[ptr, ptr + nbytes)`` is in the set."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return i >= 0 and self._ends[i] >= ptr + nbytes
+
+    def first_gap(self, ptr: int, nbytes: int) -> int:
+        """The first byte of ``[ptr, ptr + nbytes)`` not in the set (``ptr + nbytes`` if none)."""
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        end = self._ends[i] if i >= 0 and self._ends[i] > ptr else ptr
+        return min(end, ptr + nbytes)
+
     def remove(self, ptr: int, nbytes: int) -> None:
         """Remove ``[ptr, ptr + nbytes)`` from the set."""
         self.take(ptr, nbytes)

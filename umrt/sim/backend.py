@@ -52,6 +52,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, DataIntegrityError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.sim import engine as E
@@ -63,49 +64,6 @@ VA_BASE = 0x7F00_0000_0000
 _UNLIMITED_PAGES = 1 << 50
 _QUEUE = 1 << 16
 _FAULT_LOG = 1 << 18
-
-
-class _Extents:
-    """Disjoint, sorted ``[start, end)`` byte intervals: the defined bytes."""
-
-    __slots__ = ("starts", "ends")
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-
-    def add(self, a: int, b: int) -> None:
-        i = bisect_left(self.ends, a)  # first interval touching a
-        j = bisect_right(self.starts, b)
-        if i < j:
-            a = min(a, self.starts[i])
-            b = max(b, self.ends[j - 1])
-        self.starts[i:j] = [a]
-        self.ends[i:j] = [b]
-
-    def remove(self, a: int, b: int) -> None:
-        i = bisect_right(self.ends, a)
-        j = bisect_left(self.starts, b)
-        if i >= j:
-            return
-        keep_s, keep_e = [], []
-        if self.starts[i] < a:
-            keep_s.append(self.starts[i])
-            keep_e.append(a)
-        if self.ends[j - 1] > b:
-            keep_s.append(b)
-            keep_e.append(self.ends[j - 1])
-        self.starts[i:j] = keep_s
-        self.ends[i:j] = keep_e
-
-    def covers(self, a: int, b: int) -> bool:
-        i = bisect_right(self.starts, a) - 1
-        return i >= 0 and self.ends[i] >= b
-
-    def first_gap(self, a: int, b: int) -> int:
-        """First undefined byte in ``[a, b)`` (assumes one exists)."""
-        i = bisect_right(self.starts, a) - 1
-        return self.ends[i] if i >= 0 and self.ends[i] > a else a
 
 
 class SimBackend(Backend):
@@ -157,7 +115,7 @@ class SimBackend(Backend):
         self._holes: list[tuple[int, int]] = []  # (first block, count), sorted
         self._allocs: dict[int, int] = {}  # ptr -> nbytes
         self._starts: list[int] = []  # sorted ptrs
-        self._defined = _Extents()
+        self._defined = RangeSet()  # the defined bytes
         # time (seconds of simulated GPU time) and its breakdown
         self._t_compute = 0.0
         self._t_action = 0.0
@@ -225,7 +183,7 @@ class SimBackend(Backend):
         first = (ptr - VA_BASE) // E.BLOCK
         nb = -(-nbytes // E.BLOCK)
         E.release(self._pf, self._prec, self._bi, self._g, first, first + nb)
-        self._defined.remove(ptr, ptr + nb * E.BLOCK)
+        self._defined.remove(ptr, nb * E.BLOCK)
         i = bisect_left(self._holes, (first, 0))
         self._holes.insert(i, (first, nb))
 
@@ -307,7 +265,7 @@ class SimBackend(Backend):
         lo, hi = self._page_spans(ranges, inward=True)
         E.discard(self._pf, self._bi, self._g, lo, hi)
         for ptr, n in ranges:
-            self._defined.remove(ptr, ptr + n)
+            self._defined.remove(ptr, n)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """``cudaMemDiscardAndPrefetchBatchAsync``: contents undefined, and the pages placed on ``device``.
@@ -327,7 +285,7 @@ class SimBackend(Backend):
         lo, hi = self._page_spans(ranges, inward=True)
         E.discard(self._pf, self._bi, self._g, lo, hi)
         for ptr, n in ranges:
-            self._defined.remove(ptr, ptr + n)
+            self._defined.remove(ptr, n)
         issue = np.full(len(ranges), t)
         if device == HOST:
             E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
@@ -371,11 +329,11 @@ class SimBackend(Backend):
         """Execute one kernel: integrity check, faults and migrations, then compute."""
         defined = self._defined
         for ptr, n in reads:
-            if n > 0 and not defined.covers(ptr, ptr + n):
+            if n > 0 and not defined.covers(ptr, n):
                 self._integrity_error(ptr, n)
         for ptr, n in writes:
             if n > 0:
-                defined.add(ptr, ptr + n)
+                defined.add(ptr, n)
         t0 = max(self._t_compute, self._t_action)
         self._time["overhead_s"] += t0 - self._t_compute
         k = len(reads) + len(writes)
@@ -430,7 +388,7 @@ class SimBackend(Backend):
         E.host_write(self._pf, self._prec, self._bi, self._g, lo, hi)
         for ptr, n in ranges:
             if n > 0:
-                self._defined.add(ptr, ptr + n)
+                self._defined.add(ptr, n)
 
     def mark_dead(self, ranges: Sequence[Range]) -> None:
         """A freed object: its bytes are undefined until written again.
@@ -440,7 +398,7 @@ class SimBackend(Backend):
         """
         for ptr, n in ranges:
             if n > 0:
-                self._defined.remove(ptr, ptr + n)
+                self._defined.remove(ptr, n)
 
     def drain_faults(self) -> list[int]:
         """2 MB block addresses that faulted since the last call, in order (one per block per batch)."""
@@ -572,7 +530,7 @@ class SimBackend(Backend):
             )
 
     def _integrity_error(self, ptr: int, n: int) -> None:
-        bad = self._defined.first_gap(ptr, ptr + n)
+        bad = self._defined.first_gap(ptr, n)
         try:
             base = self._find(ptr, n)
             where = f"allocation {base:#x} + {ptr - base}"
