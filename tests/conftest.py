@@ -78,3 +78,14 @@ def cuda13(fake_gpu):
 def cuda_backend(request):
     """Both call shapes, for contract tests that must hold on either."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny ops run ~10x faster on one intra-op thread on a shared, loaded CPU."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

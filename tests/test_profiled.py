@@ -24,13 +24,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops run ~10x faster on one intra-op thread on a shared, loaded CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @functools.lru_cache(maxsize=1)
