@@ -214,13 +214,7 @@ class SimBackend(Backend):
         t0 = self._issue(k * call)
         self.calls += k - 1  # k single calls
         issue = t0 - (k - 1 - np.arange(k)) * call  # call r ends (r + 1) calls into the run
-        lo, hi = self._page_spans([(a, n) for a, n, _ in merged], inward=False)
-        if device == HOST:
-            E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                            self._q_r, self._q_n, lo, hi, issue, 0.0)
-        else:
-            self._check(E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                                       self._q_r, self._q_n, lo, hi, issue))
+        self._migrate([(a, n) for a, n, _ in merged], device, issue, 0.0)
 
     def prefetch_batch(self, ranges: Sequence[Range], device: int) -> None:
         """One ``cudaMemPrefetchBatchAsync`` (what ``umrt calibrate`` measures):
@@ -234,17 +228,21 @@ class SimBackend(Backend):
             raise ValueError(f"prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
         p = self.profile
         k = len(ranges)
-        lo, hi = self._page_spans(ranges, inward=False)
         per_range = p.batch_range_s if k > 1 else 0.0
         t0 = self._issue(p.prefetch_call_overhead_s + k * per_range)
         issue = t0 - (k - 1 - np.arange(k)) * per_range  # range r is issued (r + 1) ranges into the call
+        self._migrate(ranges, device, issue, p.batch_d2h_range_s if k > 1 else 0.0)
+
+    def _migrate(self, ranges: Sequence[Range], device: int, issue: np.ndarray, d2h_extra_s: float) -> None:
+        """Migrate each range (issued at ``issue[r]``) to ``device`` on the prefetch path;
+        to the host each takes ``d2h_extra_s`` more."""
+        lo, hi = self._page_spans(ranges, inward=False)
         if device == HOST:
             E.prefetch_host(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                            self._q_r, self._q_n, lo, hi, issue, p.batch_d2h_range_s if k > 1 else 0.0)
+                            self._q_r, self._q_n, lo, hi, issue, d2h_extra_s)
         else:
-            err = E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
-                                 self._q_r, self._q_n, lo, hi, issue)
-            self._check(err)
+            self._check(E.prefetch_gpu(self._pf, self._prec, self._rec_t, self._bi, self._g, self._tf, self._prm,
+                                       self._q_r, self._q_n, lo, hi, issue))
 
     def discard(self, ranges: Sequence[Range]) -> None:
         """Contents become undefined: no copy-back, and reading them is an integrity error.
