@@ -52,6 +52,23 @@ def test_reports_what_the_gpu_would_have_done(script, capsys):
     assert "prefetched" in text and "discarded" in text
 
 
+def test_the_report_explains_every_term(script):
+    """A first-time reader understands every line without the source (issue 14): what was
+    measured and what simulated, each row and column, where umrt stands in plain words,
+    decision points, and that a deviation is not an error."""
+    lines: list[str] = []
+    run_shadow(str(script), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lines.append)
+    text = " ".join("\n".join(lines).split())  # rich wraps long lines
+    assert "Measured on this machine" in text and "they are not GPU times" in text
+    assert "nothing ran on a GPU" in text
+    for term in ("ideal:", "um:", "oracle:", "replay =", "live =", "H2D / D2H:", "faults:", "evictions:"):
+        assert term in text, term
+    assert re.search(r"In plain words: umrt is [\d.]+x slower than a GPU with enough memory, and [\d.]+x "
+                     r"(faster|slower) than plain Unified Memory", text)
+    assert "decision points (the places in an iteration where it acts" in text
+    assert re.search(r"Deviations: \d+ — ", text) and ("Not an error" in text or "Deviations: 0" in text)
+
+
 def test_script_exit_status_is_passed_on(script):
     rc = run_shadow(str(script), ["2", "3"], profile="h100-pcie5-80g", out=lambda s: None)
     assert rc == 3
@@ -109,7 +126,7 @@ def test_the_embedded_example_runs_end_to_end(capsys, monkeypatch):
     text = "\n".join(lines)
     assert re.search(r"│ umrt +│ live ", text)
     # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would
-    assert re.search(r"acted in 3 \(1 without launches", text), text
+    assert re.search(r"then acted on 3 \(1 of them without recording ops", " ".join(text.split())), text
 
 
 # A tiny GPT-2 with attention and residual dropout on (transformers' defaults, p=0.1):

@@ -304,42 +304,75 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+#: What each row and column of the report means, printed under the table.
+LEGEND = (
+    "Each row: one steady-state training iteration, simulated.",
+    "  ideal: a GPU with unlimited memory (nothing moves: the floor).",
+    "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
+    "  oracle: the fastest of several plans made knowing the whole recorded run in advance "
+    "(the reference: nothing live can beat it).",
+    "  run: replay = simulated afterwards from the recorded trace; live = driven event by event "
+    "while the script ran, as on a GPU.",
+    "  H2D / D2H: bytes moved host to GPU / GPU to host per iteration; faults: GPU page faults "
+    "(64 KiB pages) per iteration; evictions: 2 MiB blocks the driver pushed out to make room, per iteration.",
+)
+
+
 def _print(rep: dict, out: Callable[[str], None] | None) -> None:
+    """Render the report: a title, what was measured, the table, its legend, and
+    in plain words where the policy stands and what it did."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console(file=sys.stdout, highlight=False, width=max(110, Console().width)) if out is None else None
     budget = rep.get("budget_bytes")
     sized = rep.get("sized_from_bytes") or 0
-    memory = (f"{rep['budget_description']} over set-up and the first iteration"
+    memory = (f"{rep['budget_description']}, sized from set-up and the first iteration"
               if rep.get("budget_description") and sized else f"GPU memory {_fmt_bytes(budget or 0)}")
-    title = (f"umrt shadow run — SIMULATED {rep['profile']}, {memory} "
-             f"(whole-run peak live {_fmt_bytes(rep['peak_live_bytes'])})")
-    table = Table(title=title, caption="simulated steady-state iteration; nothing ran on a GPU")
+    title = f"umrt shadow run — what a {rep['profile']} GPU would have done (SIMULATED)"
+    table = Table(title=title)
     for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
     for r in rep["rows"]:
         table.add_row(r["policy"], r["how"], f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
                       _fmt_bytes(r["h2d_bytes"]), _fmt_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
                       f"{r['evictions']:,}")
-    lines = []
-    if "speedup_vs_um" in rep:
+    head = [
+        f"Measured on this machine: the script ran {rep.get('iterations', 0)} complete training iteration(s) "
+        f"on the CPU, unchanged (its losses are a plain run's); their peak live memory was "
+        f"{_fmt_bytes(rep['peak_live_bytes'])}. The step times it printed include umrt recording every op, "
+        "and the first run on a machine a one-off compile of the simulator: they are not GPU times.",
+        f"Simulated: a GPU with {memory}; nothing ran on a GPU.",
+    ]
+    lines = list(LEGEND)
+    live = next((r for r in rep["rows"] if r["how"] == "live"), None)
+    if "speedup_vs_um" in rep and live is not None:
         x = rep["speedup_vs_um"]
         than = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-        lines.append(f"{rep['policy']} is {than} than plain Unified Memory (simulated).")
+        lines.append(f"In plain words: {rep['policy']} is {live['vs_ideal']:.1f}x slower than a GPU with enough "
+                     f"memory, and {than} than plain Unified Memory (simulated).")
     rt = rep.get("runtime") or {}
     if "prefetched_bytes" in rt:
         lines.append(
-            f"runtime: learned {rt.get('learned', 0)} iteration(s), acted in {rt.get('acted', 0)} "
-            f"({rt.get('light_iterations', 0)} without launches, as a live run stops capturing ops); "
-            f"prefetched {_fmt_bytes(rt['prefetched_bytes'])}, pre-evicted {_fmt_bytes(rt['evicted_bytes'])} "
-            f"in {rt.get('prefetch_calls', 0)} calls at {rt.get('decisions', 0)} decision points; "
-            f"discarded {_fmt_bytes(rt['discarded_bytes'])} in {rt.get('discard_calls', 0)} calls; "
-            f"deviations {rt.get('deviations', 0)}")
+            f"What umrt did: it learned the iteration from {rt.get('learned', 0)} iteration(s), then acted on "
+            f"{rt.get('acted', 0)} ({rt.get('light_iterations', 0)} of them without recording ops, as a live run "
+            f"does once it trusts its plan); over the run it prefetched {_fmt_bytes(rt['prefetched_bytes'])} to the "
+            f"GPU and pre-evicted {_fmt_bytes(rt['evicted_bytes'])} to the host in {rt.get('prefetch_calls', 0)} calls, "
+            f"at {rt.get('decisions', 0)} decision points (the places in an iteration where it acts: module "
+            f"boundaries, at least a few ms of compute apart), and discarded {_fmt_bytes(rt['discarded_bytes'])} "
+            f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
+        dev = rt.get("deviations", 0)
+        lines.append(
+            f"Deviations: {dev} — iterations that left their learned plan (the script's last, partial one, its "
+            "teardown, usually does); umrt stops acting for the rest of such an iteration and learns again. "
+            "Not an error." if dev else "Deviations: 0 — every acted iteration matched its learned plan.")
     if rep.get("iteration_times_s"):
-        lines.append("simulated iteration times: " + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
+        lines.append("Simulated iteration times, first to last (learning first, then acting): "
+                     + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
     lines.extend(rep["notes"])
     if console is not None:
+        for line in head:
+            console.print(line)
         console.print(table)
         for line in lines:
             console.print(line)
@@ -348,4 +381,4 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
 
         buf = StringIO()
         Console(file=buf, width=110, highlight=False).print(table)
-        out(buf.getvalue() + "\n".join(lines))
+        out("\n".join(head) + "\n" + buf.getvalue() + "\n".join(lines))
