@@ -44,3 +44,26 @@ def test_plain_text_keeps_the_words():
         "* --simulate PROFILE (umrt.shadow.run_shadow, B)"
     assert plain_text("For example::\n\n    umrt run x.py\nuse `umrt trace`") == \
         "For example:\n\n    umrt run x.py\nuse `umrt trace`"
+
+
+def test_shadow_gpu_memory_errors_speak_of_the_footprint(tmp_path, capsys, monkeypatch):
+    """In shadow mode a percentage is of the footprint the run needs, not of device memory
+    (issue 14); live, it is of device memory."""
+    monkeypatch.delenv("UMRT_SIMULATE", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "banana", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "shadow mode" in err and "footprint" in err and "device memory" not in err
+    assert main(["run", "--gpu-memory", "banana", str(script)]) == 2
+    assert "device memory" in capsys.readouterr().err
+
+
+def test_one_size_parser_for_live_and_simulated_budgets():
+    """UMRT_GPU_MEMORY=12G passed start-up validation and then failed in shadow mode."""
+    from umrt.config import parse_amount, parse_size
+    from umrt.sim.budget import parse_budget
+
+    for text in ("12G", "12GiB", "500MB", "4194304"):
+        assert parse_budget(text, 1) == parse_amount(text, "x").bytes == parse_size(text)
+    assert parse_size("banana") is None

@@ -90,6 +90,16 @@ def parse_bool(value: str, name: str) -> bool:
     )
 
 
+def parse_size(text: str) -> int | None:
+    """Bytes from a size such as ``"12GiB"``, ``"500MB"``, ``"12G"`` (binary) or ``"4096"``;
+    None when ``text`` is not one. Every memory amount umrt reads (live budgets,
+    simulated budgets, bench budgets) takes sizes through this."""
+    m = _SIZE_RE.match(text)
+    if m and m.group(2).lower() in _UNITS:
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return None
+
+
 def parse_amount(value: str | int | float, name: str, *, allow_percent: bool = True) -> Amount:
     """Parse ``"80%"``, ``"12GiB"``, ``"500MB"`` or a byte count."""
     if isinstance(value, bool):
@@ -111,9 +121,8 @@ def parse_amount(value: str | int | float, name: str, *, allow_percent: bool = T
         if not 0 < pct <= 100:
             raise ConfigError(f"{name}={text!r}: a percentage must be in (0%, 100%]")
         return Amount(fraction=pct / 100.0)
-    m = _SIZE_RE.match(text)
-    if m and m.group(2).lower() in _UNITS:
-        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    nbytes = parse_size(text)
+    if nbytes is not None:
         if nbytes <= 0:
             raise ConfigError(f"{name}={text!r} must be more than zero bytes")
         return Amount(bytes=nbytes)

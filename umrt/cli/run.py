@@ -43,8 +43,16 @@ def register(subparsers: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     from umrt.config import from_env, parse_amount
 
-    if args.gpu_memory is not None:
-        parse_amount(args.gpu_memory, "--gpu-memory")  # an error that names the flag
+    if args.gpu_memory is not None:  # an error that names the flag and what a percentage is of
+        if args.simulate is not None or os.environ.get("UMRT_SIMULATE"):
+            from umrt.sim.budget import parse_budget
+
+            try:
+                parse_budget(args.gpu_memory, 1 << 40)
+            except ConfigError as exc:
+                raise ConfigError(f"--gpu-memory in shadow mode: {exc}") from None
+        else:
+            parse_amount(args.gpu_memory, "--gpu-memory")
     script = args.script
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
@@ -77,7 +85,7 @@ def shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None = None
     """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``)."""
     from umrt.shadow import run_shadow
 
-    # In shadow mode a percentage is of the script's peak live bytes; unset keeps run_shadow's default.
+    # In shadow mode a percentage is of the footprint the script needs; unset keeps run_shadow's default.
     budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
     extra = {"gpu_memory": budget} if budget else {}
     return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from umrt.config import format_bytes
+from umrt.config import format_bytes, parse_size
 from umrt.errors import ConfigError
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, LayerEnter, LayerExit, Trace
 
@@ -44,9 +44,6 @@ BASES = ("footprint", "peak")
 BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
 BLOCK = 2 << 20  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 FORMS = "a percentage ('20%'), a size ('8GiB', '512MB') or a number of bytes"
 
@@ -143,8 +140,8 @@ def parse_budget(budget: int | str, base_bytes: int, base: str = "footprint") ->
         value = budget
     elif (fraction := parse_percent(budget)) is not None:
         value = base_bytes * fraction
-    elif (m := _SIZE.match(budget)) and m.group(2).lower() in _UNITS:
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    elif (size := parse_size(budget)) is not None:
+        value = size
     else:
         raise ConfigError(f"invalid budget {budget!r}: use {FORMS.replace('percentage', f'percentage of {BASE_NAMES.get(base, base)}')}")
     if not math.isfinite(value) or value < BLOCK:
