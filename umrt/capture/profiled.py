@@ -85,7 +85,17 @@ from torch._C._profiler import _EventType, _ExperimentalConfig, _RecordFunctionF
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from umrt.capture import steer
-from umrt.capture.recorder import _ALLOC_ONLY, _PRECISION, _output_tensors
+from umrt.capture.recorder import (
+    _ALLOC_ONLY,
+    _BACKWARD,
+    _FORWARD,
+    _SETUP,
+    _STEP,
+    _guarded,
+    _lifetime_kind,
+    _output_tensors,
+)
+from umrt.capture.recorder import _precision_of as _precision
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -127,7 +137,6 @@ _ALLOC_MARK = "umrt::alloc"
 _FREE_MARK = "umrt::free"
 _EVALUATE = "autograd::engine::evaluate_function"
 
-_SETUP, _FORWARD, _BACKWARD, _STEP = 0, 1, 2, 3
 # A Python number an op's caller passes where the schema wants a tensor is wrapped
 # into a 0-dim CPU tensor of one of these dtypes, allocated outside any op (``x * 0.5``;
 # autograd saves it so for backward): a kernel argument, not memory, and a dispatch
@@ -331,17 +340,6 @@ def _extent(sizes: Sequence[int], strides: Sequence[int], dtype: torch.dtype) ->
         return 0
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(sizes, strides, strict=False) if s > 0)
     return span * dtype.itemsize
-
-
-def _precision(op: str, dtypes: Sequence[torch.dtype], tf32: tuple[bool, bool]) -> str:
-    """As :func:`umrt.capture.recorder._precision`, from the inputs' dtypes."""
-    for dt in dtypes:
-        if dt.is_floating_point:
-            p = _PRECISION.get(dt, "")
-            if p == "fp32" and (tf32[1] if "conv" in op else tf32[0]):
-                return "tf32"
-            return p
-    return ""
 
 
 def _flops(info: _OpInfo, inputs: Sequence[Any]) -> int:
@@ -803,32 +801,9 @@ class _Converter:
                 self.freed(ptr, nbytes, phase)
 
 
-def _lifetime_kind(info: _Obj) -> Kind:
-    if info.iteration < 0 or info.freed_iteration != info.iteration:
-        return Kind.OTHER
-    if info.phase == _FORWARD and info.freed_phase == _BACKWARD:
-        return Kind.ACTIVATION
-    return Kind.TEMPORARY
-
-
 
 
 # ---------------------------------------------------------------------------- the capture
-
-
-def _guarded(method: Callable) -> Callable:
-    """A hook of the capture's: an exception of its own bookkeeping goes to
-    :meth:`ProfiledCapture._error` (re-raised unless the capture has ``on_error``)."""
-
-    @functools.wraps(method)
-    def hook(self: ProfiledCapture, *args: Any) -> Any:
-        try:
-            return method(self, *args)
-        except Exception as exc:  # noqa: BLE001 - see ProfiledCapture(on_error=...)
-            self._error(exc)
-            return None
-
-    return hook
 
 
 def _experimental_config() -> tuple[_ExperimentalConfig, bool]:

@@ -70,7 +70,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,11 +121,12 @@ _SETUP, _FORWARD, _BACKWARD, _STEP = 0, 1, 2, 3
 
 
 def _guarded(method: Callable) -> Callable:
-    """A hook of the recorder's: an exception of its own bookkeeping goes to
-    :meth:`Recorder._error` (re-raised unless the recorder has ``on_error``)."""
+    """A hook of a capture's (the Recorder's, the ProfiledCapture's): an exception
+    of its own bookkeeping goes to its ``_error`` (re-raised unless the capture
+    has ``on_error``)."""
 
     @functools.wraps(method)
-    def hook(self: Recorder, *args: Any) -> Any:
+    def hook(self: Any, *args: Any) -> Any:
         try:
             return method(self, *args)
         except Exception as exc:  # noqa: BLE001 - see Recorder(on_error=...)
@@ -133,6 +134,17 @@ def _guarded(method: Callable) -> Callable:
             return None
 
     return hook
+
+
+def _lifetime_kind(info: Any) -> Kind:
+    """An object's kind from its lifetime (``iteration``, ``phase``, ``freed_*``):
+    born in forward and freed in backward of one iteration -> activation; freed in
+    the iteration that made it -> temporary; otherwise -> other."""
+    if info.iteration < 0 or info.freed_iteration != info.iteration:
+        return Kind.OTHER
+    if info.phase == _FORWARD and info.freed_phase == _BACKWARD:
+        return Kind.ACTIVATION
+    return Kind.TEMPORARY
 
 
 class StopRecording(BaseException):
@@ -183,18 +195,23 @@ def _extent(t: torch.Tensor) -> int:
 _PRECISION = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
-def _precision(op: str, inputs: list, tf32: tuple[bool, bool]) -> str:
+def _precision_of(op: str, dtypes: Iterable[torch.dtype], tf32: tuple[bool, bool]) -> str:
     """What a launch's arithmetic runs in on CUDA: its first floating-point
     input's dtype, with FP32 on TF32 tensor cores where PyTorch allows it
     (``tf32`` = (matmuls: ``torch.get_float32_matmul_precision() != "highest"``,
     convolutions: ``torch.backends.cudnn.allow_tf32``); defaults False, True)."""
-    for t, *_ in inputs:
-        if t.is_floating_point():
-            p = _PRECISION.get(t.dtype, "")
+    for dt in dtypes:
+        if dt.is_floating_point:
+            p = _PRECISION.get(dt, "")
             if p == "fp32" and (tf32[1] if "conv" in op else tf32[0]):
                 return "tf32"
             return p
     return ""
+
+
+def _precision(op: str, inputs: list, tf32: tuple[bool, bool]) -> str:
+    """:func:`_precision_of` for the recorder's ``(tensor, written, on device)`` inputs."""
+    return _precision_of(op, (t.dtype for t, *_ in inputs), tf32)
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
@@ -794,7 +811,7 @@ class Recorder:
             info.freed_phase = self._phase()
             info.freed_iteration = self._iteration
             if info.key is not None and info.known is None and info.iteration == self._iteration:
-                self._learned[info.key] = self._lifetime_kind(info)
+                self._learned[info.key] = _lifetime_kind(info)
             if not self._keep:
                 del self._objs[obj]  # kept only to refine the trace's kinds
             self._emit(Free(obj))
@@ -839,14 +856,6 @@ class Recorder:
         if in_graph if in_graph is not None else torch._C._current_graph_task_id() != -1:
             return _BACKWARD
         return _FORWARD
-
-    @staticmethod
-    def _lifetime_kind(info: _Obj) -> Kind:
-        if info.iteration < 0 or info.freed_iteration != info.iteration:
-            return Kind.OTHER
-        if info.phase == _FORWARD and info.freed_phase == _BACKWARD:
-            return Kind.ACTIVATION
-        return Kind.TEMPORARY
 
     # ------------------------------------------------------------------ ops
     def _op_info(self, func: Any) -> _OpInfo:
@@ -1058,7 +1067,7 @@ class Recorder:
                 born_last = info.iteration == self._iteration and info.phase in (_FORWARD, _BACKWARD)
                 kind = info.kind if born_last else Kind.OTHER
             else:
-                kind = self._lifetime_kind(info)
+                kind = _lifetime_kind(info)
             ev = events[info.event_index]
             if ev.kind != kind:
                 events[info.event_index] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
