@@ -270,7 +270,9 @@ def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:
 
 
 def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    return a + tuple(k for k in b if k not in set(a))
+    """``a``, then what of ``b`` is not in it, in order."""
+    seen = set(a)
+    return a + tuple(k for k in b if k not in seen)
 
 
 def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversized: Sequence[int]
