@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 HOST = -1  # cudaCpuDeviceId
 
@@ -98,6 +99,27 @@ class Backend(ABC):
     def mem_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of device memory as the backend sees them."""
         raise NotImplementedError
+
+
+@runtime_checkable
+class SimulatedContents(Protocol):
+    """A backend that models what memory holds (the simulator): the driver tells it
+    which ranges the host wrote before the run and which died, and reads its
+    counters and resident peak at each iteration boundary."""
+
+    peak_resident_bytes: int
+
+    def mark_host_written(self, ranges: Sequence[Range]) -> None:
+        """``ranges`` hold data written on the host (parameters, inputs made there)."""
+
+    def mark_dead(self, ranges: Sequence[Range]) -> None:
+        """``ranges`` were freed: their contents need not be kept."""
+
+    def counters(self) -> dict:
+        """Cumulative counters (simulated time, bytes moved, faults ...)."""
+
+    def reset_peak(self) -> None:
+        """Start a new resident-bytes peak."""
 
 
 class ForwardingBackend(Backend):

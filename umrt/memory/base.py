@@ -9,8 +9,10 @@ what makes placement matter.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
-from umrt.trace.events import Kind
+from umrt.trace.events import Event, Kind
 
 
 class Layout(ABC):
@@ -31,3 +33,49 @@ class Layout(ABC):
     @abstractmethod
     def footprint(self) -> int:
         """Bytes of managed memory currently obtained from the backend."""
+
+
+# What a layout may offer beyond :class:`Layout`. A caller checks these with
+# ``isinstance`` once, when it is handed the layout, never per event.
+
+
+@runtime_checkable
+class LearningLayout(Protocol):
+    """A layout that learns from the program's stream (umrt's lifetime-aware pool).
+
+    The driver (:class:`umrt.drive.Driver`) alone feeds it: every event but
+    allocations and frees, before the policy sees the event.
+    """
+
+    def observe(self, event: Event) -> None:
+        """One event of the stream: an iteration boundary, a launch, a layer event."""
+
+    def observe_launch(self, exec_id: int) -> None:
+        """``observe`` of a launch, its type already known (the hot path)."""
+
+    def observe_layer(self, enter: bool) -> None:
+        """``observe`` of a layer entry (``enter``) or exit, its type already known."""
+
+
+class LiveRecord(Protocol):
+    """Where a live object sits."""
+
+    ptr: int
+    nbytes: int
+
+
+@runtime_checkable
+class IndexedLayout(Protocol):
+    """A layout whose live objects can be read without a call each (the runtime's hot path)."""
+
+    @property
+    def live_index(self) -> Mapping[int, LiveRecord]:
+        """``obj -> record`` of every live object; read-only."""
+
+
+@runtime_checkable
+class KindHints(Protocol):
+    """Takes what an object holds once it is known (later than its allocation, live)."""
+
+    def hint_kind(self, obj: int, kind: Kind) -> None:
+        """``obj`` holds ``kind`` (a parameter, a gradient, optimizer state ...)."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.backends.base import Backend
     from umrt.memory.base import Layout
-    from umrt.trace.events import Event
+    from umrt.trace.events import Event, Kind
 
 
 @dataclass
@@ -45,6 +45,8 @@ class Policy(ABC):
     #: op and changes what the program allocates; it suspends that capture while
     #: this is False. A policy that acts on allocations alone says False.
     wants_launches: bool = True
+    #: Whether the policy is simulated with unbounded GPU memory (the ``ideal`` baseline).
+    unlimited_memory: bool = False
 
     def steady_iterations(self, at_least: int = 3) -> int:
         """Iterations to simulate so that the last one (the one reported) is
@@ -65,6 +67,11 @@ class Policy(ABC):
         from umrt.memory.caching import CachingAllocatorLayout
 
         return CachingAllocatorLayout(backend)
+
+    def hint_kind(self, obj: int, kind: Kind) -> None:
+        """What live ``obj`` holds, once known (live, after its allocation);
+        a policy that plans by kind keeps it; by default it is not needed."""
+        return None
 
     def report(self) -> dict:
         """Policy-specific counters for reports (prefetches issued, ...)."""
