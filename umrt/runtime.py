@@ -309,9 +309,6 @@ class Runtime(Policy):
         self._n_discarded = 0
         self._n_populate_calls = 0
         self._n_populated = 0
-        self._pool_observe = None
-        self._pool_launch = None
-        self._pool_layer = None
         self.counters = {
             "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
@@ -337,14 +334,6 @@ class Runtime(Policy):
         lives = getattr(ctx.layout, "live_index", None)
         self._lives = lives if lives is not None else _AddressIndex(ctx.layout.address, self._info)
         self.profile = ctx.profile
-        observe = getattr(ctx.layout, "observe", None)
-        self._pool_observe = observe if callable(observe) else None
-        # The pool's typed entry points skip its own dispatch on the type (hot path).
-        launch = getattr(ctx.layout, "observe_launch", None)
-        layer = getattr(ctx.layout, "observe_layer", None)
-        typed = self._pool_observe is not None and callable(launch) and callable(layer)
-        self._pool_launch = launch if typed else None
-        self._pool_layer = layer if typed else None
         self.set_budget(ctx.budget_bytes)
 
     def set_budget(self, budget_bytes: int) -> None:
@@ -499,10 +488,6 @@ class Runtime(Policy):
             if ne == self._due:
                 self._light_event(ne)
         elif t is Launch:
-            if self._pool_launch is not None:
-                self._pool_launch(event.exec_id)
-            elif self._pool_observe is not None:
-                self._pool_observe(event)
             if self._light and not self._counting:
                 return  # acting on the other events' clock: launches are not needed
             if self._rec is not None:
@@ -518,10 +503,6 @@ class Runtime(Policy):
             if self._over and n in self._over and self._mode == "act":
                 self._map_temp(self._over[n])
         elif t is LayerEnter or t is LayerExit:
-            if self._pool_layer is not None:
-                self._pool_layer(t is LayerEnter)
-            elif self._pool_observe is not None:
-                self._pool_observe(event)
             ne = self._ne
             self._ne = ne + 1
             v = hash(event.module) ^ (t is LayerEnter)
@@ -539,8 +520,6 @@ class Runtime(Policy):
                 if ne == self._due:
                     self._light_event(ne)
         elif t is IterationBoundary:
-            if self._pool_observe is not None:
-                self._pool_observe(event)
             self._boundary(event.index)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:

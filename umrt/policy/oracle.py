@@ -81,6 +81,7 @@ from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile
 from umrt.memory.base import Layout
+from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
 from umrt.trace.events import (
@@ -426,7 +427,6 @@ class OraclePolicy(Policy):
         self.schedule: Plan | None = None  # the planner's, when it is
         self._actions: dict[int, Action] = {}  # the planner's, by launch ordinal
         self._launch = 0  # launches of this iteration followed so far
-        self._observe = None  # the pool's event feed, if the layout has one
         self._least_mapped = 0  # smaller ranges are not host-mapped for one launch (min_host_map_bytes)
         self._remote_persistent: set[int] = set()
         self._advised: dict[int, tuple[int, int]] = {}  # runtime obj -> range advised host-mapped
@@ -468,10 +468,6 @@ class OraclePolicy(Policy):
             self.choice = self._best(ctx)
         if isinstance(ctx.layout, ChosenLayout):
             ctx.layout.bind(self._make_layout(ctx))
-        # The pool places objects by where in the iteration they are born, as
-        # umrt's runtime feeds it: launches, layer events and boundaries.
-        observe = getattr(ctx.layout, "observe", None)
-        self._observe = observe if callable(observe) and self.runtime is None else None
         if self.choice == "belady":
             self._plan_belady(ctx.budget_bytes)
         elif self.choice not in ("none", RUNTIME):
@@ -486,8 +482,6 @@ class OraclePolicy(Policy):
 
     def _make_layout(self, ctx: PolicyContext) -> Layout:
         """The chosen plan's layout: umrt's pool, watched by the oracle or by the runtime it follows."""
-        from umrt.memory.pool import LifetimePool
-
         backend = self._layout_backend or ctx.backend
         if self.choice == RUNTIME:
             self.runtime = _runtime()
@@ -550,8 +544,6 @@ class OraclePolicy(Policy):
         if self.runtime is not None:
             self.runtime.on_event(event)
             return
-        if self._observe is not None and not isinstance(event, (Alloc, Free)):
-            self._observe(event)
         if self.choice == "none":
             return  # the empty plan: the driver alone
         if isinstance(event, IterationBoundary):
@@ -913,7 +905,19 @@ class ChosenLayout(Layout):
     def footprint(self) -> int:
         return self._layout().footprint()
 
-    def __getattr__(self, name: str):  # the pool's extras (observe, live_index, report)
-        if name == "target":
-            raise AttributeError(name)
-        return getattr(self._layout(), name)
+    # The chosen plan's layout is umrt's pool, which learns from the stream: the
+    # driver feeds it through here (ChosenLayout is a LearningLayout).
+    def observe(self, event: Event) -> None:
+        self._pool().observe(event)
+
+    def observe_launch(self, exec_id: int) -> None:
+        self._pool().observe_launch(exec_id)
+
+    def observe_layer(self, enter: bool) -> None:
+        self._pool().observe_layer(enter)
+
+    def _pool(self) -> LifetimePool:
+        layout = self._layout()
+        if not isinstance(layout, LifetimePool):
+            raise ConfigError(f"the oracle's plans run on umrt's pool, not {type(layout).__name__}")
+        return layout

@@ -1,15 +1,8 @@
 """Replay a trace under a policy on the simulated GPU: :func:`simulate`.
 
-The driver feeds the policy the trace's events in program order, exactly as
-the live runtime would see them, and executes them on a
-:class:`~umrt.sim.backend.SimBackend`:
-
-* ``Alloc``  -> ``layout.alloc``, then ``policy.on_event`` (the object has an address);
-* ``Launch`` -> ``policy.on_event``, then ``backend.launch`` on the resolved ranges;
-* ``Free``   -> ``policy.on_event``, then ``layout.free``;
-* everything else -> ``policy.on_event``.
-
-It replays the set-up and the recorded iterations, then repeats the last
+The replay is a source of events for the :class:`~umrt.drive.Driver`, which
+feeds them to the policy, its layout and a :class:`~umrt.sim.backend.SimBackend`
+in program order, exactly as the live runtime would see them. It replays the set-up and the recorded iterations, then repeats the last
 recorded iteration (with fresh object ids, so each repetition allocates new
 objects) until ``iterations`` iterations were simulated, and reports the last
 one: the steady state. Objects created with no launch (``Alloc.launch == -1``:
@@ -22,15 +15,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from umrt.errors import ConfigError, DataIntegrityError, TraceFormatError
+from umrt.drive.driver import Driver
+from umrt.errors import ConfigError, TraceFormatError
 from umrt.hardware import HardwareProfile, load_profile
+from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import parse_budget, peak_live_bytes, resolve_budget
 from umrt.sim.result import BREAKDOWN_KEYS, SimResult
 from umrt.trace.events import Access, Alloc, Event, Free, IterationBoundary, Launch, Trace
 
-__all__ = ["simulate", "parse_budget", "peak_live_bytes", "resolve_budget"]
+__all__ = ["simulate", "iteration_stream", "parse_budget", "peak_live_bytes", "resolve_budget"]
 
 
 def simulate(
@@ -56,8 +51,6 @@ def simulate(
     if not isinstance(profile, HardwareProfile):
         profile = load_profile(profile)
     if isinstance(policy, str):
-        from umrt.policy import make_policy
-
         policy = make_policy(policy, trace)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
         raise ConfigError(f"iterations must be a positive integer, got {iterations!r}")
@@ -66,55 +59,17 @@ def simulate(
         raise TraceFormatError("the trace holds no complete iteration (it needs two IterationBoundary events)")
     resolved = resolve_budget(budget, trace, budget_base)
     budget_bytes = resolved.bytes
-    unlimited = bool(getattr(policy, "unlimited_memory", False))
-    backend = SimBackend(profile, math.inf if unlimited else budget_bytes)
+    backend = SimBackend(profile, math.inf if policy.unlimited_memory else budget_bytes)
     layout = policy.make_layout(backend)
     policy.attach(PolicyContext(backend=backend, layout=layout, budget_bytes=budget_bytes, profile=profile))
 
     total_events = spans[0][0] + sum(
         (spans[min(i, len(spans) - 1)][1] - spans[min(i, len(spans) - 1)][0]) for i in range(iterations))
     bar = _Progress(progress, total_events, f"simulate {policy.name}")
-    addr: dict[int, tuple[int, int]] = {}  # live object -> (ptr, nbytes)
-    marks: list[dict] = []  # counter snapshots at each iteration boundary
-    peaks: list[int] = []
-    compute = [0.0]  # ideal (roofline) time per iteration
-    compute_time = profile.compute_time
+    driver = Driver(policy, layout, backend, profile=profile, strict=True)
     with bar:
-        for n, ev in enumerate(_stream(trace, spans, iterations)):
-            if n % 2048 == 0:
-                bar.update(n)
-            if isinstance(ev, Launch):
-                policy.on_event(ev)
-                reads, writes = [], []
-                for a in ev.accesses:
-                    (writes if a.write else reads).append((addr[a.obj][0] + a.offset, a.length))
-                try:
-                    backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
-                except DataIntegrityError as exc:
-                    raise _explain(exc, ev, addr, policy) from None
-                compute[-1] += compute_time(ev.flops, ev.bytes, ev.precision)
-            elif isinstance(ev, Alloc):
-                ptr = layout.alloc(ev.obj, ev.nbytes, ev.kind)
-                addr[ev.obj] = (ptr, ev.nbytes)
-                if ev.launch == -1:
-                    backend.mark_host_written([(ptr, ev.nbytes)])
-                policy.on_event(ev)
-            elif isinstance(ev, Free):
-                policy.on_event(ev)
-                if ev.obj in addr:
-                    backend.mark_dead([addr.pop(ev.obj)])
-                    layout.free(ev.obj)
-            elif isinstance(ev, IterationBoundary):
-                if marks:
-                    peaks.append(backend.peak_resident_bytes)
-                marks.append(backend.counters())
-                compute.append(0.0)
-                backend.reset_peak()
-                policy.on_event(ev)
-            else:
-                policy.on_event(ev)
-        bar.update(total_events)
-
+        driver.feed_all(bar.counting(iteration_stream(trace, spans, iterations)))
+    marks, peaks, compute = driver.marks, driver.peaks, driver.ideal_s
     first, last = marks[-2], marks[-1]
     delta = {k: last[k] - first[k] for k in last}
     return SimResult(
@@ -146,8 +101,10 @@ def simulate(
 # ---------------------------------------------------------------- event stream
 
 
-def _stream(trace: Trace, spans: list[tuple[int, int]], iterations: int) -> Iterator[Event]:
-    """Set-up, the recorded iterations, then repetitions of the last one, then a closing boundary."""
+def iteration_stream(trace: Trace, spans: list[tuple[int, int]], iterations: int) -> Iterator[Event]:
+    """The events a simulation of ``iterations`` iterations replays: the set-up, the
+    recorded iterations (``spans``, from ``trace.iteration_spans()``), then repetitions
+    of the last one with fresh object ids, then a closing boundary."""
     events = trace.events
     yield from events[: spans[0][0]]
     recorded = spans[:iterations]
@@ -224,14 +181,6 @@ def _match(carried_in: list[Alloc], carried_out: list[Alloc]) -> dict[int, int]:
 # ---------------------------------------------------------------- helpers
 
 
-def _explain(exc: DataIntegrityError, ev: Launch, addr: dict, policy: Policy) -> DataIntegrityError:
-    objs = ", ".join(str(a.obj) for a in ev.accesses if not a.write)
-    where = ev.module or "top level"
-    return DataIntegrityError(
-        f"{exc}; launch #{ev.seq} {ev.op} in {where} reading object(s) {objs}, under policy {policy.name!r}"
-    )
-
-
 class _Progress:
     """A rich progress bar over events, or nothing."""
 
@@ -253,6 +202,14 @@ class _Progress:
         if self._bar:
             self._bar.__exit__(*exc)
 
-    def update(self, n: int) -> None:
-        if self._bar:
-            self._bar.update(self._task, completed=n)
+    def counting(self, events: Iterator[Event]) -> Iterator[Event]:
+        """``events``, moving the bar every 2,048 of them and to the end when they end."""
+        if not self._bar:
+            yield from events
+            return
+        n = 0
+        for n, ev in enumerate(events):  # noqa: B007 - n is read after the loop
+            if n % 2048 == 0:
+                self._bar.update(self._task, completed=n)
+            yield ev
+        self._bar.update(self._task, completed=self._bar.tasks[0].total)
