@@ -95,12 +95,12 @@ def test_an_id_allocated_again_replaces_its_object():
 
 def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_first_iteration():
     from umrt.policy import make_policy
-    from umrt.shadow import ShadowDriver
+    from umrt.shadow import ShadowSource
 
     trace = training_trace()
     first = trace.iteration_spans()[1][0]  # set-up, iteration 0 and the boundary that opens iteration 1
     held = trace.events[: first + 1]
-    driver = ShadowDriver(make_policy("um"), "h100-pcie5-80g", "100%")
+    driver = ShadowSource(make_policy("um"), "h100-pcie5-80g", "100%")
     for event in trace.events:
         driver(event)
     assert driver.error is None

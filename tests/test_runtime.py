@@ -15,7 +15,7 @@ from umrt.policy.base import PolicyContext
 from umrt.policy.planner import PAGE
 from umrt.predict.synthetic import training_trace
 from umrt.runtime import Runtime
-from umrt.shadow import ShadowDriver
+from umrt.shadow import ShadowSource
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit, Trace
@@ -23,9 +23,9 @@ from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, Laye
 PROFILE = "v100-pcie3-32g"
 
 
-def drive(trace: Trace, policy, budget: str = "30%") -> ShadowDriver:
+def drive(trace: Trace, policy, budget: str = "30%") -> ShadowSource:
     """Feed a whole trace, event by event, as shadow mode does live."""
-    d = ShadowDriver(policy, PROFILE, budget)
+    d = ShadowSource(policy, PROFILE, budget)
     for ev in trace.events:
         d(ev)
     d.finish()

@@ -189,12 +189,12 @@ def test_an_event_that_arrives_during_the_drivers_own_work_waits_its_turn():
     the held Alloc it frees."""
     from umrt.hardware import load_profile
     from umrt.policy import make_policy
-    from umrt.shadow import ShadowDriver
+    from umrt.shadow import ShadowSource
     from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch
 
     mib = 1 << 20
     policy = make_policy("um")
-    driver = ShadowDriver(policy, load_profile("h100-pcie5-80g"), "100%")
+    driver = ShadowSource(policy, load_profile("h100-pcie5-80g"), "100%")
     on_event = policy.on_event
     fired = []
 
@@ -210,7 +210,7 @@ def test_an_event_that_arrives_during_the_drivers_own_work_waits_its_turn():
                IterationBoundary(1), w, IterationBoundary(2)):
         driver(ev)
     assert fired and driver.error is None
-    assert set(driver._addr) == {0}  # object 1 was freed, after its Alloc
+    assert set(driver.driver.addresses) == {0}  # object 1 was freed, after its Alloc
 
 
 # A shadow run in a fresh interpreter whose numba cache is NUMBA_CACHE_DIR, with Python's

@@ -40,47 +40,42 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from umrt.errors import ConfigError, DataIntegrityError, UmrtError
-from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, Trace
+from umrt.drive.driver import Driver
+from umrt.errors import ConfigError, UmrtError
+from umrt.hardware import HardwareProfile, load_profile
+from umrt.policy.base import Policy, PolicyContext
+from umrt.sim.backend import SimBackend
+from umrt.sim.budget import Budget, needs_of_events, resolve_budget
+from umrt.trace.events import Event, IterationBoundary, Trace
 
-__all__ = ["run_shadow", "ShadowDriver"]
+__all__ = ["run_shadow", "ShadowSource"]
 
 
-class ShadowDriver:
-    """Feeds a live event stream to a policy driving a simulated GPU.
+class ShadowSource:
+    """A live event stream handed to a :class:`~umrt.drive.Driver` whose policy
+    drives a simulated GPU (the recorder's listener).
 
-    The contract is the simulator's replay: an Alloc is placed by the
-    layout before the policy sees it, a Launch is shown to the policy before
-    the GPU runs it, a Free is shown before the layout releases it. Objects
-    the program made before recording (``Alloc.launch == -1``) start out
-    written in host memory.
-
-    Events are handled one at a time, in the order they arrive: one that
-    arrives while another is being handled (a storage freed by Python's
+    The set-up and the first iteration are held until the boundary that opens
+    iteration 1: then the footprint is known, the simulated GPU is sized from it
+    (:attr:`budget`) and the held events go to the driver, and every later event
+    as it arrives. Events are handled one at a time, in the order they arrive:
+    one that arrives while another is being handled (a storage freed by Python's
     garbage collector in the middle of the simulator's work) waits until that
     one is done, and none overtakes the held set-up events.
     """
 
-    def __init__(self, policy, profile, gpu_memory: str | int = "20%") -> None:
-        from umrt.hardware import HardwareProfile, load_profile
-
+    def __init__(self, policy: Policy, profile: HardwareProfile | str, gpu_memory: str | int = "20%") -> None:
         self.profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
         self.policy = policy
         self.gpu_memory = gpu_memory
         self.budget_bytes: int | None = None
-        self.budget = None  # umrt.sim.budget.Budget: what budget_bytes is of
-        self.backend = None
-        self.layout = None
+        self.budget: Budget | None = None  # what budget_bytes is a share of
+        self.peak_bytes = 0  # peak live bytes of the held events the GPU was sized from
+        self.driver: Driver | None = None
         self.error: UmrtError | None = None
         self._held: list[Event] = []
         self._queue: deque[Event] = deque()
         self._handling = False
-        self._live = 0
-        self._peak = 0
-        self._sizes_seen: dict[int, int] = {}
-        self._addr: dict[int, tuple[int, int]] = {}
-        self.marks: list[dict] = []  # backend counters at each iteration boundary
-        self.ideal: list[float] = []  # roofline time of each iteration
 
     # -- the listener ----------------------------------------------------------
 
@@ -95,10 +90,10 @@ class ShadowDriver:
             while self._queue and self.error is None:
                 ev = self._queue.popleft()
                 try:
-                    if self.backend is None:
+                    if self.driver is None:
                         self._hold(ev)
                     else:
-                        self._feed(ev)
+                        self.driver.feed(ev)
                 except UmrtError as exc:  # never break the user's script; report at the end
                     self.error = exc
         finally:
@@ -111,89 +106,31 @@ class ShadowDriver:
         started the GPU: there is nothing to simulate, and the report says so."""
         self._held = []
 
-    # -- internals ---------------------------------------------------------------
-
     def _hold(self, event: Event) -> None:
-        self._count(event)
         self._held.append(event)
         # Set-up and iteration 0 are held; the boundary that opens iteration 1 starts the GPU.
         if type(event) is IterationBoundary and event.index >= 1:
             self._start()
 
-    def _count(self, event: Event) -> None:
-        t = type(event)
-        if t is Alloc:
-            self._live += event.nbytes
-            self._peak = max(self._peak, self._live)
-            self._sizes_seen[event.obj] = event.nbytes
-        elif t is Free:
-            self._live -= self._sizes_seen.pop(event.obj, 0)
-
     def _start(self) -> None:
-        from umrt.policy.base import PolicyContext
-        from umrt.sim.backend import SimBackend
-        from umrt.sim.budget import needs_of_events, resolve_budget
-
-        self.peak_bytes = self._peak
-        self.budget = resolve_budget(self.gpu_memory, needs_of_events(self._held))
+        needs = needs_of_events(self._held)
+        self.peak_bytes = needs.peak_live_bytes
+        self.budget = resolve_budget(self.gpu_memory, needs)
         self.budget_bytes = self.budget.bytes
-        unlimited = bool(getattr(self.policy, "unlimited_memory", False))
-        self.backend = SimBackend(self.profile, math.inf if unlimited else self.budget_bytes)
-        self.layout = self.policy.make_layout(self.backend)
-        self.policy.attach(PolicyContext(self.backend, self.layout, self.budget_bytes, self.profile))
+        backend = SimBackend(self.profile, math.inf if self.policy.unlimited_memory else self.budget_bytes)
+        layout = self.policy.make_layout(backend)
+        self.policy.attach(PolicyContext(backend, layout, self.budget_bytes, self.profile))
+        self.driver = Driver(self.policy, layout, backend, profile=self.profile)
         held, self._held = self._held, []
-        for ev in held:
-            self._feed(ev)
-
-    def _feed(self, ev: Event) -> None:
-        t = type(ev)
-        policy, backend = self.policy, self.backend
-        if t is Launch:
-            policy.on_event(ev)
-            reads, writes = [], []
-            addr = self._addr
-            for a in ev.accesses:
-                base = addr.get(a.obj)
-                if base is not None:
-                    (writes if a.write else reads).append((base[0] + a.offset, a.length))
-            try:
-                backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
-            except DataIntegrityError as exc:
-                raise DataIntegrityError(f"{exc} (launch #{ev.seq} {ev.op} in {ev.module or 'top level'})") from None
-            if self.ideal:
-                self.ideal[-1] += self.profile.compute_time(ev.flops, ev.bytes, ev.precision)
-        elif t is Alloc:
-            if ev.obj in self._addr:  # a storage id reused without a Free: release the old one
-                self.layout.free(ev.obj)
-                del self._addr[ev.obj]
-            ptr = self.layout.alloc(ev.obj, ev.nbytes, ev.kind)
-            self._addr[ev.obj] = (ptr, ev.nbytes)
-            if ev.launch == -1:
-                backend.mark_host_written([(ptr, ev.nbytes)])
-            policy.on_event(ev)
-        elif t is Free:
-            if ev.obj in self._addr:
-                policy.on_event(ev)
-                backend.mark_dead([self._addr.pop(ev.obj)])
-                self.layout.free(ev.obj)
-        elif t is IterationBoundary:
-            self.marks.append(backend.counters())
-            self.ideal.append(0.0)
-            policy.on_event(ev)
-        else:
-            policy.on_event(ev)
+        self.driver.feed_all(held)
 
     def iteration_times(self) -> list[float]:
-        return [b["time_s"] - a["time_s"] for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        """Simulated time of each completed iteration."""
+        return self.driver.iteration_times() if self.driver is not None else []
 
     def steady(self) -> dict:
         """Counters of the last complete iteration."""
-        if len(self.marks) < 2:
-            return {}
-        a, b = self.marks[-2], self.marks[-1]
-        out = {k: b[k] - a[k] for k in b if isinstance(b[k], (int, float))}
-        out["ideal_time_s"] = self.ideal[-2]
-        return out
+        return self.driver.steady() if self.driver is not None else {}
 
 
 def run_shadow(
@@ -231,7 +168,7 @@ def run_shadow(
     if policy == "oracle":
         raise ConfigError("the oracle needs the whole future; shadow mode runs live (use `umrt simulate` on a trace)")
     pol = make_policy(policy)
-    driver = ShadowDriver(pol, prof, gpu_memory)
+    driver = ShadowSource(pol, prof, gpu_memory)
     warm_up()  # compile the simulator now, not inside the script's first iteration
 
     status = 0
@@ -255,12 +192,12 @@ def run_shadow(
 # ---------------------------------------------------------------- the report
 
 
-def _report(trace: Trace, driver: ShadowDriver, prof, policy: str) -> dict:
+def _report(trace: Trace, driver: ShadowSource, prof, policy: str) -> dict:
     from umrt.sim.replay import peak_live_bytes, simulate
 
     rep: dict = {"profile": prof.name, "policy": policy, "budget_bytes": driver.budget_bytes,
                  "budget_description": driver.budget.describe() if driver.budget is not None else None,
-                 "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": getattr(driver, "peak_bytes", 0),
+                 "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": driver.peak_bytes,
                  "peak_live_bytes": peak_live_bytes(trace), "iterations": len(trace.iteration_spans()),
                  "rows": [], "runtime": {}, "notes": []}
     if driver.budget_bytes is None or not trace.iteration_spans():
