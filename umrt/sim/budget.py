@@ -33,8 +33,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from umrt.config import format_bytes, parse_size
+from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
-from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, LayerEnter, LayerExit, Trace
+from umrt.memory.caching import CachingAllocatorLayout
+from umrt.memory.pool import LifetimePool
+from umrt.policy.baselines import UMPolicy
+from umrt.trace.events import Alloc, Event, Free, Trace
 
 __all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "parse_percent",
            "resolve_budget", "peak_live_bytes"]
@@ -195,38 +199,25 @@ class _Segments:
     def free(self, ptr: int) -> None:
         self.current -= self._sizes.pop(ptr)
 
+    def launch(self, reads, writes, flops: int = 0, nbytes: int = 0, precision: str = "") -> None:
+        """Nothing runs: only addresses are handed out."""
 
-def _layout_peak(events: list[Event], make_layout, feed: bool) -> int:
-    """Most managed memory ``make_layout(backend)`` obtains while placing ``events``' objects."""
+
+def _layout_peak(events: list[Event], make_layout) -> int:
+    """Most managed memory ``make_layout(backend)`` obtains while placing ``events``' objects
+    (fed by the driver as in a run: a pool that learns from the stream learns here too)."""
     backend = _Segments()
     layout = make_layout(backend)
-    observe = getattr(layout, "observe", None) if feed else None
-    live: set[int] = set()
-    for ev in events:
-        t = type(ev)
-        if t is Alloc:
-            if ev.obj in live:  # an id allocated again without a Free: the old object is gone
-                layout.free(ev.obj)
-            layout.alloc(ev.obj, ev.nbytes, ev.kind)
-            live.add(ev.obj)
-        elif t is Free:
-            if ev.obj in live:
-                live.discard(ev.obj)
-                layout.free(ev.obj)
-        elif observe is not None and t in (Launch, LayerEnter, LayerExit, IterationBoundary):
-            observe(ev)
+    Driver(UMPolicy(), layout, backend).feed_all(events)
     return -(-backend.peak // BLOCK) * BLOCK
 
 
 def needs_of_events(events: Iterable[Event]) -> Needs:
     """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
-    from umrt.memory.caching import CachingAllocatorLayout
-    from umrt.memory.pool import LifetimePool
-
     events = list(events)
     return Needs(peak_live_bytes=peak_live_bytes(events),
-                 pool_bytes=_layout_peak(events, LifetimePool, feed=True),
-                 caching_bytes=_layout_peak(events, CachingAllocatorLayout, feed=False))
+                 pool_bytes=_layout_peak(events, LifetimePool),
+                 caching_bytes=_layout_peak(events, CachingAllocatorLayout))
 
 
 _CACHE: dict[int, tuple[weakref.ref, int, Needs]] = {}
