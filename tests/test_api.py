@@ -15,7 +15,9 @@ from umrt import stats
 from umrt.allocators.managed import ManagedPool
 from umrt.backends.cuda import CudaBackend, CupyApi
 from umrt.config import Config
+from umrt.drive.live import LiveBridge, ManagedOnly, profile_for
 from umrt.errors import ConfigError
+from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 
@@ -75,7 +77,7 @@ def test_live_bridge_feeds_the_runtime(fake_gpu):
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     session = api.Session(Config(enabled=True), active=True, backend=backend,
                           pool=ManagedPool(backend), budget_bytes=1 << 30)
-    bridge = api.LiveBridge(session, device="cpu")  # CPU tensors: not managed, so every range is dropped
+    bridge = LiveBridge(session, device="cpu")  # CPU tensors: not managed, so every range is dropped
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     bridge.start()
@@ -93,7 +95,7 @@ def test_live_bridge_feeds_the_runtime(fake_gpu):
 def test_managed_only_keeps_managed_ranges(fake_gpu):
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     ptr = backend.malloc(1 << 20)
-    view = api.ManagedOnly(backend)
+    view = ManagedOnly(backend)
     view.prefetch([(ptr, 4096), (0xDEAD0000, 4096), (ptr + (1 << 20) - 16, 64)], 0)
     calls = [c for c in fake_gpu.calls if c[0] == "memPrefetchAsync"]
     assert [(c[1], c[2]) for c in calls] == [(ptr, 4096)]
@@ -104,24 +106,24 @@ def test_the_live_runtime_plans_with_the_profile_of_its_gpu(monkeypatch, fake_gp
     umrt has no profile for says so; UMRT_PROFILE wins; no GPU: no profile."""
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
-    assert api._profile_for(Config(enabled=True), backend).name == "h100-pcie5-80g"
-    assert api._profile_for(Config(enabled=True, profile="v100-pcie3-16g"), backend).name == "v100-pcie3-16g"
+    assert profile_for(Config(enabled=True), backend).name == "h100-pcie5-80g"
+    assert profile_for(Config(enabled=True, profile="v100-pcie3-16g"), backend).name == "v100-pcie3-16g"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
     with caplog.at_level("WARNING"):
-        assert api._profile_for(Config(enabled=True), backend) is not None
+        assert profile_for(Config(enabled=True), backend) is not None
     assert "no shipped hardware profile for NVIDIA L4" in caplog.text
 
     def no_gpu(device=None):
         raise RuntimeError("no CUDA device")
 
     monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
-    assert api._profile_for(Config(enabled=True), backend) is None
+    assert profile_for(Config(enabled=True), backend) is None
 
 
 # -- the live bridge with objects from the allocator ------------------------------------
 
 
-class StubPolicy:
+class StubPolicy(Policy):
     """Records what it is given; ``wants`` maps an iteration to the ``wants_launches``
     it sets at that iteration's boundary; raises at its ``fail_at``-th event."""
 
@@ -201,7 +203,7 @@ def _train(bridge, steps, before=None, width=16, layers=1):
 def test_allocator_objects_reach_the_policy_before_the_launches_that_use_them(fake_gpu):
     policy = StubPolicy()
     session = _session(fake_gpu)
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     outside = torch.ones(1)  # made before umrt: not the allocator's
     seen = []  # what the recorder emitted (the bridge's keeps no events)
     bridge.recorder.listeners.append(seen.append)
@@ -233,7 +235,7 @@ def test_allocator_objects_reach_the_policy_before_the_launches_that_use_them(fa
 
 def test_bridge_boundaries_fall_before_the_first_alloc_layer_or_launch_after_a_step(fake_gpu):
     policy = StubPolicy()
-    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
     _train(bridge, 3)
     got = policy.got
     boundaries = [e.index for e in got if isinstance(e, IterationBoundary)]
@@ -254,7 +256,7 @@ def test_ops_are_suspended_while_the_policy_wants_no_launches(fake_gpu):
 
     def run(wants=None):
         policy = StubPolicy(wants)
-        bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+        bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
         _train(bridge, 3)
         got = [e for e in policy.got if e != "STEP"]
         at = [got.index(IterationBoundary(i)) for i in range(4)]
@@ -281,7 +283,7 @@ def test_ops_are_suspended_while_the_policy_wants_no_launches(fake_gpu):
 
 def test_a_failing_policy_stops_the_bridge_with_one_warning(fake_gpu, caplog):
     policy = StubPolicy(fail_at=40)
-    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
     seen = []
     bridge.recorder.listeners.append(seen.append)
     with caplog.at_level(logging.WARNING, logger="umrt"):
@@ -297,7 +299,7 @@ def test_a_failing_policy_stops_the_bridge_with_one_warning(fake_gpu, caplog):
 def test_the_pool_listener_never_raises_into_the_allocator(fake_gpu, caplog):
     session = _session(fake_gpu)
     policy = StubPolicy(fail_at=3)
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     bridge.start()
     try:
         ptr = session.pool.malloc(1 << 20)
@@ -318,7 +320,7 @@ def test_a_policy_that_wants_no_launches_from_the_start_has_none_recorded(fake_g
 
     policy = StubPolicy()
     policy.wants_launches = False
-    bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
     _train(bridge, 2)
     assert bridge.failed is None and isinstance(policy.got[0], IterationBoundary)
     assert not any(isinstance(e, Launch) for e in policy.got)
@@ -336,7 +338,7 @@ def test_plain_um_and_the_baselines_never_have_ops_recorded(fake_gpu):
         seen = []
         on_event = policy.on_event
         policy.on_event = lambda ev, f=on_event, seen=seen: (seen.append(ev), f(ev))
-        bridge = api.LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+        bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
         _train(bridge, 2)
         assert bridge.failed is None
         assert any(isinstance(e, Alloc) for e in seen) and not any(isinstance(e, Launch) for e in seen), name
@@ -357,7 +359,7 @@ def test_a_resume_from_the_allocator_waits_for_the_recorders_next_hook(fake_gpu)
     policy = WantsAfterAnAlloc()
     policy.wants_launches = False
     session = _session(fake_gpu)
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     bridge.start()
     try:
         assert bridge.recorder.ops_suspended and _get_current_dispatch_mode_stack() == []
@@ -374,12 +376,12 @@ def test_a_resume_from_the_allocator_waits_for_the_recorders_next_hook(fake_gpu)
 
 def test_the_source_of_objects(fake_gpu):
     session = _session(fake_gpu)
-    assert api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
-    assert not api.LiveBridge(session, device="cpu", policy=StubPolicy()).from_allocator
+    assert LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
+    assert not LiveBridge(session, device="cpu", policy=StubPolicy()).from_allocator
     session.pool = object()
-    assert not api.LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
+    assert not LiveBridge(session, device="cuda", policy=StubPolicy()).from_allocator
     with pytest.raises(ConfigError, match="pool with listeners"):
-        api.LiveBridge(session, device="cuda", policy=StubPolicy(), from_allocator=True)
+        LiveBridge(session, device="cuda", policy=StubPolicy(), from_allocator=True)
 
 
 def test_the_runtime_over_the_bridge_acts_without_launches(fake_gpu):
@@ -389,7 +391,7 @@ def test_the_runtime_over_the_bridge_acts_without_launches(fake_gpu):
     session = _session(fake_gpu)
     session.config = Config(enabled=True, policy="umrt", learn_iterations=2)
     session.budget_bytes = 1 << 20  # a quarter of the MLP's 3.8 MiB of parameters, gradients and momentum
-    bridge = api.LiveBridge(session, device="cpu", from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", from_allocator=True)
     per_iteration = []
     deliver = bridge.policy.on_event
 
@@ -429,7 +431,7 @@ def test_the_bridge_feeds_the_pool_boundaries_layers_and_kind_hints(fake_gpu):
     session = _session(fake_gpu)
     session.pool = pool = SpyPool(session.backend)
     policy = StubPolicy()
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     facts = []  # per step: (parameter blocks, optimizer state blocks)
 
     def read(opt, args, kwargs):
@@ -478,7 +480,7 @@ def test_an_allocation_after_a_step_opens_the_pools_iteration_before_it_is_place
     session = _session(fake_gpu)
     session.pool = ManagedPool(session.backend, lambda b: Logged(b, live_feed=True))
     policy = StubPolicy()
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     bridge.start()
     try:
         session.pool.free(session.pool.malloc(4096))
@@ -561,7 +563,7 @@ def test_the_pool_fed_by_the_bridge_plans_a_real_training_loop(fake_gpu, hints):
     the bridge's kind hints, from the third without them, in little more than live memory."""
     session = _session(fake_gpu)
     session.pool = pool = MirrorPool(hints)
-    bridge = api.LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
     with MirrorAllocator(pool):
         bridge.start()
         try:
@@ -603,7 +605,7 @@ def test_the_policy_is_told_what_allocator_objects_hold(fake_gpu):
 
     session = _session(fake_gpu)
     policy = Hinted()
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     _train(bridge, 3)
     assert bridge.failed is None
     announced = {ev.obj for ev in policy.got if isinstance(ev, Alloc)}
@@ -637,7 +639,7 @@ def test_a_failure_of_the_recorder_itself_stops_umrt_not_the_training(fake_gpu, 
 
     monkeypatch.setattr(Recorder, "_record", broken)
     session = _session(fake_gpu)
-    bridge = api.LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=StubPolicy(), from_allocator=True)
     with caplog.at_level("WARNING", logger="umrt"):
         _train(bridge, 3)
     assert isinstance(bridge.failed, RuntimeError)

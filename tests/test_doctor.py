@@ -12,7 +12,7 @@ import pytest
 from fake_cuda import FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, cudaError_t
 
 from umrt.activation import INSTALL_COMMAND, HookStatus
-from umrt.api import auto_profile_name
+from umrt.drive.live import auto_profile_name
 from umrt.backends.cuda import BindingsApi, CupyApi
 from umrt.doctor import TESTED, ShimBuild, ThisMachine, TorchBuild, check, minimums, report, version_tuple
 from umrt.errors import CudaError

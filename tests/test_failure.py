@@ -14,6 +14,7 @@ from umrt import stats
 from umrt.allocators.managed import ManagedPool
 from umrt.backends.cuda import CudaBackend, CupyApi
 from umrt.config import Config
+from umrt.drive.live import LiveBridge
 from umrt.errors import CudaError, StoppedActing
 from umrt.trace.events import Alloc
 
@@ -50,7 +51,7 @@ def _bridge(fake_gpu, *, strict=False):
     session = api.Session(Config(enabled=True, strict=strict), active=True, backend=backend,
                           pool=ManagedPool(backend), budget_bytes=1 << 30)
     policy = FailOnAlloc()
-    bridge = api.LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
+    bridge = LiveBridge(session, device="cpu", policy=policy, from_allocator=True)
     session.runtime = bridge
     return session, bridge, policy
 

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from umrt import stats
 from umrt.config import Config, from_env
-from umrt.errors import ConfigError, CudaError, StoppedActing
-from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
+from umrt.errors import ConfigError, CudaError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from umrt.drive.live import LiveBridge
 
 log = logging.getLogger("umrt")
 
@@ -49,7 +50,7 @@ class Session:
     backend: Any = None  # umrt.backends.cuda.CudaBackend
     pool: Any = None  # umrt.allocators.managed.ManagedPool
     budget_bytes: int = 0
-    runtime: Any = None  # what umrt.runtime.attach(session) returned, if anything
+    runtime: LiveBridge | None = None  # the live source of events, where torch is in use
     telemetry: Any = None  # umrt.telemetry.Sampler
     notes: list[str] = field(default_factory=list)
 
@@ -179,483 +180,16 @@ def _install_torch(session: Session) -> None:
     session.backend.set_compute_stream(torch.cuda.current_stream(session.config.device).cuda_stream)
 
 
-def _attach_runtime(session: Session) -> Any:
-    """Start the policy live: a capture Recorder's events fed to it (:class:`LiveBridge`)."""
+def _attach_runtime(session: Session) -> LiveBridge | None:
+    """Start the policy live: the program's events fed to it (:class:`~umrt.drive.live.LiveBridge`)."""
     if "torch" not in sys.modules:
         return None
+    # optional: the live bridge records with torch; `import umrt` must not import torch
+    from umrt.drive.live import LiveBridge
+
     bridge = LiveBridge(session)
     bridge.start()
     return bridge
-
-
-class ManagedOnly:
-    """A backend view that drops ranges outside umrt's managed allocations.
-
-    Storages torch made before umrt was enabled (or pinned host buffers) show
-    up in the live event stream; the driver would reject them, so they are
-    skipped here instead of failing the training run.
-    """
-
-    def __init__(self, backend: Any) -> None:
-        self._b = backend
-        self.name, self.device = backend.name, backend.device
-
-    def _keep(self, ranges: Any) -> list:
-        out = []
-        for ptr, n in ranges:
-            alloc = self._b.allocation_of(ptr) if ptr else None
-            if alloc is not None and ptr + n <= alloc[0] + alloc[1]:
-                out.append((ptr, n))
-        return out
-
-    def prefetch(self, ranges: Any, device: int) -> None:
-        self._b.prefetch(self._keep(ranges), device)
-
-    def populate(self, ranges: Any) -> None:
-        self._b.populate(self._keep(ranges))
-
-    def discard(self, ranges: Any) -> None:
-        self._b.discard(self._keep(ranges))
-
-    def advise(self, ranges: Any, advice: Any, device: int) -> None:
-        self._b.advise(self._keep(ranges), advice, device)
-
-    def launch(self, reads: Any, writes: Any, flops: int = 0, nbytes: int = 0, precision: str = "") -> None:
-        self._b.launch(self._keep(reads), self._keep(writes), flops, nbytes, precision)
-
-    def __getattr__(self, name: str) -> Any:  # malloc, free, synchronize, mem_info, counters
-        return getattr(self._b, name)
-
-
-class LiveLayout:
-    """The :class:`~umrt.memory.base.Layout` of a live program: torch already placed
-    every storage (through umrt's pool); this layout only reports where.
-
-    ``locate(obj)`` gives a newborn object's address (a storage's data pointer,
-    or the block the allocator just returned).
-    """
-
-    def __init__(self, locate: Callable[[int], int], pool: Any) -> None:
-        self.locate, self.pool = locate, pool
-        self._where: dict[int, int] = {}
-
-    def alloc(self, obj: int, nbytes: int, kind: Any) -> int:
-        ptr = self._where[obj] = self.locate(obj)
-        return ptr
-
-    def free(self, obj: int) -> None:
-        self._where.pop(obj, None)
-
-    def address(self, obj: int) -> int:
-        return self._where.get(obj, 0)
-
-    def footprint(self) -> int:
-        return self.pool.reserved_bytes()
-
-
-_KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
-_FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)
-
-
-def auto_profile_name(device_name: str, total_bytes: int) -> tuple[str, bool]:
-    """The shipped profile umrt plans with on this GPU when ``UMRT_PROFILE`` is unset
-    (the closest one, as ``umrt calibrate`` starts from), and whether a shipped
-    profile was made for this kind of GPU (False: only the closest guess)."""
-    from umrt.calibrate import closest_profile_name
-
-    return closest_profile_name(device_name, total_bytes), any(k in device_name.upper() for k in _KNOWN_GPUS)
-
-
-def _profile_for(cfg: Any, backend: Any) -> Any:
-    """The hardware profile the runtime plans with: ``UMRT_PROFILE``, else (auto)
-    :func:`auto_profile_name`; None (the runtime's generic guesses) where the GPU
-    cannot be read."""
-    from umrt.hardware import load_profile
-
-    if cfg.profile:
-        return load_profile(cfg.profile)
-    try:
-        import torch
-
-        name = torch.cuda.get_device_name(cfg.device)
-        total = backend.mem_info()[1]
-    except Exception as exc:  # noqa: BLE001 - no CUDA device to read: plan without a profile
-        log.info("umrt: no GPU to pick a hardware profile for (%s); set UMRT_PROFILE", exc)
-        return None
-    chosen, made_for_it = auto_profile_name(name, total)
-    if not made_for_it:
-        log.warning("umrt: no shipped hardware profile for %s; planning with %s. Run `umrt calibrate` "
-                    "and set UMRT_PROFILE to its file for this GPU's own figures", name, chosen)
-    return load_profile(chosen)
-
-
-class LiveBridge:
-    """Feeds a live program's events to the policy, in the order the simulator's
-    replay uses (Alloc: layout then policy; Launch: policy then ``backend.launch``;
-    Free: policy then layout).
-
-    Two sources of objects:
-
-    * **the allocator** (the live GPU case: ``device="cuda"`` and a pool with
-      ``listeners``, umrt's :class:`~umrt.allocators.managed.ManagedPool`):
-      each ``malloc`` is a new object, announced at once as
-      ``Alloc(obj, nbytes, Kind.OTHER, launch=0)``, from inside the op that
-      asked for it and so before its kernel is enqueued; each ``free`` is its
-      ``Free``. The capture :class:`~umrt.capture.Recorder` adds layer events
-      and launches, whose accesses are mapped from its storages to these
-      objects by address (storages umrt did not allocate are dropped).
-      Iteration boundaries are the bridge's own, so they fall at the same place
-      whether ops are recorded or not: after the recorder's first one, the
-      next alloc, layer event or launch after an optimizer step opens the next
-      iteration (frees after the step still close the old one). The policy
-      may set ``wants_launches = False`` to have the recorder's ops suspended
-      (:meth:`~umrt.capture.Recorder.suspend_ops`) until it sets it True again.
-      The pool is fed too, so that its layout (umrt's ``LifetimePool`` in its
-      live feed) can plan: the same boundaries (opened from the pool's
-      ``before_malloc`` hook when an allocation opens the iteration, so the
-      block counts in it) and layer events (``pool.observe``), and what the
-      blocks hold as kind hints (``pool.hint_kind``): the recorder's kind for
-      each storage it announces, and in the first two optimizer steps the
-      optimizer's facts (its parameters, their gradients, its state).
-    * **the recorder** (otherwise, e.g. CPU tensors in tests): every event as
-      the recorder emits it, after its op ran; ops are never suspended, and
-      umrt's runtime discards a freed range at the ``Free`` itself.
-
-    A failure in any callback stops umrt's actions with one warning, never the
-    training (and suspends the recorder's ops: nothing reads them);
-    ``umrt.memory_stats()`` shows it (``acting``, ``stopped_reason``). With
-    ``UMRT_STRICT`` (``config.strict``) the failure is raised as
-    :class:`~umrt.errors.StoppedActing`, once, in the training program's
-    thread at the next safe point: the end of the next ``optimizer.step()``
-    (a post hook that runs after the recorder's own), else ``umrt.disable()``.
-    Not where it happens: failures arrive inside torch's allocator callbacks
-    (an exception out of malloc or free would leave a block the pool handed
-    out with no owner, or unwind through torch's C++ free) and inside the
-    recorder's dispatch and module hooks, which run in autograd's threads too
-    (an exception there unwinds half-done bookkeeping in an arbitrary op). At
-    the end of a step no umrt or allocator frame is on the stack and the
-    step's work is complete. Events come from torch's autograd thread too:
-    one lock orders their delivery to the policy.
-
-    Args:
-        session: the enabled session (backend, pool, budget, config).
-        device: the device whose tensors are recorded.
-        policy: a policy object to feed instead of the one ``session.config`` names.
-        from_allocator: force the source of objects (None: as described above).
-
-    Raises:
-        ConfigError: ``from_allocator=True`` with a pool that has no ``listeners``.
-    """
-
-    def __init__(self, session: Session, device: str = "cuda", *, policy: Any = None,
-                 from_allocator: bool | None = None) -> None:
-        from umrt.capture import Recorder
-        from umrt.policy.base import PolicyContext
-
-        cfg = session.config
-        has_listeners = isinstance(getattr(session.pool, "listeners", None), list)
-        if from_allocator is None:
-            from_allocator = device == "cuda" and has_listeners
-        elif from_allocator and not has_listeners:
-            raise ConfigError("objects from the allocator need a pool with listeners (umrt's ManagedPool); "
-                              f"got {type(session.pool).__name__}")
-        self.from_allocator: bool = from_allocator
-        self.policy = policy if policy is not None else _live_policy(cfg, discard_on_free=not from_allocator)
-        self.recorder = Recorder(listeners=(self.on_event,), device=device, steer=False, keep_events=False,
-                                 on_error=self._recorder_failed)
-        self.pool = session.pool
-        self.failed: BaseException | None = None
-        self.strict: bool = cfg.strict  # raise a failure at the next safe point (UMRT_STRICT)
-        self._failure_raised = False
-        self._strict_hook: Any = None
-        self.events = 0  # events delivered to the policy
-        self._lock = threading.RLock()  # re-entrant: a free can fire inside our own handling
-        self._ids = itertools.count(1)  # allocator objects (pointers are reused, ids never)
-        self._obj_at: dict[int, int] = {}  # block start -> the allocator object living there
-        self._born: dict[int, int] = {}  # object -> block, until the layout takes it
-        self._next_boundary: int | None = None  # None until the recorder's first boundary
-        self._step_ended = False
-        self._step_hook: Any = None
-        self._device = device
-        self._facts_left = _FACT_STEPS if from_allocator else 0  # optimizer steps still read for hints
-        # Feeding the pool's layout (allocator-sourced objects only).
-        observe, hint = getattr(session.pool, "observe", None), getattr(session.pool, "hint_kind", None)
-        self._pool_observe = observe if from_allocator and callable(observe) else None
-        self._pool_hint = hint if from_allocator and callable(hint) else None
-        self.backend = ManagedOnly(session.backend)
-        self.layout = LiveLayout(self._born.pop if from_allocator else self.recorder.address, session.pool)
-        profile = _profile_for(cfg, session.backend)
-        self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
-
-    # -- callbacks ------------------------------------------------------------
-
-    def on_event(self, ev: Any) -> None:
-        """The recorder's listener: one live event."""
-        if self.failed is not None:
-            return
-        with self._lock:
-            if self.failed is not None:
-                return
-            try:
-                if self.from_allocator:
-                    self._from_recorder(ev)
-                    self._follow_wants()
-                else:
-                    self._deliver(ev)
-            except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
-                self._fail(exc)
-
-    def on_pool_event(self, what: str, ptr: int, nbytes: int) -> None:
-        """The pool's listener (``("alloc"|"free", ptr, nbytes)``, from inside
-        malloc/free): never raises into torch's allocator."""
-        if self.failed is None:
-            self._in_allocator(self._pool_event, what, ptr, nbytes)
-
-    def _pool_event(self, what: str, ptr: int, nbytes: int) -> None:
-        if what == "alloc":
-            self._boundary_if_stepped()
-            obj = next(self._ids)
-            self._obj_at[ptr] = obj
-            self._born[obj] = ptr
-            self._deliver(Alloc(obj, nbytes, Kind.OTHER, 0))
-        elif what == "free":
-            obj = self._obj_at.pop(ptr, None)
-            if obj is not None:  # else allocated before the bridge started
-                self._deliver(Free(obj))
-        self._follow_wants(in_op=True)
-
-    def _in_allocator(self, fn: Any, *args: Any) -> None:
-        """``fn(*args)`` under the bridge's lock, called from inside torch's allocator:
-        a failure stops umrt's actions; nothing, not even a failing warning, reaches
-        the allocator."""
-        try:
-            with self._lock:
-                if self.failed is not None:
-                    return
-                try:
-                    fn(*args)
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(exc)
-        except BaseException:  # noqa: BLE001
-            pass
-
-    def _on_step(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self._step_ended = True  # the next alloc, layer event or launch opens an iteration
-        if self._facts_left > 0 and self._pool_hint is not None and self.failed is None:
-            self._facts_left -= 1
-            with self._lock:
-                try:
-                    self._hint_optimizer(opt)
-                except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
-                    self._fail(exc)
-
-    def _before_malloc(self, nbytes: int) -> None:
-        """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
-        block is placed, so the pool's layout counts the block in it. Never raises."""
-        if self._step_ended and self.failed is None:
-            self._in_allocator(self._boundary_if_stepped)
-
-    def _hint_optimizer(self, opt: Any) -> None:
-        """The optimizer's facts as kind hints: persistent state (parameters, optimizer
-        state made lazily in the first step) is kept out of the pool's plan."""
-        import torch
-
-        def hint(t: Any, kind: Kind) -> None:
-            if isinstance(t, torch.Tensor) and t.device.type == self._device:
-                self._hint(t.untyped_storage().data_ptr(), kind)
-
-        for group in opt.param_groups:
-            for p in group["params"]:
-                hint(p, Kind.PARAMETER)
-                hint(p.grad, Kind.GRADIENT)
-        for state in opt.state.values():
-            for v in state.values():
-                hint(v, Kind.OPTIMIZER_STATE)
-
-    def _recorder_failed(self, exc: BaseException) -> None:
-        """The recorder's own bookkeeping failed (an op it cannot read, say): as any
-        failure of umrt's, it stops umrt's actions, never the training."""
-        with self._lock:
-            if self.failed is None:
-                self._fail(exc)
-
-    def _fail(self, exc: BaseException) -> None:
-        """Stop acting: the first failure is kept, said once and shown in
-        ``umrt.memory_stats()``; later ones are dropped."""
-        if self.failed is not None:
-            return
-        self.failed = exc
-        reason = f"{type(exc).__name__}: {exc}"
-        stats.runtime_stopped(reason)
-        then = ("UMRT_STRICT: raising it at the next optimizer step" if self.strict
-                else "memory stays managed, no longer prefetched")
-        log.warning("umrt: runtime stopped acting after an error (%s); %s", reason, then)
-        self.recorder.suspend_ops()  # nothing reads its launches any more: stop paying for them
-
-    def raise_if_failed(self, *_hook_args: Any) -> None:
-        """With ``strict``: raise the failure as :class:`~umrt.errors.StoppedActing`
-        (once; the original error is its cause). Called at safe points only
-        (an optimizer step's post hook, ``umrt.disable()``)."""
-        exc = self.failed
-        if exc is None or not self.strict or self._failure_raised:
-            return
-        self._failure_raised = True
-        raise StoppedActing(f"umrt stopped acting: {type(exc).__name__}: {exc} (UMRT_STRICT is set; "
-                            "unset it to train on with memory managed but not prefetched)") from exc
-
-    # -- allocator-sourced objects ------------------------------------------------
-
-    def _from_recorder(self, ev: Any) -> None:
-        """A recorder event when objects come from the allocator: its own objects
-        and boundaries give way to the allocator's and the bridge's."""
-        t = type(ev)
-        if t is Launch:
-            self._boundary_if_stepped()
-            self._deliver(self._translate(ev))
-        elif t is LayerEnter or t is LayerExit:
-            self._boundary_if_stepped()
-            if self._pool_observe is not None:
-                self._pool_observe(ev)
-            self._deliver(ev)
-        elif t is IterationBoundary:
-            if self._next_boundary is None:  # the recorder's first: iterations start here
-                self._next_boundary = ev.index + 1
-                self._step_ended = False
-                if self._pool_observe is not None:
-                    self._pool_observe(ev)
-                self._deliver(ev)
-        elif t is Alloc:
-            # The allocator announced the object; the recorder knows better what it holds.
-            if self._pool_hint is not None and ev.kind is not Kind.OTHER:
-                ptr = self.recorder.address(ev.obj)
-                if ptr:
-                    self._hint(ptr, ev.kind)
-        # Free of the recorder's storages: the allocator announced it
-
-    def _hint(self, ptr: int, kind: Kind) -> None:
-        """What the block at ``ptr`` holds, for the pool's layout and the policy
-        (umrt's runtime plans with kinds: optimizer state read by one launch is
-        kept on the host)."""
-        self._pool_hint(ptr, kind)
-        obj = self._obj_at.get(ptr)
-        hint = getattr(self.policy, "hint_kind", None)
-        if obj is not None and callable(hint):
-            hint(obj, kind)
-
-    def _translate(self, ev: Launch) -> Launch:
-        """The launch with each storage mapped to the allocator object at its address."""
-        address, obj_at = self.recorder.address, self._obj_at
-        accesses = []
-        for a in ev.accesses:
-            obj = obj_at.get(address(a.obj))
-            if obj is not None:
-                accesses.append(Access(obj, a.offset, a.length, a.write))
-        return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
-
-    def _boundary_if_stepped(self) -> None:
-        if self._step_ended and self._next_boundary is not None:
-            self._step_ended = False
-            index, self._next_boundary = self._next_boundary, self._next_boundary + 1
-            ev = IterationBoundary(index)
-            if self._pool_observe is not None:
-                self._pool_observe(ev)
-            self._deliver(ev)
-
-    def _follow_wants(self, *, in_op: bool = False) -> None:
-        """Suspend or resume the recorder's ops so that they follow the policy's
-        ``wants_launches``; a suspension refused or undone by the recorder (not
-        recording yet at its first boundary, a user's mode on top) is asked for
-        again at the next event. ``in_op``: called from the allocator, inside the
-        op that asked for memory: the recorder's mode is re-entered at its next
-        hook, not in the middle of that op."""
-        want = self.policy.wants_launches
-        if want == self.recorder.ops_suspended:
-            if want:
-                self.recorder.resume_ops(at_once=not in_op)
-            else:
-                self.recorder.suspend_ops()
-
-    # -- delivery ---------------------------------------------------------------
-
-    def _deliver(self, ev: Any) -> None:
-        self.events += 1
-        t = type(ev)
-        if t is Alloc:
-            self.layout.alloc(ev.obj, ev.nbytes, ev.kind)
-            self.policy.on_event(ev)
-        elif t is Launch:
-            self.policy.on_event(ev)
-            reads: list[tuple[int, int]] = []
-            writes: list[tuple[int, int]] = []
-            for a in ev.accesses:  # each object's address looked up once
-                ptr = self.layout.address(a.obj)
-                if ptr:
-                    (writes if a.write else reads).append((ptr + a.offset, a.length))
-            self.backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
-        elif t is Free:
-            self.policy.on_event(ev)
-            self.layout.free(ev.obj)
-        else:
-            self.policy.on_event(ev)
-
-    # -- life ---------------------------------------------------------------------
-
-    def start(self) -> None:
-        """Start listening: the pool and optimizer hooks first, then the recorder
-        (whose first iteration boundary opens the policy's first iteration)."""
-        if self.from_allocator:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._step_hook = register_optimizer_step_post_hook(self._on_step)
-            self.pool.listeners.append(self.on_pool_event)
-            if isinstance(getattr(self.pool, "before_malloc", None), list):
-                self.pool.before_malloc.append(self._before_malloc)
-        self.recorder.__enter__()
-        stats.runtime_started()
-        if self.strict:  # after the recorder's: its step bookkeeping is done when this raises
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._strict_hook = register_optimizer_step_post_hook(self.raise_if_failed)
-        if self.from_allocator:
-            with self._lock:  # a policy may want no launches from the start
-                if self.failed is None:
-                    self._follow_wants()
-
-    def close(self) -> None:
-        """Stop listening; a completed last iteration is closed with its boundary."""
-        for hook in (self._step_hook, self._strict_hook):
-            if hook is not None:
-                hook.remove()
-        self._step_hook = self._strict_hook = None
-        if self.from_allocator:
-            with contextlib.suppress(ValueError):
-                self.pool.listeners.remove(self.on_pool_event)
-            with contextlib.suppress(ValueError, AttributeError):
-                self.pool.before_malloc.remove(self._before_malloc)
-        self.recorder.__exit__(None, None, None)
-        if self.from_allocator:
-            with self._lock:
-                if self.failed is None:
-                    try:
-                        self._boundary_if_stepped()
-                    except Exception as exc:  # noqa: BLE001
-                        self._fail(exc)
-        stats.runtime_closed()
-
-
-def _live_policy(cfg: Config, *, discard_on_free: bool) -> Any:
-    """The policy ``cfg`` names, with the live runtime's options for ``umrt``
-    (``discard_on_free``: events come after their op ran, so a freed range is
-    discarded at its ``Free`` rather than before the next allocation)."""
-    from umrt.policy import make_policy
-
-    options: dict[str, Any] = {}
-    if cfg.policy == "umrt":
-        options = {"learn_iterations": cfg.learn_iterations, "op_level": cfg.granularity == "op",
-                   "use_pool": False}
-        if discard_on_free:
-            options["discard_on_free"] = True
-    return make_policy(cfg.policy, **options)
 
 
 def current() -> Session | None:
@@ -685,13 +219,12 @@ def _disable_keeping(other_error: bool) -> None:
         session, _current = _current, None
     if session is None or not session.active:
         return
-    close = getattr(session.runtime, "close", None)
-    if callable(close):
-        close()
+    if session.runtime is not None:
+        session.runtime.close()
     if session.telemetry is not None:
         session.telemetry.stop_and_report()
     session.backend.synchronize()
-    if isinstance(session.runtime, LiveBridge) and not other_error:
+    if session.runtime is not None and not other_error:
         session.runtime.raise_if_failed()
 
 

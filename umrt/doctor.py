@@ -424,7 +424,7 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
 
 
 def _profile(cfg: Config, gpu: _Gpu | None, found: list[Finding]) -> None:
-    from umrt.api import auto_profile_name
+    from umrt.drive.live import auto_profile_name
     from umrt.hardware import load_profile
 
     if cfg.profile:

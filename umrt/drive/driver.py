@@ -131,7 +131,7 @@ class Driver:
                     on_event(ev)
                 elif t is LayerEnter or t is LayerExit:
                     if learner is not None:
-                        learner.observe_layer(t is LayerEnter)
+                        learner.observe(ev)
                     on_event(ev)
                 else:
                     on_event(ev)

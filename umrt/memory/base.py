@@ -53,9 +53,6 @@ class LearningLayout(Protocol):
     def observe_launch(self, exec_id: int) -> None:
         """``observe`` of a launch, its type already known (the hot path)."""
 
-    def observe_layer(self, enter: bool) -> None:
-        """``observe`` of a layer entry (``enter``) or exit, its type already known."""
-
 
 class LiveRecord(Protocol):
     """Where a live object sits."""
