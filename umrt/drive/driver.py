@@ -45,35 +45,45 @@ class Driver:
         strict: a launch that touches an object the driver never placed is a
             :class:`~umrt.errors.TraceFormatError` (a trace being simulated); otherwise
             that access is skipped (live programs touch memory umrt did not allocate).
+        launches_on_demand: closed loop, as live: a launch is shown to the policy only
+            while ``policy.wants_launches`` (the live bridge stops capturing launches
+            otherwise); it runs on the backend and the learning layout is told of it all the same.
 
     Attributes:
         addresses: ``obj -> (ptr, nbytes)`` of every live object.
         marks: the backend's counters at each iteration boundary (a simulated backend only).
         peaks: the backend's resident peak of each completed iteration (likewise).
         ideal_s: ideal compute time of each iteration so far, the last one running.
+        launches_held_back: launches not shown to the policy (``launches_on_demand``).
         events: events fed so far.
     """
 
     def __init__(self, policy: Policy, layout: Layout, backend: Backend, *,
-                 profile: HardwareProfile | None = None, strict: bool = False) -> None:
+                 profile: HardwareProfile | None = None, strict: bool = False,
+                 launches_on_demand: bool = False) -> None:
         self.policy, self.layout, self.backend = policy, layout, backend
         self.learner: LearningLayout | None = layout if isinstance(layout, LearningLayout) else None
         self.contents: SimulatedContents | None = backend if isinstance(backend, SimulatedContents) else None
         self.profile = profile
         self.strict = strict
+        self.launches_on_demand = launches_on_demand
+        self.launches_held_back = 0  # launches the policy did not want (launches_on_demand)
         self.addresses: dict[int, tuple[int, int]] = {}
         self.marks: list[dict] = []
         self.peaks: list[int] = []
         self.ideal_s: list[float] = [0.0]
         self.events = 0
 
-    def feed(self, event: Event) -> None:
-        """One event."""
-        self.feed_all((event,))
+    def feed(self, event: Event, *, shown: bool | None = None) -> None:
+        """One event; ``shown=False``: a launch the program ran that its policy is not
+        shown (capture was off; a closed-loop source decides, see ``launches_on_demand``)."""
+        self.feed_all((event,), shown=shown)
 
-    def feed_all(self, events: Iterable[Event]) -> None:
-        """Events in program order (a batch, a generator, a whole trace)."""
-        on_event = self.policy.on_event
+    def feed_all(self, events: Iterable[Event], *, shown: bool | None = None) -> None:
+        """Events in program order (a batch, a generator, a whole trace); ``shown`` as in :meth:`feed`."""
+        policy = self.policy
+        on_event = policy.on_event
+        on_demand = self.launches_on_demand
         layout, backend, learner, contents = self.layout, self.backend, self.learner, self.contents
         addresses = self.addresses
         compute_time = self.profile.compute_time if self.profile is not None else None
@@ -85,7 +95,10 @@ class Driver:
                 if t is Launch:
                     if learner is not None:
                         learner.observe_launch(ev.exec_id)
-                    on_event(ev)
+                    if shown if shown is not None else (not on_demand or policy.wants_launches):
+                        on_event(ev)
+                    else:
+                        self.launches_held_back += 1
                     reads: list[tuple[int, int]] = []
                     writes: list[tuple[int, int]] = []
                     for a in ev.accesses:
