@@ -33,6 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umrt.backends.base import Backend, ForwardingBackend
+from umrt.config import parse_amount
+from umrt.drive.driver import Driver
+from umrt.errors import ConfigError
+from umrt.hardware import load_profile
+from umrt.policy.base import PolicyContext
+from umrt.runtime import Runtime
+from umrt.sim.backend import SimBackend
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -306,11 +313,6 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
            lag: bool = False, runtime=None) -> list[dict]:
     """Replay a live log (a name of :data:`RUNS` or a path) in closed loop under
     umrt's runtime on the simulator; one row per iteration from the first."""
-    from umrt.hardware import load_profile
-    from umrt.policy.base import PolicyContext
-    from umrt.runtime import Runtime
-    from umrt.sim.backend import SimBackend
-
     path = LOGS / RUNS[run] if run in RUNS else Path(run)
     source = _source(str(path))
     prof = load_profile(profile)
@@ -319,7 +321,7 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
     backend = CountingBackend(sim)
     layout = rt.make_layout(backend, live_feed=True)  # as in the live run: every block announced as OTHER
     rt.attach(PolicyContext(backend, layout, budget_bytes, prof))
-    addr: dict[int, tuple[int, int]] = {}
+    driver = Driver(rt, layout, backend)
     rows: list[dict] = []
     mark = None
 
@@ -342,29 +344,13 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
     for ev, seen in source.stream(iterations, lambda: rt.wants_launches, lag=lag):
         t = type(ev)
         if t is Launch:
-            if seen:
-                launches[0] += 1
-                rt.on_event(ev)
-            reads, writes = [], []
-            for a in ev.accesses:
-                if a.obj in addr:
-                    (writes if a.write else reads).append((addr[a.obj][0] + a.offset, a.length))
-            sim.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
-        elif t is Alloc:
-            ptr = layout.alloc(ev.obj, ev.nbytes, ev.kind)
-            addr[ev.obj] = (ptr, ev.nbytes)
-            rt.on_event(ev)
-        elif t is Free:
-            rt.on_event(ev)
-            if ev.obj in addr:
-                sim.mark_dead([addr.pop(ev.obj)])
-                layout.free(ev.obj)
-        elif t is IterationBoundary:
-            rt.on_event(ev)
-            close_row(ev.index)
+            launches[0] += seen
+            driver.feed(ev, shown=seen)
         else:
-            rt.on_event(ev)
-    rt.on_event(IterationBoundary(iterations))
+            driver.feed(ev)
+            if t is IterationBoundary:
+                close_row(ev.index)
+    driver.feed(IterationBoundary(iterations))
     close_row(iterations)
     return rows
 
@@ -378,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lag", action="store_true", help="launches resume only at the next module hook")
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     args = p.parse_args(argv)
-    from umrt.config import parse_amount
-    from umrt.errors import ConfigError
 
     try:
         budget = parse_amount(args.budget, "--budget", allow_percent=False).bytes
