@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from umrt.backends.base import Advice, Backend
+from umrt.drive import Driver
 from umrt.errors import ConfigError
 from umrt.memory.base import Layout
 from umrt.policy import POLICIES, POLICY_NAMES, available, make_policy, policy_class
@@ -63,15 +64,7 @@ class RecordingBackend(Backend):
 def run(policy: Policy, events):
     backend, layout = RecordingBackend(), DictLayout()
     policy.attach(PolicyContext(backend, layout, budget_bytes=1 << 30))
-    for e in events:
-        if isinstance(e, Alloc):
-            layout.alloc(e.obj, e.nbytes, e.kind)
-            policy.on_event(e)
-        elif isinstance(e, Free):
-            policy.on_event(e)
-            layout.free(e.obj)
-        else:
-            policy.on_event(e)
+    Driver(policy, layout, backend).feed_all(events)
     return [c for c in backend.calls if c[0] != "launch"], layout
 
 

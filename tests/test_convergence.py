@@ -14,10 +14,11 @@ import torch
 
 from bench.overhead import NullBackend
 from umrt.capture.profiled import ProfiledCapture
+from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
 from umrt.runtime import Runtime
-from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
+from umrt.trace.events import IterationBoundary
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -58,24 +59,13 @@ def _drive(events: list) -> tuple[Runtime, list[bool]]:
     rt = Runtime()
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile("h100-sxm5-80g")))
+    driver = Driver(rt, layout, backend, launches_on_demand=True)
     light: list[bool] = []
     for ev in events:
-        t = type(ev)
-        if t is Launch:
-            if rt.wants_launches:
-                rt.on_event(ev)
-        elif t is Alloc:
-            layout.alloc(ev.obj, ev.nbytes, ev.kind)
-            rt.on_event(ev)
-        elif t is Free:
-            rt.on_event(ev)
-            layout.free(ev.obj)
-        elif t is IterationBoundary:
-            before = rt.report()["light_iterations"]
-            rt.on_event(ev)
+        before = rt.report()["light_iterations"]
+        driver.feed(ev)
+        if type(ev) is IterationBoundary:
             light.append(rt.report()["light_iterations"] > before)
-        else:
-            rt.on_event(ev)
     return rt, light
 
 

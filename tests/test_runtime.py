@@ -8,6 +8,7 @@ import pytest
 
 from bench.overhead import NullBackend
 from umrt.backends.base import Backend
+from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
@@ -225,7 +226,7 @@ def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper
     if hide_index:
         layout.__class__ = _NoIndexPool
     rt.attach(PolicyContext(backend, layout, budget, load_profile(PROFILE)))
-    rt.held_back = 0
+    driver = Driver(rt, layout, backend)
     capturing = True
     for ev in tr.events:
         if not rt.wants_launches:
@@ -234,17 +235,8 @@ def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper
             capturing = True
         if isinstance(ev, IterationBoundary) and tamper is not None and rt._frozen:
             tamper(rt)
-        if isinstance(ev, Launch) and honour and not capturing:
-            rt.held_back += 1
-            backend.launch((), (), 0, 0)  # the kernel runs all the same
-            continue
-        if isinstance(ev, Alloc):
-            layout.alloc(ev.obj, ev.nbytes, ev.kind)
-        rt.on_event(ev)
-        if isinstance(ev, Launch):
-            backend.launch((), (), 0, 0)
-        if isinstance(ev, Free):
-            layout.free(ev.obj)
+        driver.feed(ev, shown=capturing or not honour)  # a launch not shown still runs
+    rt.held_back = driver.launches_held_back
     assert rt.report()["acted"] >= 3
     return rt
 
