@@ -20,6 +20,9 @@ class Backend:
     def resident_bytes(self):
         return 5 << 20
 
+    def counters(self):
+        return {}
+
 
 class Pool:
     def reserved_bytes(self):

@@ -24,7 +24,7 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(eq=False)
@@ -54,6 +54,27 @@ class Statistics:
 _lock = threading.Lock()
 _process = Statistics()
 _stack: list[Statistics] = []
+class ReservesMemory(Protocol):
+    """The pool's side of :func:`memory_stats`."""
+
+    def reserved_bytes(self) -> int:
+        """Managed bytes the pool holds."""
+
+
+class CountsMoves(Protocol):
+    """The backend's side of :func:`memory_stats` (umrt's ``CudaBackend``)."""
+
+    h2d_bytes: int
+    d2h_bytes: int
+    discarded_bytes: int
+
+    def resident_bytes(self) -> int:
+        """Bytes umrt placed on the GPU (a lower bound)."""
+
+    def counters(self) -> dict:
+        """``populated_bytes`` and ``calls`` (CUDA call name -> count), among others."""
+
+
 _sources: dict[str, Any] = {"pool": None, "backend": None}
 
 
@@ -68,7 +89,7 @@ class RuntimeStatus:
 _status = RuntimeStatus()
 
 
-def attach(*, pool: Any = None, backend: Any = None) -> None:
+def attach(*, pool: ReservesMemory | None = None, backend: CountsMoves | None = None) -> None:
     """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from.
 
     A new session: no runtime acts yet (and no earlier failure is reported).
@@ -132,23 +153,24 @@ def memory_stats() -> dict[str, Any]:
     ``stopped_reason`` (str, or None while it acts or when it never ran). Diff
     two snapshots around a training step for what umrt issued per step.
     """
-    pool, backend = _sources["pool"], _sources["backend"]
-    h2d = int(getattr(backend, "h2d_bytes", 0))
-    d2h = int(getattr(backend, "d2h_bytes", 0))
-    resident = getattr(backend, "resident_bytes", None)
-    snapshot = getattr(backend, "counters", None)
-    counters = snapshot() if callable(snapshot) else {}
+    pool: ReservesMemory | None = _sources["pool"]
+    backend: CountsMoves | None = _sources["backend"]
+    h2d = d2h = resident = discarded = 0
+    counters: dict = {}
+    if backend is not None:
+        h2d, d2h, discarded = int(backend.h2d_bytes), int(backend.d2h_bytes), int(backend.discarded_bytes)
+        resident, counters = int(backend.resident_bytes()), backend.counters()
     with _lock:
         return {
             "allocated_bytes": _process.current_bytes,
             "peak_allocated_bytes": _process.peak_bytes,
             "allocation_count": _process.current_count,
             "reserved_bytes": int(pool.reserved_bytes()) if pool is not None else 0,
-            "resident_bytes": int(resident()) if callable(resident) else 0,
+            "resident_bytes": resident,
             "migrated_bytes": h2d + d2h,
             "h2d_bytes": h2d,
             "d2h_bytes": d2h,
-            "discarded_bytes": int(getattr(backend, "discarded_bytes", 0)),
+            "discarded_bytes": discarded,
             "populated_bytes": int(counters.get("populated_bytes", 0)),
             "cuda_calls": dict(counters.get("calls", {})),
             "acting": _status.acting,

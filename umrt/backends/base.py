@@ -122,6 +122,14 @@ class SimulatedContents(Protocol):
         """Start a new resident-bytes peak."""
 
 
+@runtime_checkable
+class ReportsFaults(Protocol):
+    """A backend that tells which pages faulted (the simulator; DeepUM learns from them)."""
+
+    def drain_faults(self) -> list[int]:
+        """Pages that faulted since the last call."""
+
+
 class ForwardingBackend(Backend):
     """A backend that passes every call to ``backend``: subclass it to watch some
     calls (a pool's segments, a count of calls); anything else a caller asks of

@@ -138,7 +138,7 @@ class UMAdvisePolicy(Policy):
         return {"scheme": self.scheme, "advise_calls": self.calls}
 
     def _device(self, where: object) -> int:
-        return getattr(self.ctx.backend, "device", 0) if where == GPU else int(where)  # type: ignore[arg-type]
+        return self.ctx.backend.device if where == GPU else int(where)  # type: ignore[arg-type]
 
     def _apply(self, ranges: list[tuple[int, int]], advice: Iterable[tuple[Advice, int]]) -> None:
         for a, device in advice:

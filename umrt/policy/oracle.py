@@ -801,7 +801,7 @@ class OraclePolicy(Policy):
     # -- calls ----------------------------------------------------------------------
 
     def _device(self) -> int:
-        return getattr(self.ctx.backend, "device", 0)
+        return self.ctx.backend.device
 
     def _host_map(self, obj: int) -> None:
         nbytes = self._nbytes.get(obj, 0)

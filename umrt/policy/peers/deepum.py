@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from umrt.backends.base import HOST
+from umrt.backends.base import HOST, ReportsFaults
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.peers._common import BLOCK, BlockLiveness, block_ranges, blocks_of
 from umrt.trace.events import Alloc, Free, Launch
@@ -164,7 +164,7 @@ class DeepUMPolicy(Policy):
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
-        self._drain = getattr(ctx.backend, "drain_faults", None)
+        self._drain = ctx.backend.drain_faults if isinstance(ctx.backend, ReportsFaults) else None
 
     # -- events -----------------------------------------------------------------
 
