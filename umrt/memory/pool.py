@@ -1,101 +1,18 @@
 """umrt's lifetime-aware managed pool (Sentinel's arenas + SmartPool's plan).
 
 :class:`LifetimePool` is the :class:`~umrt.memory.base.Layout` umrt's runtime
-runs with. It sub-allocates objects from managed segments obtained with
-``backend.malloc``, in arenas segregated by lifetime, with block-aligned
-boundaries so that no 2 MB block (the UVM driver's eviction unit) is shared
-by two lifetime classes at once:
+runs with. It sub-allocates objects from managed segments in arenas segregated
+by lifetime (``persistent``, ``short-lived``, ``long-lived``, and the online
+``learning`` / ``overflow`` arenas), block-aligned so that no 2 MB block (the
+UVM driver's eviction unit) holds two lifetime classes at once. It learns the
+first complete iteration from the event stream the driver feeds it
+(:class:`~umrt.memory.base.LearningLayout`), then plans it with one SmartPool
+pass, so that every recurring allocation gets the same address in every
+iteration and objects never alive together share memory. ``live_feed=True``
+is the mode a framework allocator feeds (no kinds, no launches).
 
-``persistent``
-    Parameters, optimizer state and other never-freed state: an online
-    best-fit arena (segments sized for runs of equal-sized tensors). These
-    objects are created once, so there is nothing to plan.
-``short-lived``
-    A layer's temporaries: born inside a module and dead within
-    ``short_ticks`` layer events (without layer events:
-    :attr:`Kind.TEMPORARY`). One SmartPool-packed, block-aligned range meant
-    to stay resident on the GPU (Sentinel's reserved region);
-    ``short_lived_bytes`` caps it, what does not fit is long-lived.
-``long-lived``
-    Everything else that recurs every iteration: activations, gradients
-    (PyTorch re-creates them every iteration, ``zero_grad(set_to_none=True)``
-    being the default), inputs, the optimizer step's temporaries. Objects
-    alive across exactly the same layers form a group (Sentinel packs them
-    together); a group of at least ``min_group_bytes`` is packed on its own
-    and gets whole blocks, smaller groups are placed object by object.
-``learning`` / ``overflow``
-    Online best-fit arenas: ``learning`` serves recurring-kind objects until a
-    plan exists (returned to the backend once it empties); ``overflow`` serves
-    allocations the plan does not know (a new shape, a changed batch) or whose
-    planned range is still occupied, so an allocation never fails.
-
-Planning. The first complete iteration is learned online: every
-recurring-kind allocation is recorded with its lifetime on the pool's event
-clock. At the next iteration boundary one SmartPool pass places the
-short-lived range and the big groups as block-aligned super-objects (alive
-from their first birth to their last death) and the objects of small groups,
-all in one planned region, so that whatever is never alive at the same time
-shares memory (the optimizer step's temporaries reuse the activations' and
-the short-lived range's memory, for instance). From then on every recurring
-allocation gets the same address in every iteration.
-
-Iterations are periodic, so lifetimes are cyclic: an object still alive at the
-boundary (a gradient kept until the next ``zero_grad``) ends where its
-counterpart from the previous iteration ended. The cycle is cut at its
-quietest point (fewest live bytes), and an object crossing the cut, or whose
-end is not known yet, is planned as alive all along. When the first plan had
-such unknown ends, it is refined once, after the second iteration.
-
-Object ids differ between iterations, so the plan is keyed by
-
-    ``(context, nbytes, kind, ordinal)``
-
-where ``context`` is the execution id of the last :class:`Launch` observed
-before the allocation in this iteration (``None`` before the first launch, or
-when the pool is not fed events), and ``ordinal`` counts earlier allocations
-with the same ``(context, nbytes, kind)`` in the iteration. An extra or
-missing allocation elsewhere therefore shifts no other key.
-
-Iteration boundaries come from :meth:`LifetimePool.on_iteration_boundary` or
-from the event stream fed to :meth:`LifetimePool.observe` (which also reads
-launches and layer events; allocations and frees arrive through the
-:class:`Layout` methods, never through ``observe``). If more than
-``replan_threshold`` of an iteration's recurring-kind bytes miss the plan,
-the pool re-plans from that iteration (a fresh region; the old one is
-returned once its objects are dead).
-
-Gradients that are never freed (``set_to_none=False``) stay where the
-learning iteration put them, in the ``learning`` arena.
-
-The live feed (``live_feed=True``). Under a framework allocator (umrt's
-:class:`~umrt.allocators.managed.ManagedPool` behind torch) the pool sees
-every malloc and free in order, with sizes, but no kind: each allocation is
-announced as :attr:`Kind.OTHER`, which then means *unknown*, not persistent.
-Launches stop once the runtime stops recording, so this mode ignores them:
-a plan key is ``(None, nbytes, -1, ordinal)`` (no context, no kind), which
-a steady iteration reproduces without any hint. Kinds arrive late, if at
-all, through :meth:`LifetimePool.hint_kind` (a recorder's kind, an
-optimizer's facts); what matters is the hint that an object is persistent
-(:attr:`Kind.PARAMETER`, :attr:`Kind.OPTIMIZER_STATE`, given before the
-boundary that plans): it is left out of the plan and the ordinals of the
-others are counted without it. An object the learned iteration never frees
-and no hint names is planned as alive all along once, then drops out at
-the refinement, since the next iteration does not allocate it again.
-Placement cannot wait for the hint: before a plan exists, an unknown
-allocation outside any module (model set-up, the optimizer step, where
-persistent state is born) goes to the ``persistent`` arena, one inside a
-module to ``learning``. Since the guess is sometimes wrong, memory goes back
-to the backend early: the empty ``learning`` segments before the
-``persistent`` arena grows while the pool learns (the optimizer step runs
-after the layers freed their activations); a ``persistent`` segment that
-empties while the pool learns (a step's temporaries), at once, before
-persistent state fills it;
-``learning`` segments as they empty once a plan exists; at every boundary
-the empty segments of both (neither is allocated in after planning, so
-nothing is returned and re-obtained), and ``overflow``'s once an iteration
-had no miss. An iteration longer than ``2**16`` allocations (no boundaries
-come: no optimizer step, or the feed stopped) stops being recorded and is
-not planned from, so the pool's memory stays bounded.
+The arenas, the plan keys, cyclic lifetimes, re-planning and the live feed are
+described in ``umrt/memory/POOL.md``.
 """
 from __future__ import annotations
 
