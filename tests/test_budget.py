@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from umrt.errors import ConfigError
-from umrt.predict.synthetic import training_trace
+from umrt.testing.synthetic import training_trace
 from umrt.sim.budget import Budget, Needs, needs, needs_of_events, parse_budget, parse_percent, resolve_budget
 from umrt.sim.replay import simulate
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Trace, TraceHeader

@@ -13,7 +13,7 @@ from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
 from umrt.policy.planner import PAGE
-from umrt.predict.synthetic import training_trace
+from umrt.testing.synthetic import training_trace
 from umrt.runtime import Runtime
 from umrt.shadow import ShadowDriver
 from umrt.sim.backend import SimBackend
