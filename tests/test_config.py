@@ -1,10 +1,17 @@
 """UMRT_* variables: parsing, defaults, and clear errors."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from umrt.config import Amount, Config, enabled_in_env, from_env, parse_amount
 from umrt.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
@@ -85,3 +92,13 @@ def test_replace_validates_overrides():
         Config().replace(gpu_mem="2GiB")
     with pytest.raises(ConfigError, match="gpu_memory"):
         Config().replace(gpu_memory="lots")
+
+
+def test_policy_names_are_checked_without_importing_the_policies():
+    """config validates UMRT_POLICY against umrt.registry, a leaf module: the plan layer stays unloaded."""
+    code = ("import sys; from umrt.config import from_env; "
+            "assert from_env({'UMRT_POLICY': 'um'}).policy == 'um'; "
+            "assert 'umrt.policy' not in sys.modules, 'config imported umrt.policy'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with pytest.raises(ConfigError, match="not a known policy"):
+        from_env({"UMRT_POLICY": "nope"})

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from umrt.errors import ConfigError
+from umrt.registry import POLICY_NAMES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -239,9 +240,7 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
 
 
 def _check_policy(name_value: str, name: str) -> None:
-    """Reject unknown policy names early."""
-    from umrt.policy import POLICY_NAMES
-
+    """Reject unknown policy names early (:data:`umrt.registry.POLICY_NAMES`: no policy is imported)."""
     if name_value not in POLICY_NAMES:
         raise ConfigError(f"{name}={name_value!r} is not a known policy; use one of {', '.join(POLICY_NAMES)}")
 
