@@ -299,6 +299,16 @@ def default_api() -> CudaApi:
         ) from None
 
 
+def gpu_count() -> int:
+    """CUDA devices this process can use (0 without a driver, runtime or device)."""
+    try:
+        return default_api().device_count()
+    except (CudaError, ImportError):
+        return 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
+        return 0
+
+
 # ---------------------------------------------------------------------------
 # The backend.
 # ---------------------------------------------------------------------------
