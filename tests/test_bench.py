@@ -328,8 +328,8 @@ def test_cli_takes_dtypes_and_the_budget_base(capsys, tmp_path):
 
 
 def test_rows_say_what_their_budget_is():
-    from umrt.testing.synthetic import training_trace
     from umrt.sim.budget import needs
+    from umrt.testing.synthetic import training_trace
 
     trace = training_trace(layers=3, param_mb=4, act_mb=8, steps=3, flops_per_mb=10**6)
     grid = Grid(models=("m1",), budgets=("50%",), profiles=("v100-pcie3-32g",), policies=("um",), iterations=2)
