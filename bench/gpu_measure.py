@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from umrt.backends.base import BLOCK as _MIN_BUDGET  # one 2 MB block
 from umrt.config import format_bytes, read_amount
 
 #: Host -> GPU and GPU -> host rates of the issue-10 bound, as measured on an H100
@@ -40,7 +41,6 @@ LOSS_RTOL = 1e-6
 #: the plain run's own NVML bytes are shown beside it.
 PCIE_QUIET_BYTES = 64 << 20
 
-_MIN_BUDGET = 2 << 20  # one 2 MB block
 
 
 class BenchError(Exception):

@@ -53,12 +53,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from umrt.backends.base import PAGE  # the driver's big page: one fault entry migrates one
 from umrt.backends.cuda import default_api, gpu_count
 from umrt.errors import UmrtError
-from umrt.hardware import closest_profile_name, identify_card  # noqa: F401 - umrt.api imports closest_profile_name from here until it imports it from umrt.hardware
+from umrt.hardware import (
+    GIB,
+    KIB,
+    MIB,
+    closest_profile_name,  # noqa: F401 - umrt.api imports closest_profile_name from here until it imports it from umrt.hardware
+    identify_card,
+)
 
-KIB, MIB, GIB = 2**10, 2**20, 2**30
-PAGE = 64 * KIB  # the simulator's page (the driver's big page): one fault entry migrates one
 SMALL_PAGE = 4 * KIB  # what the one-page fault kernel writes into
 SWEEP = (2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB)  # prefetch call sizes (h100-measured.md)
 BATCH_RANGE = 2 * MIB

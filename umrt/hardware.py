@@ -36,8 +36,7 @@ PROFILES: tuple[str, ...] = (
     "gh200-c2c",
 )
 
-GIB = 1 << 30
-KIB = 1 << 10
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30  # binary units, defined once
 
 
 @dataclass(frozen=True)

@@ -63,13 +63,13 @@ from typing import Any
 
 import numpy as np
 
-from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.backends.base import HOST, PAGE, Advice, Backend, Range
 from umrt.backends.ranges import RangeSet
 from umrt.errors import CudaError
 
 #: Discards are shrunk inward to this alignment: the driver drops whole pages,
 #: and a partial page may hold a live neighbour (64 KiB = GPU UVM page size).
-DISCARD_ALIGN = 64 * 1024
+DISCARD_ALIGN = PAGE
 CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
 CUDA13 = 13000
 MAX_PENDING = 256  # copy-stream events awaiting a kernel before they are folded together

@@ -31,6 +31,9 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from umrt.backends.base import (
+    BLOCK,  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
+)
 from umrt.config import format_bytes, read_amount
 from umrt.errors import ConfigError
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Launch, LayerEnter, LayerExit, Trace
@@ -42,7 +45,6 @@ __all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget
 BASES = ("footprint", "peak")
 BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
-BLOCK = 2 << 20  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
 FORMS = "a percentage ('20%'), a size ('8GiB', '512MB') or a number of bytes"
 
 
