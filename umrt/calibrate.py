@@ -53,7 +53,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from umrt.backends.base import PAGE  # the driver's big page: one fault entry migrates one
+from umrt.backends.base import (
+    HOST,
+    PAGE,  # the driver's big page: one fault entry migrates one
+    Advice,
+)
 from umrt.backends.cuda import default_api, gpu_count
 from umrt.errors import UmrtError
 from umrt.hardware import (
@@ -62,6 +66,7 @@ from umrt.hardware import (
     MIB,
     closest_profile_name,  # noqa: F401 - umrt.api imports closest_profile_name from here until it imports it from umrt.hardware
     identify_card,
+    load_profile,
 )
 
 SMALL_PAGE = 4 * KIB  # what the one-page fault kernel writes into
@@ -380,8 +385,6 @@ def build_profile(m: Measurements, base: Any = None, name: str | None = None,
     matmul and copy turn into ``compute_efficiency`` and ``memory_efficiency``,
     and every field not measured (its source kept, saying so).
     """
-    from umrt.hardware import load_profile
-
     card = identify_card(m.device_name, m.sm_count, m.total_bytes, m.host_page_tables)
     base = load_profile(base or card.base_profile)
     fitted = fit_parameters(m, batch_size or base.fault_batch_size)
@@ -527,8 +530,6 @@ class SimProbe(Probe):
     """
 
     def __init__(self, profile: Any, kernel_rate: float | None = None) -> None:
-        from umrt.hardware import load_profile
-
         self.profile = load_profile(profile)
         self.kernel_rate = kernel_rate
         self.device_name = f"simulated {self.profile.name}"
@@ -536,6 +537,7 @@ class SimProbe(Probe):
 
     # -- helpers
     def _gpu(self) -> Any:
+        # optional: SimProbe alone runs the simulator (numba); measuring a real GPU must not compile it
         from umrt.sim.backend import SimBackend
 
         return SimBackend(self.profile)
@@ -569,8 +571,6 @@ class SimProbe(Probe):
 
     # -- operations
     def prefetch(self, size: int, count: int, to_device: bool) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = b.malloc(size * count)
         b.mark_host_written([(ptr, size * count)])
@@ -580,15 +580,11 @@ class SimProbe(Probe):
         return self._timed(b, lambda: [b.prefetch([(ptr + i * size, size)], target) for i in range(count)])
 
     def prefetch_first_to_host(self, nbytes: int) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = self._on_gpu(b, nbytes, host_pages=False)
         return self._timed(b, lambda: b.prefetch([(ptr, nbytes)], HOST))
 
     def prefetch_both(self, nbytes: int) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         out = self._on_gpu(b, nbytes)
         inn = b.malloc(nbytes)
@@ -601,16 +597,12 @@ class SimProbe(Probe):
         return self._timed(b, lambda: [b.prefetch([(ptr, BATCH_RANGE)], 0) for _ in range(count)])
 
     def advise(self, count: int) -> float:
-        from umrt.backends.base import Advice
-
         b = self._gpu()
         ptr = self._on_gpu(b, BATCH_RANGE)
         return self._timed(b, lambda: [b.advise([(ptr, BATCH_RANGE)], Advice.SET_ACCESSED_BY, 0)
                                        for _ in range(count)])
 
     def batch_prefetch(self, ranges: int, size: int, target: str) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = self._on_gpu(b, ranges * size) if target != "gpu" else b.malloc(ranges * size)
         if target == "gpu":
@@ -626,8 +618,6 @@ class SimProbe(Probe):
         return self._timed(b, lambda: b.launch([], [(ptr, 4)], 0, 0))
 
     def write(self, nbytes: int, state: str) -> float:
-        from umrt.backends.base import HOST, Advice
-
         b = self._gpu()
         r = [(0, nbytes)]
         if state == "fresh":
@@ -821,8 +811,6 @@ class CudaProbe(Probe):
         return self._op(run)
 
     def advise(self, count: int) -> float:
-        from umrt.backends.base import Advice
-
         def run() -> float:
             ptr = self._on_gpu(BATCH_RANGE)
             return self._timed(lambda: [self.api.advise(ptr, BATCH_RANGE, Advice.SET_ACCESSED_BY, self.device)
@@ -849,8 +837,6 @@ class CudaProbe(Probe):
         return self._op(run)
 
     def write(self, nbytes: int, state: str) -> float:
-        from umrt.backends.base import Advice
-
         def run() -> float:
             if state in ("fresh", "prefetched"):
                 ptr = self._alloc(nbytes)

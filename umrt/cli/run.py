@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from umrt import api
 from umrt.config import Config, from_env, parse_amount
 from umrt.errors import ConfigError
 from umrt.scripts import run_script
@@ -60,23 +61,19 @@ def main(args: argparse.Namespace) -> int:
     if cfg.shadow:
         return shadow(cfg, script, list(args.args))
 
-    from umrt.api import enable, gpu_count, say_no_gpu_once
-
-    if gpu_count() == 0:
-        say_no_gpu_once(f"running {os.path.basename(script)} unchanged (use --simulate PROFILE for shadow mode)")
+    if api.gpu_count() == 0:  # looked up on the module: tests replace it
+        api.say_no_gpu_once(f"running {os.path.basename(script)} unchanged (use --simulate PROFILE for shadow mode)")
         return run_script(script, list(args.args))
     # Telemetry is on by default under `umrt run`; --no-telemetry or UMRT_TELEMETRY=0 turn it off.
     telemetry = args.telemetry if args.telemetry is not None else (
         cfg.telemetry if "UMRT_TELEMETRY" in os.environ else True)
-    session = enable(cfg, telemetry=telemetry)
+    session = api.enable(cfg, telemetry=telemetry)
     for note in session.notes:
         print(f"umrt: {note}", file=sys.stderr)
     try:
         return run_script(script, list(args.args))
     finally:
-        from umrt.api import disable
-
-        disable()
+        api.disable()
 
 
 def shadow(cfg: Config, script: str, argv: list[str]) -> int:
@@ -86,6 +83,7 @@ def shadow(cfg: Config, script: str, argv: list[str]) -> int:
     in shadow mode a percentage is of the footprint the script needs, so the text is read again by
     :func:`umrt.sim.budget.parse_budget`; unset keeps :func:`~umrt.shadow.run_shadow`'s default.
     """
+    # optional: umrt.shadow is loaded only in shadow mode (tests swap it in sys.modules)
     from umrt.shadow import run_shadow
 
     budget = cfg.gpu_memory.text

@@ -215,7 +215,10 @@ def _layout_peak(events: list[Event], make_layout, feed: bool) -> int:
 
 def needs_of_events(events: Iterable[Event]) -> Needs:
     """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
+    # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
     from umrt.memory.caching import CachingAllocatorLayout
+
+    # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
     from umrt.memory.pool import LifetimePool
 
     events = list(events)

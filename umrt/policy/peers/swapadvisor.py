@@ -207,6 +207,7 @@ class SwapAdvisorPolicy(Policy):
             self.plan = build_plan(self.profile, int(ctx.budget_bytes * genes.limit), genes)
 
     def _score(self, genes: Genes, ctx: PolicyContext) -> float:
+        # optional: a cycle: umrt.sim.replay imports umrt.policy, whose registry loads this peer; it scores plans with the simulator
         from umrt.sim.replay import simulate
 
         cand = SwapAdvisorPolicy(self.trace, genes=genes, population=self.population)
