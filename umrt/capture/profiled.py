@@ -85,17 +85,9 @@ from torch._C._profiler import _EventType, _ExperimentalConfig, _RecordFunctionF
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from umrt.capture import steer
-from umrt.capture.recorder import (
-    _ALLOC_ONLY,
-    _BACKWARD,
-    _FORWARD,
-    _SETUP,
-    _STEP,
-    _guarded,
-    _lifetime_kind,
-    _output_tensors,
-)
-from umrt.capture.recorder import _precision_of as _precision
+from umrt.capture.hooks import ModulePaths, guarded, install_hooks, output_tensors
+from umrt.capture.ops import ALLOC_ONLY, FLASH_ATTENTION, FLASH_ATTENTION_BACKWARD, precision_of, tf32_switches
+from umrt.capture.phases import ALIVE, BACKWARD, FORWARD, SETUP, STEP, Phases, final_kind, lifetime_kind
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -305,7 +297,7 @@ def _op_info_for(name: str, overload: str) -> _OpInfo | None:
         name=steer.OP_RENAMES.get(full, full),
         composite=bool(composite),
         skip=skip,
-        alloc_only=full in _ALLOC_ONLY,
+        alloc_only=full in ALLOC_ONLY,
         returns_tensors=len(rets) > 0 and all(str(r.type) in ("Tensor", "Tensor[]", "Tensor?") for r in rets),
         writes=writes,
         kwarg_only=tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.kwarg_only),
@@ -458,10 +450,10 @@ class _Converter:
 
     def _phase(self, in_bwd: bool) -> int:
         if self.iteration < 0:
-            return _SETUP
+            return SETUP
         if self.in_step:
-            return _STEP
-        return _BACKWARD if in_bwd else _FORWARD
+            return STEP
+        return BACKWARD if in_bwd else FORWARD
 
     # -- objects -------------------------------------------------------------
     def _new(self, ptr: int, nbytes: int, kind: Kind, known: Kind | None, phase: int, key: tuple | None,
@@ -480,7 +472,7 @@ class _Converter:
     def allocated(self, ptr: int, nbytes: int, phase: int, key: tuple | None = None, launch: int = -1) -> int:
         """An allocation the allocator made (kind: learned for the same launch's
         allocation last iteration, else by the phase it is born in)."""
-        kind = Kind.ACTIVATION if phase == _FORWARD else (Kind.OTHER if phase == _SETUP else Kind.TEMPORARY)
+        kind = Kind.ACTIVATION if phase == FORWARD else (Kind.OTHER if phase == SETUP else Kind.TEMPORARY)
         if key is not None:
             kind = self.learned.get(key, kind)
         obj = self._new(ptr, nbytes, kind, None, phase, key, launch)
@@ -511,7 +503,7 @@ class _Converter:
         info.freed_phase = phase
         info.freed_iteration = self.iteration
         if info.key is not None and info.known is None and info.iteration == self.iteration:
-            self.learned[info.key] = _lifetime_kind(info)
+            self.learned[info.key] = lifetime_kind(info)
         self._emit(Free(obj))
 
     def freed(self, ptr: int, nbytes: int, phase: int) -> None:
@@ -560,7 +552,7 @@ class _Converter:
             if info.known is not None:
                 kind = info.known
             elif info.freed_iteration != -2:
-                kind = _lifetime_kind(info)
+                kind = lifetime_kind(info)
             else:
                 kind = info.kind
             if kind != info.kind:
@@ -723,9 +715,9 @@ class _Converter:
         if self.bwd_module is not None and not in_bwd:
             self._end_backward()
         phase = self._phase(in_bwd)
-        if phase == _BACKWARD:
+        if phase == BACKWARD:
             module = self.bwd_module or ""
-        elif phase == _STEP:
+        elif phase == STEP:
             module = ""
         else:
             module = self.fwd_stack[-1] if self.fwd_stack else ""
@@ -784,7 +776,7 @@ class _Converter:
         nbytes_moved = 0
         for _, _, ln in acc:
             nbytes_moved += ln
-        precision = _precision(info.name, dtypes, self.tf32)
+        precision = precision_of(info.name, dtypes, self.tf32)
         self.seq += 1
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes_moved, module, precision))
         for obj, nbytes in after:
@@ -942,7 +934,7 @@ class ProfiledCapture:
         conv.open_window()
         for kind, tensors in self._setup_tensors():
             for ptr, nbytes in tensors:
-                conv.fact(ptr, nbytes, kind, _SETUP)
+                conv.fact(ptr, nbytes, kind, SETUP)
         if self.mark_start:
             conv.boundary()
         self._deliver(conv._finish(), as_window=False)
@@ -1053,10 +1045,10 @@ class ProfiledCapture:
                 if info.known is not None:
                     kind = info.known
                 elif info.freed_iteration == -2:
-                    born_last = info.iteration == conv.iteration and info.phase in (_FORWARD, _BACKWARD)
+                    born_last = info.iteration == conv.iteration and info.phase in (FORWARD, BACKWARD)
                     kind = info.kind if born_last else Kind.OTHER
                 else:
-                    kind = _lifetime_kind(info)
+                    kind = lifetime_kind(info)
                 ev = events[info.event_index]
                 if ev.kind != kind:
                     events[info.event_index] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
@@ -1205,7 +1197,7 @@ class ProfiledCapture:
             self._module_names[id(module)] = name
         return name
 
-    @_guarded
+    @guarded
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         stack = self._stack()
         if (
@@ -1224,7 +1216,7 @@ class ProfiledCapture:
         rf.__enter__()
         stack.append((name, rf))
 
-    @_guarded
+    @guarded
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if not stack:
@@ -1236,7 +1228,7 @@ class ProfiledCapture:
         rf.__exit__(None, None, None)
         if not self._active or not torch.is_grad_enabled():
             return
-        for t in _output_tensors(output):
+        for t in output_tensors(output):
             node = t.grad_fn
             if node is None:
                 continue
@@ -1254,13 +1246,13 @@ class ProfiledCapture:
 
         return hook
 
-    @_guarded
+    @guarded
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._active:
             self._steps += 1
             self._leave_facts(f"{_STEP_PRE}{self._steps}", opt, grads=True)
 
-    @_guarded
+    @guarded
     def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
             return
