@@ -518,16 +518,16 @@ class Recorder:
             module = hooks.current_module() or ""
         shapes = tuple(tuple(t.shape) for t, _, _ in inputs)
         dtypes = tuple(str(t.dtype)[6:] for t, _, _ in inputs)
-        ck = (info.name, shapes, dtypes, module)
-        exec_id = self._exec_ids.get(ck)
+        exec_key = (info.name, shapes, dtypes, module)
+        exec_id = self._exec_ids.get(exec_key)
         if exec_id is None:
             exec_id = execution_id(info.name, shapes, dtypes, module)
-            self._exec_ids[ck] = exec_id
-        occ = self._occurrence.get(exec_id, 0)
-        self._occurrence[exec_id] = occ + 1
+            self._exec_ids[exec_key] = exec_id
+        occurrence = self._occurrence.get(exec_id, 0)
+        self._occurrence[exec_id] = occurrence + 1
 
         seq = -1 if info.alloc_only else self._seq
-        acc: dict[tuple[int, int, int], bool] = {}
+        touched: dict[tuple[int, int, int], bool] = {}
         in_objs: set[int] = set()
         for t, w, on in inputs:
             if not on:
@@ -536,8 +536,8 @@ class Recorder:
             in_objs.add(obj)
             length = extent(t)
             if length:
-                k3 = (obj, t.storage_offset() * t.element_size(), length)
-                acc[k3] = acc.get(k3, False) or w
+                span = (obj, t.storage_offset() * t.element_size(), length)
+                touched[span] = touched.get(span, False) or w
         created = False
         for j, (t, on) in enumerate(outs):
             if not on:
@@ -545,7 +545,7 @@ class Recorder:
             st = t.untyped_storage()
             obj = self._objects.find(st)
             if obj is None:
-                key = (exec_id, occ, j)
+                key = (exec_id, occurrence, j)
                 kind = self._objects.learned.get(key)
                 if kind is None:
                     kind = Kind.ACTIVATION if phase == FORWARD else Kind.TEMPORARY
@@ -556,21 +556,21 @@ class Recorder:
                 continue  # a view of an input, or an input written in place (schema says so)
             length = extent(t)
             if length:
-                k3 = (obj, t.storage_offset() * t.element_size(), length)
-                acc[k3] = True
+                span = (obj, t.storage_offset() * t.element_size(), length)
+                touched[span] = True
         if created and dev != "cpu" and any(t.is_cpu and t.dim() > 0 for t, _, _ in inputs):
             for t, on in outs:  # a host-to-device copy: batch data arriving
                 if on:
                     self._objects.objects[self._objects.find(t.untyped_storage())].known = Kind.INPUT
         if info.alloc_only:
             return
-        if outs and not created and not any(acc.values()):
+        if outs and not created and not any(touched.values()):
             return  # every output aliases an input and nothing is written: no kernel
         if self._objects.unannounced:
-            self._objects.announce(acc, seq, self._log)
-        accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in acc.items())
+            self._objects.announce(touched, seq, self._log)
+        accesses = tuple(Access(o, off, ln, w) for (o, off, ln), w in touched.items())
         flops = launch_flops(info, args, kwargs, out)
-        nbytes = sum(ln for _, _, ln in acc)
+        nbytes = sum(ln for _, _, ln in touched)
         self._seq += 1
         precision = precision_of(info.name, (t.dtype for t, *_ in inputs), self._tf32)
         self._log.emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes, module, precision))
