@@ -73,6 +73,7 @@ from bench.gpu_measure import (
     steady_time,
 )
 from bench.gpu_watch import StepRecord, Watchdog, format_step, install_stack_dump, supervise
+from umrt.config import format_bytes
 
 __all__ = ["BenchError", "main", "run", "steady_time"]
 
@@ -391,8 +392,6 @@ def run_mode(mode: str, args: argparse.Namespace, budget_bytes: int, workdir: Pa
     """One mode in a fresh subprocess, each step shown as it completes, under a
     :class:`~bench.gpu_watch.Watchdog` (``--timeout``, ``--stall``); a failure or a
     time-out is recorded, never raised."""
-    from umrt.config import format_bytes
-
     label = label or mode
     console = console or _console()
     stem = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
@@ -614,8 +613,6 @@ def render(report: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from umrt.config import format_bytes
-
     console = console or Console()
     sim = report.get("simulated") or {}
     sim_modes = sim.get("modes", {})
@@ -709,8 +706,6 @@ def _f(v: float | None) -> str:
 
 
 def _bytes(n: float | None) -> str:
-    from umrt.config import format_bytes
-
     return "-" if n is None else format_bytes(n)
 
 
@@ -787,7 +782,7 @@ def _run_checked(mode: str, args: argparse.Namespace, budget_bytes: int, workdir
     """:func:`run_mode` unless the budget exceeds the device's free memory (then an error row)."""
     free = results.get("ideal", {}).get("gpu", {}).get("free_bytes_at_start")
     if free and budget_bytes > free:
-        msg = f"budget {budget_bytes / 2**30:.1f} GiB exceeds the device's free memory ({free / 2**30:.1f} GiB)"
+        msg = f"budget {format_bytes(budget_bytes)} exceeds the device's free memory ({format_bytes(free)})"
         console.print(f"[red]{shown or mode} skipped:[/red] {msg}")
         return {"mode": mode, "error": msg}
     return run_mode(mode, args, budget_bytes, workdir, label=shown or mode, console=console)
@@ -797,8 +792,8 @@ def _check_model_fits(ideal: dict[str, Any]) -> None:
     """Issue 5's rule: managed memory must fit in what the device has free."""
     peak, free = ideal.get("peak_reserved_bytes"), ideal.get("gpu", {}).get("free_bytes_at_start")
     if peak and free and peak * HEADROOM > free:
-        raise BenchError(f"the model's peak ({peak / 2**30:.1f} GiB, x{HEADROOM} headroom) does not fit in the "
-                         f"device's free memory ({free / 2**30:.1f} GiB); oversubscription is emulated with the "
+        raise BenchError(f"the model's peak ({format_bytes(peak)}, x{HEADROOM} headroom) does not fit in the "
+                         f"device's free memory ({format_bytes(free)}); oversubscription is emulated with the "
                          "budget, so pick a smaller --batch/--seq/--model")
 
 

@@ -13,13 +13,15 @@
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from umrt.backends.base import BLOCK as _MIN_BUDGET  # one 2 MB block
+from umrt.config import format_bytes, read_amount
 
 #: Host -> GPU and GPU -> host rates of the issue-10 bound, as measured on an H100
 #: (PCIe Gen5 x16): ``/work/shared/reference/h100-measured.md`` section 1, "prefetch
@@ -39,9 +41,6 @@ LOSS_RTOL = 1e-6
 #: the plain run's own NVML bytes are shown beside it.
 PCIE_QUIET_BYTES = 64 << 20
 
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
-_FOOTPRINT = re.compile(r"^\s*footprint\s*(?:([/*])\s*(\d+(?:\.\d*)?)\s*)?$", re.IGNORECASE)
-_MIN_BUDGET = 2 << 20  # one 2 MB block
 
 
 class BenchError(Exception):
@@ -62,31 +61,23 @@ class BudgetSpec:
 
     @classmethod
     def parse(cls, text: str) -> BudgetSpec:
-        """``"50%"``, ``"7.5GiB"`` / ``"1073741824"``, ``"footprint"``, ``"footprint/2"``, ``"footprint*0.75"``."""
-        from umrt.config import parse_amount
-        from umrt.errors import ConfigError
-
-        m = _PERCENT.match(text)
-        if m:
-            pct = float(m.group(1))
-            if not 0 < pct <= 100:
+        """``"50%"``, ``"7.5GiB"`` / ``"1073741824"``, ``"footprint"``, ``"footprint/2"``, ``"footprint*0.75"``
+        (read by :func:`umrt.config.read_amount`, as every memory amount umrt takes)."""
+        amount = read_amount(text)
+        if amount is not None and amount.fraction is not None and not amount.of_footprint:
+            if not 0 < amount.fraction <= 1:
                 raise BenchError(f"--budget {text!r}: a percentage must be in (0, 100]")
-            return cls(text, "percent", pct / 100.0)
-        m = _FOOTPRINT.match(text)
-        if m:
-            op, num = m.group(1), float(m.group(2)) if m.group(2) else 1.0
-            frac = 1.0 / num if op == "/" and num > 0 else num if op == "*" else 1.0
-            if (op == "/" and num <= 0) or not 0 < frac <= 1:
+            return cls(text, "percent", amount.fraction)
+        if amount is not None and amount.of_footprint:
+            if not 0 < amount.fraction <= 1:
                 raise BenchError(f"--budget {text!r}: a fraction of the footprint must be in (0, 1] "
                                  "(footprint, footprint/2, footprint*0.75)")
-            return cls(text, "footprint", frac)
-        try:
-            amount = parse_amount(text, "--budget", allow_percent=False)
-        except ConfigError:
+            return cls(text, "footprint", amount.fraction)
+        if amount is None or not amount.bytes:
             raise BenchError(f"--budget {text!r}: give a percentage of the ideal run's peak ('50%'), a size "
                              "('7.5GiB', '512MB', a byte count) or a fraction of umrt's pool footprint "
-                             "('footprint', 'footprint/2')") from None
-        nbytes = amount.resolve(0)
+                             "('footprint', 'footprint/2')")
+        nbytes = amount.bytes
         if nbytes < _MIN_BUDGET:
             raise BenchError(f"--budget {text!r} is below one 2 MB block")
         return cls(text, "bytes", float(nbytes))
@@ -412,8 +403,6 @@ def _sum_or_none(a: float | None, b: float | None) -> float | None:
 
 
 def _b(n: float | None) -> str:
-    from umrt.config import format_bytes
-
     return "-" if n is None else format_bytes(n)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from umrt.config import read_amount
 from umrt.errors import ConfigError
 
 __all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR",
@@ -113,13 +114,16 @@ def preset(name: str) -> Grid:
 
 
 def parse_budget(text: str) -> float:
-    """A bench budget, ``"20%"``, as a fraction (of the footprint the run needs, or of peak live bytes)."""
-    from umrt.sim.budget import parse_percent
+    """A bench budget, ``"20%"``, as a fraction (of the footprint the run needs, or of peak live bytes).
 
-    fraction = parse_percent(str(text))
-    if fraction is None:
+    Read by :func:`umrt.config.read_amount`, as every memory amount umrt takes; only a percentage
+    above 0% is a bench budget."""
+    amount = read_amount(str(text))
+    if amount is None or amount.fraction is None or amount.of_footprint:
         raise ConfigError(f"bench budgets are percentages of the footprint the run needs (e.g. 20%), got {text!r}")
-    return fraction
+    if not 0 < amount.fraction < math.inf:
+        raise ConfigError(f"budget {text!r} must be above 0%")
+    return amount.fraction
 
 
 def check_dtype(dtype: str) -> str:

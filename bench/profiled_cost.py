@@ -114,7 +114,7 @@ def measure_tiny_ops(n: int) -> dict:
     from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState
 
     from umrt.capture import Recorder
-    from umrt.capture.profiled import _Converter, _experimental_config
+    from umrt.capture.profiled import ProfileConverter, _experimental_config
 
     x, y = torch.randn(16), torch.randn(16)
 
@@ -135,7 +135,7 @@ def measure_tiny_ops(n: int) -> dict:
     on = per_op(loop)
     t0 = time.perf_counter()
     result = _disable_profiler()
-    conv = _Converter("cpu", (False, True), allocator_events=False)
+    conv = ProfileConverter("cpu", (False, True), allocator_events=False)
     conv.open_window()
     conv.convert(result.experimental_event_tree())
     read = (time.perf_counter() - t0) / n * 1e6

@@ -116,7 +116,7 @@ def test_outputs_json_csv_markdown_plots(monkeypatch, tmp_path):
 
 def test_every_row_of_a_cell_gets_the_link_bound_computed_once(monkeypatch):
     import umrt.sim.bound as bound_module
-    from umrt.predict.synthetic import training_trace
+    from umrt.testing.synthetic import training_trace
 
     calls = []
     real = bound_module.link_bound
@@ -283,7 +283,7 @@ def test_overhead_bench_holds_back_launches_the_runtime_does_not_want():
     """bench.overhead delivers events as the live bridge does: in the trusted
     steady state launches are held back, and the runtime still acts."""
     from bench.overhead import measure
-    from umrt.predict.synthetic import training_trace
+    from umrt.testing.synthetic import training_trace
 
     tr = training_trace(layers=6, steps=3)
     light = measure(tr, "h100-pcie5-80g", "30%", iterations=6, op_level=False, repeats=2)
@@ -328,8 +328,8 @@ def test_cli_takes_dtypes_and_the_budget_base(capsys, tmp_path):
 
 
 def test_rows_say_what_their_budget_is():
-    from umrt.predict.synthetic import training_trace
     from umrt.sim.budget import needs
+    from umrt.testing.synthetic import training_trace
 
     trace = training_trace(layers=3, param_mb=4, act_mb=8, steps=3, flops_per_mb=10**6)
     grid = Grid(models=("m1",), budgets=("50%",), profiles=("v100-pcie3-32g",), policies=("um",), iterations=2)

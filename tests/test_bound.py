@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from umrt.errors import ConfigError, TraceFormatError
 from umrt.hardware import GIB, load_profile
 from umrt.policy import POLICY_NAMES, make_policy
-from umrt.predict.synthetic import training_trace
 from umrt.sim.bound import LinkBound, link_bound
 from umrt.sim.replay import peak_live_bytes, simulate
+from umrt.testing.synthetic import training_trace
 from umrt.trace.events import Access, Alloc, IterationBoundary, Kind, Launch, Trace, TraceHeader
 
 MB = 1 << 20

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from umrt.config import read_amount
 from umrt.errors import ConfigError
-from umrt.predict.synthetic import training_trace
-from umrt.sim.budget import Budget, Needs, needs, needs_of_events, parse_budget, parse_percent, resolve_budget
+from umrt.sim.budget import Budget, Needs, needs, needs_of_events, parse_budget, resolve_budget
 from umrt.sim.replay import simulate
+from umrt.testing.synthetic import training_trace
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Trace, TraceHeader
 
 MB = 1 << 20
@@ -77,10 +78,14 @@ def test_one_parser_one_message(budget):
 
 
 def test_percentages_and_bases():
-    assert parse_percent("20%") == pytest.approx(0.2) and parse_percent(" 150 % ") == pytest.approx(1.5)
-    assert parse_percent("8GiB") is None
+    gib = 1 << 30
+    assert parse_budget("20%", 10 * gib) == 2 * gib and parse_budget(" 150 % ", 10 * gib) == 15 * gib
+    assert parse_budget("8GiB", 10 * gib) == 8 * gib
+    assert read_amount("20%").fraction == pytest.approx(0.2) and read_amount("8GiB").fraction is None
     with pytest.raises(ConfigError, match="above 0%"):
-        parse_percent("0%")
+        parse_budget("0%", 10 * gib)
+    with pytest.raises(ConfigError, match="invalid budget"):  # bench.gpu's form, not a simulated budget
+        parse_budget("footprint/2", 10 * gib)
     with pytest.raises(ConfigError, match="budget base"):
         resolve_budget("20%", Needs(1 << 30, 1 << 30, 1 << 30), "device")
     with pytest.raises(ConfigError, match="of the trace's peak live bytes"):

@@ -17,11 +17,10 @@ from umrt.calibrate import (
     build_profile,
     fit_fixed_plus_rate,
     fit_parameters,
-    identify_card,
     measure,
     plan_sizes,
 )
-from umrt.hardware import PROFILES, load_profile, save_profile
+from umrt.hardware import PROFILES, closest_profile_name, identify_card, load_profile, save_profile
 
 # A GPU unlike any shipped profile: every Unified Memory parameter moved, so a calibration that
 # merely copied the base profile could not pass.
@@ -139,7 +138,7 @@ def test_the_card_is_identified_from_its_name_and_attributes(name, sms, total, c
     card = identify_card(name, sms, total, c2c)
     assert (card.form_factor, card.base_profile) == (form, base), card.evidence
     assert card.evidence
-    assert calibrate.closest_profile_name(name, total, sms, c2c) == base
+    assert closest_profile_name(name, total, sms, c2c) == base
 
 
 def test_sizes_never_exceed_a_quarter_of_the_free_memory():
@@ -174,10 +173,9 @@ def test_inconsistent_measurements_are_named():
 
 
 def test_cli_without_gpu_exits_2(monkeypatch, capsys, tmp_path):
-    import umrt.api
     from umrt.cli import main
 
-    monkeypatch.setattr(umrt.api, "gpu_count", lambda: 0)
+    monkeypatch.setattr(calibrate, "gpu_count", lambda: 0)
     assert main(["calibrate", "-o", str(tmp_path / "x.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
@@ -217,3 +215,11 @@ def test_calibrating_a_real_gpu(tmp_path):
     assert profile.description.startswith(m.device_name) and card.evidence in profile.description
     save_profile(profile, tmp_path / "gpu.json")
     SimBackend(str(tmp_path / "gpu.json")).malloc(1 << 20)
+
+
+def test_calibrate_imports_no_front_end():
+    """calibrate counts devices through umrt.backends.cuda and identifies cards through umrt.hardware:
+    no import of umrt.api, so no cycle api <-> calibrate."""
+    from bench.architecture import measure
+
+    assert not [c for c in measure().cycles if "umrt.calibrate" in c]

@@ -1,6 +1,7 @@
 """The top-level CLI: every subcommand's --help renders (argparse formats help
 strings with %, so a stray % crashes only when a user asks for help)."""
 import re
+import sys
 
 import pytest
 
@@ -67,3 +68,25 @@ def test_one_size_parser_for_live_and_simulated_budgets():
     for text in ("12G", "12GiB", "500MB", "4194304"):
         assert parse_budget(text, 1) == parse_amount(text, "x").bytes == parse_size(text)
     assert parse_size("banana") is None
+
+
+def test_shadow_mode_takes_its_budget_from_the_config(tmp_path, monkeypatch):
+    """umrt.cli.run.shadow reads cfg.gpu_memory (UMRT_GPU_MEMORY or --gpu-memory, as given), not the environment."""
+    import types
+
+    from umrt.cli.run import shadow
+    from umrt.config import Config
+
+    seen = {}
+    fake = types.ModuleType("umrt.shadow")
+    fake.run_shadow = lambda script, argv, **kw: seen.update(kw) or 0
+    monkeypatch.setitem(sys.modules, "umrt.shadow", fake)
+    monkeypatch.delenv("UMRT_GPU_MEMORY", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert shadow(Config().replace(simulate="h100-pcie5-80g", gpu_memory="12G"), str(script), []) == 0
+    assert seen["gpu_memory"] == "12G"
+    seen.clear()
+    monkeypatch.setenv("UMRT_GPU_MEMORY", "30%")  # the Config given wins over a stray variable
+    assert shadow(Config().replace(simulate="h100-pcie5-80g"), str(script), []) == 0
+    assert "gpu_memory" not in seen  # unset: run_shadow's default (20% of the footprint)

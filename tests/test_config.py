@@ -1,10 +1,17 @@
 """UMRT_* variables: parsing, defaults, and clear errors."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from umrt.config import Amount, Config, enabled_in_env, from_env, parse_amount
+from umrt.config import Amount, Config, enabled_in_env, from_env, parse_amount, read_amount
 from umrt.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("TRUE", True), (" yes ", True), ("on", True),
@@ -85,3 +92,54 @@ def test_replace_validates_overrides():
         Config().replace(gpu_mem="2GiB")
     with pytest.raises(ConfigError, match="gpu_memory"):
         Config().replace(gpu_memory="lots")
+
+
+def test_policy_names_are_checked_without_importing_the_policies():
+    """config validates UMRT_POLICY against umrt.registry, a leaf module: the plan layer stays unloaded."""
+    code = ("import sys; from umrt.config import from_env; "
+            "assert from_env({'UMRT_POLICY': 'um'}).policy == 'um'; "
+            "assert 'umrt.policy' not in sys.modules, 'config imported umrt.policy'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with pytest.raises(ConfigError, match="not a known policy"):
+        from_env({"UMRT_POLICY": "nope"})
+
+
+UNITS = ("", "b", "kb", "MB", "gb", "tb", "k", "M", "G", "t", "KiB", "mib", "GiB", "TiB")
+
+
+@pytest.mark.parametrize("unit", UNITS)
+def test_every_unit_means_the_same_bytes_to_every_front_end(unit):
+    """One reader of memory amounts (read_amount): a live budget, a simulated budget and bench.gpu's
+    --budget take every unit UMRT_GPU_MEMORY takes, as the same bytes."""
+    from bench.gpu_measure import BudgetSpec
+    from umrt.sim.budget import parse_budget
+
+    text = f"3{unit}"
+    live = parse_amount(text, "UMRT_GPU_MEMORY").bytes
+    assert live == from_env({"UMRT_GPU_MEMORY": text}).gpu_memory.bytes
+    if live >= 2 << 20:  # simulated and bench budgets start at one 2 MB block
+        assert parse_budget(text, 1) == live == int(BudgetSpec.parse(text).value)
+
+
+def test_one_percent_syntax_everywhere():
+    """'20.%' was a simulated budget but not a live one; every front end now reads the same forms."""
+    from bench.gpu_measure import BudgetSpec
+    from bench.grid import parse_budget as bench_budget
+    from umrt.sim.budget import parse_budget
+
+    for text in ("20%", " 20.5 % ", "20.%"):
+        fraction = float(text.strip().rstrip("%").strip()) / 100.0
+        assert parse_amount(text, "X").fraction == fraction == bench_budget(text) == BudgetSpec.parse(text).value
+        assert parse_budget(text, 1 << 30) == int((1 << 30) * fraction)
+    assert read_amount("footprint/2") == Amount(fraction=0.5, of_footprint=True)
+    with pytest.raises(ConfigError, match="not a memory amount"):  # bench.gpu's form is not a live budget
+        parse_amount("footprint/2", "UMRT_GPU_MEMORY")
+
+
+def test_the_budget_keeps_the_text_it_was_given():
+    """Shadow mode reads UMRT_GPU_MEMORY / --gpu-memory from the Config again (a percentage is of the
+    footprint there): the text survives; the default has none."""
+    assert from_env({"UMRT_GPU_MEMORY": "12G"}).gpu_memory.text == "12G"
+    assert Config().replace(gpu_memory="30%").gpu_memory.text == "30%"
+    assert from_env({}).gpu_memory.text is None
+    assert from_env({"UMRT_GPU_MEMORY": "12G"}).gpu_memory == Amount(bytes=12 << 30)

@@ -14,8 +14,8 @@ from fake_cuda import FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, cudaError_t
 from umrt.activation import INSTALL_COMMAND, HookStatus
 from umrt.backends.cuda import BindingsApi, CupyApi
 from umrt.doctor import TESTED, ShimBuild, ThisMachine, TorchBuild, check, minimums, report, version_tuple
-from umrt.drive.live import auto_profile_name
 from umrt.errors import CudaError
+from umrt.hardware import auto_profile_name
 
 H100 = b"NVIDIA H100 80GB HBM3"
 

@@ -117,7 +117,7 @@ def test_strict_raises_at_the_next_optimizer_step_once(fake_gpu, caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="umrt"):
             raised = _train(session, bridge, policy, steps=4, fail_in=1)
-        assert bridge.recorder._in_step == 0  # the recorder's own step hook ran before the raise
+        assert bridge.recorder._phases.in_step == 0  # the recorder's own step hook ran before the raise
     finally:
         bridge.close()
     assert [step for step, _ in raised] == [1]  # at the end of the failing step, and only once

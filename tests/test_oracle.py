@@ -315,8 +315,8 @@ def test_a_launch_larger_than_the_budget_reads_the_rest_over_the_link_for_that_l
 def test_the_planner_candidate_plans_what_umrts_runtime_plans():
     """iteration_record is the iteration umrt's runtime learns, known from the trace: the
     same planner compiles the same schedule from it (umrt only has to learn it first)."""
-    from umrt.predict.synthetic import training_trace
     from umrt.sim.replay import simulate
+    from umrt.testing.synthetic import training_trace
 
     trace = training_trace()
     oracle = OraclePolicy(trace, plan="planner")
@@ -332,8 +332,8 @@ def test_the_planner_candidate_plans_what_umrts_runtime_plans():
 
 
 def test_the_oracle_follows_the_fastest_candidate():
-    from umrt.predict.synthetic import training_trace
     from umrt.sim.replay import simulate
+    from umrt.testing.synthetic import training_trace
 
     trace = training_trace()
     oracle = make_policy("oracle", trace=trace)
@@ -346,8 +346,8 @@ def test_the_oracle_follows_the_fastest_candidate():
 
 
 def test_where_everything_fits_the_oracle_moves_nothing():
-    from umrt.predict.synthetic import training_trace
     from umrt.sim.replay import simulate
+    from umrt.testing.synthetic import training_trace
 
     trace = training_trace()
     oracle = make_policy("oracle", trace=trace)

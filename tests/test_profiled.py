@@ -433,7 +433,7 @@ def test_conversion_orders_two_threads_and_places_frees_after_their_launch(monke
         _mem(e, 16, 100),
         _op("aten::relu", 110, 120, [_TM(d, [4, 4])], [_mem(d, -64, 111), _mem(f, 64, 112)]),
     ]
-    conv = profiled._Converter("cpu", (False, True), allocator_events=False)
+    conv = profiled.ProfileConverter("cpu", (False, True), allocator_events=False)
     conv.open_window()
     conv.boundary()
     events = conv.convert(roots).events
@@ -486,7 +486,7 @@ def test_conversion_on_cuda_keeps_host_memory_out_and_marks_copied_batches_as_in
             [_mem(dev_y, 512, 31, device="cuda")]),
         _op("aten::add", 50, 60, [_TM(host, [2, 3]), _TM(host, [2, 3])], [_mem(0x20, 24, 51)]),  # a host op
     ]
-    conv = profiled._Converter("cuda", (False, True), allocator_events=False)
+    conv = profiled.ProfileConverter("cuda", (False, True), allocator_events=False)
     conv.open_window()
     conv.boundary()
     events = conv.convert(roots).events
@@ -529,7 +529,7 @@ def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
     def broken(self, *args):
         raise KeyError("bookkeeping")
 
-    monkeypatch.setattr(profiled._Converter, "_op", broken)
+    monkeypatch.setattr(profiled.ProfileConverter, "_op", broken)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from umrt.capture import Recorder
+from umrt.capture.modestack import ModeSwitch
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 from umrt.trace.stats import summarize
 from umrt.zoo import trace_model
@@ -365,10 +366,10 @@ def test_a_recorder_that_keeps_no_events_stays_bounded():
     with rec:
         _step(model, opt)
         _step(model, opt)
-        tracked = len(rec._objs)
+        tracked = len(rec._objects.objects)
         for _ in range(3):
             _step(model, opt)
-        assert len(rec._objs) == tracked  # freed objects are forgotten
+        assert len(rec._objects.objects) == tracked  # freed objects are forgotten
     assert rec.events == [] and sum(isinstance(e, Launch) for e in seen) > 0
     with pytest.raises(RuntimeError, match="keeps no events"):
         rec.trace()
@@ -489,7 +490,7 @@ def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
     seen = []
     _train(Recorder(model, opt, on_error=seen.append), model, opt, 2)
     assert seen and all("cannot read this op" in str(e) for e in seen)
-    monkeypatch.setattr(Recorder, "_maybe_sync", broken)  # a hook's own bookkeeping
+    monkeypatch.setattr(ModeSwitch, "sync_at_hook", broken)  # a hook's own bookkeeping
     with pytest.raises(RuntimeError, match="cannot read this op"):
         _train(Recorder(model, opt), model, opt, 1)
     hooks = []
@@ -500,9 +501,9 @@ def test_its_own_failures_propagate_unless_on_error_takes_them(monkeypatch):
 def test_without_torchs_mode_stack_helpers_ops_are_never_suspended(monkeypatch):
     """A torch that moved its private mode-stack helpers: the recorder still
     records (every op, as before suspending existed) and exits cleanly."""
-    import umrt.capture.recorder as recorder_mod
+    import umrt.capture.modestack as modestack
 
-    monkeypatch.setattr(recorder_mod, "_CAN_SUSPEND", False)
+    monkeypatch.setattr(modestack, "CAN_SUSPEND", False)
     model, opt = _mlp("meta")
     rec = Recorder(model, opt)
     with rec:

@@ -312,7 +312,7 @@ def test_fp32_arithmetic_runs_at_the_fp32_peak():
     from dataclasses import replace as _replace
 
     from umrt.hardware import load_profile
-    from umrt.predict.synthetic import training_trace
+    from umrt.testing.synthetic import training_trace
     from umrt.trace.events import Launch as _Launch
     from umrt.trace.events import Trace as _Trace
 

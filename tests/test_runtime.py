@@ -14,11 +14,11 @@ from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
 from umrt.policy.planner import PAGE
-from umrt.predict.synthetic import training_trace
 from umrt.runtime import Runtime
 from umrt.shadow import ShadowSource
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
+from umrt.testing.synthetic import training_trace
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit, Trace
 
 PROFILE = "v100-pcie3-32g"

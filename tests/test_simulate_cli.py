@@ -113,3 +113,9 @@ def test_budget_base_peak_keeps_the_older_meaning(capsys, trace_file):
     assert main(["simulate", str(trace_file), "--budget", "100%", "--policy", "um"]) == 0
     out = capsys.readouterr().out
     assert "budget 60.0 MiB = 100% of the footprint" in out and "(peak live 48.0 MiB)" in out
+
+
+@pytest.mark.parametrize("budget", ["32M", "32MiB", "33554432", "0.03125G"])
+def test_budget_takes_every_unit_a_live_budget_takes(capsys, trace_file, budget):
+    """`umrt simulate --budget 32M` is the same 32 MiB as UMRT_GPU_MEMORY=32M (umrt.config.read_amount)."""
+    assert run_json(capsys, trace_file, "--budget", budget, "--iterations", "2")["budget_bytes"] == 32 * MB

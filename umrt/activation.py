@@ -35,6 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt.api import enable
+from umrt.config import from_env
+from umrt.errors import UmrtError
+
 PTH_NAME = "umrt-activate.pth"
 #: The .pth line: site runs lines that start with ``import``. Kept to one cheap test.
 PTH_LINE = (
@@ -59,8 +63,6 @@ def activate_from_env() -> None:
     if _state["activated"]:
         return
     _state["activated"] = True
-    from umrt.config import from_env
-    from umrt.errors import UmrtError
 
     try:
         cfg = from_env()
@@ -84,9 +86,9 @@ def _run_shadow_and_exit(cfg: Any) -> None:
             file=sys.stderr,
         )
         return
-    from umrt.errors import UmrtError
 
     try:
+        # optional: shadow mode only; the .pth hook imports this module in every Python start
         from umrt.cli.run import shadow
 
         rc = shadow(cfg, argv[0], argv[1:])
@@ -140,8 +142,6 @@ def _on_import(name: str) -> None:
     if _state["enabled_by"] is not None:
         return
     _state["enabled_by"] = name
-    from umrt.api import enable
-    from umrt.errors import UmrtError
 
     try:
         session = enable()
@@ -151,6 +151,7 @@ def _on_import(name: str) -> None:
     if session.active and "cupy" in sys.modules:
         import cupy
 
+        # optional: cupy is installed only on some CUDA machines
         from umrt.allocators.cupy import allocator
 
         cupy.cuda.set_allocator(allocator)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from umrt import stats
 from umrt.config import Config, from_env
-from umrt.errors import ConfigError, CudaError
+from umrt.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.drive.live import LiveBridge
@@ -63,14 +63,10 @@ class Session:
 
 def gpu_count() -> int:
     """CUDA devices this process can use (0 without a driver, runtime or device)."""
-    try:
-        from umrt.backends.cuda import default_api
+    # optional: the CUDA backend needs numpy; `import umrt` must stay light
+    from umrt.backends import cuda
 
-        return default_api().device_count()
-    except (CudaError, ImportError):
-        return 0
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
-        return 0
+    return cuda.gpu_count()
 
 
 def say_no_gpu_once(what: str = "running unchanged") -> None:
@@ -123,8 +119,13 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
 
 
 def _start(cfg: Config) -> Session:
+    # optional: GPU start only (the CUDA backend and the pool need numpy); `import umrt` stays light
     from umrt.allocators import cupy as cupy_alloc
+
+    # optional: GPU start only, as above
     from umrt.allocators.managed import ManagedPool
+
+    # optional: GPU start only, as above
     from umrt.backends.cuda import CudaBackend
 
     backend = CudaBackend(cfg.device)
@@ -138,6 +139,7 @@ def _start(cfg: Config) -> Session:
     _install_torch(session)
     session.runtime = _attach_runtime(session)
     if cfg.telemetry:
+        # optional: NVML telemetry, only when asked for (UMRT_TELEMETRY)
         from umrt.telemetry import Sampler
 
         session.telemetry = Sampler(cfg.device, pci_bus_id=_pci_bus_id(cfg.device)).start()
@@ -156,11 +158,14 @@ def _pci_bus_id(device: int) -> str | None:
 
 
 def _layout_factory(arena: int | None) -> Any:
+    # optional: GPU start only (the pool needs numpy); `import umrt` stays light
     from umrt.allocators.managed import default_layout_factory
+
+    # optional: GPU start only, as above
+    from umrt.memory.pool import LifetimePool
 
     if arena is None:
         return default_layout_factory
-    from umrt.memory.pool import LifetimePool
 
     return lambda backend: LifetimePool(backend, short_lived_bytes=arena, live_feed=True)
 
@@ -174,6 +179,7 @@ def _install_torch(session: Session) -> None:
     if torch.version.cuda is None:
         session.notes.append("torch is a CPU build: only CuPy allocations are managed")
         return
+    # optional: a CUDA build of torch only
     from umrt.allocators import torch as torch_alloc
 
     torch_alloc.install(session.pool)

@@ -53,10 +53,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from umrt.backends.base import (
+    HOST,
+    PAGE,  # the driver's big page: one fault entry migrates one
+    Advice,
+)
+from umrt.backends.cuda import default_api, gpu_count
 from umrt.errors import UmrtError
+from umrt.hardware import (
+    GIB,
+    KIB,
+    MIB,
+    identify_card,
+    load_profile,
+)
 
-KIB, MIB, GIB = 2**10, 2**20, 2**30
-PAGE = 64 * KIB  # the simulator's page (the driver's big page): one fault entry migrates one
 SMALL_PAGE = 4 * KIB  # what the one-page fault kernel writes into
 SWEEP = (2 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB)  # prefetch call sizes (h100-measured.md)
 BATCH_RANGE = 2 * MIB
@@ -354,73 +365,8 @@ def measured_rates(m: Measurements) -> dict[str, tuple[float, str]]:
 
 
 # ---------------------------------------------------------------------------
-# Which card
+# Which card: umrt.hardware.identify_card (the shipped profiles live there)
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Card:
-    """What calibration measured: the form factor and the shipped profile to start from."""
-
-    form_factor: str  # "sxm", "pcie", "c2c" or "unknown"
-    base_profile: str
-    evidence: str  # how the form factor was derived
-
-
-# (name pattern, SXM SM count, PCIe SM count, SXM profile, PCIe profile)
-_FAMILIES = (
-    ("H100", 132, 114, "h100-sxm5-80g", "h100-pcie5-80g"),
-    ("H200", 132, 132, "h100-sxm5-80g", "h100-pcie5-80g"),
-    ("A100", 108, 108, "a100-pcie4-80g", "a100-pcie4-80g"),
-    ("V100", 80, 80, "v100-pcie3-32g", "v100-pcie3-32g"),
-)
-
-
-def identify_card(device_name: str, sm_count: int = 0, total_bytes: int = 0,
-                  host_page_tables: bool = False) -> Card:
-    """The form factor and base profile of a CUDA device, from its name and attributes.
-
-    Never assumed: ``"sxm"``/``"pcie"`` come from the name (``SXM``, ``PCIe``,
-    ``NVL``: the NVL card is a PCIe card), an NVLink-C2C part (GH200/GB200)
-    from its name or from coherent access through the host's page tables;
-    an H100 whose name says neither is told apart by its SM count (132 on
-    SXM5, 114 on PCIe), and the H100 80GB HBM3 name is the SXM5 part (the
-    PCIe card has HBM2e). Anything else is ``"unknown"`` and the evidence says so.
-    """
-    name = device_name.upper().replace("-", " ")
-    big = total_bytes > 48 * GIB
-    if "GH200" in name or "GB200" in name or host_page_tables:
-        why = "the name" if ("GH200" in name or "GB200" in name) else "coherent access through host page tables"
-        return Card("c2c", "gh200-c2c", f"NVLink-C2C from {why}")
-    form, why = "unknown", f"neither SXM nor PCIe in the name {device_name!r}"
-    if "SXM" in name:
-        form, why = "sxm", "'SXM' in the device name"
-    elif "PCIE" in name or " NVL" in name or name.endswith("NVL"):
-        form, why = "pcie", "'PCIe' or 'NVL' in the device name"
-    for family, sxm_sms, pcie_sms, sxm_prof, pcie_prof in _FAMILIES:
-        if family not in name:
-            continue
-        if form == "unknown" and family == "H100" and "HBM3" in name:
-            form, why = "sxm", "an 'H100 ... HBM3' is the SXM5 part (HBM3; the 80 GB add-in card has HBM2e)"
-        if form == "unknown" and sm_count and sxm_sms != pcie_sms:
-            if sm_count == sxm_sms:
-                form, why = "sxm", f"{sm_count} SMs (the {family} SXM part; the PCIe card has {pcie_sms})"
-            elif sm_count == pcie_sms:
-                form, why = "pcie", f"{sm_count} SMs (the {family} PCIe card; the SXM part has {sxm_sms})"
-        if family == "A100":
-            base = "a100-pcie4-80g" if big else "a100-pcie4-40g"
-        elif family == "V100":
-            base = "v100-pcie3-32g" if total_bytes > 20 * GIB else "v100-pcie3-16g"
-        else:
-            base = pcie_prof if form == "pcie" else sxm_prof
-        return Card(form, base, why)
-    return Card(form, "a100-pcie4-80g" if big else "a100-pcie4-40g", why + "; unknown family")
-
-
-def closest_profile_name(device_name: str, total_bytes: int, sm_count: int = 0,
-                         host_page_tables: bool = False) -> str:
-    """The shipped profile to start from (:func:`identify_card`)."""
-    return identify_card(device_name, sm_count, total_bytes, host_page_tables).base_profile
-
-
 def profile_slug(device_name: str) -> str:
     """``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "gpu"
@@ -438,8 +384,6 @@ def build_profile(m: Measurements, base: Any = None, name: str | None = None,
     matmul and copy turn into ``compute_efficiency`` and ``memory_efficiency``,
     and every field not measured (its source kept, saying so).
     """
-    from umrt.hardware import load_profile
-
     card = identify_card(m.device_name, m.sm_count, m.total_bytes, m.host_page_tables)
     base = load_profile(base or card.base_profile)
     fitted = fit_parameters(m, batch_size or base.fault_batch_size)
@@ -585,8 +529,6 @@ class SimProbe(Probe):
     """
 
     def __init__(self, profile: Any, kernel_rate: float | None = None) -> None:
-        from umrt.hardware import load_profile
-
         self.profile = load_profile(profile)
         self.kernel_rate = kernel_rate
         self.device_name = f"simulated {self.profile.name}"
@@ -594,6 +536,7 @@ class SimProbe(Probe):
 
     # -- helpers
     def _gpu(self) -> Any:
+        # optional: SimProbe alone runs the simulator (numba); measuring a real GPU must not compile it
         from umrt.sim.backend import SimBackend
 
         return SimBackend(self.profile)
@@ -627,8 +570,6 @@ class SimProbe(Probe):
 
     # -- operations
     def prefetch(self, size: int, count: int, to_device: bool) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = b.malloc(size * count)
         b.mark_host_written([(ptr, size * count)])
@@ -638,15 +579,11 @@ class SimProbe(Probe):
         return self._timed(b, lambda: [b.prefetch([(ptr + i * size, size)], target) for i in range(count)])
 
     def prefetch_first_to_host(self, nbytes: int) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = self._on_gpu(b, nbytes, host_pages=False)
         return self._timed(b, lambda: b.prefetch([(ptr, nbytes)], HOST))
 
     def prefetch_both(self, nbytes: int) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         out = self._on_gpu(b, nbytes)
         inn = b.malloc(nbytes)
@@ -659,16 +596,12 @@ class SimProbe(Probe):
         return self._timed(b, lambda: [b.prefetch([(ptr, BATCH_RANGE)], 0) for _ in range(count)])
 
     def advise(self, count: int) -> float:
-        from umrt.backends.base import Advice
-
         b = self._gpu()
         ptr = self._on_gpu(b, BATCH_RANGE)
         return self._timed(b, lambda: [b.advise([(ptr, BATCH_RANGE)], Advice.SET_ACCESSED_BY, 0)
                                        for _ in range(count)])
 
     def batch_prefetch(self, ranges: int, size: int, target: str) -> float:
-        from umrt.backends.base import HOST
-
         b = self._gpu()
         ptr = self._on_gpu(b, ranges * size) if target != "gpu" else b.malloc(ranges * size)
         if target == "gpu":
@@ -684,8 +617,6 @@ class SimProbe(Probe):
         return self._timed(b, lambda: b.launch([], [(ptr, 4)], 0, 0))
 
     def write(self, nbytes: int, state: str) -> float:
-        from umrt.backends.base import HOST, Advice
-
         b = self._gpu()
         r = [(0, nbytes)]
         if state == "fresh":
@@ -772,14 +703,10 @@ class CudaProbe(Probe):
     """
 
     def __init__(self, device: int = 0) -> None:
-        from umrt.api import gpu_count
-
         if gpu_count() == 0:
             raise NoGpuError("umrt calibrate needs a CUDA GPU and none was found "
                              "(use the shipped profiles, e.g. --simulate h100-sxm5-80g, without one)")
         import cupy
-
-        from umrt.backends.cuda import default_api
 
         self.cp = cupy
         self.api = default_api()
@@ -883,8 +810,6 @@ class CudaProbe(Probe):
         return self._op(run)
 
     def advise(self, count: int) -> float:
-        from umrt.backends.base import Advice
-
         def run() -> float:
             ptr = self._on_gpu(BATCH_RANGE)
             return self._timed(lambda: [self.api.advise(ptr, BATCH_RANGE, Advice.SET_ACCESSED_BY, self.device)
@@ -911,8 +836,6 @@ class CudaProbe(Probe):
         return self._op(run)
 
     def write(self, nbytes: int, state: str) -> float:
-        from umrt.backends.base import Advice
-
         def run() -> float:
             if state in ("fresh", "prefetched"):
                 ptr = self._alloc(nbytes)

@@ -35,6 +35,7 @@ next safe point: the end of the next ``optimizer.step()``, or
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -42,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from umrt.errors import ConfigError
+from umrt.registry import POLICY_NAMES
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -55,15 +57,25 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
+_FOOTPRINT_RE = re.compile(r"^\s*footprint\s*(?:([/*])\s*(\d+(?:\.\d*)?)\s*)?$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class Amount:
-    """A memory amount: either absolute ``bytes`` or a ``fraction`` of a total."""
+    """A memory amount: either absolute ``bytes`` or a ``fraction`` of a total.
+
+    ``of_footprint``: written as ``footprint``, ``footprint/N`` or ``footprint*x``
+    (``python -m bench.gpu``: a fraction of what umrt's pool needs). ``text``:
+    the amount as it was given (None for a default), so that a mode in which a
+    percentage means something else (shadow mode: of the footprint the run
+    needs) can read it again.
+    """
 
     bytes: int | None = None
     fraction: float | None = None
+    of_footprint: bool = False
+    text: str | None = dataclasses.field(default=None, compare=False)
 
     def resolve(self, total: int) -> int:
         """Bytes this amount means for a device (or trace) of ``total`` bytes."""
@@ -92,40 +104,60 @@ def parse_bool(value: str, name: str) -> bool:
 
 def parse_size(text: str) -> int | None:
     """Bytes from a size such as ``"12GiB"``, ``"500MB"``, ``"12G"`` (binary) or ``"4096"``;
-    None when ``text`` is not one. Every memory amount umrt reads (live budgets,
-    simulated budgets, bench budgets) takes sizes through this."""
+    None when ``text`` is not one (:func:`read_amount` reads percentages too)."""
     m = _SIZE_RE.match(text)
     if m and m.group(2).lower() in _UNITS:
         return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     return None
 
 
+def read_amount(text: str) -> Amount | None:
+    """The one reader of a memory amount written as text; None when ``text`` is not one.
+
+    ``"20%"`` -> ``Amount(fraction=0.2)``; a size (:func:`parse_size`: ``"12G"``,
+    ``"12GiB"``, ``"500MB"``, ``"4096"``) -> ``Amount(bytes=...)``;
+    ``"footprint"``, ``"footprint/2"``, ``"footprint*0.75"`` -> a fraction with
+    ``of_footprint``. No range is checked: each front end (live budgets
+    :func:`parse_amount`, simulated budgets :func:`umrt.sim.budget.parse_budget`,
+    the bench) says which forms and values it accepts, and what a fraction is of.
+    """
+    if not isinstance(text, str):
+        return None
+    if m := _PCT_RE.match(text):
+        return Amount(fraction=float(m.group(1)) / 100.0, text=text)
+    if m := _FOOTPRINT_RE.match(text):
+        op, num = m.group(1), float(m.group(2)) if m.group(2) else 1.0
+        fraction = (1.0 / num if num > 0 else math.inf) if op == "/" else num if op == "*" else 1.0
+        return Amount(fraction=fraction, of_footprint=True, text=text)
+    nbytes = parse_size(text)
+    return None if nbytes is None else Amount(bytes=nbytes, text=text)
+
+
 def parse_amount(value: str | int | float, name: str, *, allow_percent: bool = True) -> Amount:
-    """Parse ``"80%"``, ``"12GiB"``, ``"500MB"`` or a byte count."""
+    """A live memory amount: ``"80%"`` (of device memory), ``"12GiB"``, ``"500MB"`` or a byte count
+    (:func:`read_amount`); a float is a fraction in (0, 1]. :class:`ConfigError` names ``name``."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} is not a memory amount")
     if isinstance(value, int):
         if value <= 0:
             raise ConfigError(f"{name}={value} must be a positive number of bytes")
-        return Amount(bytes=value)
+        return Amount(bytes=value, text=str(value))
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise ConfigError(f"{name}={value} as a fraction must be in (0, 1]")
-        return Amount(fraction=value)
+        return Amount(fraction=value, text=f"{value * 100!r}%")
     text = str(value)
-    m = _PCT_RE.match(text)
-    if m:
+    amount = read_amount(text)
+    if amount is not None and amount.fraction is not None and not amount.of_footprint:
         if not allow_percent:
             raise ConfigError(f"{name}={text!r}: a percentage is not allowed here; give bytes like 12GiB")
-        pct = float(m.group(1))
-        if not 0 < pct <= 100:
+        if not 0 < amount.fraction <= 1:
             raise ConfigError(f"{name}={text!r}: a percentage must be in (0%, 100%]")
-        return Amount(fraction=pct / 100.0)
-    nbytes = parse_size(text)
-    if nbytes is not None:
-        if nbytes <= 0:
+        return amount
+    if amount is not None and amount.bytes is not None:
+        if amount.bytes <= 0:
             raise ConfigError(f"{name}={text!r} must be more than zero bytes")
-        return Amount(bytes=nbytes)
+        return amount
     raise ConfigError(
         f"{name}={text!r} is not a memory amount; use a percentage of device memory like '80%' "
         f"or a size like '12GiB', '500MB' or a plain byte count"
@@ -239,9 +271,7 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
 
 
 def _check_policy(name_value: str, name: str) -> None:
-    """Reject unknown policy names early."""
-    from umrt.policy import POLICY_NAMES
-
+    """Reject unknown policy names early (:data:`umrt.registry.POLICY_NAMES`: no policy is imported)."""
     if name_value not in POLICY_NAMES:
         raise ConfigError(f"{name}={name_value!r} is not a known policy; use one of {', '.join(POLICY_NAMES)}")
 

@@ -30,10 +30,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-from umrt.activation import INSTALL_COMMAND, HookStatus
-from umrt.backends.cuda import CUDA13, BindingsApi, CudaApi
+from umrt.activation import INSTALL_COMMAND, HookStatus, hook_status
+from umrt.backends.cuda import CUDA13, BindingsApi, CudaApi, default_api
 from umrt.config import Config, format_bytes, from_env
 from umrt.errors import UmrtError
+from umrt.hardware import auto_profile_name, load_profile
 
 OK, NOTE, MISSING = "ok", "note", "missing"
 
@@ -131,8 +132,6 @@ class ThisMachine:
     """The real machine."""
 
     def cuda_api(self) -> CudaApi:
-        from umrt.backends.cuda import default_api
-
         return default_api()
 
     def device_name(self, api: CudaApi, device: int) -> str:
@@ -163,6 +162,7 @@ class ThisMachine:
         return TorchBuild(torch.__version__, torch.version.cuda)
 
     def build_shim(self) -> ShimBuild:
+        # optional: torch: the shim is checked only when torch is installed
         from umrt.allocators.torch import load_shim
 
         started = time.time()
@@ -175,8 +175,6 @@ class ThisMachine:
         return ShimBuild(shim.path, time.time() - started if built_now else None)
 
     def activation(self) -> HookStatus:
-        from umrt.activation import hook_status
-
         return hook_status()
 
     def version_of(self, distribution: str) -> str | None:
@@ -424,9 +422,6 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
 
 
 def _profile(cfg: Config, gpu: _Gpu | None, found: list[Finding]) -> None:
-    from umrt.drive.live import auto_profile_name
-    from umrt.hardware import load_profile
-
     if cfg.profile:
         try:
             load_profile(cfg.profile)

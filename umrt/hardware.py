@@ -22,7 +22,8 @@ from pathlib import Path
 
 from umrt.errors import ConfigError
 
-__all__ = ["HardwareProfile", "PROFILES", "load_profile", "save_profile"]
+__all__ = ["Card", "HardwareProfile", "PROFILES", "closest_profile_name", "identify_card", "load_profile",
+           "save_profile"]
 
 #: Profiles shipped with umrt (``umrt/profiles/NAME.json``).
 PROFILES: tuple[str, ...] = (
@@ -35,8 +36,7 @@ PROFILES: tuple[str, ...] = (
     "gh200-c2c",
 )
 
-GIB = 1 << 30
-KIB = 1 << 10
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30  # binary units, defined once
 
 
 @dataclass(frozen=True)
@@ -274,3 +274,82 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
 def save_profile(profile: HardwareProfile, path: str | Path) -> None:
     """Write ``profile`` in the file format :func:`load_profile` reads."""
     Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- which card
+
+
+@dataclass(frozen=True)
+class Card:
+    """A CUDA device identified: its form factor and the shipped profile to start from."""
+
+    form_factor: str  # "sxm", "pcie", "c2c" or "unknown"
+    base_profile: str
+    evidence: str  # how the form factor was derived
+
+
+# (name pattern, SXM SM count, PCIe SM count, SXM profile, PCIe profile)
+_FAMILIES = (
+    ("H100", 132, 114, "h100-sxm5-80g", "h100-pcie5-80g"),
+    ("H200", 132, 132, "h100-sxm5-80g", "h100-pcie5-80g"),
+    ("A100", 108, 108, "a100-pcie4-80g", "a100-pcie4-80g"),
+    ("V100", 80, 80, "v100-pcie3-32g", "v100-pcie3-32g"),
+)
+
+
+def identify_card(device_name: str, sm_count: int = 0, total_bytes: int = 0,
+                  host_page_tables: bool = False) -> Card:
+    """The form factor and base profile of a CUDA device, from its name and attributes.
+
+    Never assumed: ``"sxm"``/``"pcie"`` come from the name (``SXM``, ``PCIe``,
+    ``NVL``: the NVL card is a PCIe card), an NVLink-C2C part (GH200/GB200)
+    from its name or from coherent access through the host's page tables;
+    an H100 whose name says neither is told apart by its SM count (132 on
+    SXM5, 114 on PCIe), and the H100 80GB HBM3 name is the SXM5 part (the
+    PCIe card has HBM2e). Anything else is ``"unknown"`` and the evidence says so.
+    """
+    name = device_name.upper().replace("-", " ")
+    big = total_bytes > 48 * GIB
+    if "GH200" in name or "GB200" in name or host_page_tables:
+        why = "the name" if ("GH200" in name or "GB200" in name) else "coherent access through host page tables"
+        return Card("c2c", "gh200-c2c", f"NVLink-C2C from {why}")
+    form, why = "unknown", f"neither SXM nor PCIe in the name {device_name!r}"
+    if "SXM" in name:
+        form, why = "sxm", "'SXM' in the device name"
+    elif "PCIE" in name or " NVL" in name or name.endswith("NVL"):
+        form, why = "pcie", "'PCIe' or 'NVL' in the device name"
+    for family, sxm_sms, pcie_sms, sxm_prof, pcie_prof in _FAMILIES:
+        if family not in name:
+            continue
+        if form == "unknown" and family == "H100" and "HBM3" in name:
+            form, why = "sxm", "an 'H100 ... HBM3' is the SXM5 part (HBM3; the 80 GB add-in card has HBM2e)"
+        if form == "unknown" and sm_count and sxm_sms != pcie_sms:
+            if sm_count == sxm_sms:
+                form, why = "sxm", f"{sm_count} SMs (the {family} SXM part; the PCIe card has {pcie_sms})"
+            elif sm_count == pcie_sms:
+                form, why = "pcie", f"{sm_count} SMs (the {family} PCIe card; the SXM part has {sxm_sms})"
+        if family == "A100":
+            base = "a100-pcie4-80g" if big else "a100-pcie4-40g"
+        elif family == "V100":
+            base = "v100-pcie3-32g" if total_bytes > 20 * GIB else "v100-pcie3-16g"
+        else:
+            base = pcie_prof if form == "pcie" else sxm_prof
+        return Card(form, base, why)
+    return Card(form, "a100-pcie4-80g" if big else "a100-pcie4-40g", why + "; unknown family")
+
+
+def closest_profile_name(device_name: str, total_bytes: int, sm_count: int = 0,
+                         host_page_tables: bool = False) -> str:
+    """The shipped profile to start from (:func:`identify_card`)."""
+    return identify_card(device_name, sm_count, total_bytes, host_page_tables).base_profile
+
+
+#: GPU families a shipped profile was measured or modelled on.
+KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
+
+
+def auto_profile_name(device_name: str, total_bytes: int) -> tuple[str, bool]:
+    """The shipped profile umrt plans with on this GPU when ``UMRT_PROFILE`` is unset
+    (the closest one, as ``umrt calibrate`` starts from), and whether a shipped
+    profile was made for this kind of GPU (False: only the closest guess)."""
+    return closest_profile_name(device_name, total_bytes), any(k in device_name.upper() for k in KNOWN_GPUS)

@@ -40,12 +40,18 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from umrt.capture import Recorder, StopRecording
+from umrt.config import format_bytes
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
+from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
+from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
-from umrt.sim.budget import Budget, needs_of_events, resolve_budget
+from umrt.sim.budget import Budget, needs_of_events, parse_budget, resolve_budget
+from umrt.sim.replay import peak_live_bytes, simulate
+from umrt.sim.warmup import warm_up
 from umrt.trace.events import Event, IterationBoundary, Trace
 
 __all__ = ["run_shadow", "ShadowSource"]
@@ -151,13 +157,6 @@ def run_shadow(
     umrt runtime); ``steps`` stops the script after that many iterations.
     Returns the script's exit status (2 if shadow mode itself failed).
     """
-    from umrt.capture import Recorder, StopRecording
-    from umrt.hardware import load_profile
-    from umrt.policy import make_policy
-    from umrt.scripts import run_script
-    from umrt.sim.replay import parse_budget
-    from umrt.sim.warmup import warm_up
-
     path = Path(script)
     if not path.is_file():
         raise ConfigError(f"script {script!r} not found")
@@ -193,8 +192,6 @@ def run_shadow(
 
 
 def _report(trace: Trace, driver: ShadowSource, prof, policy: str) -> dict:
-    from umrt.sim.replay import peak_live_bytes, simulate
-
     rep: dict = {"profile": prof.name, "policy": policy, "budget_bytes": driver.budget_bytes,
                  "budget_description": driver.budget.describe() if driver.budget is not None else None,
                  "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": driver.peak_bytes,
@@ -233,14 +230,6 @@ def _report(trace: Trace, driver: ShadowSource, prof, policy: str) -> dict:
     return rep
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 #: What each row and column of the report means, printed under the table.
 LEGEND = (
     "Each row: one steady-state training iteration, simulated.",
@@ -265,19 +254,19 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
     budget = rep.get("budget_bytes")
     sized = rep.get("sized_from_bytes") or 0
     memory = (f"{rep['budget_description']}, sized from set-up and the first iteration"
-              if rep.get("budget_description") and sized else f"GPU memory {_fmt_bytes(budget or 0)}")
+              if rep.get("budget_description") and sized else f"GPU memory {format_bytes(budget or 0)}")
     title = f"umrt shadow run — what a {rep['profile']} GPU would have done (SIMULATED)"
     table = Table(title=title)
     for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
     for r in rep["rows"]:
         table.add_row(r["policy"], r["how"], f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
-                      _fmt_bytes(r["h2d_bytes"]), _fmt_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
+                      format_bytes(r["h2d_bytes"]), format_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
                       f"{r['evictions']:,}")
     head = [
         f"Measured on this machine: the script ran {rep.get('iterations', 0)} complete training iteration(s) "
         f"on the CPU, unchanged (its losses are a plain run's); their peak live memory was "
-        f"{_fmt_bytes(rep['peak_live_bytes'])}. The step times it printed include umrt recording every op, "
+        f"{format_bytes(rep['peak_live_bytes'])}. The step times it printed include umrt recording every op, "
         "and the first run on a machine a one-off compile of the simulator: they are not GPU times.",
         f"Simulated: a GPU with {memory}; nothing ran on a GPU.",
     ]
@@ -293,10 +282,10 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
         lines.append(
             f"What umrt did: it learned the iteration from {rt.get('learned', 0)} iteration(s), then acted on "
             f"{rt.get('acted', 0)} ({rt.get('light_iterations', 0)} of them without recording ops, as a live run "
-            f"does once it trusts its plan); over the run it prefetched {_fmt_bytes(rt['prefetched_bytes'])} to the "
-            f"GPU and pre-evicted {_fmt_bytes(rt['evicted_bytes'])} to the host in {rt.get('prefetch_calls', 0)} calls, "
+            f"does once it trusts its plan); over the run it prefetched {format_bytes(rt['prefetched_bytes'])} to the "
+            f"GPU and pre-evicted {format_bytes(rt['evicted_bytes'])} to the host in {rt.get('prefetch_calls', 0)} calls, "
             f"at {rt.get('decisions', 0)} decision points (the places in an iteration where it acts: module "
-            f"boundaries, at least a few ms of compute apart), and discarded {_fmt_bytes(rt['discarded_bytes'])} "
+            f"boundaries, at least a few ms of compute apart), and discarded {format_bytes(rt['discarded_bytes'])} "
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
         dev = rt.get("deviations", 0)
         lines.append(

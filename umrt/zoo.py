@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from umrt.capture import Recorder
 from umrt.errors import ConfigError
 from umrt.trace.events import Trace
 
@@ -314,8 +315,6 @@ def trace_model(
             compared with), or "bfloat16" / "float16" (the whole model and its
             inputs in that dtype: pure half-precision training).
     """
-    from umrt.capture import Recorder
-
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if dtype not in DTYPES:

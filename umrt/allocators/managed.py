@@ -30,6 +30,7 @@ from typing import Any
 from umrt import stats
 from umrt.errors import CudaError
 from umrt.memory.caching import LayoutError
+from umrt.memory.pool import LifetimePool
 from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit
 
 
@@ -39,8 +40,6 @@ class ManagedOutOfMemoryError(CudaError):
 
 def default_layout_factory(backend: Any) -> Any:
     """umrt's lifetime-aware pool as an allocator feeds it, ``LifetimePool(backend, live_feed=True)``."""
-    from umrt.memory.pool import LifetimePool
-
     return LifetimePool(backend, live_feed=True)
 
 

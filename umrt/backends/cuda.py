@@ -63,13 +63,13 @@ from typing import Any
 
 import numpy as np
 
-from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.backends.base import HOST, PAGE, Advice, Backend, Range
 from umrt.backends.ranges import RangeSet
 from umrt.errors import CudaError
 
 #: Discards are shrunk inward to this alignment: the driver drops whole pages,
 #: and a partial page may hold a live neighbour (64 KiB = GPU UVM page size).
-DISCARD_ALIGN = 64 * 1024
+DISCARD_ALIGN = PAGE
 CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
 CUDA13 = 13000
 MAX_PENDING = 256  # copy-stream events awaiting a kernel before they are folded together
@@ -297,6 +297,16 @@ def default_api() -> CudaApi:
             "no CUDA Python runtime found: install umrt[cuda12] (cupy-cuda12x) or umrt[cuda13] "
             "(cupy-cuda13x, cuda-bindings)"
         ) from None
+
+
+def gpu_count() -> int:
+    """CUDA devices this process can use (0 without a driver, runtime or device)."""
+    try:
+        return default_api().device_count()
+    except (CudaError, ImportError):
+        return 0
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
+        return 0
 
 
 # ---------------------------------------------------------------------------

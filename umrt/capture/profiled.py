@@ -1,73 +1,25 @@
 """Observe a training iteration without changing it: umrt events from torch's profiler.
 
-Why not the :class:`~umrt.capture.Recorder`: any active ``TorchDispatchMode``
-makes every tensor "subclass-like" to ATen, so autograd accumulates gradients
-out of place (``old + new`` instead of ``old.add_(new)``) and composite ops
-take their out-of-place paths: a recorded GPT-2 step makes more, and
-different, allocations than the same step unrecorded (1,101 against 1,053 on
-an H100). A plan learned from it never matches the iterations it acts on.
+Why not the :class:`~umrt.capture.Recorder`: an active ``TorchDispatchMode``
+makes autograd accumulate gradients out of place and composite ops take their
+out-of-place paths, so a recorded GPT-2 step allocates differently (1,101
+allocations against 1,053 unrecorded, on an H100). Torch's profiler sets no
+dispatch key: the program allocates and computes the same with the capture on.
 
-:class:`ProfiledCapture` watches through torch's profiler instead (Kineto's
-RecordFunction callbacks, ``record_shapes`` + ``profile_memory``), which sets
-no dispatch key: the program allocates the same sizes in the same order with
-the capture on and off, and computes the same values. What it reads:
+* ops: a launch is the outermost profiled aten op that is not
+  ``CompositeImplicitAutograd``; written inputs come from the op's schema.
+* objects: each allocation is one, announced where it happened (inside the op
+  that asked for it, or ``launch = -1``). umrt's own pool, which torch does not
+  report, calls :meth:`ProfiledCapture.note_alloc` / ``note_free``
+  (``allocator_events=True``) to leave markers in the profile instead.
+* layers, iterations, kinds: module and optimizer hooks leave ``umrt::``
+  markers in the profile, read with the Recorder's semantics.
 
-* **ops**: the profiler's event tree holds every aten op with its inputs'
-  metadata (storage address, sizes, strides, dtype), nested: a composite op
-  contains the ops it calls. A *launch* is the outermost op that is not
-  ``CompositeImplicitAutograd`` (what a ``TorchDispatchMode`` sees, and what
-  reaches a device kernel); view/metadata-only ops and ops that only allocate
-  launch nothing. Written inputs come from the op's schema (the profiler gives
-  overload names; without them torch's own ``SchemaMatcher`` matches by arity
-  and types).
-* **objects**: each allocation is an object. Its ``Alloc`` sits where the
-  allocation happened: inside the op that asked for it (``Alloc.launch`` is
-  that launch, which also writes the object), or outside any launch
-  (``launch = -1``). On CPU, and on CUDA with torch's caching allocator, the
-  profiler reports the allocator's blocks itself. umrt's pluggable pool is not
-  reported by torch: its listener calls :meth:`ProfiledCapture.note_alloc` /
-  :meth:`~ProfiledCapture.note_free`, which leave a marker in the profile at
-  the same place (construct the capture with ``allocator_events=True``).
-  Inputs are mapped to objects by storage address; storages made before the
-  capture started are announced when first seen, as the Recorder does.
-* **module boundaries**: module forward pre/post hooks open and close a
-  profiler range ``umrt::fwd::<module>`` around each module's forward, and a
-  pre-hook on each module output's ``grad_fn`` leaves a ``umrt::bwd::<module>``
-  marker (on autograd's thread too): layer events land exactly among the ops,
-  with the Recorder's semantics (backward layer events are flat).
-* **iterations and kinds**: optimizer step pre/post hooks leave markers and
-  read the optimizer's facts (parameters, gradients, state, by storage
-  address), applied at the marker's place; the boundary follows the step as
-  the Recorder places it (before the next allocation, launch or layer entry).
-  Other kinds come from lifetimes, as the Recorder decides them.
-
-The profile is read once per iteration: at the first top-level module forward
-after an optimizer step (outside any op), the profiler is stopped, its tree
-converted into events (delivered to listeners, in program order) and a new
-profile started. :data:`NOTES` lists what differs from the Recorder's events.
-
-Aligning with a live allocator (the live bridge). Each window keeps the
-allocations it saw, in order (:attr:`ProfiledWindow.allocations`: object,
-address, bytes). On CUDA under umrt's pool a bridge would:
-
-1. construct ``ProfiledCapture(model, optimizer, device="cuda",
-   allocator_events=True, iterations=k, window_listeners=[on_window],
-   on_error=...)`` and start it when its own listening starts;
-2. in its pool listener (called inside ``malloc``/``free``, so inside the op),
-   call :meth:`ProfiledCapture.note_alloc` / :meth:`~ProfiledCapture.note_free`
-   and, when ``note_alloc`` returns True (the profile holds it), append the
-   allocation's ``(ptr, nbytes)`` and its own object id to a list for the
-   running window;
-3. in ``on_window(window)`` (called at the window's read, on the thread that
-   runs the forward, no op in flight: every allocation before it belongs to
-   the window), call :func:`align_allocations` with that list (same sizes, same
-   order, same addresses, else :class:`AlignmentError`: do not learn from that
-   window), start a new list, and :func:`translate` the window's events with
-   ``{profile object: own id}`` to merge its launches and layer events into the
-   plan it learns.
-
-With torch's caching allocator (no umrt pool) the profiler's own memory events
-are its blocks (sizes rounded: compare with :func:`caching_block_fits`).
+The profile is read once per iteration (at the first top-level forward after
+an optimizer step): its tree is converted into events, delivered in program
+order, and a new profile started. :data:`NOTES` lists what differs from the
+Recorder's events. A live bridge matches each window's allocations with its
+allocator's (:func:`align_allocations`) and renames objects (:func:`translate`).
 """
 
 from __future__ import annotations
@@ -81,21 +33,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._C._profiler import _EventType, _ExperimentalConfig, _RecordFunctionFast, _TensorMetadata
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-from umrt.capture import steer
-from umrt.capture.recorder import (
-    _ALLOC_ONLY,
-    _BACKWARD,
-    _FORWARD,
-    _SETUP,
-    _STEP,
-    _guarded,
-    _lifetime_kind,
-    _output_tensors,
+from torch._C._autograd import _enable_profiler, _prepare_profiler
+from torch._C._profiler import (
+    ProfilerActivity,
+    ProfilerConfig,
+    ProfilerState,
+    _EventType,
+    _ExperimentalConfig,
+    _RecordFunctionFast,
+    _TensorMetadata,
 )
-from umrt.capture.recorder import _precision_of as _precision
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from umrt import __version__
+from umrt.capture import steer
+from umrt.capture.hooks import ModulePaths, guarded, install_hooks, output_tensors
+from umrt.capture.ops import (
+    ALLOC_ONLY,
+    FLASH_ATTENTION,
+    FLASH_ATTENTION_BACKWARD,
+    precision_of,
+    tf32_switches,
+)
+from umrt.capture.phases import ALIVE, BACKWARD, FORWARD, SETUP, STEP, final_kind, lifetime_kind
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -110,6 +70,7 @@ from umrt.trace.events import (
     TraceHeader,
     execution_id,
 )
+from umrt.trace.fileformat import FORMAT_VERSION
 
 Listener = Callable[[Event], None]
 
@@ -207,6 +168,14 @@ def align_allocations(
     Raises:
         AlignmentError: the counts differ or a pair does not match (the message
             names the first position that differs).
+
+    A live bridge on umrt's pool constructs the capture with
+    ``allocator_events=True, window_listeners=[on_window]``; its pool listener
+    calls :meth:`ProfiledCapture.note_alloc` / ``note_free`` and, when
+    ``note_alloc`` returns True, appends ``(ptr, nbytes)`` and its own id to the
+    running window's list; ``on_window`` aligns that list with the window (on
+    :class:`AlignmentError` it does not learn from the window), starts a new
+    list, and renames the window's events through :func:`translate` with ``{profile object: own id}``.
     """
     allocs = profile.allocations if isinstance(profile, ProfiledWindow) else list(profile)
     mapping: dict[int, int] = {}
@@ -295,8 +264,6 @@ def _op_info_for(name: str, overload: str) -> _OpInfo | None:
         and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
     )
     full = f"{name}.{overload or 'default'}"
-    from torch.utils.flop_counter import flop_registry
-
     packet = None
     with contextlib.suppress(AttributeError, RuntimeError):
         ns, op = name.split("::", 1)
@@ -305,7 +272,7 @@ def _op_info_for(name: str, overload: str) -> _OpInfo | None:
         name=steer.OP_RENAMES.get(full, full),
         composite=bool(composite),
         skip=skip,
-        alloc_only=full in _ALLOC_ONLY,
+        alloc_only=full in ALLOC_ONLY,
         returns_tensors=len(rets) > 0 and all(str(r.type) in ("Tensor", "Tensor[]", "Tensor?") for r in rets),
         writes=writes,
         kwarg_only=tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.kwarg_only),
@@ -321,7 +288,7 @@ def _op_info(ev: Any, overloads: bool) -> _OpInfo | None:
     if "::" not in name or name.startswith(_PREFIX):
         return None
     if overloads:
-        return _op_info_for(name, getattr(ev, "overload_name", ""))
+        return _op_info_for(name, ev.overload_name)
     schemas = _schemas(name)
     if len(schemas) <= 1:
         return _op_info_for(name, schemas[0].overload_name) if schemas else None
@@ -355,14 +322,10 @@ def _flops(info: _OpInfo, inputs: Sequence[Any]) -> int:
         return m
 
     try:
-        if info.name == "aten::_scaled_dot_product_flash_attention.default":
-            from torch.utils.flop_counter import sdpa_flop_count
-
+        if info.name == FLASH_ATTENTION:
             q, k, v = (tuple(m.sizes) for m in inputs[:3])
             return int(sdpa_flop_count(q, k, v))
-        if info.name == "aten::_scaled_dot_product_flash_attention_backward.default":
-            from torch.utils.flop_counter import sdpa_backward_flop_count
-
+        if info.name == FLASH_ATTENTION_BACKWARD:
             g, q, k, v = (tuple(m.sizes) for m in inputs[:4])
             return int(sdpa_backward_flop_count(g, q, k, v))
         if info.flop_fn is None:
@@ -379,7 +342,7 @@ def _flops(info: _OpInfo, inputs: Sequence[Any]) -> int:
 
 
 @dataclass(slots=True)
-class _Obj:
+class _ProfiledObject:
     nbytes: int
     kind: Kind  # kind announced in its Alloc
     known: Kind | None  # a fact (parameter, gradient, optimizer state, input)
@@ -389,23 +352,118 @@ class _Obj:
     event_index: int  # index of its Alloc in the capture's events
     ptr: int
     freed_phase: int = -1
-    freed_iteration: int = -2  # -2: alive
+    freed_iteration: int = ALIVE
 
 
 # Items of one window, in program order: (time, kind, payload).
-_I_ALLOC, _I_FREE, _I_OP, _I_ENTER, _I_EXIT, _I_BWD, _I_STEP_PRE, _I_STEP_POST, _I_MARK, _I_BARE = range(10)
+_ITEM_ALLOC, _ITEM_FREE, _ITEM_OP, _ITEM_ENTER, _ITEM_EXIT, _ITEM_BWD, _ITEM_STEP_PRE, _ITEM_STEP_POST, _ITEM_MARK, _ITEM_BARE = range(10)
 
 
-class _Converter:
+class _ProfileWalker:
+    """Flattens a profile's event trees into items, in program order: each
+    thread's in time order, the threads merged by time."""
+
+    def __init__(self, device: str, allocator_events: bool, overloads: bool) -> None:
+        self.device = device
+        self.allocator_events = allocator_events
+        self.overloads = overloads  # the profile has overload names
+
+    def items(self, roots: Sequence[Any]) -> Iterator[tuple]:
+        streams: dict[int, list] = {}
+        by_thread: dict[int, list] = {}
+        for root in roots:
+            by_thread.setdefault(root.start_tid, []).append(root)
+        for tid, thread_roots in by_thread.items():
+            self._walk(thread_roots, False, streams.setdefault(tid, []))
+        order = [s for _, s in sorted(streams.items())]
+        return (
+            iter(order[0]) if len(order) == 1 else heapq.merge(*order, key=lambda it: it[0])
+        ) if order else iter(())
+
+    def _alloc_item(self, ev: Any, in_bwd: bool, items: list) -> None:
+        ef = ev.extra_fields
+        if self.allocator_events or ef.device.type != self.device:
+            return
+        size = ef.alloc_size
+        items.append((ev.start_time_ns, _ITEM_ALLOC if size > 0 else _ITEM_FREE, (ef.ptr, abs(size), in_bwd)))
+
+    def _walk(self, children: Sequence[Any], in_bwd: bool, items: list) -> None:
+        """Items of a list of sibling events (one thread's, in time order)."""
+        for ev in children:
+            tag = ev.tag
+            if tag == _ALLOCATION:
+                ef = ev.extra_fields
+                if ef.device.type == "cpu":  # a host block allocated outside any op (a wrapped number?)
+                    items.append((ev.start_time_ns, _ITEM_BARE, (ef.ptr, ef.alloc_size)))
+                self._alloc_item(ev, in_bwd, items)
+                continue
+            if tag != _TORCH_OP:
+                self._walk(ev.children, in_bwd, items)
+                continue
+            name = ev.name
+            if name.startswith(_PREFIX):
+                self._marker(ev, name, in_bwd, items)
+            else:
+                info = _op_info(ev, self.overloads)
+                if info is None or info.composite:
+                    self._walk(ev.children, in_bwd or name.startswith(_EVALUATE), items)
+                else:
+                    nested: list = []
+                    made = [False]
+                    for c in ev.children:
+                        self._nested(c, nested, made)
+                    items.append((ev.start_time_ns, _ITEM_OP, (ev, info, nested, made[0], in_bwd)))
+
+    def _nested(self, ev: Any, out: list, made: list) -> None:
+        """Allocations (and allocator markers) anywhere inside a launch, in order
+        (``made[0]``: it allocated anything, on any device)."""
+        tag = ev.tag
+        if tag == _ALLOCATION:
+            if ev.extra_fields.alloc_size > 0:
+                made[0] = True
+            self._alloc_item(ev, False, out)
+            return
+        if tag == _TORCH_OP and ev.name in (_ALLOC_MARK, _FREE_MARK):
+            if ev.name == _ALLOC_MARK:
+                made[0] = True
+            self._marker(ev, ev.name, False, out)
+            return
+        for c in ev.children:
+            self._nested(c, out, made)
+
+    def _marker(self, ev: Any, name: str, in_bwd: bool, items: list) -> None:
+        t = ev.start_time_ns
+        if name.startswith(_FWD):
+            module = name[len(_FWD):]
+            items.append((t, _ITEM_ENTER, (module, in_bwd)))
+            self._walk(ev.children, in_bwd, items)
+            items.append((max(t, ev.end_time_ns), _ITEM_EXIT, module))
+        elif name.startswith(_BWD):
+            items.append((t, _ITEM_BWD, name[len(_BWD):]))
+        elif name in (_ALLOC_MARK, _FREE_MARK):
+            if self.allocator_events:
+                vals = list(ev.extra_fields.inputs)
+                ptr, nbytes = int(vals[0]), int(vals[1])
+                items.append((t, _ITEM_ALLOC if name == _ALLOC_MARK else _ITEM_FREE, (ptr, nbytes, in_bwd)))
+        elif name.startswith(_STEP_PRE):
+            items.append((t, _ITEM_STEP_PRE, name))
+        elif name.startswith(_STEP_POST):
+            items.append((t, _ITEM_STEP_POST, name))
+        elif name == _MARK:
+            items.append((t, _ITEM_MARK, None))
+        else:
+            self._walk(ev.children, in_bwd, items)
+
+
+class ProfileConverter:
     """Turns profiler event trees into umrt events; its state (objects alive,
     iteration, learned kinds) carries over from one window to the next."""
 
     def __init__(self, device: str, tf32: tuple[bool, bool], allocator_events: bool, *, overloads: bool = True) -> None:
         self.device = device
-        self.overloads = overloads  # the profile has overload names
+        self._walker = _ProfileWalker(device, allocator_events, overloads)
         self.tf32 = tf32
-        self.allocator_events = allocator_events
-        self.objs: dict[int, _Obj] = {}
+        self.objs: dict[int, _ProfiledObject] = {}
         self.live: dict[int, int] = {}  # address -> object alive there
         self.next_obj = 0
         self.seq = 0
@@ -458,10 +516,10 @@ class _Converter:
 
     def _phase(self, in_bwd: bool) -> int:
         if self.iteration < 0:
-            return _SETUP
+            return SETUP
         if self.in_step:
-            return _STEP
-        return _BACKWARD if in_bwd else _FORWARD
+            return STEP
+        return BACKWARD if in_bwd else FORWARD
 
     # -- objects -------------------------------------------------------------
     def _new(self, ptr: int, nbytes: int, kind: Kind, known: Kind | None, phase: int, key: tuple | None,
@@ -471,7 +529,7 @@ class _Converter:
             self._free(old, 0, phase)
         obj = self.next_obj
         self.next_obj += 1
-        self.objs[obj] = _Obj(nbytes, kind, known, phase, self.iteration, key, self._index(), ptr)
+        self.objs[obj] = _ProfiledObject(nbytes, kind, known, phase, self.iteration, key, self._index(), ptr)
         self.live[ptr] = obj
         self._born.append(obj)
         self._emit(Alloc(obj, nbytes, kind, launch))
@@ -480,7 +538,7 @@ class _Converter:
     def allocated(self, ptr: int, nbytes: int, phase: int, key: tuple | None = None, launch: int = -1) -> int:
         """An allocation the allocator made (kind: learned for the same launch's
         allocation last iteration, else by the phase it is born in)."""
-        kind = Kind.ACTIVATION if phase == _FORWARD else (Kind.OTHER if phase == _SETUP else Kind.TEMPORARY)
+        kind = Kind.ACTIVATION if phase == FORWARD else (Kind.OTHER if phase == SETUP else Kind.TEMPORARY)
         if key is not None:
             kind = self.learned.get(key, kind)
         obj = self._new(ptr, nbytes, kind, None, phase, key, launch)
@@ -511,7 +569,7 @@ class _Converter:
         info.freed_phase = phase
         info.freed_iteration = self.iteration
         if info.key is not None and info.known is None and info.iteration == self.iteration:
-            self.learned[info.key] = _lifetime_kind(info)
+            self.learned[info.key] = lifetime_kind(info)
         self._emit(Free(obj))
 
     def freed(self, ptr: int, nbytes: int, phase: int) -> None:
@@ -533,17 +591,7 @@ class _Converter:
     # -- a window ------------------------------------------------------------
     def convert(self, roots: Sequence[Any]) -> ProfiledWindow:
         """Convert one profile's event tree; returns the window (events not yet delivered)."""
-        streams: dict[int, list] = {}
-        by_thread: dict[int, list] = {}
-        for root in roots:
-            by_thread.setdefault(root.start_tid, []).append(root)
-        for tid, thread_roots in by_thread.items():
-            self._walk(thread_roots, False, streams.setdefault(tid, []))
-        order = [s for _, s in sorted(streams.items())]
-        merged: Iterator = (
-            iter(order[0]) if len(order) == 1 else heapq.merge(*order, key=lambda it: it[0])
-        ) if order else iter(())
-        for item in merged:
+        for item in self._walker.items(roots):
             self._handle(item)
         return self._finish()
 
@@ -559,8 +607,8 @@ class _Converter:
             info = self.objs[obj]
             if info.known is not None:
                 kind = info.known
-            elif info.freed_iteration != -2:
-                kind = _lifetime_kind(info)
+            elif info.freed_iteration != ALIVE:
+                kind = lifetime_kind(info)
             else:
                 kind = info.kind
             if kind != info.kind:
@@ -570,122 +618,47 @@ class _Converter:
                 self._out[i] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
         return ProfiledWindow(0, list(self._out), list(self._allocs))
 
-    # -- the tree walk (one thread's roots, in time order) --------------------
-    def _alloc_item(self, ev: Any, in_bwd: bool, items: list) -> None:
-        ef = ev.extra_fields
-        if self.allocator_events or ef.device.type != self.device:
-            return
-        size = ef.alloc_size
-        items.append((ev.start_time_ns, _I_ALLOC if size > 0 else _I_FREE, (ef.ptr, abs(size), in_bwd)))
-
-    def _walk(self, children: Sequence[Any], in_bwd: bool, items: list) -> None:
-        """Items of a list of sibling events (one thread's, in time order)."""
-        for ev in children:
-            tag = ev.tag
-            if tag == _ALLOCATION:
-                ef = ev.extra_fields
-                if ef.device.type == "cpu":  # a host block allocated outside any op (a wrapped number?)
-                    items.append((ev.start_time_ns, _I_BARE, (ef.ptr, ef.alloc_size)))
-                self._alloc_item(ev, in_bwd, items)
-                continue
-            if tag != _TORCH_OP:
-                self._walk(ev.children, in_bwd, items)
-                continue
-            name = ev.name
-            if name.startswith(_PREFIX):
-                self._marker(ev, name, in_bwd, items)
-            else:
-                info = _op_info(ev, self.overloads)
-                if info is None or info.composite:
-                    self._walk(ev.children, in_bwd or name.startswith(_EVALUATE), items)
-                else:
-                    nested: list = []
-                    made = [False]
-                    for c in ev.children:
-                        self._nested(c, nested, made)
-                    items.append((ev.start_time_ns, _I_OP, (ev, info, nested, made[0], in_bwd)))
-
-    def _nested(self, ev: Any, out: list, made: list) -> None:
-        """Allocations (and allocator markers) anywhere inside a launch, in order
-        (``made[0]``: it allocated anything, on any device)."""
-        tag = ev.tag
-        if tag == _ALLOCATION:
-            if ev.extra_fields.alloc_size > 0:
-                made[0] = True
-            self._alloc_item(ev, False, out)
-            return
-        if tag == _TORCH_OP and ev.name in (_ALLOC_MARK, _FREE_MARK):
-            if ev.name == _ALLOC_MARK:
-                made[0] = True
-            self._marker(ev, ev.name, False, out)
-            return
-        for c in ev.children:
-            self._nested(c, out, made)
-
-    def _marker(self, ev: Any, name: str, in_bwd: bool, items: list) -> None:
-        t = ev.start_time_ns
-        if name.startswith(_FWD):
-            module = name[len(_FWD):]
-            items.append((t, _I_ENTER, (module, in_bwd)))
-            self._walk(ev.children, in_bwd, items)
-            items.append((max(t, ev.end_time_ns), _I_EXIT, module))
-        elif name.startswith(_BWD):
-            items.append((t, _I_BWD, name[len(_BWD):]))
-        elif name in (_ALLOC_MARK, _FREE_MARK):
-            if self.allocator_events:
-                vals = list(ev.extra_fields.inputs)
-                ptr, nbytes = int(vals[0]), int(vals[1])
-                items.append((t, _I_ALLOC if name == _ALLOC_MARK else _I_FREE, (ptr, nbytes, in_bwd)))
-        elif name.startswith(_STEP_PRE):
-            items.append((t, _I_STEP_PRE, name))
-        elif name.startswith(_STEP_POST):
-            items.append((t, _I_STEP_POST, name))
-        elif name == _MARK:
-            items.append((t, _I_MARK, None))
-        else:
-            self._walk(ev.children, in_bwd, items)
-
     # -- items ---------------------------------------------------------------
     def _handle(self, item: tuple) -> None:
         _, what, payload = item
-        if what == _I_OP:
+        if what == _ITEM_OP:
             self._op(*payload)
-        elif what == _I_ALLOC:
+        elif what == _ITEM_ALLOC:
             self._flush()
             self.allocated(payload[0], payload[1], self._phase(payload[2]))
-        elif what == _I_FREE:
+        elif what == _ITEM_FREE:
             self.freed(payload[0], payload[1], self._phase(payload[2]))
-        elif what == _I_ENTER:
+        elif what == _ITEM_ENTER:
             module, in_bwd = payload
             if self.bwd_module is not None and not in_bwd:
                 self._end_backward()  # a forward after a backward without a step
             self._flush()
             self.fwd_stack.append(module)
             self._emit(LayerEnter(module, "forward"))
-        elif what == _I_EXIT:
+        elif what == _ITEM_EXIT:
             if self.fwd_stack:
                 self.fwd_stack.pop()
             self._emit(LayerExit(payload, "forward"))
-        elif what == _I_BWD:
+        elif what == _ITEM_BWD:
             if self.bwd_module != payload:
                 self._end_backward()
                 self.bwd_module = payload
                 self._emit(LayerEnter(payload, "backward"))
-        elif what == _I_STEP_PRE:
+        elif what == _ITEM_STEP_PRE:
             self._flush()
             self._end_backward()
             for ptr, nbytes, kind in self.facts.pop(payload, ()):
                 self.fact(ptr, nbytes, kind, self._phase(False))
             self.in_step += 1
-        elif what == _I_STEP_POST:
+        elif what == _ITEM_STEP_POST:
             self.in_step = max(0, self.in_step - 1)
             for ptr, nbytes, kind in self.facts.pop(payload, ()):
                 self.fact(ptr, nbytes, kind, self._phase(False))
             if self.auto_step:
                 self.step()
-        elif what == _I_MARK:
+        elif what == _ITEM_MARK:
             self.step()
-        elif what == _I_BARE:
+        elif what == _ITEM_BARE:
             if payload[1] > 0:
                 self.bare_host.add(payload[0])
             else:
@@ -711,7 +684,7 @@ class _Converter:
                     continue  # a wrapped Python scalar: an argument of the kernel, not memory it reads
                 tensors.append((ptr, sizes, tuple(x.strides), dtype, x.device.type, w))
         on_dev = [t for t in tensors if t[0] and t[4] == dev]
-        launch = not (info.skip or info.alloc_only) and (on_dev or any(k == _I_ALLOC for _, k, _ in nested))
+        launch = not (info.skip or info.alloc_only) and (on_dev or any(k == _ITEM_ALLOC for _, k, _ in nested))
         if launch and info.returns_tensors and not made and not any(t[5] for t in tensors):
             launch = False  # its outputs alias its inputs and nothing is written: no kernel
         if launch and self.in_step and dev == "cpu" and all(not t[1] for t in tensors):
@@ -723,9 +696,9 @@ class _Converter:
         if self.bwd_module is not None and not in_bwd:
             self._end_backward()
         phase = self._phase(in_bwd)
-        if phase == _BACKWARD:
+        if phase == BACKWARD:
             module = self.bwd_module or ""
-        elif phase == _STEP:
+        elif phase == STEP:
             module = ""
         else:
             module = self.fwd_stack[-1] if self.fwd_stack else ""
@@ -755,11 +728,11 @@ class _Converter:
         # that (its own temporaries) stays in place, the frees of its inputs and
         # everything after its last allocation follow it.
         inputs_objs = {o for o, _, _ in acc}
-        last_alloc = max((i for i, (_, k, _) in enumerate(nested) if k == _I_ALLOC), default=-1)
+        last_alloc = max((i for i, (_, k, _) in enumerate(nested) if k == _ITEM_ALLOC), default=-1)
         created: list[int] = []
         after: list[tuple[int, int]] = []
         for i, (_, k, (ptr, nbytes, _)) in enumerate(nested):
-            if k == _I_ALLOC:
+            if k == _ITEM_ALLOC:
                 created.append(self.allocated(ptr, nbytes, phase, key=(exec_id, occ, len(created)), launch=seq))
                 continue
             obj = self.live.get(ptr)
@@ -771,7 +744,7 @@ class _Converter:
             else:
                 self._free(obj, nbytes, phase)
         gone = {obj for obj, _ in after}
-        outputs = [o for o in created if self.objs[o].freed_iteration == -2 and o not in gone]
+        outputs = [o for o in created if self.objs[o].freed_iteration == ALIVE and o not in gone]
         for obj in outputs:  # what it made and keeps; temporaries it frees itself are no access
             nb = self.objs[obj].nbytes
             if nb:
@@ -784,7 +757,7 @@ class _Converter:
         nbytes_moved = 0
         for _, _, ln in acc:
             nbytes_moved += ln
-        precision = _precision(info.name, dtypes, self.tf32)
+        precision = precision_of(info.name, dtypes, self.tf32)
         self.seq += 1
         self._emit(Launch(seq, exec_id, info.name, accesses, flops, nbytes_moved, module, precision))
         for obj, nbytes in after:
@@ -794,7 +767,7 @@ class _Converter:
         """Allocations and frees inside an op that launches nothing."""
         phase = self._phase(in_bwd)
         for _, k, (ptr, nbytes, _) in nested:
-            if k == _I_ALLOC:
+            if k == _ITEM_ALLOC:
                 self._flush()
                 self.allocated(ptr, nbytes, phase)
             else:
@@ -812,6 +785,51 @@ def _experimental_config() -> tuple[_ExperimentalConfig, bool]:
         return _ExperimentalConfig(capture_overload_names=True), True
     except TypeError:  # an older torch: overloads are matched from the inputs (SchemaMatcher)
         return _ExperimentalConfig(), False
+
+
+def _storages(tensors: Iterator[Any], device: str) -> list[tuple[int, int]]:
+    """(address, bytes) of the storages of ``tensors`` on ``device``."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == device:
+            st = t.untyped_storage()
+            if st.data_ptr():
+                out.append((st.data_ptr(), st.nbytes()))
+    return out
+
+
+def _setup_facts(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
+                 device: str) -> list[tuple[Kind, list[tuple[int, int]]]]:
+    """The kinds of the model's and optimizer's storages at the start."""
+    out: list[tuple[Kind, list[tuple[int, int]]]] = []
+    if model is not None:
+        out.append((Kind.PARAMETER, _storages(model.parameters(), device)))
+        out.append((Kind.OTHER, _storages(model.buffers(), device)))
+    if optimizer is not None:
+        out.extend(_optimizer_facts(optimizer, device, grads=False))
+    return out
+
+
+def _optimizer_facts(opt: torch.optim.Optimizer, device: str, *, grads: bool) -> list[tuple[Kind, list]]:
+    """The kinds of an optimizer's storages: parameters, gradients (``grads``), state."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    facts = [(Kind.PARAMETER, _storages(iter(params), device))]
+    if grads:
+        facts.append((Kind.GRADIENT, _storages((p.grad for p in params), device)))
+    state = []
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
+                state.append(v)  # (a host step counter is not device memory on CUDA)
+    facts.append((Kind.OPTIMIZER_STATE, _storages(iter(state), device)))
+    return facts
+
+
+class _OpenForwards(threading.local):
+    """Per thread: the forward ranges open, innermost last ((module, range); None: not recorded)."""
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[str, Any] | None] = []
 
 
 class ProfiledCapture:
@@ -900,10 +918,10 @@ class ProfiledCapture:
         self.failed: BaseException | None = None  # the capture's own error, once on_error took one
         self._events: list[Event] = []
         self._windows: list[ProfiledWindow] = []
-        self._conv: _Converter | None = None
+        self._conv: ProfileConverter | None = None
         self._handles: list[Any] = []
-        self._module_names: dict[int, str] = {}
-        self._local = threading.local()  # per thread: the open forward ranges
+        self._paths = ModulePaths()
+        self._forwards = _OpenForwards()  # per thread: the open forward ranges
         self._owner: int | None = None
         self._started = False
         self._stopped = False
@@ -932,27 +950,19 @@ class ProfiledCapture:
         if torch._C._autograd._profiler_enabled() or torch.autograd.profiler._is_profiler_enabled:
             raise RuntimeError("another torch profiler is running: umrt's profiled capture needs the profiler to itself")
         self._started = True
-        tf32 = (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
-        conv = _Converter(self.device, tf32, self.allocator_events, overloads=_experimental_config()[1])
+        tf32 = tf32_switches()
+        conv = ProfileConverter(self.device, tf32, self.allocator_events, overloads=_experimental_config()[1])
         conv.auto_step = self.auto_step
         self._conv = conv
-        if self.model is not None:
-            for name, m in self.model.named_modules():
-                self._module_names[id(m)] = name
+        self._paths = ModulePaths(self.model)
         conv.open_window()
-        for kind, tensors in self._setup_tensors():
+        for kind, tensors in _setup_facts(self.model, self.optimizer, self.device):
             for ptr, nbytes in tensors:
-                conv.fact(ptr, nbytes, kind, _SETUP)
+                conv.fact(ptr, nbytes, kind, SETUP)
         if self.mark_start:
             conv.boundary()
         self._deliver(conv._finish(), as_window=False)
-        mm = torch.nn.modules.module
-        self._handles = [
-            mm.register_module_forward_pre_hook(self._forward_pre),
-            mm.register_module_forward_hook(self._forward_post, always_call=True),
-            register_optimizer_step_pre_hook(self._step_pre),
-            register_optimizer_step_post_hook(self._step_post),
-        ]
+        self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post)
         self._owner = threading.get_ident()
         self._start_profiler()
 
@@ -1050,19 +1060,10 @@ class ProfiledCapture:
         conv = self._conv
         if conv is not None:
             for info in conv.objs.values():
-                if info.known is not None:
-                    kind = info.known
-                elif info.freed_iteration == -2:
-                    born_last = info.iteration == conv.iteration and info.phase in (_FORWARD, _BACKWARD)
-                    kind = info.kind if born_last else Kind.OTHER
-                else:
-                    kind = _lifetime_kind(info)
+                kind = final_kind(info, conv.iteration)
                 ev = events[info.event_index]
                 if ev.kind != kind:
                     events[info.event_index] = Alloc(ev.obj, ev.nbytes, kind, ev.launch)
-        from umrt import __version__
-        from umrt.trace.fileformat import FORMAT_VERSION
-
         header = TraceHeader(
             format_version=FORMAT_VERSION,
             umrt_version=__version__,
@@ -1079,9 +1080,6 @@ class ProfiledCapture:
 
     # ------------------------------------------------------------------ profiler
     def _start_profiler(self) -> None:
-        from torch._C._autograd import _enable_profiler, _prepare_profiler
-        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState
-
         config = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False, _experimental_config()[0])
         activities = {ProfilerActivity.CPU}
         _prepare_profiler(config, activities)
@@ -1122,7 +1120,7 @@ class ProfiledCapture:
             if as_window:
                 self._windows.append(win)
         else:  # bounded memory: forget the objects that are gone
-            for obj in [o for o, info in conv.objs.items() if info.freed_iteration != -2]:
+            for obj in [o for o, info in conv.objs.items() if info.freed_iteration != ALIVE]:
                 del conv.objs[obj]
         for ev in win.events:
             for listener in self.listeners:
@@ -1145,69 +1143,19 @@ class ProfiledCapture:
         self._on_error(exc)
 
     # ------------------------------------------------------------------ facts
-    def _storages(self, tensors: Iterator[Any]) -> list[tuple[int, int]]:
-        out = []
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == self.device:
-                st = t.untyped_storage()
-                if st.data_ptr():
-                    out.append((st.data_ptr(), st.nbytes()))
-        return out
-
-    def _setup_tensors(self) -> list[tuple[Kind, list[tuple[int, int]]]]:
-        out: list[tuple[Kind, list[tuple[int, int]]]] = []
-        if self.model is not None:
-            out.append((Kind.PARAMETER, self._storages(self.model.parameters())))
-            out.append((Kind.OTHER, self._storages(self.model.buffers())))
-        if self.optimizer is not None:
-            out.extend(self._optimizer_facts(self.optimizer, grads=False))
-        return out
-
-    def _optimizer_facts(self, opt: torch.optim.Optimizer, *, grads: bool) -> list[tuple[Kind, list]]:
-        params = [p for g in opt.param_groups for p in g["params"]]
-        facts = [(Kind.PARAMETER, self._storages(iter(params)))]
-        if grads:
-            facts.append((Kind.GRADIENT, self._storages(p.grad for p in params)))
-        state = []
-        for st in opt.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and not (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
-                    state.append(v)  # (a host step counter is not device memory on CUDA)
-        facts.append((Kind.OPTIMIZER_STATE, self._storages(iter(state))))
-        return facts
-
     def _leave_facts(self, marker: str, opt: torch.optim.Optimizer, *, grads: bool) -> None:
         """Read the optimizer's facts now, to be applied at ``marker``'s place."""
         conv = self._conv
         assert conv is not None
         if self.optimizer is None or opt is self.optimizer:
-            conv.facts[marker] = [(p, n, k) for k, pairs in self._optimizer_facts(opt, grads=grads) for p, n in pairs]
+            conv.facts[marker] = [(p, n, k) for k, pairs in _optimizer_facts(opt, self.device, grads=grads) for p, n in pairs]
         with _RecordFunctionFast(marker):
             pass
 
     # ------------------------------------------------------------------ hooks
-    def _stack(self) -> list:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def _module_name(self, module: torch.nn.Module, stack: list) -> str:
-        name = self._module_names.get(id(module))
-        if name is None:
-            parent = next((e[0] for e in reversed(stack) if e is not None), None)
-            if parent is not None:
-                name = f"{parent}.{type(module).__name__.lower()}".lstrip(".")
-            else:  # a root we were not told about: name its tree
-                for sub, m in module.named_modules():
-                    self._module_names.setdefault(id(m), sub)
-                name = ""
-            self._module_names[id(module)] = name
-        return name
-
-    @_guarded
+    @guarded
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        stack = self._stack()
+        stack = self._forwards.stack
         if (
             self._rotate_pending
             and not stack
@@ -1219,14 +1167,14 @@ class ProfiledCapture:
         if not self._active:
             stack.append(None)  # keeps pushes and pops paired
             return
-        name = self._module_name(module, stack)
+        name = self._paths.name(module, next((e[0] for e in reversed(stack) if e is not None), None))
         rf = _RecordFunctionFast(_FWD + name)
         rf.__enter__()
         stack.append((name, rf))
 
-    @_guarded
+    @guarded
     def _forward_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = self._stack()
+        stack = self._forwards.stack
         if not stack:
             return
         entry = stack.pop()
@@ -1236,7 +1184,7 @@ class ProfiledCapture:
         rf.__exit__(None, None, None)
         if not self._active or not torch.is_grad_enabled():
             return
-        for t in _output_tensors(output):
+        for t in output_tensors(output):
             node = t.grad_fn
             if node is None:
                 continue
@@ -1254,13 +1202,13 @@ class ProfiledCapture:
 
         return hook
 
-    @_guarded
+    @guarded
     def _step_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._active:
             self._steps += 1
             self._leave_facts(f"{_STEP_PRE}{self._steps}", opt, grads=True)
 
-    @_guarded
+    @guarded
     def _step_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self._active:
             return

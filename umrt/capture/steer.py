@@ -162,6 +162,7 @@ def _packed_sequence_patch(pause: Callable[[], ContextManager]) -> contextlib.Ab
         from transformers import masking_utils
     except Exception:  # transformers missing or changed: nothing to patch
         return contextlib.nullcontext()
+    # a transformers version probe, not torch: older releases have no packed-sequence check (5.24 has it)
     orig = getattr(masking_utils, "find_packed_sequence_indices", None)
     if orig is None:
         return contextlib.nullcontext()

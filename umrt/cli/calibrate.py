@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from umrt.errors import ConfigError
+from umrt.hardware import save_profile
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -28,9 +31,8 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
+    # optional: umrt.calibrate loads the CUDA backend (numpy); not for `umrt --help`
     from umrt import calibrate
-    from umrt.errors import ConfigError
-    from umrt.hardware import save_profile
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} must be >= 1")

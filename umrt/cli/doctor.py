@@ -23,6 +23,7 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # optional: umrt.doctor loads the CUDA backend (numpy); not for `umrt --help`
     from umrt.doctor import run
 
     return run(build_shim=args.build_shim, as_json=args.json)

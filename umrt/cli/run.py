@@ -16,8 +16,11 @@ import os
 import sys
 from typing import Any
 
+from umrt import api
+from umrt.config import Config, from_env, parse_amount
 from umrt.errors import ConfigError
 from umrt.scripts import run_script
+from umrt.sim.budget import parse_budget
 
 
 def register(subparsers: Any) -> None:
@@ -41,12 +44,8 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from umrt.config import from_env, parse_amount
-
     if args.gpu_memory is not None:  # an error that names the flag and what a percentage is of
         if args.simulate is not None or os.environ.get("UMRT_SIMULATE"):
-            from umrt.sim.budget import parse_budget
-
             try:
                 parse_budget(args.gpu_memory, 1 << 40)
             except ConfigError as exc:
@@ -60,32 +59,33 @@ def main(args: argparse.Namespace) -> int:
                  "device": args.device}
     cfg = from_env().replace(**{k: v for k, v in overrides.items() if v is not None})
     if cfg.shadow:
-        return shadow(cfg, script, list(args.args), gpu_memory=args.gpu_memory)
+        return shadow(cfg, script, list(args.args))
 
-    from umrt.api import enable, gpu_count, say_no_gpu_once
-
-    if gpu_count() == 0:
-        say_no_gpu_once(f"running {os.path.basename(script)} unchanged (use --simulate PROFILE for shadow mode)")
+    if api.gpu_count() == 0:  # looked up on the module: tests replace it
+        api.say_no_gpu_once(f"running {os.path.basename(script)} unchanged (use --simulate PROFILE for shadow mode)")
         return run_script(script, list(args.args))
     # Telemetry is on by default under `umrt run`; --no-telemetry or UMRT_TELEMETRY=0 turn it off.
     telemetry = args.telemetry if args.telemetry is not None else (
         cfg.telemetry if "UMRT_TELEMETRY" in os.environ else True)
-    session = enable(cfg, telemetry=telemetry)
+    session = api.enable(cfg, telemetry=telemetry)
     for note in session.notes:
         print(f"umrt: {note}", file=sys.stderr)
     try:
         return run_script(script, list(args.args))
     finally:
-        from umrt.api import disable
-
-        disable()
+        api.disable()
 
 
-def shadow(cfg: Any, script: str, argv: list[str], gpu_memory: str | None = None) -> int:
-    """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``)."""
+def shadow(cfg: Config, script: str, argv: list[str]) -> int:
+    """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``).
+
+    The budget is ``cfg.gpu_memory`` as it was given (``--gpu-memory``, else ``UMRT_GPU_MEMORY``):
+    in shadow mode a percentage is of the footprint the script needs, so the text is read again by
+    :func:`umrt.sim.budget.parse_budget`; unset keeps :func:`~umrt.shadow.run_shadow`'s default.
+    """
+    # optional: umrt.shadow is loaded only in shadow mode (tests swap it in sys.modules)
     from umrt.shadow import run_shadow
 
-    # In shadow mode a percentage is of the footprint the script needs; unset keeps run_shadow's default.
-    budget = gpu_memory if gpu_memory is not None else os.environ.get("UMRT_GPU_MEMORY")
+    budget = cfg.gpu_memory.text
     extra = {"gpu_memory": budget} if budget else {}
     return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)

@@ -9,7 +9,10 @@ import argparse
 import json
 import sys
 
-from umrt.hardware import PROFILES
+from umrt.config import format_bytes
+from umrt.errors import ConfigError
+from umrt.hardware import PROFILES, load_profile
+from umrt.policy import make_policy
 from umrt.sim.budget import BASES
 
 DEFAULT_GPU = "v100-pcie3-32g"
@@ -49,11 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from umrt.errors import ConfigError
-    from umrt.hardware import load_profile
-    from umrt.policy import make_policy
+    # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
     from umrt.sim.bound import link_bound
+
+    # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
     from umrt.sim.replay import simulate
+
+    # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace.fileformat import load
 
     if args.iterations is not None and args.iterations < 1:
@@ -80,8 +85,6 @@ def _seconds(t: float) -> str:
 def _print_table(r, bound) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from umrt.config import format_bytes
 
     budget = r.budget.describe() if r.budget is not None else f"budget {format_bytes(r.budget_bytes)}"
     table = Table(title=f"{r.model} · {r.policy} · {r.profile} · {budget} · "

@@ -19,6 +19,9 @@ from typing import Any
 
 from umrt.config import format_bytes
 from umrt.errors import ConfigError, UmrtError
+from umrt.scripts import as_main
+from umrt.trace.events import IterationBoundary
+from umrt.trace.stats import summarize
 
 
 class ScriptFailed(UmrtError):
@@ -105,7 +108,10 @@ def _check_steps(steps: int) -> None:
 
 
 def _trace_zoo(args: argparse.Namespace) -> int:
+    # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace import fileformat
+
+    # optional: torch: not for `umrt --help`
     from umrt.zoo import trace_model
 
     _check_steps(args.steps)
@@ -142,10 +148,13 @@ def _default_name(model: str) -> str:
 
 
 def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
+    # optional: torch: not for `umrt --help`
     from umrt.capture import Recorder, StopRecording
-    from umrt.scripts import as_main
+
+    # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace import fileformat
-    from umrt.trace.events import IterationBoundary
+
+    # optional: torch: not for `umrt --help`
     from umrt.zoo import progress_bar
 
     _check_steps(args.steps)
@@ -210,8 +219,6 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
 
 
 def _report(trace: Any, path: str, seconds: float) -> None:
-    from umrt.trace.stats import summarize
-
     s = summarize(trace)
     print(
         f"wrote {path}: {s['iterations']} iterations, {s['ops_per_iteration']} launches/iteration, "
@@ -221,8 +228,8 @@ def _report(trace: Any, path: str, seconds: float) -> None:
 
 
 def _info(argv: list[str], as_json: bool) -> int:
+    # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace import fileformat
-    from umrt.trace.stats import summarize
 
     p = argparse.ArgumentParser(prog="umrt trace info", description="Show what a trace file holds.")
     p.add_argument("file")

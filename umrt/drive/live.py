@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from umrt import stats
 from umrt.backends.base import Advice, Backend, Range
-from umrt.calibrate import closest_profile_name
 from umrt.capture import Recorder
 from umrt.config import Config
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, StoppedActing
-from umrt.hardware import HardwareProfile, load_profile
+from umrt.hardware import HardwareProfile, auto_profile_name, load_profile
 from umrt.memory.base import Layout
 from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
@@ -42,7 +41,7 @@ from umrt.trace.events import (
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.api import Session
 
-__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "auto_profile_name", "profile_for"]
+__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for"]
 
 log = logging.getLogger("umrt")
 
@@ -153,15 +152,7 @@ class LiveLayout(Layout):
         iterations run without launches)."""
 
 
-_KNOWN_GPUS = ("V100", "A100", "H100", "H200", "GH200")
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)
-
-
-def auto_profile_name(device_name: str, total_bytes: int) -> tuple[str, bool]:
-    """The shipped profile umrt plans with on this GPU when ``UMRT_PROFILE`` is unset
-    (the closest one, as ``umrt calibrate`` starts from), and whether a shipped
-    profile was made for this kind of GPU (False: only the closest guess)."""
-    return closest_profile_name(device_name, total_bytes), any(k in device_name.upper() for k in _KNOWN_GPUS)
 
 
 def profile_for(cfg: Config, backend: Backend) -> HardwareProfile | None:

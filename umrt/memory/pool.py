@@ -21,6 +21,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from umrt.backends.base import BLOCK  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
 from umrt.memory.base import Layout
 from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
@@ -28,7 +29,6 @@ from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter
 
 __all__ = ["LifetimePool", "BLOCK", "ARENAS"]
 
-BLOCK = 2 << 20  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 

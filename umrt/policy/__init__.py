@@ -3,7 +3,7 @@
 >>> from umrt.policy import make_policy, POLICY_NAMES
 >>> policy = make_policy("um")
 
-Each name maps to a ``"module:Class"`` path that is imported only when the
+Each name maps to a ``"module:Class"`` path (:data:`umrt.registry.POLICIES`) that is imported only when the
 policy is asked for, so that a policy whose module is heavy (or not built in
 this checkout) costs nothing to the others. Every class is constructed as
 ``cls(trace=None, **options)``; only the oracle and ``swapadvisor`` read
@@ -17,26 +17,13 @@ from typing import TYPE_CHECKING
 
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
+from umrt.registry import POLICIES, POLICY_NAMES  # the names live in a leaf module config can import
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.trace.events import Trace
 
 __all__ = ["POLICY_NAMES", "POLICIES", "Policy", "PolicyContext", "make_policy", "policy_class", "available"]
 
-# name -> "module:Class". Order = the order reports list them in.
-POLICIES: dict[str, str] = {
-    "ideal": "umrt.policy.baselines:IdealPolicy",
-    "um": "umrt.policy.baselines:UMPolicy",
-    "um-advise": "umrt.policy.baselines:UMAdvisePolicy",
-    "oracle": "umrt.policy.oracle:OraclePolicy",
-    "deepum": "umrt.policy.peers.deepum:DeepUMPolicy",
-    "sentinel": "umrt.policy.peers.sentinel:SentinelPolicy",
-    "vdnn": "umrt.policy.peers.vdnn:VDNNPolicy",
-    "swapadvisor": "umrt.policy.peers.swapadvisor:SwapAdvisorPolicy",
-    "umrt": "umrt.runtime:Runtime",
-}
-
-POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
 def policy_class(name: str) -> type[Policy]:

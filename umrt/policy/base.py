@@ -18,8 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
     from umrt.backends.base import Backend
     from umrt.memory.base import Layout
+    from umrt.sim.result import SimResult
     from umrt.trace.events import Event, Kind
 
 
@@ -31,6 +34,9 @@ class PolicyContext:
     layout: Layout
     budget_bytes: int  # GPU memory the policy may plan to use
     profile: object | None = None  # umrt.hardware.HardwareProfile, for time-based windows
+    #: The simulator (``umrt.sim.replay.simulate``), in a simulated run: a policy that
+    #: plans by scoring candidates on it (the oracle, SwapAdvisor) calls it; None live.
+    simulate: Callable[..., SimResult] | None = None
 
 
 class Policy(ABC):
@@ -64,6 +70,7 @@ class Policy(ABC):
     def make_layout(self, backend: Backend) -> Layout:
         """The address layout this policy runs with: by default a model of
         PyTorch's caching allocator (umrt's own runtime uses its pool)."""
+        # optional: the layouts need numpy; `umrt --help` imports this module (the policy names)
         from umrt.memory.caching import CachingAllocatorLayout
 
         return CachingAllocatorLayout(backend)

@@ -492,11 +492,12 @@ class OraclePolicy(Policy):
 
     def _best(self, ctx: PolicyContext) -> str:
         """Simulate every candidate plan on this profile and budget; the fastest steady iteration wins."""
-        from umrt.sim.replay import simulate
-
         if not isinstance(ctx.profile, HardwareProfile):
             raise ConfigError("the oracle picks its plan by simulating each candidate: it needs the hardware "
                               "profile (PolicyContext.profile); or name one plan (plan='belady')")
+        if ctx.simulate is None:
+            raise ConfigError("the oracle picks its plan by simulating each candidate: it runs in a simulation "
+                              "(PolicyContext.simulate); or name one plan (plan='belady')")
         # Each plan's steady iteration, as the bench reports it. The replay repeats
         # the last recorded iteration to get there, which only a steady iteration
         # allows: a trace of fewer than three, or whose last one frees what it did
@@ -507,7 +508,7 @@ class OraclePolicy(Policy):
         for name in CANDIDATES:
             candidate = OraclePolicy(self.trace, plan=name, **self.options)
             iterations = candidate.steady_iterations() if repeatable else min(recorded, candidate.steady_iterations())
-            result = simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
+            result = ctx.simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
             self.candidate_times[name] = result.iteration_time_s
         return min(self.candidate_times, key=self.candidate_times.__getitem__)
 

@@ -15,14 +15,17 @@ __all__ = ["SimBackend", "SimResult", "simulate"]
 
 def __getattr__(name: str):
     if name == "SimBackend":
+        # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`: a lazy attribute
         from umrt.sim.backend import SimBackend
 
         return SimBackend
     if name == "SimResult":
+        # optional: a lazy attribute, as its siblings
         from umrt.sim.result import SimResult
 
         return SimResult
     if name == "simulate":
+        # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`: a lazy attribute
         from umrt.sim.replay import simulate
 
         return simulate

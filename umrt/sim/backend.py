@@ -53,6 +53,7 @@ import numpy as np
 
 from umrt.backends.base import HOST, Advice, Backend, Range
 from umrt.backends.ranges import RangeSet
+from umrt.config import format_bytes
 from umrt.errors import ConfigError, DataIntegrityError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.sim import engine as E
@@ -520,7 +521,7 @@ class SimBackend(Backend):
             blocks = int(self._g[E.G_ERRBLOCKS])
             batch = self.profile.fault_batch_size
             raise ConfigError(
-                f"GPU memory budget {self.capacity_bytes} bytes ({self.capacity_bytes / 2**20:.0f} MiB) cannot hold "
+                f"GPU memory budget {self.capacity_bytes} bytes ({format_bytes(self.capacity_bytes)}) cannot hold "
                 f"one fault batch: the driver services up to {batch} faults of 64 KB together "
                 f"({batch * E.PAGE >> 20} MiB) and keeps every 2 MB block they touch on the GPU until the batch "
                 f"is done; this one spans at least {blocks} blocks ({blocks * E.BLOCK >> 20} MiB). Give the GPU more "

@@ -80,6 +80,7 @@ import numpy as np
 from umrt import hardware
 from umrt.errors import ConfigError, TraceFormatError
 from umrt.hardware import HardwareProfile
+from umrt.sim.budget import resolve_budget
 from umrt.trace.events import Alloc, Free, Launch, Trace
 
 __all__ = ["LinkBound", "link_bound"]
@@ -127,8 +128,6 @@ def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, 
     ``simulate`` with the same value reports it (the last simulated one).
     See the module docstring for why no policy can beat ``time_s``.
     """
-    from umrt.sim.budget import resolve_budget
-
     if not isinstance(profile, HardwareProfile):
         profile = hardware.load_profile(profile)
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:

@@ -27,28 +27,26 @@ turns a budget into a :class:`Budget` that says what it is in every report
 from __future__ import annotations
 
 import math
-import re
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from umrt.config import format_bytes, parse_size
+from umrt.backends.base import (
+    BLOCK,  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
+)
+from umrt.config import format_bytes, read_amount
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
-from umrt.memory.caching import CachingAllocatorLayout
-from umrt.memory.pool import LifetimePool
 from umrt.policy.baselines import UMPolicy
 from umrt.trace.events import Alloc, Event, Free, Trace
 
-__all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "parse_percent",
-           "resolve_budget", "peak_live_bytes"]
+__all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "resolve_budget",
+           "peak_live_bytes"]
 
 #: What a percentage budget can be of, in a simulated run.
 BASES = ("footprint", "peak")
 BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
-BLOCK = 2 << 20  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
-_PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*%\s*$")
 FORMS = "a percentage ('20%'), a size ('8GiB', '512MB') or a number of bytes"
 
 
@@ -120,32 +118,27 @@ def _check_base(base: str) -> None:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_percent(text: str) -> float | None:
-    """``"20%"`` -> 0.2; None for anything that is not a percentage; ConfigError for ``0%``."""
-    if not isinstance(text, str) or not (m := _PERCENT.match(text)):
-        return None
-    pct = float(m.group(1))
-    if not 0 < pct < math.inf:
-        raise ConfigError(f"budget {text!r} must be above 0%")
-    return pct / 100.0
-
-
 def parse_budget(budget: int | str, base_bytes: int, base: str = "footprint") -> int:
     """GPU memory budget in bytes: ``20%`` (of ``base_bytes``), ``8GiB``, ``512MB`` or an int.
 
-    ``base`` names what ``base_bytes`` is in the error message. Raises
+    The text is read by :func:`umrt.config.read_amount`, as every memory amount
+    umrt takes; a percentage may exceed 100% here. ``base`` names what
+    ``base_bytes`` is in the error message. Raises
     :class:`~umrt.errors.ConfigError` for anything else, or for a budget
     below one 2 MB block (the unit of GPU memory).
     """
     value: float
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
         raise ConfigError(f"invalid budget {budget!r}: use {FORMS}")
+    amount = None if isinstance(budget, (int, float)) else read_amount(budget)
     if isinstance(budget, (int, float)):
         value = budget
-    elif (fraction := parse_percent(budget)) is not None:
-        value = base_bytes * fraction
-    elif (size := parse_size(budget)) is not None:
-        value = size
+    elif amount is not None and amount.fraction is not None and not amount.of_footprint:
+        if not 0 < amount.fraction < math.inf:
+            raise ConfigError(f"budget {budget!r} must be above 0%")
+        value = base_bytes * amount.fraction
+    elif amount is not None and amount.bytes is not None:
+        value = amount.bytes
     else:
         raise ConfigError(f"invalid budget {budget!r}: use {FORMS.replace('percentage', f'percentage of {BASE_NAMES.get(base, base)}')}")
     if not math.isfinite(value) or value < BLOCK:
@@ -214,6 +207,12 @@ def _layout_peak(events: list[Event], make_layout) -> int:
 
 def needs_of_events(events: Iterable[Event]) -> Needs:
     """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
+    # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
+    from umrt.memory.caching import CachingAllocatorLayout
+
+    # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
+    from umrt.memory.pool import LifetimePool
+
     events = list(events)
     return Needs(peak_live_bytes=peak_live_bytes(events),
                  pool_bytes=_layout_peak(events, LifetimePool),

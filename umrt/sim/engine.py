@@ -32,10 +32,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-PAGE_SHIFT = 16
-PAGE = 1 << PAGE_SHIFT  # 64 KB big page (uvm_va_block_types.h)
-BLOCK_SHIFT = 21
-BLOCK = 1 << BLOCK_SHIFT  # 2 MB VA block / root chunk
+from umrt.backends.base import BLOCK, PAGE  # the driver's units, defined once
+
+PAGE_SHIFT = PAGE.bit_length() - 1  # 64 KB big page (uvm_va_block_types.h): 16
+BLOCK_SHIFT = BLOCK.bit_length() - 1  # 2 MB VA block / root chunk: 21
 PAGES_PER_BLOCK = BLOCK // PAGE
 GIB = float(1 << 30)
 

@@ -61,7 +61,8 @@ def simulate(
     budget_bytes = resolved.bytes
     backend = SimBackend(profile, math.inf if policy.unlimited_memory else budget_bytes)
     layout = policy.make_layout(backend)
-    policy.attach(PolicyContext(backend=backend, layout=layout, budget_bytes=budget_bytes, profile=profile))
+    policy.attach(PolicyContext(backend=backend, layout=layout, budget_bytes=budget_bytes, profile=profile,
+                                simulate=simulate))
 
     total_events = spans[0][0] + sum(
         (spans[min(i, len(spans) - 1)][1] - spans[min(i, len(spans) - 1)][0]) for i in range(iterations))

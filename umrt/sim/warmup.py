@@ -24,6 +24,10 @@ from collections.abc import Callable
 
 from numba.core import event
 
+from umrt.backends.base import HOST, Advice
+from umrt.hardware import load_profile
+from umrt.sim.backend import SimBackend
+
 __all__ = ["warm_up"]
 
 _MIB = 1 << 20
@@ -76,10 +80,6 @@ class _FirstCompile(event.Listener):
 
 def _exercise() -> None:
     """One call of every SimBackend method, on a GPU small enough to evict."""
-    from umrt.backends.base import HOST, Advice
-    from umrt.hardware import load_profile
-    from umrt.sim.backend import SimBackend
-
     gpu = SimBackend(load_profile("h100-pcie5-80g"), 32 * _MIB)  # any profile: the code is the same
     a, b, c = (gpu.malloc(24 * _MIB) for _ in range(3))
     gpu.mark_host_written([(a, 24 * _MIB)])

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from umrt.backends.base import BLOCK, Range
+from umrt.errors import UmrtError
 from umrt.policy.base import Policy
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
@@ -280,8 +281,6 @@ class ProfilingPolicy(Policy):
 
 def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, ObjectKeys]:
     """Profile one complete iteration of a trace (default: the last one)."""
-    from umrt.errors import UmrtError
-
     n = len(trace.iteration_spans())
     if n == 0:
         raise UmrtError("the trace holds no complete iteration")

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from umrt.backends.base import HOST, ReportsFaults
+from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.peers._common import BLOCK, BlockLiveness, block_ranges, blocks_of
 from umrt.trace.events import Alloc, Free, Launch
@@ -137,8 +138,6 @@ class DeepUMPolicy(Policy):
 
     def __init__(self, trace=None, *, degree: int = 32, prefetch: bool = True,
                  pre_evict: bool = True, invalidate: bool = True) -> None:
-        from umrt.errors import ConfigError
-
         if int(degree) < 1:
             raise ConfigError(f"deepum: degree must be >= 1, got {degree}")
         self.degree = int(degree)

@@ -207,19 +207,17 @@ class SwapAdvisorPolicy(Policy):
             self.plan = build_plan(self.profile, int(ctx.budget_bytes * genes.limit), genes)
 
     def _score(self, genes: Genes, ctx: PolicyContext) -> float:
-        from umrt.sim.replay import simulate
-
         cand = SwapAdvisorPolicy(self.trace, genes=genes, population=self.population)
         cand.profile = self.profile
-        result = simulate(self.trace, cand, ctx.profile, ctx.budget_bytes,
+        result = ctx.simulate(self.trace, cand, ctx.profile, ctx.budget_bytes,
                           iterations=self.score_iterations, progress=False)
         return float(result.iteration_time_s)
 
     def _search(self, ctx: PolicyContext) -> Genes:
         rng = random.Random(self.seed)
         default = Genes(weights=(1.0,) * WEIGHTED)
-        if ctx.profile is None or self.search_seconds == 0:
-            return default
+        if ctx.profile is None or ctx.simulate is None or self.search_seconds == 0:
+            return default  # no simulator to score candidates on: the default genes
         n = max(self.profile.n_launches, 1)
         deadline = time.monotonic() + self.search_seconds
         scores: dict[Genes, float] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from umrt.hardware import MIB
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -26,8 +27,6 @@ from umrt.trace.events import (
     TraceHeader,
     execution_id,
 )
-
-MB = 1 << 20
 
 
 class _Builder:
@@ -74,7 +73,7 @@ def training_trace(
     k-th step, inside that step's iteration.
     """
     b = _Builder()
-    P, A = param_mb * MB, act_mb * MB
+    P, A = param_mb * MIB, act_mb * MIB
     params = [b.alloc(P, Kind.PARAMETER, host=True) for _ in range(layers)]
     states = [(b.alloc(P, Kind.OPTIMIZER_STATE, host=True), b.alloc(P, Kind.OPTIMIZER_STATE, host=True))
               for _ in range(layers)]
@@ -114,8 +113,8 @@ def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
         b.events.append(LayerEnter(mod, "forward"))
         out = b.alloc(a, Kind.ACTIVATION)
         tmp = b.alloc(a // 2, Kind.TEMPORARY)
-        b.launch("aten::mm.default", mod, (s, i), [(prev, a), (p, P)], [(tmp, a // 2)], fpm * a // MB)
-        b.launch("aten::gelu.default", mod, (s,), [(tmp, a // 2)], [(out, a)], fpm * a // MB // 8)
+        b.launch("aten::mm.default", mod, (s, i), [(prev, a), (p, P)], [(tmp, a // 2)], fpm * a // MIB)
+        b.launch("aten::gelu.default", mod, (s,), [(tmp, a // 2)], [(out, a)], fpm * a // MIB // 8)
         b.free(tmp)
         b.events.append(LayerExit(mod, "forward"))
         if not train and prev is not x:
@@ -138,7 +137,7 @@ def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P):
         g = grads[i] if grads else b.alloc(P, Kind.GRADIENT)
         inp = acts[i - 1] if i else x
         b.launch("aten::mm.default", mod + ".bwd", (s, i), [(acts[i], a), (inp, a), (params[i], P)],
-                 [(g, P)], 2 * fpm * a // MB)
+                 [(g, P)], 2 * fpm * a // MIB)
         b.free(acts[i])
         b.events.append(LayerExit(mod, "backward"))
         new.append(g)

@@ -1,0 +1,72 @@
+"""The code's shape as the issue set it (bench.architecture counts it from the source):
+no import cycles, no umrt import hidden in a function unless it says why, no getattr
+probing of umrt's own interfaces, no class over about 25 methods."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from bench.architecture import PACKAGE, cycles, measure, modules
+
+MAX_METHODS = 25
+
+# getattr/hasattr with a literal name that probe someone else's objects, by version or
+# by model family; umrt's own optional interfaces are typed Protocols instead.
+THIRD_PARTY_PROBES = {
+    "activation.py": {"argv", "exec_module"},  # sys (no argv when embedded), importlib loaders
+    "allocators/torch.py": {"_cuda_customAllocator"},  # torch builds without the pluggable allocator
+    "backends/cuda.py": {"cudaMemDiscardBatchAsync"},  # cuda-bindings before 13 lacks it
+    "capture/profiled.py": {"stack", "overload_name"},  # torch profiler events by version
+    "capture/recorder.py": {"_schema", "_overloadpacket"},  # torch op objects (OpOverload vs packet)
+    "capture/steer.py": {"find_packed_sequence_indices"},  # transformers versions
+    "cli/__init__.py": {"func"},  # argparse: a sub-command was given
+    "zoo.py": {"model_type", "max_position_embeddings", "is_encoder_decoder", "loss", "last_hidden_state",
+               "main_input_name", "vocab_size", "use_cache", "image_size", "num_channels", "num_labels"},  # HF configs
+}
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return measure()
+
+
+def test_no_import_cycles(shape):
+    assert shape.cycles == []
+
+
+def test_cycles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "p": {"p.x"}, "p.x": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_umrt_imports_are_at_module_top_unless_they_say_why(shape):
+    assert shape.function_imports == []
+    for where in shape.optional_imports:
+        path, line = where.split()[0].split(":")
+        lines = (PACKAGE.parent / path).read_text().splitlines()
+        said = lines[int(line) - 2] + lines[int(line) - 1]
+        assert "optional:" in said and len(said.split("optional:", 1)[1].strip()) > 10, where
+
+
+def test_no_getattr_probing_of_umrt_interfaces(shape):
+    probes = []
+    for p in shape.getattr_probes:
+        where, _, name = p.split()
+        path = where.split(":")[0].removeprefix("umrt/")
+        if name not in THIRD_PARTY_PROBES.get(path, set()):
+            probes.append(p)
+    assert probes == []
+
+
+def test_no_class_over_about_25_methods(shape):
+    big = [f"{c.name}: {c.methods}" for c in shape.classes if c.methods > MAX_METHODS]
+    assert big == []
+
+
+def test_every_module_parses_and_is_counted():
+    mods = modules()
+    assert "umrt.drive.driver" in mods and "umrt.api" in mods
+    for path in mods.values():
+        ast.parse(Path(path).read_text())
