@@ -28,7 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from umrt import stats
+from umrt.backends.base import FollowsStream
 from umrt.errors import CudaError
+from umrt.memory.base import KindHints, LearningLayout, ReleasesCache
 from umrt.memory.caching import LayoutError
 from umrt.memory.pool import LifetimePool
 from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit
@@ -93,9 +95,8 @@ class ManagedPool:
             # The program's kernels now run on this stream (torch passes its current one):
             # work ordered with kernels (a discard of a dead range this block may reuse) goes there.
             self._stream = stream
-            follow = getattr(self.backend, "set_compute_stream", None)
-            if follow is not None:
-                follow(stream)
+            if isinstance(self.backend, FollowsStream):
+                self.backend.set_compute_stream(stream)
         for hook in self.before_malloc:
             hook(nbytes)
         with self._lock:
@@ -165,19 +166,17 @@ class ManagedPool:
                 elif isinstance(event, LayerExit) and self._open_layers:
                     self._open_layers.pop()
                 for layout in self._layouts.values():
-                    observe = getattr(layout, "observe", None)
-                    if observe is not None:
-                        observe(event)  # a boundary may plan: no free half-way through it
+                    if isinstance(layout, LearningLayout):
+                        layout.observe(event)  # a boundary may plan: no free half-way through it
             finally:
                 self._busy -= 1
         self._free_deferred()
 
     def _new_layout(self) -> Any:
         layout = self._factory(_Segments(self))
-        observe = getattr(layout, "observe", None)
-        if observe is not None and self._boundary is not None:
+        if isinstance(layout, LearningLayout) and self._boundary is not None:
             for event in (self._boundary, *self._open_layers):
-                observe(event)
+                layout.observe(event)
         return layout
 
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
@@ -198,10 +197,10 @@ class ManagedPool:
             if entry is None:
                 return False
             stream, obj, _ = entry
-            hint = getattr(self._layouts[stream], "hint_kind", None)
-            if hint is None:
+            layout = self._layouts[stream]
+            if not isinstance(layout, KindHints):
                 return False
-            hint(obj, kind)
+            layout.hint_kind(obj, kind)
             return True
 
     def size_of(self, ptr: int) -> int:
@@ -217,9 +216,8 @@ class ManagedPool:
         """Give cached, unused memory back where the layout supports it (``release()``)."""
         with self._lock:
             for layout in self._layouts.values():
-                release = getattr(layout, "release", None)
-                if callable(release):
-                    release()
+                if isinstance(layout, ReleasesCache):
+                    layout.release()
 
 
 class _Segments:

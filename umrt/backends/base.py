@@ -130,6 +130,14 @@ class ReportsFaults(Protocol):
         """Pages that faulted since the last call."""
 
 
+@runtime_checkable
+class FollowsStream(Protocol):
+    """A backend that orders its work with the program's kernels (the CUDA backend)."""
+
+    def set_compute_stream(self, stream: int) -> None:
+        """The stream the program's kernels now run on."""
+
+
 class ForwardingBackend(Backend):
     """A backend that passes every call to ``backend``: subclass it to watch some
     calls (a pool's segments, a count of calls); anything else a caller asks of

@@ -76,3 +76,11 @@ class KindHints(Protocol):
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """``obj`` holds ``kind`` (a parameter, a gradient, optimizer state ...)."""
+
+
+@runtime_checkable
+class ReleasesCache(Protocol):
+    """A layout that can hand cached, unused segments back to the backend (``empty_cache``)."""
+
+    def release(self) -> None:
+        """Free every segment that holds no live object."""
