@@ -30,7 +30,7 @@ op) it says so in one warning, ``umrt.memory_stats()`` shows it (``acting``,
 longer prefetched. With ``UMRT_STRICT=1`` the failure is raised instead, as
 :class:`umrt.errors.StoppedActing`, in the training program's thread at the
 next safe point: the end of the next ``optimizer.step()``, or
-``umrt.disable()`` (see :class:`umrt.api.LiveBridge`).
+``umrt.disable()`` (see :class:`umrt.drive.live.LiveBridge`).
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ class StoppedActing(UmrtError):
     """umrt's runtime stopped acting after an error (``UMRT_STRICT=1`` raises this).
 
     The original error is the ``__cause__``. Raised in the training program's
-    thread at a safe point (see :class:`umrt.api.LiveBridge`), never from
+    thread at a safe point (see :class:`umrt.drive.live.LiveBridge`), never from
     inside torch's allocator.
     """
 

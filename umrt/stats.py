@@ -100,7 +100,7 @@ def attach(*, pool: ReservesMemory | None = None, backend: CountsMoves | None = 
 
 
 def runtime_started() -> None:
-    """The live runtime started acting (:meth:`umrt.api.LiveBridge.start`)."""
+    """The live runtime started acting (:meth:`umrt.drive.live.LiveBridge.start`)."""
     with _lock:
         _status.acting, _status.stopped_reason = True, None
 

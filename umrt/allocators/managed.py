@@ -15,7 +15,7 @@ PyTorch's caching allocator without ``record_stream``.
 The pool knows no kind at ``malloc`` (each block is announced to its layout
 as :attr:`Kind.OTHER`, which the default ``LifetimePool(live_feed=True)``
 reads as unknown). What lets the layout plan comes from the live bridge
-(:class:`umrt.api.LiveBridge`): :meth:`ManagedPool.observe` (iteration
+(:class:`umrt.drive.live.LiveBridge`): :meth:`ManagedPool.observe` (iteration
 boundaries, layer events) and :meth:`ManagedPool.hint_kind` (what a block
 turned out to hold). Layouts without ``observe`` / ``hint_kind`` (the
 caching-allocator model) simply do not get them.
