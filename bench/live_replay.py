@@ -308,7 +308,7 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
     umrt's runtime on the simulator; one row per iteration from the first."""
     from umrt.hardware import load_profile
     from umrt.policy.base import PolicyContext
-    from umrt.runtime import Runtime
+    from umrt.policy.runtime import Runtime
     from umrt.sim.backend import SimBackend
 
     path = LOGS / RUNS[run] if run in RUNS else Path(run)

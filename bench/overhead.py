@@ -1,7 +1,7 @@
 """Steady-state CPU overhead of the umrt runtime: ``python -m bench.overhead``.
 
 Feeds a training trace (default GPT-2 XL, batch 8, seq 1024, traced on meta)
-event by event to :class:`umrt.runtime.Runtime`, exactly as the simulator's
+event by event to :class:`umrt.policy.runtime.Runtime`, exactly as the simulator's
 replay does, and times every ``Runtime.on_event`` call of the steady
 iterations with ``time.perf_counter_ns`` (less the cost of timing an empty
 call). An iteration is timed from its opening boundary to the next, so it
@@ -40,7 +40,7 @@ from bench.pool import BumpBackend
 from umrt.backends.base import Backend
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
 
 

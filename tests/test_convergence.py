@@ -16,7 +16,7 @@ from bench.overhead import NullBackend
 from umrt.capture.profiled import ProfiledCapture
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.trace.events import Alloc, Free, IterationBoundary, Launch
 
 transformers = pytest.importorskip("transformers")
