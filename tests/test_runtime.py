@@ -429,3 +429,52 @@ def test_a_segment_given_back_takes_its_launch_advice_with_it():
     rt._launch_mapped[:] = [(1 << 30, 4096), (2 << 30, 4096)]
     rt._released(1 << 30, 1 << 21)
     assert rt._launch_mapped == [(2 << 30, 4096)]
+
+
+def test_the_guard_trips_after_enough_failures_then_cools_down():
+    """Guard: ``failures`` deviations among the last ``window`` acted iterations
+    trip it (its history starts afresh); then ``cooldown`` iterations do nothing."""
+    from umrt.policy.runtime.guard import Guard
+
+    guard = Guard(Runtime(), window=4, failures=3, cooldown=2)
+    for ok in (False, True, False, True, True):
+        guard.outcomes.append(ok)
+    assert not guard.tripped()  # the first failure left the window
+    guard.outcomes.extend([False, False, False])
+    assert guard.tripped() and not guard.outcomes
+    assert [guard.cooling() for _ in range(3)] == [True, True, False]
+
+
+def test_only_a_learning_layout_is_fed_events_by_the_runtime():
+    """The runtime passes launches, layer events and boundaries to a layout that
+    learns from them (LearningLayout), each through its typed entry point, and
+    to no other layout (checked once, at attach)."""
+    from umrt.memory.caching import CachingAllocatorLayout
+
+    class Learning(CachingAllocatorLayout):
+        def __init__(self, backend) -> None:
+            super().__init__(backend)
+            self.fed: list = []
+
+        def observe(self, event) -> None:
+            self.fed.append(event)
+
+        def observe_launch(self, exec_id: int) -> None:
+            self.fed.append(("launch", exec_id))
+
+        def observe_layer(self, enter: bool) -> None:
+            self.fed.append(("layer", enter))
+
+    events = [IterationBoundary(0), LayerEnter("m"), Launch(0, 42, "aten::mm.default", (), 1, 1, "m"),
+              LayerExit("m"), IterationBoundary(1)]
+    for layout_class, fed in ((Learning, [IterationBoundary(0), ("layer", True), ("launch", 42),
+                                          ("layer", False), IterationBoundary(1)]),
+                              (CachingAllocatorLayout, None)):
+        backend = _Recording()
+        rt = Runtime(use_pool=False)
+        layout = layout_class(backend)
+        rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
+        for ev in events:
+            rt.on_event(ev)
+        assert (layout.fed if layout_class is Learning else None) == fed
+        assert rt.report()["iterations"] == 1

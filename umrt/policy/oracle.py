@@ -82,6 +82,7 @@ from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile
 from umrt.memory.base import Layout
 from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.runtime import Runtime
 from umrt.policy.runtime.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
 from umrt.trace.events import (
     Alloc,
@@ -881,8 +882,6 @@ def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
 
 def _runtime() -> Policy:
     """umrt's runtime with its defaults (the ``umrt-runtime`` candidate)."""
-    from umrt.policy.runtime import Runtime
-
     return Runtime()
 
 

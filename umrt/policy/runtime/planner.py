@@ -7,37 +7,7 @@ where module boundaries fall). :class:`Planner` turns it into a
 :class:`Plan`: at each *decision point* (the launch right after a module
 boundary, plus extra points where a segment is too long to plan as one), the
 objects to pre-evict to the host and the objects to prefetch to the GPU, and
-which objects to discard when they die.
-
-How a decision point is planned (a Belady schedule with prefetch):
-
-* **Window in time.** Walk the coming launches. Every launch up to the next
-  decision point must be covered (we cannot act again before it), and the
-  segment after it too, so its copies overlap this segment's compute. Beyond
-  that, keep going while the copy engine's queue would drain before the next
-  decision point: ``link_free < t(next point) + slack``, where ``link_free``
-  is when the queued host-to-device bytes finish at the profile's link rate
-  and ``t(x)`` the predicted compute time to reach launch ``x``. So the
-  window is as long, in kernels, as the hardware needs to hide the missing
-  bytes — short on a fast link, long on a slow one.
-* **Prefetch** each missing object of a covered launch, in the order they
-  are needed (objects that are not born yet only reserve room: the runtime
-  populates them on the GPU at birth where their pages are not there).
-* **Pre-evict** to make room, choosing resident objects whose next use is
-  farthest ahead and never one the window needs; if nothing qualifies the
-  window stops (capacity-bound), so the plan never holds more bytes than
-  ``budget * headroom`` and the driver never has to evict on a fault.
-* **Host-map** what migration cannot help: optimizer state and long-lived
-  data that only launches larger than the budget touch stay on the host
-  (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
-* **Discard** long-lived objects when they die, where the plan evicts,
-  instead of letting the driver copy dead bytes back; when everything fits
-  nothing is discarded (a dead range is reused in place). Short-lived
-  temporaries are never evicted (they stay resident).
-
-The schedule is cyclic: it is planned twice over the iteration and the
-second pass, which starts from the residency the first one ends with, is the
-steady-state plan.
+which objects to discard when they die (see :meth:`Planner.plan`).
 """
 from __future__ import annotations
 
@@ -444,6 +414,36 @@ class Planner:
         return points
 
     def plan(self, rec: IterationRecord) -> Plan:
+        """The plan for ``rec``'s shape: a Belady schedule with prefetch.
+
+        * **Window in time.** Walk the coming launches. Every launch up to the next
+          decision point must be covered (we cannot act again before it), and the
+          segment after it too, so its copies overlap this segment's compute. Beyond
+          that, keep going while the copy engine's queue would drain before the next
+          decision point: ``link_free < t(next point) + slack``, where ``link_free``
+          is when the queued host-to-device bytes finish at the profile's link rate
+          and ``t(x)`` the predicted compute time to reach launch ``x``. So the
+          window is as long, in kernels, as the hardware needs to hide the missing
+          bytes — short on a fast link, long on a slow one.
+        * **Prefetch** each missing object of a covered launch, in the order they
+          are needed (objects that are not born yet only reserve room: the runtime
+          populates them on the GPU at birth where their pages are not there).
+        * **Pre-evict** to make room, choosing resident objects whose next use is
+          farthest ahead and never one the window needs; if nothing qualifies the
+          window stops (capacity-bound), so the plan never holds more bytes than
+          ``budget * headroom`` and the driver never has to evict on a fault.
+        * **Host-map** what migration cannot help: optimizer state and long-lived
+          data that only launches larger than the budget touch stay on the host
+          (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
+        * **Discard** long-lived objects when they die, where the plan evicts,
+          instead of letting the driver copy dead bytes back; when everything fits
+          nothing is discarded (a dead range is reused in place). Short-lived
+          temporaries are never evicted (they stay resident).
+
+        The schedule is cyclic: it is planned twice over the iteration and the
+        second pass, which starts from the residency the first one ends with, is the
+        steady-state plan.
+        """
         n = len(rec)
         if n == 0:
             return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
