@@ -159,7 +159,7 @@ class LaunchFreeClock:
         if variant is None:  # not the same shape after all: as a deviation
             rt.counters["deviations"] += 1
             rt.variants.last = None
-            rt._relearn = True
+            rt._learner.relearn = True
             return
         base.launch_free_variant = variant
         self.rebases[sig] = self.rebases.get(sig, 0) + 1

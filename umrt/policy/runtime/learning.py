@@ -26,6 +26,10 @@ class Learner:
         self.correlation = CorrelationTable()
         self.data = DataTable()
         self.signature = 0  # of the iteration so far: its launches, births and deaths
+        self.learned = 0  # iterations learned
+        self.relearn = False  # learn the next iteration (its shape was unknown)
+        self.seek_left = 0  # iterations still learned to find a shape that ran without launches
+        self.plan_runs: dict[int, int] = {}  # signature -> iterations its plan ran through
         self.planner: Planner | None = None
         self.profile: HardwareProfile | None = None
 
@@ -71,6 +75,25 @@ class Learner:
         if prof is not None:
             return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
+
+    def learn(self, rec: IterationRecord) -> None:
+        """A learned iteration's plan (:meth:`compile`). After a shape no plan knew ran
+        without launches, the iterations after it are learned until one is new (an
+        eval pass every few steps comes back only then), at most ``seek_left`` of them."""
+        new = self.compile(rec)
+        if self.seek_left:
+            self.seek_left = 0 if new else self.seek_left - 1
+            self.relearn = self.seek_left > 0
+
+    def ran(self, signature: int) -> None:
+        """The plan of ``signature`` ran through an iteration."""
+        self.plan_runs[signature] = self.plan_runs.get(signature, 0) + 1
+        if len(self.plan_runs) > 4 * self.max_variants:
+            self.plan_runs = {k: v for k, v in self.plan_runs.items() if k in self.plans}
+
+    def runs(self, signature: int) -> int:
+        """Iterations the plan of ``signature`` ran through (it is trusted after ``probe_iterations``)."""
+        return self.plan_runs.get(signature, 0)
 
     def compile(self, rec: IterationRecord) -> bool:
         """A plan for the learned iteration's shape; whether the shape was new."""

@@ -192,11 +192,6 @@ class Runtime(Policy):
         self._n_frees = 0
         self._n_events = 0  # the launch-free clock: non-launch events this iteration
         self._events_hash = 0  # their running hash (sizes, freed sizes, module names)
-        # Learning.
-        self._n_learned = 0
-        self._relearn = False
-        self._seek_left = 0  # iterations still learned to find a shape that ran without launches
-        self._plan_runs: dict[int, int] = {}  # signature -> iterations its plan ran through
         # Acting.
         self._plan: Plan | None = None
         self._actions: list[Action] = []
@@ -493,13 +488,7 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self._record is not None and self._mode == "learn":
             self._record.carried = moved
-            new = self._learner.compile(self._record)
-            # After a shape no plan knew ran without launches, the iterations after
-            # it are learned until one is new (an eval pass every few steps comes
-            # back only then), at most max_variants of them.
-            if self._seek_left:
-                self._seek_left = 0 if new else self._seek_left - 1
-                self._relearn = self._seek_left > 0
+            self._learner.learn(self._record)
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
@@ -523,9 +512,7 @@ class Runtime(Policy):
             sig = self._plan.signature
             if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
                 self._clock.confirmed.add(sig)
-            self._plan_runs[sig] = self._plan_runs.get(sig, 0) + 1
-            if len(self._plan_runs) > 4 * self.max_variants:
-                self._plan_runs = {k: v for k, v in self._plan_runs.items() if k in self.plans}
+            self._learner.ran(sig)
             self.variants.observe(self._plan.signature)
             self.counters["acted"] += 1
             entry["signature"] = self._plan.signature
@@ -533,14 +520,14 @@ class Runtime(Policy):
             self._clock.rebase(entry)
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
-            self._relearn = True
-            if self._clock.failed:  # unknown, and not recorded: seek it (see _boundary)
-                self._seek_left = self.max_variants
+            self._learner.relearn = True
+            if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
+                self._learner.seek_left = self.max_variants
         elif mode == "learn" and self._record is not None:
             self._record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
             self.counters["learned"] += 1
-            self._n_learned += 1
+            self._learner.learned += 1
             entry["signature"] = self._learner.signature
         self._event_tokens = None
         self._token_objects = []
@@ -577,9 +564,9 @@ class Runtime(Policy):
         plan = None
         if self._guard.cooling():
             pass
-        elif self._relearn:
-            self._relearn = False
-        elif self._n_learned >= self.learn_iterations:
+        elif self._learner.relearn:
+            self._learner.relearn = False
+        elif self._learner.learned >= self.learn_iterations:
             for sig in self.variants.predict():
                 plan = self.plans.get(sig)
                 if plan is not None:
@@ -589,7 +576,7 @@ class Runtime(Policy):
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._plan_runs.get(plan.signature, 0) >= self.probe_iterations
+        trusted = plan is not None and self._learner.runs(plan.signature) >= self.probe_iterations
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
