@@ -109,7 +109,7 @@ def test_rebase_moves_decisions_onto_the_iteration_that_ran_without_launches():
     assert rebase(plan, tuple(a(n) for n in range(1, 18))) is None  # another shape
 
 
-def test_a_light_clock_is_re_based_a_bounded_number_of_times():
+def test_a_launch_free_clock_is_re_based_a_bounded_number_of_times():
     """A mismatch while the launch-free clock is unconfirmed lets the iteration run on
     launch-free and re-bases the plan; once a plan has been re-based twice, or once
     its clock held a whole iteration, a mismatch is a deviation (learned again)."""

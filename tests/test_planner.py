@@ -253,7 +253,7 @@ def test_a_dead_object_is_not_copied_out_just_before_it_is_freed():
     assert any(1 in a.evict for a in late.actions)
 
 
-def test_light_points_place_actions_on_the_events_before_their_launch():
+def test_launch_free_points_place_actions_on_the_events_before_their_launch():
     """Acting without launches: an action goes to the last non-launch event
     right before its launch; where none is (launch after launch), the runtime
     counts launches from the last event before it, as around an oversized launch."""
