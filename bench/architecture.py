@@ -83,7 +83,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
             yield f"{name}.{alias.name}"
 
 
-def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py", "umrt/runtime.py")) -> Shape:
+def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py", "umrt/policy/runtime/policy.py")) -> Shape:
     shape = Shape()
     mods = modules(package)
     graph: dict[str, set[str]] = {m: set() for m in mods}
@@ -172,7 +172,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.architecture", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lines", nargs="*", default=["umrt/api.py", "umrt/runtime.py"],
+    ap.add_argument("--lines", nargs="*", default=["umrt/api.py", "umrt/policy/runtime/policy.py"],
                     help="files whose line counts are shown (paths from the repository root)")
     ap.add_argument("--top", type=int, default=8, help="largest classes shown")
     ap.add_argument("--json", help="write every figure to this file")

@@ -38,7 +38,7 @@ from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.sim.backend import SimBackend
 from umrt.trace.events import (
     Access,

@@ -1,7 +1,7 @@
 """Steady-state CPU overhead of the umrt runtime: ``python -m bench.overhead``.
 
 Feeds a training trace (default GPT-2 XL, batch 8, seq 1024, traced on meta)
-event by event through the :class:`umrt.drive.Driver` to :class:`umrt.runtime.Runtime`,
+event by event through the :class:`umrt.drive.Driver` to :class:`umrt.policy.runtime.Runtime`,
 as the simulator's replay does, and times every ``Driver.feed`` and, inside it,
 ``Runtime.on_event`` call of the steady iterations with ``time.perf_counter_ns``
 (less the cost of timing an empty call). An iteration is timed from its opening boundary to the next, so it
@@ -39,7 +39,7 @@ from umrt.backends.base import Backend
 from umrt.drive.driver import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.sim.budget import resolve_budget
 from umrt.sim.replay import iteration_stream
 from umrt.trace.events import IterationBoundary, Launch

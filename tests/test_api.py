@@ -617,16 +617,16 @@ def test_the_policy_is_told_what_allocator_objects_hold(fake_gpu):
 def test_the_runtime_plans_with_hinted_kinds():
     """Runtime.hint_kind: the kind an object was announced with is replaced, in
     what the runtime knows of it and in the iteration it is recording."""
-    from umrt.runtime import Runtime
+    from umrt.policy.runtime import Runtime
 
     rt = Runtime()
-    rt._rec = rt._new_record()
+    rt._record = rt._learner.new_record(rt._alloc_of)
     rt.on_event(Alloc(7, 1 << 20, Kind.OTHER, 0))
     rt.hint_kind(7, Kind.OPTIMIZER_STATE)
     rt.hint_kind(8, Kind.PARAMETER)  # never announced: ignored
     key = rt.keys.key_of[7]
-    assert rt._rec.kinds[key] == Kind.OPTIMIZER_STATE
-    assert rt._new_record().kinds[key] == Kind.OPTIMIZER_STATE
+    assert rt._record.kinds[key] == Kind.OPTIMIZER_STATE
+    assert rt._learner.new_record(rt._alloc_of).kinds[key] == Kind.OPTIMIZER_STATE
 
 
 def test_a_failure_of_the_recorder_itself_stops_umrt_not_the_training(fake_gpu, caplog, monkeypatch):

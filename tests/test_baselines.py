@@ -87,7 +87,7 @@ EVENTS = [
 def test_registry_names_every_policy_of_the_project():
     assert set(POLICY_NAMES) == {"ideal", "um", "um-advise", "oracle", "deepum", "sentinel", "vdnn",
                                  "swapadvisor", "umrt"}
-    assert POLICIES["umrt"] == "umrt.runtime:Runtime"
+    assert POLICIES["umrt"] == "umrt.policy.runtime:Runtime"
 
 
 def test_unknown_policy_lists_the_valid_names():

@@ -17,7 +17,7 @@ from umrt.capture.profiled import ProfiledCapture
 from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.trace.events import IterationBoundary
 
 transformers = pytest.importorskip("transformers")

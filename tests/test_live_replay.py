@@ -8,7 +8,7 @@ and the run alternated. The replay answers the runtime as the GPU run would.
 import pytest
 
 from bench.live_replay import LOGS, RUNS, ClosedLoop, parse_event, read_live_log, replay
-from umrt.policy.planner import Action, Plan, light_token, rebase
+from umrt.policy.runtime.planner import Action, Plan, launch_free_token, rebase
 from umrt.trace.events import Access, Alloc, IterationBoundary, Kind, Launch, LayerEnter
 
 
@@ -84,61 +84,61 @@ def test_rebase_moves_decisions_onto_the_iteration_that_ran_without_launches():
     """Recorded: ... A(10) A(20) F(20) A(30) enter; without launches A(20) F(20) are gone
     (a temporary the capture caused): decisions move to the last event both have."""
     def a(n):
-        return light_token(n << 1, 0)
+        return launch_free_token(n << 1, 0)
 
     def f(n):
-        return light_token((n << 1) | 1, 1)
+        return launch_free_token((n << 1) | 1, 1)
 
-    common = tuple(light_token(1000 + i, 2) for i in range(12))  # module boundaries
-    recorded = common + (a(10), a(20), f(20), a(30), light_token(77, 2))
-    plain = common + (a(10), a(30), light_token(77, 2))
-    acts = [Action(1, 5, 1, 0, (), (0,), light_at=12), Action(2, 6, 2, 1, (), (5,), light_at=14),
-            Action(3, 7, 3, 1, (4,), (2,), light_at=15)]
-    plan = Plan(9, 5, acts, frozenset({2}), light_end=(len(recorded), 0), tokens=recorded)
+    common = tuple(launch_free_token(1000 + i, 2) for i in range(12))  # module boundaries
+    recorded = common + (a(10), a(20), f(20), a(30), launch_free_token(77, 2))
+    plain = common + (a(10), a(30), launch_free_token(77, 2))
+    acts = [Action(1, 5, 1, 0, (), (0,), launch_free_at=12), Action(2, 6, 2, 1, (), (5,), launch_free_at=14),
+            Action(3, 7, 3, 1, (4,), (2,), launch_free_at=15)]
+    plan = Plan(9, 5, acts, frozenset({2}), launch_free_end=(len(recorded), 0), tokens=recorded)
     v = rebase(plan, plain)
     assert v is not None
-    assert [x.light_at for x in v.actions] == [12, 13]  # two decisions on one event are one
+    assert [x.launch_free_at for x in v.actions] == [12, 13]  # two decisions on one event are one
     assert v.actions[0].prefetch == (0, 5) and v.actions[1].evict == (4,)
     assert v.keymap == (0, 2)  # the plain run's 2nd allocation is the recorded 3rd
     hashes, h = [], 0
     for tok in plain:  # the runtime's running hash, as Runtime.on_event mixes the events
         h = ((h * 1000003) ^ (tok >> 2)) & ((1 << 63) - 1)
         hashes.append(h)
-    assert [x.light_hash for x in v.actions] == [hashes[12], hashes[13]]
-    assert v.light_end == (len(plain), hashes[-1])
+    assert [x.launch_free_hash for x in v.actions] == [hashes[12], hashes[13]]
+    assert v.launch_free_end == (len(plain), hashes[-1])
     assert rebase(plan, tuple(a(n) for n in range(1, 18))) is None  # another shape
 
 
-def test_a_light_clock_is_re_based_a_bounded_number_of_times():
-    """A mismatch while the light clock is unconfirmed lets the iteration run on
+def test_a_launch_free_clock_is_re_based_a_bounded_number_of_times():
+    """A mismatch while the launch-free clock is unconfirmed lets the iteration run on
     launch-free and re-bases the plan; once a plan has been re-based twice, or once
     its clock held a whole iteration, a mismatch is a deviation (learned again)."""
-    from umrt.runtime import Runtime
+    from umrt.policy.runtime import Runtime
 
     rt = Runtime()
     rows = replay("40GiB", 40 << 30, 9, runtime=rt)
     assert rows[-1]["light"] and rows[-1]["deviations"] == 0 and rows[-1]["rebases"] >= 1
     sig = rt._plan.signature
-    assert sig in rt._light_ok and rt._tokens is None  # confirmed: no more recording
-    rt._light_mismatch()
+    assert sig in rt._clock.confirmed and rt._event_tokens is None  # confirmed: no more recording
+    rt._guard.launch_free_mismatch()
     assert rt.report()["deviations"] == 1 and rt.wants_launches  # the next iteration is learned
 
     rt = Runtime()
     replay("40GiB", 40 << 30, 5, runtime=rt)  # the first launch-free iteration just started
-    assert rt._light and rt._tokens is not None
+    assert rt._acting_launch_free and rt._event_tokens is not None
     sig = rt._plan.signature
-    rt._light_mismatch()
+    rt._guard.launch_free_mismatch()
     assert rt._mode == "rebase" and not rt.wants_launches and rt.report()["deviations"] == 0
-    rt._mode, rt._light = "act", True
-    rt._rebased[sig] = 2
-    rt._light_mismatch()
+    rt._mode, rt._acting_launch_free = "act", True
+    rt._clock.rebases[sig] = 2
+    rt._guard.launch_free_mismatch()
     assert rt.report()["deviations"] == 1
 
 
 def test_without_probing_a_plan_runs_launch_free_right_after_learning(logs):
     """probe_iterations=0 (a capture that hands over an iteration's launches at its
     end): trusted at once, launch-free from the third iteration, and still converged."""
-    from umrt.runtime import Runtime
+    from umrt.policy.runtime import Runtime
 
     rt = Runtime(probe_iterations=0)
     assert rt.warmup_iterations == rt.learn_iterations

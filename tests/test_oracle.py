@@ -411,7 +411,7 @@ def test_an_oversized_launch_host_maps_only_ranges_worth_their_advice_calls():
     from dataclasses import replace
 
     from umrt.hardware import load_profile
-    from umrt.policy.planner import min_host_map_bytes
+    from umrt.policy.runtime.planner import min_host_map_bytes
     from umrt.sim.replay import simulate
 
     trace = make_trace(3, foreach=True)  # the step touches twelve 8 MB objects: more than the budget

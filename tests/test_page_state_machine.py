@@ -58,7 +58,7 @@ from umrt.backends.cuda import BindingsApi, CudaBackend
 from umrt.errors import CudaError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
 from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 KiB, MiB = 1 << 10, 1 << 20

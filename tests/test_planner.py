@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from umrt.hardware import load_profile
-from umrt.policy.planner import PAGE, IterationRecord, Planner
+from umrt.policy.runtime.planner import PAGE, IterationRecord, Planner
 from umrt.trace.events import Kind
 
 MB = 1 << 20
@@ -253,18 +253,18 @@ def test_a_dead_object_is_not_copied_out_just_before_it_is_freed():
     assert any(1 in a.evict for a in late.actions)
 
 
-def test_light_points_place_actions_on_the_events_before_their_launch():
+def test_launch_free_points_place_actions_on_the_events_before_their_launch():
     """Acting without launches: an action goes to the last non-launch event
     right before its launch; where none is (launch after launch), the runtime
     counts launches from the last event before it, as around an oversized launch."""
-    from umrt.policy.planner import Action, light_points
+    from umrt.policy.runtime.planner import Action, launch_free_points
 
     light = [(0, 11), (0, 12), (2, 13), (5, 14)]  # (position: launches before it, running hash)
     acts = [Action(at, 0, 0, 0, (), ()) for at in (0, 2, 4, 5, 7)]
-    placed, resume = light_points(light, acts, oversized=[3])
-    assert [(a.light_at, a.light_hash) for a in placed] == [(1, 12), (2, 13), (-1, 0), (3, 14), (-1, 0)]
+    placed, resume = launch_free_points(light, acts, oversized=[3])
+    assert [(a.launch_free_at, a.launch_free_hash) for a in placed] == [(1, 12), (2, 13), (-1, 0), (3, 14), (-1, 0)]
     # launch 4 and the oversized launch 3: counted from event 2 (2 launches before it);
     # launch 7: from event 3 (5 before it)
     assert resume == {2: (2, 13), 3: (5, 14)}
-    early = light_points([(1, 5)], [Action(0, 0, 0, 0, (), ())], oversized=[])
+    early = launch_free_points([(1, 5)], [Action(0, 0, 0, 0, (), ())], oversized=[])
     assert early[1] == {-1: (0, 0)}  # before the iteration's first event: count from its start

@@ -13,8 +13,8 @@ from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
-from umrt.policy.planner import PAGE
-from umrt.runtime import Runtime
+from umrt.policy.runtime import Runtime
+from umrt.policy.runtime.planner import PAGE
 from umrt.shadow import ShadowSource
 from umrt.sim.backend import SimBackend
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
@@ -208,7 +208,9 @@ class _AllCalls(_Recording):
 
 
 class _NoIndexPool(LifetimePool):
-    live_index = None  # hides the pool's index: the runtime resolves through address()
+    @property
+    def live_index(self):  # hides the pool's index: the runtime resolves through address()
+        raise AttributeError("live_index")
 
 
 def _drive(backend: Backend, *, steps: int = 6, hide_index: bool = False, tamper=None, honour: bool = False,
@@ -256,26 +258,26 @@ def test_pool_index_and_address_lookups_resolve_the_same_ranges():
 
 
 def test_decision_ranges_are_memoized_only_while_objects_stay_put():
-    """_resolve memoizes a decision's ranges per key tuple; an object that
-    moved, changed size or died must be resolved afresh."""
-    from umrt.runtime import _Where
+    """DecisionRanges.resolve memoizes a decision's ranges per key tuple; an object
+    that moved, changed size or died must be resolved afresh."""
+    from umrt.policy.runtime.ranges import DecisionRanges, Where
 
     rt = Runtime()
     page = 64 << 10
-    lives = {10: _Where(4 * page, 3 * page), 11: _Where(8 * page + 5, 2 * page)}
-    rt._lives = lives
+    lives = {10: Where(4 * page, 3 * page), 11: Where(8 * page + 5, 2 * page)}
+    ranges = DecisionRanges(rt.keys)
+    ranges.connect(lives, lambda obj: 0)
     rt.keys.obj_of.update({1: 10, 2: 11})
     keys = (1, 2)
-    memo: dict = {}
-    assert rt._resolve(keys, memo, False) == (((4 * page, 3 * page), (8 * page + 5, 2 * page)), 5 * page, 0)
+    assert ranges.resolve(keys, False, False) == (((4 * page, 3 * page), (8 * page + 5, 2 * page)), 5 * page, 0)
     # evictions move whole pages only
-    assert rt._resolve(keys, {}, True) == (((4 * page, 3 * page), (9 * page, page)), 4 * page, 0)
-    lives[10] = _Where(20 * page, page)  # the role got another address this iteration
-    assert rt._resolve(keys, memo, False) == (((20 * page, page), (8 * page + 5, 2 * page)), 3 * page, 0)
+    assert ranges.resolve(keys, True, False) == (((4 * page, 3 * page), (9 * page, page)), 4 * page, 0)
+    lives[10] = Where(20 * page, page)  # the role got another address this iteration
+    assert ranges.resolve(keys, False, False) == (((20 * page, page), (8 * page + 5, 2 * page)), 3 * page, 0)
     del rt.keys.obj_of[2]  # not alive: counted, not moved
-    assert rt._resolve(keys, memo, False) == (((20 * page, page),), page, 1)
+    assert ranges.resolve(keys, False, False) == (((20 * page, page),), page, 1)
     # the memoized ranges are shared with the caller: immutable
-    assert isinstance(rt._resolve(keys, memo, False)[0], tuple)
+    assert isinstance(ranges.resolve(keys, False, False)[0], tuple)
 
 
 def test_a_frozen_plan_makes_the_same_moves():
@@ -329,7 +331,7 @@ def test_an_object_at_another_address_unfreezes():
     """An allocation that lands anywhere but where the reference iteration had
     it ends freezing for the iteration: decisions resolve every key again."""
     def tamper(rt):
-        ptrs = rt._ref[1]
+        ptrs = rt._reference[1]
         ptrs[len(ptrs) // 2] = ptrs[len(ptrs) // 2] + 4096  # "the pool moved it"
     calls, rt = _calls(steps=8, tamper=tamper)
     rep = rt.report()
@@ -345,12 +347,12 @@ def test_an_object_the_layout_never_allocated_is_a_layout_error():
     backend = _Recording()
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
-    rt._away.add(0, 1 << 40)  # the runtime needs the newborn's address: pages to populate
+    rt._off_gpu.add(0, 1 << 40)  # the runtime needs the newborn's address: pages to populate
     with pytest.raises(LayoutError):
         rt.on_event(Alloc(7, 32 << 20, Kind.ACTIVATION))
     rt.keys.obj_of[5] = 7
     with pytest.raises(LayoutError):
-        rt._resolve((5,), {}, False)
+        rt._ranges.resolve((5,), False, False)
 
 
 def test_op_level_follows_every_launch():
@@ -397,18 +399,18 @@ def test_a_switch_adopts_everything_keyed_by_the_other_plan():
     """Keys and launch ordinals mean something only within their plan: after a
     switch, the keys to discard and the oversized launches are the new plan's,
     on either clock."""
-    from umrt.policy.planner import Action, Plan
+    from umrt.policy.runtime.planner import Action, Plan
 
     a = Action(0, 1, 0, 0, (), ())
-    first = Plan(1, 4, [a], frozenset({1}), remote_at={3: (4,)}, light_resume={0: (0, 0)})
-    second = Plan(2, 4, [a], frozenset({5}), remote_at={7: (8,)}, light_resume={1: (1, 1)})
+    first = Plan(1, 4, [a], frozenset({1}), remote_at={3: (4,)}, launch_free_resume={0: (0, 0)})
+    second = Plan(2, 4, [a], frozenset({5}), remote_at={7: (8,)}, launch_free_resume={1: (1, 1)})
     for light in (False, True):
         rt = Runtime()
-        rt._plan, rt._light = first, light
-        rt._discard_keys, rt._over, rt._resume = first.discard, first.remote_at, first.light_resume
-        rt._adopt(second, 0)
-        assert (rt._plan, rt._discard_keys, rt._over) == (second, second.discard, second.remote_at)
-        assert rt._resume == (second.light_resume if light else first.light_resume)
+        rt._plan, rt._acting_launch_free = first, light
+        rt._discard_keys, rt._oversized, rt._clock.resume = first.discard, first.remote_at, first.launch_free_resume
+        rt._guard.adopt(second, 0)
+        assert (rt._plan, rt._discard_keys, rt._oversized) == (second, second.discard, second.remote_at)
+        assert rt._clock.resume == (second.launch_free_resume if light else first.launch_free_resume)
         assert rt.counters["switches"] == 1
 
 
@@ -416,6 +418,53 @@ def test_a_segment_given_back_takes_its_launch_advice_with_it():
     """Advice held for the launch that just ran is undone at the next launch; a
     segment the pool gave back meanwhile is freed memory, never advised again."""
     rt = Runtime()
-    rt._temp = [(1 << 30, 4096), (2 << 30, 4096)]
+    rt._launch_mapped[:] = [(1 << 30, 4096), (2 << 30, 4096)]
     rt._released(1 << 30, 1 << 21)
-    assert rt._temp == [(2 << 30, 4096)]
+    assert rt._launch_mapped == [(2 << 30, 4096)]
+
+
+def test_the_guard_trips_after_enough_failures_then_cools_down():
+    """Guard: ``failures`` deviations among the last ``window`` acted iterations
+    trip it (its history starts afresh); then ``cooldown`` iterations do nothing."""
+    from umrt.policy.runtime.guard import Guard
+
+    guard = Guard(Runtime(), window=4, failures=3, cooldown=2)
+    for ok in (False, True, False, True, True):
+        guard.outcomes.append(ok)
+    assert not guard.tripped()  # the first failure left the window
+    guard.outcomes.extend([False, False, False])
+    assert guard.tripped() and not guard.outcomes
+    assert [guard.cooling() for _ in range(3)] == [True, True, False]
+
+
+def test_the_runtime_feeds_no_layout_the_driver_does():
+    """A learning layout learns from the driver alone (umrt.drive.Driver): the runtime on
+    its own passes nothing on, so the pool is never fed twice."""
+    from umrt.memory.caching import CachingAllocatorLayout
+
+    class Learning(CachingAllocatorLayout):
+        def __init__(self, backend) -> None:
+            super().__init__(backend)
+            self.fed: list = []
+
+        def observe(self, event) -> None:
+            self.fed.append(event)
+
+        def observe_launch(self, exec_id: int) -> None:
+            self.fed.append(("launch", exec_id))
+
+    events = [IterationBoundary(0), LayerEnter("m"), Launch(0, 42, "aten::mm.default", (), 1, 1, "m"),
+              LayerExit("m"), IterationBoundary(1)]
+    for through_driver, fed in ((False, []), (True, [IterationBoundary(0), LayerEnter("m"), ("launch", 42),
+                                                     LayerExit("m"), IterationBoundary(1)])):
+        backend = _Recording()
+        rt = Runtime(use_pool=False)
+        layout = Learning(backend)
+        rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
+        if through_driver:
+            Driver(rt, layout, backend).feed_all(events)
+        else:
+            for ev in events:
+                rt.on_event(ev)
+        assert layout.fed == fed
+        assert rt.report()["iterations"] == 1

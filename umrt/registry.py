@@ -18,7 +18,7 @@ POLICIES: dict[str, str] = {
     "sentinel": "umrt.policy.peers.sentinel:SentinelPolicy",
     "vdnn": "umrt.policy.peers.vdnn:VDNNPolicy",
     "swapadvisor": "umrt.policy.peers.swapadvisor:SwapAdvisorPolicy",
-    "umrt": "umrt.runtime:Runtime",
+    "umrt": "umrt.policy.runtime:Runtime",
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)

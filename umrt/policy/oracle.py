@@ -36,7 +36,7 @@ The candidates (:data:`CANDIDATES`):
   larger than the budget touch stay on the host, accessed over the link
   (PreferredLocation=host + AccessedBy=GPU). The plan never holds more
   resident bytes than the budget less a headroom.
-* ``planner*``: :class:`~umrt.policy.planner.Planner` over
+* ``planner*``: :class:`~umrt.policy.runtime.planner.Planner` over
   :func:`iteration_record` (the template iteration as umrt's runtime would
   record it), followed as the runtime follows its plan: moves at decision
   points, newborns on pages taken off the GPU populated by prefetch, dead
@@ -83,7 +83,8 @@ from umrt.hardware import HardwareProfile
 from umrt.memory.base import Layout
 from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
+from umrt.policy.runtime import Runtime
+from umrt.policy.runtime.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
 from umrt.trace.events import (
     Alloc,
     Event,
@@ -357,7 +358,7 @@ RUNTIME = "umrt-runtime"
 
 #: The oracle's candidate plans, by name: ``"belady"`` is :func:`plan_cyclic`'s
 #: schedule (the fewest bytes moved); the others are umrt's own
-#: :class:`~umrt.policy.planner.Planner` with these options, fed the exact
+#: :class:`~umrt.policy.runtime.planner.Planner` with these options, fed the exact
 #: iteration from the first step on (:func:`iteration_record`). The options
 #: span what the planner leaves open: how full the GPU may get, whether
 #: short-lived objects stay pinned, when evictions are issued, how often it
@@ -874,8 +875,6 @@ def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
 
 def _runtime() -> Policy:
     """umrt's runtime with its defaults (the ``umrt-runtime`` candidate)."""
-    from umrt.runtime import Runtime
-
     return Runtime()
 
 

@@ -7,37 +7,7 @@ where module boundaries fall). :class:`Planner` turns it into a
 :class:`Plan`: at each *decision point* (the launch right after a module
 boundary, plus extra points where a segment is too long to plan as one), the
 objects to pre-evict to the host and the objects to prefetch to the GPU, and
-which objects to discard when they die.
-
-How a decision point is planned (a Belady schedule with prefetch):
-
-* **Window in time.** Walk the coming launches. Every launch up to the next
-  decision point must be covered (we cannot act again before it), and the
-  segment after it too, so its copies overlap this segment's compute. Beyond
-  that, keep going while the copy engine's queue would drain before the next
-  decision point: ``link_free < t(next point) + slack``, where ``link_free``
-  is when the queued host-to-device bytes finish at the profile's link rate
-  and ``t(x)`` the predicted compute time to reach launch ``x``. So the
-  window is as long, in kernels, as the hardware needs to hide the missing
-  bytes — short on a fast link, long on a slow one.
-* **Prefetch** each missing object of a covered launch, in the order they
-  are needed (objects that are not born yet only reserve room: the runtime
-  populates them on the GPU at birth where their pages are not there).
-* **Pre-evict** to make room, choosing resident objects whose next use is
-  farthest ahead and never one the window needs; if nothing qualifies the
-  window stops (capacity-bound), so the plan never holds more bytes than
-  ``budget * headroom`` and the driver never has to evict on a fault.
-* **Host-map** what migration cannot help: optimizer state and long-lived
-  data that only launches larger than the budget touch stay on the host
-  (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
-* **Discard** long-lived objects when they die, where the plan evicts,
-  instead of letting the driver copy dead bytes back; when everything fits
-  nothing is discarded (a dead range is reused in place). Short-lived
-  temporaries are never evicted (they stay resident).
-
-The schedule is cyclic: it is planned twice over the iteration and the
-second pass, which starts from the residency the first one ends with, is the
-steady-state plan.
+which objects to discard when they die (see :meth:`Planner.plan`).
 """
 from __future__ import annotations
 
@@ -75,9 +45,9 @@ class IterationRecord:
     free_counts: list[int] = field(default_factory=list)  # frees before launch i
     # Every event but launches (allocations, frees, module boundaries), in order:
     # (position, the runtime's running hash after it). The clock a runtime that
-    # no longer sees launches acts on (see Plan.light_end).
-    light: list[tuple[int, int]] = field(default_factory=list)
-    # The same events as tokens (see light_token): what rebase() aligns.
+    # no longer sees launches acts on (see Plan.launch_free_end).
+    launch_free_clock: list[tuple[int, int]] = field(default_factory=list)
+    # The same events as tokens (see launch_free_token): what rebase() aligns.
     tokens: list[int] = field(default_factory=list)
     signature: int = 0
 
@@ -95,13 +65,13 @@ class Action:
     n_free: int
     evict: tuple[int, ...]  # keys to move to the host
     prefetch: tuple[int, ...]  # keys to move to the GPU, in need order
-    # The same point on the clock of non-launch events (IterationRecord.light):
+    # The same point on the clock of non-launch events (IterationRecord.launch_free_clock):
     # the event right before launch ``at`` and the running hash expected there;
     # -1 where no event falls between launches at - 1 and at: the runtime then
-    # counts launches from event ``light_from`` (-1: the iteration's start).
-    light_at: int = -1
-    light_hash: int = 0
-    light_from: int = -1
+    # counts launches from event ``launch_free_from`` (-1: the iteration's start).
+    launch_free_at: int = -1
+    launch_free_hash: int = 0
+    launch_free_from: int = -1
 
 
 @dataclass
@@ -117,21 +87,21 @@ class Plan:
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
     # Acting without launches: (events, running hash) at the iteration's end
-    # (None: the record had no light events), and where the runtime must
-    # count launches until the next event: light event -> (launches before
+    # (None: the record had no launch-free events), and where the runtime must
+    # count launches until the next event: launch-free event -> (launches before
     # it, running hash there), for decisions no event precedes and oversized
     # launches (host-mapped for their own duration).
-    light_end: tuple[int, int] | None = None
-    light_resume: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # The recorded iteration's non-launch events as tokens (light_token), in order.
+    launch_free_end: tuple[int, int] | None = None
+    launch_free_resume: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The recorded iteration's non-launch events as tokens (launch_free_token), in order.
     tokens: tuple[int, ...] = ()
     # Acting without launches, the program may run differently from the recorded
     # iteration (a capture can change what it allocates): the plan re-based on an
     # iteration that ran without launches (see rebase), and, in such a variant,
     # each allocation ordinal's key in the recorded iteration (None: the same).
-    light_variant: Plan | None = field(default=None, repr=False, compare=False)
+    launch_free_variant: Plan | None = field(default=None, repr=False, compare=False)
     keymap: tuple[int, ...] | None = None
-    _light_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
+    _launch_free_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
 
     def action_at(self) -> dict[int, Action]:
@@ -143,29 +113,29 @@ class Plan:
         return i if i < len(self.actions) and self.actions[i].at == launch else None
 
     def hash_after(self, event: int) -> int | None:
-        """The runtime's running hash after this shape's light event ``event``
+        """The runtime's running hash after this shape's launch-free event ``event``
         (None past its last event): what an iteration of this shape shows there."""
         h = self._hashes
         if h is None:
             h = self._hashes = _running_hashes(self.tokens)
         return h[event] if 0 <= event < len(h) else None
 
-    def index_after_light(self, event: int) -> int:
-        """Index of the first action still to come once light event ``event`` has
+    def index_after_launch_free(self, event: int) -> int:
+        """Index of the first action still to come once launch-free event ``event`` has
         been seen: placed after it, or counted from it."""
         for i, a in enumerate(self.actions):
-            if a.light_at > event or (a.light_at < 0 and a.light_from >= event):
+            if a.launch_free_at > event or (a.launch_free_at < 0 and a.launch_free_from >= event):
                 return i
         return len(self.actions)
 
-    def index_at_light(self, event: int) -> int | None:
-        """Index of the first action tied to light event ``event``, if any."""
-        idx = self._light_index
+    def index_at_launch_free(self, event: int) -> int | None:
+        """Index of the first action tied to launch-free event ``event``, if any."""
+        idx = self._launch_free_index
         if idx is None:
-            idx = self._light_index = {}
+            idx = self._launch_free_index = {}
             for i, a in enumerate(self.actions):
-                if a.light_at >= 0:
-                    idx.setdefault(a.light_at, i)
+                if a.launch_free_at >= 0:
+                    idx.setdefault(a.launch_free_at, i)
         return idx.get(event)
 
 
@@ -173,7 +143,7 @@ ALLOC_TOKEN, FREE_TOKEN, LAYER_TOKEN = 0, 1, 2
 SPARE_KEY = 1 << 32  # keys of allocations a re-based plan's recorded iteration did not make
 
 
-def light_token(value: int, kind: int) -> int:
+def launch_free_token(value: int, kind: int) -> int:
     """A non-launch event as one int: the value it mixes into the runtime's running
     hash (see Runtime.on_event) and its kind (ALLOC_TOKEN, FREE_TOKEN, LAYER_TOKEN)."""
     return (value << 2) | kind
@@ -205,58 +175,58 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
     early, never late.
     """
     rec = plan.tokens
-    if not rec or not tokens or plan.light_end is None:
+    if not rec or not tokens or plan.launch_free_end is None:
         return None
     sm = difflib.SequenceMatcher(None, rec, tokens, autojunk=False)
-    to_light = [-1] * len(rec)  # recorded event -> this iteration's event (or the last aligned before)
+    to_launch_free = [-1] * len(rec)  # recorded event -> this iteration's event (or the last aligned before)
     matched = 0
     for a, b, n in sm.get_matching_blocks():
         for k in range(n):
-            to_light[a + k] = b + k
+            to_launch_free[a + k] = b + k
         matched += n
     if matched < min_match * max(len(rec), len(tokens)):
         return None
     last = -1
-    for i, j in enumerate(to_light):
+    for i, j in enumerate(to_launch_free):
         if j < 0:
-            to_light[i] = last
+            to_launch_free[i] = last
         else:
             last = j
     # Allocation ordinals: this iteration's -> the recorded key (an unmatched one a spare key).
     rec_ordinal = _alloc_ordinals(rec)
-    light_ordinal = _alloc_ordinals(tokens)
-    keymap = [SPARE_KEY + o for o in range(len(light_ordinal))]
+    launch_free_ordinal = _alloc_ordinals(tokens)
+    keymap = [SPARE_KEY + o for o in range(len(launch_free_ordinal))]
     for a, b, n in sm.get_matching_blocks():
         for k in range(n):
             if (rec[a + k] & 3) == ALLOC_TOKEN:
-                keymap[light_ordinal[b + k]] = rec_ordinal[a + k]
+                keymap[launch_free_ordinal[b + k]] = rec_ordinal[a + k]
     hashes = _running_hashes(tokens)
 
     def moved(e: int) -> int:
-        return to_light[e] if e >= 0 else -1
+        return to_launch_free[e] if e >= 0 else -1
 
     actions: list[Action] = []
     for a in plan.actions:
-        if a.light_at >= 0:
-            e = moved(a.light_at)
+        if a.launch_free_at >= 0:
+            e = moved(a.launch_free_at)
             if e < 0:
                 return None  # a decision before this iteration's first event: keep the old clock
             prev = actions[-1] if actions else None
-            if prev is not None and prev.light_at == e:  # two decisions now on one event: one
+            if prev is not None and prev.launch_free_at == e:  # two decisions now on one event: one
                 actions[-1] = replace(prev, evict=_union(prev.evict, a.evict),
                                       prefetch=_union(prev.prefetch, a.prefetch))
                 continue
-            if prev is not None and prev.light_at > e:
+            if prev is not None and prev.launch_free_at > e:
                 return None
-            actions.append(replace(a, light_at=e, light_hash=hashes[e]))
+            actions.append(replace(a, launch_free_at=e, launch_free_hash=hashes[e]))
         else:
-            actions.append(replace(a, light_from=moved(a.light_from)))
+            actions.append(replace(a, launch_free_from=moved(a.launch_free_from)))
     resume = {}
-    for e, (launches, _) in plan.light_resume.items():
+    for e, (launches, _) in plan.launch_free_resume.items():
         f = moved(e)
         resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
-    return replace(plan, actions=actions, light_end=(len(tokens), hashes[-1]), light_resume=resume,
-                   tokens=tuple(tokens), keymap=tuple(keymap), light_variant=None, _light_index=None,
+    return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
+                   tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
                    _hashes=hashes)
 
 
@@ -275,8 +245,8 @@ def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return a + tuple(k for k in b if k not in seen)
 
 
-def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversized: Sequence[int]
-                 ) -> tuple[list[Action], dict[int, tuple[int, int]]]:
+def launch_free_points(clock: Sequence[tuple[int, int]], actions: list[Action], oversized: Sequence[int]
+                       ) -> tuple[list[Action], dict[int, tuple[int, int]]]:
     """Place each action on the clock of non-launch events.
 
     An action before launch ``at`` goes to the last event between launches
@@ -284,27 +254,27 @@ def light_points(light: Sequence[tuple[int, int]], actions: list[Action], oversi
     allocations, a free). Where there is none (inside an optimizer step:
     launch after launch, nothing allocated), the runtime counts launches
     from the last event before ``at`` to the next event (``resume``); the
-    action keeps ``light_at = -1`` and is acted on at its launch. It counts
+    action keeps ``launch_free_at = -1`` and is acted on at its launch. It counts
     around each oversized launch the same way, so that the launch is
     host-mapped for its own duration. Positions are "before launch i"
     (IterationRecord).
     """
-    pos = [p for p, _ in light]
+    pos = [p for p, _ in clock]
     placed = []
     resume: dict[int, tuple[int, int]] = {}
 
     def count_from(at: int) -> int:
         e = bisect.bisect_right(pos, at) - 1
         # before the iteration's first event: count from its start
-        resume.setdefault(e, (pos[e], light[e][1]) if e >= 0 else (0, 0))
+        resume.setdefault(e, (pos[e], clock[e][1]) if e >= 0 else (0, 0))
         return e
 
     for a in actions:
         e = bisect.bisect_right(pos, a.at) - 1
         if e >= 0 and pos[e] == a.at:
-            placed.append(replace(a, light_at=e, light_hash=light[e][1]))
+            placed.append(replace(a, launch_free_at=e, launch_free_hash=clock[e][1]))
         else:
-            placed.append(replace(a, light_from=count_from(a.at)))
+            placed.append(replace(a, launch_free_from=count_from(a.at)))
     for n in oversized:
         count_from(n)
     return placed, resume
@@ -444,17 +414,47 @@ class Planner:
         return points
 
     def plan(self, rec: IterationRecord) -> Plan:
+        """The plan for ``rec``'s shape: a Belady schedule with prefetch.
+
+        * **Window in time.** Walk the coming launches. Every launch up to the next
+          decision point must be covered (we cannot act again before it), and the
+          segment after it too, so its copies overlap this segment's compute. Beyond
+          that, keep going while the copy engine's queue would drain before the next
+          decision point: ``link_free < t(next point) + slack``, where ``link_free``
+          is when the queued host-to-device bytes finish at the profile's link rate
+          and ``t(x)`` the predicted compute time to reach launch ``x``. So the
+          window is as long, in kernels, as the hardware needs to hide the missing
+          bytes — short on a fast link, long on a slow one.
+        * **Prefetch** each missing object of a covered launch, in the order they
+          are needed (objects that are not born yet only reserve room: the runtime
+          populates them on the GPU at birth where their pages are not there).
+        * **Pre-evict** to make room, choosing resident objects whose next use is
+          farthest ahead and never one the window needs; if nothing qualifies the
+          window stops (capacity-bound), so the plan never holds more bytes than
+          ``budget * headroom`` and the driver never has to evict on a fault.
+        * **Host-map** what migration cannot help: optimizer state and long-lived
+          data that only launches larger than the budget touch stay on the host
+          (PreferredLocation=host + AccessedBy=GPU) and are read over the link.
+        * **Discard** long-lived objects when they die, where the plan evicts,
+          instead of letting the driver copy dead bytes back; when everything fits
+          nothing is discarded (a dead range is reused in place). Short-lived
+          temporaries are never evicted (they stay resident).
+
+        The schedule is cyclic: it is planned twice over the iteration and the
+        second pass, which starts from the residency the first one ends with, is the
+        steady-state plan.
+        """
         n = len(rec)
         if n == 0:
             return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
-        light_end = (len(rec.light), rec.light[-1][1]) if rec.light else None
+        launch_free_end = (len(rec.launch_free_clock), rec.launch_free_clock[-1][1]) if rec.launch_free_clock else None
         peak = peak_live(rec)
         if peak <= self.cap:
             # Everything fits: once touched, every object stays resident and a dead
             # range is reused in place. Nothing to move, advise or discard.
             stats = {"fits": True, "planned_peak_bytes": peak, "capacity_bytes": self.cap,
                      "planned_h2d_bytes": 0, "planned_d2h_bytes": 0, "decision_points": 0}
-            return Plan(rec.signature, n, [], frozenset(), stats, light_end=light_end, tokens=tuple(rec.tokens))
+            return Plan(rec.signature, n, [], frozenset(), stats, launch_free_end=launch_free_end, tokens=tuple(rec.tokens))
         remote = self.remote_keys(rec) if self.remote_access else frozenset()
         if remote:
             uses = [tuple(k for k in u if k not in remote) for u in rec.uses]
@@ -482,10 +482,10 @@ class Planner:
         mostly = frozenset(k for k in rec.start_live if k not in dead and k not in remote
                            and rec.kinds.get(k) == Kind.PARAMETER)
         resume: dict[int, tuple[int, int]] = {}
-        if light_end is not None:
-            actions, resume = light_points(rec.light, actions, sorted(remote_at))
+        if launch_free_end is not None:
+            actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
         return Plan(rec.signature, n, actions, discard, stats, remote=remote, read_mostly=mostly,
-                    remote_at=remote_at, light_end=light_end, light_resume=resume, tokens=tuple(rec.tokens))
+                    remote_at=remote_at, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""

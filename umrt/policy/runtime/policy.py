@@ -1,0 +1,700 @@
+"""umrt's runtime policy: the event stream in, prefetch / pre-evict / discard out.
+
+:class:`Runtime` learns the first iterations in stable keys, compiles a plan
+per iteration shape, then acts on the predicted shape's plan at its decision
+points, checking the program against it as it goes. Its collaborators, one job
+each: :class:`~umrt.policy.runtime.learning.Learner` (recording and compiling),
+:class:`~umrt.policy.runtime.launch_free.LaunchFreeClock` (acting without
+launches), :class:`~umrt.policy.runtime.guard.Guard` (mispredictions),
+:class:`~umrt.policy.runtime.host_map.HostMapper` (advice) and
+:class:`~umrt.policy.runtime.ranges.DecisionRanges` (what a decision moves).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+from operator import itemgetter
+from typing import TYPE_CHECKING
+
+from umrt.backends.base import HOST, Backend, SegmentWatch
+from umrt.backends.ranges import RangeSet
+from umrt.memory.base import IndexedLayout
+from umrt.memory.pool import LifetimePool
+from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.runtime.guard import Guard
+from umrt.policy.runtime.host_map import HostMapper
+from umrt.policy.runtime.launch_free import LaunchFreeClock
+from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
+from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
+from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges
+from umrt.predict.tables import ObjectKeys, VariantTable
+from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from umrt.memory.base import Layout
+    from umrt.trace.events import Event, Trace
+
+__all__ = ["Runtime"]
+
+_N = itemgetter(1)  # a range -> its bytes
+
+
+def _reference_key(plan: Plan) -> tuple[int, bool]:
+    """What an iteration's addresses (by allocation ordinal) are a reference for: the
+    plan's shape, run with launches or as its launch-free variant (other ordinals)."""
+    return plan.signature, plan.keymap is not None
+
+
+class Runtime(Policy):
+    """umrt's runtime policy, registered as ``"umrt"``.
+
+    It consumes the program's event stream one event at a time (from the live
+    capture or a replay in the simulator), never looks ahead in it, and drives
+    any :class:`~umrt.backends.base.Backend` through that interface only.
+    Per iteration (between two :class:`IterationBoundary` events) it is in one
+    mode: ``learn`` (record the iteration, do nothing to memory; at the boundary
+    compile a plan for its signature), ``act`` (follow the predicted shape's
+    plan, see :meth:`_start_iteration`), ``rebase`` (see
+    :meth:`Guard.launch_free_mismatch`) or ``off`` (after a deviation).
+
+    Parameters
+    ----------
+    trace:
+        Ignored: the runtime learns from the events it is given, never from a
+        trace's future (the argument exists for the policy registry).
+    op_level:
+        Act before every launch instead of at module boundaries.
+    headroom:
+        Fraction of the budget a plan may fill.
+    learn_iterations:
+        Iterations to learn before acting the first time (2: a training
+        loop's first step is special — lazy optimizer state, no gradients to
+        free — so the plan comes from the second).
+    probe_iterations:
+        Iterations a new plan is acted on while still recorded launch by
+        launch (a deviation then teaches the runtime the new shape) before it
+        is trusted and runs without launches; 0 for a capture that delivers an
+        iteration's launches only at its end.
+    guard_window, guard_failures, guard_cooldown:
+        The misprediction guard (see :class:`~umrt.policy.runtime.guard.Guard`).
+    max_variants:
+        Compiled plans kept (one per iteration shape; least recently used dropped).
+    min_discard:
+        Freed objects at least this large have their pages discarded.
+    read_mostly:
+        Advise parameters ReadMostly while acting, so evicting them costs no
+        copy back. Off by default: in the simulator it changes iteration time
+        by under 0.3% (parameter evictions are a small share of the traffic).
+    freeze:
+        Let a trusted plan whose objects keep their addresses (each allocation
+        is checked against the last iteration of the same shape) reuse its
+        decisions' ranges without resolving any key: the cheapest steady
+        state. Moves are the same either way.
+    use_pool:
+        Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
+        the caching-allocator layout.
+    launch_free:
+        Act on a trusted plan from allocations, frees and module boundaries
+        alone (``wants_launches`` turns False: a live driver may stop
+        capturing launches, the costly part of capture; see
+        :mod:`umrt.policy.runtime.launch_free`). Off, or with ``op_level`` (a
+        decision before every launch needs them all): every iteration is
+        followed launch by launch.
+    discard_on_free:
+        Discard a dead range at its ``Free`` instead of at the next
+        allocation or launch: for a driver whose events arrive after the
+        op's kernel was queued (a newborn's kernel may already be writing
+        the range the pending discard would drop).
+    """
+
+    name = "umrt"
+
+    def __init__(
+        self,
+        trace: Trace | None = None,
+        *,
+        op_level: bool = False,
+        headroom: float = 0.9,
+        learn_iterations: int = 2,
+        probe_iterations: int = 2,
+        guard_window: int = 4,
+        guard_failures: int = 3,
+        guard_cooldown: int = 2,
+        max_variants: int = 8,
+        use_pool: bool = True,
+        min_discard: int = PAGE,
+        read_mostly: bool = False,
+        freeze: bool = True,
+        launch_free: bool = True,
+        discard_on_free: bool = False,
+    ) -> None:
+        if not 0 < headroom <= 1:
+            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
+        if learn_iterations < 1:
+            raise ValueError("learn_iterations must be >= 1")
+        if probe_iterations < 0:
+            raise ValueError("probe_iterations must be >= 0")
+        self.probe_iterations = probe_iterations
+        self.op_level = op_level
+        self.headroom = headroom
+        self.learn_iterations = learn_iterations
+        self.guard_window = guard_window
+        self.guard_failures = guard_failures
+        self.guard_cooldown = guard_cooldown
+        self.max_variants = max_variants
+        self.use_pool = use_pool
+        self.min_discard = min_discard
+        self.read_mostly = read_mostly
+        self.freeze = freeze
+        self.launch_free = launch_free and not op_level
+        self.discard_on_free = discard_on_free
+        # False while the runtime acts without launches (a live driver may stop capturing them).
+        self.wants_launches = True
+
+        self.counters = {
+            "iterations": 0, "learned": 0, "acted": 0, "deviations": 0, "guard_trips": 0,
+            "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
+            "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
+            "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
+            "light_iterations": 0, "late_decisions": 0, "light_rebases": 0,
+        }
+        self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
+        self._n_discarded = 0
+        self._n_populate_calls = 0
+        self._n_populated = 0
+        self.log: list[dict] = []  # one line per iteration: mode, signature, moves
+
+        self.keys = ObjectKeys()
+        self.variants = VariantTable()
+        self.plans: OrderedDict[int, Plan] = OrderedDict()
+        self._alloc_of: dict[int, Alloc] = {}  # live obj -> its Alloc event (bytes, kind)
+        # Pages umrt itself took off the GPU (discarded, evicted, host-mapped) or that
+        # no one has populated yet (new pool segments): a newborn landing on them is
+        # prefetched to the GPU before its kernel (see _populate).
+        self._off_gpu = RangeSet()
+        self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
+
+        self._learner = Learner(self.keys, self.plans, self.counters, max_variants)
+        self._guard = Guard(self, guard_window, guard_failures, guard_cooldown)
+        self._clock = LaunchFreeClock(self)
+        self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
+        self._ranges = DecisionRanges(self.keys)
+        # The mapper's collections, read on the hot path (never rebound).
+        self._host_mapped = self._host.mapped
+        self._read_mostly_objects = self._host.read_mostly_objects
+        self._launch_mapped = self._host.launch_mapped
+
+        # The iteration.
+        self._mode = "learn"
+        self._iteration: int | None = None
+        self._record: IterationRecord | None = None  # while learning or probing
+        self._n_launches = 0  # launches this iteration (as recorded, when acting without them)
+        self._n_frees = 0
+        self._n_events = 0  # the launch-free clock: non-launch events this iteration
+        self._events_hash = 0  # their running hash (sizes, freed sizes, module names)
+        # Acting.
+        self._plan: Plan | None = None
+        self._actions: list[Action] = []
+        self._next_action = 0  # index in _actions
+        self._next_launch = -1  # the next decision's launch ordinal, when launches decide it
+        self._probe_left = 0  # decisions still acted on while recording (a plan not yet trusted)
+        self._acting_launch_free = False  # acting on the launch-free clock (implies mode act)
+        self._counting_launches = False  # acting launch-free, but counting launches for decisions no event precedes
+        self._due_event = -1  # the next launch-free event something is due at (-1: none)
+        # Acting without launches on a plan whose launch-free clock is not yet confirmed:
+        # this iteration's non-launch events as tokens (see planner.rebase), and the
+        # plan variant's allocation ordinal -> key map (None: ordinals are keys).
+        self._event_tokens: list[int] | None = None
+        self._token_objects: list[int] = []  # the objects those allocation tokens announced
+        self._keymap: tuple[int, ...] | None = None
+        self._oversized: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launch -> keys
+        # Keys whose range is discarded when they die: the acting plan's (none while
+        # learning: without a plan there is no pressure to relieve, and a discarded
+        # range costs a prefetch before its next owner may use it).
+        self._discard_keys: frozenset[int] = frozenset()
+        self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard before the next allocation or launch
+        # Frozen: a trusted plan whose objects keep their addresses (checked at
+        # every allocation against the last iteration of the same shape) reuses
+        # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
+        self._frozen = False
+        self._addresses: list[int] | None = None  # this iteration's addresses, by allocation ordinal
+        self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the last full iteration's addresses
+
+    # -- Policy -----------------------------------------------------------------
+
+    @property
+    def warmup_iterations(self) -> int:
+        """Learned iterations, then ``probe_iterations`` acted on while still
+        recorded before the plan is trusted and runs in steady state."""
+        return self.learn_iterations + self.probe_iterations
+
+    def attach(self, ctx: PolicyContext) -> None:
+        super().attach(ctx)
+        self.backend: Backend = ctx.backend
+        self.layout: Layout = ctx.layout
+        # obj -> record with .ptr and .nbytes: the pool's own index (a dict lookup
+        # instead of a call per address on the hot path), else one over address().
+        if isinstance(ctx.layout, IndexedLayout):
+            self._live_index = ctx.layout.live_index
+        else:
+            self._live_index = AddressIndex(ctx.layout.address, self._alloc_of)
+        self.profile = ctx.profile
+        self._ranges.connect(self._live_index, ctx.layout.address)
+        self._host.connect(ctx.backend, ctx.layout.address, ctx.profile)
+        self.set_budget(ctx.budget_bytes)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the GPU memory the runtime plans for (plans are recompiled
+        lazily). Shadow mode sets it once the peak is known."""
+        self.ctx.budget_bytes = int(budget_bytes)
+        self._learner.new_planner(budget_bytes, self.profile, headroom=self.headroom, op_level=self.op_level)
+        self.plans.clear()
+        self._clock.forget_plans()
+        if self._mode == "act":
+            self._mode = "off"
+            self._acting_launch_free = self._counting_launches = False
+            self._due_event = -1
+            self.wants_launches = True
+            self._discard_keys = frozenset()
+            self._oversized = {}
+
+    def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
+        """umrt's lifetime-aware pool (the caching-allocator model with
+        ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
+        (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
+        if self.use_pool:
+            return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
+        return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
+
+    def _segment_made(self, ptr: int, nbytes: int) -> None:
+        """The pool made a segment: nothing has populated its pages yet, so each
+        newborn placed there is populated by a prefetch, not by first-touch faults."""
+        self._off_gpu.add(ptr, nbytes)
+
+    def _released(self, ptr: int, nbytes: int) -> None:
+        """The pool handed a segment back: pending discards inside it are moot, and
+        advice held for the launch that just ran must not be undone on freed memory."""
+        end = ptr + nbytes
+        self._off_gpu.remove(ptr, nbytes)
+        if self._pending_discards:
+            self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
+        self._host.released(ptr, end)
+        # Memoized decision ranges may point into it: never reuse them unchecked.
+        self._guard.unfreeze()
+        self._reference = None
+        self._ranges.forget()
+
+    def on_event(self, event: Event) -> None:
+        # The hot path: every event of every iteration comes through here, so
+        # the common cases are inlined and attributes read once (see
+        # bench/overhead.py for what it costs per iteration).
+        t = type(event)
+        if t is Alloc:
+            obj = event.obj
+            keys = self.keys  # ObjectKeys.alloc, inlined
+            ordinal = keys.ordinal
+            keys.ordinal = ordinal + 1
+            km = self._keymap
+            key = ordinal if km is None else (km[ordinal] if ordinal < len(km) else SPARE_KEY + ordinal)
+            key_of = keys.key_of
+            old = key_of.get(obj)
+            if old is not None:
+                keys.obj_of.pop(old, None)
+            key_of[obj] = key
+            keys.obj_of[key] = obj
+            self._alloc_of[obj] = event  # its nbytes and kind, for as long as it lives
+            addresses = self._addresses
+            off_gpu = self._off_gpu_ends
+            if addresses is not None or self._frozen or off_gpu:
+                try:
+                    ptr = self._live_index[obj].ptr
+                except KeyError:
+                    ptr = self._not_live(obj)
+                if addresses is not None:
+                    addresses.append(ptr)
+                elif self._frozen:
+                    ref = self._reference[1]
+                    if ordinal >= len(ref) or ref[ordinal] != ptr:
+                        self._guard.unfreeze()
+            if self._pending_discards and event.launch == -1:
+                # Born holding data written by the host (a batch copied in): a
+                # pending discard of the dead range it reuses must not hit it.
+                ptr = self.layout.address(obj)
+                end = ptr + event.nbytes
+                self._pending_discards = [r for r in self._pending_discards if r[0] + r[1] <= ptr or r[0] >= end]
+            n_events = self._n_events  # the launch-free clock
+            self._n_events = n_events + 1
+            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
+            rec = self._record
+            if rec is not None:
+                rec.allocs.append((self._n_launches, key))
+                rec.sizes[key] = event.nbytes
+                rec.kinds[key] = event.kind
+                rec.launch_free_clock.append((self._n_launches, events_hash))
+                rec.tokens.append(event.nbytes << 3)  # planner.launch_free_token(nbytes << 1, ALLOC_TOKEN)
+            if self._event_tokens is not None:
+                self._event_tokens.append(event.nbytes << 3)
+                self._token_objects.append(obj)
+            # Dead ranges are discarded before the newborn that may reuse one is
+            # written (a live allocation arrives before its op's kernel is queued),
+            # and what of its range umrt took off the GPU comes back first.
+            if self._pending_discards:
+                self._flush()
+            if off_gpu and self._off_gpu.overlaps(ptr, event.nbytes):
+                self._populate(ptr, event.nbytes)
+            if n_events == self._due_event:
+                self._clock.on_due_event(n_events)
+        elif t is Free:
+            obj = event.obj
+            keys = self.keys  # ObjectKeys.free, inlined
+            key = keys.key_of.pop(obj, None)
+            if key is not None:
+                other = keys.obj_of.pop(key, obj)
+                if other != obj:  # the key has passed to another object meanwhile: keep it
+                    keys.obj_of[key] = other
+            if self._host_mapped and obj in self._host_mapped:
+                self._host.unmap(obj)
+            if self._read_mostly_objects and obj in self._read_mostly_objects:
+                self._host.unset_read_mostly(obj)
+            # The acting plan's long-lived dead are dropped (their pages would be
+            # evicted, i.e. copied, under pressure), batched until the next allocation
+            # or launch (nothing can write them before).
+            nb = self._alloc_of.pop(obj, NO_ALLOC).nbytes
+            if nb >= self.min_discard:
+                if key in self._discard_keys:
+                    try:
+                        ptr = self._live_index[obj].ptr
+                    except KeyError:
+                        ptr = self._not_live(obj)
+                    start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
+                    end = (ptr + nb) // PAGE * PAGE
+                    if end > start:
+                        self._pending_discards.append((start, end - start))
+            self._n_frees += 1
+            n_events = self._n_events
+            self._n_events = n_events + 1
+            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ ((nb << 1) | 1)) & SIGNATURE_MASK
+            rec = self._record
+            if rec is not None:
+                if key is not None:
+                    rec.frees.append((self._n_launches, key))
+                rec.launch_free_clock.append((self._n_launches, events_hash))
+                rec.tokens.append((nb << 3) | 5)  # launch_free_token((nb << 1) | 1, FREE_TOKEN)
+            if self._event_tokens is not None:
+                self._event_tokens.append((nb << 3) | 5)
+            if self.discard_on_free and self._pending_discards:
+                self._flush()
+            if n_events == self._due_event:
+                self._clock.on_due_event(n_events)
+        elif t is Launch:
+            if self._acting_launch_free and not self._counting_launches:
+                return  # acting on the launch-free clock: launches are not needed
+            if self._record is not None:
+                self._learner.record_launch(self._record, event, self._n_frees)
+            if self._launch_mapped:
+                self._host.unmap_launch()
+            if self._pending_discards:
+                self._flush()
+            n = self._n_launches
+            self._n_launches = n + 1
+            if n == self._next_launch and self._mode == "act":
+                self._decide(event)
+            if self._oversized and n in self._oversized and self._mode == "act":
+                self._host.map_for_launch(self._oversized[n])
+        elif t is LayerEnter or t is LayerExit:
+            n_events = self._n_events
+            self._n_events = n_events + 1
+            v = hash(event.module) ^ (t is LayerEnter)
+            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ v) & SIGNATURE_MASK
+            rec = self._record
+            if rec is not None:
+                rec.boundaries.append(self._n_launches)
+                rec.launch_free_clock.append((self._n_launches, events_hash))
+                rec.tokens.append((v << 2) | 2)  # launch_free_token(v, LAYER_TOKEN)
+            if self._event_tokens is not None:
+                self._event_tokens.append((v << 2) | 2)
+            if self._acting_launch_free:
+                if self._pending_discards:
+                    self._flush()
+                if n_events == self._due_event:
+                    self._clock.on_due_event(n_events)
+        elif t is IterationBoundary:
+            self._boundary(event.index)
+
+    def hint_kind(self, obj: int, kind: Kind) -> None:
+        """What a live object holds, learned after it was announced (a live
+        allocator announces every block as ``Kind.OTHER``; the optimizer's
+        facts come after its step). Plans compiled from then on see it."""
+        ev = self._alloc_of.get(obj)
+        if ev is None or ev.kind == kind:
+            return
+        self._alloc_of[obj] = replace(ev, kind=kind)
+        rec = self._record
+        key = self.keys.key_of.get(obj)
+        if rec is not None and key is not None:
+            rec.kinds[key] = kind
+
+    def report(self) -> dict:
+        """Counters: iterations learned / acted, deviations, moves, table sizes."""
+        out = dict(self.counters)
+        out["discard_calls"] += self._n_discard_calls
+        out["discarded_bytes"] += self._n_discarded
+        out["prefetch_calls"] += self._n_populate_calls
+        out["populate_calls"] = self._n_populate_calls
+        out["populated_bytes"] = self._n_populated
+        out.update(
+            mode=self._mode,
+            variants=len(self.plans),
+            correlation_rows=len(self._learner.correlation),
+            correlation_accuracy=round(self._learner.correlation.accuracy, 4),
+            data_rows=len(self._learner.data),
+        )
+        if self._plan is not None:
+            out["plan"] = dict(self._plan.stats)
+        return out
+
+    # -- iteration boundaries -----------------------------------------------------
+
+    def _boundary(self, index: int) -> None:
+        """One iteration ends (its plan finished, its record compiled) and the next starts."""
+        c = self.counters
+        if self._acting_launch_free:
+            self._clock.finish_iteration()
+        if self._mode == "act" and self._record is not None and self._learner.signature != self._plan.signature:
+            # A probed iteration (recorded launch by launch) of another shape that no
+            # decision told apart (a plan with nothing to do has none): learn it.
+            c["switches"] += 1
+            self._mode = "learn"
+        if self._iteration is not None:
+            c["iterations"] += 1
+            self._finish_iteration()
+        self._iteration = index
+        # The signature of the iteration that just ended names its survivors.
+        signature = self._learner.signature
+        sig = signature if self._mode == "learn" else (self._plan.signature if self._plan else 0)
+        if self._mode not in ("learn", "act", "rebase"):
+            sig = signature ^ 0x5A5A  # a shape we never finished; its keys must not clash
+        moved = self.keys.boundary(sig)
+        if self._record is not None and self._mode == "learn":
+            self._record.carried = moved
+            self._learner.learn(self._record)
+        self._start_iteration()
+
+    def _finish_iteration(self) -> None:
+        """Account for the iteration that ended: the guard's outcome, the plan's
+        runs, the reference addresses, a re-based launch-free clock, the log."""
+        mode = self._mode
+        entry = {"iteration": self._iteration, "mode": mode}
+        # The addresses of a complete iteration of a known shape are the reference
+        # the next one of that shape is checked against (a frozen one held them).
+        if self._frozen:
+            self.counters["frozen_iterations"] += 1
+        if self._acting_launch_free:
+            self.counters["light_iterations"] += 1
+        if self._addresses is not None and mode in ("act", "learn"):
+            key = _reference_key(self._plan) if mode == "act" else (self._learner.signature, False)
+            self._reference = (key, self._addresses)
+        elif not self._frozen:
+            self._reference = None
+        if mode == "act":
+            self._guard.outcomes.append(True)
+            sig = self._plan.signature
+            if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
+                self._clock.confirmed.add(sig)
+            self._learner.ran(sig)
+            self.variants.observe(self._plan.signature)
+            self.counters["acted"] += 1
+            entry["signature"] = self._plan.signature
+        elif mode == "rebase":
+            self._clock.rebase(entry)
+        elif mode == "off":
+            self.variants.last = None  # an unknown shape: predict from scratch, learn next
+            self._learner.relearn = True
+            if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
+                self._learner.seek_left = self.max_variants
+        elif mode == "learn" and self._record is not None:
+            self._record.signature = self._learner.signature
+            self.variants.observe(self._learner.signature)
+            self.counters["learned"] += 1
+            self._learner.learned += 1
+            entry["signature"] = self._learner.signature
+        self._event_tokens = None
+        self._token_objects = []
+        self.log.append(entry)
+        if len(self.log) > 256:
+            del self.log[:128]
+
+    def _start_iteration(self) -> None:
+        """Choose what this iteration does: learn it, or act on the plan of the
+        shape the variant table predicts.
+
+        A plan not yet confirmed by ``probe_iterations`` full iterations is acted
+        on while the iteration is still recorded, so a deviation turns it into a
+        learned one; a trusted plan runs without a record (cheapest), on the
+        launch-free clock where it has one (``launch_free``), and *frozen* where
+        its objects came back at the same addresses as in the last iteration of
+        its shape: its decisions reuse their memoized ranges without resolving a
+        single key, while every allocation is still checked against that
+        reference (one that lands elsewhere ends freezing for the iteration).
+        """
+        self._clock.failed = False
+        self._n_launches = 0
+        self._n_frees = 0
+        self._n_events = 0
+        self._events_hash = 0
+        self._learner.signature = 0
+        self._record = None
+        self._plan = None
+        # Misprediction guard: too many recent deviations -> do nothing, re-learn.
+        if self._guard.tripped():
+            self.counters["guard_trips"] += 1
+            self.plans.clear()
+            self._clock.forget_plans()
+        plan = None
+        if self._guard.cooling():
+            pass
+        elif self._learner.relearn:
+            self._learner.relearn = False
+        elif self._learner.learned >= self.learn_iterations:
+            for sig in self.variants.predict():
+                plan = self.plans.get(sig)
+                if plan is not None:
+                    break
+        # Record from the start: learning needs the whole iteration, and so
+        # does acting on a plan not yet confirmed (a deviation then turns the
+        # iteration into a learned one). A plan that ran through two iterations is
+        # trusted and followed without a record (an early deviation then costs
+        # one more iteration of plain UM before the new shape is learned).
+        trusted = plan is not None and self._learner.runs(plan.signature) >= self.probe_iterations
+        self._record = None if trusted else self._learner.new_record(self._alloc_of)
+        # A trusted plan with a launch-free clock needs no launches; it acts on its
+        # variant re-based on an iteration that ran without them, once there is
+        # one, and records this iteration's events until that clock has held.
+        self._acting_launch_free = launch_free = bool(self.launch_free and trusted
+                                                      and plan.launch_free_end is not None)
+        if launch_free:
+            plan = plan.launch_free_variant or plan
+            if plan.signature not in self._clock.confirmed:
+                self._event_tokens, self._token_objects = [], []
+        self._keymap = plan.keymap if launch_free else None
+        ref = self._reference
+        self._frozen = bool(self.freeze and trusted and ref is not None and ref[0] == _reference_key(plan))
+        self._addresses = None if self._frozen else []
+        self._counting_launches = False
+        self.wants_launches = not launch_free
+        self._clock.follow(plan.launch_free_resume if launch_free else {})
+        if launch_free and -1 in self._clock.resume:  # a decision before the iteration's first event
+            self._counting_launches = self.wants_launches = True
+        if plan is not None:  # a plan with nothing to do (everything fits) is acted on too: no capture
+            self._mode = "act"
+            self._plan = plan
+            self._actions = plan.actions
+            self._next_action = 0
+            self._arm()
+            # A plan not yet confirmed twice is probed (recorded) all along,
+            # so a late deviation still teaches the runtime the new shape.
+            self._probe_left = 0 if trusted else len(plan.actions) + 1
+            self._discard_keys = plan.discard
+            self._oversized = plan.remote_at
+            self.plans.move_to_end(plan.signature)
+            if plan.remote:
+                self._host.map(plan.remote)
+            if plan.read_mostly and self.read_mostly:
+                self._host.advise_read_mostly(plan.read_mostly)
+        else:
+            self._mode = "learn"
+            self._next_launch = self._clock.next_event = -1
+            self._discard_keys = frozenset()
+            self._oversized = {}
+        self._clock.set_due(-1)
+
+    # -- acting -----------------------------------------------------------------
+
+    def _decide(self, ev: Launch) -> None:
+        """The decision before launch ``ev``, if the iteration is where the plan
+        expects it (the launch, the allocations and frees so far)."""
+        a = self._actions[self._next_action]
+        # Acting without launches, the iteration was checked at the event the
+        # count started from; a live driver may deliver launches late (its
+        # capture resumes at the next hook), so the count can only lag: late.
+        if not self._acting_launch_free and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
+                                             or self._n_frees != a.n_free):
+            a = self._guard.switch(ev)
+            if a is None:
+                self._guard.deviate()
+                return
+        if self._probe_left:
+            self._probe_left -= 1
+            if not self._probe_left:
+                self._record = None  # the plan holds: stop recording
+        self._next_action += 1
+        self._arm()
+        self._act(a)
+
+    def _arm(self) -> None:
+        """Set the trigger of the next decision: its launch ordinal, or (acting
+        without launches) its launch-free event, or for a decision no event precedes
+        its launch ordinal, counted from the event named in Plan.launch_free_resume."""
+        if self._next_action >= len(self._actions):
+            self._next_launch = self._clock.next_event = -1
+            return
+        a = self._actions[self._next_action]
+        if not self._acting_launch_free:
+            self._next_launch = a.at
+        elif a.launch_free_at >= 0:
+            self._next_launch, self._clock.next_event = -1, a.launch_free_at
+        else:  # counted from the event before it (Plan.launch_free_resume)
+            self._next_launch, self._clock.next_event = a.at, -1
+
+    def _act(self, a: Action) -> None:
+        """Issue one decision's moves."""
+        c = self.counters
+        c["decisions"] += 1
+        off_gpu = self._off_gpu
+        if a.evict:
+            ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
+            if ranges:
+                self.backend.prefetch(ranges, HOST)
+                c["prefetch_calls"] += 1
+                c["evicted_bytes"] += moved
+                for p, n in ranges:
+                    off_gpu.add(p, n)
+        if a.prefetch:
+            ranges, moved, unresolved = self._ranges.resolve(a.prefetch, False, self._frozen)
+            c["unresolved"] += unresolved
+            if ranges:
+                self.backend.prefetch(ranges, self.backend.device)
+                c["prefetch_calls"] += 1
+                c["prefetched_bytes"] += moved
+                if off_gpu:
+                    for p, n in ranges:
+                        off_gpu.remove(p, n)
+
+    def _flush(self) -> None:
+        """Discard the ranges freed since the last flush in one call. Ranges
+        of segments the pool gave back meanwhile were dropped (_released)."""
+        ranges = self._pending_discards
+        self._pending_discards = []
+        self.backend.discard(ranges)
+        self._n_discard_calls += 1
+        self._n_discarded += sum(map(_N, ranges))
+        off_gpu = self._off_gpu
+        for p, n in ranges:
+            off_gpu.add(p, n)
+
+    def _populate(self, ptr: int, nbytes: int) -> None:
+        """A newborn at ``[ptr, ptr + nbytes)``: the parts of it umrt took off the GPU
+        (discarded, evicted, host-mapped) or that were never populated are prefetched
+        to the GPU now, in one call, before its op's kernel can touch them: a kernel
+        writing a discarded range refaults at 0.8 GB/s, a fresh one populates at
+        3.4-8 GB/s, where a prefetch populates 2 GiB in ~11 ms (h100-measured.md)."""
+        pieces = self._off_gpu.take(ptr, nbytes)
+        if pieces:
+            self.backend.populate(pieces)
+            self._n_populate_calls += 1
+            self._n_populated += sum(map(_N, pieces))
+
+    def _not_live(self, obj: int) -> int:
+        """An object the runtime was told of is not in the layout's live index:
+        the layout's own error says why (a driver that skipped ``layout.alloc``)."""
+        return self.layout.address(obj)
