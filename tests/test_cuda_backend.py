@@ -349,7 +349,7 @@ def test_pending_events_stay_bounded(cuda12, fake_gpu):
     ptr = cuda12.malloc(MiB)
     for _ in range(MAX_PENDING + 5):
         cuda12.prefetch([(ptr, 4096)], 0)
-    assert len(cuda12._pending) <= MAX_PENDING
+    assert len(cuda12.order.pending) <= MAX_PENDING
 
 
 @pytest.mark.parametrize("compute", [0, "created"])
@@ -396,3 +396,58 @@ def test_populate_is_in_kernel_order(cuda_backend, fake_gpu, compute):
     assert fake_gpu.ordered(fake_gpu.ops_named(call[0])[0], populate)  # after the eviction
     fake_gpu.kernel(stream, writes=[(a, 6 * MiB)])  # no launch(): no refault, no race
     assert not fake_gpu.violations and fake_gpu.faults["host"] == 0
+
+
+def test_the_allocations_check_merge_and_keep_residency():
+    from umrt.backends.allocations import Allocations
+
+    allocs = Allocations()
+    allocs.add(0x1000_0000, 4 * MiB)
+    allocs.add(0x1000_0000 + 4 * MiB, MiB)  # touching the first
+    a = 0x1000_0000
+    assert allocs.allocation_of(a + MiB) == (a, 4 * MiB) and allocs.allocation_of(a + 5 * MiB) is None
+    assert allocs.checked("call", [(a + MiB, MiB), (a, MiB), (a + 4 * MiB, 4096)]) == [(a, 2 * MiB), (a + 4 * MiB, 4096)]
+    with pytest.raises(CudaError, match="call: range .* not inside one managed allocation"):
+        allocs.checked("call", [(a + 3 * MiB, 2 * MiB)])
+    allocs.place([(a, 2 * MiB), (a + 4 * MiB, MiB)], on_device=True)
+    allocs.place([(a + MiB, 4096)], on_device=False)
+    assert allocs.resident_bytes() == 3 * MiB - 4096
+    assert allocs.remove(a + 4 * MiB) == MiB and allocs.resident_bytes() == 2 * MiB - 4096
+    assert list(allocs) == [a] and a in allocs and a + 4 * MiB not in allocs
+
+
+def test_the_stream_order_waits_once_for_the_newest_overlapping_copy(fake_gpu):
+    from umrt.backends.cuda_order import CountedCalls, StreamOrder
+
+    api = BindingsApi(FakeBindingsRuntime(fake_gpu))
+    calls = CountedCalls()
+    copy, compute = api.create_stream(), api.create_stream()
+    order = StreamOrder(api, calls, copy)
+    order.copied([(0x1000, 10)], compute)
+    order.copied([(0x2000, 10)], compute)
+    order.copied([(0x3000, 10)], compute)
+    assert calls.counts == {"cudaEventCreateWithFlags": 3, "cudaEventRecord": 3}
+    order.wait_copies(compute, [(0x2005, 1)])  # the second copy: covers the first too
+    assert calls.counts["cudaStreamWaitEvent"] == 1 and len(order.pending) == 1
+    order.wait_copies(compute, [(0x1000, 10)])  # already waited for
+    assert calls.counts["cudaStreamWaitEvent"] == 1
+    order.copied([(0x4000, 10)], compute)  # reuses a spare event
+    assert calls.counts["cudaEventCreateWithFlags"] == 3
+    assert not order.discard_running([(0x4000, 10)])
+    order.discarded(compute, [(0x4000, 10)])
+    assert order.discard_running([(0x4005, 1)]) and not order.discard_running([(0x5000, 1)])
+    order.copy_after_discards()
+    assert not order.discard_running([(0x4005, 1)])
+    order.synchronized()
+    assert not order.pending
+
+
+def test_no_backend_class_is_over_25_methods():
+    """Issue 12: the backends are split into collaborators a newcomer can read one at a time."""
+    from bench.architecture import measure
+
+    shapes = {c.name: c.methods for c in measure().classes
+              if c.name.startswith(("umrt.backends.", "umrt.sim.backend", "umrt.sim.engine_state",
+                                    "umrt.sim.address_space"))}
+    assert shapes["umrt.backends.cuda.CudaBackend"] <= 25 and shapes["umrt.sim.backend.SimBackend"] <= 25
+    assert max(shapes.values()) <= 25, shapes

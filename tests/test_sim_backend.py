@@ -345,3 +345,40 @@ def test_memory_a_prefetch_waited_for_is_not_free_earlier_for_others():
     w = b.malloc(BLOCK)
     b.launch([], [(w, BLOCK // 2)], 0, 0)  # ... but the launch runs now: the other half is not free yet
     assert b.evictions == 1 and b.resident_fraction([(c, BLOCK)]) == 0.0
+
+
+def test_the_address_space_reuses_the_first_hole_that_fits_and_grows_the_page_state():
+    b = gpu()
+    big, small, last = b.malloc(3 * BLOCK), b.malloc(BLOCK), b.malloc(BLOCK)
+    b.free(big)
+    assert b.malloc(BLOCK + 1) == big  # two blocks of the three-block hole ...
+    assert b.malloc(BLOCK) == big + 2 * BLOCK  # ... then its last one
+    assert b.malloc(BLOCK) == last + BLOCK  # no hole left: past the top
+    assert small < last
+    blocks = b.engine.nblocks
+    far = b.malloc((blocks + 1) * BLOCK)  # past the page state's end: it grows, the new pages mapped
+    assert b.engine.nblocks >= b.space.top > blocks
+    b.mark_host_written([(far, (blocks + 1) * BLOCK)])
+    b.launch([(far + blocks * BLOCK, BLOCK)], [], 0, 0)
+    assert b.faults == 32
+
+
+def test_the_space_merges_a_prefetch_s_touching_ranges_within_an_allocation_only():
+    b = gpu()
+    a, c = b.malloc(BLOCK), b.malloc(BLOCK)  # adjacent allocations
+    assert c == a + BLOCK
+    merged = b.space.coalesce([(a + MB, MB), (a, MB), (c, PAGE), (c + PAGE, PAGE), (c + 4 * PAGE, PAGE)])
+    assert merged == [(a, BLOCK), (c, 2 * PAGE), (c + 4 * PAGE, PAGE)]
+
+
+def test_counters_read_as_attributes_are_the_engine_s():
+    b = gpu()
+    ptr = host_data(b, 2 * BLOCK)
+    b.launch([(ptr, 2 * BLOCK)], [], 0, 0)
+    assert (b.faults, b.resident_bytes, b.peak_resident_bytes, b.h2d_bytes) == (64, 2 * BLOCK, 2 * BLOCK, 2 * BLOCK)
+    b.prefetch([(ptr, BLOCK)], HOST)
+    b.synchronize()
+    assert b.resident_bytes == BLOCK and b.d2h_bytes == BLOCK
+    b.reset_peak()
+    assert b.peak_resident_bytes == BLOCK
+    assert "64 KB pages" in SimBackend.faults.__doc__

@@ -54,16 +54,22 @@ driver rejects prefetch and advice; they become no-ops with one warning.
 """
 from __future__ import annotations
 
-import bisect
 import warnings
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from umrt.backends.allocations import Allocations
 from umrt.backends.base import HOST, PAGE, Advice, Backend, Range
+from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDING: re-exported)
+    LEGACY_STREAMS,
+    MAX_PENDING,
+    CountedCalls,
+    StreamOrder,
+    is_legacy_stream,
+    same_stream,
+)
 from umrt.backends.ranges import RangeSet
 from umrt.errors import CudaError
 
@@ -72,8 +78,6 @@ from umrt.errors import CudaError
 DISCARD_ALIGN = PAGE
 CONCURRENT_MANAGED_ACCESS_ATTR = 89  # cudaDevAttrConcurrentManagedAccess
 CUDA13 = 13000
-MAX_PENDING = 256  # copy-stream events awaiting a kernel before they are folded together
-LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy (driver_types.h): the legacy default stream
 
 
 # ---------------------------------------------------------------------------
@@ -284,6 +288,9 @@ def default_api() -> CudaApi:
     try:
         from cuda.bindings import runtime as brt  # noqa: PLC0415
         err, driver = brt.cudaDriverGetVersion()
+        # The driver may be CUDA 13 while cuda-bindings is a 12.x release, built for the CUDA 12
+        # runtime, which has no cudaMemDiscardBatchAsync (the batched and discard calls are new in
+        # the 13.0 runtime, and in cuda-bindings from 13.0): then CuPy's CUDA 12 shapes are used.
         if err == brt.cudaError_t.cudaSuccess and driver >= CUDA13 and hasattr(brt, "cudaMemDiscardBatchAsync"):
             return BindingsApi(brt)
     except ImportError:
@@ -339,6 +346,12 @@ class CudaBackend(Backend):
       backend issued, keyed by the runtime's name (``"cudaMemPrefetchAsync"``,
       ``"cudaMemDiscardBatchAsync"``, ``"cudaStreamWaitEvent"``, ...) whichever
       adapter makes them.
+
+    Its collaborators: :class:`~umrt.backends.cuda_order.CountedCalls` (every
+    runtime call, counted), :class:`~umrt.backends.cuda_order.StreamOrder` (the
+    events between the copy, compute and discard streams) and
+    :class:`~umrt.backends.allocations.Allocations` (allocations, range
+    checks, residency).
     """
 
     name = "cuda"
@@ -346,14 +359,14 @@ class CudaBackend(Backend):
     def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0,
                  merge_across_allocations: bool = False) -> None:
         self.api = api or default_api()
-        self.calls: Counter[str] = Counter()
+        self._call = CountedCalls()
+        self.calls: Counter[str] = self._call.counts
         count = self._call("cudaGetDeviceCount", self.api.device_count)
         if not 0 <= device < count:
             raise CudaError(f"CUDA device {device} does not exist; this machine has {count} device(s)")
         self.device = device
         self._call("cudaSetDevice", self.api.set_device, device)
         self.concurrent = self._call("cudaDeviceGetAttribute", self.api.concurrent_managed_access, device)
-        self.merge_across_allocations = merge_across_allocations
         self._warned = False
         self.copy_stream = self._call("cudaStreamCreateWithFlags", self.api.create_stream, False)
         self.compute_stream = compute_stream
@@ -362,18 +375,8 @@ class CudaBackend(Backend):
         self._order_stream: Any = None
         if self.api.has_batch:
             self._order_stream = self._call("cudaStreamCreateWithFlags", self.api.create_stream, True)
-        self._allocs: dict[int, int] = {}  # ptr -> nbytes
-        self._starts: list[int] = []  # sorted allocation starts, for range lookups
-        # Work queued on the copy stream, oldest first: (event, entry number), and the ranges
-        # of all of it as arrays (start, end, entry number) so launch() tests them at once.
-        self._pending: list[tuple[Any, int]] = []
-        self._next_entry = 0
-        self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
-        self._spare_events: list[Any] = []
-        # Ranges discarded that the copy stream is not yet ordered after, and per stream that
-        # discarded, an event recorded after its newest discard.
-        self._discarded: list[Range] = []
-        self._discard_events: dict[Any, Any] = {}
+        self.allocations = Allocations(merge_across_allocations)
+        self.order = StreamOrder(self.api, self._call, self.copy_stream)
         # Discarded and not prefetched to the GPU since: prefetches of these go in kernel order.
         self._dropped = RangeSet()
         # Counters for umrt.stats: what umrt itself moved (faults are invisible to the runtime).
@@ -381,45 +384,35 @@ class CudaBackend(Backend):
         self.d2h_bytes = 0
         self.populated_bytes = 0
         self.discarded_bytes = 0
-        self._resident: list[Range] = []  # disjoint, sorted: what umrt placed on the GPU
 
     # -- allocation ----------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"malloc of {nbytes} bytes")
         ptr = self._call("cudaMallocManaged", self.api.malloc_managed, nbytes)
-        self._allocs[ptr] = nbytes
-        bisect.insort(self._starts, ptr)
+        self.allocations.add(ptr, nbytes)
         return ptr
 
     def free(self, ptr: int) -> None:
-        if ptr not in self._allocs:
+        if ptr not in self.allocations:
             raise CudaError(f"cudaFree: {ptr:#x} is not an allocation of this backend")
         # A prefetch (copy stream), a kernel (compute stream) or a discard may still use
         # it, and cudaFree only "may" synchronize for managed memory: wait for all of them
         # (the pool gives a segment back rarely; PyTorch's empty_cache synchronizes too).
         self.synchronize()
         self._call("cudaFree", self.api.free, ptr)
-        self._place([(ptr, self._allocs[ptr])], on_device=False)
-        self._dropped.remove(ptr, self._allocs[ptr])
-        del self._allocs[ptr]
-        self._starts.pop(bisect.bisect_left(self._starts, ptr))
+        self._dropped.remove(ptr, self.allocations.remove(ptr))
 
     def allocation_of(self, ptr: int) -> tuple[int, int] | None:
         """``(base, nbytes)`` of the managed allocation holding ``ptr``, or None."""
-        i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0:
-            return None
-        base = self._starts[i]
-        size = self._allocs[base]
-        return (base, size) if ptr < base + size else None
+        return self.allocations.allocation_of(ptr)
 
     def mem_info(self) -> tuple[int, int]:
         return self._call("cudaMemGetInfo", self.api.mem_get_info)
 
     def resident_bytes(self) -> int:
         """Bytes umrt placed on the GPU and has not evicted (demand faults are not seen)."""
-        return sum(n for _, n in self._resident)
+        return self.allocations.resident_bytes()
 
     def counters(self) -> dict:
         """A snapshot of the counters (see the class docstring): bytes per direction,
@@ -443,19 +436,21 @@ class CudaBackend(Backend):
         before any kernel queued afterwards, whether or not that kernel is
         announced with :meth:`launch` (a kernel touching a discarded page
         first refaults at 0.8 GB/s on the H100)."""
-        ranges = self._checked("cudaMemPrefetchAsync", ranges)
+        ranges = self.allocations.checked("cudaMemPrefetchAsync", ranges)
         self._check_device(device)
         if not ranges or not self._can_migrate():
             return
         if device != HOST and self._dropped:
-            ranges = self._split_dropped(ranges)
+            taken, ranges = _take_parts(self._dropped, ranges)
+            if taken:
+                self._in_kernel_order(taken, taken)
             if not ranges:
                 return
-        if self._discarded and _overlaps(self._discarded, ranges):
-            self._copy_after_discards()  # touching a range while its discard runs is undefined
+        if self.order.discard_running(ranges):
+            self.order.copy_after_discards()  # touching a range while its discard runs is undefined
         if device == HOST:
             # An eviction: wait for kernels already queued that may use these pages.
-            self._stream_after(self.copy_stream, self.compute_stream)
+            self.order.stream_after(self.copy_stream, self.compute_stream)
         for ptr, n in ranges:
             self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, device, self.copy_stream)
         moved = sum(n for _, n in ranges)
@@ -463,8 +458,8 @@ class CudaBackend(Backend):
             self.d2h_bytes += moved
         else:
             self.h2d_bytes += moved
-        self._place(ranges, on_device=device != HOST)
-        self._mark(ranges)
+        self.allocations.place(ranges, on_device=device != HOST)
+        self.order.copied(ranges, self.compute_stream)
 
     def populate(self, ranges: Sequence[Range]) -> None:
         """Make ranges resident on the GPU before the kernels queued after this call:
@@ -476,7 +471,7 @@ class CudaBackend(Backend):
         announcing kernels once the runtime trusts its plan). Pages umrt
         discarded are populated without a copy (``populated_bytes``); the rest is
         copied (``h2d_bytes``)."""
-        ranges = self._checked("cudaMemPrefetchAsync", ranges)
+        ranges = self.allocations.checked("cudaMemPrefetchAsync", ranges)
         if ranges and self._can_migrate():
             self._in_kernel_order(ranges, [r for p, n in ranges for r in self._dropped.take(p, n)])
 
@@ -490,17 +485,18 @@ class CudaBackend(Backend):
         stream it would race with that kernel. Copies still queued on these ranges
         finish first, and a later prefetch of them waits for it (touching a range
         while its discard runs is undefined)."""
-        ranges = [r for r in (_shrink(p, n) for p, n in self._checked("cudaMemDiscardBatchAsync", ranges)) if r]
+        checked = self.allocations.checked("cudaMemDiscardBatchAsync", ranges)
+        ranges = [r for r in (_shrink(p, n) for p, n in checked) if r]
         if not ranges or not self.api.has_batch or not self._can_migrate():
             return  # CUDA 12: documented no-op; the pool reuses dead ranges in place
         stream = self.discard_stream()
-        self._wait_copies(stream, ranges)
+        self.order.wait_copies(stream, ranges)
         self._call("cudaMemDiscardBatchAsync", self.api.discard_batch, ranges, stream)
         self.discarded_bytes += sum(n for _, n in ranges)
-        self._place(ranges, on_device=False)  # discarded pages are released
+        self.allocations.place(ranges, on_device=False)  # discarded pages are released
         for p, n in ranges:
             self._dropped.add(p, n)
-        self._after_kernel_ordered(stream, ranges)
+        self.order.discarded(stream, ranges)
 
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Make ranges resident on ``device`` without copying their dead contents.
@@ -511,7 +507,7 @@ class CudaBackend(Backend):
         12, or ranges not made of whole 64 KiB pages: a plain prefetch
         (correct, it just copies bytes nobody reads).
         """
-        checked = self._checked("cudaMemDiscardAndPrefetchBatchAsync", ranges)
+        checked = self.allocations.checked("cudaMemDiscardAndPrefetchBatchAsync", ranges)
         self._check_device(device)
         aligned = [r for r in (_shrink(p, n) for p, n in checked) if r]
         if not self.api.has_batch or not aligned or aligned != checked:
@@ -520,17 +516,17 @@ class CudaBackend(Backend):
         if not self._can_migrate():
             return
         stream = self.discard_stream()
-        self._wait_copies(stream, aligned)
+        self.order.wait_copies(stream, aligned)
         self._call("cudaMemDiscardAndPrefetchBatchAsync", self.api.discard_and_prefetch_batch, aligned, device,
                    stream)
         self.discarded_bytes += sum(n for _, n in aligned)
-        self._place(aligned, on_device=device != HOST)
+        self.allocations.place(aligned, on_device=device != HOST)
         for p, n in aligned:  # populated on the GPU, or dead bytes on the host
             (self._dropped.add if device == HOST else self._dropped.remove)(p, n)
-        self._after_kernel_ordered(stream, aligned)
+        self.order.discarded(stream, aligned)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
-        ranges = self._checked("cudaMemAdvise", ranges)
+        ranges = self.allocations.checked("cudaMemAdvise", ranges)
         advice = _advice(advice)
         self._check_device(device)
         if not self._can_migrate():
@@ -548,13 +544,13 @@ class CudaBackend(Backend):
         on one stream at a time, so nothing queued before the change is left
         unordered. It costs two calls per change and orders the new stream's
         later work after the old stream's earlier work."""
-        if _same_stream(stream, self.compute_stream):
+        if same_stream(stream, self.compute_stream):
             return
         old, old_discards = self.compute_stream, self.discard_stream()
         self.compute_stream = stream
-        self._stream_after(stream, old)
-        if old_discards is not None and not _same_stream(old_discards, old):
-            self._stream_after(stream, old_discards)
+        self.order.stream_after(stream, old)
+        if old_discards is not None and not same_stream(old_discards, old):
+            self.order.stream_after(stream, old_discards)
 
     def discard_stream(self) -> Any:
         """The stream discards and discard-and-prefetches are queued on.
@@ -579,167 +575,33 @@ class CudaBackend(Backend):
 
     def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0,
                precision: str = "") -> None:
-        if self._pending and (reads or writes):
-            self._wait_copies(self.compute_stream, [*reads, *writes])
+        if self.order.pending and (reads or writes):
+            self.order.wait_copies(self.compute_stream, [*reads, *writes])
 
     def synchronize(self) -> None:
         self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.copy_stream)
         self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.compute_stream)
         if self._order_stream is not None:
             self._call("cudaStreamSynchronize", self.api.stream_synchronize, self._order_stream)
-        self._spare_events.extend(ev for ev, _ in self._pending)
-        self._clear_pending()
-        self._spare_events.extend(self._discard_events.values())
-        self._discard_events.clear()
-        self._discarded.clear()
+        self.order.synchronized()
 
     def close(self) -> None:
         """Free every allocation still held (at process exit or session end; :meth:`free` waits for both streams)."""
-        for ptr in list(self._allocs):
+        for ptr in self.allocations:
             self.free(ptr)
 
     # -- helpers ----------------------------------------------------------------
-    def _call(self, name: str, fn: Any, *args: Any) -> Any:
-        """Issue one runtime call through the adapter, counted under its CUDA name."""
-        self.calls[name] += 1
-        return fn(*args)
-
-    def _place(self, ranges: Sequence[Range], on_device: bool) -> None:
-        """Add ``ranges`` to (or cut them from) the sorted, disjoint residency set."""
-        res = self._resident
-        for ptr, n in ranges:
-            end = ptr + n
-            i = bisect.bisect_right(res, (ptr, float("inf"))) - 1
-            if i < 0 or res[i][0] + res[i][1] <= ptr:
-                i += 1
-            j = bisect.bisect_left(res, (end, -1))
-            hit = res[i:j]  # intervals overlapping [ptr, end)
-            if on_device:
-                if hit:
-                    ptr, end = min(ptr, hit[0][0]), max(end, hit[-1][0] + hit[-1][1])
-                res[i:j] = [(ptr, end - ptr)]
-            else:
-                pieces = []
-                if hit and hit[0][0] < ptr:
-                    pieces.append((hit[0][0], ptr - hit[0][0]))
-                if hit and hit[-1][0] + hit[-1][1] > end:
-                    pieces.append((end, hit[-1][0] + hit[-1][1] - end))
-                res[i:j] = pieces
-
-    def _event(self) -> Any:
-        if self._spare_events:
-            return self._spare_events.pop()
-        return self._call("cudaEventCreateWithFlags", self.api.create_event)
-
-    def _record(self, event: Any, stream: Any) -> None:
-        self._call("cudaEventRecord", self.api.record_event, event, stream)
-
-    def _wait(self, stream: Any, event: Any) -> None:
-        self._call("cudaStreamWaitEvent", self.api.stream_wait_event, stream, event)
-
-    def _stream_after(self, waiter: Any, source: Any) -> None:
-        """Order everything queued on ``waiter`` from now on after the work queued on ``source`` so far."""
-        event = self._event()
-        self._record(event, source)
-        self._wait(waiter, event)
-        # Recording an event only snapshots the stream's work, so it can be reused at once.
-        self._spare_events.append(event)
-
-    def _mark(self, ranges: list[Range]) -> None:
-        event = self._event()
-        self._record(event, self.copy_stream)
-        entry = self._next_entry
-        self._next_entry += 1
-        self._pending.append((event, entry))
-        r = np.array(ranges, dtype=np.int64).reshape(-1, 2)
-        self._p_start = np.concatenate((self._p_start, r[:, 0]))
-        self._p_end = np.concatenate((self._p_end, r[:, 0] + r[:, 1]))
-        self._p_entry = np.concatenate((self._p_entry, np.full(len(r), entry, dtype=np.int64)))
-        if len(self._pending) > MAX_PENDING:
-            # Ranges no kernel touched for a long time: order the compute stream after all
-            # of them at once (the newest event covers the rest) to keep launch() cheap.
-            self._wait(self.compute_stream, event)
-            self._spare_events.extend(ev for ev, _ in self._pending)
-            self._clear_pending()
-
-    def _wait_copies(self, stream: Any, touched: Sequence[Range]) -> None:
-        """Make ``stream`` wait for the copies queued on any of ``touched``.
-
-        The copies it is then ordered after are forgotten: ``stream`` is the compute
-        stream, or the discard stream, whose work the compute stream's later kernels
-        come after (same stream, or the legacy stream's implicit synchronization)."""
-        if not self._pending or not touched:
-            return
-        t = np.array(touched, dtype=np.int64).reshape(-1, 2)
-        # [start, end) overlaps [p, p + n): start < p + n and p < end
-        hit = ((self._p_start[:, None] < t[:, 0] + t[:, 1]) & (t[:, 0] < self._p_end[:, None])).any(axis=1)
-        if not hit.any():
-            return
-        newest = int(self._p_entry[hit].max())
-        last = newest - self._pending[0][1]
-        # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
-        self._wait(stream, self._pending[last][0])
-        self._spare_events.extend(ev for ev, _ in self._pending[: last + 1])
-        del self._pending[: last + 1]
-        keep = int(np.searchsorted(self._p_entry, newest, side="right"))
-        self._p_start, self._p_end, self._p_entry = self._p_start[keep:], self._p_end[keep:], self._p_entry[keep:]
-
-    def _clear_pending(self) -> None:
-        self._pending.clear()
-        self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
-
-    def _split_dropped(self, ranges: list[Range]) -> list[Range]:
-        """Populate in kernel order the parts of ``ranges`` umrt discarded (see
-        :meth:`prefetch`); return the other parts."""
-        taken: list[Range] = []
-        rest: list[Range] = []
-        for ptr, n in ranges:
-            pieces = self._dropped.take(ptr, n)
-            at = ptr
-            for q, m in pieces:
-                if q > at:
-                    rest.append((at, q - at))
-                at = q + m
-            if at < ptr + n:
-                rest.append((at, ptr + n - at))
-            taken.extend(pieces)
-        if taken:
-            self._in_kernel_order(taken, taken)
-        return rest
-
     def _in_kernel_order(self, ranges: list[Range], dropped: list[Range]) -> None:
         """Prefetch ``ranges`` to the GPU on the compute stream (``dropped``: the parts
         of them umrt had discarded, now taken out of ``_dropped``)."""
         stream = self.compute_stream
-        self._wait_copies(stream, ranges)
+        self.order.wait_copies(stream, ranges)
         for ptr, n in ranges:
             self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, self.device, stream)
         populated = sum(n for _, n in dropped)
         self.populated_bytes += populated
         self.h2d_bytes += sum(n for _, n in ranges) - populated
-        self._place(ranges, on_device=True)
-
-    def _after_kernel_ordered(self, stream: Any, ranges: list[Range]) -> None:
-        """Remember a discard or discard-and-prefetch with an event after it, until the
-        copy stream is ordered after it: a copy of these ranges must not run at the
-        same time. (Populates run on the compute stream, which evictions follow.)"""
-        event = self._event()
-        self._record(event, stream)
-        old = self._discard_events.pop(_stream_key(stream), None)
-        if old is not None:
-            self._spare_events.append(old)  # the new event covers the old one (same stream)
-        self._discard_events[_stream_key(stream)] = event
-        self._discarded.extend(ranges)
-        if len(self._discarded) > MAX_PENDING:
-            self._copy_after_discards()
-
-    def _copy_after_discards(self) -> None:
-        """Order the copy stream after the discards queued so far (not after later kernels)."""
-        for event in self._discard_events.values():
-            self._wait(self.copy_stream, event)
-            self._spare_events.append(event)
-        self._discard_events.clear()
-        self._discarded.clear()
+        self.allocations.place(ranges, on_device=True)
 
     def _can_migrate(self) -> bool:
         if self.concurrent:
@@ -759,25 +621,22 @@ class CudaBackend(Backend):
         if device != HOST and device != self.device:
             raise CudaError(f"device {device} is not valid here; use {self.device} (this backend's GPU) or -1 (host)")
 
-    def _checked(self, call: str, ranges: Sequence[Range]) -> list[Range]:
-        """Validate that each range lies inside one allocation; merge overlapping and
-        touching ranges (across allocations only with ``merge_across_allocations``)."""
-        out: list[Range] = []
-        for ptr, n in sorted((int(p), int(n)) for p, n in ranges):
-            if n <= 0:
-                raise CudaError(f"{call}: empty or negative range ({ptr:#x}, {n})")
-            alloc = self.allocation_of(ptr)
-            if alloc is None or ptr + n > alloc[0] + alloc[1]:
-                raise CudaError(f"{call}: range ({ptr:#x}, {n}) is not inside one managed allocation of this backend")
-            if out:
-                start, end = out[-1][0], out[-1][0] + out[-1][1]
-                # A range that starts at or before the previous one's end: the same allocation
-                # (overlapping or touching), or the next one, right where the previous ends.
-                if end >= ptr and (alloc[0] <= start or (self.merge_across_allocations and end == ptr)):
-                    out[-1] = (start, max(end, ptr + n) - start)
-                    continue
-            out.append((ptr, n))
-        return out
+
+def _take_parts(taken_from: RangeSet, ranges: list[Range]) -> tuple[list[Range], list[Range]]:
+    """Take ``ranges`` out of ``taken_from``: the parts that were in it, and the other parts."""
+    taken: list[Range] = []
+    rest: list[Range] = []
+    for ptr, n in ranges:
+        pieces = taken_from.take(ptr, n)
+        at = ptr
+        for q, m in pieces:
+            if q > at:
+                rest.append((at, q - at))
+            at = q + m
+        if at < ptr + n:
+            rest.append((at, ptr + n - at))
+        taken.extend(pieces)
+    return taken, rest
 
 
 def counters_delta(before: dict, after: dict) -> dict:
@@ -788,35 +647,11 @@ def counters_delta(before: dict, after: dict) -> dict:
     return out
 
 
-def is_legacy_stream(stream: Any) -> bool:
-    """Whether a stream handle is the legacy default stream: ``0`` or ``cudaStreamLegacy`` (1)."""
-    return _stream_key(stream) in LEGACY_STREAMS
-
-
-def _stream_key(stream: Any) -> Any:
-    """A stream handle as a dict key: its integer value (ints, ``cudaStream_t``), else the object."""
-    try:
-        return int(stream)
-    except (TypeError, ValueError):
-        return stream
-
-
-def _same_stream(a: Any, b: Any) -> bool:
-    return a is b or _stream_key(a) == _stream_key(b)
-
-
 def _advice(advice: Advice | int) -> Advice:
     try:
         return Advice(int(advice))
     except ValueError:
         raise CudaError(f"cudaMemAdvise: {advice!r} is not a cudaMemoryAdvise value (1..6)") from None
-
-
-def _overlaps(a: Sequence[Range], b: Sequence[Range]) -> bool:
-    """Whether any range of ``a`` overlaps any range of ``b``."""
-    x = np.array(a, dtype=np.int64).reshape(-1, 2)
-    y = np.array(b, dtype=np.int64).reshape(-1, 2)
-    return bool(((x[:, None, 0] < y[None, :, 0] + y[None, :, 1]) & (y[None, :, 0] < x[:, None, 0] + x[:, None, 1])).any())
 
 
 def _shrink(ptr: int, nbytes: int) -> Range | None:

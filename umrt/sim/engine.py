@@ -3,7 +3,7 @@
 Everything here works on flat numpy arrays indexed by 64 KB page number
 (page ``p`` covers bytes ``[p << 16, (p + 1) << 16)`` of the simulated VA
 space) and 2 MB VA-block number (block ``b`` holds pages ``32b .. 32b+31``).
-:class:`umrt.sim.backend.SimBackend` owns the arrays and calls these
+:class:`umrt.sim.engine_state.EngineState` owns the arrays and calls these
 functions; nothing here allocates but a launch's few bytes of per-block scratch.
 
 Granularity (NVIDIA open-gpu-kernel-modules, kernel-open/nvidia-uvm):
