@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from umrt.backends.base import BLOCK, PAGE  # the driver's units (PAGE re-exported for the runtime)
+from umrt.hardware import HardwareProfile
 from umrt.trace.events import Kind
 
 INF = float("inf")
@@ -280,15 +281,15 @@ def launch_free_points(clock: Sequence[tuple[int, int]], actions: list[Action], 
     return placed, resume
 
 
-def min_host_map_bytes(profile) -> int:
+def min_host_map_bytes(profile: HardwareProfile | None) -> int:
     """The smallest range worth host-mapping for one oversized launch: its four
     ``cudaMemAdvise`` calls (set and unset PreferredLocation and AccessedBy)
     cost what reading it over the link instead of faulting it in saves,
     ``bytes x (1 / fault path rate - 1 / link rate)``; 0 where the profile does
     not say (3.2 MiB on the H100's measured rates)."""
-    advise = getattr(profile, "advise_call_s", 0.0)
-    fault = getattr(profile, "fault_migration_rate", 0.0)
-    link = getattr(profile, "h2d_bandwidth", 0.0)
+    if profile is None:
+        return 0
+    advise, fault, link = profile.advise_call_s, profile.fault_migration_rate, profile.h2d_bandwidth
     if advise <= 0 or fault <= 0 or link <= 0 or fault >= link:
         return 0
     return int(4 * advise / (1 / fault - 1 / link))
@@ -356,7 +357,7 @@ class Planner:
     def __init__(
         self,
         budget_bytes: int,
-        profile=None,
+        profile: HardwareProfile | None = None,
         *,
         headroom: float = 0.9,
         op_level: bool = False,
@@ -379,8 +380,9 @@ class Planner:
         # Migration rates by direction (a prefetch call's data rate on the profile; the
         # H100 moved 48 GB/s to the GPU but 10-15 GB/s to the host): evictions take
         # four times as long as prefetches of the same bytes there.
-        self.rate = float(getattr(profile, "prefetch_h2d_rate", getattr(profile, "h2d_bandwidth", 12e9)))
-        self.d2h_rate = float(getattr(profile, "prefetch_d2h_rate", getattr(profile, "d2h_bandwidth", self.rate)))
+        # Without a profile: 12 GB/s both ways (PCIe 3's practical rate).
+        self.rate = float(profile.prefetch_h2d_rate) if profile is not None else 12e9
+        self.d2h_rate = float(profile.prefetch_d2h_rate) if profile is not None else self.rate
         self.op_level = op_level
         self.min_segment_s = min_segment_s
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
