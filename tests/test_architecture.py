@@ -11,6 +11,12 @@ import pytest
 from bench.architecture import PACKAGE, cycles, measure, modules
 
 MAX_METHODS = 25
+# Over the limit, and why it is left so.
+LARGE_ON_PURPOSE = {
+    # the Probe interface's 16 measurements plus its device helpers; GPU-only code,
+    # to be split where a GPU can check the calibration it measures is unchanged
+    "umrt.calibrate.CudaProbe",
+}
 
 # getattr/hasattr with a literal name that probe someone else's objects, by version or
 # by model family; umrt's own optional interfaces are typed Protocols instead.
@@ -61,7 +67,8 @@ def test_no_getattr_probing_of_umrt_interfaces(shape):
 
 
 def test_no_class_over_about_25_methods(shape):
-    big = [f"{c.name}: {c.methods}" for c in shape.classes if c.methods > MAX_METHODS]
+    big = [f"{c.name}: {c.methods}" for c in shape.classes
+           if c.methods > MAX_METHODS and c.name not in LARGE_ON_PURPOSE]
     assert big == []
 
 

@@ -383,6 +383,67 @@ CANDIDATES: dict[str, dict] = {
 BEST = "best"
 
 
+class TemplateIds:
+    """Which object of this run a template object is: ids differ from iteration to
+    iteration, so the oracle learns them as the program runs (its allocations and
+    its launches' accesses, matched against the template)."""
+
+    def __init__(self, template: Template) -> None:
+        self.template = template
+        self.current: dict[int, int] = {}  # template obj -> runtime obj, this iteration
+        self.previous: dict[int, int] = {}  # same, previous iteration
+        self._carried_twin = {y: x for x, y in template.pair.items()}
+
+    def next_iteration(self) -> None:
+        self.previous, self.current = self.current, {}
+
+    @staticmethod
+    def matches(op: tuple, event: Event) -> bool:
+        """Whether ``event`` is the template's next ``op``."""
+        if op[0] == "L":
+            return isinstance(event, Launch) and event.exec_id == op[1] and len(event.accesses) == len(op[2])
+        if op[0] == "A":
+            return isinstance(event, Alloc) and event.nbytes == op[2]
+        return isinstance(event, Free)
+
+    def learn(self, op: tuple, event: Event) -> None:
+        """The ids ``event`` (which matched ``op``) names."""
+        if op[0] == "A":
+            self.current[op[1]] = event.obj
+        elif op[0] == "L":
+            for obj, access in zip(op[2], event.accesses, strict=True):
+                self.current[obj] = access.obj
+
+    def resolve(self, uid: Uid) -> int | None:
+        """The runtime id of a planned object in the current iteration (lap 1 of the plan)."""
+        obj, lap = uid
+        cur, prev = self.current, self.previous
+        if lap is _PERSISTENT:
+            return cur.get(obj, prev.get(obj, obj))
+        if lap == 1:
+            if obj in cur or obj in self.template.born:
+                return cur.get(obj)
+            return prev.get(obj, obj)  # carried in, no twin: assume its id is kept
+        if lap == 0:  # born in the previous iteration, still alive
+            if obj in prev:
+                return prev[obj]
+            carried = self._carried_twin.get(obj)  # first iteration followed: learn from the carried twin
+            return cur.get(carried, carried) if carried is not None else None
+        return None
+
+    def resolve_key(self, key: int) -> int | None:
+        """The runtime id of the planner's ``key`` (a template object) in the current iteration."""
+        t = self.template
+        if key in self.current:
+            return self.current[key]
+        if key in t.born:
+            return None  # not born yet in this iteration
+        if key in t.freed:  # carried in: born in the previous iteration as its twin
+            twin = t.pair.get(key)
+            return self.previous.get(twin) if twin is not None else None
+        return key  # long-lived: its id never changes
+
+
 class OraclePolicy(Policy):
     """The best of several plans made from the whole trace (see the module docstring).
 
@@ -436,9 +497,7 @@ class OraclePolicy(Policy):
         self._temp_advised: list[tuple[int, int]] = []  # advised for one launch; withdrawn after it
         self._pos: int | None = None  # position in the template; None before the first boundary
         self._lost = False  # this iteration strayed from the template
-        self._cur: dict[int, int] = {}  # template obj -> runtime obj, this iteration
-        self._prev: dict[int, int] = {}  # same, previous iteration
-        self._rpair = {y: x for x, y in self.template.pair.items()}
+        self.ids = TemplateIds(self.template)  # template objects -> this run's object ids
         self._nbytes: dict[int, int] = {}
         self._discards: list[tuple[int, int]] = []  # pending calls, issued by _flush
         self._evicts: list[tuple[int, int]] = []
@@ -572,7 +631,7 @@ class OraclePolicy(Policy):
         p = self._pos
         self._pos += 1
         ops = self.template.ops
-        if p >= len(ops) or not self._matches(ops[p], event):
+        if p >= len(ops) or not TemplateIds.matches(ops[p], event):
             self._lost = True
             return
         self._learn(ops[p], event)
@@ -602,56 +661,16 @@ class OraclePolicy(Policy):
         if self._pos is not None:
             done = self._pos == len(self.template.ops) and not self._lost
             self.stats["matched_iterations" if done else "unmatched_iterations"] += 1
-        self._prev, self._cur = self._cur, {}
+        self.ids.next_iteration()
         self._pos, self._lost = 0, False
         self._launch = 0
         if self.schedule is not None and self.schedule.remote:
             self._host_map_keys(self.schedule.remote)
 
-    @staticmethod
-    def _matches(op: tuple, event: Event) -> bool:
-        if op[0] == "L":
-            return isinstance(event, Launch) and event.exec_id == op[1] and len(event.accesses) == len(op[2])
-        if op[0] == "A":
-            return isinstance(event, Alloc) and event.nbytes == op[2]
-        return isinstance(event, Free)
-
     def _learn(self, op: tuple, event: Event) -> None:
-        if op[0] == "A":
-            self._cur[op[1]] = event.obj
-            if self.plan is not None and op[1] in self.plan.remote and event.obj not in self._advised:
-                self._host_map(event.obj)
-        elif op[0] == "L":
-            for obj, access in zip(op[2], event.accesses, strict=True):
-                self._cur[obj] = access.obj
-
-    def _resolve(self, uid: Uid) -> int | None:
-        """The runtime id of a planned object in the current iteration (lap 1 of the plan)."""
-        obj, lap = uid
-        if lap is _PERSISTENT:
-            return self._cur.get(obj, self._prev.get(obj, obj))
-        if lap == 1:
-            if obj in self._cur or obj in self.template.born:
-                return self._cur.get(obj)
-            return self._prev.get(obj, obj)  # carried in, no twin: assume its id is kept
-        if lap == 0:  # born in the previous iteration, still alive
-            if obj in self._prev:
-                return self._prev[obj]
-            carried = self._rpair.get(obj)  # first iteration followed: learn from the carried twin
-            return self._cur.get(carried, carried) if carried is not None else None
-        return None
-
-    def _resolve_key(self, key: int) -> int | None:
-        """The runtime id of the planner's ``key`` (a template object) in the current iteration."""
-        t = self.template
-        if key in self._cur:
-            return self._cur[key]
-        if key in t.born:
-            return None  # not born yet in this iteration
-        if key in t.freed:  # carried in: born in the previous iteration as its twin
-            twin = t.pair.get(key)
-            return self._prev.get(twin) if twin is not None else None
-        return key  # long-lived: its id never changes
+        self.ids.learn(op, event)
+        if op[0] == "A" and self.plan is not None and op[1] in self.plan.remote and event.obj not in self._advised:
+            self._host_map(event.obj)
 
     def _range(self, obj: int | None, fallback: int = 0) -> tuple[int, int] | None:
         """``(ptr, nbytes)`` of a live runtime object, or None (counted as unresolved)."""
@@ -668,7 +687,7 @@ class OraclePolicy(Policy):
 
     def _resolve_into(self, uids: list[Uid], out: list[tuple[int, int]]) -> None:
         for uid in uids:
-            obj = self._resolve(uid)
+            obj = self.ids.resolve(uid)
             rng = self._range(obj, self.template.sizes.get(uid[0], 0))
             if rng is not None:
                 out.append(rng)
@@ -731,7 +750,7 @@ class OraclePolicy(Policy):
             if action is not None:
                 self._move(action)
             if i in plan.remote_at:
-                ranges = [r for r in (self._range(self._resolve_key(k)) for k in plan.remote_at[i])
+                ranges = [r for r in (self._range(self.ids.resolve_key(k)) for k in plan.remote_at[i])
                           if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped]
                 self._advise_set.extend(ranges)
                 self._temp_advised.extend(ranges)
@@ -761,14 +780,14 @@ class OraclePolicy(Policy):
             self._discards.append(inner)
 
     def _move(self, action: Action) -> None:
-        evicts = [r for r in (self._range(self._resolve_key(k)) for k in action.evict) if r is not None]
+        evicts = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.evict) if r is not None]
         out = [x for x in (_whole_pages(*r) for r in evicts) if x is not None]
         if out:
             self.ctx.backend.prefetch(out, HOST)
             self.stats["evictions"] += len(out)
             for r in out:
                 self._away.add(*r)
-        ins = [r for r in (self._range(self._resolve_key(k)) for k in action.prefetch) if r is not None]
+        ins = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.prefetch) if r is not None]
         if ins:
             self.ctx.backend.prefetch(ins, self._device())
             self.stats["prefetches"] += len(ins)
@@ -779,7 +798,7 @@ class OraclePolicy(Policy):
         """Keep long-lived objects on the host, read over the link, and move them out now."""
         ranges = []
         for key in keys:
-            obj = self._resolve_key(key)
+            obj = self.ids.resolve_key(key)
             if obj is None or obj in self._advised:
                 continue
             try:
