@@ -15,7 +15,7 @@ from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.peers import PEERS, DeepUMPolicy, SentinelPolicy, SwapAdvisorPolicy, VDNNPolicy
-from umrt.policy.peers._common import BLOCK, ObjectKeys, blocks_of, profile_trace
+from umrt.policy.peers._common import BLOCK, AllocationOrderKeys, blocks_of, profile_trace
 from umrt.policy.peers.deepum import TABLE_SETS, TABLE_SUCCESSORS, BlockCorrelationTable
 from umrt.policy.peers.sentinel import SentinelLayout
 from umrt.policy.peers.swapadvisor import Genes, build_plan
@@ -234,7 +234,7 @@ def test_block_table_start_end_and_walk():
 
 def test_object_keys_are_stable_across_iterations():
     trace = training_trace(layers=3, iterations=3)
-    keys = ObjectKeys()
+    keys = AllocationOrderKeys()
     per_iter: list[list] = []
     for ev in trace.events:
         keys.observe(ev)

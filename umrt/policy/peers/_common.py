@@ -76,7 +76,7 @@ class BlockLiveness:
         return block in self._live
 
 
-class ObjectKeys:
+class AllocationOrderKeys:
     """Names objects so the same tensor gets the same key in every iteration.
 
     Object ids are not stable across iterations (a replay remaps them, a live
@@ -191,11 +191,11 @@ class IterationProfiler:
     :class:`IterationProfile`; ``done`` once the iteration has ended."""
 
     @classmethod
-    def next(cls, keys: ObjectKeys) -> IterationProfiler:
+    def next(cls, keys: AllocationOrderKeys) -> IterationProfiler:
         """A profiler for the iteration that starts now (after its boundary was observed)."""
         return cls(keys, target=keys.iterations_seen)
 
-    def __init__(self, keys: ObjectKeys, target: int = 1) -> None:
+    def __init__(self, keys: AllocationOrderKeys, target: int = 1) -> None:
         self.keys = keys
         self.target = target
         self.profile = IterationProfile()
@@ -263,7 +263,7 @@ class ProfilingPolicy(Policy):
     creates optimizer state; later ones repeat)."""
 
     def __init__(self) -> None:
-        self.keys = ObjectKeys()
+        self.keys = AllocationOrderKeys()
         self.profiler = IterationProfiler(self.keys, target=1)
         self._plan_sig: int | None = None
 
@@ -279,13 +279,13 @@ class ProfilingPolicy(Policy):
         self.profiler = IterationProfiler.next(self.keys)
 
 
-def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, ObjectKeys]:
+def profile_trace(trace, iteration: int = -1) -> tuple[IterationProfile, AllocationOrderKeys]:
     """Profile one complete iteration of a trace (default: the last one)."""
     n = len(trace.iteration_spans())
     if n == 0:
         raise UmrtError("the trace holds no complete iteration")
     target = (iteration % n) + 1
-    keys = ObjectKeys()
+    keys = AllocationOrderKeys()
     prof = IterationProfiler(keys, target)
     for ev in trace.events:
         keys.observe(ev)

@@ -36,7 +36,13 @@ import numpy as np
 from umrt.backends.base import HOST
 from umrt.errors import ConfigError
 from umrt.policy.base import Policy, PolicyContext
-from umrt.policy.peers._common import IterationProfile, ObjectKeys, next_use, object_ranges, profile_trace
+from umrt.policy.peers._common import (
+    AllocationOrderKeys,
+    IterationProfile,
+    next_use,
+    object_ranges,
+    profile_trace,
+)
 from umrt.trace.events import IterationBoundary, Kind, Launch
 
 __all__ = ["SwapAdvisorPolicy", "SwapPlan", "Genes"]
@@ -192,7 +198,7 @@ class SwapAdvisorPolicy(Policy):
         self.genes = genes
         self.profile, _ = profile_trace(trace)
         self.plan: SwapPlan | None = None
-        self.keys = ObjectKeys()
+        self.keys = AllocationOrderKeys()
         self._launch = 0
         self.search: dict = {}
         self.counters = {"swapped_out_bytes": 0, "swapped_in_bytes": 0}
