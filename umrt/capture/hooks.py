@@ -37,6 +37,20 @@ def guarded(method: Callable) -> Callable:
     return hook
 
 
+def claim_backward(output: Any, key: str, make_hook: Callable[[], Callable]) -> None:
+    """Register ``make_hook()`` before the backward node of each output tensor no
+    inner module claimed under ``key`` yet (in its node's metadata), and claim it."""
+    for t in output_tensors(output):
+        node = t.grad_fn
+        if node is None:
+            continue
+        md = node.metadata
+        if key in md:  # an inner module claimed it first
+            continue
+        md[key] = True
+        node.register_prehook(make_hook())
+
+
 def output_tensors(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors in a module's output (tuples, lists, dicts, ModelOutput)."""
     if isinstance(x, torch.Tensor):
@@ -157,15 +171,7 @@ class RecorderHooks:
         with rec._lock:
             rec._log.emit(LayerExit(name, "forward"))
         if torch.is_grad_enabled():
-            for t in output_tensors(output):
-                node = t.grad_fn
-                if node is None:
-                    continue
-                md = node.metadata
-                if "umrt_module" in md:  # an inner module claimed it first
-                    continue
-                md["umrt_module"] = name
-                node.register_prehook(self._backward_hook(name))
+            claim_backward(output, "umrt_module", lambda: self._backward_hook(name))
 
     def _backward_hook(self, name: str) -> Callable:
         rec = self.rec

@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from umrt import __version__
 from umrt.capture import steer
-from umrt.capture.hooks import ModulePaths, guarded, install_hooks, output_tensors
+from umrt.capture.hooks import ModulePaths, claim_backward, guarded, install_hooks
 from umrt.capture.ops import (
     ALLOC_ONLY,
     FLASH_ATTENTION,
@@ -1184,15 +1184,7 @@ class ProfiledCapture:
         rf.__exit__(None, None, None)
         if not self._active or not torch.is_grad_enabled():
             return
-        for t in output_tensors(output):
-            node = t.grad_fn
-            if node is None:
-                continue
-            md = node.metadata
-            if "umrt_profiled_module" in md:  # an inner module claimed it first
-                continue
-            md["umrt_profiled_module"] = name
-            node.register_prehook(self._backward_hook(_BWD + name))
+        claim_backward(output, "umrt_profiled_module", lambda: self._backward_hook(_BWD + name))
 
     def _backward_hook(self, marker: str) -> Callable:
         def hook(grad_outputs: Any) -> None:

@@ -137,12 +137,7 @@ class Guard:
         self.unfreeze()
         if rt._launch_mapped:
             rt._host.unmap_launch()
-        rt._mode = "rebase"
-        rt._acting_launch_free = rt._counting_launches = False
-        rt._due_event = -1
-        rt.wants_launches = False
-        rt._discard_keys = frozenset()
-        rt._oversized = {}
+        rt.stop_acting("rebase", wants_launches=False)
 
     def deviate(self) -> None:
         """The program left the plan: stop acting. Early in the iteration the

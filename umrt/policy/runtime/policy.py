@@ -251,12 +251,17 @@ class Runtime(Policy):
         self.plans.clear()
         self._clock.forget_plans()
         if self._mode == "act":
-            self._mode = "off"
-            self._acting_launch_free = self._counting_launches = False
-            self._due_event = -1
-            self.wants_launches = True
-            self._discard_keys = frozenset()
-            self._oversized = {}
+            self.stop_acting("off", wants_launches=True)
+
+    def stop_acting(self, mode: str, *, wants_launches: bool) -> None:
+        """Leave the acting state for ``mode`` ("off": learn again; "rebase": wait
+        for a launch-free iteration to re-base the plan on), with no decision due."""
+        self._mode = mode
+        self._acting_launch_free = self._counting_launches = False
+        self._due_event = -1
+        self.wants_launches = wants_launches
+        self._discard_keys = frozenset()
+        self._oversized = {}
 
     def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
         """umrt's lifetime-aware pool (the caching-allocator model with
