@@ -106,7 +106,8 @@ def test_table_sizes_use_the_one_byte_formatter(capsys, trace_file):
     assert "0.02 GiB" not in table and "0.05 GiB" not in table
 
 
-def test_budget_base_peak_keeps_the_older_meaning(capsys, trace_file):
+def test_budget_base_peak_keeps_the_older_meaning(capsys, trace_file, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the table must not wrap the row read below (xdist's narrow console)
     data = run_json(capsys, trace_file, "--budget", "50%", "--budget-base", "peak", "--policy", "um")
     assert data["budget_bytes"] == 24 * MB and data["budget_base"] == "peak"  # half of the 48 MB live
     assert data["budget_of_footprint"] == pytest.approx(0.4)  # of the 60 MB the layouts need
