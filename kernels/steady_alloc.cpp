@@ -355,10 +355,10 @@ UMRT_EXPORT void umrt_steady_state(void* handle, int64_t* out4) {
 }
 
 // Bench baselines: empty functions with the signatures of malloc and free (a ctypes
-// call's own cost).
+// call's own cost). The empty malloc returns the handle (a non-NULL pointer, as a served one).
 UMRT_EXPORT void* umrt_steady_noop_malloc(void* handle, uint64_t size, int device, void* stream) {
-  (void)handle; (void)size; (void)device; (void)stream;
-  return nullptr;
+  (void)size; (void)device; (void)stream;
+  return handle;  // non-NULL, like a served allocation
 }
 
 UMRT_EXPORT int umrt_steady_noop_free(void* handle, uint64_t ptr, uint64_t size, int device, void* stream) {
@@ -369,14 +369,15 @@ UMRT_EXPORT int umrt_steady_noop_free(void* handle, uint64_t ptr, uint64_t size,
 // Bench harness (no ctypes in the loop): run `repeat` times a stream of `n_ops`
 // operations through umrt_steady_malloc / umrt_steady_free, the way torch's allocator
 // calls them (through C function pointers); op[k] = 0: malloc of arg[k] bytes; 1: free of
-// the block returned by operation arg[k]. Events are drained (dropped) after each repeat.
+// the block returned by operation arg[k] (in this repeat if it came earlier, else in the
+// last one: got[] holds each operation's block and persists across calls; zeros at first).
+// Events are drained (dropped) after each repeat.
 // Returns the nanoseconds spent, or -1 if a malloc returned NULL.
 UMRT_EXPORT int64_t umrt_steady_run(void* handle, int64_t n_ops, const int32_t* op, const uint64_t* arg,
-                                    int64_t repeat, int device, void* stream) {
+                                    uint64_t* got, int64_t repeat, int device, void* stream) {
   Schedule* s = static_cast<Schedule*>(handle);
   void* (*volatile do_malloc)(void*, uint64_t, int, void*) = &umrt_steady_malloc;
   int (*volatile do_free)(void*, uint64_t, uint64_t, int, void*) = &umrt_steady_free;
-  std::vector<uint64_t> got(static_cast<size_t>(n_ops), 0);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < repeat; ++r) {
     for (int64_t k = 0; k < n_ops; ++k) {

@@ -730,7 +730,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_state": (None, [vp, vp]),
         "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_noop_free": (c_int, [vp, u64, u64, c_int, vp]),
-        "umrt_steady_run": (i64, [vp, i64, vp, vp, i64, c_int, vp]),
+        "umrt_steady_run": (i64, [vp, i64, vp, vp, vp, i64, c_int, vp]),
     }
     for fname, (restype, argtypes) in sigs.items():
         fn = getattr(lib, fname)
