@@ -1,0 +1,443 @@
+"""The steady schedule: native (kernels/steady_alloc.cpp) and Python twins behave identically."""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+
+from bench.live_replay import LOGS, RUNS, read_live_log
+from bench.steady import gpt2_steady, log_iterations, run_plan, schedule_plan
+from tests.fake_cuda import STREAM_NON_BLOCKING, FakeBindingsRuntime, FakeCupyRuntime, FakeGpu
+from umrt.allocators import steady
+from umrt.allocators.steady import (
+    EV_ALLOC,
+    EV_BOUNDARY,
+    EV_FREE,
+    AllocAt,
+    ApiTable,
+    CallAt,
+    DecisionKind,
+    Deviation,
+    FreeAt,
+    NativeSteadySchedule,
+    PythonSteadySchedule,
+    SteadyError,
+    SteadyRecorder,
+    coalesce,
+    compile_schedule,
+    load_steady,
+)
+from umrt.backends.base import HOST, Advice
+from umrt.backends.cuda import BindingsApi, CudaBackend, CupyApi
+
+MiB = 1 << 20
+P, D, DP, POP, ADV = (DecisionKind.PREFETCH, DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH,
+                      DecisionKind.POPULATE, DecisionKind.ADVISE)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    library = steady.native_library()
+    if library is None:
+        pytest.skip("the native schedule did not build here (no C++ compiler or ninja)")
+    return library
+
+
+def both(lib, arrays, capacity=steady.DEFAULT_CAPACITY):
+    return PythonSteadySchedule(arrays, capacity), NativeSteadySchedule(lib, arrays, capacity)
+
+
+class LogTable:
+    """A CudaTable that logs its calls (and fails the ones listed in ``fail``)."""
+
+    copy_stream = None
+    discard_stream = None
+
+    def __init__(self, fail=()):
+        self.calls = []
+        self.fail = set(fail)
+
+    def _log(self, *call):
+        self.calls.append(call)
+        return 7 if call[0] in self.fail else 0
+
+    def prefetch(self, p, n, device, stream):
+        return self._log("prefetch", p, n, device, stream)
+
+    def discard(self, p, n, stream):
+        return self._log("discard", p, n, stream)
+
+    def discard_prefetch(self, p, n, device, stream):
+        return self._log("discard_prefetch", p, n, device, stream)
+
+    def populate(self, p, n, device, stream):
+        return self._log("populate", p, n, device, stream)
+
+    def advise(self, p, n, advice, device):
+        return self._log("advise", p, n, advice, device)
+
+
+# -- compiling -------------------------------------------------------------------------
+def test_coalesce_merges_touching_and_overlapping_ranges_within_an_allocation():
+    assert coalesce([(10, 5), (0, 10), (12, 10), (40, 1), (30, 0)]) == [(0, 22), (40, 1)]
+    bounds = {0: (0, 16), 16: (16, 16)}
+    assert coalesce([(0, 16), (16, 16)], lambda p: bounds[p // 16 * 16]) == [(0, 16), (16, 16)]
+
+
+def test_compile_keys_decisions_by_position_and_coalesces_same_kind():
+    a, b = 1 << 30, (1 << 30) + 4 * MiB
+    rec = [
+        CallAt(P, ((a, MiB),), 0),  # before any allocation: allocation 0's
+        AllocAt(MiB, a),
+        CallAt(P, ((a + MiB, MiB),), 0), CallAt(P, ((a, MiB),), 0), CallAt(P, ((b, MiB),), HOST),
+        CallAt(ADV, ((a, MiB),), 0, int(Advice.SET_READ_MOSTLY)),
+        AllocAt(2 * MiB, b),
+        FreeAt(a), CallAt(D, ((a + 1000, 3 * MiB),)),  # shrunk inward to whole 64 KiB pages
+        FreeAt(b),
+    ]
+    arrays = compile_schedule(rec)
+    assert arrays.sizes == [MiB, 2 * MiB] and arrays.addrs == [a, b]
+    at0 = arrays.decisions(arrays.alloc_begin[0], arrays.alloc_begin[1])
+    assert at0 == [(P, 0, 0, [(a, 2 * MiB)]), (P, HOST, 0, [(b, MiB)]), (ADV, 0, 1, [(a, MiB)])]
+    assert arrays.alloc_begin[1] == arrays.alloc_begin[2]
+    free0 = arrays.decisions(arrays.free_begin[0], arrays.free_begin[1])
+    assert free0 == [(D, 0, 0, [(a + 64 * 1024, 3 * MiB - 64 * 1024)])]
+    assert arrays.free_begin[1] == arrays.free_begin[2] == len(arrays.dec_kind)
+
+
+def test_compile_never_reorders_a_call_past_another_kind_on_its_ranges():
+    a = 1 << 30
+    rec = [AllocAt(MiB, a), CallAt(P, ((a, MiB),), HOST), CallAt(P, ((a, MiB),), 0),
+           CallAt(P, ((a, MiB),), HOST)]
+    arrays = compile_schedule(rec)
+    assert [d[1] for d in arrays.decisions(0, arrays.alloc_begin[1])] == [HOST, 0, HOST]
+
+
+def test_compile_rejects_what_it_cannot_compile():
+    with pytest.raises(SteadyError, match="no allocation"):
+        compile_schedule([FreeAt(1)])
+    with pytest.raises(SteadyError, match="not a recorded"):
+        compile_schedule([AllocAt(1, 1), ("alloc", 1)])
+    with pytest.raises(SteadyError, match="inconsistent"):
+        PythonSteadySchedule(steady.ScheduleArrays([1], [1], [0], [0]))
+
+
+def test_recorder_records_pool_events_and_backend_calls_in_order(cuda13):
+    rec = SteadyRecorder()
+    backend = rec.wrap(cuda13)
+    ptr = cuda13.malloc(4 * MiB)
+    rec.on_pool_event("alloc", ptr, MiB)
+    backend.prefetch([(ptr, MiB)], 0)
+    backend.populate([(ptr, MiB)])
+    backend.advise([(ptr, MiB)], Advice.SET_ACCESSED_BY, 0)
+    rec.on_pool_event("free", ptr, MiB)
+    backend.discard([(ptr, MiB)])
+    backend.discard_and_prefetch([(ptr, MiB)], 0)
+    assert rec.take() == [AllocAt(MiB, ptr), CallAt(P, ((ptr, MiB),), 0), CallAt(POP, ((ptr, MiB),), 0),
+                          CallAt(ADV, ((ptr, MiB),), 0, 5), FreeAt(ptr), CallAt(D, ((ptr, MiB),)),
+                          CallAt(DP, ((ptr, MiB),), 0)]
+    assert rec.take() == [] and cuda13.calls["cudaMemDiscardBatchAsync"] == 1
+
+
+# -- the twins -------------------------------------------------------------------------
+def small_schedule():
+    a, b, c = 1 << 30, (1 << 30) + 4096, (1 << 30) + 8192
+    rec = [AllocAt(100, a), CallAt(P, ((a, 100),), 0), AllocAt(200, b), FreeAt(a), CallAt(D, ((a, 1 << 20),)),
+           AllocAt(300, c), FreeAt(b), FreeAt(c), CallAt(ADV, ((c, 300),), 0, 3)]
+    return compile_schedule(rec), (a, b, c)
+
+
+def drive(s, table, iterations=3, stream=0):
+    s.set_table(table)
+    s.arm(0, stream)
+    got = []
+    for _ in range(iterations):
+        p = [s.malloc(100, 0, stream), s.malloc(200, 0, stream)]
+        s.free(p[0], 100, 0, stream)
+        p.append(s.malloc(300, 0, stream))
+        s.free(p[1], 200, 0, stream)
+        s.free(p[2], 300, 0, stream)
+        got.append(p)
+    return got, s.drain(), s.deviation(), s.state()
+
+
+def test_twins_serve_the_same_addresses_events_and_calls(lib):
+    arrays, (a, b, c) = small_schedule()
+    results = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        results.append((drive(s, table), table.calls))
+    assert results[0] == results[1]
+    (got, events, dev, state), calls = results[0]
+    assert got == [[a, b, c]] * 3 and dev == (Deviation.NONE, -1, "") and state == (3, 2, 0, 0)
+    first = [(EV_ALLOC, 0, a, 100), (EV_ALLOC, 1, b, 200), (EV_FREE, 0, a, 100), (EV_ALLOC, 2, c, 300),
+             (EV_FREE, 1, b, 200), (EV_FREE, 2, c, 300)]
+    assert events == first + [(EV_BOUNDARY, 1, 0, 0)] + first + [(EV_BOUNDARY, 2, 0, 0)] + first
+    assert calls == [("prefetch", a, 100, 0, 0), ("discard", a, 1 << 20, 0), ("advise", c, 300, 3, 0)] * 3
+
+
+@pytest.mark.parametrize("size, code, message", [
+    (201, Deviation.SIZE, "allocation 1: 201 bytes, the schedule expects 200"),
+])
+def test_a_deviation_disarms_both_identically_and_hands_back(lib, size, code, message):
+    arrays, (a, b, c) = small_schedule()
+    out = []
+    for s in both(lib, arrays):
+        s.set_table(LogTable())
+        s.arm()
+        p0 = s.malloc(100)
+        r = [p0, s.malloc(size), s.armed, s.deviation(), s.malloc(200),
+             s.free(p0), s.free(12345), s.drain(), s.state()]
+        s.arm()  # re-armed: the stream starts again at allocation 0
+        r += [s.malloc(100), s.deviation()]
+        out.append(r)
+    assert out[0] == out[1]
+    assert out[0][:5] == [a, 0, False, (code, 1, message), 0]
+    assert out[0][5:7] == [True, False]  # its block is still the schedule's; a stranger's is not
+    assert out[0][7] == [(EV_ALLOC, 0, a, 100), (EV_FREE, 0, a, 100)]  # no decision ran at the free
+    assert out[0][9:] == [a, (Deviation.NONE, -1, "")]
+
+
+def test_other_deviations_match(lib):
+    arrays, (a, b, c) = small_schedule()
+    out = []
+    for s in both(lib, arrays):
+        s.set_table(None)  # a decision is due at allocation 0: no table -> disarmed (still served)
+        s.arm(0, 0)
+        r = [s.malloc(100), s.deviation()]
+        s.set_table(LogTable(fail={"prefetch"}))
+        s.arm()
+        r += [s.malloc(100), s.deviation()]  # its block is still live: the schedule's own overlap
+        s.free(a)
+        s.arm(0, 0x5000)
+        r += [s.malloc(100, 0, 0x6000), s.deviation()]
+        s.arm(0, 0x5000)
+        r += [s.malloc(100, 1, 0x5000), s.deviation()]
+        s.arm(0, 0x5000)
+        r += [s.malloc(100, 0, 0x5000), s.deviation()]
+        out.append(r)
+    assert out[0] == out[1]
+    r = out[0]
+    assert r[0] == a and r[1] == (Deviation.NO_TABLE, 0, "allocation of allocation 0: the CUDA table has no prefetch")
+    assert r[2] == 0 and r[3][:2] == (Deviation.LIVE, 0) and "overlaps live block" in r[3][2]
+    assert r[5] == (Deviation.STREAM, 0, "allocation 0: stream 0x6000, the schedule serves stream 0x5000")
+    assert r[7] == (Deviation.DEVICE, 0, "allocation 0: device 1, the schedule serves device 0")
+    assert r[8] == a and r[9] == (Deviation.CALL, 0, f"allocation of allocation 0: prefetch({a:#x}, 100) "
+                                  "failed with CUDA error 7")
+
+
+def test_a_full_event_buffer_disarms_with_a_reason_and_loses_nothing(lib):
+    arrays, _ = small_schedule()
+    out = []
+    for s in both(lib, arrays, capacity=8):
+        got, events, dev, state = drive(s, LogTable(), iterations=2)
+        out.append((got, events, dev, state))
+    assert out[0] == out[1]
+    got, events, dev, _ = out[0]
+    assert dev == (Deviation.BUFFER, 0, "allocation 0: the event buffer is full (6 events not drained, capacity 8)")
+    assert got[1] == [0, 0, 0] and len(events) == 6  # the second iteration fell back, whole
+
+
+def _plain(x):
+    """A logged call argument as plain values (a cudaMemLocation as its type and id)."""
+    if isinstance(x, (int, str, float, type(None))):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tuple(_plain(y) for y in x)
+    return (type(x).__name__, *(_plain(v) for v in vars(x).values()))
+
+
+def test_twins_on_the_fake_runtime_make_the_same_cuda_calls_and_obey_its_rules(lib):
+    """Decisions through ApiTable over the fake CUDA 13 runtime: the calls are checked by
+    its contract (the batch calls reject the legacy stream) and are the same for both."""
+    calls, results = [], []
+    for make in (PythonSteadySchedule, lambda arr: NativeSteadySchedule(lib, arr)):
+        gpu = FakeGpu()
+        backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+        seg = backend.malloc(16 * MiB)
+        x, y = seg, seg + 4 * MiB
+        rec = [AllocAt(4 * MiB, x), CallAt(POP, ((x, 4 * MiB),), 0), AllocAt(4 * MiB, y),
+               CallAt(P, ((y, 2 * MiB),), 0), CallAt(P, ((y + 2 * MiB, 2 * MiB),), 0),
+               FreeAt(x), CallAt(DP, ((x, 4 * MiB),), 0), FreeAt(y), CallAt(D, ((y, 4 * MiB),)),
+               CallAt(ADV, ((y, 4 * MiB),), 0, int(Advice.SET_PREFERRED_LOCATION))]
+        arrays = compile_schedule(rec, backend.allocation_of)
+        start = len(gpu.calls)
+        stream = backend.api.create_stream(False)
+        s = make(arrays)
+        s.set_table(ApiTable(backend.api))
+        s.arm(0, stream)
+        for _ in range(2):
+            p, q = s.malloc(4 * MiB, 0, stream), s.malloc(4 * MiB, 0, stream)
+            s.free(p, 0, 0, stream)
+            s.free(q, 0, 0, stream)
+        ok = s.deviation()
+        backend.api.stream_synchronize(stream)  # switching streams: the old one's work first
+        s.arm(0, 0)  # the legacy stream: the fake rejects the discard-and-prefetch batch
+        p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+        s.free(p)
+        results.append((ok, s.deviation(), s.drain()))
+        calls.append([tuple(_plain(x) for x in c) for c in gpu.calls[start + 1:]])
+    assert calls[0] == calls[1] and results[0] == results[1]
+    assert results[0][0] == (Deviation.NONE, -1, "")
+    assert results[0][1][0] == Deviation.CALL and "discard_prefetch" in results[0][1][2]
+    names = [c[0] for c in calls[0]]
+    assert names.count("cudaMemPrefetchAsync") == 2 * 2 + 2  # populate + one coalesced prefetch, per iteration
+    assert names.count("cudaMemDiscardAndPrefetchBatchAsync") == 3 and names.count("cudaMemAdvise") == 2
+
+
+def test_twins_on_the_cuda12_fake(lib):
+    calls = []
+    for make in (PythonSteadySchedule, lambda arr: NativeSteadySchedule(lib, arr)):
+        gpu = FakeGpu()
+        api = CupyApi(FakeCupyRuntime(gpu))
+        seg = api.malloc_managed(8 * MiB)
+        copy = api.create_stream(False)
+        rec = [AllocAt(MiB, seg), CallAt(P, ((seg, MiB),), 0), FreeAt(seg), CallAt(P, ((seg, MiB),), HOST)]
+        s = make(compile_schedule(rec))
+        s.set_table(ApiTable(api, copy_stream=copy))
+        s.arm()
+        for _ in range(3):
+            s.free(s.malloc(MiB))
+        calls.append((gpu.calls[-6:], s.deviation()))
+    assert calls[0] == calls[1] and calls[0][1][0] == Deviation.NONE
+    assert [c[0] for c in calls[0][0]] == ["memPrefetchAsync"] * 6
+
+
+# -- the live logs ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2():
+    return gpt2_steady(repeats=5)
+
+
+def test_live_log_steady_iterations_through_both_twins(lib, gpt2):
+    """gpt2's live allocation stream, placed by umrt's pool: compiled from one steady
+    iteration, the next ones served by both twins at the pool's own addresses, with the
+    same events and decisions (a prefetch of every 50th block, a discard at every 7th free)."""
+    stream, placed, steady_at = gpt2
+    rec = []
+    for k, entry in enumerate(placed[steady_at]):
+        rec.append(entry)
+        if isinstance(entry, AllocAt) and k % 50 == 0:
+            rec.append(CallAt(P, ((entry.ptr, entry.size),), 0))
+        if isinstance(entry, FreeAt) and k % 7 == 0:
+            rec.append(CallAt(D, ((entry.ptr, 1 << 20),)))
+    arrays = compile_schedule(rec)
+    pool_addrs = [[e.ptr for e in placed[i] if isinstance(e, AllocAt)] for i in (steady_at + 1, steady_at + 2)]
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        s.set_table(table)
+        s.arm()
+        last, got = [0] * len(arrays.sizes), []
+        for i in (steady_at + 1, steady_at + 2):
+            plan = schedule_plan(stream[i])
+            prev = {}
+            for op in stream[i - 1]:
+                if op[0] == "A":
+                    prev[op[1]] = len(prev)
+            plan = [(2, prev[op[1]]) if st == (2, -1) else st for st, op in zip(plan, stream[i], strict=True)]
+            last = run_plan(lambda size: s.malloc(size), lambda p: s.free(p), plan, len(arrays.sizes), last)
+            got.append(list(last))
+        out.append((got, s.drain(), table.calls, s.deviation()))
+    assert out[0] == out[1]
+    got, events, calls, dev = out[0]
+    assert got == pool_addrs and dev[0] == Deviation.NONE
+    assert sum(e[0] == EV_BOUNDARY for e in events) == 1 and len(calls) > 40
+    # The first armed iteration frees three blocks the pool placed before: not the schedule's.
+    assert sum(e[0] == EV_FREE for e in events) == 2 * len(arrays.sizes) - 3
+
+
+def test_the_allocation_only_variant_disarms_both_at_the_same_allocation(lib, gpt2):
+    """The live run's other variant (1,053 allocations: no out-of-place gradient
+    accumulation) against the recorded variant's schedule: both hand back at its first
+    different size."""
+    stream, placed, steady_at = gpt2
+    arrays = compile_schedule(placed[steady_at])
+    light = next(it for it in log_iterations(read_live_log(LOGS / RUNS["40GiB"]))
+                 if 0 < sum(op[0] == "A" for op in it) < len(arrays.sizes))
+    out = []
+    for s in both(lib, arrays):
+        s.arm()
+        served, ptr_of = 0, {}
+        for op in light:
+            if op[0] == "F":
+                s.free(ptr_of.pop(op[1], 0))
+                continue
+            ptr_of[op[1]] = s.malloc(op[2])
+            if not ptr_of[op[1]]:
+                break
+            served += 1
+        out.append((served, s.deviation(), s.armed))
+    assert out[0] == out[1] and out[0][1][0] == Deviation.SIZE and not out[0][2]
+    assert 0 < out[0][0] < len(arrays.sizes) and out[0][1][1] == out[0][0]
+
+
+# -- threads and the build -------------------------------------------------------------
+def test_two_threads_allocating_and_freeing(lib):
+    n = 512
+    arrays = compile_schedule([AllocAt(4096, (1 << 30) + i * 8192) for i in range(n)])
+    for s in both(lib, arrays, capacity=1 << 20):
+        s.set_table(LogTable())
+        s.arm()
+        failures = []
+
+        def work(s=s, failures=failures):
+            for _ in range(3000):
+                p = s.malloc(4096)
+                if not p or not s.free(p):
+                    failures.append(p)
+
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        events = s.drain()
+        assert not failures and s.deviation()[0] == Deviation.NONE, s.deviation()
+        allocs = [e for e in events if e[0] == EV_ALLOC]
+        assert len(allocs) == 6000 and sum(e[0] == EV_FREE for e in events) == 6000
+        assert [e[1] for e in allocs] == [k % n for k in range(6000)]  # one stream, in order
+        assert sum(e[0] == EV_BOUNDARY for e in events) == 6000 // n
+        assert s.state()[2] == 0
+
+
+def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Error building extension: g++: command not found")
+
+    monkeypatch.setattr(steady, "build_library", no_compiler)
+    steady.native_library.cache_clear()
+    try:
+        arrays, _ = small_schedule()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first, second = load_steady(arrays), load_steady(arrays)
+        assert isinstance(first, PythonSteadySchedule) and isinstance(second, PythonSteadySchedule)
+        assert len(caught) == 1
+        assert "could not build the native steady schedule" in str(caught[0].message)
+        assert "g++: command not found" in str(caught[0].message)
+        got, *_ = drive(first, LogTable())
+        assert got[0] == list(small_schedule()[1])
+    finally:
+        steady.native_library.cache_clear()
+
+
+def test_native_rejects_inconsistent_arrays(lib):
+    arrays, _ = small_schedule()
+    arrays.alloc_begin[1] = 99
+    with pytest.raises(SteadyError, match="rejected"):
+        NativeSteadySchedule(lib, arrays)
+
+
+def test_stream_handles_of_created_streams_reach_the_table(lib):
+    arrays, (a, b, c) = small_schedule()
+    gpu = FakeGpu()
+    rt = FakeCupyRuntime(gpu)
+    stream = rt.streamCreateWithFlags(STREAM_NON_BLOCKING)
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        drive(s, table, iterations=1, stream=stream)
+        out.append(table.calls)
+    assert out[0] == out[1] and out[0][0] == ("prefetch", a, 100, 0, stream)
