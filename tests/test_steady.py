@@ -1,6 +1,7 @@
 """The steady schedule: native (kernels/steady_alloc.cpp) and Python twins behave identically."""
 from __future__ import annotations
 
+import queue
 import threading
 import warnings
 
@@ -337,7 +338,7 @@ def test_live_log_steady_iterations_through_both_twins(lib, gpt2):
                 if op[0] == "A":
                     prev[op[1]] = len(prev)
             plan = [(2, prev[op[1]]) if st == (2, -1) else st for st, op in zip(plan, stream[i], strict=True)]
-            last = run_plan(lambda size: s.malloc(size), lambda p: s.free(p), plan, len(arrays.sizes), last)
+            last = run_plan(s.malloc, s.free, plan, len(arrays.sizes), last)
             got.append(list(last))
         out.append((got, s.drain(), table.calls, s.deviation()))
     assert out[0] == out[1]
@@ -375,30 +376,43 @@ def test_the_allocation_only_variant_disarms_both_at_the_same_allocation(lib, gp
 
 # -- threads and the build -------------------------------------------------------------
 def test_two_threads_allocating_and_freeing(lib):
-    n = 512
+    """Like torch's forward and autograd threads: both allocate, and one frees blocks the
+    other allocated (handed over through a bounded queue, so few are live at once)."""
+    n, pairs = 512, 3000
     arrays = compile_schedule([AllocAt(4096, (1 << 30) + i * 8192) for i in range(n)])
     for s in both(lib, arrays, capacity=1 << 20):
         s.set_table(LogTable())
         s.arm()
+        handed: queue.Queue = queue.Queue(maxsize=8)
         failures = []
 
-        def work(s=s, failures=failures):
-            for _ in range(3000):
+        def producer(s=s, handed=handed, failures=failures):
+            for _ in range(pairs):
                 p = s.malloc(4096)
-                if not p or not s.free(p):
-                    failures.append(p)
+                if not p:
+                    failures.append(s.deviation())
+                handed.put(p)
+            handed.put(None)
 
-        threads = [threading.Thread(target=work) for _ in range(2)]
+        def consumer(s=s, handed=handed, failures=failures):
+            while (p := handed.get()) is not None:
+                if not s.free(p):
+                    failures.append(("free", p))
+                own = s.malloc(4096)
+                if not own or not s.free(own):
+                    failures.append(("own", own, s.deviation()))
+
+        threads = [threading.Thread(target=producer), threading.Thread(target=consumer)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         events = s.drain()
-        assert not failures and s.deviation()[0] == Deviation.NONE, s.deviation()
+        assert not failures and s.deviation()[0] == Deviation.NONE, (failures[:3], s.deviation())
         allocs = [e for e in events if e[0] == EV_ALLOC]
-        assert len(allocs) == 6000 and sum(e[0] == EV_FREE for e in events) == 6000
-        assert [e[1] for e in allocs] == [k % n for k in range(6000)]  # one stream, in order
-        assert sum(e[0] == EV_BOUNDARY for e in events) == 6000 // n
+        assert len(allocs) == 2 * pairs and sum(e[0] == EV_FREE for e in events) == 2 * pairs
+        assert [e[1] for e in allocs] == [k % n for k in range(2 * pairs)]  # one stream, in order
+        assert sum(e[0] == EV_BOUNDARY for e in events) == (2 * pairs - 1) // n
         assert s.state()[2] == 0
 
 

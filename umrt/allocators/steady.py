@@ -611,6 +611,7 @@ class NativeSteadySchedule:
     native = True
 
     def __init__(self, lib: ctypes.CDLL, arrays: ScheduleArrays, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.handle: int | None = None
         _check(arrays, capacity)
         self.lib = lib
         self.a = arrays
@@ -631,7 +632,7 @@ class NativeSteadySchedule:
         self._free = lib.umrt_steady_free
 
     def __del__(self) -> None:
-        handle, self.handle = getattr(self, "handle", None), None
+        handle, self.handle = self.handle, None
         if handle:
             self.lib.umrt_steady_destroy(handle)
 
