@@ -113,3 +113,9 @@ def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_first_iteration():
     assert driver.budget_bytes == n.footprint_bytes > n.peak_live_bytes
     assert driver.budget.describe().startswith("budget 396.0 MiB = 100% of the footprint 396.0 MiB")
     assert driver.steady()["evictions"] == 0  # "100%" holds everything
+
+
+def test_a_budget_far_above_the_footprint_reads_without_an_exponent():
+    from umrt.sim.budget import _pct
+
+    assert [_pct(f) for f in (0.2, 0.735, 37.46, float("nan"))] == ["20%", "73.5%", "3,746%", "?%"]

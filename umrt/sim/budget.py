@@ -107,7 +107,11 @@ class Budget:
 
 
 def _pct(fraction: float) -> str:
-    return f"{fraction * 100:.3g}%" if math.isfinite(fraction) else "?%"
+    """``20%``, ``73.5%``, ``3,746%`` (a size far above what the run needs: no exponent)."""
+    if not math.isfinite(fraction):
+        return "?%"
+    pct = fraction * 100
+    return f"{pct:.3g}%" if pct < 1000 else f"{pct:,.0f}%"
 
 
 def _check_base(base: str) -> None:
