@@ -5,11 +5,13 @@ acts on a :class:`~umrt.backends.base.Backend` (prefetch, pre-evict, discard,
 advise). It sees an event only when the program issues it — never the
 future — unless it is explicitly an oracle that was handed the trace.
 
-The driver calls :meth:`Policy.on_event` *before* the backend executes a
+The driver (:class:`umrt.drive.Driver`, the one loop that feeds events) calls
+:meth:`Policy.on_event` *before* the backend executes a
 :class:`~umrt.trace.events.Launch`, and *after* a
 :class:`~umrt.trace.events.Alloc` has been given an address (so
 ``layout.address(obj)`` works inside the call), and *before* a
-:class:`~umrt.trace.events.Free` releases it.
+:class:`~umrt.trace.events.Free` releases it. A layout that learns from the
+stream (umrt's pool) sees each other event just before the policy does.
 """
 from __future__ import annotations
 
