@@ -141,6 +141,6 @@ def test_without_probing_a_plan_runs_launch_free_right_after_learning(logs):
     from umrt.policy.runtime import Runtime
 
     rt = Runtime(probe_iterations=0)
-    assert rt.warmup_iterations == rt.learn_iterations
+    assert rt.warmup_iterations == rt.options.learn_iterations
     rows = replay("40GiB", 40 << 30, 20, runtime=rt)
     assert _converges(rows) <= 4 and rows[-1]["deviations"] == 0

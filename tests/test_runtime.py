@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, asdict, fields, replace
 
 import pytest
 
@@ -13,7 +13,7 @@ from umrt.hardware import load_profile
 from umrt.memory.pool import LifetimePool
 from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
-from umrt.policy.runtime import Runtime
+from umrt.policy.runtime import Runtime, RuntimeOptions
 from umrt.policy.runtime.planner import PAGE
 from umrt.shadow import ShadowSource
 from umrt.sim.backend import SimBackend
@@ -154,11 +154,34 @@ def test_misprediction_guard_falls_back_and_relearns(launch_free):
     assert "learn" in modes[modes.index("off") + 1:]  # after failing, it learns again
 
 
-def test_bad_options():
-    with pytest.raises(ValueError):
-        Runtime(headroom=0)
-    with pytest.raises(ValueError):
-        Runtime(learn_iterations=0)
+@pytest.mark.parametrize("bad", [{"headroom": 0}, {"headroom": 1.5}, {"learn_iterations": 0},
+                                 {"probe_iterations": -1}, {"guard_window": -1}, {"max_variants": -1}])
+def test_bad_options(bad):
+    """A bad option is refused at construction, naming itself (not later, mid-run)."""
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        Runtime(**bad)
+    with pytest.raises(ValueError, match=name):
+        RuntimeOptions(**bad)
+
+
+def test_options_are_the_constructor_keywords_frozen():
+    """Runtime's keyword arguments land, unchanged, in one frozen RuntimeOptions;
+    make_policy passes them through."""
+    kwargs = {"op_level": False, "headroom": 0.8, "learn_iterations": 3, "probe_iterations": 1,
+              "guard_window": 5, "guard_failures": 2, "guard_cooldown": 1, "max_variants": 4,
+              "use_pool": False, "min_discard": 2 * PAGE, "read_mostly": True, "freeze": False,
+              "launch_free": False, "discard_on_free": True}
+    assert {f.name for f in fields(RuntimeOptions)} == set(kwargs)
+    rt = Runtime(**kwargs)
+    assert rt.options == RuntimeOptions(**kwargs)
+    assert asdict(rt.options) == kwargs
+    assert rt.warmup_iterations == 4
+    assert Runtime().options == RuntimeOptions()
+    assert make_policy("umrt", learn_iterations=3, use_pool=False).options == RuntimeOptions(
+        learn_iterations=3, use_pool=False)
+    with pytest.raises(FrozenInstanceError):
+        rt.options.freeze = True  # type: ignore[misc]
 
 
 
@@ -357,7 +380,8 @@ def test_an_object_the_layout_never_allocated_is_a_layout_error():
 
 def test_op_level_follows_every_launch():
     """Acting before every launch needs them all: op level never asks a driver to stop capturing."""
-    assert not Runtime(op_level=True).launch_free
+    assert not Runtime(op_level=True).options.launch_free
+    assert not RuntimeOptions(op_level=True, launch_free=True).launch_free
     rt = _drive(_AllCalls(), steps=8, honour=True, op_level=True, use_pool=False)
     assert rt.held_back == 0 and rt.report()["light_iterations"] == 0
 

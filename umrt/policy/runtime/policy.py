@@ -25,6 +25,7 @@ from umrt.policy.runtime.guard import Guard
 from umrt.policy.runtime.host_map import HostMapper
 from umrt.policy.runtime.launch_free import LaunchFreeClock
 from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
+from umrt.policy.runtime.options import RuntimeOptions
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
 from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges
 from umrt.predict.tables import ObjectKeys, VariantTable
@@ -62,49 +63,9 @@ class Runtime(Policy):
     trace:
         Ignored: the runtime learns from the events it is given, never from a
         trace's future (the argument exists for the policy registry).
-    op_level:
-        Act before every launch instead of at module boundaries.
-    headroom:
-        Fraction of the budget a plan may fill.
-    learn_iterations:
-        Iterations to learn before acting the first time (2: a training
-        loop's first step is special — lazy optimizer state, no gradients to
-        free — so the plan comes from the second).
-    probe_iterations:
-        Iterations a new plan is acted on while still recorded launch by
-        launch (a deviation then teaches the runtime the new shape) before it
-        is trusted and runs without launches; 0 for a capture that delivers an
-        iteration's launches only at its end.
-    guard_window, guard_failures, guard_cooldown:
-        The misprediction guard (see :class:`~umrt.policy.runtime.guard.Guard`).
-    max_variants:
-        Compiled plans kept (one per iteration shape; least recently used dropped).
-    min_discard:
-        Freed objects at least this large have their pages discarded.
-    read_mostly:
-        Advise parameters ReadMostly while acting, so evicting them costs no
-        copy back. Off by default: in the simulator it changes iteration time
-        by under 0.3% (parameter evictions are a small share of the traffic).
-    freeze:
-        Let a trusted plan whose objects keep their addresses (each allocation
-        is checked against the last iteration of the same shape) reuse its
-        decisions' ranges without resolving any key: the cheapest steady
-        state. Moves are the same either way.
-    use_pool:
-        Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
-        the caching-allocator layout.
-    launch_free:
-        Act on a trusted plan from allocations, frees and module boundaries
-        alone (``wants_launches`` turns False: a live driver may stop
-        capturing launches, the costly part of capture; see
-        :mod:`umrt.policy.runtime.launch_free`). Off, or with ``op_level`` (a
-        decision before every launch needs them all): every iteration is
-        followed launch by launch.
-    discard_on_free:
-        Discard a dead range at its ``Free`` instead of at the next
-        allocation or launch: for a driver whose events arrive after the
-        op's kernel was queued (a newborn's kernel may already be writing
-        the range the pending discard would drop).
+    op_level, headroom, learn_iterations, ...:
+        The fields of :class:`~umrt.policy.runtime.options.RuntimeOptions`
+        (what each means, and their limits), held as ``self.options``.
     """
 
     name = "umrt"
@@ -128,26 +89,15 @@ class Runtime(Policy):
         launch_free: bool = True,
         discard_on_free: bool = False,
     ) -> None:
-        if not 0 < headroom <= 1:
-            raise ValueError(f"headroom must be in (0, 1], got {headroom}")
-        if learn_iterations < 1:
-            raise ValueError("learn_iterations must be >= 1")
-        if probe_iterations < 0:
-            raise ValueError("probe_iterations must be >= 0")
-        self.probe_iterations = probe_iterations
-        self.op_level = op_level
-        self.headroom = headroom
-        self.learn_iterations = learn_iterations
-        self.guard_window = guard_window
-        self.guard_failures = guard_failures
-        self.guard_cooldown = guard_cooldown
-        self.max_variants = max_variants
-        self.use_pool = use_pool
-        self.min_discard = min_discard
-        self.read_mostly = read_mostly
-        self.freeze = freeze
-        self.launch_free = launch_free and not op_level
-        self.discard_on_free = discard_on_free
+        self.options = options = RuntimeOptions(
+            op_level=op_level, headroom=headroom, learn_iterations=learn_iterations,
+            probe_iterations=probe_iterations, guard_window=guard_window, guard_failures=guard_failures,
+            guard_cooldown=guard_cooldown, max_variants=max_variants, use_pool=use_pool,
+            min_discard=min_discard, read_mostly=read_mostly, freeze=freeze, launch_free=launch_free,
+            discard_on_free=discard_on_free)
+        # The options on_event reads at every Free, copied: one attribute read, not two.
+        self._min_discard = options.min_discard
+        self._discard_on_free = options.discard_on_free
         # False while the runtime acts without launches (a live driver may stop capturing them).
         self.wants_launches = True
 
@@ -174,8 +124,8 @@ class Runtime(Policy):
         self._off_gpu = RangeSet()
         self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
 
-        self._learner = Learner(self.keys, self.plans, self.counters, max_variants)
-        self._guard = Guard(self, guard_window, guard_failures, guard_cooldown)
+        self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
+        self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
         self._clock = LaunchFreeClock(self)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
         self._ranges = DecisionRanges(self.keys)
@@ -226,7 +176,7 @@ class Runtime(Policy):
     def warmup_iterations(self) -> int:
         """Learned iterations, then ``probe_iterations`` acted on while still
         recorded before the plan is trusted and runs in steady state."""
-        return self.learn_iterations + self.probe_iterations
+        return self.options.warmup_iterations
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
@@ -247,7 +197,8 @@ class Runtime(Policy):
         """Change the GPU memory the runtime plans for (plans are recompiled
         lazily). Shadow mode sets it once the peak is known."""
         self.ctx.budget_bytes = int(budget_bytes)
-        self._learner.new_planner(budget_bytes, self.profile, headroom=self.headroom, op_level=self.op_level)
+        self._learner.new_planner(budget_bytes, self.profile, headroom=self.options.headroom,
+                                  op_level=self.options.op_level)
         self.plans.clear()
         self._clock.forget_plans()
         if self._mode == "act":
@@ -267,7 +218,7 @@ class Runtime(Policy):
         """umrt's lifetime-aware pool (the caching-allocator model with
         ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
         (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
-        if self.use_pool:
+        if self.options.use_pool:
             return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
         return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
 
@@ -365,7 +316,7 @@ class Runtime(Policy):
             # evicted, i.e. copied, under pressure), batched until the next allocation
             # or launch (nothing can write them before).
             nb = self._alloc_of.pop(obj, NO_ALLOC).nbytes
-            if nb >= self.min_discard:
+            if nb >= self._min_discard:
                 if key in self._discard_keys:
                     try:
                         ptr = self._live_index[obj].ptr
@@ -387,7 +338,7 @@ class Runtime(Policy):
                 rec.tokens.append((nb << 3) | 5)  # launch_free_token((nb << 1) | 1, FREE_TOKEN)
             if self._event_tokens is not None:
                 self._event_tokens.append((nb << 3) | 5)
-            if self.discard_on_free and self._pending_discards:
+            if self._discard_on_free and self._pending_discards:
                 self._flush()
             if n_events == self._due_event:
                 self._clock.on_due_event(n_events)
@@ -516,7 +467,7 @@ class Runtime(Policy):
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
             self._learner.relearn = True
             if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
-                self._learner.seek_left = self.max_variants
+                self._learner.seek_left = self.options.max_variants
         elif mode == "learn" and self._record is not None:
             self._record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
@@ -560,7 +511,7 @@ class Runtime(Policy):
             pass
         elif self._learner.relearn:
             self._learner.relearn = False
-        elif self._learner.learned >= self.learn_iterations:
+        elif self._learner.learned >= self.options.learn_iterations:
             for sig in self.variants.predict():
                 plan = self.plans.get(sig)
                 if plan is not None:
@@ -570,20 +521,20 @@ class Runtime(Policy):
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._learner.runs(plan.signature) >= self.probe_iterations
+        trusted = plan is not None and self._learner.runs(plan.signature) >= self.options.probe_iterations
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
         # one, and records this iteration's events until that clock has held.
-        self._acting_launch_free = launch_free = bool(self.launch_free and trusted
-                                                      and plan.launch_free_end is not None)
+        self._acting_launch_free = launch_free = bool(self.options.launch_free and trusted
+                                                              and plan.launch_free_end is not None)
         if launch_free:
             plan = plan.launch_free_variant or plan
             if plan.signature not in self._clock.confirmed:
                 self._event_tokens, self._token_objects = [], []
         self._keymap = plan.keymap if launch_free else None
         ref = self._reference
-        self._frozen = bool(self.freeze and trusted and ref is not None and ref[0] == _reference_key(plan))
+        self._frozen = bool(self.options.freeze and trusted and ref is not None and ref[0] == _reference_key(plan))
         self._addresses = None if self._frozen else []
         self._counting_launches = False
         self.wants_launches = not launch_free
@@ -604,7 +555,7 @@ class Runtime(Policy):
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host.map(plan.remote)
-            if plan.read_mostly and self.read_mostly:
+            if plan.read_mostly and self.options.read_mostly:
                 self._host.advise_read_mostly(plan.read_mostly)
         else:
             self._mode = "learn"
