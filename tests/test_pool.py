@@ -549,3 +549,24 @@ def test_live_feed_learning_memory_goes_back_before_the_step_needs_more():
     pool.alloc(2, 8 * MiB, Kind.OTHER)  # the step's, outside any module
     assert pool.arena_of(2) == "persistent" and pool.arena_ranges()["learning"] == []
     assert pool.footprint() < 16 * MiB  # one segment (and its alignment), not two
+
+
+def test_release_hands_back_the_empty_online_segments_only():
+    """``torch.cuda.empty_cache()`` empties umrt's pool through ``release()``: segments nothing
+    lives in go back to the backend at once, those holding a live object stay."""
+    backend = BumpBackend()
+    pool = LifetimePool(backend, live_feed=True)
+    pool.on_iteration_boundary(0)
+    pool.observe(LayerEnter("m"))
+    kept = pool.alloc(1, 3 << 20, Kind.OTHER)
+    gone = [pool.alloc(2 + i, 8 << 20, Kind.OTHER) for i in range(3)]
+    for i in range(3):
+        pool.free(2 + i)
+    before, segments = pool.footprint(), dict(backend.live)
+    pool.release()
+    assert pool.footprint() < before and len(backend.live) < len(segments) and pool.address(1) == kept
+    assert any(p <= kept < p + n for p, n in backend.live.items())  # the live object's segment stays
+    assert not any(p <= g < p + n for g in gone for p, n in backend.live.items() if not p <= kept < p + n)
+    pool.free(1)
+    pool.release()
+    assert pool.footprint() == 0

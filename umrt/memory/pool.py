@@ -400,6 +400,12 @@ class LifetimePool(Layout):
     def footprint(self) -> int:
         return self._footprint
 
+    def release(self) -> None:
+        """Hand every online segment nothing lives in back to the backend now (what
+        ``torch.cuda.empty_cache()`` asks of umrt's pool); the planned region stays."""
+        for arena in self._online.values():
+            arena.release_empty()
+
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What live ``obj`` holds, learned after its allocation (the live feed's kinds).
 
