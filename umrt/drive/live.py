@@ -235,10 +235,10 @@ class LiveBridge:
     def __init__(self, session: Session, device: str = "cuda", *, policy: Policy | None = None,
                  from_allocator: bool | None = None) -> None:
         cfg = session.config
-        has_listeners = isinstance(session.pool, LivePool)
+        announces_blocks = isinstance(session.pool, LivePool)
         if from_allocator is None:
-            from_allocator = device == "cuda" and has_listeners
-        elif from_allocator and not has_listeners:
+            from_allocator = device == "cuda" and announces_blocks
+        elif from_allocator and not announces_blocks:
             raise ConfigError("objects from the allocator need a pool with listeners (umrt's ManagedPool); "
                               f"got {type(session.pool).__name__}")
         self.from_allocator: bool = from_allocator
@@ -261,7 +261,7 @@ class LiveBridge:
         self._facts_left = _FACT_STEPS if from_allocator else 0  # optimizer steps still read for hints
         self.backend = ManagedOnly(session.backend)
         self.layout = LiveLayout(self._born.pop if from_allocator else self.recorder.address,
-                                 session.pool if has_listeners else None, learn=from_allocator)
+                                 session.pool if announces_blocks else None, learn=from_allocator)
         profile = profile_for(cfg, session.backend)
         self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
         self.driver = Driver(self.policy, self.layout, self.backend)
