@@ -2,14 +2,22 @@
 //
 // A *steady schedule* is compiled in Python (umrt/allocators/steady.py) from a recorded
 // steady iteration: for allocation ordinal i its expected size and its planned address,
-// and the runtime's decisions (prefetch, discard, discard-and-prefetch, populate, advise),
-// coalesced and keyed by position: "at allocation i" (run before the address is returned)
+// and the runtime's decisions (prefetch, discard, discard-and-prefetch, populate, advise,
+// and the stream ordering: record an event, make a stream wait for one), keyed by position: "at allocation i" (run before the address is returned)
 // or "at the free of allocation i's block". umrt_steady_malloc / umrt_steady_free serve
 // that stream, run the decisions through a table of C function pointers that Python sets
 // (the CUDA calls; tests fill it with the fake runtime), and append events (Alloc, Free,
 // Boundary) to a bounded buffer that Python drains. Anything the schedule does not expect
 // (a size, a device, a stream, a planned block overlapping a live one, a full buffer, a
 // failed call) disarms it: malloc returns NULL and the caller falls back to Python.
+// Blocks live before arming can be handed to the schedule (umrt_steady_adopt), and every
+// live block handed back at once (umrt_steady_disown, which disarms).
+//
+// Decisions recorded at the CUDA API level (umrt.allocators.steady.RecordingApi) carry
+// their stream and event handles and replay verbatim; stream 0 means "the table's copy /
+// discard stream, else the caller's stream". Besides the schedule, this file has two C
+// tables: one over the real libcudart (umrt_steady_cudart_table, dlopen, no CUDA headers)
+// and one that only counts calls (umrt_steady_counting_table, for benches and tests).
 //
 // PythonSteadySchedule (same module) is the pure-Python twin; every rule here has its
 // line there, and tests/test_steady.py holds both to the same addresses, events and calls.
@@ -17,7 +25,10 @@
 // No CUDA headers: streams are opaque pointers. No Python API: the hot path never takes
 // the GIL. One std::mutex per schedule (autograd's backward thread allocates too).
 // Built by umrt/allocators/steady.py with torch.utils.cpp_extension.load (a plain library).
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdarg>
 #include <cstdint>
@@ -42,27 +53,35 @@ constexpr uint64_t kHashMask = (1ULL << 63) - 1;
 inline uint64_t mix(uint64_t h, uint64_t size) { return ((h * kHashMul) ^ (size << 1)) & kHashMask; }
 
 // Decision kinds (steady.py: DecisionKind).
-enum Kind : int32_t { PREFETCH = 0, DISCARD = 1, DISCARD_PREFETCH = 2, POPULATE = 3, ADVISE = 4 };
+enum Kind : int32_t {
+  PREFETCH = 0, DISCARD = 1, DISCARD_PREFETCH = 2, POPULATE = 3, ADVISE = 4, RECORD_EVENT = 5, WAIT_EVENT = 6
+};
+constexpr int kKinds = 7;
 // Event kinds (steady.py: EV_ALLOC, EV_FREE, EV_BOUNDARY).
 enum Ev : int32_t { EV_ALLOC = 0, EV_FREE = 1, EV_BOUNDARY = 2 };
 // Deviation codes (steady.py: Deviation).
 enum Dev : int32_t {
   DEV_NONE = 0, DEV_SIZE = 1, DEV_HASH = 2, DEV_LIVE = 3, DEV_BUFFER = 4, DEV_CALL = 5, DEV_DEVICE = 6,
-  DEV_STREAM = 7, DEV_NO_TABLE = 8
+  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9
 };
 
 }  // namespace
 
 // The CUDA calls decisions make; each returns the CUDA error code (0: cudaSuccess).
-// A NULL entry with a decision due disarms the schedule. copy_stream: where prefetches
-// go (NULL: the caller's stream); discard_stream: where discards and discard-and-
-// prefetches go (NULL: the caller's stream). Populates run on the caller's stream.
+// A NULL entry with a decision due disarms the schedule. A decision with its own stream
+// (non-zero) runs there. Otherwise: copy_stream is where prefetches go (NULL: the
+// caller's stream); discard_stream where discards and discard-and-prefetches go (NULL:
+// the caller's stream); populates, event records and waits run on the caller's stream.
+// Prefetches, populates and advice make one call per range; a discard or discard-and-
+// prefetch one call with all its ranges (device -1: the host).
 struct umrt_cuda_table {
   int (*prefetch)(uint64_t ptr, uint64_t nbytes, int device, void* stream);
-  int (*discard)(uint64_t ptr, uint64_t nbytes, void* stream);
-  int (*discard_prefetch)(uint64_t ptr, uint64_t nbytes, int device, void* stream);
+  int (*discard)(const uint64_t* ptrs, const uint64_t* lens, int64_t n, void* stream);
+  int (*discard_prefetch)(const uint64_t* ptrs, const uint64_t* lens, int64_t n, int device, void* stream);
   int (*populate)(uint64_t ptr, uint64_t nbytes, int device, void* stream);
   int (*advise)(uint64_t ptr, uint64_t nbytes, int advice, int device);
+  int (*record_event)(uint64_t event, void* stream);
+  int (*wait_event)(void* stream, uint64_t event);
   void* copy_stream;
   void* discard_stream;
 };
@@ -84,6 +103,7 @@ struct Schedule {
   // [free_begin[i], free_begin[i+1]); decision d's ranges are [range_begin[d], range_begin[d+1]).
   std::vector<int64_t> alloc_begin, free_begin, range_begin;
   std::vector<int32_t> dec_kind, dec_device, dec_advice;
+  std::vector<uint64_t> dec_stream, dec_event;  // 0: the table's / caller's stream; the event handle
   std::vector<uint64_t> range_ptr, range_len;
   umrt_cuda_table table{};
   // State.
@@ -122,40 +142,72 @@ const char* call_name(int32_t kind) {
     case DISCARD: return "discard";
     case DISCARD_PREFETCH: return "discard_prefetch";
     case POPULATE: return "populate";
-    default: return "advise";
+    case ADVISE: return "advise";
+    case RECORD_EVENT: return "record_event";
+    default: return "wait_event";
   }
 }
 
-// Run decisions [begin, end) on `stream`; false (disarmed) at the first that fails.
+void* as_stream(uint64_t handle) { return reinterpret_cast<void*>(static_cast<uintptr_t>(handle)); }
+
+bool table_has(const umrt_cuda_table& t, int32_t kind) {
+  switch (kind) {
+    case PREFETCH: return t.prefetch != nullptr;
+    case DISCARD: return t.discard != nullptr;
+    case DISCARD_PREFETCH: return t.discard_prefetch != nullptr;
+    case POPULATE: return t.populate != nullptr;
+    case ADVISE: return t.advise != nullptr;
+    case RECORD_EVENT: return t.record_event != nullptr;
+    default: return t.wait_event != nullptr;
+  }
+}
+
+// Run decisions [begin, end) for a call on `stream`; false (disarmed) at the first that fails.
 bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const char* where, int64_t ordinal) {
   const umrt_cuda_table& t = s->table;
   for (int64_t d = begin; d < end; ++d) {
     const int32_t kind = s->dec_kind[d], device = s->dec_device[d], advice = s->dec_advice[d];
-    bool has = (kind == PREFETCH && t.prefetch) || (kind == DISCARD && t.discard) ||
-               (kind == DISCARD_PREFETCH && t.discard_prefetch) || (kind == POPULATE && t.populate) ||
-               (kind == ADVISE && t.advise);
-    if (!has) {
+    const uint64_t own = s->dec_stream[d], event = s->dec_event[d];
+    if (!table_has(t, kind)) {
       deviate(s, DEV_NO_TABLE, ordinal, "%s of allocation %lld: the CUDA table has no %s", where,
               static_cast<long long>(ordinal), call_name(kind));
       return false;
     }
-    for (int64_t r = s->range_begin[d]; r < s->range_begin[d + 1]; ++r) {
-      const uint64_t p = s->range_ptr[r], n = s->range_len[r];
-      int rc = 0;
-      switch (kind) {
-        case PREFETCH: rc = t.prefetch(p, n, device, t.copy_stream ? t.copy_stream : stream); break;
-        case DISCARD: rc = t.discard(p, n, t.discard_stream ? t.discard_stream : stream); break;
-        case DISCARD_PREFETCH:
-          rc = t.discard_prefetch(p, n, device, t.discard_stream ? t.discard_stream : stream); break;
-        case POPULATE: rc = t.populate(p, n, device, stream); break;
-        default: rc = t.advise(p, n, advice, device); break;
+    const int64_t r0 = s->range_begin[d], r1 = s->range_begin[d + 1];
+    int rc = 0;
+    char what[128];
+    if (kind == DISCARD || kind == DISCARD_PREFETCH) {
+      void* on = own ? as_stream(own) : (t.discard_stream ? t.discard_stream : stream);
+      rc = kind == DISCARD ? t.discard(s->range_ptr.data() + r0, s->range_len.data() + r0, r1 - r0, on)
+                           : t.discard_prefetch(s->range_ptr.data() + r0, s->range_len.data() + r0, r1 - r0, device, on);
+      snprintf(what, sizeof what, "%s(%lld ranges from 0x%llx)", call_name(kind), static_cast<long long>(r1 - r0),
+               static_cast<unsigned long long>(r1 > r0 ? s->range_ptr[r0] : 0));
+    } else if (kind == RECORD_EVENT || kind == WAIT_EVENT) {
+      void* on = own ? as_stream(own) : stream;
+      rc = kind == RECORD_EVENT ? t.record_event(event, on) : t.wait_event(on, event);
+      snprintf(what, sizeof what, "%s(event 0x%llx, stream 0x%llx)", call_name(kind),
+               static_cast<unsigned long long>(event),
+               static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(on)));
+    } else {
+      for (int64_t r = r0; r < r1 && rc == 0; ++r) {
+        const uint64_t p = s->range_ptr[r], n = s->range_len[r];
+        switch (kind) {
+          case PREFETCH:
+            rc = t.prefetch(p, n, device, own ? as_stream(own) : (t.copy_stream ? t.copy_stream : stream));
+            break;
+          case POPULATE: rc = t.populate(p, n, device, own ? as_stream(own) : stream); break;
+          default: rc = t.advise(p, n, advice, device); break;
+        }
+        if (rc != 0) {
+          snprintf(what, sizeof what, "%s(0x%llx, %llu)", call_name(kind), static_cast<unsigned long long>(p),
+                   static_cast<unsigned long long>(n));
+        }
       }
-      if (rc != 0) {
-        deviate(s, DEV_CALL, ordinal, "%s of allocation %lld: %s(0x%llx, %llu) failed with CUDA error %d", where,
-                static_cast<long long>(ordinal), call_name(kind), static_cast<unsigned long long>(p),
-                static_cast<unsigned long long>(n), rc);
-        return false;
-      }
+    }
+    if (rc != 0) {
+      deviate(s, DEV_CALL, ordinal, "%s of allocation %lld: %s failed with CUDA error %d", where,
+              static_cast<long long>(ordinal), what, rc);
+      return false;
     }
   }
   return true;
@@ -241,7 +293,7 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
 UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uint64_t* addrs,
                                      const int64_t* alloc_begin, const int64_t* free_begin, int64_t n_decisions,
                                      const int32_t* dec_kind, const int32_t* dec_device, const int32_t* dec_advice,
-                                     const int64_t* range_begin, int64_t n_ranges, const uint64_t* range_ptr,
+                                     const uint64_t* dec_stream, const uint64_t* dec_event, const int64_t* range_begin, int64_t n_ranges, const uint64_t* range_ptr,
                                      const uint64_t* range_len, int64_t capacity) {
   if (n <= 0 || n_decisions < 0 || n_ranges < 0 || capacity < 3) return nullptr;
   Schedule* s = new (std::nothrow) Schedule();
@@ -253,6 +305,8 @@ UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uin
   s->dec_kind.assign(dec_kind, dec_kind + n_decisions);
   s->dec_device.assign(dec_device, dec_device + n_decisions);
   s->dec_advice.assign(dec_advice, dec_advice + n_decisions);
+  s->dec_stream.assign(dec_stream, dec_stream + n_decisions);
+  s->dec_event.assign(dec_event, dec_event + n_decisions);
   s->range_begin.assign(range_begin, range_begin + n_decisions + 1);
   s->range_ptr.assign(range_ptr, range_ptr + n_ranges);
   s->range_len.assign(range_len, range_len + n_ranges);
@@ -260,7 +314,9 @@ UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uin
   for (int64_t i = 0; ok && i < n; ++i) {
     ok = s->alloc_begin[i] <= s->alloc_begin[i + 1] && s->free_begin[i] <= s->free_begin[i + 1] && sizes[i] > 0;
   }
-  for (int64_t d = 0; ok && d < n_decisions; ++d) ok = s->range_begin[d] <= s->range_begin[d + 1];
+  for (int64_t d = 0; ok && d < n_decisions; ++d) {
+    ok = s->range_begin[d] <= s->range_begin[d + 1] && dec_kind[d] >= 0 && dec_kind[d] < kKinds;
+  }
   if (!ok) {
     delete s;
     return nullptr;
@@ -316,6 +372,54 @@ UMRT_EXPORT int umrt_steady_free(void* handle, uint64_t ptr, uint64_t size, int 
   Schedule* s = static_cast<Schedule*>(handle);
   std::lock_guard<std::mutex> lock(s->mu);
   return serve_free(s, ptr, stream);
+}
+
+// Hand blocks live before arming to the schedule: block k at addrs[k] was allocation
+// ordinals[k] of the recorded iteration (its size: that allocation's). Their frees then
+// run their free decisions and emit EV_FREE. All or nothing: returns 0, or k + 1 for the
+// first block rejected (an ordinal outside the schedule, or overlapping a live block or
+// an earlier block of the call), adopting none.
+UMRT_EXPORT int64_t umrt_steady_adopt(void* handle, int64_t n, const uint64_t* addrs, const int64_t* ordinals) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  const int64_t total = static_cast<int64_t>(s->sizes.size());
+  std::map<uint64_t, std::pair<uint64_t, int64_t>> added;
+  for (int64_t k = 0; k < n; ++k) {
+    if (ordinals[k] < 0 || ordinals[k] >= total) return k + 1;
+    const uint64_t start = addrs[k], end = start + s->sizes[ordinals[k]];
+    if (overlapping(s, start, end) != s->live.end()) return k + 1;
+    auto it = added.upper_bound(start);
+    if (it != added.begin() && std::prev(it)->second.first > start) return k + 1;
+    if (it != added.end() && it->first < end) return k + 1;
+    added.emplace(start, std::make_pair(end, ordinals[k]));
+  }
+  s->live.insert(added.begin(), added.end());
+  return 0;
+}
+
+// Stop serving and hand every live block back (ascending addresses): disarms (if armed:
+// deviation STOPPED, "stopped by Python") and empties the live map, so later frees of
+// those blocks return 0 (the caller frees them). Buffered events stay drainable. Returns
+// how many blocks; if more than `max` are live, returns minus that count and changes nothing.
+UMRT_EXPORT int64_t umrt_steady_disown(void* handle, int64_t max, uint64_t* out_addrs, uint64_t* out_sizes,
+                                       int64_t* out_ordinals) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  const int64_t live = static_cast<int64_t>(s->live.size());
+  if (live > max) return -live;
+  if (s->armed) {
+    const int64_t n = static_cast<int64_t>(s->sizes.size());
+    deviate(s, DEV_STOPPED, s->position == n ? 0 : s->position, "stopped by Python");
+  }
+  int64_t k = 0;
+  for (const auto& [start, entry] : s->live) {
+    out_addrs[k] = start;
+    out_sizes[k] = entry.first - start;
+    out_ordinals[k] = entry.second;
+    ++k;
+  }
+  s->live.clear();
+  return k;
 }
 
 // Move up to `max` buffered events, oldest first, into the arrays; returns how many.
@@ -394,4 +498,201 @@ UMRT_EXPORT int64_t umrt_steady_run(void* handle, int64_t n_ops, const int32_t* 
   }
   const auto t1 = std::chrono::steady_clock::now();
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
+}
+
+// ---------------------------------------------------------------------------
+// A table over the real CUDA runtime (libcudart), found with dlopen: no CUDA headers.
+// The few CUDA types, with the values of the CUDA 13.0 headers in /usr/local/cuda/include:
+// ---------------------------------------------------------------------------
+namespace {
+
+using cudaError = int;  // cudaError_t (driver_types.h): an enum, 0 = cudaSuccess
+// enum cudaMemLocationType (driver_types.h:2132): cudaMemLocationTypeDevice = 1, cudaMemLocationTypeHost = 2.
+constexpr int kLocationDevice = 1;
+constexpr int kLocationHost = 2;
+// struct cudaMemLocation (driver_types.h:2147): { enum cudaMemLocationType type; int id; }.
+struct CudaMemLocation {
+  int type;
+  int id;
+};
+static_assert(sizeof(CudaMemLocation) == 8, "cudaMemLocation is two ints");
+static_assert(sizeof(void*) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t),
+              "the batch calls take the range arrays as void** / size_t* directly");
+
+// cuda_runtime_api.h (13.0), the lines named:
+// 7152: cudaMemPrefetchAsync(const void*, size_t, struct cudaMemLocation, unsigned int flags, cudaStream_t)
+//       (CUDA 12.2+: the same shape is cudaMemPrefetchAsync_v2)
+using PrefetchLocFn = cudaError (*)(const void*, size_t, CudaMemLocation, unsigned int, void*);
+// 7399: cudaMemAdvise(const void*, size_t, enum cudaMemoryAdvise, struct cudaMemLocation)  (12.2+: _v2)
+using AdviseLocFn = cudaError (*)(const void*, size_t, int, CudaMemLocation);
+// CUDA 12 before 12.2: cudaMemPrefetchAsync(const void*, size_t, int dstDevice, cudaStream_t) and
+// cudaMemAdvise(const void*, size_t, enum cudaMemoryAdvise, int device); -1 = cudaCpuDeviceId
+// (driver_types.h:165), what umrt's CUDA 12 adapter (CupyApi) passes.
+using PrefetchDevFn = cudaError (*)(const void*, size_t, int, void*);
+using AdviseDevFn = cudaError (*)(const void*, size_t, int, int);
+// 7226: cudaMemDiscardBatchAsync(void** dptrs, size_t* sizes, size_t count, unsigned long long flags, cudaStream_t)
+using DiscardFn = cudaError (*)(void**, size_t*, size_t, unsigned long long, void*);
+// 7274: cudaMemDiscardAndPrefetchBatchAsync(void** dptrs, size_t* sizes, size_t count, struct cudaMemLocation*
+//       prefetchLocs, size_t* prefetchLocIdxs, size_t numPrefetchLocs, unsigned long long flags, cudaStream_t)
+using DiscardPrefetchFn = cudaError (*)(void**, size_t*, size_t, CudaMemLocation*, size_t*, size_t, unsigned long long,
+                                        void*);
+// 2839: cudaEventRecord(cudaEvent_t, cudaStream_t); 2221: cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int)
+using RecordFn = cudaError (*)(void*, void*);
+using WaitFn = cudaError (*)(void*, void*, unsigned int);
+using VersionFn = cudaError (*)(int*);
+
+// The entry points of the runtime last given to umrt_steady_cudart_table (one per process).
+struct Cudart {
+  PrefetchLocFn prefetch_loc = nullptr;
+  AdviseLocFn advise_loc = nullptr;
+  PrefetchDevFn prefetch_dev = nullptr;
+  AdviseDevFn advise_dev = nullptr;
+  DiscardFn discard = nullptr;
+  DiscardPrefetchFn discard_prefetch = nullptr;
+  RecordFn record = nullptr;
+  WaitFn wait = nullptr;
+};
+Cudart g_cudart;
+
+// umrt's device -> cudaMemLocation, as BindingsApi._location: -1 (HOST) -> {Host, 0}, else {Device, id}.
+CudaMemLocation location_of(int device) {
+  return device == -1 ? CudaMemLocation{kLocationHost, 0} : CudaMemLocation{kLocationDevice, device};
+}
+
+void* as_ptr(uint64_t p) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p)); }
+
+int cudart_prefetch(uint64_t ptr, uint64_t nbytes, int device, void* stream) {
+  if (g_cudart.prefetch_loc) return g_cudart.prefetch_loc(as_ptr(ptr), nbytes, location_of(device), 0, stream);
+  return g_cudart.prefetch_dev(as_ptr(ptr), nbytes, device, stream);
+}
+
+int cudart_advise(uint64_t ptr, uint64_t nbytes, int advice, int device) {
+  if (g_cudart.advise_loc) return g_cudart.advise_loc(as_ptr(ptr), nbytes, advice, location_of(device));
+  return g_cudart.advise_dev(as_ptr(ptr), nbytes, advice, device);
+}
+
+int cudart_discard(const uint64_t* ptrs, const uint64_t* lens, int64_t n, void* stream) {
+  return g_cudart.discard(reinterpret_cast<void**>(const_cast<uint64_t*>(ptrs)),
+                          reinterpret_cast<size_t*>(const_cast<uint64_t*>(lens)), static_cast<size_t>(n), 0, stream);
+}
+
+int cudart_discard_prefetch(const uint64_t* ptrs, const uint64_t* lens, int64_t n, int device, void* stream) {
+  // As BindingsApi.discard_and_prefetch_batch: one location for all ranges, index 0, flags 0.
+  CudaMemLocation loc = location_of(device);
+  size_t first = 0;
+  return g_cudart.discard_prefetch(reinterpret_cast<void**>(const_cast<uint64_t*>(ptrs)),
+                                   reinterpret_cast<size_t*>(const_cast<uint64_t*>(lens)), static_cast<size_t>(n),
+                                   &loc, &first, 1, 0, stream);
+}
+
+int cudart_record_event(uint64_t event, void* stream) { return g_cudart.record(as_ptr(event), stream); }
+
+int cudart_wait_event(void* stream, uint64_t event) { return g_cudart.wait(stream, as_ptr(event), 0); }
+
+void put_error(char* err, int64_t errlen, const char* fmt, const char* a, const char* b) {
+  if (err && errlen > 0) snprintf(err, static_cast<size_t>(errlen), fmt, a, b);
+}
+
+}  // namespace
+
+// Fill `out` with adapters over the libcudart at `path` (the one the process loaded:
+// dlopen RTLD_NOLOAD first, else loaded now). CUDA 13 runtimes: the cudaMemLocation
+// shapes and both batch discards; CUDA 12 (cudaRuntimeGetVersion < 13000): the _v2
+// location shapes where present (12.2+), else the device-id shapes, and no discards
+// (NULL: a due discard disarms the schedule). copy_stream / discard_stream are NULL.
+// Returns the runtime version, or 0 with a message in `err`. The adapters are
+// process-wide: a later call points every table it filled at the new runtime.
+UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_table* out, char* err,
+                                         int64_t errlen) {
+  if (!libcudart_path || !out) {
+    put_error(err, errlen, "%s%s", "no libcudart path or no table to fill", "");
+    return 0;
+  }
+  void* lib = dlopen(libcudart_path, RTLD_NOW | RTLD_NOLOAD);
+  if (!lib) lib = dlopen(libcudart_path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    const char* why = dlerror();
+    put_error(err, errlen, "dlopen(%s) failed: %s", libcudart_path, why ? why : "unknown error");
+    return 0;
+  }
+  auto get_version = reinterpret_cast<VersionFn>(dlsym(lib, "cudaRuntimeGetVersion"));
+  int version = 0;
+  if (!get_version || get_version(&version) != 0 || version <= 0) {
+    put_error(err, errlen, "%s: %s", libcudart_path, "cudaRuntimeGetVersion is missing or failed");
+    return 0;
+  }
+  Cudart c;
+  if (version >= 13000) {
+    c.prefetch_loc = reinterpret_cast<PrefetchLocFn>(dlsym(lib, "cudaMemPrefetchAsync"));
+    c.advise_loc = reinterpret_cast<AdviseLocFn>(dlsym(lib, "cudaMemAdvise"));
+    c.discard = reinterpret_cast<DiscardFn>(dlsym(lib, "cudaMemDiscardBatchAsync"));
+    c.discard_prefetch = reinterpret_cast<DiscardPrefetchFn>(dlsym(lib, "cudaMemDiscardAndPrefetchBatchAsync"));
+  } else {
+    c.prefetch_loc = reinterpret_cast<PrefetchLocFn>(dlsym(lib, "cudaMemPrefetchAsync_v2"));
+    c.advise_loc = reinterpret_cast<AdviseLocFn>(dlsym(lib, "cudaMemAdvise_v2"));
+    if (!c.prefetch_loc) c.prefetch_dev = reinterpret_cast<PrefetchDevFn>(dlsym(lib, "cudaMemPrefetchAsync"));
+    if (!c.advise_loc) c.advise_dev = reinterpret_cast<AdviseDevFn>(dlsym(lib, "cudaMemAdvise"));
+  }
+  c.record = reinterpret_cast<RecordFn>(dlsym(lib, "cudaEventRecord"));
+  c.wait = reinterpret_cast<WaitFn>(dlsym(lib, "cudaStreamWaitEvent"));
+  const char* missing = nullptr;
+  if (!c.prefetch_loc && !c.prefetch_dev) missing = "cudaMemPrefetchAsync";
+  else if (!c.advise_loc && !c.advise_dev) missing = "cudaMemAdvise";
+  else if (version >= 13000 && !c.discard) missing = "cudaMemDiscardBatchAsync";
+  else if (version >= 13000 && !c.discard_prefetch) missing = "cudaMemDiscardAndPrefetchBatchAsync";
+  else if (!c.record) missing = "cudaEventRecord";
+  else if (!c.wait) missing = "cudaStreamWaitEvent";
+  if (missing) {
+    put_error(err, errlen, "%s has no %s", libcudart_path, missing);
+    return 0;
+  }
+  g_cudart = c;
+  *out = umrt_cuda_table{};
+  out->prefetch = &cudart_prefetch;
+  out->populate = &cudart_prefetch;
+  out->advise = &cudart_advise;
+  out->discard = c.discard ? &cudart_discard : nullptr;
+  out->discard_prefetch = c.discard_prefetch ? &cudart_discard_prefetch : nullptr;
+  out->record_event = &cudart_record_event;
+  out->wait_event = &cudart_wait_event;
+  return version;
+}
+
+// ---------------------------------------------------------------------------
+// A table that only counts its calls (per kind, atomically) and succeeds: benches and tests.
+// ---------------------------------------------------------------------------
+namespace {
+
+std::atomic<int64_t> g_counted[kKinds];
+
+int count_prefetch(uint64_t, uint64_t, int, void*) { g_counted[PREFETCH].fetch_add(1, std::memory_order_relaxed); return 0; }
+int count_discard(const uint64_t*, const uint64_t*, int64_t, void*) {
+  g_counted[DISCARD].fetch_add(1, std::memory_order_relaxed);
+  return 0;
+}
+int count_discard_prefetch(const uint64_t*, const uint64_t*, int64_t, int, void*) {
+  g_counted[DISCARD_PREFETCH].fetch_add(1, std::memory_order_relaxed);
+  return 0;
+}
+int count_populate(uint64_t, uint64_t, int, void*) { g_counted[POPULATE].fetch_add(1, std::memory_order_relaxed); return 0; }
+int count_advise(uint64_t, uint64_t, int, int) { g_counted[ADVISE].fetch_add(1, std::memory_order_relaxed); return 0; }
+int count_record(uint64_t, void*) { g_counted[RECORD_EVENT].fetch_add(1, std::memory_order_relaxed); return 0; }
+int count_wait(void*, uint64_t) { g_counted[WAIT_EVENT].fetch_add(1, std::memory_order_relaxed); return 0; }
+
+}  // namespace
+
+// Fill `out` with the counting functions (streams NULL).
+UMRT_EXPORT void umrt_steady_counting_table(umrt_cuda_table* out) {
+  *out = umrt_cuda_table{&count_prefetch, &count_discard, &count_discard_prefetch, &count_populate, &count_advise,
+                         &count_record, &count_wait, nullptr, nullptr};
+}
+
+// The calls counted per kind (Kind order: prefetch, discard, discard_prefetch, populate,
+// advise, record_event, wait_event) since the last reset.
+UMRT_EXPORT void umrt_steady_counted(int64_t* out7) {
+  for (int k = 0; k < kKinds; ++k) out7[k] = g_counted[k].load(std::memory_order_relaxed);
+}
+
+UMRT_EXPORT void umrt_steady_counted_reset() {
+  for (int k = 0; k < kKinds; ++k) g_counted[k].store(0, std::memory_order_relaxed);
 }

@@ -50,14 +50,18 @@ def both(lib, arrays, capacity=steady.DEFAULT_CAPACITY):
 
 
 class LogTable:
-    """A CudaTable that logs its calls (and fails the ones listed in ``fail``)."""
+    """A CudaTable that logs its calls (fails the ones listed in ``fail``, lacks those in ``lacks``)."""
 
     copy_stream = None
     discard_stream = None
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), lacks=()):
         self.calls = []
         self.fail = set(fail)
+        self.lacks = set(lacks)
+
+    def provides(self, kind):
+        return steady._CALL_NAMES[kind] not in self.lacks
 
     def _log(self, *call):
         self.calls.append(call)
@@ -66,17 +70,23 @@ class LogTable:
     def prefetch(self, p, n, device, stream):
         return self._log("prefetch", p, n, device, stream)
 
-    def discard(self, p, n, stream):
-        return self._log("discard", p, n, stream)
+    def discard(self, ranges, stream):
+        return self._log("discard", tuple(ranges), stream)
 
-    def discard_prefetch(self, p, n, device, stream):
-        return self._log("discard_prefetch", p, n, device, stream)
+    def discard_prefetch(self, ranges, device, stream):
+        return self._log("discard_prefetch", tuple(ranges), device, stream)
 
     def populate(self, p, n, device, stream):
         return self._log("populate", p, n, device, stream)
 
     def advise(self, p, n, advice, device):
         return self._log("advise", p, n, advice, device)
+
+    def record_event(self, event, stream):
+        return self._log("record_event", event, stream)
+
+    def wait_event(self, stream, event):
+        return self._log("wait_event", stream, event)
 
 
 # -- compiling -------------------------------------------------------------------------
@@ -100,10 +110,10 @@ def test_compile_keys_decisions_by_position_and_coalesces_same_kind():
     arrays = compile_schedule(rec)
     assert arrays.sizes == [MiB, 2 * MiB] and arrays.addrs == [a, b]
     at0 = arrays.decisions(arrays.alloc_begin[0], arrays.alloc_begin[1])
-    assert at0 == [(P, 0, 0, [(a, 2 * MiB)]), (P, HOST, 0, [(b, MiB)]), (ADV, 0, 1, [(a, MiB)])]
+    assert at0 == [(P, 0, 0, [(a, 2 * MiB)], 0, 0), (P, HOST, 0, [(b, MiB)], 0, 0), (ADV, 0, 1, [(a, MiB)], 0, 0)]
     assert arrays.alloc_begin[1] == arrays.alloc_begin[2]
     free0 = arrays.decisions(arrays.free_begin[0], arrays.free_begin[1])
-    assert free0 == [(D, 0, 0, [(a + 64 * 1024, 3 * MiB - 64 * 1024)])]
+    assert free0 == [(D, 0, 0, [(a + 64 * 1024, 3 * MiB - 64 * 1024)], 0, 0)]
     assert arrays.free_begin[1] == arrays.free_begin[2] == len(arrays.dec_kind)
 
 
@@ -175,7 +185,7 @@ def test_twins_serve_the_same_addresses_events_and_calls(lib):
     first = [(EV_ALLOC, 0, a, 100), (EV_ALLOC, 1, b, 200), (EV_FREE, 0, a, 100), (EV_ALLOC, 2, c, 300),
              (EV_FREE, 1, b, 200), (EV_FREE, 2, c, 300)]
     assert events == first + [(EV_BOUNDARY, 1, 0, 0)] + first + [(EV_BOUNDARY, 2, 0, 0)] + first
-    assert calls == [("prefetch", a, 100, 0, 0), ("discard", a, 1 << 20, 0), ("advise", c, 300, 3, 0)] * 3
+    assert calls == [("prefetch", a, 100, 0, 0), ("discard", ((a, 1 << 20),), 0), ("advise", c, 300, 3, 0)] * 3
 
 
 @pytest.mark.parametrize("size, code, message", [

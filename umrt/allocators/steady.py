@@ -39,6 +39,7 @@ import bisect
 import ctypes
 import enum
 import functools
+import hashlib
 import re
 import sys
 import threading
@@ -50,6 +51,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
+from umrt.backends.cuda import CudaApi
 from umrt.errors import CudaError, UmrtError
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
@@ -71,6 +73,8 @@ class DecisionKind(enum.IntEnum):
     DISCARD_PREFETCH = 2  # discard and prefetch to ``device``, on the discard stream
     POPULATE = 3  # prefetch to ``device`` on the caller's (compute) stream
     ADVISE = 4  # cudaMemAdvise(advice, device)
+    RECORD_EVENT = 5  # cudaEventRecord(event, stream)
+    WAIT_EVENT = 6  # cudaStreamWaitEvent(stream, event, 0)
 
 
 class Deviation(enum.IntEnum):
@@ -85,11 +89,13 @@ class Deviation(enum.IntEnum):
     DEVICE = 6
     STREAM = 7
     NO_TABLE = 8
+    STOPPED = 9  # disown() while armed: "stopped by Python"
 
 
 _CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
                DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
-               DecisionKind.ADVISE: "advise"}
+               DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
+               DecisionKind.WAIT_EVENT: "wait_event"}
 
 
 def mix(h: int, size: int) -> int:
@@ -104,21 +110,27 @@ def mix(h: int, size: int) -> int:
 class CudaTable(Protocol):
     """The CUDA calls a schedule's decisions make; each returns 0 or a CUDA error code.
 
-    ``copy_stream`` / ``discard_stream``: where prefetches / discards go (``None``: the
-    stream the allocation or free was called with); populates go to that stream.
+    A decision with its own stream (non-zero) runs there. Otherwise ``copy_stream`` /
+    ``discard_stream`` is where prefetches / discards go (``None`` or 0: the stream the
+    allocation or free was called with); populates, event records and waits go to that
+    stream. :meth:`provides` says which calls exist (a due decision without its call
+    disarms the schedule, as a NULL entry of the C table does).
     """
 
     copy_stream: int | None
     discard_stream: int | None
 
+    def provides(self, kind: DecisionKind) -> bool:
+        """Whether the table has the call for decisions of ``kind``."""
+
     def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
         """cudaMemPrefetchAsync to ``device`` (HOST: -1)."""
 
-    def discard(self, ptr: int, nbytes: int, stream: int) -> int:
-        """cudaMemDiscardBatchAsync of one range."""
+    def discard(self, ranges: Sequence[Range], stream: int) -> int:
+        """cudaMemDiscardBatchAsync of all ``ranges`` (one call)."""
 
-    def discard_prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
-        """cudaMemDiscardAndPrefetchBatchAsync of one range."""
+    def discard_prefetch(self, ranges: Sequence[Range], device: int, stream: int) -> int:
+        """cudaMemDiscardAndPrefetchBatchAsync of all ``ranges`` to ``device`` (one call)."""
 
     def populate(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
         """cudaMemPrefetchAsync to the GPU on the compute stream."""
@@ -126,17 +138,27 @@ class CudaTable(Protocol):
     def advise(self, ptr: int, nbytes: int, advice: int, device: int) -> int:
         """cudaMemAdvise."""
 
+    def record_event(self, event: int, stream: int) -> int:
+        """cudaEventRecord."""
+
+    def wait_event(self, stream: int, event: int) -> int:
+        """cudaStreamWaitEvent (flags 0)."""
+
 
 class ApiTable:
     """A :class:`CudaTable` over a :class:`umrt.backends.cuda.CudaApi` (the adapters
     ``CudaBackend`` calls; tests give it the fake runtime). A failed call returns 1 and
-    keeps its message in ``errors``."""
+    keeps its message in ``errors``. Without the batch calls (CUDA 12) it provides no
+    discards. Stream and event handles reach the api as integers."""
 
     def __init__(self, api: Any, copy_stream: int | None = None, discard_stream: int | None = None) -> None:
         self.api = api
         self.copy_stream = copy_stream
         self.discard_stream = discard_stream
         self.errors: list[str] = []
+
+    def provides(self, kind: DecisionKind) -> bool:
+        return bool(self.api.has_batch) or kind not in (DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH)
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> int:
         try:
@@ -149,17 +171,23 @@ class ApiTable:
     def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
         return self._run(self.api.prefetch, ptr, nbytes, device, stream)
 
-    def discard(self, ptr: int, nbytes: int, stream: int) -> int:
-        return self._run(self.api.discard_batch, [(ptr, nbytes)], stream)
+    def discard(self, ranges: Sequence[Range], stream: int) -> int:
+        return self._run(self.api.discard_batch, list(ranges), stream)
 
-    def discard_prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
-        return self._run(self.api.discard_and_prefetch_batch, [(ptr, nbytes)], device, stream)
+    def discard_prefetch(self, ranges: Sequence[Range], device: int, stream: int) -> int:
+        return self._run(self.api.discard_and_prefetch_batch, list(ranges), device, stream)
 
     def populate(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
         return self._run(self.api.prefetch, ptr, nbytes, device, stream)
 
     def advise(self, ptr: int, nbytes: int, advice: int, device: int) -> int:
         return self._run(self.api.advise, ptr, nbytes, Advice(advice), device)
+
+    def record_event(self, event: int, stream: int) -> int:
+        return self._run(self.api.record_event, event, stream)
+
+    def wait_event(self, stream: int, event: int) -> int:
+        return self._run(self.api.stream_wait_event, stream, event)
 
 
 # ---------------------------------------------------------------------------
@@ -182,15 +210,30 @@ class FreeAt:
 
 @dataclass(frozen=True)
 class CallAt:
-    """The runtime asked the backend for this (one Backend call)."""
+    """One call: a Backend call (:class:`RecordingBackend`; ``exact`` False, stream 0,
+    compiled merged and coalesced) or a CUDA API call with its exact arguments
+    (:class:`RecordingApi`; ``exact`` True, replayed verbatim on ``stream``, with ``event``
+    for RECORD_EVENT / WAIT_EVENT). Stream 0 means the table's copy / discard stream, else
+    the caller's stream (see :class:`CudaTable`)."""
 
     kind: DecisionKind
     ranges: tuple[Range, ...]
     device: int = 0
     advice: int = 0
+    stream: int = 0
+    event: int = 0
+    exact: bool = False
 
 
-Recorded = AllocAt | FreeAt | CallAt
+@dataclass(frozen=True)
+class Unschedulable:
+    """A CUDA API call a schedule cannot repeat (``name``: the :class:`CudaApi` method):
+    :func:`compile_schedule` refuses an iteration that made one."""
+
+    name: str
+
+
+Recorded = AllocAt | FreeAt | CallAt | Unschedulable
 
 
 class RecordingBackend(ForwardingBackend):
@@ -222,6 +265,87 @@ class RecordingBackend(ForwardingBackend):
         self._b.advise(ranges, advice, device)
 
 
+def _handle(handle: Any) -> int:
+    """A stream or event handle as an integer (``None``: 0; cuda-bindings handles convert with ``int``)."""
+    return 0 if handle is None else int(handle)
+
+
+class RecordingApi(CudaApi):
+    """A :class:`umrt.backends.cuda.CudaApi` that forwards every call to ``api`` and appends
+    the ones a schedule replays to ``log`` as exact :class:`CallAt` (prefetch, advise, the
+    batch discards, event records and waits, with their stream and event handles as
+    integers); calls that would make an iteration non-repeatable (``malloc_managed``,
+    ``free``, ``stream_synchronize``, ``create_event``, ``create_stream``) as
+    :class:`Unschedulable`. A call is logged before it is forwarded (a failed call too)."""
+
+    def __init__(self, api: CudaApi, log: list) -> None:
+        self.api = api
+        self.log = log
+        self.version = api.version
+        self.has_batch = api.has_batch
+
+    def device_count(self) -> int:
+        return self.api.device_count()
+
+    def set_device(self, device: int) -> None:
+        self.api.set_device(device)
+
+    def concurrent_managed_access(self, device: int) -> bool:
+        return self.api.concurrent_managed_access(device)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.api.mem_get_info()
+
+    def malloc_managed(self, nbytes: int) -> int:
+        self.log.append(Unschedulable("malloc_managed"))
+        return self.api.malloc_managed(nbytes)
+
+    def free(self, ptr: int) -> None:
+        self.log.append(Unschedulable("free"))
+        self.api.free(ptr)
+
+    def create_stream(self, blocking: bool = False) -> Any:
+        self.log.append(Unschedulable("create_stream"))
+        return self.api.create_stream(blocking)
+
+    def create_event(self) -> Any:
+        self.log.append(Unschedulable("create_event"))
+        return self.api.create_event()
+
+    def stream_synchronize(self, stream: Any) -> None:
+        self.log.append(Unschedulable("stream_synchronize"))
+        self.api.stream_synchronize(stream)
+
+    def record_event(self, event: Any, stream: Any) -> None:
+        self.log.append(CallAt(DecisionKind.RECORD_EVENT, (), stream=_handle(stream), event=_handle(event),
+                               exact=True))
+        self.api.record_event(event, stream)
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        self.log.append(CallAt(DecisionKind.WAIT_EVENT, (), stream=_handle(stream), event=_handle(event),
+                               exact=True))
+        self.api.stream_wait_event(stream, event)
+
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: Any) -> None:
+        self.log.append(CallAt(DecisionKind.PREFETCH, ((int(ptr), int(nbytes)),), device, stream=_handle(stream),
+                               exact=True))
+        self.api.prefetch(ptr, nbytes, device, stream)
+
+    def advise(self, ptr: int, nbytes: int, advice: Advice, device: int) -> None:
+        self.log.append(CallAt(DecisionKind.ADVISE, ((int(ptr), int(nbytes)),), device, int(advice), exact=True))
+        self.api.advise(ptr, nbytes, advice, device)
+
+    def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
+        self.log.append(CallAt(DecisionKind.DISCARD, tuple((int(p), int(n)) for p, n in ranges),
+                               stream=_handle(stream), exact=True))
+        self.api.discard_batch(ranges, stream)
+
+    def discard_and_prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
+        self.log.append(CallAt(DecisionKind.DISCARD_PREFETCH, tuple((int(p), int(n)) for p, n in ranges), device,
+                               stream=_handle(stream), exact=True))
+        self.api.discard_and_prefetch_batch(ranges, device, stream)
+
+
 class SteadyRecorder:
     """Records one iteration: the pool's allocations and frees and the backend calls
     between them, in order. Wrap the runtime's backend with :meth:`wrap` and add
@@ -235,6 +359,10 @@ class SteadyRecorder:
         """``backend``, recording its decision calls into this recorder."""
         return RecordingBackend(backend, self.log)
 
+    def wrap_api(self, api: CudaApi) -> RecordingApi:
+        """``api`` (a ``CudaBackend``'s adapter), recording its CUDA calls exactly into this recorder."""
+        return RecordingApi(api, self.log)
+
     def on_pool_event(self, what: str, ptr: int, nbytes: int) -> None:
         """A ``ManagedPool`` listener: ``("alloc" | "free", ptr, nbytes)``."""
         self.log.append(AllocAt(nbytes, ptr) if what == "alloc" else FreeAt(ptr))
@@ -243,6 +371,9 @@ class SteadyRecorder:
         """What was recorded since the last call (one iteration, if called at its boundaries)."""
         out, self.log[:] = list(self.log), []
         return out
+
+
+Decision = tuple[DecisionKind, int, int, list[Range], int, int]  # kind, device, advice, ranges, stream, event
 
 
 @dataclass
@@ -256,15 +387,18 @@ class ScheduleArrays:
     dec_kind: list[int] = field(default_factory=list)
     dec_device: list[int] = field(default_factory=list)
     dec_advice: list[int] = field(default_factory=list)
+    dec_stream: list[int] = field(default_factory=list)  # 0: the table's / caller's stream (CudaTable)
+    dec_event: list[int] = field(default_factory=list)  # RECORD_EVENT / WAIT_EVENT: the event handle
     range_begin: list[int] = field(default_factory=lambda: [0])  # decision d: [range_begin[d], [d+1])
     range_ptr: list[int] = field(default_factory=list)
     range_len: list[int] = field(default_factory=list)
 
-    def decisions(self, begin: int, end: int) -> list[tuple[DecisionKind, int, int, list[Range]]]:
-        """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges)``."""
+    def decisions(self, begin: int, end: int) -> list[Decision]:
+        """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges, stream, event)``."""
         return [(DecisionKind(self.dec_kind[d]), self.dec_device[d], self.dec_advice[d],
                  list(zip(self.range_ptr[self.range_begin[d]:self.range_begin[d + 1]],
-                          self.range_len[self.range_begin[d]:self.range_begin[d + 1]], strict=True)))
+                          self.range_len[self.range_begin[d]:self.range_begin[d + 1]], strict=True)),
+                 self.dec_stream[d], self.dec_event[d])
                 for d in range(begin, end)]
 
 
@@ -295,12 +429,38 @@ def _overlaps(a: list[Range], b: list[Range]) -> bool:
     return any(p < q + m and q < p + n for p, n in a for q, m in b)
 
 
-def _merge_calls(calls: list[CallAt], bounds) -> list[tuple[DecisionKind, int, int, list[Range]]]:
-    """Calls at one position -> decisions: a call joins the latest decision of its
-    (kind, device, advice) unless a later decision of another kind touches its ranges
-    (which would reorder them); ranges are coalesced, discards shrunk to whole pages."""
+def _exact_decision(call: CallAt) -> Decision:
+    """An exact (CUDA API level) call as one decision, verbatim. A prefetch on the NULL
+    stream (0) becomes a POPULATE: the caller's stream, whatever the table's copy stream."""
+    kind = call.kind
+    if kind == DecisionKind.PREFETCH and call.stream == 0:
+        kind = DecisionKind.POPULATE
+    advice = call.advice if kind == DecisionKind.ADVISE else 0
+    return (kind, call.device, advice, [(int(p), int(n)) for p, n in call.ranges], call.stream, call.event)
+
+
+def _merge_calls(calls: list[CallAt], bounds) -> list[Decision]:
+    """Calls at one position -> decisions. Exact calls are one decision each, in order.
+    Between them, a Backend call joins the latest decision of its (kind, device, advice)
+    unless a later decision of another kind touches its ranges (which would reorder
+    them); their ranges are coalesced, discards shrunk to whole pages."""
+    out: list[Decision] = []
     groups: list[tuple[tuple, list[Range]]] = []
+
+    def flush() -> None:
+        for (kind, device, advice), ranges in groups:
+            merged = coalesce(ranges, bounds)
+            if kind in (DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH):
+                merged = _shrink(merged)
+            if merged:
+                out.append((kind, device, advice, merged, 0, 0))
+        groups.clear()
+
     for call in calls:
+        if call.exact:
+            flush()
+            out.append(_exact_decision(call))
+            continue
         key = (call.kind, call.device, call.advice if call.kind == DecisionKind.ADVISE else 0)
         ranges = [(int(p), int(n)) for p, n in call.ranges]
         target = None
@@ -314,13 +474,7 @@ def _merge_calls(calls: list[CallAt], bounds) -> list[tuple[DecisionKind, int, i
             groups.append((key, ranges))
         else:
             groups[target][1].extend(ranges)
-    out = []
-    for (kind, device, advice), ranges in groups:
-        merged = coalesce(ranges, bounds)
-        if kind in (DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH):
-            merged = _shrink(merged)
-        if merged:
-            out.append((kind, device, advice, merged))
+    flush()
     return out
 
 
@@ -334,11 +488,12 @@ def compile_schedule(recorded: Sequence[Recorded],
     blocks the iteration did not allocate (allocated in an earlier iteration) key their
     calls by the ordinal of the allocation now at that address if any, else the calls
     go to the next allocation. ``bounds`` (``CudaBackend.allocation_of``) keeps
-    coalesced ranges inside one managed allocation.
+    coalesced ranges inside one managed allocation. Exact calls (:class:`RecordingApi`)
+    are compiled verbatim, in order: no merging, coalescing or reordering.
 
     Raises:
-        SteadyError: the iteration has no allocation, or an entry is not a
-            :class:`Recorded` one.
+        SteadyError: the iteration has no allocation, made an :class:`Unschedulable`
+            call, or an entry is not a :class:`Recorded` one.
     """
     sizes: list[int] = []
     addrs: list[int] = []
@@ -362,6 +517,9 @@ def compile_schedule(recorded: Sequence[Recorded],
             target = pending if ordinal is None else at_free.setdefault(ordinal, [])
         elif isinstance(entry, CallAt):
             (pending if target is None else target).append(entry)
+        elif isinstance(entry, Unschedulable):
+            raise SteadyError(f"the recorded iteration called {entry.name} (after allocation {len(sizes) - 1}): "
+                              "a steady schedule cannot repeat it")
         else:
             raise SteadyError(f"not a recorded allocation, free or call: {entry!r}")
     if not sizes:
@@ -373,10 +531,12 @@ def compile_schedule(recorded: Sequence[Recorded],
     for table, begins in ((decisions_alloc, arrays.alloc_begin), (decisions_free, arrays.free_begin)):
         begins.append(len(arrays.dec_kind))
         for decisions in table:
-            for kind, device, advice, ranges in decisions:
+            for kind, device, advice, ranges, stream, event in decisions:
                 arrays.dec_kind.append(int(kind))
                 arrays.dec_device.append(device)
                 arrays.dec_advice.append(advice)
+                arrays.dec_stream.append(stream)
+                arrays.dec_event.append(event)
                 for p, n in ranges:
                     arrays.range_ptr.append(p)
                     arrays.range_len.append(n)
@@ -447,6 +607,10 @@ class PythonSteadySchedule:
     def set_table(self, table: CudaTable | None) -> None:
         with self._lock:
             self._table = table
+
+    def set_c_table(self, table: CTable) -> None:
+        """A table of C functions (:func:`cudart_table`, :func:`counting_table`), called through ctypes."""
+        self.set_table(CFunctionTable(table))
 
     def arm(self, device: int = 0, stream: int = 0) -> None:
         with self._lock:
@@ -531,28 +695,77 @@ class PythonSteadySchedule:
         a = self.a
         for d in range(begin, end):
             kind, device, advice = a.dec_kind[d], a.dec_device[d], a.dec_advice[d]
+            own, event = a.dec_stream[d], a.dec_event[d]
             name = _CALL_NAMES[DecisionKind(kind)]
-            if t is None:
+            if t is None or not t.provides(DecisionKind(kind)):
                 self._deviate(Deviation.NO_TABLE, ordinal, f"{where} of allocation {ordinal}: the CUDA table has "
                               f"no {name}")
                 return False
-            for r in range(a.range_begin[d], a.range_begin[d + 1]):
-                p, n = a.range_ptr[r], a.range_len[r]
-                if kind == DecisionKind.PREFETCH:
-                    rc = t.prefetch(p, n, device, stream if t.copy_stream is None else t.copy_stream)
-                elif kind == DecisionKind.DISCARD:
-                    rc = t.discard(p, n, stream if t.discard_stream is None else t.discard_stream)
-                elif kind == DecisionKind.DISCARD_PREFETCH:
-                    rc = t.discard_prefetch(p, n, device, stream if t.discard_stream is None else t.discard_stream)
-                elif kind == DecisionKind.POPULATE:
-                    rc = t.populate(p, n, device, stream)
-                else:
-                    rc = t.advise(p, n, advice, device)
-                if rc != 0:
-                    self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {name}({p:#x}, {n}) "
-                                  f"failed with CUDA error {rc}")
-                    return False
+            r0, r1 = a.range_begin[d], a.range_begin[d + 1]
+            rc, what = 0, ""
+            if kind in (DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH):
+                on = own or t.discard_stream or stream
+                ranges = list(zip(a.range_ptr[r0:r1], a.range_len[r0:r1], strict=True))
+                rc = t.discard(ranges, on) if kind == DecisionKind.DISCARD else t.discard_prefetch(ranges, device, on)
+                what = f"{name}({r1 - r0} ranges from {a.range_ptr[r0] if r1 > r0 else 0:#x})"
+            elif kind in (DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT):
+                on = own or stream
+                rc = t.record_event(event, on) if kind == DecisionKind.RECORD_EVENT else t.wait_event(on, event)
+                what = f"{name}(event {event:#x}, stream {on:#x})"
+            else:
+                for r in range(r0, r1):
+                    p, n = a.range_ptr[r], a.range_len[r]
+                    if kind == DecisionKind.PREFETCH:
+                        rc = t.prefetch(p, n, device, own or t.copy_stream or stream)
+                    elif kind == DecisionKind.POPULATE:
+                        rc = t.populate(p, n, device, own or stream)
+                    else:
+                        rc = t.advise(p, n, advice, device)
+                    if rc != 0:
+                        what = f"{name}({p:#x}, {n})"
+                        break
+            if rc != 0:
+                self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
+                              f"CUDA error {rc}")
+                return False
         return True
+
+    def adopt(self, blocks: Iterable[tuple[int, int]]) -> None:
+        """Make live blocks the schedule's: ``(address, ordinal)``, a block allocated at
+        allocation ``ordinal`` of the recorded iteration (its size: ``sizes[ordinal]``).
+        Their frees then run their free decisions and emit EV_FREE. All or nothing.
+
+        Raises:
+            SteadyError: an ordinal outside the schedule, or a block overlapping a live one.
+        """
+        blocks = [(int(addr), int(ordinal)) for addr, ordinal in blocks]
+        with self._lock:
+            starts, ends = list(self._starts), {k: v[0] for k, v in self._live.items()}
+            for k, (addr, ordinal) in enumerate(blocks):
+                if not 0 <= ordinal < len(self.a.sizes):
+                    raise _adopt_error(k, addr, ordinal, self.a)
+                end = addr + self.a.sizes[ordinal]
+                i = bisect.bisect_right(starts, addr)
+                if (i and ends[starts[i - 1]] > addr) or (i < len(starts) and starts[i] < end):
+                    raise _adopt_error(k, addr, ordinal, self.a)
+                starts.insert(i, addr)
+                ends[addr] = end
+            for addr, ordinal in blocks:
+                bisect.insort(self._starts, addr)
+                self._live[addr] = (addr + self.a.sizes[ordinal], ordinal)
+
+    def disown(self) -> list[tuple[int, int, int]]:
+        """Disarm (if armed: deviation STOPPED) and hand back every live block as
+        ``(address, size, ordinal)``, ascending; later frees of them return False (the
+        caller frees them). Buffered events stay drainable."""
+        with self._lock:
+            if self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.STOPPED, 0 if self._position == n else self._position, "stopped by Python")
+            out = [(addr, self._live[addr][0] - addr, self._live[addr][1]) for addr in self._starts]
+            self._starts.clear()
+            self._live.clear()
+            return out
 
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         with self._lock:
@@ -569,25 +782,103 @@ class PythonSteadySchedule:
             return (self._position, self._iteration, len(self._live), len(self._events))
 
 
+def _adopt_error(k: int, addr: int, ordinal: int, arrays: ScheduleArrays) -> SteadyError:
+    """Why block ``k`` of an adopt call was rejected (the same words for both twins)."""
+    if not 0 <= ordinal < len(arrays.sizes):
+        return SteadyError(f"adopt: block {k} at {addr:#x}: allocation {ordinal} is not in the schedule "
+                           f"(0..{len(arrays.sizes) - 1})")
+    return SteadyError(f"adopt: block {k} at {addr:#x} (+{arrays.sizes[ordinal]}, allocation {ordinal}) overlaps "
+                       "a live block")
+
+
 def _check(arrays: ScheduleArrays, capacity: int) -> None:
     n = len(arrays.sizes)
     if n == 0 or len(arrays.addrs) != n or len(arrays.alloc_begin) != n + 1 or len(arrays.free_begin) != n + 1:
         raise SteadyError(f"inconsistent schedule arrays: {n} sizes, {len(arrays.addrs)} addresses, "
                           f"{len(arrays.alloc_begin)} / {len(arrays.free_begin)} decision offsets (need n + 1)")
+    nd = len(arrays.dec_kind)
+    if not len(arrays.dec_device) == len(arrays.dec_advice) == len(arrays.dec_stream) == len(arrays.dec_event) == nd:
+        raise SteadyError(f"inconsistent schedule arrays: {nd} decision kinds but {len(arrays.dec_device)} devices, "
+                          f"{len(arrays.dec_advice)} advices, {len(arrays.dec_stream)} streams, "
+                          f"{len(arrays.dec_event)} events")
+    if any(not 0 <= k < len(DecisionKind) for k in arrays.dec_kind):
+        raise SteadyError(f"inconsistent schedule arrays: a decision kind outside 0..{len(DecisionKind) - 1}")
     if capacity < 3:
         raise SteadyError(f"event buffer capacity {capacity}: it must hold at least 3 events")
 
 
 # ctypes signatures of the table's functions (kernels/steady_alloc.cpp: umrt_cuda_table).
+_u64p = ctypes.POINTER(ctypes.c_uint64)
 PREFETCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p)
-DISCARD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p)
+DISCARD_FN = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, ctypes.c_int64, ctypes.c_void_p)
+DISCARD_PREFETCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p)
 ADVISE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int)
+RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p)
+WAIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
 
 
-class _Table(ctypes.Structure):
-    _fields_ = [("prefetch", PREFETCH_FN), ("discard", DISCARD_FN), ("discard_prefetch", PREFETCH_FN),
-                ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("copy_stream", ctypes.c_void_p),
-                ("discard_stream", ctypes.c_void_p)]
+class CTable(ctypes.Structure):
+    """``struct umrt_cuda_table``: C function pointers (NULL: the call is missing) and
+    the copy / discard streams (NULL: the caller's). Made by :func:`cudart_table`,
+    :func:`counting_table`, or :meth:`NativeSteadySchedule.set_table` from a Python table."""
+
+    _fields_ = [("prefetch", PREFETCH_FN), ("discard", DISCARD_FN), ("discard_prefetch", DISCARD_PREFETCH_FN),
+                ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("record_event", RECORD_FN),
+                ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
+
+
+_Table = CTable  # the name bench/ and older callers use
+
+_C_FIELDS = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
+             DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
+             DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
+             DecisionKind.WAIT_EVENT: "wait_event"}
+
+
+def _c_ranges(ptrs: Any, lens: Any, n: int) -> list[Range]:
+    return [(int(ptrs[i]), int(lens[i])) for i in range(n)]
+
+
+class CFunctionTable:
+    """A :class:`CudaTable` that calls a :class:`CTable`'s C functions through ctypes
+    (how the Python twin runs the tables the native schedule runs)."""
+
+    def __init__(self, table: CTable) -> None:
+        self.c = table
+        self.copy_stream = table.copy_stream
+        self.discard_stream = table.discard_stream
+
+    def provides(self, kind: DecisionKind) -> bool:
+        return bool(getattr(self.c, _C_FIELDS[kind]))
+
+    @staticmethod
+    def _arrays(ranges: Sequence[Range]) -> tuple[Any, Any, int]:
+        n = len(ranges)
+        return ((ctypes.c_uint64 * max(1, n))(*(p for p, _ in ranges)),
+                (ctypes.c_uint64 * max(1, n))(*(m for _, m in ranges)), n)
+
+    def prefetch(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
+        return self.c.prefetch(ptr, nbytes, device, stream or None)
+
+    def discard(self, ranges: Sequence[Range], stream: int) -> int:
+        ptrs, lens, n = self._arrays(ranges)
+        return self.c.discard(ctypes.cast(ptrs, _u64p), ctypes.cast(lens, _u64p), n, stream or None)
+
+    def discard_prefetch(self, ranges: Sequence[Range], device: int, stream: int) -> int:
+        ptrs, lens, n = self._arrays(ranges)
+        return self.c.discard_prefetch(ctypes.cast(ptrs, _u64p), ctypes.cast(lens, _u64p), n, device, stream or None)
+
+    def populate(self, ptr: int, nbytes: int, device: int, stream: int) -> int:
+        return self.c.populate(ptr, nbytes, device, stream or None)
+
+    def advise(self, ptr: int, nbytes: int, advice: int, device: int) -> int:
+        return self.c.advise(ptr, nbytes, advice, device)
+
+    def record_event(self, event: int, stream: int) -> int:
+        return self.c.record_event(event, stream or None)
+
+    def wait_event(self, stream: int, event: int) -> int:
+        return self.c.wait_event(stream or None, event)
 
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., int]:
@@ -599,6 +890,26 @@ def _guarded(fn: Callable[..., int]) -> Callable[..., int]:
             print(f"umrt: steady schedule CUDA table call failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 999
     return call
+
+
+def _c_table_of(table: CudaTable) -> CTable:
+    """A :class:`CTable` of ctypes callbacks into a Python table (its missing calls: NULL)."""
+    fns = {
+        "prefetch": PREFETCH_FN(_guarded(table.prefetch)),
+        "discard": DISCARD_FN(_guarded(lambda ptrs, lens, n, stream: table.discard(_c_ranges(ptrs, lens, n), stream))),
+        "discard_prefetch": DISCARD_PREFETCH_FN(_guarded(
+            lambda ptrs, lens, n, device, stream: table.discard_prefetch(_c_ranges(ptrs, lens, n), device, stream))),
+        "populate": PREFETCH_FN(_guarded(table.populate)),
+        "advise": ADVISE_FN(_guarded(table.advise)),
+        "record_event": RECORD_FN(_guarded(table.record_event)),
+        "wait_event": WAIT_FN(_guarded(table.wait_event)),
+    }
+    c = CTable(copy_stream=table.copy_stream or None, discard_stream=table.discard_stream or None)
+    for kind, name in _C_FIELDS.items():
+        if table.provides(kind):
+            setattr(c, name, fns[name])
+    c.keep = fns  # the callbacks must outlive every call the schedule makes
+    return c
 
 
 def _stream_arg(stream: int | None) -> int:
@@ -622,6 +933,7 @@ class NativeSteadySchedule:
             n, (u64 * n)(*arrays.sizes), (u64 * n)(*arrays.addrs), (i64 * (n + 1))(*arrays.alloc_begin),
             (i64 * (n + 1))(*arrays.free_begin), nd, (i32 * max(1, nd))(*arrays.dec_kind),
             (i32 * max(1, nd))(*arrays.dec_device), (i32 * max(1, nd))(*arrays.dec_advice),
+            (u64 * max(1, nd))(*arrays.dec_stream), (u64 * max(1, nd))(*arrays.dec_event),
             (i64 * (nd + 1))(*arrays.range_begin), nr, (u64 * max(1, nr))(*arrays.range_ptr),
             (u64 * max(1, nr))(*arrays.range_len), capacity)
         if not self.handle:
@@ -641,16 +953,33 @@ class NativeSteadySchedule:
             self.lib.umrt_steady_set_table(self.handle, None)
             self._table_keep = None
             return
-        c = _Table(PREFETCH_FN(_guarded(table.prefetch)), DISCARD_FN(_guarded(table.discard)),
-                   PREFETCH_FN(_guarded(table.discard_prefetch)), PREFETCH_FN(_guarded(table.populate)),
-                   ADVISE_FN(_guarded(table.advise)), table.copy_stream, table.discard_stream)
-        self._table_keep = c  # the callbacks must outlive every call the schedule makes
-        self.lib.umrt_steady_set_table(self.handle, ctypes.byref(c))
+        self.set_c_table(_c_table_of(table))
 
-    def set_c_table(self, table: _Table) -> None:
-        """A table of C functions (no Python on the path); kept alive by the schedule."""
+    def set_c_table(self, table: CTable) -> None:
+        """A table of C functions (no Python on the path: :func:`cudart_table`,
+        :func:`counting_table`); copied into the schedule, and kept alive by it."""
         self._table_keep = table
         self.lib.umrt_steady_set_table(self.handle, ctypes.byref(table))
+
+    def adopt(self, blocks: Iterable[tuple[int, int]]) -> None:
+        """See :meth:`PythonSteadySchedule.adopt`."""
+        blocks = [(int(addr), int(ordinal)) for addr, ordinal in blocks]
+        k = len(blocks)
+        addrs = (ctypes.c_uint64 * max(1, k))(*(b[0] for b in blocks))
+        ordinals = (ctypes.c_int64 * max(1, k))(*(b[1] for b in blocks))
+        bad = self.lib.umrt_steady_adopt(self.handle, k, addrs, ordinals)
+        if bad:
+            raise _adopt_error(bad - 1, *blocks[bad - 1], self.a)
+
+    def disown(self) -> list[tuple[int, int, int]]:
+        """See :meth:`PythonSteadySchedule.disown`."""
+        room = max(16, self.state()[2])
+        while True:
+            addrs, sizes, ordinals = (ctypes.c_uint64 * room)(), (ctypes.c_uint64 * room)(), (ctypes.c_int64 * room)()
+            k = self.lib.umrt_steady_disown(self.handle, room, addrs, sizes, ordinals)
+            if k >= 0:
+                return list(zip(addrs[:k], sizes[:k], ordinals[:k], strict=True))
+            room = -k + 16  # more blocks went live meanwhile: try again with room for them
 
     def arm(self, device: int = 0, stream: int = 0) -> None:
         self.lib.umrt_steady_arm(self.handle, device, _stream_arg(stream))
@@ -706,10 +1035,12 @@ def build_library() -> str:
         raise FileNotFoundError(f"{source} is missing from the umrt installation")
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
-    name = "umrt_steady_alloc_" + re.sub(r"\W", "_", torch.__version__)
+    # The source's hash in the name: worktrees with different sources never rebuild over each other.
+    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+    name = "umrt_steady_alloc_" + re.sub(r"\W", "_", torch.__version__) + "_" + digest
     started = time.monotonic()
     path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-std=c++17"],
-                              with_cuda=False, is_python_module=False)
+                              extra_ldflags=["-ldl"], with_cuda=False, is_python_module=False)
     if time.monotonic() - started > 2:
         print(f"umrt: compiled the native steady schedule in {time.monotonic() - started:.0f} s "
               "(cached for later runs)", file=sys.stderr)
@@ -719,7 +1050,13 @@ def build_library() -> str:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
     sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, i64, vp, vp, i64]),
+        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64]),
+        "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
+        "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
+        "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),
+        "umrt_steady_counting_table": (None, [vp]),
+        "umrt_steady_counted": (None, [vp]),
+        "umrt_steady_counted_reset": (None, []),
         "umrt_steady_destroy": (None, [vp]),
         "umrt_steady_set_table": (None, [vp, vp]),
         "umrt_steady_arm": (None, [vp, c_int, vp]),
@@ -764,3 +1101,71 @@ def load_steady(arrays: ScheduleArrays, capacity: int = DEFAULT_CAPACITY, *,
     if lib is None:
         return PythonSteadySchedule(arrays, capacity)
     return NativeSteadySchedule(lib, arrays, capacity)
+
+
+# ---------------------------------------------------------------------------
+# C tables: the real CUDA runtime, and a counter.
+# ---------------------------------------------------------------------------
+def _library() -> ctypes.CDLL:
+    lib = native_library()
+    if lib is None:
+        raise SteadyError("the native steady schedule did not build (see the warning): no C tables without it")
+    return lib
+
+
+def cudart_table(path: str, copy_stream: int | None = None, discard_stream: int | None = None) -> CTable:
+    """A :class:`CTable` over the libcudart at ``path`` (``umrt_steady_cudart_table``:
+    dlopen, CUDA 13 shapes, or CUDA 12's without discards), for
+    :meth:`NativeSteadySchedule.set_c_table`. ``table.version`` is the runtime version.
+
+    Raises:
+        SteadyError: the native library did not build, or the runtime cannot be used.
+    """
+    lib = _library()
+    table = CTable()
+    err = ctypes.create_string_buffer(512)
+    version = lib.umrt_steady_cudart_table(str(path).encode(), ctypes.byref(table), err, len(err))
+    if version <= 0:
+        raise SteadyError(f"no CUDA table over {path}: {err.value.decode('utf-8', 'replace')}")
+    table.copy_stream, table.discard_stream = copy_stream or None, discard_stream or None
+    table.version = version
+    return table
+
+
+def loaded_libcudart(maps: str = "/proc/self/maps") -> tuple[str | None, str]:
+    """``(path, reason)``: the libcudart shared library this process has loaded (torch's
+    or CuPy's, found in ``/proc/self/maps``), else ``(None, why not)``. cuda-bindings
+    links the runtime statically: importing it alone loads no libcudart."""
+    try:
+        text = Path(maps).read_text()
+    except OSError as exc:
+        return None, f"cannot read {maps}: {exc}"
+    found = sorted({line.split(None, 5)[5] for line in text.splitlines()
+                    if len(line.split(None, 5)) == 6 and re.search(r"/libcudart\.so[.\d]*$", line)})
+    if not found:
+        return None, f"no libcudart.so in {maps} (load torch.cuda or CuPy's runtime first)"
+    if len(found) > 1:
+        return found[0], f"{len(found)} libcudart libraries loaded ({', '.join(found)}); using the first"
+    return found[0], f"loaded by this process ({maps})"
+
+
+COUNTED_KINDS = tuple(DecisionKind)  # the order of umrt_steady_counted's counts
+
+
+def counting_table() -> CTable:
+    """A :class:`CTable` whose calls only count themselves (per kind, atomically) and succeed."""
+    table = CTable()
+    _library().umrt_steady_counting_table(ctypes.byref(table))
+    return table
+
+
+def counted() -> dict[str, int]:
+    """Calls the counting tables made since :func:`reset_counted`, by call name."""
+    out = (ctypes.c_int64 * len(COUNTED_KINDS))()
+    _library().umrt_steady_counted(out)
+    return {_CALL_NAMES[kind]: int(out[kind]) for kind in COUNTED_KINDS}
+
+
+def reset_counted() -> None:
+    """Zero the counting tables' counts."""
+    _library().umrt_steady_counted_reset()
