@@ -612,3 +612,27 @@ def test_a_storage_from_an_op_that_only_allocates_is_made_by_the_launch_that_wri
     assert sum(e.launch == -1 for e in allocs) == 1  # part only: x, mask and the sums were made by launches
     assert not any(e.nbytes == 16 for e in allocs + rec.trace().events if isinstance(e, Alloc))  # unused
     assert not any(isinstance(e, Free) and e.obj not in {a.obj for a in allocs} for e in rec.events)
+
+
+def test_layer_events_stop_and_restart_with_emit_layers():
+    import torch
+
+    from umrt.capture import Recorder
+    from umrt.trace.events import LayerEnter
+
+    got = []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with Recorder(listeners=(got.append,), device="cpu", keep_events=False):
+        model(torch.ones(2, 4))
+        on = sum(isinstance(e, LayerEnter) for e in got)
+        got.clear()
+        rec_off = None
+    assert on >= 2
+    with Recorder(listeners=(got.append,), device="cpu", keep_events=False) as rec:
+        rec.emit_layers(False)
+        model(torch.ones(2, 4))
+        rec_off = sum(isinstance(e, LayerEnter) for e in got)
+        rec.emit_layers(True)
+        model(torch.ones(2, 4))
+        back = sum(isinstance(e, LayerEnter) for e in got)
+    assert rec_off == 0 and back == on

@@ -36,7 +36,22 @@ def test_memory_stats_keys_and_types():
     assert all(isinstance(got.pop(k), int) for k in process)
     assert got == {"reserved_bytes": 8 << 20, "resident_bytes": 5 << 20, "migrated_bytes": 4 << 20,
                    "h2d_bytes": 3 << 20, "d2h_bytes": 1 << 20, "discarded_bytes": 2 << 20,
-                   "populated_bytes": 0, "cuda_calls": {}, "acting": False, "stopped_reason": None}
+                   "populated_bytes": 0, "cuda_calls": {}, "acting": False, "stopped_reason": None,
+                   "native_steady": {}}
+
+
+def test_memory_stats_reports_the_native_steady_state(fake_gpu):
+    from fake_cuda import FakeBindingsRuntime
+
+    from umrt.allocators.managed import ManagedPool
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+    from umrt.drive.steady import BackendCalls, SteadyServer
+
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
+    pool = ManagedPool(backend)
+    stats.attach(pool=pool, backend=backend, steady=SteadyServer(pool, calls=BackendCalls(backend)))
+    got = umrt.memory_stats()["native_steady"]
+    assert got["phase"] == "following" and got["native_front"] is False and got["arms"] == 0
 
 
 def test_memory_stats_counts_the_cuda_calls_umrt_issued(fake_gpu):

@@ -51,6 +51,7 @@ class Session:
     pool: Any = None  # umrt.allocators.managed.ManagedPool
     budget_bytes: int = 0
     runtime: LiveBridge | None = None  # the live source of events, where torch is in use
+    steady: Any = None  # umrt.drive.steady.SteadyServer: the allocator torch and CuPy call
     telemetry: Any = None  # umrt.telemetry.Sampler
     notes: list[str] = field(default_factory=list)
 
@@ -134,8 +135,9 @@ def _start(cfg: Config) -> Session:
     arena = cfg.short_lived_arena.resolve(budget) if cfg.short_lived_arena else None
     pool = ManagedPool(backend, _layout_factory(arena), populate_limit=budget)
     session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget)
-    stats.attach(pool=pool, backend=backend)
-    cupy_alloc.set_pool(pool)
+    session.steady = _steady_server(cfg, backend, pool)
+    stats.attach(pool=pool, backend=backend, steady=session.steady)
+    cupy_alloc.set_pool(session.steady)
     _install_torch(session)
     session.runtime = _attach_runtime(session)
     if cfg.telemetry:
@@ -145,6 +147,20 @@ def _start(cfg: Config) -> Session:
         session.telemetry = Sampler(cfg.device, pci_bus_id=_pci_bus_id(cfg.device)).start()
         atexit.register(session.telemetry.stop_and_report)
     return session
+
+
+def _steady_server(cfg: Config, backend: Any, pool: Any) -> Any:
+    """The allocator torch and CuPy call: the pool, plus the native steady state."""
+    # optional: GPU start only (the server needs the pool and the CUDA backend, which need numpy)
+    from umrt.drive.steady import BackendCalls, SteadyServer
+
+    front = None
+    if cfg.native:
+        # optional: GPU start only: building the front needs torch's cpp_extension
+        from umrt.allocators.front import load_front
+
+        front = load_front()
+    return SteadyServer(pool, front=front, calls=BackendCalls(backend), device=cfg.device, enabled=cfg.native)
 
 
 def _pci_bus_id(device: int) -> str | None:
@@ -182,7 +198,7 @@ def _install_torch(session: Session) -> None:
     # optional: a CUDA build of torch only
     from umrt.allocators import torch as torch_alloc
 
-    torch_alloc.install(session.pool)
+    torch_alloc.install(session.steady, front=session.steady.front)
     session.backend.set_compute_stream(torch.cuda.current_stream(session.config.device).cuda_stream)
 
 

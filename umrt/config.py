@@ -189,6 +189,7 @@ class Config:
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
     strict: bool = False
+    native: bool = True  # serve the steady state natively once the plan repeats (UMRT_NATIVE=0: never)
 
     @property
     def shadow(self) -> bool:
@@ -222,6 +223,7 @@ _ENV = {  # field -> environment variable
     "log_level": "UMRT_LOG_LEVEL",
     "short_lived_arena": "UMRT_SHORT_LIVED_ARENA",
     "strict": "UMRT_STRICT",
+    "native": "UMRT_NATIVE",
 }
 ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
 
@@ -229,7 +231,7 @@ ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
 def _coerce(field: str, value: object, name: str | None = None) -> object:
     """Validate one setting; ``name`` is what error messages call it."""
     name = name or field
-    if field in ("enabled", "telemetry", "strict"):
+    if field in ("enabled", "telemetry", "strict", "native"):
         return value if isinstance(value, bool) else parse_bool(str(value), name)
     if field == "gpu_memory":
         return value if isinstance(value, Amount) else parse_amount(value, name)  # type: ignore[arg-type]

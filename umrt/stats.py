@@ -75,7 +75,7 @@ class CountsMoves(Protocol):
         """``populated_bytes`` and ``calls`` (CUDA call name -> count), among others."""
 
 
-_sources: dict[str, Any] = {"pool": None, "backend": None}
+_sources: dict[str, Any] = {"pool": None, "backend": None, "steady": None}
 
 
 @dataclass
@@ -89,12 +89,13 @@ class RuntimeStatus:
 _status = RuntimeStatus()
 
 
-def attach(*, pool: ReservesMemory | None = None, backend: CountsMoves | None = None) -> None:
-    """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from.
+def attach(*, pool: ReservesMemory | None = None, backend: CountsMoves | None = None, steady: Any = None) -> None:
+    """Called by :func:`umrt.enable`: where reserved/resident/migrated bytes come from,
+    and the native steady state's report (``steady.report``, a dataclass).
 
     A new session: no runtime acts yet (and no earlier failure is reported).
     """
-    _sources["pool"], _sources["backend"] = pool, backend
+    _sources["pool"], _sources["backend"], _sources["steady"] = pool, backend, steady
     with _lock:
         _status.acting, _status.stopped_reason = False, None
 
@@ -150,11 +151,16 @@ def memory_stats() -> dict[str, Any]:
     (pages umrt discarded, made resident again for a newborn without a copy) (ints); ``cuda_calls`` (dict:
     CUDA runtime call name -> calls umrt issued, e.g. ``cudaMemPrefetchAsync``);
     ``acting`` (bool: the runtime is live and has not failed) and
-    ``stopped_reason`` (str, or None while it acts or when it never ran). Diff
+    ``stopped_reason`` (str, or None while it acts or when it never ran);
+    ``native_steady`` (dict: :class:`umrt.drive.steady.SteadyReport`, the native
+    steady state's phase and counters; empty without a session). In the native
+    steady state the byte and count keys advance at hand-backs only (they are
+    the same at every step boundary while the schedule repeats). Diff
     two snapshots around a training step for what umrt issued per step.
     """
     pool: ReservesMemory | None = _sources["pool"]
     backend: CountsMoves | None = _sources["backend"]
+    steady = _sources["steady"]
     h2d = d2h = resident = discarded = 0
     counters: dict = {}
     if backend is not None:
@@ -175,6 +181,7 @@ def memory_stats() -> dict[str, Any]:
             "cuda_calls": dict(counters.get("calls", {})),
             "acting": _status.acting,
             "stopped_reason": _status.stopped_reason,
+            "native_steady": dataclasses.asdict(steady.report) if steady is not None else {},
         }
 
 

@@ -69,7 +69,8 @@ class ManagedPool:
         self.populate_limit = populate_limit
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._layouts: dict[Any, Any] = {}  # stream -> layout
-        self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (stream, obj, nbytes)
+        self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (layout, obj, nbytes); obj 0: adopted
+        self._retired: list[Any] = []  # layouts that place nothing any more (retire_layout)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # torch frees from the autograd thread too
         # A free that arrives while this thread is inside the pool (Python's garbage
@@ -113,7 +114,7 @@ class ManagedPool:
                         f"out of managed memory allocating {nbytes} bytes "
                         f"(umrt holds {self.reserved_bytes()} bytes): {exc}"
                     ) from exc
-                self._live[ptr] = (stream, obj, nbytes)
+                self._live[ptr] = (layout, obj, nbytes)
             finally:
                 self._busy -= 1
         stats.record_alloc(nbytes)
@@ -133,10 +134,11 @@ class ManagedPool:
             self._busy += 1
             try:
                 try:
-                    stream, obj, nbytes = self._live.pop(ptr)
+                    layout, obj, nbytes = self._live.pop(ptr)
                 except KeyError:
                     raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
-                self._layouts[stream].free(obj)
+                if obj:
+                    layout.free(obj)
             finally:
                 self._busy -= 1
         stats.record_free(nbytes)
@@ -196,9 +198,8 @@ class ManagedPool:
             entry = self._live.get(ptr)
             if entry is None:
                 return False
-            stream, obj, _ = entry
-            layout = self._layouts[stream]
-            if not isinstance(layout, KindHints):
+            layout, obj, _ = entry
+            if not obj or not isinstance(layout, KindHints):
                 return False
             layout.hint_kind(obj, kind)
             return True
@@ -210,7 +211,50 @@ class ManagedPool:
     def reserved_bytes(self) -> int:
         """Managed bytes obtained from the backend (the layouts' footprints)."""
         with self._lock:
-            return sum(layout.footprint() for layout in self._layouts.values())
+            return sum(layout.footprint() for layout in (*self._layouts.values(), *self._retired))
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock (re-entrant): held, no other thread allocates or frees."""
+        return self._lock
+
+    @property
+    def stream(self) -> Any:
+        """The stream of the last allocation (torch's current stream)."""
+        return self._stream
+
+    def live_blocks(self) -> dict[int, int]:
+        """Every live block: start -> requested bytes."""
+        with self._lock:
+            return {ptr: entry[2] for ptr, entry in self._live.items()}
+
+    def retire_layout(self, stream: Any) -> None:
+        """New allocations on ``stream`` come from a fresh layout from now on.
+
+        The old layout keeps its segments and its live blocks (their frees still
+        reach it) but never places a block again: what it thinks is free may be in
+        use (a catch-up after the native steady state found Python's view of the
+        layout off, :class:`umrt.drive.steady.SteadyServer`). Its memory is given
+        back only when the process ends.
+        """
+        with self._lock:
+            old = self._layouts.pop(stream, None)
+            if old is not None:
+                self._retired.append(old)
+
+    def adopt(self, ptr: int, nbytes: int) -> None:
+        """Count a block the pool did not place as live (served natively while Python
+        did not follow). Retire the layout its memory came from first
+        (:meth:`retire_layout`): it must never hand that memory out. Its free only
+        forgets it; the listeners are not told (the caller tells the runtime).
+
+        Raises:
+            CudaError: a live block already starts at ``ptr``.
+        """
+        with self._lock:
+            if ptr in self._live:
+                raise CudaError(f"adopting {ptr:#x}: the pool already has a live block there")
+            self._live[ptr] = (None, 0, nbytes)
 
     def empty_cache(self) -> None:
         """Give cached, unused memory back where the layout supports it (``release()``)."""

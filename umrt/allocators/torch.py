@@ -193,15 +193,19 @@ def load_shim() -> Shim | None:
         return None
 
 
-def install(pool: Any, *, shim: bool = True) -> None:
+def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
     """Make ``pool`` torch's CUDA allocator (must precede the first CUDA allocation).
 
     Args:
         pool: anything with ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``
-            (:class:`umrt.allocators.managed.ManagedPool`).
+            (:class:`umrt.drive.steady.SteadyServer` over a
+            :class:`umrt.allocators.managed.ManagedPool`).
         shim: hand torch the compiled shim (:func:`load_shim`) so an
             out-of-memory raises ``torch.cuda.OutOfMemoryError``; ``False``
             (or a failed build) hands it the ctypes callbacks directly.
+        front: the native allocation front (:class:`umrt.allocators.front.Front`):
+            torch's calls go to it first (a native steady schedule serves them
+            without Python), and to the ctypes callbacks when it declines.
 
     Calling it again with a pool already installed just repoints the
     callbacks at the new pool (torch's allocator cannot be swapped twice).
@@ -212,6 +216,9 @@ def install(pool: Any, *, shim: bool = True) -> None:
             return
         torch = _torch()
         _, _, alloc_ptr, free_ptr = make_callbacks(pool)
+        if front is not None:  # the front first; the callbacks where it declines
+            front.set_fallback(alloc_ptr, free_ptr)
+            alloc_ptr, free_ptr = front.malloc_address, front.free_address
         loaded = load_shim() if shim else None
         if loaded is not None:
             loaded.set_callbacks(alloc_ptr, free_ptr)

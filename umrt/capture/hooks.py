@@ -115,8 +115,25 @@ class RecorderHooks:
 
     def remove(self) -> None:
         for h in self._handles:
-            h.remove()
+            if h is not None:
+                h.remove()
         self._handles = []
+
+    def suspend_layers(self) -> None:
+        """Remove the module forward hooks (no layer events, no backward hooks from
+        them); the optimizer hooks stay. Call it outside any forward."""
+        if self._handles and self._handles[0] is not None:
+            for i in (0, 1):
+                self._handles[i].remove()
+                self._handles[i] = None
+            self._stack.clear()
+
+    def resume_layers(self) -> None:
+        """Register the module forward hooks again (outside any forward)."""
+        if self._handles and self._handles[0] is None:
+            mm = torch.nn.modules.module
+            self._handles[0] = mm.register_module_forward_pre_hook(self._forward_pre)
+            self._handles[1] = mm.register_module_forward_hook(self._forward_post, always_call=True)
 
     def current_module(self) -> str | None:
         """The innermost running module's path (None: outside any recorded module)."""

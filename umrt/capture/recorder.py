@@ -255,6 +255,15 @@ class Recorder:
         """
         self._mode_switch.resume(at_once)
 
+    def emit_layers(self, on: bool) -> None:
+        """Stop (``False``) or restart emitting layer events: off, the module hooks are
+        removed (they cost a Python call per module per step); optimizer hooks keep
+        emitting. Call it outside any forward (an optimizer step's hook)."""
+        if on:
+            self._hooks.resume_layers()
+        else:
+            self._hooks.suspend_layers()
+
     @property
     def ops_suspended(self) -> bool:
         """Whether ops are suspended (:meth:`suspend_ops`)."""

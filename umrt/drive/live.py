@@ -76,6 +76,7 @@ class ManagedOnly(Backend):
     def __init__(self, backend: Backend) -> None:
         self.inner = backend
         self.name, self.device = backend.name, backend.device
+        self.muted = False  # drop every call (a replay of what a native schedule already did)
 
     def _keep(self, ranges: Sequence[Range]) -> list[Range]:
         out = []
@@ -92,20 +93,25 @@ class ManagedOnly(Backend):
         self.inner.free(ptr)
 
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
-        self.inner.prefetch(self._keep(ranges), device)
+        if not self.muted:
+            self.inner.prefetch(self._keep(ranges), device)
 
     def populate(self, ranges: Sequence[Range]) -> None:
-        self.inner.populate(self._keep(ranges))
+        if not self.muted:
+            self.inner.populate(self._keep(ranges))
 
     def discard(self, ranges: Sequence[Range]) -> None:
-        self.inner.discard(self._keep(ranges))
+        if not self.muted:
+            self.inner.discard(self._keep(ranges))
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
-        self.inner.advise(self._keep(ranges), advice, device)
+        if not self.muted:
+            self.inner.advise(self._keep(ranges), advice, device)
 
     def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int = 0, nbytes: int = 0,
                precision: str = "") -> None:
-        self.inner.launch(self._keep(reads), self._keep(writes), flops, nbytes, precision)
+        if not self.muted:
+            self.inner.launch(self._keep(reads), self._keep(writes), flops, nbytes, precision)
 
     def synchronize(self) -> None:
         self.inner.synchronize()
@@ -265,6 +271,11 @@ class LiveBridge:
         profile = profile_for(cfg, session.backend)
         self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
         self.driver = Driver(self.policy, self.layout, self.backend)
+        # The native steady state (umrt.drive.steady.SteadyServer): told of every step; while
+        # it serves, the bridge feeds nothing (recorder ops and module hooks off).
+        self.steady: Any = session.steady if from_allocator else None
+        self.native = False
+        self._resume_layers = False
 
     @property
     def events(self) -> int:
@@ -275,7 +286,7 @@ class LiveBridge:
 
     def on_event(self, ev: Any) -> None:
         """The recorder's listener: one live event."""
-        if self.failed is not None:
+        if self.failed is not None or self.native:
             return
         with self._lock:
             if self.failed is not None:
@@ -332,6 +343,42 @@ class LiveBridge:
                     self._hint_optimizer(opt)
                 except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
                     self._fail(exc)
+        if self._resume_layers:  # handed back from the native steady state: outside any forward now
+            self._resume_layers = False
+            self.recorder.emit_layers(True)
+        if self.steady is not None:  # outside the bridge's lock: a catch-up takes the pool's first
+            self.steady.on_step()
+
+    # -- the native steady state (umrt.drive.steady.SteadyBridge) ---------------------
+
+    def can_go_native(self) -> bool:
+        """Whether the policy acts without launches (ops suspended) and nothing failed."""
+        return (self.failed is None and self.from_allocator and not self.policy.wants_launches
+                and self.recorder.ops_suspended)
+
+    def go_native(self) -> None:
+        """The native schedule serves from now on (called at a step): feed nothing,
+        record nothing (recorder ops and module hooks off)."""
+        self.native = True
+        self.recorder.suspend_ops()
+        self.recorder.emit_layers(False)
+
+    def leave_native(self) -> None:
+        """Python serves again: events are fed again, module hooks from the next step."""
+        self.native = False
+        self._resume_layers = True
+        with self._lock:
+            if self.failed is None:
+                self._follow_wants(in_op=True)
+
+    def muted(self, on: bool) -> None:
+        """Drop (``on``) or pass the policy's CUDA calls (a replay of a native window)."""
+        self.backend.muted = on
+
+    def stop(self, exc: BaseException) -> None:
+        """Stop acting, as after any failure of umrt's (memory stays managed)."""
+        with self._lock:
+            self._fail(exc)
 
     def _before_malloc(self, nbytes: int) -> None:
         """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
@@ -456,6 +503,8 @@ class LiveBridge:
     def start(self) -> None:
         """Start listening: the pool and optimizer hooks first, then the recorder
         (whose first iteration boundary opens the policy's first iteration)."""
+        if self.steady is not None:
+            self.steady.attach(self)
         if self.from_allocator:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -475,6 +524,8 @@ class LiveBridge:
 
     def close(self) -> None:
         """Stop listening; a completed last iteration is closed with its boundary."""
+        if self.steady is not None:
+            self.steady.close()  # the pool's books up to date, events fed again
         for hook in (self._step_hook, self._strict_hook):
             if hook is not None:
                 hook.remove()

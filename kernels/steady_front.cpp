@@ -1,0 +1,122 @@
+// umrt's allocation front: the functions torch's pluggable allocator (through the
+// shim, kernels/torch_alloc_shim.cpp) and CuPy's CFunctionAllocator call.
+//
+// Each allocation first asks the installed steady schedule (kernels/steady_alloc.cpp,
+// reached through the function pointers Python installs with umrt_front_install): a
+// planned address comes back without entering Python. When no schedule is installed, or
+// it returns NULL (it disarmed: a deviation), the allocation goes to the fallback, umrt's
+// Python callbacks (ctypes function pointers set with umrt_front_set_fallback), which
+// catch Python up and serve it from the pool. A free goes to the schedule first (1: its
+// block), else to the fallback.
+//
+// No CUDA, torch or Python headers: streams are opaque pointers. Lock-free: the
+// schedule has its own mutex. A schedule handle stays valid while installed (Python
+// keeps every schedule it installed alive for the life of the process).
+// Built by umrt/allocators/front.py with torch.utils.cpp_extension.load (a plain library).
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#define UMRT_EXPORT extern "C" __attribute__((visibility("default")))
+
+typedef void* (*umrt_alloc_fn)(ssize_t, int, void*);
+typedef void (*umrt_free_fn)(void*, ssize_t, int, void*);
+typedef void* (*umrt_steady_malloc_fn)(void*, uint64_t, int, void*);
+typedef int (*umrt_steady_free_fn)(void*, uint64_t, uint64_t, int, void*);
+
+namespace {
+
+struct Installed {
+  void* handle;
+  umrt_steady_malloc_fn malloc_fn;
+  umrt_steady_free_fn free_fn;
+};
+
+std::atomic<umrt_alloc_fn> g_fallback_alloc{nullptr};
+std::atomic<umrt_free_fn> g_fallback_free{nullptr};
+std::atomic<Installed*> g_installed{nullptr};
+// Counters: allocations and frees served by the schedule, and those that went to Python.
+std::atomic<int64_t> g_native_allocs{0}, g_native_frees{0}, g_fallback_allocs{0}, g_fallback_frees{0};
+// CuPy's allocator passes no stream: the stream its allocations are served on (set by Python).
+std::atomic<void*> g_cupy_stream{nullptr};
+
+}  // namespace
+
+// The Python callbacks every allocation falls back to.
+UMRT_EXPORT void umrt_front_set_fallback(umrt_alloc_fn alloc_fp, umrt_free_fn free_fp) {
+  g_fallback_alloc.store(alloc_fp);
+  g_fallback_free.store(free_fp);
+}
+
+// Serve allocations from `handle` (NULL handle: none). `slot` is storage Python keeps
+// alive for as long as the process runs (the record the front reads).
+UMRT_EXPORT void umrt_front_install(void* slot, void* handle, umrt_steady_malloc_fn malloc_fp,
+                                    umrt_steady_free_fn free_fp) {
+  if (handle == nullptr || slot == nullptr) {
+    g_installed.store(nullptr);
+    return;
+  }
+  Installed* rec = static_cast<Installed*>(slot);
+  rec->handle = handle;
+  rec->malloc_fn = malloc_fp;
+  rec->free_fn = free_fp;
+  g_installed.store(rec);
+}
+
+UMRT_EXPORT int64_t umrt_front_slot_size() { return static_cast<int64_t>(sizeof(Installed)); }
+
+UMRT_EXPORT void* umrt_front_malloc(ssize_t size, int device, void* stream) {
+  if (size <= 0) return nullptr;
+  Installed* rec = g_installed.load();
+  if (rec != nullptr) {
+    void* ptr = rec->malloc_fn(rec->handle, static_cast<uint64_t>(size), device, stream);
+    if (ptr != nullptr) {
+      g_native_allocs.fetch_add(1, std::memory_order_relaxed);
+      return ptr;
+    }
+  }
+  g_fallback_allocs.fetch_add(1, std::memory_order_relaxed);
+  umrt_alloc_fn fallback = g_fallback_alloc.load();
+  return fallback ? fallback(size, device, stream) : nullptr;
+}
+
+UMRT_EXPORT void umrt_front_free(void* ptr, ssize_t size, int device, void* stream) {
+  if (ptr == nullptr) return;
+  Installed* rec = g_installed.load();
+  if (rec != nullptr &&
+      rec->free_fn(rec->handle, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)), static_cast<uint64_t>(size),
+                   device, stream)) {
+    g_native_frees.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  g_fallback_frees.fetch_add(1, std::memory_order_relaxed);
+  umrt_free_fn fallback = g_fallback_free.load();
+  if (fallback) fallback(ptr, size, device, stream);
+}
+
+// CuPy's CFunctionAllocator: void* malloc(void* param, size_t size, int device_id),
+// void free(void* param, void* ptr, int device_id) (cupy.cuda.CFunctionAllocator's
+// documentation). CuPy passes no stream: allocations are served on the stream Python
+// sets here (the one the schedule was armed on; a program that switches CuPy streams
+// deviates at its next allocation, in Python, where the current stream is read).
+UMRT_EXPORT void umrt_front_set_cupy_stream(void* stream) { g_cupy_stream.store(stream); }
+
+UMRT_EXPORT void* umrt_front_cupy_malloc(void* param, size_t size, int device) {
+  (void)param;
+  return umrt_front_malloc(static_cast<ssize_t>(size), device, g_cupy_stream.load());
+}
+
+UMRT_EXPORT void umrt_front_cupy_free(void* param, void* ptr, int device) {
+  (void)param;
+  umrt_front_free(ptr, 0, device, g_cupy_stream.load());
+}
+
+// native allocations, native frees, fallback allocations, fallback frees.
+UMRT_EXPORT void umrt_front_counters(int64_t* out4) {
+  out4[0] = g_native_allocs.load();
+  out4[1] = g_native_frees.load();
+  out4[2] = g_fallback_allocs.load();
+  out4[3] = g_fallback_frees.load();
+}

@@ -1,0 +1,262 @@
+"""The native steady state served live (umrt.drive.steady.SteadyServer over a ManagedPool
+on the fake CUDA runtime): recording, arming, serving without Python, handing back."""
+from __future__ import annotations
+
+import ctypes
+from collections import Counter
+
+import pytest
+
+from umrt.allocators.managed import ManagedPool
+from umrt.backends.base import Advice
+from umrt.drive.steady import BackendCalls, Phase, SteadyServer
+from umrt.trace.events import IterationBoundary
+
+SIZES = [3 << 20, 1 << 20, 512 << 10, 3 << 20, 1 << 20, 2 << 20]
+
+
+class StubBridge:
+    """The live bridge as the server sees it; ``act`` runs at every pool event (a policy)."""
+
+    def __init__(self, pool, act=None):
+        self.pool, self.iteration, self.stepped = pool, 0, True
+        self.native = False
+        self.mute = False
+        self.stopped = None
+        self.calls = Counter()
+        self.act = act
+        pool.listeners.append(self.on_pool_event)
+        pool.before_malloc.append(self.before_malloc)
+
+    def before_malloc(self, n):
+        """As the live bridge: the first allocation after a step opens the next iteration."""
+        if self.stepped:
+            self.stepped = False
+            self.iteration += 1
+            self.pool.observe(IterationBoundary(self.iteration))
+
+    def on_step(self, server):
+        self.stepped = True
+        server.on_step()
+
+    def on_pool_event(self, what, ptr, n):
+        self.calls[what] += 1
+        if self.act is not None and not self.mute:
+            self.act(what, ptr, n)
+
+    def can_go_native(self):
+        return self.stopped is None
+
+    def go_native(self):
+        self.native = True
+
+    def leave_native(self):
+        self.native = False
+
+    def muted(self, on):
+        self.mute = on
+
+    def stop(self, exc):
+        self.stopped = exc
+
+
+class Program:
+    """A training loop's allocations: each step frees the last step's survivors (the
+    gradients, at zero_grad), allocates SIZES, frees the activations, keeps two."""
+
+    def __init__(self, malloc, free):
+        self.malloc, self.free = malloc, free
+        self.live: dict[int, int] = {}
+        self.survivors: list[int] = []
+
+    def step(self, sizes=SIZES):
+        for ptr in self.survivors:
+            self.free(ptr)
+            del self.live[ptr]
+        got = []
+        for n in sizes:
+            ptr = self.malloc(n)
+            assert ptr, f"no memory for {n} bytes"
+            for other, m in self.live.items():  # nothing handed out twice
+                assert ptr + n <= other or other + m <= ptr, "two live blocks overlap"
+            self.live[ptr] = n
+            got.append(ptr)
+        for ptr in got[:-2]:
+            self.free(ptr)
+            del self.live[ptr]
+        self.survivors = got[-2:]
+        return got
+
+
+def _server(cuda13, front=None, act=None):
+    pool = ManagedPool(cuda13)
+    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13))
+    bridge = StubBridge(pool, act)
+    server.attach(bridge)
+    return pool, server, bridge
+
+
+def _learn(server, program, max_steps=12):
+    """Steps until the server serves natively; the addresses of the last Python step."""
+    for _ in range(max_steps):
+        got = program.step()
+        server.bridge.on_step(server)
+        if server.phase is Phase.NATIVE:
+            return got
+    raise AssertionError(f"not native after {max_steps} steps: {server.phase}")
+
+
+def _run(server, program, steps, **kw):
+    out = []
+    for _ in range(steps):
+        out.append(program.step(**kw))
+        server.bridge.on_step(server)
+    return out
+
+
+def test_python_schedule_serves_the_steady_state_at_the_addresses_python_chose(cuda13):
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    learned = _learn(server, program)
+    assert bridge.native
+    python_events = bridge.calls.copy()
+    served = _run(server, program, 3)
+    assert served == [learned] * 3  # the same addresses
+    assert bridge.calls == python_events  # the pool (and so the bridge) saw nothing
+    assert server.report.arms == 1 and server.report.steps_native == 3
+    assert server.report.events_drained == 3 * (len(SIZES) * 2 + 1) - 1  # allocs, frees, boundaries
+
+
+def test_a_deviation_hands_back_and_python_stands_where_it_would_have(cuda13):
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    _learn(server, program)
+    # Half a window natively, then a size the schedule does not expect.
+    other = list(SIZES)
+    other[3] = 5 << 20
+    program.step(other)
+    assert server.phase is Phase.FOLLOWING and not bridge.native and not bridge.mute
+    assert server.report.catch_ups == 1 and "5242880 bytes" in server.report.last_deviation
+    assert bridge.stopped is None and server.report.layouts_retired == 0
+    assert pool.live_blocks() == program.live  # the pool's books are the program's
+    _run(server, program, 3)  # Python serves on, nothing overlaps
+    assert pool.live_blocks() == program.live
+
+
+def test_python_view_off_retires_the_layout_and_stops_acting(cuda13):
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    _learn(server, program)
+    program.step()
+
+    def stray(n):  # at the catch-up's first replayed allocation: the pool's state is not what it was
+        pool.before_malloc.remove(stray)
+        ptr = pool.malloc(SIZES[0], 0)  # takes the planned block the replay expects
+        program.live[ptr] = SIZES[0]
+
+    pool.before_malloc.append(stray)
+    other = list(SIZES)
+    other[2] = 7 << 20
+    program.step(other)
+    assert server.report.layouts_retired == 1 and bridge.stopped is not None
+    assert "did not match" in str(bridge.stopped) and server.phase is Phase.OFF
+    live = pool.live_blocks()
+    assert all(live.get(p) == n for p, n in program.live.items())
+    _run(server, program, 3)  # new blocks never land on the schedule's
+    assert all(pool.live_blocks().get(p) == n for p, n in program.live.items())
+
+
+def test_decisions_replay_the_backends_exact_calls(cuda13, fake_gpu):
+    """A policy advising and populating at every allocation: native windows make the
+    same CUDA calls (same streams, same order) as the Python window they replay."""
+    def act(what, ptr, n):
+        if what == "alloc":
+            cuda13.advise([(ptr, n)], Advice.SET_PREFERRED_LOCATION, 0)
+            cuda13.populate([(ptr, n)])
+
+    pool, server, bridge = _server(cuda13, act=act)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    start = len(fake_gpu.ops)
+    _learn(server, program)
+    python_ops = [(o.name, o.detail, o.stream) for o in fake_gpu.ops[start:]]
+    assert server.report.schedule_calls > 0
+    mark = len(fake_gpu.ops)
+    before = dict(cuda13.calls)
+    _run(server, program, 2)
+    native_ops = [(o.name, o.detail, o.stream) for o in fake_gpu.ops[mark:]]
+    window = len(native_ops) // 2
+    assert window and native_ops[:window] == python_ops[-window:]
+    assert native_ops[:window] == native_ops[window:]
+    added = {k: cuda13.calls[k] - before.get(k, 0) for k in cuda13.calls}
+    assert added["cudaMemAdvise"] == 2 * len(SIZES)  # counted as the backend's own calls
+
+
+def test_the_native_front_serves_without_python(cuda13):
+    from umrt.allocators.front import load_front
+    from umrt.allocators.torch import make_callbacks
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    pool, server, bridge = _server(cuda13, front=front)
+    _, _, alloc_ptr, free_ptr = make_callbacks(server)
+    front.set_fallback(alloc_ptr, free_ptr)
+    try:
+        program = Program(lambda n: front.malloc(n, 0, 0), lambda p: front.free(p, 0, 0, 0))
+        learned = _learn(server, program)
+        assert server.schedule.native
+        before = front.counters()
+        served = _run(server, program, 3)
+        after = front.counters()
+        assert served == [learned] * 3
+        assert after.fallback_allocs == before.fallback_allocs  # not one allocation entered Python
+        assert after.native_allocs - before.native_allocs == 3 * len(SIZES)
+        other = list(SIZES)
+        other[4] = 9 << 20
+        program.step(other)  # declined natively, caught up in the Python callback
+        assert server.phase is Phase.FOLLOWING and front.installed is None
+        assert pool.live_blocks() == program.live
+    finally:
+        front.install(None)
+        front.set_fallback(0, 0)
+
+
+def test_close_hands_back_with_the_books_right(cuda13):
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    _learn(server, program)
+    program.step()
+    server.close()
+    assert server.phase is Phase.OFF and pool.live_blocks() == program.live
+
+
+def test_disabled_server_only_forwards(cuda13):
+    pool = ManagedPool(cuda13)
+    server = SteadyServer(pool, calls=BackendCalls(cuda13), enabled=False)
+    server.attach(StubBridge(pool))
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    _run(server, program, 6)
+    assert server.phase is Phase.OFF and server.schedule is None
+
+
+def test_front_counts_and_falls_back_without_a_schedule():
+    from umrt.allocators.front import load_front
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    got = []
+    alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+        lambda n, d, s: got.append(("alloc", n)) or 4096)
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)(
+        lambda p, n, d, s: got.append(("free", p)))
+    front.set_fallback(ctypes.cast(alloc, ctypes.c_void_p).value, ctypes.cast(free, ctypes.c_void_p).value)
+    try:
+        before = front.counters()
+        assert front.malloc(100) == 4096 and front.malloc(0) == 0
+        front.free(4096)
+        after = front.counters()
+        assert got == [("alloc", 100), ("free", 4096)]
+        assert (after.fallback_allocs - before.fallback_allocs, after.fallback_frees - before.fallback_frees) == (1, 1)
+    finally:
+        front.set_fallback(0, 0)

@@ -1,0 +1,161 @@
+"""The native allocation front: what torch and CuPy call for every allocation.
+
+``kernels/steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
+(the signatures torch's pluggable allocator calls, through umrt's shim) and
+``umrt_front_cupy_malloc`` / ``umrt_front_cupy_free`` (``cupy.cuda.CFunctionAllocator``'s).
+Each asks the installed native steady schedule first
+(:class:`umrt.allocators.steady.NativeSteadySchedule`); when none is installed or
+it declines (disarmed), the call goes to the fallback, umrt's Python callbacks
+(:func:`umrt.allocators.torch.make_callbacks`). So in steady state an allocation
+and a free never enter Python.
+
+:func:`load_front` builds the library at first use (torch's extension cache, as the
+shim) and returns ``None``, after one warning, where it cannot: umrt then serves
+the steady state from the Python schedule inside its Python callbacks.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Front", "FrontCounters", "load_front", "front_source"]
+
+
+@dataclass(frozen=True)
+class FrontCounters:
+    """Allocations and frees the front served natively and those it sent to Python."""
+
+    native_allocs: int
+    native_frees: int
+    fallback_allocs: int
+    fallback_frees: int
+
+
+def front_source() -> Path:
+    """``kernels/steady_front.cpp`` (found by path, like the torch shim)."""
+    return Path(__file__).resolve().parents[2] / "kernels" / "steady_front.cpp"
+
+
+class Front:
+    """The loaded front library (one per process: its state is global, as torch's allocator is)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.lib, self.path = lib, path
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        for name, restype, argtypes in (
+                ("umrt_front_set_fallback", None, [vp, vp]),
+                ("umrt_front_install", None, [vp, vp, vp, vp]),
+                ("umrt_front_slot_size", i64, []),
+                ("umrt_front_malloc", vp, [ctypes.c_ssize_t, ctypes.c_int, vp]),
+                ("umrt_front_free", None, [vp, ctypes.c_ssize_t, ctypes.c_int, vp]),
+                ("umrt_front_set_cupy_stream", None, [vp]),
+                ("umrt_front_counters", None, [vp])):
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._slots: list[Any] = []  # every slot and schedule ever installed: never freed
+        self.installed: Any = None
+
+    def _address(self, name: str) -> int:
+        return int(ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value)
+
+    @property
+    def malloc_address(self) -> int:
+        """``umrt_front_malloc``: ``void* (ssize_t size, int device, cudaStream_t stream)``."""
+        return self._address("umrt_front_malloc")
+
+    @property
+    def free_address(self) -> int:
+        """``umrt_front_free``: ``void (void* ptr, ssize_t size, int device, cudaStream_t stream)``."""
+        return self._address("umrt_front_free")
+
+    @property
+    def cupy_malloc_address(self) -> int:
+        """``umrt_front_cupy_malloc`` for ``cupy.cuda.CFunctionAllocator``."""
+        return self._address("umrt_front_cupy_malloc")
+
+    @property
+    def cupy_free_address(self) -> int:
+        """``umrt_front_cupy_free`` for ``cupy.cuda.CFunctionAllocator``."""
+        return self._address("umrt_front_cupy_free")
+
+    def set_fallback(self, alloc_address: int, free_address: int) -> None:
+        """The Python callbacks (C function addresses) every declined call goes to."""
+        self.lib.umrt_front_set_fallback(alloc_address, free_address)
+
+    def install(self, schedule: Any) -> None:
+        """Serve allocations from ``schedule`` (a :class:`~umrt.allocators.steady.NativeSteadySchedule`)
+        first; ``None``: every call goes to the fallback. The schedule is kept alive for
+        the life of the process (a call on another thread may still be using it)."""
+        if schedule is None:
+            self.lib.umrt_front_install(None, None, None, None)
+            self.installed = None
+            return
+        slot = ctypes.create_string_buffer(int(self.lib.umrt_front_slot_size()))
+        self._slots.append((slot, schedule))
+        lib = schedule.lib
+        malloc_fn = ctypes.cast(lib.umrt_steady_malloc, ctypes.c_void_p).value
+        free_fn = ctypes.cast(lib.umrt_steady_free, ctypes.c_void_p).value
+        self.lib.umrt_front_install(slot, schedule.handle, malloc_fn, free_fn)
+        self.installed = schedule
+
+    def set_cupy_stream(self, stream: int) -> None:
+        """The stream CuPy's allocations are served on (CuPy passes none)."""
+        self.lib.umrt_front_set_cupy_stream(stream or None)
+
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        """``umrt_front_malloc`` from Python (tests, benches)."""
+        return self.lib.umrt_front_malloc(size, device, stream or None) or 0
+
+    def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:
+        """``umrt_front_free`` from Python (tests, benches)."""
+        self.lib.umrt_front_free(ptr, size, device, stream or None)
+
+    def counters(self) -> FrontCounters:
+        """What the front served natively and what it sent to Python, since the process started."""
+        out = (ctypes.c_int64 * 4)()
+        self.lib.umrt_front_counters(out)
+        return FrontCounters(*out)
+
+
+def _build() -> str:
+    import torch  # optional: the build uses torch's cpp_extension
+    from torch.utils import cpp_extension  # optional: same
+
+    source = front_source()
+    if not source.exists():
+        raise FileNotFoundError(f"{source} is missing from the umrt installation")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    name = "umrt_steady_front_" + re.sub(r"\W", "_", torch.__version__)
+    started = time.monotonic()
+    path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-std=c++17"],
+                              with_cuda=False, is_python_module=False)
+    if time.monotonic() - started > 2:
+        print(f"umrt: compiled the native allocation front in {time.monotonic() - started:.0f} s "
+              "(cached for later runs)", file=sys.stderr)
+    return str(path)
+
+
+@functools.lru_cache(maxsize=1)
+def load_front() -> Front | None:
+    """The front, built at first use; ``None`` after one warning saying why."""
+    try:
+        path = _build()
+        return Front(ctypes.CDLL(path), path)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "serve from Python"
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warnings.warn(
+            f"umrt: could not build the native allocation front ({type(exc).__name__}: {first_line}); "
+            "every allocation goes through umrt's Python callbacks, and the steady state is served by "
+            "the pure-Python schedule (same behaviour, slower). It needs a C++ compiler, ninja and torch.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None

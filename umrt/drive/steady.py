@@ -1,0 +1,426 @@
+"""A live program's steady state, served natively; Python caught up when it ends.
+
+:class:`SteadyServer` is the allocator umrt gives torch and CuPy (``malloc`` /
+``free`` over umrt's :class:`~umrt.allocators.managed.ManagedPool`). While the
+program is learned it only forwards to the pool. Then, at optimizer steps
+(the live bridge calls :meth:`SteadyServer.on_step`):
+
+1. **following**: once the policy acts without launches, it starts recording a
+   *window* (one optimizer step to the next): the pool's allocations and frees
+   and every CUDA call the backend makes between them
+   (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
+   :class:`CallSource`).
+2. **recording**: a window compiled (:func:`~umrt.allocators.steady.compile_schedule`)
+   to exactly the arrays of the window before it is a steady state: the blocks
+   of the window still live become the schedule's (``adopt``), the schedule is
+   armed on the pool's stream and installed in the native front
+   (:mod:`umrt.allocators.front`), and the bridge stops feeding Python
+   (recorder ops and module hooks off).
+3. **native**: torch's allocations and frees are served by the schedule
+   without entering Python; its CUDA calls are replayed from the table. At each
+   step Python drains the schedule's events (one call).
+4. A **deviation** (the schedule declines an allocation: size, hash, a block
+   still live, a failed call) hands back to Python, in the allocator callback
+   that got the refusal or at the next step: the schedule gives up its live
+   blocks (``disown``), and the window's events so far are replayed into the
+   pool, the bridge and the policy (their CUDA calls muted: the schedule made
+   them), so Python stands where it would have stood had it served the window
+   itself, and re-learns as it does today. If Python's view disagrees with
+   the blocks the schedule handed out (the pool placed a block elsewhere), the
+   pool retires its layout for the stream (it never hands that memory out
+   again), adopts the schedule's blocks, and umrt stops acting: data is never
+   put at risk.
+
+Without the native front (no compiler) the same schedule runs in Python, inside
+the allocator callbacks (:class:`~umrt.allocators.steady.PythonSteadySchedule`).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from umrt.allocators.managed import ManagedPool
+from umrt.allocators.steady import (
+    EV_ALLOC,
+    EV_FREE,
+    AllocAt,
+    ApiTable,
+    CallAt,
+    DecisionKind,
+    FreeAt,
+    RecordingApi,
+    ScheduleArrays,
+    SteadyError,
+    SteadyRecorder,
+    compile_schedule,
+    cudart_table,
+    load_steady,
+    loaded_libcudart,
+)
+from umrt.backends.cuda import CudaBackend
+
+__all__ = ["SteadyServer", "Phase", "CallSource", "BackendCalls", "SteadyBridge", "SteadyReport"]
+
+log = logging.getLogger("umrt")
+
+MAX_TRIES = 8  # windows recorded without two equal in a row before recording pauses
+RETRY_AFTER = 16  # steps to wait before recording again after MAX_TRIES or a catch-up
+MAX_CATCH_UPS = 4  # deviations after which the native steady state is not tried again
+
+
+class Phase(enum.Enum):
+    """Where the steady state is served."""
+
+    OFF = "off"  # never native (disabled, no policy to follow, or too many deviations)
+    FOLLOWING = "following"  # Python serves; waiting for a policy acting without launches
+    RECORDING = "recording"  # Python serves; windows recorded and compared
+    NATIVE = "native"  # the schedule serves
+
+
+@runtime_checkable
+class CallSource(Protocol):
+    """The backend's CUDA calls as a steady schedule records and replays them."""
+
+    def record(self, log: list | None) -> None:
+        """Append each CUDA call made from now on to ``log`` (a ``CallAt``, or an
+        entry ``compile_schedule`` rejects for a call a schedule cannot repeat);
+        ``None`` stops."""
+
+    def attach(self, schedule: Any) -> None:
+        """Give ``schedule`` the table its decisions run through."""
+
+    def count(self, calls: Counter, windows: int) -> None:
+        """Add ``windows`` windows' worth of ``calls`` (CUDA name -> count) to the
+        backend's call counters (calls the schedule made for it)."""
+
+
+CUDA_NAMES = {  # a decision kind -> the CUDA call it is (CudaBackend's counter names)
+    DecisionKind.PREFETCH: "cudaMemPrefetchAsync",
+    DecisionKind.POPULATE: "cudaMemPrefetchAsync",
+    DecisionKind.DISCARD: "cudaMemDiscardBatchAsync",
+    DecisionKind.DISCARD_PREFETCH: "cudaMemDiscardAndPrefetchBatchAsync",
+    DecisionKind.ADVISE: "cudaMemAdvise",
+    DecisionKind.RECORD_EVENT: "cudaEventRecord",
+    DecisionKind.WAIT_EVENT: "cudaStreamWaitEvent",
+}
+
+
+class BackendCalls:
+    """The :class:`CallSource` of a :class:`umrt.backends.cuda.CudaBackend`: its runtime
+    adapter is wrapped in a :class:`~umrt.allocators.steady.RecordingApi` while a window
+    is recorded, so the schedule replays exactly the calls (streams, events) the backend
+    made. A native schedule gets the C table over the libcudart this process loaded
+    (torch's), so its decisions never take the GIL; where none is loaded (the fake
+    runtime in tests), a table of Python callbacks over the backend's adapter."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        self.backend = backend
+        self.api = backend.api
+        self.table_kind = ""  # "libcudart" or "python" once a schedule was given a table
+
+    def record(self, log: list | None) -> None:
+        api = self.api if log is None else RecordingApi(self.api, log)
+        self.backend.api = self.backend.order.api = api
+
+    def attach(self, schedule: Any) -> None:
+        if schedule.native:
+            path, reason = loaded_libcudart()
+            if path is not None:
+                schedule.set_c_table(cudart_table(path))
+                self.table_kind = "libcudart"
+                return
+            log.info("umrt: the native schedule's CUDA calls go through Python: %s", reason)
+        schedule.set_table(ApiTable(self.api))
+        self.table_kind = "python"
+
+    def count(self, calls: Counter, windows: int) -> None:
+        counts = self.backend.calls
+        for name, n in calls.items():
+            counts[name] += n * windows
+
+
+@runtime_checkable
+class SteadyBridge(Protocol):
+    """What the server needs of the live bridge (:class:`umrt.drive.live.LiveBridge`)."""
+
+    def can_go_native(self) -> bool:
+        """Whether the policy acts without launches and nothing failed."""
+
+    def go_native(self) -> None:
+        """Stop feeding Python: recorder ops and module hooks off (called at a step)."""
+
+    def leave_native(self) -> None:
+        """Feed Python again (module hooks from the next step)."""
+
+    def muted(self, on: bool) -> None:
+        """Drop (``True``) or pass the policy's CUDA calls: a replay must not repeat them."""
+
+    def stop(self, exc: BaseException) -> None:
+        """Stop acting (the failure path: memory stays managed)."""
+
+
+@dataclass
+class SteadyReport:
+    """What the native steady state did (``umrt.memory_stats()["native_steady"]``)."""
+
+    phase: str
+    native_front: bool
+    windows_recorded: int = 0
+    arms: int = 0
+    steps_native: int = 0
+    events_drained: int = 0
+    catch_ups: int = 0
+    layouts_retired: int = 0
+    last_deviation: str = ""
+    schedule_allocations: int = 0
+    schedule_calls: int = 0
+
+
+class SteadyServer:
+    """umrt's allocator for torch and CuPy: the pool, plus a native steady state.
+
+    Args:
+        pool: umrt's managed pool.
+        front: the native front (:func:`umrt.allocators.front.load_front`); ``None``
+            serves the steady state from the Python schedule.
+        calls: the backend's CUDA calls (:class:`CallSource`); ``None``: the
+            native steady state is never tried (nothing could replay decisions).
+        device: the CUDA device allocations are made on.
+        enabled: ``False`` (``UMRT_NATIVE=0``) forwards everything to the pool.
+    """
+
+    def __init__(self, pool: ManagedPool, *, front: Any = None, calls: CallSource | None = None,
+                 device: int = 0, enabled: bool = True) -> None:
+        self.pool, self.front, self.calls, self.device = pool, front, calls, device
+        self.bridge: SteadyBridge | None = None
+        self.phase = Phase.FOLLOWING if enabled and calls is not None else Phase.OFF
+        self.schedule: Any = None
+        self.report = SteadyReport(self.phase.value, front is not None)
+        self._recorder = SteadyRecorder()
+        self._previous: ScheduleArrays | None = None
+        self._tries = 0
+        self._wait = 0  # steps before recording may start again
+        self._stream: Any = 0
+        self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
+        self._window_calls: Counter = Counter()
+
+    # -- the allocator torch and CuPy call -------------------------------------------
+
+    def malloc(self, nbytes: int, stream: Any = 0) -> int:
+        """A block for ``nbytes``: from the Python schedule while it serves, else the pool
+        (after catching Python up, if the schedule just declined)."""
+        if self.phase is Phase.NATIVE:
+            schedule = self.schedule
+            if not schedule.native:
+                ptr = schedule.malloc(nbytes, self.device, stream or 0)
+                if ptr:
+                    return ptr
+            self.catch_up()
+        return self.pool.malloc(nbytes, stream)
+
+    def free(self, ptr: int) -> None:
+        """Return a block: the Python schedule's if it handed it out, else the pool's."""
+        schedule = self.schedule
+        if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
+            return
+        self.pool.free(ptr)
+
+    def empty_cache(self) -> None:
+        """The pool's cached, unused memory back (``torch.cuda.empty_cache()``)."""
+        self.pool.empty_cache()
+
+    def reserved_bytes(self) -> int:
+        """Managed bytes the pool holds."""
+        return self.pool.reserved_bytes()
+
+    # -- driven by the live bridge -------------------------------------------------
+
+    def attach(self, bridge: SteadyBridge) -> None:
+        """Follow ``bridge``'s policy (the live bridge calls :meth:`on_step` at each step)."""
+        self.bridge = bridge
+
+    def on_step(self) -> None:
+        """An optimizer step ended (the end of a window). Never raises: a failure
+        stops the native steady state for good, with one warning."""
+        if self.phase is Phase.OFF or self.bridge is None:
+            return
+        try:
+            self._step()
+        except Exception as exc:  # noqa: BLE001 - the training goes on
+            log.warning("umrt: the native steady state stopped after an error (%s: %s); Python serves "
+                        "every allocation from now on", type(exc).__name__, exc)
+            self._stop_recording()
+            if self.phase is Phase.NATIVE:
+                self.catch_up()
+            self._set_phase(Phase.OFF)
+
+    def close(self) -> None:
+        """Hand back to Python (the session ends): the pool's books are brought up to date."""
+        if self.phase is Phase.NATIVE:
+            self.catch_up()
+        self._stop_recording()
+        self._set_phase(Phase.OFF)
+
+    def _step(self) -> None:
+        if self.phase is Phase.NATIVE:
+            self._drain()
+            if not self.schedule.armed:
+                self.catch_up()
+            return
+        if self.phase is Phase.FOLLOWING:
+            if self._wait > 0:
+                self._wait -= 1
+            elif self.bridge.can_go_native():
+                self._start_recording()
+            return
+        # RECORDING: a window just ended.
+        window = self._recorder.take()
+        self.report.windows_recorded += 1
+        try:
+            arrays = compile_schedule(window)
+        except SteadyError as exc:
+            log.debug("umrt: window not compiled: %s", exc)
+            arrays = None
+        if arrays is not None and arrays == self._previous and self.bridge.can_go_native():
+            self._stop_recording()
+            self._arm(window, arrays)
+            return
+        self._previous = arrays
+        self._tries += 1
+        if self._tries >= MAX_TRIES or not self.bridge.can_go_native():
+            self._stop_recording()
+            self._wait = RETRY_AFTER
+            self._set_phase(Phase.FOLLOWING)
+
+    # -- recording and arming ------------------------------------------------------
+
+    def _start_recording(self) -> None:
+        self._recorder.take()
+        self._previous, self._tries = None, 0
+        self.pool.listeners.insert(0, self._recorder.on_pool_event)  # before the bridge's
+        self.calls.record(self._recorder.log)
+        self._set_phase(Phase.RECORDING)
+
+    def _stop_recording(self) -> None:
+        if self._recorder.on_pool_event in self.pool.listeners:
+            self.pool.listeners.remove(self._recorder.on_pool_event)
+            self.calls.record(None)
+        self._recorder.take()
+
+    def _arm(self, window: Sequence[Any], arrays: ScheduleArrays) -> None:
+        survivors = _survivors(window)
+        live = self.pool.live_blocks()
+        if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
+            raise SteadyError("a block the window left live is not live in the pool at its size")
+        schedule = load_steady(arrays, native=self.front is not None)
+        self.calls.attach(schedule)
+        schedule.adopt(survivors)
+        self._stream = self.pool.stream
+        schedule.arm(self.device, self._stream or 0)
+        self._tracked = {ptr for ptr, _ in survivors}
+        self._window_calls = Counter(CUDA_NAMES[e.kind] for e in window if isinstance(e, CallAt))
+        self.schedule = schedule
+        self.bridge.go_native()
+        if schedule.native:
+            self.front.install(schedule)
+        self.report.arms += 1
+        self.report.schedule_allocations = len(arrays.sizes)
+        self.report.schedule_calls = len(arrays.dec_kind)
+        self._set_phase(Phase.NATIVE)
+        log.info("umrt: steady state: %d allocations per step served %s", len(arrays.sizes),
+                 "natively" if schedule.native else "by the Python schedule")
+
+    def _drain(self) -> None:
+        events = self.schedule.drain()
+        self.report.events_drained += len(events)
+        windows = sum(1 for e in events if e[0] == EV_ALLOC and e[1] == 0)
+        self.report.steps_native += 1
+        if windows and self._window_calls:
+            self.calls.count(self._window_calls, windows)
+
+    # -- handing back ----------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Hand the steady state back to Python (see the module docstring, 4.)."""
+        with self.pool.lock:
+            if self.phase is not Phase.NATIVE:
+                return  # another thread did it
+            schedule = self.schedule
+            blocks = schedule.disown()
+            if schedule.native:
+                self.front.install(None)
+            events = schedule.drain()
+            self.schedule = None
+            self.report.catch_ups += 1
+            self.report.last_deviation = schedule.deviation()[2]
+            self._set_phase(Phase.FOLLOWING if self.report.catch_ups < MAX_CATCH_UPS else Phase.OFF)
+            self._wait = RETRY_AFTER
+            log.info("umrt: steady state handed back to Python: %s", self.report.last_deviation)
+            self.bridge.leave_native()
+            self._replay(events, {ptr: size for ptr, size, _ in blocks})
+
+    def _replay(self, events: Sequence[tuple[int, int, int, int]], native_live: dict[int, int]) -> None:
+        """The window's events so far, into the pool, the bridge and the policy."""
+        pool, tracked, wrong = self.pool, self._tracked, []
+        self.bridge.muted(True)
+        try:
+            for kind, _, ptr, size in events:
+                if kind == EV_ALLOC:
+                    got = pool.malloc(size, self._stream)
+                    tracked.add(got)
+                    if got != ptr:
+                        wrong.append(f"allocation of {size} bytes: Python placed it at {got:#x}, "
+                                     f"the schedule at {ptr:#x}")
+                elif kind == EV_FREE and ptr in tracked:
+                    tracked.discard(ptr)
+                    pool.free(ptr)
+            live = pool.live_blocks()
+            for ptr in sorted(tracked - native_live.keys()):
+                if ptr in live:  # freed by the schedule, live in Python: only if Python was off
+                    wrong.append(f"block {ptr:#x} is live in Python, freed natively")
+            for ptr, size in native_live.items():
+                if live.get(ptr) != size:
+                    wrong.append(f"block {ptr:#x} ({size} bytes) is live natively, not in Python")
+        finally:
+            self.bridge.muted(False)
+            self._tracked = set()
+        if wrong:
+            self._quarantine(native_live, wrong)
+
+    def _quarantine(self, native_live: dict[int, int], wrong: list[str]) -> None:
+        """Python's view of the pool is off: its layout never places a block again, the
+        schedule's blocks are the pool's, and umrt stops acting."""
+        pool = self.pool
+        pool.retire_layout(self._stream)
+        self.report.layouts_retired += 1
+        live = pool.live_blocks()
+        for ptr, size in native_live.items():
+            if live.get(ptr) != size:
+                if ptr in live:  # Python holds a block of another size there: into the retired layout
+                    pool.free(ptr)
+                pool.adopt(ptr, size)
+        self._set_phase(Phase.OFF)
+        self.bridge.stop(SteadyError("after the native steady state, Python's view of the pool did not "
+                                     f"match the schedule's ({len(wrong)} differences; first: {wrong[0]}); "
+                                     "the pool's layout was retired, no data is at risk"))
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        self.report.phase = phase.value
+
+
+def _survivors(window: Sequence[Any]) -> list[tuple[int, int]]:
+    """Blocks the window allocated and did not free: (address, allocation ordinal)."""
+    live: dict[int, int] = {}
+    ordinal = 0
+    for entry in window:
+        if isinstance(entry, AllocAt):
+            live[entry.ptr] = ordinal
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            live.pop(entry.ptr, None)
+    return sorted(live.items())
