@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from bench import overhead
-from bench.overhead import record_steady, schedule_ops, side_by_side, targets
+from bench.overhead import record_steady, schedule_ops, targets
 from umrt.allocators.steady import AllocAt, CallAt, DecisionKind, FreeAt, native_library
 from umrt.hardware import load_profile
 from umrt.sim.budget import resolve_budget
