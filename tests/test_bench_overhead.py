@@ -83,8 +83,8 @@ def test_json_report_and_printed_tables(report):
 def test_targets_say_pass_or_miss_and_never_invent_a_figure():
     gpt2 = {"native": {"cpu_s": 0.002}}
     (pair, step) = targets({"native_built": True, "native_c_loop_pair_ns": (80.0, 70.0)}, {"gpt2": gpt2})
-    assert pair["pass"] is True and pair["value"] == 80.0
-    assert step["pass"] is False and step["target"] == pytest.approx(0.00185)
+    assert pair["pass"] is True and pair["value"] == 80.0 and pair["unit"] == "ns"
+    assert step["pass"] is False and step["target"] == pytest.approx(0.00185) and step["unit"] == "s"
     (pair, step) = targets({"native_built": False}, {"gpt2": {"native": {"built": False}}})
     assert pair["pass"] is None and step["pass"] is None
 
