@@ -78,6 +78,8 @@ from umrt.allocators.steady import (
     ScheduleArrays,
     SteadyRecorder,
     compile_schedule,
+    counted,
+    counting_table,
     load_steady,
     native_library,
 )
@@ -304,13 +306,16 @@ class CountingTable:
     prefetch = discard = discard_prefetch = populate = advise = record_event = wait_event = _count
 
 
-def use_counting_table(schedule) -> tuple[Callable[[], int], bool]:
+def use_counting_table(schedule, native: bool = True) -> tuple[Callable[[], int], bool]:
     """Give ``schedule`` a CUDA table that counts the decisions' calls and does nothing.
 
-    Returns ``(calls made so far, whether each call crosses into Python)``. Today the
-    table is :class:`CountingTable` (ctypes callbacks); a table of C functions that
-    count natively plugs in here, in this one place.
+    Returns ``(calls made so far, whether each call crosses into Python)``: ``native``
+    the C counting table (:func:`umrt.allocators.steady.counting_table`, no Python on
+    the path), else :class:`CountingTable` (ctypes callbacks into Python).
     """
+    if native:
+        schedule.set_c_table(counting_table())
+        return (lambda: sum(counted().values())), False
     table = CountingTable()
     schedule.set_table(table)
     return (lambda: table.calls), True

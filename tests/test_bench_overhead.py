@@ -92,3 +92,26 @@ def test_targets_say_pass_or_miss_and_never_invent_a_figure():
 def test_an_unknown_model_is_a_clean_error(capsys):
     assert overhead.main(["--models", "no-such-model", "--no-pairs"]) == 2
     assert "bench.overhead: error:" in capsys.readouterr().err
+
+
+def test_the_counting_table_says_whether_its_calls_cross_into_python(trace):
+    if native_library() is None:
+        pytest.skip("the native schedule did not build here")
+    from umrt.allocators.steady import load_steady
+
+    budget = resolve_budget("30%", trace).bytes
+    rec = record_steady(trace, load_profile(PROFILE), budget, 6, op_level=False)
+    for native in (True, False):
+        sched = load_steady(rec.arrays)
+        calls, crosses = overhead.use_counting_table(sched, native=native)
+        assert crosses is not native
+        before = calls()
+        sched.arm()
+        op, arg, _ = schedule_ops(rec.recorded)
+        blocks = [0] * len(op)
+        for k, o in enumerate(op):
+            if o == 0:
+                blocks[k] = sched.malloc(arg[k])
+            else:
+                sched.free(blocks[arg[k]])
+        assert sched.armed and calls() - before >= len(rec.arrays.dec_kind) > 0
