@@ -631,7 +631,7 @@ def print_report(report: dict, console=None) -> None:
         t.add_row("  of which", f"{c['allocations'] + c['frees']} alloc/free, {c['layer_events']} module hooks, "
                   f"{c['launches_fed']} launches, {c['boundaries']} boundary",
                   f"1 step hook, {nat.get('decision_calls', 0) if nat.get('decisions_cross_python') else 0} table "
-                  f"calls, {nat.get('frees_outside_schedule', 0)} frees not scheduled" if ok else "-")
+                  f"calls into Python, {nat.get('frees_outside_schedule', 0)} frees not scheduled" if ok else "-")
         t.add_row("schedule repeats / same addresses", "-",
                   f"{'yes' if nat['schedule_repeats'] else 'NO'} / "
                   f"{('yes' if nat['addresses_match'] else 'NO') if ok else '-'}")
