@@ -9,6 +9,9 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 * ``python``: :class:`umrt.allocators.managed.ManagedPool` ``malloc`` / ``free`` over
   that pool in steady state (the path torch's allocator callback takes today, less
   the callback and the live bridge);
+* ``python_callback``: the same through the two ctypes callbacks torch calls
+  (:func:`umrt.allocators.torch.make_callbacks`), called from Python through ctypes
+  (the forward call's own cost is the empty C functions' figure below);
 * ``twin``: :class:`umrt.allocators.steady.PythonSteadySchedule` (the fallback);
 * ``native``: the compiled schedule's ``umrt_steady_malloc`` / ``umrt_steady_free``
   called from Python through ctypes, one ``drain`` per iteration; beside it an empty
@@ -177,6 +180,35 @@ def _time_loop(malloc, free, drain, plan, n_alloc: int, iterations: int) -> list
     return times
 
 
+def callback_pair_times(stream: Sequence[list[Op]], steady: int, n_alloc: int) -> list[float]:
+    """Per-pair ns of ``stream``'s iterations after ``steady + 1``, served by a
+    :class:`ManagedPool` over ``LifetimePool`` through the two ctypes callbacks torch
+    calls (:func:`umrt.allocators.torch.make_callbacks`), called here through ctypes (the
+    forward call's own cost is ``ctypes_empty_pair_ns``). Restores the torch allocator's pool."""
+    from umrt.allocators import torch as torch_alloc
+
+    previous = torch_alloc._state["pool"]  # make_callbacks repoints the module's callbacks at our pool
+    pool = ManagedPool(BumpBackend())
+    c_alloc, c_free, _, _ = torch_alloc.make_callbacks(pool)
+    try:
+        ptr_of: dict[int, tuple[int, int]] = {}
+        times = []
+        for i, it in enumerate(stream):
+            pool.observe(IterationBoundary(i))
+            t0 = time.perf_counter_ns()
+            for op in it:
+                if op[0] == "A":
+                    ptr_of[op[1]] = (c_alloc(op[2], 0, None), op[2])
+                else:
+                    ptr, size = ptr_of.pop(op[1])
+                    c_free(ptr, size, 0, None)
+            if i > steady + 1:
+                times.append((time.perf_counter_ns() - t0) / n_alloc)
+        return times
+    finally:
+        torch_alloc._state["pool"] = previous
+
+
 def measure(iterations: int = 30) -> dict:
     """The figures (see the module docstring): ``*_ns`` are (median, min) per pair."""
     stream, placed, steady = gpt2_steady()
@@ -200,6 +232,7 @@ def measure(iterations: int = 30) -> dict:
         if i > steady + 1:
             py_times.append((time.perf_counter_ns() - t0) / n_alloc)
     out["python_pair_ns"] = _median_min(py_times)
+    out["python_callback_pair_ns"] = _median_min(callback_pair_times(long_stream, steady, n_alloc))
     arrays = compile_schedule(placed[steady])
     # (b) the native schedule through ctypes, the empty call beside it, and the C loop.
     sched = load_steady(arrays)
@@ -252,6 +285,7 @@ def report(r: dict) -> str:
 
     lines = [f"gpt2 8x1024 steady iteration: {n} allocations and as many frees (CPU, this machine, no GPU)",
              row("python: ManagedPool over LifetimePool", "python_pair_ns"),
+             row("python via torch's ctypes callbacks", "python_callback_pair_ns"),
              row("twin: PythonSteadySchedule", "twin_pair_ns")]
     if r["native_built"]:
         med_n, med_e = r["native_pair_ns"][0], r["ctypes_empty_pair_ns"][0]
