@@ -137,7 +137,7 @@ def _start(cfg: Config) -> Session:
     session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget)
     session.steady = _steady_server(cfg, backend, pool)
     stats.attach(pool=pool, backend=backend, steady=session.steady)
-    cupy_alloc.set_pool(session.steady)
+    cupy_alloc.set_pool(session.steady, front=session.steady.front)
     _install_torch(session)
     session.runtime = _attach_runtime(session)
     if cfg.telemetry:
@@ -160,7 +160,14 @@ def _steady_server(cfg: Config, backend: Any, pool: Any) -> Any:
         from umrt.allocators.front import load_front
 
         front = load_front()
-    return SteadyServer(pool, front=front, calls=BackendCalls(backend), device=cfg.device, enabled=cfg.native)
+    server = SteadyServer(pool, front=front, calls=BackendCalls(backend), device=cfg.device, enabled=cfg.native)
+    if front is not None:  # what the front declines goes to the server through umrt's callbacks
+        # optional: GPU start only; the callbacks need no CUDA torch
+        from umrt.allocators.torch import make_callbacks
+
+        _, _, alloc_address, free_address = make_callbacks(server)
+        front.set_fallback(alloc_address, free_address)
+    return server
 
 
 def _pci_bus_id(device: int) -> str | None:

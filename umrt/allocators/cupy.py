@@ -2,13 +2,14 @@
 
     import cupy, umrt
     umrt.enable()
-    cupy.cuda.set_allocator(umrt.allocators.cupy.allocator)
+    cupy.cuda.set_allocator(umrt.allocators.cupy.native_allocator())
 
 :func:`allocator` has the shape ``cupy.cuda.set_allocator`` expects
 (``nbytes -> cupy.cuda.MemoryPointer``); memory comes from the pool of the
 active umrt session (:func:`umrt.enable`) and returns to it when CuPy drops
 the array, and every block is reported to the pool's ``listeners`` (the
-runtime's object registry). CuPy runs ``MemoryHook`` callbacks only inside its
+runtime's object registry). :func:`native_allocator` is the same through
+umrt's native front (no Python per allocation in the steady state). CuPy runs ``MemoryHook`` callbacks only inside its
 own ``MemoryPool``, so :func:`make_hook` (a ``cupy.cuda.MemoryHook`` feeding
 the same registry) is for code that keeps CuPy's pool.
 """
@@ -19,12 +20,14 @@ from typing import Any
 
 from umrt.errors import UmrtError
 
-_state: dict[str, Any] = {"pool": None}
+_state: dict[str, Any] = {"pool": None, "front": None}
 
 
-def set_pool(pool: Any) -> None:
-    """Use ``pool`` (``malloc(nbytes, stream)`` / ``free(ptr)``) for :func:`allocator`."""
-    _state["pool"] = pool
+def set_pool(pool: Any, front: Any = None) -> None:
+    """Use ``pool`` (``malloc(nbytes, stream)`` / ``free(ptr)``) for :func:`allocator`, and
+    ``front`` (:class:`umrt.allocators.front.Front`, its fallback already pointing at
+    ``pool``) for :func:`native_allocator`."""
+    _state["pool"], _state["front"] = pool, front
 
 
 def _cupy() -> Any:
@@ -61,6 +64,24 @@ def allocator(nbytes: int) -> Any:
     device = cupy.cuda.runtime.getDevice()
     mem = cupy.cuda.UnownedMemory(ptr, nbytes, _PoolMemory(pool, ptr, nbytes, device), device)
     return cupy.cuda.MemoryPointer(mem, 0)
+
+
+def native_allocator() -> Any:
+    """A ``cupy.cuda.set_allocator`` target that allocates through umrt's native front
+    (``cupy.cuda.CFunctionAllocator`` over ``umrt_front_cupy_malloc`` / ``_free``):
+    in the native steady state a CuPy allocation on the schedule's stream never
+    enters Python; otherwise it reaches the pool through umrt's callbacks, as
+    :func:`allocator` does. Without the front (no compiler) it is :func:`allocator`.
+
+        cupy.cuda.set_allocator(umrt.allocators.cupy.native_allocator())
+    """
+    cupy = _cupy()
+    front = _state["front"]
+    if _state["pool"] is None:
+        raise UmrtError("umrt is not enabled: call umrt.enable() before using umrt's CuPy allocator")
+    if front is None:
+        return allocator
+    return cupy.cuda.CFunctionAllocator(0, front.cupy_malloc_address, front.cupy_free_address, front).malloc
 
 
 def make_hook(on_event: Callable[[str, int, int], None]) -> Any:

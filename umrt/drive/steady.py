@@ -326,6 +326,7 @@ class SteadyServer:
         self.schedule = schedule
         self.bridge.go_native()
         if schedule.native:
+            self.front.set_cupy_stream(self._stream or 0)  # CuPy's calls name no stream
             self.front.install(schedule)
         self.report.arms += 1
         self.report.schedule_allocations = len(arrays.sizes)
