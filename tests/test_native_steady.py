@@ -330,3 +330,53 @@ def test_torch_shim_calls_reach_the_schedule_through_the_front(cuda13, fake_gpu,
     finally:
         front.install(None)
         front.set_fallback(0, 0)
+
+
+def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
+    """The real bridge and the `um` policy: the server arms at an optimizer step, the
+    bridge stops recording (ops and module hooks off), and a deviation brings it back."""
+    import torch
+
+    from fake_cuda import FakeCupyRuntime
+    from umrt import api
+    from umrt.backends.cuda import CudaBackend, CupyApi
+    from umrt.config import Config
+    from umrt.drive.live import LiveBridge
+
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    pool = ManagedPool(backend)
+    server = SteadyServer(pool, calls=BackendCalls(backend))
+    session = api.Session(Config(enabled=True, policy="um"), active=True, backend=backend, pool=pool,
+                          budget_bytes=1 << 30, steady=server)
+    bridge = LiveBridge(session, device="cpu", from_allocator=True)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bridge.start()
+    try:
+        def step(sizes=SIZES):
+            got = program.step(sizes)
+            model(torch.ones(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return got
+
+        for _ in range(12):
+            step()
+            if server.phase is Phase.NATIVE:
+                break
+        assert server.phase is Phase.NATIVE and bridge.native
+        assert bridge.recorder.ops_suspended and bridge.recorder._hooks._handles[0] is None
+        events = bridge.events
+        step()
+        assert bridge.events == events  # nothing fed to Python in a native step
+        other = list(SIZES)
+        other[1] = 6 << 20
+        step(other)
+        assert not bridge.native and server.phase is Phase.FOLLOWING and bridge.failed is None
+        assert bridge.events > events  # the window replayed into the policy
+        assert pool.live_blocks() == program.live
+        assert bridge.recorder._hooks._handles[0] is not None  # module hooks back at the step
+    finally:
+        bridge.close()
