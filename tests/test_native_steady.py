@@ -134,7 +134,9 @@ def test_a_deviation_hands_back_and_python_stands_where_it_would_have(cuda13):
     # Half a window natively, then a size the schedule does not expect.
     other = list(SIZES)
     other[3] = 5 << 20
+    syncs = cuda13.calls["cudaStreamSynchronize"]
     program.step(other)
+    assert cuda13.calls["cudaStreamSynchronize"] > syncs  # the schedule's work waited for, once
     assert server.phase is Phase.FOLLOWING and not bridge.native and not bridge.mute
     assert server.report.catch_ups == 1 and "5242880 bytes" in server.report.last_deviation
     assert bridge.stopped is None and server.report.layouts_retired == 0

@@ -22,9 +22,10 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 4. A **deviation** (the schedule declines an allocation: size, hash, a block
    still live, a failed call) hands back to Python, in the allocator callback
    that got the refusal or at the next step: the schedule gives up its live
-   blocks (``disown``), and the window's events so far are replayed into the
-   pool, the bridge and the policy (their CUDA calls muted: the schedule made
-   them), so Python stands where it would have stood had it served the window
+   blocks (``disown``), the backend waits for the work the schedule queued and
+   forgets its stream-ordering state (``settle``: one synchronization), and the
+   window's events so far are replayed into the pool, the bridge and the policy
+   (their CUDA calls muted: the schedule made them), so Python stands where it would have stood had it served the window
    itself, and re-learns as it does today. If Python's view disagrees with
    the blocks the schedule handed out (the pool placed a block elsewhere), the
    pool retires its layout for the stream (it never hands that memory out
@@ -97,6 +98,10 @@ class CallSource(Protocol):
         """Add ``windows`` windows' worth of ``calls`` (CUDA name -> count) to the
         backend's call counters (calls the schedule made for it)."""
 
+    def settle(self) -> None:
+        """Wait for the work the schedule queued and drop the backend's ordering state
+        (its events now stand for other work): Python's calls start from a clean slate."""
+
 
 CUDA_NAMES = {  # a decision kind -> the CUDA call it is (CudaBackend's counter names)
     DecisionKind.PREFETCH: "cudaMemPrefetchAsync",
@@ -141,6 +146,9 @@ class BackendCalls:
         counts = self.backend.calls
         for name, n in calls.items():
             counts[name] += n * windows
+
+    def settle(self) -> None:
+        self.backend.synchronize()
 
 
 @runtime_checkable
@@ -361,6 +369,7 @@ class SteadyServer:
             self._set_phase(Phase.FOLLOWING if self.report.catch_ups < MAX_CATCH_UPS else Phase.OFF)
             self._wait = RETRY_AFTER
             log.info("umrt: steady state handed back to Python: %s", self.report.last_deviation)
+            self.calls.settle()  # the replay below is muted: the backend's ordering state must not lie
             self.bridge.leave_native()
             self._replay(events, {ptr: size for ptr, size, _ in blocks})
 
