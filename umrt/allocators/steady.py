@@ -478,8 +478,23 @@ def _merge_calls(calls: list[CallAt], bounds) -> list[Decision]:
     return out
 
 
+def _check_repeats(recorded: Sequence[Recorded], previous: Sequence[Recorded]) -> None:
+    """Raise unless the exact CUDA calls of ``recorded`` are those of ``previous``."""
+    now = [e for e in recorded if isinstance(e, CallAt) and e.exact]
+    before = [e for e in previous if isinstance(e, CallAt) and e.exact]
+    if now == before:
+        return
+    k = next((i for i, (x, y) in enumerate(zip(now, before)) if x != y), min(len(now), len(before)))
+    what = f"{now[k]} against {before[k]}" if k < min(len(now), len(before)) else (
+        f"{len(now)} calls against {len(before)}")
+    raise SteadyError(f"the iteration's CUDA calls differ from the previous iteration's at call {k} ({what}): "
+                      "they do not repeat every iteration (CudaBackend's spare events can cycle with a longer "
+                      "period), so a replay of this one could wait on the wrong event")
+
+
 def compile_schedule(recorded: Sequence[Recorded],
-                     bounds: Callable[[int], tuple[int, int] | None] | None = None) -> ScheduleArrays:
+                     bounds: Callable[[int], tuple[int, int] | None] | None = None, *,
+                     previous: Sequence[Recorded] | None = None) -> ScheduleArrays:
     """Compile one recorded steady iteration into a schedule.
 
     A call is attributed to the latest allocation or free before it (``at allocation
@@ -489,12 +504,18 @@ def compile_schedule(recorded: Sequence[Recorded],
     calls by the ordinal of the allocation now at that address if any, else the calls
     go to the next allocation. ``bounds`` (``CudaBackend.allocation_of``) keeps
     coalesced ranges inside one managed allocation. Exact calls (:class:`RecordingApi`)
-    are compiled verbatim, in order: no merging, coalescing or reordering.
+    are compiled verbatim, in order: no merging, coalescing or reordering. An event a
+    call waits for was recorded in the iteration before (or earlier in this one): the
+    replay is right only if the iteration's calls repeat every iteration, which
+    ``previous`` (the iteration recorded just before) checks.
 
     Raises:
         SteadyError: the iteration has no allocation, made an :class:`Unschedulable`
-            call, or an entry is not a :class:`Recorded` one.
+            call, its exact calls differ from ``previous``'s, or an entry is not a
+            :class:`Recorded` one.
     """
+    if previous is not None:
+        _check_repeats(recorded, previous)
     sizes: list[int] = []
     addrs: list[int] = []
     at_alloc: dict[int, list[CallAt]] = {}
@@ -524,7 +545,8 @@ def compile_schedule(recorded: Sequence[Recorded],
             raise SteadyError(f"not a recorded allocation, free or call: {entry!r}")
     if not sizes:
         raise SteadyError("the recorded iteration has no allocation: nothing to compile")
-    at_alloc.setdefault(0, []).extend(pending)  # calls after the last event: the next iteration's start
+    # Calls after the last event open the next iteration: before those recorded at its allocation 0.
+    at_alloc[0] = pending + at_alloc.get(0, [])
     arrays = ScheduleArrays(sizes, addrs, [], [])
     decisions_alloc = [_merge_calls(at_alloc.get(i, []), bounds) for i in range(len(sizes))]
     decisions_free = [_merge_calls(at_free.get(i, []), bounds) for i in range(len(sizes))]
