@@ -484,7 +484,8 @@ def _check_repeats(recorded: Sequence[Recorded], previous: Sequence[Recorded]) -
     before = [e for e in previous if isinstance(e, CallAt) and e.exact]
     if now == before:
         return
-    k = next((i for i, (x, y) in enumerate(zip(now, before)) if x != y), min(len(now), len(before)))
+    k = next((i for i, (x, y) in enumerate(zip(now, before, strict=False)) if x != y),
+             min(len(now), len(before)))
     what = f"{now[k]} against {before[k]}" if k < min(len(now), len(before)) else (
         f"{len(now)} calls against {len(before)}")
     raise SteadyError(f"the iteration's CUDA calls differ from the previous iteration's at call {k} ({what}): "
