@@ -8,7 +8,12 @@ decisions repeat. A *steady schedule* is that iteration compiled to arrays
 * the allocation stream: allocation ordinal ``i`` -> its size and planned address;
 * the decisions, keyed by position: ``at allocation i`` (run before its address is
   returned) or ``at the free of allocation i's block``; each a kind
-  (:class:`DecisionKind`), a device, an advice and coalesced ranges;
+  (:class:`DecisionKind`), a device, an advice, ranges, a stream and an event. Backend
+  calls (:class:`RecordingBackend`) are merged and coalesced; CUDA API calls recorded
+  with their exact arguments (:class:`RecordingApi` around ``CudaBackend``'s adapter:
+  prefetches, advice, batch discards, event records and stream waits, with the stream
+  and event handles) replay verbatim, in order, so the schedule reproduces the
+  backend's stream ordering;
 * the running hash of the sizes (:func:`mix`, the runtime's own allocation step),
   checked at every allocation.
 
@@ -26,12 +31,17 @@ returns True for a block the schedule handed out (it stays the schedule's until 
 even disarmed), False otherwise. Events (:data:`EV_ALLOC`, :data:`EV_FREE`,
 :data:`EV_BOUNDARY` when the stream wraps to the next iteration) are buffered, bounded
 (``capacity``; a malloc that could overflow it disarms instead, so no event is lost)
-and handed over by ``drain``.
+and handed over by ``drain``. ``adopt`` hands blocks live before arming (the recorded
+iteration's survivors) to the schedule; ``disown`` disarms it (Deviation.STOPPED) and
+hands every live block back.
 
-CUDA calls go through a table (:class:`CudaTable`): five functions, the streams
-prefetches and discards go to. :class:`ApiTable` fills it from a
+CUDA calls go through a table (:class:`CudaTable`): seven functions and the streams
+prefetches and discards go to by default. :class:`ApiTable` fills it from a
 :class:`umrt.backends.cuda.CudaApi` (the adapters ``CudaBackend`` uses; tests pass the
-fake runtime). This is a standalone component: the live bridge does not use it yet.
+fake runtime). C tables keep Python off the path: :func:`cudart_table` (over the
+process's libcudart, :func:`loaded_libcudart`) and :func:`counting_table` (counts
+only, :func:`counted`). This is a standalone component: the live bridge does not use
+it yet.
 """
 from __future__ import annotations
 
@@ -849,8 +859,6 @@ class CTable(ctypes.Structure):
                 ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("record_event", RECORD_FN),
                 ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
 
-
-_Table = CTable  # the name bench/ and older callers use
 
 _C_FIELDS = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
              DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
