@@ -61,7 +61,7 @@ class LogTable:
         self.lacks = set(lacks)
 
     def provides(self, kind):
-        return steady._CALL_NAMES[kind] not in self.lacks
+        return steady.CALL_NAMES[kind] not in self.lacks
 
     def _log(self, *call):
         self.calls.append(call)
@@ -443,6 +443,8 @@ def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
         assert "g++: command not found" in str(caught[0].message)
         got, *_ = drive(first, LogTable())
         assert got[0] == list(small_schedule()[1])
+        with pytest.raises(SteadyError, match="did not build"):
+            steady.counting_table()
     finally:
         steady.native_library.cache_clear()
 
@@ -896,3 +898,17 @@ def test_loaded_libcudart_reads_the_process_maps(tmp_path):
     assert path is None and "no libcudart.so" in why
     path, why = steady.loaded_libcudart(str(tmp_path / "missing"))
     assert path is None and "cannot read" in why
+
+
+def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
+    """The CUDA 13 runtime installed here (no GPU needed: only cudaRuntimeGetVersion is
+    called): every symbol the adapters look up exists under that name."""
+    import glob
+
+    found = sorted(glob.glob("/usr/local/cuda/lib64/libcudart.so.1[3-9]*"))
+    if not found:
+        pytest.skip("no CUDA 13 libcudart in /usr/local/cuda/lib64")
+    table = steady.cudart_table(found[0])
+    assert table.version >= 13000
+    assert all(bool(getattr(table, name)) for name in steady.CALL_NAMES.values())
+    assert not table.copy_stream and not table.discard_stream

@@ -102,7 +102,8 @@ class Deviation(enum.IntEnum):
     STOPPED = 9  # disown() while armed: "stopped by Python"
 
 
-_CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
+# Each kind's call: its CudaTable method and its field of the C table (CTable).
+CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
                DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
                DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
                DecisionKind.WAIT_EVENT: "wait_event"}
@@ -729,7 +730,7 @@ class PythonSteadySchedule:
         for d in range(begin, end):
             kind, device, advice = a.dec_kind[d], a.dec_device[d], a.dec_advice[d]
             own, event = a.dec_stream[d], a.dec_event[d]
-            name = _CALL_NAMES[DecisionKind(kind)]
+            name = CALL_NAMES[DecisionKind(kind)]
             if t is None or not t.provides(DecisionKind(kind)):
                 self._deviate(Deviation.NO_TABLE, ordinal, f"{where} of allocation {ordinal}: the CUDA table has "
                               f"no {name}")
@@ -860,11 +861,6 @@ class CTable(ctypes.Structure):
                 ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
 
 
-_C_FIELDS = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
-             DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
-             DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
-             DecisionKind.WAIT_EVENT: "wait_event"}
-
 
 def _c_ranges(ptrs: Any, lens: Any, n: int) -> list[Range]:
     return [(int(ptrs[i]), int(lens[i])) for i in range(n)]
@@ -880,7 +876,7 @@ class CFunctionTable:
         self.discard_stream = table.discard_stream
 
     def provides(self, kind: DecisionKind) -> bool:
-        return bool(getattr(self.c, _C_FIELDS[kind]))
+        return bool(getattr(self.c, CALL_NAMES[kind]))
 
     @staticmethod
     def _arrays(ranges: Sequence[Range]) -> tuple[Any, Any, int]:
@@ -936,7 +932,7 @@ def _c_table_of(table: CudaTable) -> CTable:
         "wait_event": WAIT_FN(_guarded(table.wait_event)),
     }
     c = CTable(copy_stream=table.copy_stream or None, discard_stream=table.discard_stream or None)
-    for kind, name in _C_FIELDS.items():
+    for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
     c.keep = fns  # the callbacks must outlive every call the schedule makes
@@ -1194,7 +1190,7 @@ def counted() -> dict[str, int]:
     """Calls the counting tables made since :func:`reset_counted`, by call name."""
     out = (ctypes.c_int64 * len(COUNTED_KINDS))()
     _library().umrt_steady_counted(out)
-    return {_CALL_NAMES[kind]: int(out[kind]) for kind in COUNTED_KINDS}
+    return {CALL_NAMES[kind]: int(out[kind]) for kind in COUNTED_KINDS}
 
 
 def reset_counted() -> None:
