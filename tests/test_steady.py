@@ -912,3 +912,73 @@ def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
     assert table.version >= 13000
     assert all(bool(getattr(table, name)) for name in steady.CALL_NAMES.values())
     assert not table.copy_stream and not table.discard_stream
+
+
+# -- cycles: CUDA handles that repeat every few iterations -----------------------------
+def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteration(lib, fake_gpu):
+    """With a discard, CudaBackend's events alternate between two handles: the period is
+    two iterations, compiled as one cycle; both twins replay both iterations' calls in
+    turn (the fake runtime sees them again, race-free), with a boundary per iteration."""
+    backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False, iterations=6)
+    logs = [log for log, _ in iterations]
+    assert steady.repeat_period(logs[:3]) is None and steady.repeat_period(logs) == 2
+    arrays = steady.compile_steady(logs)
+    assert arrays.iteration_starts == [0, 2] and len(arrays.sizes) == 4
+    plain = [[tuple(_plain(x) for x in c) for c in calls] for _, calls in iterations[-2:]]
+    out = []
+    for s in both(lib, arrays):
+        s.set_table(ApiTable(backend.api.api))
+        s.arm(0, 0)
+        for k in range(4):
+            start = len(fake_gpu.calls)
+            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+            s.free(p)
+            s.free(q)
+            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain[k % 2]
+        out.append((s.drain(), s.deviation(), s.state()))
+    assert out[0] == out[1] and out[0][1][0] == Deviation.NONE and out[0][2] == (4, 3, 0, 0)
+    assert [e[1] for e in out[0][0] if e[0] == EV_BOUNDARY] == [1, 2, 3]
+    assert not fake_gpu.violations
+
+
+def test_compile_steady_and_cycle_refuse_what_does_not_repeat():
+    a = 1 << 30
+    one = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=5, exact=True), FreeAt(a)]
+    other = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=6, exact=True), FreeAt(a)]
+    with pytest.raises(SteadyError, match="do not repeat with a period of at most 2"):
+        steady.compile_steady([one, other, one, one, other], max_period=2)
+    assert steady.compile_steady([one, other, one, other]).iteration_starts == [0, 1]
+    assert steady.compile_steady([other, one, one]).iteration_starts == [0]
+    with pytest.raises(SteadyError, match="iteration 1 of the cycle has no allocation"):
+        steady.compile_cycle([one, [CallAt(RE, (), stream=1, event=5, exact=True)]])
+    with pytest.raises(SteadyError, match="iteration starts"):
+        PythonSteadySchedule(steady.ScheduleArrays([1, 1], [0, 8], [0, 0, 0], [0, 0, 0], iteration_starts=[0, 2]))
+
+
+def test_twins_restart_the_hash_at_each_iteration_of_a_cycle(lib):
+    a, b = 1 << 30, (1 << 30) + MiB
+    arrays = steady.compile_cycle([[AllocAt(MiB, a), FreeAt(a)], [AllocAt(2 * MiB, b), FreeAt(b)]])
+    out = []
+    for s in both(lib, arrays):
+        s.arm()
+        got = []
+        for _ in range(2):
+            got += [s.malloc(MiB), s.free(a), s.malloc(2 * MiB), s.free(b)]
+        got.append(s.malloc(2 * MiB))  # the cycle expects its first iteration again
+        out.append((got, s.drain(), s.deviation()))
+    assert out[0] == out[1]
+    got, events, dev = out[0]
+    assert got == [a, True, b, True] * 2 + [0]
+    assert [e for e in events if e[0] == EV_BOUNDARY] == [(EV_BOUNDARY, k, 0, 0) for k in (1, 2, 3)]
+    assert dev == (Deviation.SIZE, 0, f"allocation 0: {2 * MiB} bytes, the schedule expects {MiB}")
+
+
+def test_native_create_rejects_bad_iteration_starts_itself(lib, monkeypatch):
+    import dataclasses
+
+    arrays = steady.compile_cycle([[AllocAt(MiB, 1 << 30)], [AllocAt(MiB, 1 << 31)]])
+    monkeypatch.setattr(steady, "_check", lambda arrays, capacity: None)  # reach the C validation
+    for starts in ([0, 5], [1], [0, 1, 1]):
+        with pytest.raises(SteadyError, match="rejected"):
+            NativeSteadySchedule(lib, dataclasses.replace(arrays, iteration_starts=starts))
+    assert NativeSteadySchedule(lib, arrays).a.iteration_starts == [0, 1]

@@ -403,6 +403,7 @@ class ScheduleArrays:
     range_begin: list[int] = field(default_factory=lambda: [0])  # decision d: [range_begin[d], [d+1])
     range_ptr: list[int] = field(default_factory=list)
     range_len: list[int] = field(default_factory=list)
+    iteration_starts: list[int] = field(default_factory=lambda: [0])  # a cycle of iterations: each first ordinal
 
     def decisions(self, begin: int, end: int) -> list[Decision]:
         """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges, stream, event)``."""
@@ -528,14 +529,68 @@ def compile_schedule(recorded: Sequence[Recorded],
     """
     if previous is not None:
         _check_repeats(recorded, previous)
+    return compile_cycle([recorded], bounds)
+
+
+def repeat_period(iterations: Sequence[Sequence[Recorded]], max_period: int = 4) -> int | None:
+    """The smallest ``p`` such that the last ``p`` recorded iterations made the same exact
+    CUDA calls as the ``p`` before them (``CudaBackend``'s spare events can cycle every
+    few iterations), or None (not within ``max_period``, or too few iterations)."""
+    exact = [[e for e in it if isinstance(e, CallAt) and e.exact] for it in iterations]
+    for p in range(1, max_period + 1):
+        if 2 * p > len(exact):
+            return None
+        if exact[-p:] == exact[-2 * p:-p]:
+            return p
+    return None
+
+
+def compile_steady(iterations: Sequence[Sequence[Recorded]],
+                   bounds: Callable[[int], tuple[int, int] | None] | None = None,
+                   max_period: int = 4) -> ScheduleArrays:
+    """Compile the last recorded iterations into a schedule that repeats: as many as
+    their CUDA calls take to repeat (:func:`repeat_period`; ``iterations`` holds at least
+    twice that many, oldest first). Arm it before the iteration after the last one.
+
+    Raises:
+        SteadyError: the calls do not repeat within ``max_period`` iterations, or
+            :func:`compile_cycle` refuses them.
+    """
+    period = repeat_period(iterations, max_period)
+    if period is None:
+        raise SteadyError(f"the CUDA calls of the last {len(iterations)} recorded iterations do not repeat with a "
+                          f"period of at most {max_period} (each period needs two recorded repeats)")
+    return compile_cycle(list(iterations[-period:]), bounds)
+
+
+def compile_cycle(iterations: Sequence[Sequence[Recorded]],
+                  bounds: Callable[[int], tuple[int, int] | None] | None = None) -> ScheduleArrays:
+    """Compile consecutive recorded iterations into one schedule that serves them in turn
+    (see :func:`compile_schedule` for how calls are keyed): the running hash restarts and
+    an EV_BOUNDARY is emitted at each iteration's first allocation
+    (``ScheduleArrays.iteration_starts``).
+
+    Raises:
+        SteadyError: as :func:`compile_schedule`, or an iteration has no allocation.
+    """
     sizes: list[int] = []
     addrs: list[int] = []
+    starts: list[int] = []
     at_alloc: dict[int, list[CallAt]] = {}
     at_free: dict[int, list[CallAt]] = {}
     ordinal_at: dict[int, int] = {}  # address -> ordinal of the allocation last placed there
     target: list[CallAt] | None = None
     pending: list[CallAt] = []  # calls waiting for the next allocation
-    for entry in recorded:
+    entries: list[Recorded] = []
+    previous_allocations = 0
+    for k, recorded in enumerate(iterations):
+        allocations = sum(isinstance(e, AllocAt) for e in recorded)
+        if allocations == 0 and len(iterations) > 1:
+            raise SteadyError(f"recorded iteration {k} of the cycle has no allocation")
+        starts.append(starts[-1] + previous_allocations if starts else 0)
+        previous_allocations = allocations
+        entries.extend(recorded)
+    for entry in entries:
         if isinstance(entry, AllocAt):
             if entry.size <= 0:
                 raise SteadyError(f"allocation {len(sizes)} of {entry.size} bytes: sizes must be positive")
@@ -559,7 +614,7 @@ def compile_schedule(recorded: Sequence[Recorded],
         raise SteadyError("the recorded iteration has no allocation: nothing to compile")
     # Calls after the last event open the next iteration: before those recorded at its allocation 0.
     at_alloc[0] = pending + at_alloc.get(0, [])
-    arrays = ScheduleArrays(sizes, addrs, [], [])
+    arrays = ScheduleArrays(sizes, addrs, [], [], iteration_starts=starts)
     decisions_alloc = [_merge_calls(at_alloc.get(i, []), bounds) for i in range(len(sizes))]
     decisions_free = [_merge_calls(at_free.get(i, []), bounds) for i in range(len(sizes))]
     for table, begins in ((decisions_alloc, arrays.alloc_begin), (decisions_free, arrays.free_begin)):
@@ -620,10 +675,11 @@ class PythonSteadySchedule:
         _check(arrays, capacity)
         self.a = arrays
         self.capacity = capacity
+        self._starts_iteration = set(arrays.iteration_starts)
         self._hashes = []
         h = 0
-        for size in arrays.sizes:
-            h = mix(h, size)
+        for i, size in enumerate(arrays.sizes):
+            h = mix(0 if i in self._starts_iteration else h, size)
             self._hashes.append(h)
         self._lock = threading.Lock()
         self._table: CudaTable | None = None
@@ -691,7 +747,8 @@ class PythonSteadySchedule:
             if size != a.sizes[p]:
                 self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
                 return 0
-            h = mix(0 if p == 0 else self._hash, size)
+            starts = p in self._starts_iteration
+            h = mix(0 if starts else self._hash, size)
             if h != self._hashes[p]:
                 self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
                               f"{self._hashes[p]}")
@@ -702,7 +759,7 @@ class PythonSteadySchedule:
                 self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
                               f"block {hit:#x} of allocation {self._live[hit][1]}")
                 return 0
-            if p == 0 and self._position == n:
+            if starts and (p != 0 or self._position == n):  # not the first allocation after arming
                 self._iteration += 1
                 self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
             self._position, self._hash = p + 1, h
@@ -839,6 +896,10 @@ def _check(arrays: ScheduleArrays, capacity: int) -> None:
         raise SteadyError(f"inconsistent schedule arrays: a decision kind outside 0..{len(DecisionKind) - 1}")
     if capacity < 3:
         raise SteadyError(f"event buffer capacity {capacity}: it must hold at least 3 events")
+    st = arrays.iteration_starts
+    if not st or st[0] != 0 or any(b <= a for a, b in zip(st, st[1:], strict=False)) or st[-1] >= n:
+        raise SteadyError(f"inconsistent schedule arrays: iteration starts {st[:8]} (ascending ordinals from 0, "
+                          f"below {n})")
 
 
 # ctypes signatures of the table's functions (kernels/steady_alloc.cpp: umrt_cuda_table).
@@ -962,9 +1023,10 @@ class NativeSteadySchedule:
             (i32 * max(1, nd))(*arrays.dec_device), (i32 * max(1, nd))(*arrays.dec_advice),
             (u64 * max(1, nd))(*arrays.dec_stream), (u64 * max(1, nd))(*arrays.dec_event),
             (i64 * (nd + 1))(*arrays.range_begin), nr, (u64 * max(1, nr))(*arrays.range_ptr),
-            (u64 * max(1, nr))(*arrays.range_len), capacity)
+            (u64 * max(1, nr))(*arrays.range_len), len(arrays.iteration_starts),
+            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), capacity)
         if not self.handle:
-            raise SteadyError("the native schedule rejected the arrays (inconsistent decision or range offsets)")
+            raise SteadyError("the native schedule rejected the arrays (inconsistent decision, range or iteration offsets)")
         self._table_keep: Any = None
         self._drain_buf: tuple | None = None
         self._malloc = lib.umrt_steady_malloc
@@ -1077,7 +1139,7 @@ def build_library() -> str:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
     sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64]),
+        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, i64]),
         "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
         "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
         "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),
