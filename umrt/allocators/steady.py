@@ -13,7 +13,9 @@ decisions repeat. A *steady schedule* is that iteration compiled to arrays
   with their exact arguments (:class:`RecordingApi` around ``CudaBackend``'s adapter:
   prefetches, advice, batch discards, event records and stream waits, with the stream
   and event handles) replay verbatim, in order, so the schedule reproduces the
-  backend's stream ordering;
+  backend's stream ordering. The backend's spare events can repeat only every few
+  iterations: :func:`compile_steady` finds that period (:func:`repeat_period`) and
+  compiles that many iterations as one cycle (:func:`compile_cycle`);
 * the running hash of the sizes (:func:`mix`, the runtime's own allocation step),
   checked at every allocation.
 
