@@ -99,6 +99,7 @@ struct Schedule {
   std::mutex mu;
   // The allocation stream.
   std::vector<uint64_t> sizes, addrs, hashes;
+  std::vector<uint8_t> starts_iteration;  // 1 at each iteration's first allocation (a cycle of several)
   // Decisions: those at allocation i are [alloc_begin[i], alloc_begin[i+1]), at its free
   // [free_begin[i], free_begin[i+1]); decision d's ranges are [range_begin[d], range_begin[d+1]).
   std::vector<int64_t> alloc_begin, free_begin, range_begin;
@@ -250,7 +251,7 @@ void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
             static_cast<unsigned long long>(size), static_cast<unsigned long long>(s->sizes[p]));
     return nullptr;
   }
-  const uint64_t h = mix(p == 0 ? 0 : s->hash, size);
+  const uint64_t h = mix(s->starts_iteration[p] ? 0 : s->hash, size);
   if (h != s->hashes[p]) {
     deviate(s, DEV_HASH, p, "allocation %lld: running hash %llu, the schedule expects %llu",
             static_cast<long long>(p), static_cast<unsigned long long>(h),
@@ -265,7 +266,7 @@ void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
             static_cast<unsigned long long>(hit->first), static_cast<long long>(hit->second.second));
     return nullptr;
   }
-  if (p == 0 && s->position == n) {
+  if (s->starts_iteration[p] && (p != 0 || s->position == n)) {  // not the first allocation after arming
     s->iteration += 1;
     s->events.push_back(Event{EV_BOUNDARY, s->iteration, 0, 0});
   }
@@ -290,12 +291,18 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
 }  // namespace
 
 // A schedule (see the file comment for the arrays); NULL if an array is inconsistent.
+// iteration_starts: the ordinals where the iterations of the schedule start, ascending,
+// the first 0 (one iteration: {0}; a cycle of several when CUDA handles repeat only
+// every few iterations). The running hash restarts and EV_BOUNDARY is emitted at each.
 UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uint64_t* addrs,
                                      const int64_t* alloc_begin, const int64_t* free_begin, int64_t n_decisions,
                                      const int32_t* dec_kind, const int32_t* dec_device, const int32_t* dec_advice,
                                      const uint64_t* dec_stream, const uint64_t* dec_event, const int64_t* range_begin, int64_t n_ranges, const uint64_t* range_ptr,
-                                     const uint64_t* range_len, int64_t capacity) {
-  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || capacity < 3) return nullptr;
+                                     const uint64_t* range_len, int64_t n_starts, const int64_t* iteration_starts,
+                                     int64_t capacity) {
+  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || capacity < 3 || n_starts < 1 || iteration_starts[0] != 0) {
+    return nullptr;
+  }
   Schedule* s = new (std::nothrow) Schedule();
   if (!s) return nullptr;
   s->sizes.assign(sizes, sizes + n);
@@ -317,13 +324,18 @@ UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uin
   for (int64_t d = 0; ok && d < n_decisions; ++d) {
     ok = s->range_begin[d] <= s->range_begin[d + 1] && dec_kind[d] >= 0 && dec_kind[d] < kKinds;
   }
+  s->starts_iteration.assign(static_cast<size_t>(n), 0);
+  for (int64_t k = 0; ok && k < n_starts; ++k) {
+    ok = iteration_starts[k] >= 0 && iteration_starts[k] < n && (k == 0 || iteration_starts[k] > iteration_starts[k - 1]);
+    if (ok) s->starts_iteration[iteration_starts[k]] = 1;
+  }
   if (!ok) {
     delete s;
     return nullptr;
   }
   uint64_t h = 0;
   s->hashes.resize(n);
-  for (int64_t i = 0; i < n; ++i) s->hashes[i] = h = mix(h, sizes[i]);
+  for (int64_t i = 0; i < n; ++i) s->hashes[i] = h = mix(s->starts_iteration[i] ? 0 : h, sizes[i]);
   s->capacity = static_cast<size_t>(capacity);
   s->events.reserve(s->capacity);
   return s;

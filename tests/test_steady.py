@@ -61,7 +61,7 @@ class LogTable:
         self.lacks = set(lacks)
 
     def provides(self, kind):
-        return steady._CALL_NAMES[kind] not in self.lacks
+        return steady.CALL_NAMES[kind] not in self.lacks
 
     def _log(self, *call):
         self.calls.append(call)
@@ -443,6 +443,8 @@ def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
         assert "g++: command not found" in str(caught[0].message)
         got, *_ = drive(first, LogTable())
         assert got[0] == list(small_schedule()[1])
+        with pytest.raises(SteadyError, match="did not build"):
+            steady.counting_table()
     finally:
         steady.native_library.cache_clear()
 
@@ -465,3 +467,518 @@ def test_stream_handles_of_created_streams_reach_the_table(lib):
         drive(s, table, iterations=1, stream=stream)
         out.append(table.calls)
     assert out[0] == out[1] and out[0][0] == ("prefetch", a, 100, 0, stream)
+
+
+# -- CUDA-API-level decisions: exact streams and events --------------------------------
+RE, WE = DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT
+
+
+def test_exact_calls_compile_verbatim_in_order_with_their_streams_and_events():
+    a = 1 << 30
+    copy, side, ev = 0x7000, 0x7100, 0x9000
+    rec = [AllocAt(MiB, a),
+           CallAt(P, ((a, MiB),), 0, stream=copy, exact=True),
+           CallAt(RE, (), stream=copy, event=ev, exact=True),
+           CallAt(P, ((a + MiB, MiB),), 0, stream=copy, exact=True),  # touching: still not coalesced
+           CallAt(P, ((a, 4096),), 0, stream=0, exact=True),  # the NULL stream: the caller's (a populate)
+           CallAt(ADV, ((a, MiB),), 0, int(Advice.SET_ACCESSED_BY), exact=True),
+           CallAt(P, ((a, MiB),), 0), CallAt(P, ((a + MiB, MiB),), 0),  # Backend level: merged as before
+           CallAt(WE, (), stream=0, event=ev, exact=True),
+           FreeAt(a),
+           CallAt(D, ((a + 1000, MiB),), stream=side, exact=True),  # verbatim: not shrunk to pages
+           CallAt(DP, ((a, 4096), (a + 8192, 4096)), 0, stream=side, exact=True)]
+    arrays = compile_schedule(rec)
+    assert arrays.decisions(0, arrays.alloc_begin[1]) == [
+        (P, 0, 0, [(a, MiB)], copy, 0), (RE, 0, 0, [], copy, ev), (P, 0, 0, [(a + MiB, MiB)], copy, 0),
+        (POP, 0, 0, [(a, 4096)], 0, 0), (ADV, 0, 5, [(a, MiB)], 0, 0), (P, 0, 0, [(a, 2 * MiB)], 0, 0),
+        (WE, 0, 0, [], 0, ev)]
+    assert arrays.decisions(arrays.free_begin[0], arrays.free_begin[1]) == [
+        (D, 0, 0, [(a + 1000, MiB)], side, 0), (DP, 0, 0, [(a, 4096), (a + 8192, 4096)], side, 0)]
+
+
+@pytest.mark.parametrize("name", ["malloc_managed", "free", "stream_synchronize", "create_event", "create_stream"])
+def test_compile_refuses_an_iteration_that_made_an_unschedulable_call(name):
+    with pytest.raises(SteadyError, match=f"called {name} \\(after allocation 0\\)"):
+        compile_schedule([AllocAt(1, 1 << 30), steady.Unschedulable(name), FreeAt(1 << 30)])
+
+
+def test_twins_replay_exact_streams_and_events(lib):
+    a, b = 1 << 30, (1 << 30) + MiB
+    copy, side, ev1, ev2 = 0x7000, 0x7100, 0x9000, 0x9100
+    rec = [AllocAt(MiB, a), CallAt(P, ((a, MiB),), 0, stream=copy, exact=True),
+           CallAt(RE, (), stream=copy, event=ev1, exact=True), CallAt(WE, (), stream=0, event=ev1, exact=True),
+           AllocAt(MiB, b), CallAt(P, ((b, MiB),), HOST, stream=0, exact=True),  # NULL stream: caller's
+           FreeAt(a), CallAt(D, ((a, MiB),), stream=side, exact=True),
+           CallAt(RE, (), stream=side, event=ev2, exact=True), CallAt(WE, (), stream=copy, event=ev2, exact=True),
+           FreeAt(b), CallAt(DP, ((b, 4096), (b + 8192, 4096)), 0, exact=True)]  # stream 0: the table's
+    arrays = compile_schedule(rec)
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        table.copy_stream, table.discard_stream = 0x5500, 0x5600  # used only by stream-0 decisions
+        s.set_table(table)
+        s.arm(0, 0x4000)
+        for _ in range(2):
+            p, q = s.malloc(MiB, 0, 0x4000), s.malloc(MiB, 0, 0x4000)
+            s.free(p, 0, 0, 0x4000)
+            s.free(q, 0, 0, 0x4000)
+        out.append((table.calls, s.deviation()))
+    assert out[0] == out[1] and out[0][1][0] == Deviation.NONE
+    assert out[0][0] == [
+        ("prefetch", a, MiB, 0, copy), ("record_event", ev1, copy), ("wait_event", 0x4000, ev1),
+        ("populate", b, MiB, HOST, 0x4000),
+        ("discard", ((a, MiB),), side), ("record_event", ev2, side), ("wait_event", copy, ev2),
+        ("discard_prefetch", ((b, 4096), (b + 8192, 4096)), 0, 0x5600)] * 2
+
+
+def test_a_failed_or_missing_event_call_disarms_both_alike(lib):
+    a = 1 << 30
+    rec = [AllocAt(MiB, a), CallAt(RE, (), stream=0x7000, event=0x9000, exact=True), FreeAt(a),
+           CallAt(D, ((a, MiB), (a + 2 * MiB, MiB)), stream=0x7100, exact=True)]
+    arrays = compile_schedule(rec)
+    out = []
+    for s in both(lib, arrays):
+        s.set_table(LogTable(fail={"record_event"}))
+        s.arm()
+        r = [s.malloc(MiB), s.deviation()]
+        s.free(a)
+        s.set_table(LogTable(lacks={"discard"}))
+        s.arm()
+        r += [s.free(s.malloc(MiB)), s.deviation()]
+        s.set_table(LogTable(fail={"discard"}))
+        s.arm()
+        r += [s.free(s.malloc(MiB)), s.deviation()]
+        out.append(r)
+    assert out[0] == out[1]
+    r = out[0]
+    assert r[0] == a and r[1] == (Deviation.CALL, 0, "allocation of allocation 0: record_event(event 0x9000, "
+                                  "stream 0x7000) failed with CUDA error 7")
+    assert r[2] is True and r[3] == (Deviation.NO_TABLE, 0, "free of allocation 0: the CUDA table has no discard")
+    assert r[5] == (Deviation.CALL, 0, f"free of allocation 0: discard(2 ranges from {a:#x}) failed with CUDA error 7")
+
+
+def test_recording_api_logs_exact_calls_and_forwards_them(fake_gpu):
+    log = []
+    inner = BindingsApi(FakeBindingsRuntime(fake_gpu))
+    api = steady.RecordingApi(inner, log)
+    assert api.version == inner.version and api.has_batch
+    ptr = api.malloc_managed(4 * MiB)
+    stream, event = api.create_stream(False), api.create_event()
+    api.prefetch(ptr, MiB, 0, stream)
+    api.advise(ptr, MiB, Advice.SET_READ_MOSTLY, HOST)
+    api.record_event(event, stream)
+    api.stream_wait_event(0, event)
+    api.discard_batch([(ptr, MiB)], stream)
+    api.discard_and_prefetch_batch([(ptr, MiB), (ptr + 2 * MiB, MiB)], 0, stream)
+    api.stream_synchronize(stream)
+    api.free(ptr)
+    U = steady.Unschedulable
+    assert log == [U("malloc_managed"), U("create_stream"), U("create_event"),
+                   CallAt(P, ((ptr, MiB),), 0, stream=stream, exact=True),
+                   CallAt(ADV, ((ptr, MiB),), HOST, int(Advice.SET_READ_MOSTLY), exact=True),
+                   CallAt(RE, (), stream=stream, event=event, exact=True),
+                   CallAt(WE, (), stream=0, event=event, exact=True),
+                   CallAt(D, ((ptr, MiB),), stream=stream, exact=True),
+                   CallAt(DP, ((ptr, MiB), (ptr + 2 * MiB, MiB)), 0, stream=stream, exact=True),
+                   U("stream_synchronize"), U("free")]
+    names = fake_gpu.names()
+    for call in ("cudaMallocManaged", "cudaMemPrefetchAsync", "cudaMemAdvise", "cudaEventRecord",
+                 "cudaStreamWaitEvent", "cudaMemDiscardBatchAsync", "cudaMemDiscardAndPrefetchBatchAsync",
+                 "cudaStreamSynchronize", "cudaFree"):
+        assert call in names
+
+
+def _record_backend_iterations(gpu, discard_and_prefetch, iterations=5):
+    """CudaBackend over the fake CUDA 13 runtime, its api wrapped in RecordingApi, runs a
+    small training-like loop: a prefetch to the GPU on the copy stream and a kernel that
+    waits for it, a populate, at the first block's free a discard (or discard-and-
+    prefetch) on the legacy compute stream's blocking discard stream, an eviction.
+    Returns the backend and, per iteration, its log and the runtime calls it made."""
+    rec = SteadyRecorder()
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+    backend.api = rec.wrap_api(backend.api)
+    backend.order.api = backend.api
+    seg = backend.malloc(16 * MiB)
+    x, y = seg, seg + 4 * MiB
+    rec.take()
+    out = []
+    for _ in range(iterations):
+        start = len(gpu.calls)
+        rec.on_pool_event("alloc", x, 4 * MiB)
+        backend.prefetch([(x, 4 * MiB)], 0)
+        backend.launch([(x, 4 * MiB)], [])
+        rec.on_pool_event("alloc", y, 4 * MiB)
+        backend.populate([(y, 4 * MiB)])
+        backend.launch([(y, MiB)], [(y, MiB)])
+        rec.on_pool_event("free", x, 0)
+        if discard_and_prefetch:
+            backend.discard_and_prefetch([(x, 4 * MiB)], 0)
+        else:
+            backend.discard([(x, 4 * MiB)])
+        backend.prefetch([(y, 4 * MiB)], HOST)
+        rec.on_pool_event("free", y, 0)
+        out.append((rec.take(), gpu.calls[start:]))
+    return backend, out
+
+
+def test_a_recorded_cuda_backend_iteration_replays_the_same_runtime_calls(lib, fake_gpu):
+    """The issue's point: the schedule replays CudaBackend's own calls (copy-stream
+    prefetches, the events ordering them with the kernels and the discard stream, the
+    discard-and-prefetch) with the same handles, so the fake runtime sees the same calls
+    again, from both twins, and its stream-ordering rules hold."""
+    backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=True)
+    (previous, _), (log, recorded) = iterations[-2:]
+    assert {"cudaEventRecord", "cudaStreamWaitEvent", "cudaMemDiscardAndPrefetchBatchAsync"} <= {
+        c[0] for c in recorded}
+    arrays = compile_schedule(log, previous=previous)
+    plain = [tuple(_plain(x) for x in c) for c in recorded]
+    for s in both(lib, arrays):
+        s.set_table(ApiTable(backend.api.api))
+        s.arm(0, 0)
+        for _ in range(2):
+            start = len(fake_gpu.calls)
+            p = s.malloc(4 * MiB)
+            q = s.malloc(4 * MiB)
+            s.free(p)
+            s.free(q)
+            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain
+        assert s.deviation() == (Deviation.NONE, -1, "")
+    assert not fake_gpu.violations
+
+
+def test_compile_refuses_an_iteration_whose_event_handles_do_not_repeat(lib, fake_gpu):
+    """With a discard, CudaBackend's spare events alternate between two handles from one
+    iteration to the next: one iteration's calls replayed again would make the compute
+    stream wait on the discard's event, not the eviction's. ``previous`` catches it; the
+    fake runtime shows the race a replay would cause."""
+    backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False)
+    (previous, _), (log, _) = iterations[-2:]
+    with pytest.raises(SteadyError, match="differ from the previous iteration's at call 1 .*do not repeat"):
+        compile_schedule(log, previous=previous)
+    s = PythonSteadySchedule(compile_schedule(log))
+    s.set_table(ApiTable(backend.api.api))
+    s.arm(0, 0)
+    with pytest.raises(Exception, match="migration-race"):
+        for _ in range(2):
+            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+            s.free(p)
+            s.free(q)
+
+
+def test_calls_after_the_last_event_open_the_next_iteration():
+    a = 1 << 30
+    rec = [CallAt(RE, (), stream=1, event=5, exact=True), AllocAt(MiB, a), CallAt(WE, (), event=5, exact=True),
+           FreeAt(a + 1), CallAt(P, ((a, MiB),), 0, stream=7, exact=True)]  # a free of a block from before
+    arrays = compile_schedule(rec)
+    assert [d[0] for d in arrays.decisions(0, arrays.alloc_begin[1])] == [P, RE, WE]
+
+
+# -- ownership hand-over ---------------------------------------------------------------
+def test_adopt_hands_survivors_to_the_schedule_and_disown_hands_everything_back(lib):
+    arrays, (a, b, c) = small_schedule()
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        s.set_table(table)
+        s.adopt([(a, 0), (c, 2)])  # live from the recorded iteration: a (+100) and c (+300)
+        s.arm()
+        r = [s.free(a), s.drain(), list(table.calls), s.state()]
+        r.append(s.malloc(100))  # a is free again: served
+        p1 = s.malloc(200)
+        r += [p1, s.disown(), s.armed, s.deviation(), s.free(p1), s.free(c), s.drain(), s.state()]
+        r.append(s.disown())  # disarmed already: nothing live, the deviation kept
+        r.append(s.deviation())
+        out.append(r)
+    assert out[0] == out[1]
+    r = out[0]
+    assert r[0] is True and r[1] == [(EV_FREE, 0, a, 100)]
+    assert r[2] == [("discard", ((a, 1 << 20),), 0)]  # allocation 0's free decision ran
+    assert r[3] == (0, 0, 1, 0)
+    assert r[4] == a and r[5] == b
+    assert r[6] == [(a, 100, 0), (b, 200, 1), (c, 300, 2)]  # ascending, sizes from the schedule
+    assert r[7] is False and r[8] == (Deviation.STOPPED, 2, "stopped by Python")
+    assert r[9] is False and r[10] is False  # the caller frees them now
+    assert r[11] == [(EV_ALLOC, 0, a, 100), (EV_ALLOC, 1, b, 200)]  # buffered events stay drainable
+    assert r[12] == (2, 0, 0, 0) and r[13] == [] and r[14] == r[8]
+
+
+def test_adopt_rejects_a_bad_ordinal_or_an_overlap_identically_and_adopts_nothing(lib):
+    arrays, (a, b, c) = small_schedule()
+    out = []
+    for s in both(lib, arrays):
+        s.arm()
+        s.malloc(100)  # a is live
+        r = []
+        for blocks in ([(c, 2), (b, 3)], [(c, 2), (b, -1)], [(c, 2), (a + 50, 1)], [(b, 1), (b + 100, 2)]):
+            with pytest.raises(SteadyError) as caught:
+                s.adopt(blocks)
+            r.append(str(caught.value))
+        r.append(s.state())
+        out.append(r)
+    assert out[0] == out[1]
+    assert out[0][0] == f"adopt: block 1 at {b:#x}: allocation 3 is not in the schedule (0..2)"
+    assert out[0][1] == f"adopt: block 1 at {b:#x}: allocation -1 is not in the schedule (0..2)"
+    assert out[0][2] == f"adopt: block 1 at {a + 50:#x} (+200, allocation 1) overlaps a live block"
+    assert out[0][3] == f"adopt: block 1 at {b + 100:#x} (+300, allocation 2) overlaps a live block"
+    assert out[0][4][2] == 1  # only a: nothing was adopted
+
+
+def test_native_disown_of_more_blocks_than_its_first_buffer(lib):
+    n = 40
+    arrays = compile_schedule([AllocAt(4096, (1 << 30) + i * 8192) for i in range(n)])
+    s = NativeSteadySchedule(lib, arrays)
+    s.adopt([((1 << 30) + i * 8192, i) for i in range(n)])
+    assert s.disown() == [((1 << 30) + i * 8192, 4096, i) for i in range(n)]
+    assert s.deviation()[0] == Deviation.NONE  # never armed: nothing to stop
+
+
+# -- C tables --------------------------------------------------------------------------
+def test_the_counting_table_counts_each_kind_from_both_twins(lib):
+    a, b = 1 << 30, (1 << 30) + MiB
+    rec = [AllocAt(MiB, a), CallAt(P, ((a, MiB), (b, 4096)), 0, stream=0x7000, exact=True),
+           CallAt(RE, (), stream=0x7000, event=0x9000, exact=True), CallAt(WE, (), event=0x9000, exact=True),
+           CallAt(ADV, ((a, MiB),), 0, 3, exact=True), AllocAt(MiB, b), CallAt(POP, ((b, MiB),), 0),
+           FreeAt(a), CallAt(D, ((a, MiB), (b, MiB)), stream=0x7100, exact=True),
+           FreeAt(b), CallAt(DP, ((b, MiB),), 0, stream=0x7100, exact=True)]
+    arrays = compile_schedule(rec)
+    for s in both(lib, arrays):
+        steady.reset_counted()
+        s.set_c_table(steady.counting_table())
+        s.arm()
+        for _ in range(3):
+            p, q = s.malloc(MiB), s.malloc(MiB)
+            s.free(p)
+            s.free(q)
+        assert s.deviation()[0] == Deviation.NONE
+        assert steady.counted() == {"prefetch": 6, "discard": 3, "discard_prefetch": 3, "populate": 3,
+                                    "advise": 3, "record_event": 3, "wait_event": 3}
+
+
+def _build_fake_cudart(tmp_path, variant, *defines):
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libcudart")
+    out = tmp_path / f"libfake_cudart_{variant}.so"
+    source = Path(__file__).with_name("fake_cudart.c")
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", *defines, str(source), "-o", str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+class FakeCudart:
+    """The fake libcudart, opened by path (the table's dlopen finds the same library)."""
+
+    def __init__(self, path):
+        import ctypes
+
+        self.path = str(path)
+        self.lib = ctypes.CDLL(self.path)
+        self.lib.fake_cudart_take.restype = ctypes.c_size_t
+        self.lib.fake_cudart_take.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.fake_cudart_fail.argtypes = [ctypes.c_int]
+        self._buf = ctypes.create_string_buffer(1 << 16)
+
+    def take(self):
+        self.lib.fake_cudart_take(self._buf, len(self._buf))
+        return self._buf.value.decode().splitlines()
+
+
+@pytest.fixture(scope="module")
+def fake_cudarts(lib, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cudart")
+    return {"13": FakeCudart(_build_fake_cudart(d, "13", "-DFAKE_VERSION=13000")),
+            "12v2": FakeCudart(_build_fake_cudart(d, "12v2", "-DFAKE_VERSION=12080", "-DFAKE_V2")),
+            "12": FakeCudart(_build_fake_cudart(d, "12", "-DFAKE_VERSION=12010"))}
+
+
+def _every_kind_schedule():
+    a = 1 << 30
+    rec = [AllocAt(MiB, a), CallAt(P, ((a, MiB),), HOST, stream=0x7000, exact=True),
+           CallAt(POP, ((a, 4096),), 1), CallAt(ADV, ((a, MiB),), HOST, 3, exact=True),
+           CallAt(ADV, ((a, MiB),), 2, 5, exact=True),
+           CallAt(RE, (), stream=0x7000, event=0x9000, exact=True), CallAt(WE, (), stream=0, event=0x9000, exact=True),
+           FreeAt(a), CallAt(D, ((a, 65536), (a + 131072, 65536)), stream=0x7100, exact=True),
+           CallAt(DP, ((a, 65536),), HOST, stream=0x7100, exact=True), CallAt(DP, ((a, 65536),), 3, exact=True)]
+    return compile_schedule(rec), a
+
+
+def test_the_cudart_table_passes_cuda13_arguments_exactly(lib, fake_cudarts):
+    """Both twins, through the C adapters over a fake CUDA 13 libcudart: the location
+    (type 1 = device with its id, type 2 = host with id 0), flags 0, counts, one location
+    at index 0 for discard-and-prefetch, the streams and events as passed."""
+    fake = fake_cudarts["13"]
+    arrays, a = _every_kind_schedule()
+    logs = []
+    for s in both(lib, arrays):
+        table = steady.cudart_table(fake.path, discard_stream=0x5600)
+        assert table.version == 13000
+        s.set_c_table(table)
+        fake.take()
+        s.arm(0, 0x4000)
+        s.free(s.malloc(MiB, 0, 0x4000), 0, 0, 0x4000)
+        assert s.deviation()[0] == Deviation.NONE
+        logs.append(fake.take())
+    assert logs[0] == logs[1]
+    assert logs[0] == [
+        f"cudaMemPrefetchAsync {a:#x} {MiB} loc=2:0 flags=0 stream=0x7000",
+        f"cudaMemPrefetchAsync {a:#x} 4096 loc=1:1 flags=0 stream=0x4000",
+        f"cudaMemAdvise {a:#x} {MiB} advice=3 loc=2:0",
+        f"cudaMemAdvise {a:#x} {MiB} advice=5 loc=1:2",
+        "cudaEventRecord event=0x9000 stream=0x7000",
+        "cudaStreamWaitEvent stream=0x4000 event=0x9000 flags=0",
+        f"cudaMemDiscardBatchAsync count=2 flags=0 stream=0x7100 ranges= {a:#x}+65536 {a + 131072:#x}+65536",
+        f"cudaMemDiscardAndPrefetchBatchAsync count=1 locs=1 loc=2:0@0 flags=0 stream=0x7100 ranges= {a:#x}+65536",
+        f"cudaMemDiscardAndPrefetchBatchAsync count=1 locs=1 loc=1:3@0 flags=0 stream=0x5600 ranges= {a:#x}+65536",
+    ]
+
+
+@pytest.mark.parametrize("variant, prefetch, advise", [
+    ("12v2", "cudaMemPrefetchAsync_v2 {a:#x} 1048576 loc=2:0 flags=0 stream=0x7000",
+     "cudaMemAdvise_v2 {a:#x} 1048576 advice=3 loc=2:0"),
+    ("12", "cudaMemPrefetchAsync(device) {a:#x} 1048576 device=-1 stream=0x7000",
+     "cudaMemAdvise(device) {a:#x} 1048576 advice=3 device=-1"),
+])
+def test_the_cudart_table_on_cuda12_has_no_discards(lib, fake_cudarts, variant, prefetch, advise):
+    """CUDA 12: the _v2 location shapes where the runtime has them (12.2+), else the
+    device-id shapes with -1 for the host (as CupyApi); the batch discards are left out,
+    so a due discard disarms both twins alike, after the calls before it."""
+    fake = fake_cudarts[variant]
+    arrays, a = _every_kind_schedule()
+    out = []
+    for s in both(lib, arrays):
+        table = steady.cudart_table(fake.path)
+        assert table.version < 13000 and not table.discard and not table.discard_prefetch
+        s.set_c_table(table)
+        fake.take()
+        s.arm(0, 0x4000)
+        s.free(s.malloc(MiB, 0, 0x4000), 0, 0, 0x4000)
+        out.append((fake.take(), s.deviation()))
+    assert out[0] == out[1]
+    log, dev = out[0]
+    assert log[0] == prefetch.format(a=a) and log[2] == advise.format(a=a) and len(log) == 6
+    assert dev == (Deviation.NO_TABLE, 0, "free of allocation 0: the CUDA table has no discard")
+
+
+def test_a_cudart_error_code_reaches_the_deviation(lib, fake_cudarts):
+    fake = fake_cudarts["13"]
+    arrays, a = _every_kind_schedule()
+    out = []
+    for s in both(lib, arrays):
+        s.set_c_table(steady.cudart_table(fake.path))
+        s.arm(0, 0x4000)
+        fake.lib.fake_cudart_fail(2)
+        try:
+            out.append((s.malloc(MiB, 0, 0x4000), s.deviation()))
+        finally:
+            fake.lib.fake_cudart_fail(0)
+    assert out[0] == out[1] == (a, (Deviation.CALL, 0, f"allocation of allocation 0: prefetch({a:#x}, {MiB}) "
+                                                       "failed with CUDA error 2"))
+
+
+def test_cudart_table_errors_are_clear(lib, tmp_path):
+    with pytest.raises(SteadyError, match="dlopen.*nowhere.so"):
+        steady.cudart_table(str(tmp_path / "nowhere.so"))
+    not_cudart = _build_fake_cudart(tmp_path, "none", "-DFAKE_VERSION=13000", "-DcudaRuntimeGetVersion=other_name")
+    with pytest.raises(SteadyError, match="cudaRuntimeGetVersion is missing"):
+        steady.cudart_table(str(not_cudart))
+
+
+def test_loaded_libcudart_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    line = "7f00-7f10 r-xp 00000000 08:01 123 {}\n"
+    maps.write_text(line.format("/usr/lib/libc.so.6") + line.format("/opt/torch/lib/libcudart.so.13")
+                    + line.format("/opt/torch/lib/libcudart.so.13"))
+    assert steady.loaded_libcudart(str(maps)) == ("/opt/torch/lib/libcudart.so.13", f"loaded by this process ({maps})")
+    maps.write_text(line.format("/usr/lib/libc.so.6") + line.format("/usr/lib/libcudart_static_fake.a"))
+    path, why = steady.loaded_libcudart(str(maps))
+    assert path is None and "no libcudart.so" in why
+    path, why = steady.loaded_libcudart(str(tmp_path / "missing"))
+    assert path is None and "cannot read" in why
+
+
+def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
+    """The CUDA 13 runtime installed here (no GPU needed: only cudaRuntimeGetVersion is
+    called): every symbol the adapters look up exists under that name."""
+    import glob
+
+    found = sorted(glob.glob("/usr/local/cuda/lib64/libcudart.so.1[3-9]*"))
+    if not found:
+        pytest.skip("no CUDA 13 libcudart in /usr/local/cuda/lib64")
+    table = steady.cudart_table(found[0])
+    assert table.version >= 13000
+    assert all(bool(getattr(table, name)) for name in steady.CALL_NAMES.values())
+    assert not table.copy_stream and not table.discard_stream
+
+
+# -- cycles: CUDA handles that repeat every few iterations -----------------------------
+def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteration(lib, fake_gpu):
+    """With a discard, CudaBackend's events alternate between two handles: the period is
+    two iterations, compiled as one cycle; both twins replay both iterations' calls in
+    turn (the fake runtime sees them again, race-free), with a boundary per iteration."""
+    backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False, iterations=6)
+    logs = [log for log, _ in iterations]
+    assert steady.repeat_period(logs[:3]) is None and steady.repeat_period(logs) == 2
+    arrays = steady.compile_steady(logs)
+    assert arrays.iteration_starts == [0, 2] and len(arrays.sizes) == 4
+    plain = [[tuple(_plain(x) for x in c) for c in calls] for _, calls in iterations[-2:]]
+    out = []
+    for s in both(lib, arrays):
+        s.set_table(ApiTable(backend.api.api))
+        s.arm(0, 0)
+        for k in range(4):
+            start = len(fake_gpu.calls)
+            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+            s.free(p)
+            s.free(q)
+            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain[k % 2]
+        out.append((s.drain(), s.deviation(), s.state()))
+    assert out[0] == out[1] and out[0][1][0] == Deviation.NONE and out[0][2] == (4, 3, 0, 0)
+    assert [e[1] for e in out[0][0] if e[0] == EV_BOUNDARY] == [1, 2, 3]
+    assert not fake_gpu.violations
+
+
+def test_compile_steady_and_cycle_refuse_what_does_not_repeat():
+    a = 1 << 30
+    one = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=5, exact=True), FreeAt(a)]
+    other = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=6, exact=True), FreeAt(a)]
+    with pytest.raises(SteadyError, match="do not repeat with a period of at most 2"):
+        steady.compile_steady([one, other, one, one, other], max_period=2)
+    assert steady.compile_steady([one, other, one, other]).iteration_starts == [0, 1]
+    assert steady.compile_steady([other, one, one]).iteration_starts == [0]
+    with pytest.raises(SteadyError, match="iteration 1 of the cycle has no allocation"):
+        steady.compile_cycle([one, [CallAt(RE, (), stream=1, event=5, exact=True)]])
+    with pytest.raises(SteadyError, match="iteration starts"):
+        PythonSteadySchedule(steady.ScheduleArrays([1, 1], [0, 8], [0, 0, 0], [0, 0, 0], iteration_starts=[0, 2]))
+
+
+def test_twins_restart_the_hash_at_each_iteration_of_a_cycle(lib):
+    a, b = 1 << 30, (1 << 30) + MiB
+    arrays = steady.compile_cycle([[AllocAt(MiB, a), FreeAt(a)], [AllocAt(2 * MiB, b), FreeAt(b)]])
+    out = []
+    for s in both(lib, arrays):
+        s.arm()
+        got = []
+        for _ in range(2):
+            got += [s.malloc(MiB), s.free(a), s.malloc(2 * MiB), s.free(b)]
+        got.append(s.malloc(2 * MiB))  # the cycle expects its first iteration again
+        out.append((got, s.drain(), s.deviation()))
+    assert out[0] == out[1]
+    got, events, dev = out[0]
+    assert got == [a, True, b, True] * 2 + [0]
+    assert [e for e in events if e[0] == EV_BOUNDARY] == [(EV_BOUNDARY, k, 0, 0) for k in (1, 2, 3)]
+    assert dev == (Deviation.SIZE, 0, f"allocation 0: {2 * MiB} bytes, the schedule expects {MiB}")
+
+
+def test_native_create_rejects_bad_iteration_starts_itself(lib, monkeypatch):
+    import dataclasses
+
+    arrays = steady.compile_cycle([[AllocAt(MiB, 1 << 30)], [AllocAt(MiB, 1 << 31)]])
+    monkeypatch.setattr(steady, "_check", lambda arrays, capacity: None)  # reach the C validation
+    for starts in ([0, 5], [1], [0, 1, 1]):
+        with pytest.raises(SteadyError, match="rejected"):
+            NativeSteadySchedule(lib, dataclasses.replace(arrays, iteration_starts=starts))
+    assert NativeSteadySchedule(lib, arrays).a.iteration_starts == [0, 1]

@@ -8,7 +8,14 @@ decisions repeat. A *steady schedule* is that iteration compiled to arrays
 * the allocation stream: allocation ordinal ``i`` -> its size and planned address;
 * the decisions, keyed by position: ``at allocation i`` (run before its address is
   returned) or ``at the free of allocation i's block``; each a kind
-  (:class:`DecisionKind`), a device, an advice and coalesced ranges;
+  (:class:`DecisionKind`), a device, an advice, ranges, a stream and an event. Backend
+  calls (:class:`RecordingBackend`) are merged and coalesced; CUDA API calls recorded
+  with their exact arguments (:class:`RecordingApi` around ``CudaBackend``'s adapter:
+  prefetches, advice, batch discards, event records and stream waits, with the stream
+  and event handles) replay verbatim, in order, so the schedule reproduces the
+  backend's stream ordering. The backend's spare events can repeat only every few
+  iterations: :func:`compile_steady` finds that period (:func:`repeat_period`) and
+  compiles that many iterations as one cycle (:func:`compile_cycle`);
 * the running hash of the sizes (:func:`mix`, the runtime's own allocation step),
   checked at every allocation.
 
@@ -26,12 +33,17 @@ returns True for a block the schedule handed out (it stays the schedule's until 
 even disarmed), False otherwise. Events (:data:`EV_ALLOC`, :data:`EV_FREE`,
 :data:`EV_BOUNDARY` when the stream wraps to the next iteration) are buffered, bounded
 (``capacity``; a malloc that could overflow it disarms instead, so no event is lost)
-and handed over by ``drain``.
+and handed over by ``drain``. ``adopt`` hands blocks live before arming (the recorded
+iteration's survivors) to the schedule; ``disown`` disarms it (Deviation.STOPPED) and
+hands every live block back.
 
-CUDA calls go through a table (:class:`CudaTable`): five functions, the streams
-prefetches and discards go to. :class:`ApiTable` fills it from a
+CUDA calls go through a table (:class:`CudaTable`): seven functions and the streams
+prefetches and discards go to by default. :class:`ApiTable` fills it from a
 :class:`umrt.backends.cuda.CudaApi` (the adapters ``CudaBackend`` uses; tests pass the
-fake runtime). This is a standalone component: the live bridge does not use it yet.
+fake runtime). C tables keep Python off the path: :func:`cudart_table` (over the
+process's libcudart, :func:`loaded_libcudart`) and :func:`counting_table` (counts
+only, :func:`counted`). This is a standalone component: the live bridge does not use
+it yet.
 """
 from __future__ import annotations
 
@@ -92,7 +104,8 @@ class Deviation(enum.IntEnum):
     STOPPED = 9  # disown() while armed: "stopped by Python"
 
 
-_CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
+# Each kind's call: its CudaTable method and its field of the C table (CTable).
+CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
                DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
                DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
                DecisionKind.WAIT_EVENT: "wait_event"}
@@ -392,6 +405,7 @@ class ScheduleArrays:
     range_begin: list[int] = field(default_factory=lambda: [0])  # decision d: [range_begin[d], [d+1])
     range_ptr: list[int] = field(default_factory=list)
     range_len: list[int] = field(default_factory=list)
+    iteration_starts: list[int] = field(default_factory=lambda: [0])  # a cycle of iterations: each first ordinal
 
     def decisions(self, begin: int, end: int) -> list[Decision]:
         """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges, stream, event)``."""
@@ -478,8 +492,24 @@ def _merge_calls(calls: list[CallAt], bounds) -> list[Decision]:
     return out
 
 
+def _check_repeats(recorded: Sequence[Recorded], previous: Sequence[Recorded]) -> None:
+    """Raise unless the exact CUDA calls of ``recorded`` are those of ``previous``."""
+    now = [e for e in recorded if isinstance(e, CallAt) and e.exact]
+    before = [e for e in previous if isinstance(e, CallAt) and e.exact]
+    if now == before:
+        return
+    k = next((i for i, (x, y) in enumerate(zip(now, before, strict=False)) if x != y),
+             min(len(now), len(before)))
+    what = f"{now[k]} against {before[k]}" if k < min(len(now), len(before)) else (
+        f"{len(now)} calls against {len(before)}")
+    raise SteadyError(f"the iteration's CUDA calls differ from the previous iteration's at call {k} ({what}): "
+                      "they do not repeat every iteration (CudaBackend's spare events can cycle with a longer "
+                      "period), so a replay of this one could wait on the wrong event")
+
+
 def compile_schedule(recorded: Sequence[Recorded],
-                     bounds: Callable[[int], tuple[int, int] | None] | None = None) -> ScheduleArrays:
+                     bounds: Callable[[int], tuple[int, int] | None] | None = None, *,
+                     previous: Sequence[Recorded] | None = None) -> ScheduleArrays:
     """Compile one recorded steady iteration into a schedule.
 
     A call is attributed to the latest allocation or free before it (``at allocation
@@ -489,20 +519,80 @@ def compile_schedule(recorded: Sequence[Recorded],
     calls by the ordinal of the allocation now at that address if any, else the calls
     go to the next allocation. ``bounds`` (``CudaBackend.allocation_of``) keeps
     coalesced ranges inside one managed allocation. Exact calls (:class:`RecordingApi`)
-    are compiled verbatim, in order: no merging, coalescing or reordering.
+    are compiled verbatim, in order: no merging, coalescing or reordering. An event a
+    call waits for was recorded in the iteration before (or earlier in this one): the
+    replay is right only if the iteration's calls repeat every iteration, which
+    ``previous`` (the iteration recorded just before) checks.
 
     Raises:
         SteadyError: the iteration has no allocation, made an :class:`Unschedulable`
-            call, or an entry is not a :class:`Recorded` one.
+            call, its exact calls differ from ``previous``'s, or an entry is not a
+            :class:`Recorded` one.
+    """
+    if previous is not None:
+        _check_repeats(recorded, previous)
+    return compile_cycle([recorded], bounds)
+
+
+def repeat_period(iterations: Sequence[Sequence[Recorded]], max_period: int = 4) -> int | None:
+    """The smallest ``p`` such that the last ``p`` recorded iterations made the same exact
+    CUDA calls as the ``p`` before them (``CudaBackend``'s spare events can cycle every
+    few iterations), or None (not within ``max_period``, or too few iterations)."""
+    exact = [[e for e in it if isinstance(e, CallAt) and e.exact] for it in iterations]
+    for p in range(1, max_period + 1):
+        if 2 * p > len(exact):
+            return None
+        if exact[-p:] == exact[-2 * p:-p]:
+            return p
+    return None
+
+
+def compile_steady(iterations: Sequence[Sequence[Recorded]],
+                   bounds: Callable[[int], tuple[int, int] | None] | None = None,
+                   max_period: int = 4) -> ScheduleArrays:
+    """Compile the last recorded iterations into a schedule that repeats: as many as
+    their CUDA calls take to repeat (:func:`repeat_period`; ``iterations`` holds at least
+    twice that many, oldest first). Arm it before the iteration after the last one.
+
+    Raises:
+        SteadyError: the calls do not repeat within ``max_period`` iterations, or
+            :func:`compile_cycle` refuses them.
+    """
+    period = repeat_period(iterations, max_period)
+    if period is None:
+        raise SteadyError(f"the CUDA calls of the last {len(iterations)} recorded iterations do not repeat with a "
+                          f"period of at most {max_period} (each period needs two recorded repeats)")
+    return compile_cycle(list(iterations[-period:]), bounds)
+
+
+def compile_cycle(iterations: Sequence[Sequence[Recorded]],
+                  bounds: Callable[[int], tuple[int, int] | None] | None = None) -> ScheduleArrays:
+    """Compile consecutive recorded iterations into one schedule that serves them in turn
+    (see :func:`compile_schedule` for how calls are keyed): the running hash restarts and
+    an EV_BOUNDARY is emitted at each iteration's first allocation
+    (``ScheduleArrays.iteration_starts``).
+
+    Raises:
+        SteadyError: as :func:`compile_schedule`, or an iteration has no allocation.
     """
     sizes: list[int] = []
     addrs: list[int] = []
+    starts: list[int] = []
     at_alloc: dict[int, list[CallAt]] = {}
     at_free: dict[int, list[CallAt]] = {}
     ordinal_at: dict[int, int] = {}  # address -> ordinal of the allocation last placed there
     target: list[CallAt] | None = None
     pending: list[CallAt] = []  # calls waiting for the next allocation
-    for entry in recorded:
+    entries: list[Recorded] = []
+    previous_allocations = 0
+    for k, recorded in enumerate(iterations):
+        allocations = sum(isinstance(e, AllocAt) for e in recorded)
+        if allocations == 0 and len(iterations) > 1:
+            raise SteadyError(f"recorded iteration {k} of the cycle has no allocation")
+        starts.append(starts[-1] + previous_allocations if starts else 0)
+        previous_allocations = allocations
+        entries.extend(recorded)
+    for entry in entries:
         if isinstance(entry, AllocAt):
             if entry.size <= 0:
                 raise SteadyError(f"allocation {len(sizes)} of {entry.size} bytes: sizes must be positive")
@@ -524,8 +614,9 @@ def compile_schedule(recorded: Sequence[Recorded],
             raise SteadyError(f"not a recorded allocation, free or call: {entry!r}")
     if not sizes:
         raise SteadyError("the recorded iteration has no allocation: nothing to compile")
-    at_alloc.setdefault(0, []).extend(pending)  # calls after the last event: the next iteration's start
-    arrays = ScheduleArrays(sizes, addrs, [], [])
+    # Calls after the last event open the next iteration: before those recorded at its allocation 0.
+    at_alloc[0] = pending + at_alloc.get(0, [])
+    arrays = ScheduleArrays(sizes, addrs, [], [], iteration_starts=starts)
     decisions_alloc = [_merge_calls(at_alloc.get(i, []), bounds) for i in range(len(sizes))]
     decisions_free = [_merge_calls(at_free.get(i, []), bounds) for i in range(len(sizes))]
     for table, begins in ((decisions_alloc, arrays.alloc_begin), (decisions_free, arrays.free_begin)):
@@ -586,10 +677,11 @@ class PythonSteadySchedule:
         _check(arrays, capacity)
         self.a = arrays
         self.capacity = capacity
+        self._starts_iteration = set(arrays.iteration_starts)
         self._hashes = []
         h = 0
-        for size in arrays.sizes:
-            h = mix(h, size)
+        for i, size in enumerate(arrays.sizes):
+            h = mix(0 if i in self._starts_iteration else h, size)
             self._hashes.append(h)
         self._lock = threading.Lock()
         self._table: CudaTable | None = None
@@ -657,7 +749,8 @@ class PythonSteadySchedule:
             if size != a.sizes[p]:
                 self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
                 return 0
-            h = mix(0 if p == 0 else self._hash, size)
+            starts = p in self._starts_iteration
+            h = mix(0 if starts else self._hash, size)
             if h != self._hashes[p]:
                 self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
                               f"{self._hashes[p]}")
@@ -668,7 +761,7 @@ class PythonSteadySchedule:
                 self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
                               f"block {hit:#x} of allocation {self._live[hit][1]}")
                 return 0
-            if p == 0 and self._position == n:
+            if starts and (p != 0 or self._position == n):  # not the first allocation after arming
                 self._iteration += 1
                 self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
             self._position, self._hash = p + 1, h
@@ -696,7 +789,7 @@ class PythonSteadySchedule:
         for d in range(begin, end):
             kind, device, advice = a.dec_kind[d], a.dec_device[d], a.dec_advice[d]
             own, event = a.dec_stream[d], a.dec_event[d]
-            name = _CALL_NAMES[DecisionKind(kind)]
+            name = CALL_NAMES[DecisionKind(kind)]
             if t is None or not t.provides(DecisionKind(kind)):
                 self._deviate(Deviation.NO_TABLE, ordinal, f"{where} of allocation {ordinal}: the CUDA table has "
                               f"no {name}")
@@ -805,6 +898,10 @@ def _check(arrays: ScheduleArrays, capacity: int) -> None:
         raise SteadyError(f"inconsistent schedule arrays: a decision kind outside 0..{len(DecisionKind) - 1}")
     if capacity < 3:
         raise SteadyError(f"event buffer capacity {capacity}: it must hold at least 3 events")
+    st = arrays.iteration_starts
+    if not st or st[0] != 0 or any(b <= a for a, b in zip(st, st[1:], strict=False)) or st[-1] >= n:
+        raise SteadyError(f"inconsistent schedule arrays: iteration starts {st[:8]} (ascending ordinals from 0, "
+                          f"below {n})")
 
 
 # ctypes signatures of the table's functions (kernels/steady_alloc.cpp: umrt_cuda_table).
@@ -827,13 +924,6 @@ class CTable(ctypes.Structure):
                 ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
 
 
-_Table = CTable  # the name bench/ and older callers use
-
-_C_FIELDS = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard",
-             DecisionKind.DISCARD_PREFETCH: "discard_prefetch", DecisionKind.POPULATE: "populate",
-             DecisionKind.ADVISE: "advise", DecisionKind.RECORD_EVENT: "record_event",
-             DecisionKind.WAIT_EVENT: "wait_event"}
-
 
 def _c_ranges(ptrs: Any, lens: Any, n: int) -> list[Range]:
     return [(int(ptrs[i]), int(lens[i])) for i in range(n)]
@@ -849,7 +939,7 @@ class CFunctionTable:
         self.discard_stream = table.discard_stream
 
     def provides(self, kind: DecisionKind) -> bool:
-        return bool(getattr(self.c, _C_FIELDS[kind]))
+        return bool(getattr(self.c, CALL_NAMES[kind]))
 
     @staticmethod
     def _arrays(ranges: Sequence[Range]) -> tuple[Any, Any, int]:
@@ -905,7 +995,7 @@ def _c_table_of(table: CudaTable) -> CTable:
         "wait_event": WAIT_FN(_guarded(table.wait_event)),
     }
     c = CTable(copy_stream=table.copy_stream or None, discard_stream=table.discard_stream or None)
-    for kind, name in _C_FIELDS.items():
+    for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
     c.keep = fns  # the callbacks must outlive every call the schedule makes
@@ -935,9 +1025,10 @@ class NativeSteadySchedule:
             (i32 * max(1, nd))(*arrays.dec_device), (i32 * max(1, nd))(*arrays.dec_advice),
             (u64 * max(1, nd))(*arrays.dec_stream), (u64 * max(1, nd))(*arrays.dec_event),
             (i64 * (nd + 1))(*arrays.range_begin), nr, (u64 * max(1, nr))(*arrays.range_ptr),
-            (u64 * max(1, nr))(*arrays.range_len), capacity)
+            (u64 * max(1, nr))(*arrays.range_len), len(arrays.iteration_starts),
+            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), capacity)
         if not self.handle:
-            raise SteadyError("the native schedule rejected the arrays (inconsistent decision or range offsets)")
+            raise SteadyError("the native schedule rejected the arrays (inconsistent decision, range or iteration offsets)")
         self._table_keep: Any = None
         self._drain_buf: tuple | None = None
         self._malloc = lib.umrt_steady_malloc
@@ -1050,7 +1141,7 @@ def build_library() -> str:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
     sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64]),
+        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, i64]),
         "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
         "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
         "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),
@@ -1163,7 +1254,7 @@ def counted() -> dict[str, int]:
     """Calls the counting tables made since :func:`reset_counted`, by call name."""
     out = (ctypes.c_int64 * len(COUNTED_KINDS))()
     _library().umrt_steady_counted(out)
-    return {_CALL_NAMES[kind]: int(out[kind]) for kind in COUNTED_KINDS}
+    return {CALL_NAMES[kind]: int(out[kind]) for kind in COUNTED_KINDS}
 
 
 def reset_counted() -> None:
