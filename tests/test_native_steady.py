@@ -338,8 +338,8 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
     """The real bridge and the `um` policy: the server arms at an optimizer step, the
     bridge stops recording (ops and module hooks off), and a deviation brings it back."""
     import torch
-
     from fake_cuda import FakeCupyRuntime
+
     from umrt import api
     from umrt.backends.cuda import CudaBackend, CupyApi
     from umrt.config import Config

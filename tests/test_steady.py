@@ -588,6 +588,46 @@ def test_recording_api_logs_exact_calls_and_forwards_them(fake_gpu):
         assert call in names
 
 
+def _alternate_discard_events(monkeypatch):
+    """CudaBackend as it was before its discard event was re-recorded in place: a spare
+    event per discard, the old one back to the spares, so handles alternate between two
+    iterations (a backend whose calls repeat only every second iteration)."""
+    from umrt.backends import cuda_order
+
+    def discarded(self, stream, ranges):
+        event = self.event()
+        self.record(event, stream)
+        old = self._discard_events.pop(cuda_order.stream_key(stream), None)
+        if old is not None:
+            self._spare_events.append(old)
+        self._discard_events[cuda_order.stream_key(stream)] = event
+        self._discarded.extend(ranges)
+
+    monkeypatch.setattr(cuda_order.StreamOrder, "discarded", discarded)
+
+
+def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_gpu):
+    """CudaBackend re-records its discard stream's event in place, so an iteration with a
+    discard makes the same calls with the same handles every time (period 1), and one
+    recorded iteration replays race-free."""
+    backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False)
+    logs = [log for log, _ in iterations]
+    assert steady.repeat_period(logs) == 1
+    (previous, _), (log, recorded) = iterations[-2:]
+    arrays = compile_schedule(log, previous=previous)
+    plain = [tuple(_plain(x) for x in c) for c in recorded]
+    for s in both(lib, arrays):
+        s.set_table(ApiTable(backend.api.api))
+        s.arm(0, 0)
+        for _ in range(2):
+            start = len(fake_gpu.calls)
+            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+            s.free(p)
+            s.free(q)
+            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain
+    assert not fake_gpu.violations
+
+
 def _record_backend_iterations(gpu, discard_and_prefetch, iterations=5):
     """CudaBackend over the fake CUDA 13 runtime, its api wrapped in RecordingApi, runs a
     small training-like loop: a prefetch to the GPU on the copy stream and a kernel that
@@ -646,11 +686,12 @@ def test_a_recorded_cuda_backend_iteration_replays_the_same_runtime_calls(lib, f
     assert not fake_gpu.violations
 
 
-def test_compile_refuses_an_iteration_whose_event_handles_do_not_repeat(lib, fake_gpu):
-    """With a discard, CudaBackend's spare events alternate between two handles from one
-    iteration to the next: one iteration's calls replayed again would make the compute
-    stream wait on the discard's event, not the eviction's. ``previous`` catches it; the
-    fake runtime shows the race a replay would cause."""
+def test_compile_refuses_an_iteration_whose_event_handles_do_not_repeat(lib, fake_gpu, monkeypatch):
+    """Where a backend's events alternate between two handles from one iteration to the
+    next, one iteration's calls replayed again would make the compute stream wait on the
+    discard's event, not the eviction's. ``previous`` catches it; the fake runtime shows
+    the race a replay would cause."""
+    _alternate_discard_events(monkeypatch)
     backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False)
     (previous, _), (log, _) = iterations[-2:]
     with pytest.raises(SteadyError, match="differ from the previous iteration's at call 1 .*do not repeat"):
@@ -915,10 +956,11 @@ def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
 
 
 # -- cycles: CUDA handles that repeat every few iterations -----------------------------
-def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteration(lib, fake_gpu):
-    """With a discard, CudaBackend's events alternate between two handles: the period is
-    two iterations, compiled as one cycle; both twins replay both iterations' calls in
-    turn (the fake runtime sees them again, race-free), with a boundary per iteration."""
+def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteration(lib, fake_gpu, monkeypatch):
+    """Events alternating between two handles: the period is two iterations, compiled as
+    one cycle; both twins replay both iterations' calls in turn (the fake runtime sees
+    them again, race-free), with a boundary per iteration."""
+    _alternate_discard_events(monkeypatch)
     backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False, iterations=6)
     logs = [log for log, _ in iterations]
     assert steady.repeat_period(logs[:3]) is None and steady.repeat_period(logs) == 2

@@ -155,12 +155,13 @@ class StreamOrder:
         """Remember a discard or discard-and-prefetch with an event after it, until the
         copy stream is ordered after it: a copy of these ranges must not run at the
         same time. (Populates run on the compute stream, which evictions follow.)"""
-        event = self.event()
+        # The stream's event is recorded again (a wait takes an event's state when it is
+        # enqueued, so earlier waits keep theirs): the same handle every time, so a steady
+        # iteration's calls repeat exactly (umrt.allocators.steady replays them).
+        event = self._discard_events.get(stream_key(stream))
+        if event is None:
+            event = self._discard_events[stream_key(stream)] = self.event()
         self.record(event, stream)
-        old = self._discard_events.pop(stream_key(stream), None)
-        if old is not None:
-            self._spare_events.append(old)  # the new event covers the old one (same stream)
-        self._discard_events[stream_key(stream)] = event
         self._discarded.extend(ranges)
         if len(self._discarded) > MAX_PENDING:
             self.copy_after_discards()

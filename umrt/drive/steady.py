@@ -10,9 +10,10 @@ program is learned it only forwards to the pool. Then, at optimizer steps
    and every CUDA call the backend makes between them
    (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
    :class:`CallSource`).
-2. **recording**: a window compiled (:func:`~umrt.allocators.steady.compile_schedule`)
-   to exactly the arrays of the window before it is a steady state: the blocks
-   of the window still live become the schedule's (``adopt``), the schedule is
+2. **recording**: a cycle of up to :data:`MAX_PERIOD` windows compiled
+   (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
+   cycle before it is a steady state: the blocks of the cycle still live become
+   the schedule's (``adopt``), the schedule is
    armed on the pool's stream and installed in the native front
    (:mod:`umrt.allocators.front`), and the bridge stops feeding Python
    (recorder ops and module hooks off).
@@ -57,7 +58,7 @@ from umrt.allocators.steady import (
     ScheduleArrays,
     SteadyError,
     SteadyRecorder,
-    compile_schedule,
+    compile_cycle,
     cudart_table,
     load_steady,
     loaded_libcudart,
@@ -68,7 +69,8 @@ __all__ = ["SteadyServer", "Phase", "CallSource", "BackendCalls", "SteadyBridge"
 
 log = logging.getLogger("umrt")
 
-MAX_TRIES = 8  # windows recorded without two equal in a row before recording pauses
+MAX_PERIOD = 4  # windows a repeating cycle may span (CudaBackend's spare events can alternate)
+MAX_TRIES = 2 * MAX_PERIOD + 2  # windows recorded without a repeat before recording pauses
 RETRY_AFTER = 16  # steps to wait before recording again after MAX_TRIES or a catch-up
 MAX_CATCH_UPS = 4  # deviations after which the native steady state is not tried again
 
@@ -209,7 +211,7 @@ class SteadyServer:
         self.schedule: Any = None
         self.report = SteadyReport(self.phase.value, front is not None)
         self._recorder = SteadyRecorder()
-        self._previous: ScheduleArrays | None = None
+        self._windows: list[list[Any]] = []  # recorded windows, oldest first
         self._tries = 0
         self._wait = 0  # steps before recording may start again
         self._stream: Any = 0
@@ -286,29 +288,41 @@ class SteadyServer:
                 self._start_recording()
             return
         # RECORDING: a window just ended.
-        window = self._recorder.take()
+        self._windows.append(self._recorder.take())
+        del self._windows[:-2 * MAX_PERIOD]
         self.report.windows_recorded += 1
-        try:
-            arrays = compile_schedule(window)
-        except SteadyError as exc:
-            log.debug("umrt: window not compiled: %s", exc)
-            arrays = None
-        if arrays is not None and arrays == self._previous and self.bridge.can_go_native():
+        cycle = self._repeating() if self.bridge.can_go_native() else None
+        if cycle is not None:
             self._stop_recording()
-            self._arm(window, arrays)
+            self._arm(*cycle)
             return
-        self._previous = arrays
         self._tries += 1
         if self._tries >= MAX_TRIES or not self.bridge.can_go_native():
             self._stop_recording()
             self._wait = RETRY_AFTER
             self._set_phase(Phase.FOLLOWING)
 
+    def _repeating(self) -> tuple[list[Any], ScheduleArrays] | None:
+        """The shortest cycle of recorded windows that repeats exactly (allocations,
+        addresses, CUDA calls), compiled; None if none does yet."""
+        w = self._windows
+        for period in range(1, MAX_PERIOD + 1):
+            if 2 * period > len(w):
+                return None
+            try:
+                last, before = compile_cycle(w[-period:]), compile_cycle(w[-2 * period:-period])
+            except SteadyError as exc:
+                log.debug("umrt: no %d-window cycle: %s", period, exc)
+                continue
+            if last == before:
+                return [e for window in w[-period:] for e in window], last
+        return None
+
     # -- recording and arming ------------------------------------------------------
 
     def _start_recording(self) -> None:
         self._recorder.take()
-        self._previous, self._tries = None, 0
+        self._windows, self._tries = [], 0
         self.pool.listeners.insert(0, self._recorder.on_pool_event)  # before the bridge's
         self.calls.record(self._recorder.log)
         self._set_phase(Phase.RECORDING)
@@ -320,6 +334,7 @@ class SteadyServer:
         self._recorder.take()
 
     def _arm(self, window: Sequence[Any], arrays: ScheduleArrays) -> None:
+        """Serve ``arrays`` (compiled from ``window``, one cycle of windows) from the next step."""
         survivors = _survivors(window)
         live = self.pool.live_blocks()
         if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
