@@ -23,12 +23,15 @@ layout) is not in it: the Python figure is a lower bound.
 the backend's calls, cut at the boundaries) and compiled
 (:func:`umrt.allocators.steady.compile_schedule`); the next iteration must compile to
 identical arrays. Its CPU per step is that iteration's allocation stream served by the
-native schedule from a C loop through function pointers (``umrt_steady_run``, as
-torch's pluggable allocator calls it), the decisions' calls through the schedule's CUDA
-table included (:func:`use_counting_table`: counted, doing nothing), plus the one Python
-callback a steady step still pays: an optimizer-step hook that drains the events
-through ctypes (:func:`step_hook`). The addresses it serves are checked against the
-Python path's.
+native schedule from a C loop through function pointers into the allocation front
+(``umrt_front_run``: ``umrt_front_malloc`` / ``umrt_front_free``, what torch's shim calls,
+with the schedule installed; ``umrt_steady_run`` straight into the schedule where the
+front does not build), the decisions' calls through the schedule's CUDA
+table included (:func:`use_counting_table`: counted, doing nothing), plus the Python
+a steady step still pays at its optimizer step: three hooks (the recorder's two and the
+bridge's, :func:`optimizer_hooks`), the bridge's dropping the step's events, counted
+natively (:func:`step_hook`). The addresses it serves are checked against the Python
+path's.
 
 **Pairs.** Median malloc+free pair on gpt2's steady allocation stream from the H100's
 live log (:mod:`bench.steady`): Python (torch's ctypes callbacks into ``ManagedPool``;
@@ -52,7 +55,8 @@ keys, each ``*_ns`` a ``[median, min]`` per pair (``python_callback_pair_ns``,
 ``decisions``, ``decision_ranges``, ``python`` (``cpu_s`` median, ``cpu_s_min``,
 ``driver_cpu_s``, ``callback_crossing_ns``, ``callback_crossing_s``,
 ``python_callbacks``, ``share``), ``native`` (``built``, ``schedule_repeats``, and when
-run: ``cpu_s`` median, ``cpu_s_min``, ``c_loop_s``, ``step_hook_s``, ``ctypes_s``,
+run: ``cpu_s`` median, ``cpu_s_min``, ``c_loop_s``, ``c_loop_through``, ``step_hook_s``,
+``optimizer_hooks_s``, ``optimizer_hook_callbacks``, ``ctypes_s``,
 ``events_drained``, ``decision_calls``, ``decisions_cross_python``,
 ``frees_outside_schedule``, ``python_callbacks``, ``addresses_match``, ``share``),
 ``detail`` (:func:`measure`'s figures); ``targets``: ``[{name, unit, value, target, pass}]``
@@ -72,6 +76,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.pool import BumpBackend
+from umrt.allocators.front import load_front
 from umrt.allocators.steady import (
     AllocAt,
     FreeAt,
@@ -445,11 +450,22 @@ def native_step(rec: SteadyRecording, iterations: int) -> dict:
     want = [e.ptr for e in rec.recorded if isinstance(e, AllocAt)]
     alloc_ops = [k for k in range(n) if op[k] == 0]
     sched.arm()
+    front = load_front()  # torch's calls reach the schedule through the front: time that path
+    if front is not None:
+        front.install(sched)
+
+    def run_once() -> int:
+        if front is None:  # drops the events itself
+            return lib.umrt_steady_run(handle, n, op_arr, arg_arr, got, 1, 0, None)
+        ns = front.lib.umrt_front_run(n, op_arr, arg_arr, got, 1, 0, None)
+        sched.clear_events()  # untimed here: the step hook's is timed below
+        return ns
+
     c_loop: list[float] = []
     matches = True
     for r in range(iterations + 1):
         calls0 = calls_made()
-        ns = lib.umrt_steady_run(handle, n, op_arr, arg_arr, got, 1, 0, None)
+        ns = run_once()
         if ns < 0:
             raise RuntimeError(f"the native schedule deviated: {sched.deviation()[2]}")
         matches = matches and [got[k] for k in alloc_ops] == want
@@ -475,29 +491,71 @@ def native_step(rec: SteadyRecording, iterations: int) -> dict:
             through_ctypes.append((b - a) / 1e9)
             hook.append((c - b) / 1e9)
         matches = matches and [blocks[k] for k in alloc_ops] == want
+    if front is not None:
+        front.install(None)
     if sched.deviation()[0]:
         raise RuntimeError(f"the native schedule deviated: {sched.deviation()[2]}")
-    total = [x + y for x, y in zip(c_loop, hook, strict=False)]
+    hooks_s, hook_callbacks = optimizer_hooks()
+    total = [x + y + hooks_s for x, y in zip(c_loop, hook, strict=False)]
     return {
         "built": True,
+        "c_loop_through": "umrt_front_run (the front)" if front is not None else "umrt_steady_run",
         "cpu_s": statistics.median(total), "cpu_s_min": min(total),
         "c_loop_s": statistics.median(c_loop), "step_hook_s": statistics.median(hook),
+        "optimizer_hooks_s": hooks_s, "optimizer_hook_callbacks": hook_callbacks,
         "ctypes_s": statistics.median(through_ctypes),
         "events_drained": drained,
         "decision_calls": calls, "decisions_cross_python": crosses,
         "frees_outside_schedule": outside,
-        "python_callbacks": 1 + (calls if crosses else 0) + outside,
+        "python_callbacks": hook_callbacks + (calls if crosses else 0) + outside,
         "addresses_match": matches,
     }
 
 
+def optimizer_hooks(steps: int = 300) -> tuple[float, int]:
+    """The optimizer-step hooks a native steady step still runs in Python, and how many:
+    the capture recorder's two (pre and post; ops suspended, module hooks removed, as the
+    live bridge leaves them) and the bridge's post hook (its work, the drain, is
+    :func:`step_hook`, timed apart: here an empty hook). Seconds per step: a one-parameter
+    SGD step with them, less without (minimum over ``steps``)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from umrt.capture import Recorder
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    opt = torch.optim.SGD([p], lr=0.1)
+    clock = time.perf_counter_ns
+
+    def fastest() -> float:
+        best = float("inf")
+        for _ in range(steps):
+            a = clock()
+            opt.step()
+            best = min(best, clock() - a)
+        return best / 1e9
+
+    bare = fastest()
+    with Recorder(device="cpu", keep_events=False) as rec:
+        rec.suspend_ops()
+        rec.emit_layers(False)
+        handle = register_optimizer_step_post_hook(lambda *args: None)
+        try:
+            hooked = fastest()
+        finally:
+            handle.remove()
+    return max(0.0, hooked - bare), 3
+
+
 def step_hook(schedule) -> int:
     """What a steady step's one Python callback (the optimizer-step hook) does on the
-    native path: drain the events and check the schedule is still armed."""
-    events = schedule.drain()
+    native path (``SteadyServer.on_step``): drop the step's events, counted natively
+    (``clear_events``), and check the schedule is still armed."""
+    events, _, _ = schedule.clear_events()
     if not schedule.armed:
         raise RuntimeError(f"the native schedule disarmed: {schedule.deviation()[2]}")
-    return len(events)
+    return events
 
 
 def callback_crossing_ns(lib: ctypes.CDLL | None) -> float:
@@ -620,8 +678,10 @@ def print_report(report: dict, console=None) -> None:
         t.add_row(f"  allocator callbacks into Python ({py['callback_crossing_ns']:.0f} ns each)",
                   f"{py['callback_crossing_s'] * 1e3:.2f} ms", "0")
         if ok:
-            t.add_row("  allocation stream + decisions, C loop", "-", f"{nat['c_loop_s'] * 1e3:.3f} ms")
-            t.add_row(f"  step hook: drain {nat['events_drained']} events", "-", f"{nat['step_hook_s'] * 1e3:.3f} ms")
+            t.add_row("  allocation stream + decisions, C loop through the front", "-", f"{nat['c_loop_s'] * 1e3:.3f} ms")
+            t.add_row(f"  step hook: drop {nat['events_drained']} events", "-", f"{nat['step_hook_s'] * 1e3:.3f} ms")
+            t.add_row(f"  {nat['optimizer_hook_callbacks']} optimizer-step hooks (recorder, bridge)", "-",
+                      f"{nat['optimizer_hooks_s'] * 1e3:.3f} ms")
             t.add_row("  (the stream called through ctypes instead)", "-", f"({nat['ctypes_s'] * 1e3:.2f} ms)")
         t.add_row("allocations + frees", f"{c['allocations']} + {c['frees']}", f"{c['allocations']} + {c['frees']}")
         t.add_row("decisions (calls)", f"{c['backend_calls']} backend calls",
@@ -630,7 +690,7 @@ def print_report(report: dict, console=None) -> None:
         t.add_row("Python callbacks per step", f"{py['python_callbacks']}", f"{nat.get('python_callbacks', '-')}")
         t.add_row("  of which", f"{c['allocations'] + c['frees']} alloc/free, {c['layer_events']} module hooks, "
                   f"{c['launches_fed']} launches, {c['boundaries']} boundary",
-                  f"1 step hook, {nat.get('decision_calls', 0) if nat.get('decisions_cross_python') else 0} table "
+                  f"{nat.get('optimizer_hook_callbacks', 0)} optimizer-step hooks, {nat.get('decision_calls', 0) if nat.get('decisions_cross_python') else 0} table "
                   f"calls into Python, {nat.get('frees_outside_schedule', 0)} frees not scheduled" if ok else "-")
         t.add_row("schedule repeats / same addresses", "-",
                   f"{'yes' if nat['schedule_repeats'] else 'NO'} / "

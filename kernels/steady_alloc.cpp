@@ -451,6 +451,22 @@ UMRT_EXPORT int64_t umrt_steady_drain(void* handle, int32_t* kinds, int64_t* ord
   return static_cast<int64_t>(k);
 }
 
+// Drop every buffered event, counting them: out3 = {events, allocations, boundaries}.
+// (A step's drain when nothing in Python reads the events one by one.)
+UMRT_EXPORT void umrt_steady_clear_events(void* handle, int64_t* out3) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  int64_t allocs = 0, boundaries = 0;
+  for (const Event& e : s->events) {
+    allocs += e.kind == EV_ALLOC;
+    boundaries += e.kind == EV_BOUNDARY;
+  }
+  out3[0] = static_cast<int64_t>(s->events.size());
+  out3[1] = allocs;
+  out3[2] = boundaries;
+  s->events.clear();
+}
+
 // The deviation that disarmed the schedule (0: none); its message and position.
 UMRT_EXPORT int32_t umrt_steady_deviation(void* handle, char* message, int64_t length, int64_t* position) {
   Schedule* s = static_cast<Schedule*>(handle);

@@ -16,6 +16,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 
@@ -119,4 +120,29 @@ UMRT_EXPORT void umrt_front_counters(int64_t* out4) {
   out4[1] = g_native_frees.load();
   out4[2] = g_fallback_allocs.load();
   out4[3] = g_fallback_frees.load();
+}
+
+// Bench harness: `repeat` times a stream of `n_ops` operations through umrt_front_malloc /
+// umrt_front_free, called through function pointers as torch's allocator (via the shim)
+// calls them. op[k] = 0: malloc of arg[k] bytes; 1: free of the block operation arg[k]
+// returned (this repeat's if it came earlier, else the last one's: got[] persists across
+// calls). Returns the nanoseconds spent, or -1 if a malloc returned NULL.
+UMRT_EXPORT int64_t umrt_front_run(int64_t n_ops, const int32_t* op, const uint64_t* arg, uint64_t* got,
+                                   int64_t repeat, int device, void* stream) {
+  void* (*volatile do_malloc)(ssize_t, int, void*) = &umrt_front_malloc;
+  void (*volatile do_free)(void*, ssize_t, int, void*) = &umrt_front_free;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < repeat; ++r) {
+    for (int64_t k = 0; k < n_ops; ++k) {
+      if (op[k] == 0) {
+        void* p = do_malloc(static_cast<ssize_t>(arg[k]), device, stream);
+        if (!p) return -1;
+        got[k] = reinterpret_cast<uintptr_t>(p);
+      } else {
+        do_free(reinterpret_cast<void*>(static_cast<uintptr_t>(got[arg[k]])), 0, device, stream);
+      }
+    }
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count();
 }

@@ -68,7 +68,8 @@ def test_side_by_side_figures_exist_and_the_addresses_match(report):
     assert nat["cpu_s"] > 0 and nat["c_loop_s"] > 0 and nat["step_hook_s"] > 0 and nat["share"] > 0
     assert nat["events_drained"] == c["allocations"] + c["frees"] + 1  # one iteration and its boundary
     assert nat["decision_calls"] >= m["decisions"] > 0
-    assert nat["python_callbacks"] == 1 + (nat["decision_calls"] if nat["decisions_cross_python"] else 0)
+    assert nat["optimizer_hook_callbacks"] == 3 and nat["optimizer_hooks_s"] >= 0
+    assert nat["python_callbacks"] == 3 + (nat["decision_calls"] if nat["decisions_cross_python"] else 0)
 
 
 def test_json_report_and_printed_tables(report):

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import re
-import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from umrt.allocators.steady import build_native
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
 
@@ -56,7 +55,8 @@ class Front:
                 ("umrt_front_malloc", vp, [ctypes.c_ssize_t, ctypes.c_int, vp]),
                 ("umrt_front_free", None, [vp, ctypes.c_ssize_t, ctypes.c_int, vp]),
                 ("umrt_front_set_cupy_stream", None, [vp]),
-                ("umrt_front_counters", None, [vp])):
+                ("umrt_front_counters", None, [vp]),
+                ("umrt_front_run", i64, [i64, vp, vp, vp, i64, ctypes.c_int, vp])):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self._slots: list[Any] = []  # every slot and schedule ever installed: never freed
@@ -124,30 +124,11 @@ class Front:
         return FrontCounters(*out)
 
 
-def _build() -> str:
-    import torch  # optional: the build uses torch's cpp_extension
-    from torch.utils import cpp_extension  # optional: same
-
-    source = front_source()
-    if not source.exists():
-        raise FileNotFoundError(f"{source} is missing from the umrt installation")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not installed (pip install ninja)")
-    name = "umrt_steady_front_" + re.sub(r"\W", "_", torch.__version__)
-    started = time.monotonic()
-    path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-std=c++17"],
-                              with_cuda=False, is_python_module=False)
-    if time.monotonic() - started > 2:
-        print(f"umrt: compiled the native allocation front in {time.monotonic() - started:.0f} s "
-              "(cached for later runs)", file=sys.stderr)
-    return str(path)
-
-
 @functools.lru_cache(maxsize=1)
 def load_front() -> Front | None:
     """The front, built at first use; ``None`` after one warning saying why."""
     try:
-        path = _build()
+        path = build_native(front_source(), "umrt_steady_front", "the native allocation front")
         return Front(ctypes.CDLL(path), path)
     except Exception as exc:  # noqa: BLE001 - any build failure means "serve from Python"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

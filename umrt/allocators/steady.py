@@ -661,6 +661,9 @@ class SteadySchedule(Protocol):
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         """The buffered events, oldest first."""
 
+    def clear_events(self) -> tuple[int, int, int]:
+        """Drop the buffered events: ``(events, allocations, boundaries)`` among them."""
+
     def deviation(self) -> tuple[Deviation, int, str]:
         """``(code, allocation ordinal, message)`` of what disarmed it (NONE, -1, "")."""
 
@@ -865,6 +868,12 @@ class PythonSteadySchedule:
             k = len(self._events) if max_events is None else min(max_events, len(self._events))
             out, self._events[:k] = self._events[:k], []
             return out
+
+    def clear_events(self) -> tuple[int, int, int]:
+        with self._lock:
+            events, self._events = self._events, []
+        kinds = [e[0] for e in events]
+        return len(events), kinds.count(EV_ALLOC), kinds.count(EV_BOUNDARY)
 
     def deviation(self) -> tuple[Deviation, int, str]:
         with self._lock:
@@ -1095,6 +1104,11 @@ class NativeSteadySchedule:
         k = self.lib.umrt_steady_drain(self.handle, kinds, ordinals, ptrs, sizes, cap)
         return list(zip(kinds[:k], ordinals[:k], ptrs[:k], sizes[:k], strict=True))
 
+    def clear_events(self) -> tuple[int, int, int]:
+        out = (ctypes.c_int64 * 3)()
+        self.lib.umrt_steady_clear_events(self.handle, out)
+        return out[0], out[1], out[2]
+
     def deviation(self) -> tuple[Deviation, int, str]:
         buf = ctypes.create_string_buffer(512)
         position = ctypes.c_int64()
@@ -1115,27 +1129,33 @@ def steady_source() -> Path:
     return Path(__file__).resolve().parents[2] / "kernels" / "steady_alloc.cpp"
 
 
-def build_library() -> str:
-    """Compile the native schedule (torch's extension cache: once per source and torch
-    version) and return the library's path. Raises on any build failure."""
+def build_native(source: Path, stem: str, what: str, ldflags: Sequence[str] = ()) -> str:
+    """Compile one of umrt's plain C++ libraries (``kernels/*.cpp``, no Python API) with
+    torch's ``cpp_extension`` (cached in torch's extension directory, once per source and
+    torch version) and return its path; ``what`` names it in the one-time build message.
+    Raises on any build failure."""
     import torch  # optional: the build uses torch's cpp_extension; the Python schedule needs no torch
     from torch.utils import cpp_extension  # optional: same
 
-    source = steady_source()
     if not source.exists():
         raise FileNotFoundError(f"{source} is missing from the umrt installation")
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
     # The source's hash in the name: worktrees with different sources never rebuild over each other.
     digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
-    name = "umrt_steady_alloc_" + re.sub(r"\W", "_", torch.__version__) + "_" + digest
+    name = stem + "_" + re.sub(r"\W", "_", torch.__version__) + "_" + digest
     started = time.monotonic()
     path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-std=c++17"],
-                              extra_ldflags=["-ldl"], with_cuda=False, is_python_module=False)
+                              extra_ldflags=list(ldflags), with_cuda=False, is_python_module=False)
     if time.monotonic() - started > 2:
-        print(f"umrt: compiled the native steady schedule in {time.monotonic() - started:.0f} s "
-              "(cached for later runs)", file=sys.stderr)
+        print(f"umrt: compiled {what} in {time.monotonic() - started:.0f} s (cached for later runs)",
+              file=sys.stderr)
     return str(path)
+
+
+def build_library() -> str:
+    """Compile the native schedule and return the library's path. Raises on any build failure."""
+    return build_native(steady_source(), "umrt_steady_alloc", "the native steady schedule", ["-ldl"])
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -1155,6 +1175,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
         "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
+        "umrt_steady_clear_events": (None, [vp, vp]),
         "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),
         "umrt_steady_state": (None, [vp, vp]),
         "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),
