@@ -70,14 +70,16 @@ H100_VERSIONS["nvidia-ml-py"] = TESTED["nvidia-ml-py"]["CPU CI"]
 CUDA_TORCH = TorchBuild("2.11.0+cu130", "13.0")
 HOOK = HookStatus(Path("/venv/site-packages/umrt-activate.pth"), True)
 CACHED_SHIM = ShimBuild("/cache/umrt_torch_alloc_shim.so")
+CACHED_NATIVE = ShimBuild("/cache/umrt_steady_front.so")
 
 
 class FakeMachine(ThisMachine):
     """This machine's checks (device name, driver version, minimums) over a fake CUDA runtime."""
 
     def __init__(self, api=None, *, nvml=None, torch=CUDA_TORCH, hook=HOOK, shim=CACHED_SHIM,
-                 versions=None) -> None:
+                 native=CACHED_NATIVE, versions=None) -> None:
         self._api, self._nvml, self._torch, self._hook, self._shim = api, nvml, torch, hook, shim
+        self._native = native
         self._versions = dict(H100_VERSIONS if versions is None else versions)
 
     def cuda_api(self):
@@ -95,6 +97,9 @@ class FakeMachine(ThisMachine):
 
     def build_shim(self):
         return self._shim
+
+    def build_native(self):
+        return self._native
 
     def activation(self):
         return self._hook
@@ -266,3 +271,11 @@ def test_torch_built_for_another_cuda_than_umrts_calls_is_a_note():
     rc, text = doctor(FakeMachine(cuda12(), nvml=fake_nvml(), torch=TorchBuild("2.11.0+cu130", "13.0")))
     assert rc == 0 and status_of(text, "torch build") == "note"
     assert "umrt's own CUDA calls go through CUDA 12.8: install umrt[cuda13] to match" in text
+
+
+def test_native_steady_libraries_are_reported():
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml()))
+    assert rc == 0 and status_of(text, "native steady") == "ok" and "served without Python" in text
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="no c++")))
+    assert rc == 0 and status_of(text, "native steady") == "note"
+    assert "could not be built (no c++); the steady state is served from Python" in text

@@ -118,6 +118,10 @@ class Machine(Protocol):
     def build_shim(self) -> ShimBuild:
         """Load the allocator shim, building it first when it is not cached."""
 
+    def build_native(self) -> ShimBuild:
+        """Load the native steady state's libraries (the allocation front and the schedule),
+        building them first when they are not cached; ``path``: the front's."""
+
     def activation(self) -> HookStatus:
         """Whether ``UMRT=1`` works (:func:`umrt.activation.hook_status`)."""
 
@@ -173,6 +177,22 @@ class ThisMachine:
             return ShimBuild(None, error=str(caught[-1].message) if caught else "load_shim() returned None")
         built_now = os.path.getmtime(shim.path) >= started - 1
         return ShimBuild(shim.path, time.time() - started if built_now else None)
+
+    def build_native(self) -> ShimBuild:
+        # optional: torch: the native libraries are built with torch's cpp_extension
+        from umrt.allocators.front import load_front
+
+        # optional: same
+        from umrt.allocators.steady import native_library
+
+        started = time.time()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            front, schedule = load_front(), native_library()
+        if front is None or schedule is None:
+            return ShimBuild(None, error=str(caught[-1].message) if caught else "the native libraries did not load")
+        built_now = os.path.getmtime(front.path) >= started - 1
+        return ShimBuild(front.path, time.time() - started if built_now else None)
 
     def activation(self) -> HookStatus:
         return hook_status()
@@ -418,6 +438,16 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
     else:
         found.append(Finding("allocator shim", OK, f"built now in {shim.built_in_s:.0f} s, cached for later "
                                                    f"runs: {shim.path}"))
+    native = machine.build_native()
+    if native.path is None:
+        found.append(Finding("native steady", NOTE,
+                             f"could not be built ({native.error}); the steady state is served from Python "
+                             "(same behaviour, ~70x the CPU per allocation)",
+                             "install a C++ compiler and ninja (pip install ninja)"))
+    else:
+        how = "cached" if native.built_in_s is None else f"built now in {native.built_in_s:.0f} s, cached"
+        found.append(Finding("native steady", OK, f"{how}: allocations of a repeating step are served "
+                                                  f"without Python ({native.path})"))
     return torch
 
 
