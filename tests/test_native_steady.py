@@ -3,6 +3,7 @@ on the fake CUDA runtime): recording, arming, serving without Python, handing ba
 from __future__ import annotations
 
 import ctypes
+import warnings
 from collections import Counter
 
 import pytest
@@ -382,3 +383,26 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
         assert bridge.recorder._hooks._handles[0] is not None  # module hooks back at the step
     finally:
         bridge.close()
+
+
+def test_a_front_that_cannot_be_built_warns_once_and_python_serves(monkeypatch, cuda13):
+    from umrt.allocators import front as front_module
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("error: c++: command not found")
+
+    monkeypatch.setattr(front_module, "build_native", no_compiler)
+    front_module.load_front.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not build the native allocation front .*c\\+\\+: command "
+                                                "not found.*pure-Python schedule"):
+            assert front_module.load_front() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once: a second warning would raise here
+            assert front_module.load_front() is None
+    finally:
+        front_module.load_front.cache_clear()
+    pool, server, bridge = _server(cuda13, front=None)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    learned = _learn(server, program)
+    assert not server.schedule.native and _run(server, program, 2) == [learned] * 2
