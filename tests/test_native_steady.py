@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 
 from umrt.allocators.managed import ManagedPool
+from umrt.allocators.steady import EV_ALLOC
 from umrt.backends.base import Advice
 from umrt.drive.steady import BackendCalls, Phase, SteadyServer
 from umrt.trace.events import IterationBoundary
@@ -56,6 +57,9 @@ class StubBridge:
 
     def muted(self, on):
         self.mute = on
+
+    def replayed_step(self):
+        self.stepped = True
 
     def stop(self, exc):
         self.stopped = exc
@@ -406,3 +410,65 @@ def test_a_front_that_cannot_be_built_warns_once_and_python_serves(monkeypatch, 
     program = Program(lambda n: server.malloc(n, 0), server.free)
     learned = _learn(server, program)
     assert not server.schedule.native and _run(server, program, 2) == [learned] * 2
+
+
+def test_a_two_step_cycle_is_served_and_handed_back_from_its_second_step(cuda13):
+    """Steps that alternate (two shapes) repeat with a period of two: one schedule serves
+    both in turn, and a deviation in the cycle's second step replays the whole cycle so far."""
+    other = [1 << 20, 3 << 20, 2 << 20, 3 << 20, 512 << 10, 1 << 20]  # the same sizes, another order
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    shapes = [SIZES, other]
+    k = 0
+    for k in range(16):
+        program.step(shapes[k % 2])
+        server.bridge.on_step(server)
+        if server.phase is Phase.NATIVE:
+            break
+    assert server.phase is Phase.NATIVE and server.report.schedule_allocations == len(SIZES) + len(other)
+    calls = bridge.calls.copy()
+    for j in range(k + 1, k + 5):
+        program.step(shapes[j % 2])
+        server.bridge.on_step(server)
+    assert server.phase is Phase.NATIVE and bridge.calls == calls  # four native steps, no Python
+    program.step(shapes[(k + 5) % 2])  # the cycle's first step, native
+    server.bridge.on_step(server)
+    replayed = []
+    replay = server._replay
+    server._replay = lambda events, live: (replayed.extend(events), replay(events, live))
+    wrong = list(shapes[(k + 6) % 2])
+    wrong[2] += 1 << 20
+    program.step(wrong)  # its second step deviates at its third allocation
+    assert server.phase is Phase.FOLLOWING and server.report.layouts_retired == 0 and bridge.stopped is None
+    assert sum(e[0] == EV_ALLOC for e in replayed) == 6 + 2  # the cycle from its start: both steps
+    assert pool.live_blocks() == program.live
+
+
+def test_a_replay_that_fails_never_fails_the_allocation(cuda13, monkeypatch):
+    """A hand-back whose replay raises is handled as a view that is off: the layout is
+    retired, the schedule's blocks are the pool's, umrt stops acting, the program goes on."""
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    _learn(server, program)
+    program.step()
+    server.bridge.on_step(server)
+    original = pool.malloc
+    failing = {"left": 2}  # the replay's third allocation fails; the program's own go through
+
+    def malloc(n, stream=0):
+        if server.phase is Phase.NATIVE or failing["left"] < 0:
+            return original(n, stream)
+        failing["left"] -= 1
+        if failing["left"] < 0:
+            raise RuntimeError("layout broke")
+        return original(n, stream)
+
+    monkeypatch.setattr(pool, "malloc", malloc)
+    other = list(SIZES)
+    other[4] = 9 << 20
+    program.step(other)
+    assert bridge.stopped is not None and "the replay failed: RuntimeError: layout broke" in str(bridge.stopped)
+    assert server.phase is Phase.OFF and server.report.layouts_retired == 1
+    live = pool.live_blocks()
+    assert all(live.get(p) == n for p, n in program.live.items())
+    _run(server, program, 2)

@@ -375,6 +375,11 @@ class LiveBridge:
         """Drop (``on``) or pass the policy's CUDA calls (a replay of a native window)."""
         self.backend.muted = on
 
+    def replayed_step(self) -> None:
+        """An optimizer step ended here in a replayed native cycle: the next allocation
+        opens an iteration."""
+        self._step_ended = True
+
     def stop(self, exc: BaseException) -> None:
         """Stop acting, as after any failure of umrt's (memory stays managed)."""
         with self._lock:

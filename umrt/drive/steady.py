@@ -48,6 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 from umrt.allocators.managed import ManagedPool
 from umrt.allocators.steady import (
     EV_ALLOC,
+    EV_BOUNDARY,
     EV_FREE,
     AllocAt,
     ApiTable,
@@ -168,6 +169,10 @@ class SteadyBridge(Protocol):
 
     def muted(self, on: bool) -> None:
         """Drop (``True``) or pass the policy's CUDA calls: a replay must not repeat them."""
+
+    def replayed_step(self) -> None:
+        """An optimizer step ended at this point of a replayed cycle (the next
+        allocation opens an iteration, as after a live step)."""
 
     def stop(self, exc: BaseException) -> None:
         """Stop acting (the failure path: memory stays managed)."""
@@ -362,12 +367,12 @@ class SteadyServer:
                  "natively" if schedule.native else "by the Python schedule")
 
     def _drain(self) -> None:
-        """A native step's one piece of Python: drop the step's events (counted natively),
-        credit the backend with the CUDA calls the schedule made for it."""
-        events, _, _ = self.schedule.clear_events()
-        self.report.events_drained += events
+        """A native step's one piece of Python: at the end of a cycle drop its events
+        (counted natively), credit the backend with the CUDA calls the schedule made for it."""
         self.report.steps_native += 1
         self._steps_armed += 1  # a window ended
+        if self._steps_armed % self._period == 0:  # a cycle ended: a hand-back replays from here
+            self.report.events_drained += self.schedule.clear_events()[0]
         cycles = self._steps_armed // self._period
         if cycles > self._credited and self._window_calls:
             self.calls.count(self._window_calls, cycles - self._credited)
@@ -376,7 +381,8 @@ class SteadyServer:
     # -- handing back ----------------------------------------------------------------
 
     def catch_up(self) -> None:
-        """Hand the steady state back to Python (see the module docstring, 4.)."""
+        """Hand the steady state back to Python (see the module docstring, 4.). Never
+        raises: a replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
         with self.pool.lock:
             if self.phase is not Phase.NATIVE:
                 return  # another thread did it
@@ -388,12 +394,18 @@ class SteadyServer:
             self.schedule = None
             self.report.catch_ups += 1
             self.report.last_deviation = schedule.deviation()[2]
+            self.report.events_drained += len(events)
             self._set_phase(Phase.FOLLOWING if self.report.catch_ups < MAX_CATCH_UPS else Phase.OFF)
             self._wait = RETRY_AFTER
             log.info("umrt: steady state handed back to Python: %s", self.report.last_deviation)
-            self.calls.settle()  # the replay below is muted: the backend's ordering state must not lie
-            self.bridge.leave_native()
-            self._replay(events, {ptr: size for ptr, size, _ in blocks})
+            native_live = {ptr: size for ptr, size, _ in blocks}
+            try:
+                self.calls.settle()  # the replay below is muted: the backend's ordering state must not lie
+                self.bridge.leave_native()
+                self._replay(events, native_live)
+            except Exception as exc:  # noqa: BLE001 - a hand-back never fails the allocation that asked
+                self.bridge.muted(False)
+                self._quarantine(native_live, [f"the replay failed: {type(exc).__name__}: {exc}"])
 
     def _replay(self, events: Sequence[tuple[int, int, int, int]], native_live: dict[int, int]) -> None:
         """The window's events so far, into the pool, the bridge and the policy."""
@@ -401,7 +413,9 @@ class SteadyServer:
         self.bridge.muted(True)
         try:
             for kind, _, ptr, size in events:
-                if kind == EV_ALLOC:
+                if kind == EV_BOUNDARY:
+                    self.bridge.replayed_step()
+                elif kind == EV_ALLOC:
                     got = pool.malloc(size, self._stream)
                     tracked.add(got)
                     if got != ptr:
