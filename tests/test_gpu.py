@@ -112,15 +112,61 @@ def test_gpt2_training_under_a_small_budget_via_UMRT_1(tmp_path):
     assert "LOSSES" in out.stdout
 
 
+NATIVE = textwrap.dedent("""
+    import json, torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    import umrt.stats
+    from umrt.allocators import front
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
+    model = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    x = torch.randint(0, cfg.vocab_size, (8, 256), device="cuda")
+    losses = []
+    for step in range(14):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    f = front.load_front()
+    print("RESULT", json.dumps({"losses": losses, "native": umrt.stats.memory_stats()["native_steady"],
+                               "front": f.counters().__dict__ if f else None}))
+""")
+
+
+@pytest.mark.parametrize("policy", ["um", "umrt"])
+def test_native_steady_state_serves_gpt2_with_the_same_losses(tmp_path, policy):
+    """Two steps repeat, the schedule serves torch's allocations without Python, and the
+    losses are bit-identical to the Python path's (UMRT_NATIVE=0): same addresses, same data."""
+    import json
+
+    runs = {}
+    for native in ("1", "0"):
+        (tmp_path / native).mkdir()
+        out = _boot_with_hook(tmp_path / native, NATIVE, {"UMRT": "1", "UMRT_POLICY": policy,
+                                                          "UMRT_NATIVE": native, "UMRT_GPU_MEMORY": "90%"})
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        runs[native] = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert runs["1"]["losses"] == runs["0"]["losses"]
+    native = runs["1"]["native"]
+    assert native["arms"] >= 1 and native["steps_native"] >= 5, native
+    assert runs["1"]["front"]["native_allocs"] > 0, runs["1"]["front"]
+    assert runs["0"]["native"]["phase"] == "off"
+
+
 def test_cupy_arrays_in_umrt_pool(tmp_path):
     script = textwrap.dedent("""
         import cupy as cp, umrt.api, umrt.stats
-        from umrt.allocators.cupy import allocator
+        from umrt.allocators.cupy import allocator, native_allocator
         s = umrt.api.enable()
-        cp.cuda.set_allocator(allocator)
-        a = cp.arange(1 << 20, dtype=cp.float32)
-        assert float((a * 2).sum()) == float(2 * a.sum())
-        assert umrt.stats.memory_stats()["allocated_bytes"] >= 4 << 20
+        for chosen in (allocator, native_allocator()):
+            cp.cuda.set_allocator(chosen)
+            a = cp.arange(1 << 20, dtype=cp.float32)
+            assert float((a * 2).sum()) == float(2 * a.sum())
+            assert umrt.stats.memory_stats()["allocated_bytes"] >= 4 << 20
+            del a
         print("CUPY OK")
     """)
     (tmp_path / "c.py").write_text(script)
