@@ -79,25 +79,34 @@ def _boot_with_hook(tmp_path, script: str, env_extra: dict[str, str]) -> subproc
                           env=env, capture_output=True, text=True, timeout=600)
 
 
-GPT2 = textwrap.dedent("""
+def _gpt2_script(steps: int, prelude: str, after: str) -> str:
+    """A small GPT-2 trained ``steps`` steps on the GPU, its losses in ``losses``."""
+    return textwrap.dedent(prelude) + textwrap.dedent(f"""
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
+        model = GPT2LMHeadModel(cfg).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        x = torch.randint(0, cfg.vocab_size, (8, 256), device="cuda")
+        losses = []
+        for step in range({steps}):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    """) + textwrap.dedent(after)
+
+
+GPT2 = _gpt2_script(4, """
     import math, torch
-    from transformers import GPT2Config, GPT2LMHeadModel
     import umrt.activation, umrt.stats
     from umrt.allocators import torch as ut
 
     assert umrt.activation.enabled_by() == "torch" and ut.installed()
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
-    model = GPT2LMHeadModel(cfg).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    x = torch.randint(0, cfg.vocab_size, (8, 256), device="cuda")
-    losses = []
-    for step in range(4):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+""", """
     stats = umrt.stats.memory_stats()
     print("LOSSES", losses)
     print("STATS", stats)
@@ -112,25 +121,13 @@ def test_gpt2_training_under_a_small_budget_via_UMRT_1(tmp_path):
     assert "LOSSES" in out.stdout
 
 
-NATIVE = textwrap.dedent("""
+NATIVE = _gpt2_script(14, """
     import json, torch
-    from transformers import GPT2Config, GPT2LMHeadModel
     import umrt.stats
     from umrt.allocators import front
 
     torch.use_deterministic_algorithms(True)  # two runs compared bit for bit
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=256)
-    model = GPT2LMHeadModel(cfg).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    x = torch.randint(0, cfg.vocab_size, (8, 256), device="cuda")
-    losses = []
-    for step in range(14):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+""", """
     f = front.load_front()
     print("RESULT", json.dumps({"losses": losses, "native": umrt.stats.memory_stats()["native_steady"],
                                "front": f.counters().__dict__ if f else None}))

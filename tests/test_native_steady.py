@@ -119,6 +119,24 @@ def _run(server, program, steps, **kw):
     return out
 
 
+@pytest.fixture
+def fronted(cuda13):
+    """The native front over a server (its fallback: umrt's callbacks into the server):
+    ``(front, pool, server, bridge)``; skips without a compiler."""
+    from umrt.allocators.front import load_front
+    from umrt.allocators.torch import make_callbacks
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    pool, server, bridge = _server(cuda13, front=front)
+    _, _, alloc_ptr, free_ptr = make_callbacks(server)
+    front.set_fallback(alloc_ptr, free_ptr)
+    yield front, pool, server, bridge
+    front.install(None)
+    front.set_fallback(0, 0)
+
+
 def test_python_schedule_serves_the_steady_state_at_the_addresses_python_chose(cuda13):
     pool, server, bridge = _server(cuda13)
     program = Program(lambda n: server.malloc(n, 0), server.free)
@@ -198,34 +216,22 @@ def test_decisions_replay_the_backends_exact_calls(cuda13, fake_gpu):
     assert added["cudaMemAdvise"] == 2 * len(SIZES)  # counted as the backend's own calls
 
 
-def test_the_native_front_serves_without_python(cuda13):
-    from umrt.allocators.front import load_front
-    from umrt.allocators.torch import make_callbacks
-
-    front = load_front()
-    if front is None:
-        pytest.skip("no compiler: the native front cannot be built")
-    pool, server, bridge = _server(cuda13, front=front)
-    _, _, alloc_ptr, free_ptr = make_callbacks(server)
-    front.set_fallback(alloc_ptr, free_ptr)
-    try:
-        program = Program(lambda n: front.malloc(n, 0, 0), lambda p: front.free(p, 0, 0, 0))
-        learned = _learn(server, program)
-        assert server.schedule.native
-        before = front.counters()
-        served = _run(server, program, 3)
-        after = front.counters()
-        assert served == [learned] * 3
-        assert after.fallback_allocs == before.fallback_allocs  # not one allocation entered Python
-        assert after.native_allocs - before.native_allocs == 3 * len(SIZES)
-        other = list(SIZES)
-        other[4] = 9 << 20
-        program.step(other)  # declined natively, caught up in the Python callback
-        assert server.phase is Phase.FOLLOWING and front.installed is None
-        assert pool.live_blocks() == program.live
-    finally:
-        front.install(None)
-        front.set_fallback(0, 0)
+def test_the_native_front_serves_without_python(fronted):
+    front, pool, server, bridge = fronted
+    program = Program(lambda n: front.malloc(n, 0, 0), lambda p: front.free(p, 0, 0, 0))
+    learned = _learn(server, program)
+    assert server.schedule.native
+    before = front.counters()
+    served = _run(server, program, 3)
+    after = front.counters()
+    assert served == [learned] * 3
+    assert after.fallback_allocs == before.fallback_allocs  # not one allocation entered Python
+    assert after.native_allocs - before.native_allocs == 3 * len(SIZES)
+    other = list(SIZES)
+    other[4] = 9 << 20
+    program.step(other)  # declined natively, caught up in the Python callback
+    assert server.phase is Phase.FOLLOWING and front.installed is None
+    assert pool.live_blocks() == program.live
 
 
 def test_close_hands_back_with_the_books_right(cuda13):
@@ -269,40 +275,29 @@ def test_front_counts_and_falls_back_without_a_schedule():
         front.set_fallback(0, 0)
 
 
-def test_cupy_entry_points_share_the_native_path(cuda13, monkeypatch):
+def test_cupy_entry_points_share_the_native_path(fronted, monkeypatch):
     """CuPy's CFunctionAllocator signatures (param, size, device) / (param, ptr, device)
     reach the same schedule as torch's, on the stream it was armed on."""
     from umrt.allocators import cupy as uc
-    from umrt.allocators.front import load_front
-    from umrt.allocators.torch import make_callbacks
 
-    front = load_front()
-    if front is None:
-        pytest.skip("no compiler: the native front cannot be built")
-    pool, server, bridge = _server(cuda13, front=front)
-    _, _, alloc_ptr, free_ptr = make_callbacks(server)
-    front.set_fallback(alloc_ptr, free_ptr)
+    front, pool, server, bridge = fronted
     cupy_malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
         front.cupy_malloc_address)
     cupy_free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(front.cupy_free_address)
-    try:
-        program = Program(lambda n: cupy_malloc(None, n, 0) or 0, lambda p: cupy_free(None, p, 0))
-        learned = _learn(server, program)
-        before = front.counters()
-        assert _run(server, program, 2) == [learned] * 2
-        after = front.counters()
-        assert after.fallback_allocs == before.fallback_allocs
-        assert after.native_frees - before.native_frees == 2 * len(SIZES)
-        monkeypatch.setitem(uc._state, "pool", server)
-        monkeypatch.setitem(uc._state, "front", None)
-        assert uc.native_allocator() is uc.allocator  # no front: the Python allocator
-    finally:
-        server.close()
-        front.install(None)
-        front.set_fallback(0, 0)
+    program = Program(lambda n: cupy_malloc(None, n, 0) or 0, lambda p: cupy_free(None, p, 0))
+    learned = _learn(server, program)
+    before = front.counters()
+    assert _run(server, program, 2) == [learned] * 2
+    after = front.counters()
+    assert after.fallback_allocs == before.fallback_allocs
+    assert after.native_frees - before.native_frees == 2 * len(SIZES)
+    server.close()
+    monkeypatch.setitem(uc._state, "pool", server)
+    monkeypatch.setitem(uc._state, "front", None)
+    assert uc.native_allocator() is uc.allocator  # no front: the Python allocator
 
 
-def test_torch_shim_calls_reach_the_schedule_through_the_front(cuda13, fake_gpu, monkeypatch):
+def test_torch_shim_calls_reach_the_schedule_through_the_front(fronted, fake_gpu, monkeypatch):
     """torch's pluggable allocator calls umrt_alloc through a C function pointer
     (the shim's ``_try_alloc`` calls it that way): the front serves the steady state
     natively; an out-of-memory in the fallback is still torch.cuda.OutOfMemoryError."""
@@ -311,32 +306,24 @@ def test_torch_shim_calls_reach_the_schedule_through_the_front(cuda13, fake_gpu,
     import torch
 
     from umrt.allocators import torch as ut
-    from umrt.allocators.front import load_front
 
-    front = load_front()
-    if front is None or shutil.which("c++") is None:
-        pytest.skip("no compiler: the native front and the shim cannot be built")
+    front, pool, server, bridge = fronted
+    if shutil.which("c++") is None:
+        pytest.skip("no compiler: the shim cannot be built")
     shim = ut.load_shim()
     assert shim is not None
-    pool, server, bridge = _server(cuda13, front=front)
     monkeypatch.setitem(ut._state, "shim", shim)
-    _, _, alloc_ptr, free_ptr = ut.make_callbacks(server)
-    front.set_fallback(alloc_ptr, free_ptr)
     shim.set_callbacks(front.malloc_address, front.free_address)
-    try:
-        program = Program(lambda n: shim.module._try_alloc(n, 0), lambda p: shim.module._try_free(p, 0, 0))
-        learned = _learn(server, program)
-        before = front.counters()
-        assert _run(server, program, 2) == [learned] * 2
-        assert front.counters().fallback_allocs == before.fallback_allocs
-        limit, fake_gpu.managed_limit = fake_gpu.managed_limit, 0
-        with pytest.raises(torch.cuda.OutOfMemoryError, match="out of managed memory"):
-            shim.module._try_alloc(1 << 40, 0)  # declined natively, the pool cannot serve it
-        fake_gpu.managed_limit = limit
-        assert server.phase is Phase.FOLLOWING and pool.live_blocks() == program.live
-    finally:
-        front.install(None)
-        front.set_fallback(0, 0)
+    program = Program(lambda n: shim.module._try_alloc(n, 0), lambda p: shim.module._try_free(p, 0, 0))
+    learned = _learn(server, program)
+    before = front.counters()
+    assert _run(server, program, 2) == [learned] * 2
+    assert front.counters().fallback_allocs == before.fallback_allocs
+    limit, fake_gpu.managed_limit = fake_gpu.managed_limit, 0
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="out of managed memory"):
+        shim.module._try_alloc(1 << 40, 0)  # declined natively, the pool cannot serve it
+    fake_gpu.managed_limit = limit
+    assert server.phase is Phase.FOLLOWING and pool.live_blocks() == program.live
 
 
 def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):

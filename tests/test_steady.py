@@ -606,6 +606,18 @@ def _alternate_discard_events(monkeypatch):
     monkeypatch.setattr(cuda_order.StreamOrder, "discarded", discarded)
 
 
+def _serve_rounds(s, gpu, expected) -> None:
+    """Arm ``s`` and serve the recorded loop (two 4 MiB blocks, freed) once per entry of
+    ``expected``: the runtime calls each round makes must be that entry."""
+    s.arm(0, 0)
+    for want in expected:
+        start = len(gpu.calls)
+        p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
+        s.free(p)
+        s.free(q)
+        assert [tuple(_plain(x) for x in c) for c in gpu.calls[start:]] == want
+
+
 def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_gpu):
     """CudaBackend re-records its discard stream's event in place, so an iteration with a
     discard makes the same calls with the same handles every time (period 1), and one
@@ -618,13 +630,7 @@ def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_g
     plain = [tuple(_plain(x) for x in c) for c in recorded]
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        s.arm(0, 0)
-        for _ in range(2):
-            start = len(fake_gpu.calls)
-            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
-            s.free(p)
-            s.free(q)
-            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain
+        _serve_rounds(s, fake_gpu, [plain, plain])
     assert not fake_gpu.violations
 
 
@@ -674,14 +680,7 @@ def test_a_recorded_cuda_backend_iteration_replays_the_same_runtime_calls(lib, f
     plain = [tuple(_plain(x) for x in c) for c in recorded]
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        s.arm(0, 0)
-        for _ in range(2):
-            start = len(fake_gpu.calls)
-            p = s.malloc(4 * MiB)
-            q = s.malloc(4 * MiB)
-            s.free(p)
-            s.free(q)
-            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain
+        _serve_rounds(s, fake_gpu, [plain, plain])
         assert s.deviation() == (Deviation.NONE, -1, "")
     assert not fake_gpu.violations
 
@@ -970,13 +969,7 @@ def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteratio
     out = []
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        s.arm(0, 0)
-        for k in range(4):
-            start = len(fake_gpu.calls)
-            p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
-            s.free(p)
-            s.free(q)
-            assert [tuple(_plain(x) for x in c) for c in fake_gpu.calls[start:]] == plain[k % 2]
+        _serve_rounds(s, fake_gpu, [plain[k % 2] for k in range(4)])
         out.append((s.drain(), s.deviation(), s.state()))
     assert out[0] == out[1] and out[0][1][0] == Deviation.NONE and out[0][2] == (4, 3, 0, 0)
     assert [e[1] for e in out[0][0] if e[0] == EV_BOUNDARY] == [1, 2, 3]

@@ -427,28 +427,23 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
     if not build_shim:
         found.append(Finding("allocator shim", NOTE, "not checked (--no-build)"))
         return torch
-    shim = machine.build_shim()
-    if shim.path is None:
-        found.append(Finding("allocator shim", NOTE,
-                             f"could not be built ({shim.error}); without it running out of managed memory "
-                             "stops the process instead of raising torch.cuda.OutOfMemoryError",
-                             "install a C++ compiler and ninja (pip install ninja)"))
-    elif shim.built_in_s is None:
-        found.append(Finding("allocator shim", OK, f"cached: {shim.path}"))
-    else:
-        found.append(Finding("allocator shim", OK, f"built now in {shim.built_in_s:.0f} s, cached for later "
-                                                   f"runs: {shim.path}"))
-    native = machine.build_native()
-    if native.path is None:
-        found.append(Finding("native steady", NOTE,
-                             f"could not be built ({native.error}); the steady state is served from Python "
-                             "(same behaviour, ~70x the CPU per allocation)",
-                             "install a C++ compiler and ninja (pip install ninja)"))
-    else:
-        how = "cached" if native.built_in_s is None else f"built now in {native.built_in_s:.0f} s, cached"
-        found.append(Finding("native steady", OK, f"{how}: allocations of a repeating step are served "
-                                                  f"without Python ({native.path})"))
+    found.append(_built("allocator shim", machine.build_shim(), "{path}",
+                        "without it running out of managed memory stops the process instead of raising "
+                        "torch.cuda.OutOfMemoryError"))
+    found.append(_built("native steady", machine.build_native(),
+                        "allocations of a repeating step are served without Python ({path})",
+                        "the steady state is served from Python (same behaviour, ~70x the CPU per allocation)"))
     return torch
+
+
+def _built(name: str, build: ShimBuild, ok: str, without: str) -> Finding:
+    """The finding for a library umrt compiles: ``ok`` (with ``{path}``) when it loaded,
+    ``without`` (what that costs) when it could not be built."""
+    if build.path is None:
+        return Finding(name, NOTE, f"could not be built ({build.error}); {without}",
+                       "install a C++ compiler and ninja (pip install ninja)")
+    how = "cached" if build.built_in_s is None else f"built now in {build.built_in_s:.0f} s, cached for later runs"
+    return Finding(name, OK, f"{how}: {ok.format(path=build.path)}")
 
 
 def _profile(cfg: Config, gpu: _Gpu | None, found: list[Finding]) -> None:
