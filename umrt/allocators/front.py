@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from umrt.allocators.steady import build_native
+from umrt.allocators.steady import build_native, warn_not_built
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
 
@@ -131,12 +130,7 @@ def load_front() -> Front | None:
         path = build_native(front_source(), "umrt_steady_front", "the native allocation front")
         return Front(ctypes.CDLL(path), path)
     except Exception as exc:  # noqa: BLE001 - any build failure means "serve from Python"
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warnings.warn(
-            f"umrt: could not build the native allocation front ({type(exc).__name__}: {first_line}); "
-            "every allocation goes through umrt's Python callbacks, and the steady state is served by "
-            "the pure-Python schedule (same behaviour, slower). It needs a C++ compiler, ninja and torch.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn_not_built("the native allocation front", exc,
+                       "every allocation goes through umrt's Python callbacks, and the steady state is served "
+                       "by the pure-Python schedule (same behaviour, slower)")
         return None

@@ -1194,15 +1194,17 @@ def native_library() -> ctypes.CDLL | None:
     try:
         return _declare(ctypes.CDLL(build_library()))
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the Python schedule"
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warnings.warn(
-            f"umrt: could not build the native steady schedule ({type(exc).__name__}: {first_line}); the "
-            "steady state is served by the pure-Python schedule instead (same behaviour, slower). It needs "
-            "a C++ compiler, ninja and torch.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn_not_built("the native steady schedule", exc,
+                       "the steady state is served by the pure-Python schedule instead (same behaviour, slower)")
         return None
+
+
+def warn_not_built(what: str, exc: BaseException, instead: str) -> None:
+    """The one warning a native library that could not be built gives: ``what`` failed
+    (the error's first line), what umrt does ``instead``, and what a build needs."""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    warnings.warn(f"umrt: could not build {what} ({type(exc).__name__}: {first_line}); {instead}. It needs a "
+                  "C++ compiler, ninja and torch.", RuntimeWarning, stacklevel=4)
 
 
 def load_steady(arrays: ScheduleArrays, capacity: int = DEFAULT_CAPACITY, *,
