@@ -14,9 +14,11 @@ are timed; the minimum (least disturbed) and the median are reported. Launches a
 back while the runtime does not want them (``Runtime.wants_launches``), as the live
 bridge does; ``--all-launches`` feeds every launch. The backend is a no-op stand-in
 counting calls. Its CPU per step is ``Driver.feed_all`` plus one C -> Python ctypes
-callback per allocation and per free (:func:`callback_crossing_ns`); the live bridge's
-own work (torch's module hooks, the dispatch recorder, ``ManagedPool`` around the
-layout) is not in it: the Python figure is a lower bound.
+callback per allocation and per free (:func:`callback_crossing_ns`), plus the capture
+recorder's module hooks per layer event (:func:`module_hook_ns`: torch calling them and
+the recorder's own work, ops suspended as in a live steady step); the live bridge's own
+work and ``ManagedPool`` around the layout are not in it: the Python figure is a lower
+bound.
 
 **The native path.** One steady iteration the Python path ran is recorded
 (:class:`umrt.allocators.steady.SteadyRecorder`: the pool's allocations and frees and
@@ -53,7 +55,8 @@ keys, each ``*_ns`` a ``[median, min]`` per pair (``python_callback_pair_ns``,
 ``"simulated ideal"``), ``counts`` (per steady iteration: ``allocations``, ``frees``,
 ``layer_events``, ``launches``, ``launches_fed``, ``boundaries``, ``backend_calls``),
 ``decisions``, ``decision_ranges``, ``python`` (``cpu_s`` median, ``cpu_s_min``,
-``driver_cpu_s``, ``callback_crossing_ns``, ``callback_crossing_s``,
+``driver_cpu_s``, ``callback_crossing_ns``, ``callback_crossing_s``, ``module_hook_ns``,
+``module_hooks_s``,
 ``python_callbacks``, ``share``), ``native`` (``built``, ``schedule_repeats``, and when
 run: ``cpu_s`` median, ``cpu_s_min``, ``c_loop_s``, ``c_loop_through``, ``step_hook_s``,
 ``optimizer_hooks_s``, ``optimizer_hook_callbacks``, ``ctypes_s``,
@@ -585,9 +588,45 @@ def callback_crossing_ns(lib: ctypes.CDLL | None) -> float:
     return max(0.0, per_call(callback, 64, 0, None) - per_call(empty, *args))
 
 
+def module_hook_ns(reps: int = 400) -> float:
+    """Nanoseconds the capture recorder's module hooks cost per layer event in a live
+    steady step on the Python path (ops suspended, a no-op listener: what the bridge
+    does with the events is in the driver's figure): a one-module forward and backward
+    with the recorder's hooks, less without, over the four layer events it makes
+    (forward and backward enter and exit); minimum over ``reps``."""
+    import torch
+
+    from umrt.capture import Recorder
+    from umrt.trace.events import LayerEnter, LayerExit
+
+    module = torch.nn.Linear(1, 1)
+    x = torch.ones(1, 1, requires_grad=True)
+    clock = time.perf_counter_ns
+
+    def fastest() -> float:
+        best = float("inf")
+        for _ in range(reps):
+            a = clock()
+            module(x).sum().backward()
+            best = min(best, clock() - a)
+        return best
+
+    bare = fastest()
+    seen: list = []
+    with Recorder(device="cpu", keep_events=False,
+                  listeners=(lambda e: seen.append(1) if type(e) in (LayerEnter, LayerExit) else None,)) as rec:
+        rec.suspend_ops()
+        module(x).sum().backward()  # first call: module paths and the like
+        seen.clear()
+        hooked = fastest()
+    per_module = len(seen) / reps if seen else 4
+    return max(0.0, hooked - bare) / max(per_module, 1)
+
+
 def side_by_side(trace, profile_name: str, budget: str, iterations: int, repeats: int,
                  native_iterations: int, op_level: bool = False, all_launches: bool = False,
-                 reference_step_s: float | None = None, crossing_ns: float | None = None) -> dict:
+                 reference_step_s: float | None = None, crossing_ns: float | None = None,
+                 hook_ns: float | None = None) -> dict:
     """The Python path and the native path on ``trace``'s steady iteration (module docstring).
 
     ``reference_step_s``: the step the CPU is a share of (``None``: the simulated ideal iteration)."""
@@ -599,8 +638,11 @@ def side_by_side(trace, profile_name: str, budget: str, iterations: int, repeats
         crossing_ns = callback_crossing_ns(native_library())
     crossings = counts["allocations"] + counts["frees"]
     py_callbacks = crossings + counts["layer_events"] + counts["launches_fed"] + counts["boundaries"]
-    py_cpu = python["driver_cpu_s_median"] + crossings * crossing_ns / 1e9
-    py_min = python["driver_cpu_s_per_iteration"] + crossings * crossing_ns / 1e9
+    if hook_ns is None:
+        hook_ns = module_hook_ns()
+    hooks_s = counts["layer_events"] * hook_ns / 1e9
+    py_cpu = python["driver_cpu_s_median"] + crossings * crossing_ns / 1e9 + hooks_s
+    py_min = python["driver_cpu_s_per_iteration"] + crossings * crossing_ns / 1e9 + hooks_s
     ref = reference_step_s or python["ideal_iteration_s"]
     native = native_step(rec, native_iterations) if rec.repeats else {"built": bool(native_library())}
     native["schedule_repeats"] = rec.repeats
@@ -615,6 +657,7 @@ def side_by_side(trace, profile_name: str, budget: str, iterations: int, repeats
         "decisions": len(rec.arrays.dec_kind), "decision_ranges": len(rec.arrays.range_ptr),
         "python": {"cpu_s": py_cpu, "cpu_s_min": py_min, "driver_cpu_s": python["driver_cpu_s_median"],
                    "callback_crossing_ns": crossing_ns, "callback_crossing_s": crossings * crossing_ns / 1e9,
+                   "module_hook_ns": hook_ns, "module_hooks_s": hooks_s,
                    "python_callbacks": py_callbacks, "share": py_cpu / ref},
         "native": native,
         "detail": python,
@@ -677,6 +720,8 @@ def print_report(report: dict, console=None) -> None:
         t.add_row("  runtime + pool + driver (Driver.feed_all)", f"{py['driver_cpu_s'] * 1e3:.2f} ms", "-")
         t.add_row(f"  allocator callbacks into Python ({py['callback_crossing_ns']:.0f} ns each)",
                   f"{py['callback_crossing_s'] * 1e3:.2f} ms", "0")
+        t.add_row(f"  module hooks ({c['layer_events']} layer events, {py['module_hook_ns'] / 1e3:.1f} us each)",
+                  f"{py['module_hooks_s'] * 1e3:.2f} ms", "0 (removed)")
         if ok:
             t.add_row("  allocation stream + decisions, C loop through the front", "-", f"{nat['c_loop_s'] * 1e3:.3f} ms")
             t.add_row(f"  step hook: drop {nat['events_drained']} events", "-", f"{nat['step_hook_s'] * 1e3:.3f} ms")
@@ -739,6 +784,7 @@ def run(models: list[str], *, batch: int = 8, seq: int = 1024, dtype: str = "flo
     if trace_fn is None:
         from bench.grid import trace_for as trace_fn
     crossing = callback_crossing_ns(native_library())
+    hook = module_hook_ns()
     pair = None
     if pairs:
         from bench.steady import measure as pair_measure
@@ -752,7 +798,7 @@ def run(models: list[str], *, batch: int = 8, seq: int = 1024, dtype: str = "flo
         out_models[model] = side_by_side(
             trace, profile, budget, iterations, repeats, native_iterations, op_level, all_launches,
             reference_step_s=REAL_GPT2_STEP_S if (model, batch, seq, dtype) == ("gpt2", 8, 1024, "float32")
-            else None, crossing_ns=crossing)
+            else None, crossing_ns=crossing, hook_ns=hook)
     return {"profile": profile, "budget": budget, "batch": batch, "seq": seq, "dtype": dtype,
             "real_gpt2_step_s": REAL_GPT2_STEP_S, "pair": pair, "models": out_models,
             "targets": targets(pair, out_models)}

@@ -159,7 +159,12 @@ def _steady_server(cfg: Config, backend: Any, pool: Any) -> Any:
         # optional: GPU start only: building the front needs torch's cpp_extension
         from umrt.allocators.front import load_front
 
+        # optional: same
+        from umrt.allocators.steady import native_library
+
         front = load_front()
+        if front is not None and native_library() is None:  # built now, not at the first steady step
+            front = None
     server = SteadyServer(pool, front=front, calls=BackendCalls(backend), device=cfg.device, enabled=cfg.native)
     if front is not None:  # what the front declines goes to the server through umrt's callbacks
         # optional: GPU start only; the callbacks need no CUDA torch
