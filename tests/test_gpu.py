@@ -121,7 +121,7 @@ def test_gpt2_training_under_a_small_budget_via_UMRT_1(tmp_path):
     assert "LOSSES" in out.stdout
 
 
-NATIVE = _gpt2_script(14, """
+NATIVE = _gpt2_script(16, """
     import json, torch
     import umrt.stats
     from umrt.allocators import front
@@ -150,7 +150,7 @@ def test_native_steady_state_serves_gpt2_with_the_same_losses(tmp_path, policy):
         runs[native] = json.loads(out.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert runs["1"]["losses"] == runs["0"]["losses"]
     native = runs["1"]["native"]
-    assert native["arms"] >= 1 and native["steps_native"] >= 5, native
+    assert native["arms"] >= 1 and native["steps_native"] >= 3, native
     assert runs["1"]["front"]["native_allocs"] > 0, runs["1"]["front"]
     assert runs["0"]["native"]["phase"] == "off"
 
