@@ -589,20 +589,30 @@ def test_recording_api_logs_exact_calls_and_forwards_them(fake_gpu):
 
 
 def _alternate_discard_events(monkeypatch):
-    """CudaBackend as it was before its discard event was re-recorded in place: a spare
-    event per discard, the old one back to the spares, so handles alternate between two
-    iterations (a backend whose calls repeat only every second iteration)."""
+    """CudaBackend as it was before its event handles were made to repeat: spare events
+    handed out last-in first-out and a spare event per discard (the old one back to the
+    spares), so handles alternate between two iterations (a backend whose calls repeat
+    only every second iteration)."""
     from umrt.backends import cuda_order
+
+    def event(self):
+        lifo = self.__dict__.setdefault("lifo", [])
+        return lifo.pop() if lifo else self._call("cudaEventCreateWithFlags", self.api.create_event)
+
+    def spare(self, *events):
+        self.__dict__.setdefault("lifo", []).extend(events)
 
     def discarded(self, stream, ranges):
         event = self.event()
         self.record(event, stream)
         old = self._discard_events.pop(cuda_order.stream_key(stream), None)
         if old is not None:
-            self._spare_events.append(old)
+            self._spare(old)
         self._discard_events[cuda_order.stream_key(stream)] = event
         self._discarded.extend(ranges)
 
+    monkeypatch.setattr(cuda_order.StreamOrder, "event", event)
+    monkeypatch.setattr(cuda_order.StreamOrder, "_spare", spare)
     monkeypatch.setattr(cuda_order.StreamOrder, "discarded", discarded)
 
 

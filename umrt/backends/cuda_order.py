@@ -10,6 +10,7 @@ not yet ordered after.
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -78,7 +79,12 @@ class StreamOrder:
         self.pending: list[tuple[Any, int]] = []
         self._next_entry = 0
         self._p_start = self._p_end = self._p_entry = np.empty(0, dtype=np.int64)
-        self._spare_events: list[Any] = []
+        # Spare events by handle, the lowest handed out first: which handle a call gets
+        # depends only on which are spare, not on the order they were given back, so a
+        # steady iteration makes the same calls with the same handles every time (a native
+        # schedule replays them, umrt.allocators.steady).
+        self._spare_events: dict[int, Any] = {}
+        self._spare_order: list[int] = []  # a heap of the spare handles
         # Ranges discarded that the copy stream is not yet ordered after, and per stream that
         # discarded, an event recorded after its newest discard.
         self._discarded: list[Range] = []
@@ -87,9 +93,17 @@ class StreamOrder:
     # -- events ------------------------------------------------------------------
     def event(self) -> Any:
         """A spare event, or a new one."""
-        if self._spare_events:
-            return self._spare_events.pop()
+        if self._spare_order:
+            return self._spare_events.pop(heapq.heappop(self._spare_order))
         return self._call("cudaEventCreateWithFlags", self.api.create_event)
+
+    def _spare(self, *events: Any) -> None:
+        """Give events back for reuse."""
+        for event in events:
+            key = int(event)
+            if key not in self._spare_events:
+                self._spare_events[key] = event
+                heapq.heappush(self._spare_order, key)
 
     def record(self, event: Any, stream: Any) -> None:
         self._call("cudaEventRecord", self.api.record_event, event, stream)
@@ -103,7 +117,7 @@ class StreamOrder:
         self.record(event, source)
         self.wait(waiter, event)
         # Recording an event only snapshots the stream's work, so it can be reused at once.
-        self._spare_events.append(event)
+        self._spare(event)
 
     # -- copies ------------------------------------------------------------------
     def copied(self, ranges: list[Range], compute_stream: Any) -> None:
@@ -121,7 +135,7 @@ class StreamOrder:
             # Ranges no kernel touched for a long time: order the compute stream after all
             # of them at once (the newest event covers the rest) to keep launch() cheap.
             self.wait(compute_stream, event)
-            self._spare_events.extend(ev for ev, _ in self.pending)
+            self._spare(*(ev for ev, _ in self.pending))
             self._clear_pending()
 
     def wait_copies(self, stream: Any, touched: Sequence[Range]) -> None:
@@ -141,7 +155,7 @@ class StreamOrder:
         last = newest - self.pending[0][1]
         # Copy-stream order: waiting on the latest overlapping event covers all earlier ones.
         self.wait(stream, self.pending[last][0])
-        self._spare_events.extend(ev for ev, _ in self.pending[: last + 1])
+        self._spare(*(ev for ev, _ in self.pending[: last + 1]))
         del self.pending[: last + 1]
         keep = int(np.searchsorted(self._p_entry, newest, side="right"))
         self._p_start, self._p_end, self._p_entry = self._p_start[keep:], self._p_end[keep:], self._p_entry[keep:]
@@ -174,14 +188,14 @@ class StreamOrder:
         """Order the copy stream after the discards queued so far (not after later kernels)."""
         for event in self._discard_events.values():
             self.wait(self.copy_stream, event)
-            self._spare_events.append(event)
+            self._spare(event)
         self._discard_events.clear()
         self._discarded.clear()
 
     def synchronized(self) -> None:
         """Every stream was synchronized: nothing is pending, every event is spare."""
-        self._spare_events.extend(ev for ev, _ in self.pending)
+        self._spare(*(ev for ev, _ in self.pending))
         self._clear_pending()
-        self._spare_events.extend(self._discard_events.values())
+        self._spare(*self._discard_events.values())
         self._discard_events.clear()
         self._discarded.clear()
