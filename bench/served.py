@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.live_replay import LOGS, RUNS, ClosedLoop, read_live_log
 from umrt.allocators.managed import ManagedPool
+from umrt.allocators.steady import counting_table
 from umrt.backends.base import Advice, Range
 from umrt.backends.cuda import CudaApi, CudaBackend
 from umrt.config import parse_amount
@@ -185,7 +186,10 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
     entry points then take every allocation and free, as torch's shim calls them."""
     backend = CudaBackend(0, api=api or NullCuda())
     pool = ManagedPool(backend)
-    server = SteadyServer(pool, front=front, calls=BackendCalls(backend), enabled=native)
+    # On NullCuda a native schedule's calls go to the C table that only counts them, as they
+    # would go to libcudart's on a GPU (no Python); on another runtime, to that runtime.
+    calls = BackendCalls(backend, c_table=counting_table if api is None else None)
+    server = SteadyServer(pool, front=front, calls=calls, enabled=native)
     bridge = ReplayBridge(backend, pool, budget, profile)
     server.attach(bridge)
     malloc: Callable[[int], int] = lambda n: server.malloc(n, 0)  # noqa: E731

@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,16 +125,21 @@ class BackendCalls:
     (torch's), so its decisions never take the GIL; where none is loaded (the fake
     runtime in tests), a table of Python callbacks over the backend's adapter."""
 
-    def __init__(self, backend: CudaBackend) -> None:
+    def __init__(self, backend: CudaBackend, *, c_table: Callable[[], Any] | None = None) -> None:
         self.backend = backend
         self.api = backend.api
-        self.table_kind = ""  # "libcudart" or "python" once a schedule was given a table
+        self.c_table = c_table  # a native schedule's table instead of libcudart's (benches: counting_table)
+        self.table_kind = ""  # "libcudart", "given" or "python" once a schedule was given a table
 
     def record(self, log: list | None) -> None:
         api = self.api if log is None else RecordingApi(self.api, log)
         self.backend.api = self.backend.order.api = api
 
     def attach(self, schedule: Any) -> None:
+        if schedule.native and self.c_table is not None:
+            schedule.set_c_table(self.c_table())
+            self.table_kind = "given"
+            return
         if schedule.native:
             path, reason = loaded_libcudart()
             if path is not None:
