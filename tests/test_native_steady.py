@@ -500,3 +500,31 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
     assert not native_violations and not python_violations
     if budget < 40 << 30:
         assert native.report["schedule_calls"] > 1000  # the steps it served made the runtime's calls
+
+
+def test_an_allocation_from_another_thread_while_the_server_arms_waits_and_is_served_safely(cuda13):
+    """An allocation on another thread (torch's backward thread, a data loader's copy)
+    arriving while the server arms waits for it, then deviates and is served by Python:
+    never at an address the schedule hands out."""
+    import threading
+    import time
+
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    arm, got = server._arm_locked, []
+
+    def arm_with_a_visitor(window, arrays):
+        visitor = threading.Thread(target=lambda: got.append(server.malloc(64 << 10, 0)))
+        visitor.start()
+        time.sleep(0.05)  # the visitor is at the server's door, the schedule not armed yet
+        assert not got
+        arm(window, arrays)
+        server._visitor = visitor
+
+    server._arm_locked = arm_with_a_visitor
+    _learn(server, program)
+    server._visitor.join()
+    assert got and server.phase is Phase.FOLLOWING and server.report.catch_ups == 1  # it deviated at once
+    program.live[got[0]] = 64 << 10
+    _run(server, program, 6)  # no overlap (Program checks), Python or native
+    assert pool.live_blocks() == program.live

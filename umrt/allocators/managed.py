@@ -214,11 +214,6 @@ class ManagedPool:
             return sum(layout.footprint() for layout in (*self._layouts.values(), *self._retired))
 
     @property
-    def lock(self) -> threading.RLock:
-        """The pool's lock (re-entrant): held, no other thread allocates or frees."""
-        return self._lock
-
-    @property
     def stream(self) -> Any:
         """The stream of the last allocation (torch's current stream)."""
         return self._stream

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -228,27 +229,34 @@ class SteadyServer:
         self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
         self._window_calls: Counter = Counter()  # CUDA calls per cycle, credited to the backend
         self._period, self._credited, self._steps_armed = 1, 0, 0
+        # Held to decide and act: around a Python-path allocation or free, arming and
+        # handing back. Taken before the pool's and the bridge's locks, never inside them
+        # (the bridge calls on_step outside its own lock).
+        self._lock = threading.RLock()
 
     # -- the allocator torch and CuPy call -------------------------------------------
 
     def malloc(self, nbytes: int, stream: Any = 0) -> int:
         """A block for ``nbytes``: from the Python schedule while it serves, else the pool
-        (after catching Python up, if the schedule just declined)."""
-        if self.phase is Phase.NATIVE:
-            schedule = self.schedule
-            if not schedule.native:
-                ptr = schedule.malloc(nbytes, self.device, stream or 0)
-                if ptr:
-                    return ptr
-            self.catch_up()
-        return self.pool.malloc(nbytes, stream)
+        (after catching Python up, if the schedule just declined). Under the server's lock,
+        so a schedule is never armed between the check and the pool's placing a block."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                schedule = self.schedule
+                if not schedule.native:
+                    ptr = schedule.malloc(nbytes, self.device, stream or 0)
+                    if ptr:
+                        return ptr
+                self.catch_up()
+            return self.pool.malloc(nbytes, stream)
 
     def free(self, ptr: int) -> None:
         """Return a block: the Python schedule's if it handed it out, else the pool's."""
-        schedule = self.schedule
-        if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
-            return
-        self.pool.free(ptr)
+        with self._lock:
+            schedule = self.schedule
+            if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
+                return
+            self.pool.free(ptr)
 
     def empty_cache(self) -> None:
         """The pool's cached, unused memory back (``torch.cuda.empty_cache()``)."""
@@ -345,7 +353,12 @@ class SteadyServer:
         self._recorder.take()
 
     def _arm(self, window: Sequence[Any], arrays: ScheduleArrays) -> None:
-        """Serve ``arrays`` (compiled from ``window``, one cycle of windows) from the next step."""
+        """Serve ``arrays`` (compiled from ``window``, one cycle of windows) from the next step.
+        Under the server's lock: no other thread's allocation lands in the pool meanwhile."""
+        with self._lock:
+            self._arm_locked(window, arrays)
+
+    def _arm_locked(self, window: Sequence[Any], arrays: ScheduleArrays) -> None:
         survivors = _survivors(window)
         live = self.pool.live_blocks()
         if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
@@ -388,7 +401,7 @@ class SteadyServer:
     def catch_up(self) -> None:
         """Hand the steady state back to Python (see the module docstring, 4.). Never
         raises: a replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
-        with self.pool.lock:
+        with self._lock:
             if self.phase is not Phase.NATIVE:
                 return  # another thread did it
             schedule = self.schedule
