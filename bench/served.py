@@ -179,11 +179,13 @@ class Served:
 
 
 def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi | None = None, front: Any = None,
-          profile: str = "h100-sxm5-80g") -> Served:
+          profile: str = "h100-sxm5-80g", odd_steps: Sequence[int] = ()) -> Served:
     """Replay live log ``run`` (a name of ``bench.live_replay.RUNS``) for ``iterations``
     iterations through umrt's allocator on ``api`` (default :class:`NullCuda`), with its
     native steady state on (``native``) or off; ``front``: the native front, whose C
-    entry points then take every allocation and free, as torch's shim calls them."""
+    entry points then take every allocation and free, as torch's shim calls them.
+    ``odd_steps``: steps (counted from 0) that also allocate one 3 MiB block first and
+    free it at their end (an evaluation pass, a logging tensor: a step that deviates)."""
     backend = CudaBackend(0, api=api or NullCuda())
     pool = ManagedPool(backend)
     # On NullCuda a native schedule's calls go to the C table that only counts them, as they
@@ -204,7 +206,7 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
     out = Served()
     where: dict[int, int] = {}  # the log's object -> its block
     source = ClosedLoop(read_live_log(LOGS / RUNS[run] if run in RUNS else Path(run)))
-    clock, mark = time.perf_counter, None
+    clock, mark, odd = time.perf_counter, None, None
     try:
         for ev, seen in source.stream(iterations, lambda: bridge.policy.wants_launches):
             t = type(ev)
@@ -216,6 +218,9 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                 if ptr is not None:
                     free(ptr)
             elif t is IterationBoundary:
+                if odd is not None:
+                    free(odd)
+                    odd = None
                 if mark is not None:  # an optimizer step just ended
                     bridge.stepped()
                     server.on_step()
@@ -223,6 +228,9 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                     out.step_cpu_s.append(now - mark)
                     out.phases.append(server.phase.value)
                 mark = clock()
+                if len(out.phases) in odd_steps:
+                    odd = malloc(3 << 20)
+                    out.addresses.append(odd)
             elif bridge.native:
                 continue  # nothing is fed while the schedule serves (no hooks, no recorder)
             elif t is Launch:

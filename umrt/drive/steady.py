@@ -73,14 +73,16 @@ log = logging.getLogger("umrt")
 
 MAX_PERIOD = 4  # windows a repeating cycle may span (CudaBackend's spare events can alternate)
 MAX_TRIES = 2 * MAX_PERIOD + 2  # windows recorded without a repeat before recording pauses
-RETRY_AFTER = 16  # steps to wait before recording again after MAX_TRIES or a catch-up
-MAX_CATCH_UPS = 4  # deviations after which the native steady state is not tried again
+RETRY_AFTER = 16  # steps to wait before recording again after MAX_TRIES windows without a repeat
+REARM_AFTER = 2  # steps to wait after a hand-back before recording again
+SHORT_LIVED = 4  # native steps: a schedule handed back sooner did not last
+MAX_SHORT_LIVED = 4  # schedules in a row that did not last, after which it is not tried again
 
 
 class Phase(enum.Enum):
     """Where the steady state is served."""
 
-    OFF = "off"  # never native (disabled, no policy to follow, or too many deviations)
+    OFF = "off"  # never native (disabled, no policy to follow, or schedules that kept deviating at once)
     FOLLOWING = "following"  # Python serves; waiting for a policy acting without launches
     RECORDING = "recording"  # Python serves; windows recorded and compared
     NATIVE = "native"  # the schedule serves
@@ -229,6 +231,7 @@ class SteadyServer:
         self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
         self._window_calls: Counter = Counter()  # CUDA calls per cycle, credited to the backend
         self._period, self._credited, self._steps_armed = 1, 0, 0
+        self._short_lived = 0  # schedules in a row handed back within SHORT_LIVED steps
         # Held to decide and act: around a Python-path allocation or free, arming and
         # handing back. Taken before the pool's and the bridge's locks, never inside them
         # (the bridge calls on_step outside its own lock).
@@ -413,8 +416,9 @@ class SteadyServer:
             self.report.catch_ups += 1
             self.report.last_deviation = schedule.deviation()[2]
             self.report.events_drained += len(events)
-            self._set_phase(Phase.FOLLOWING if self.report.catch_ups < MAX_CATCH_UPS else Phase.OFF)
-            self._wait = RETRY_AFTER
+            self._short_lived = self._short_lived + 1 if self._steps_armed < SHORT_LIVED else 0
+            self._set_phase(Phase.FOLLOWING if self._short_lived < MAX_SHORT_LIVED else Phase.OFF)
+            self._wait = REARM_AFTER
             log.info("umrt: steady state handed back to Python: %s", self.report.last_deviation)
             native_live = {ptr: size for ptr, size, _ in blocks}
             try:
