@@ -346,7 +346,7 @@ class LiveBridge:
         if self._resume_layers:  # handed back from the native steady state: outside any forward now
             self._resume_layers = False
             self.recorder.emit_layers(True)
-        if self.steady is not None:  # outside the bridge's lock: a catch-up takes the pool's first
+        if self.steady is not None:  # outside the bridge's lock: the server takes its own lock first
             self.steady.on_step()
 
     # -- the native steady state (umrt.drive.steady.SteadyBridge) ---------------------
