@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from umrt import stats
 from umrt.allocators.managed import ManagedPool
 from umrt.allocators.steady import EV_ALLOC
 from umrt.backends.base import Advice
@@ -143,7 +144,10 @@ def test_python_schedule_serves_the_steady_state_at_the_addresses_python_chose(c
     learned = _learn(server, program)
     assert bridge.native
     python_events = bridge.calls.copy()
+    frame = stats.push_statistics()
     served = _run(server, program, 3)
+    assert stats.pop_statistics() is frame
+    assert (frame.total_count, frame.total_bytes) == (3 * len(SIZES), 3 * sum(SIZES))  # umrt.statistics() totals
     assert served == [learned] * 3  # the same addresses
     assert bridge.calls == python_events  # the pool (and so the bridge) saw nothing
     assert server.report.arms == 1 and server.report.steps_native == 3

@@ -140,6 +140,15 @@ def record_free(nbytes: int) -> None:
             frame._free(nbytes)
 
 
+def record_served(count: int, nbytes: int) -> None:
+    """A native steady schedule served ``count`` allocations of ``nbytes`` in all (whole
+    steps, each leaving as much live as it found): totals only."""
+    with _lock:
+        for frame in (_process, *_stack):
+            frame.total_count += count
+            frame.total_bytes += nbytes
+
+
 def memory_stats() -> dict[str, Any]:
     """Process-wide counters of umrt's pool and backend, and whether umrt acts.
 
@@ -155,7 +164,8 @@ def memory_stats() -> dict[str, Any]:
     ``native_steady`` (dict: :class:`umrt.drive.steady.SteadyReport`, the native
     steady state's phase and counters; empty without a session). In the native
     steady state the byte and count keys advance at hand-backs only (they are
-    the same at every step boundary while the schedule repeats). Diff
+    the same at every step boundary while the schedule repeats); the
+    :func:`statistics` totals count the allocations it served at each step. Diff
     two snapshots around a training step for what umrt issued per step.
     """
     pool: ReservesMemory | None = _sources["pool"]

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from umrt import stats
 from umrt.allocators.managed import ManagedPool
 from umrt.allocators.steady import (
     EV_ALLOC,
@@ -231,6 +232,7 @@ class SteadyServer:
         self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
         self._window_calls: Counter = Counter()  # CUDA calls per cycle, credited to the backend
         self._period, self._credited, self._steps_armed = 1, 0, 0
+        self._cycle_allocations = (0, 0)
         self._short_lived = 0  # schedules in a row handed back within SHORT_LIVED steps
         # Held to decide and act: around a Python-path allocation or free, arming and
         # handing back. Taken before the pool's and the bridge's locks, never inside them
@@ -375,6 +377,7 @@ class SteadyServer:
         self._window_calls = Counter(CUDA_NAMES[e.kind] for e in window if isinstance(e, CallAt))
         self._period = max(1, len(arrays.iteration_starts))  # windows per cycle
         self._credited = self._steps_armed = 0
+        self._cycle_allocations = (len(arrays.sizes), sum(arrays.sizes))  # for umrt.statistics() totals
         self.schedule = schedule
         self.bridge.go_native()
         if schedule.native:
@@ -395,8 +398,11 @@ class SteadyServer:
         if self._steps_armed % self._period == 0:  # a cycle ended: a hand-back replays from here
             self.report.events_drained += self.schedule.clear_events()[0]
         cycles = self._steps_armed // self._period
-        if cycles > self._credited and self._window_calls:
-            self.calls.count(self._window_calls, cycles - self._credited)
+        if cycles > self._credited:
+            if self._window_calls:
+                self.calls.count(self._window_calls, cycles - self._credited)
+            n, nbytes = self._cycle_allocations
+            stats.record_served(n * (cycles - self._credited), nbytes * (cycles - self._credited))
         self._credited = cycles
 
     # -- handing back ----------------------------------------------------------------
