@@ -565,3 +565,23 @@ def test_schedules_that_keep_deviating_at_once_are_given_up(cuda13, native_steps
         server.bridge.on_step(server)
     assert (server.phase is Phase.OFF) == gives_up, server.report
     assert server.report.catch_ups == MAX_SHORT_LIVED and pool.live_blocks() == program.live
+
+
+def test_steps_of_two_shapes_taking_turns_keep_their_segments_and_go_native(cuda13):
+    """A step whose shape the plan misses every other time (different sizes): the pool
+    keeps its overflow segment instead of a cudaMallocManaged and a cudaFree each step,
+    so the steps repeat in a cycle of two and the schedule serves them."""
+    other = [2 << 20, 1 << 20, 3 << 20, 512 << 10, 4 << 20]
+    pool, server, bridge = _server(cuda13)
+    program = Program(lambda n: server.malloc(n, 0), server.free)
+    for k in range(16):
+        program.step([SIZES, other][k % 2])
+        server.bridge.on_step(server)
+        if server.phase is Phase.NATIVE:
+            break
+    assert server.phase is Phase.NATIVE and server.report.schedule_allocations == len(SIZES) + len(other)
+    made = (cuda13.calls["cudaMallocManaged"], cuda13.calls["cudaFree"])
+    for j in range(k + 1, k + 5):
+        program.step([SIZES, other][j % 2])
+        server.bridge.on_step(server)
+    assert server.phase is Phase.NATIVE and (cuda13.calls["cudaMallocManaged"], cuda13.calls["cudaFree"]) == made

@@ -326,6 +326,7 @@ class LifetimePool(Layout):
         self._records: list[_Record] = []
         self._prev_records: list[_Record] = []  # the previous iteration's (indexed by key when planning)
         self._refine = False  # the plan assumed unknown-end objects alive all along
+        self._clean_before = False  # the iteration before the last one had no plan miss (live feed)
         self._recording = True  # False: this (live-feed) iteration grew too long to plan from
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
@@ -733,12 +734,16 @@ class LifetimePool(Layout):
     def _release_empty(self, st: _IterStats) -> None:
         # Live feed: objects guessed persistent that died, learning segments pinned by an
         # object that outlives the learned iteration, and overflow segments left over once
-        # the plan serves every allocation (not before: a recurring miss would re-obtain them).
+        # the plan has served every allocation two iterations in a row (not before: a
+        # recurring miss, or iterations of two shapes taking turns, would re-obtain them
+        # every iteration, a cudaMallocManaged and a cudaFree each time).
         online = self._online
         online["persistent"].release_empty()
         online["learning"].release_empty()
-        if self.planned and not st.misses:
+        clean = self.planned and not st.misses
+        if clean and self._clean_before:
             online["overflow"].release_empty()
+        self._clean_before = clean
 
     def _is_short(self, r: _Record, end_tick: int, saw_layers: bool) -> bool:
         # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
