@@ -506,7 +506,9 @@ def test_live_feed_serves_what_the_plan_does_not_know():
     held = pool.footprint()
     pool.observe(IterationBoundary(4))  # that iteration missed: its overflow segment is kept
     assert pool.footprint() == held and pool.arena_ranges()["overflow"]
-    pool.observe(IterationBoundary(5))  # an iteration the plan served entirely: returned
+    pool.observe(IterationBoundary(5))  # one iteration the plan served entirely: kept still
+    assert pool.footprint() == held and pool.arena_ranges()["overflow"]
+    pool.observe(IterationBoundary(6))  # two in a row: returned
     assert pool.arena_ranges()["overflow"] == [] and pool.footprint() < held
 
 
