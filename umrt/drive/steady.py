@@ -5,34 +5,37 @@
 program is learned it only forwards to the pool. Then, at optimizer steps
 (the live bridge calls :meth:`SteadyServer.on_step`):
 
-1. **following**: once the policy acts without launches, it starts recording a
-   *window* (one optimizer step to the next): the pool's allocations and frees
+1. **following**: once the policy acts without launches, it starts recording
+   *windows* (one optimizer step to the next): the pool's allocations and frees
    and every CUDA call the backend makes between them
    (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
    :class:`CallSource`).
-2. **recording**: a cycle of up to :data:`MAX_PERIOD` windows compiled
+2. **recording**: when a cycle of up to :data:`MAX_PERIOD` windows compiles
    (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
-   cycle before it is a steady state: the blocks of the cycle still live become
-   the schedule's (``adopt``), the schedule is
-   armed on the pool's stream and installed in the native front
-   (:mod:`umrt.allocators.front`), and the bridge stops feeding Python
-   (recorder ops and module hooks off).
+   cycle before it, that is the steady state: the blocks of the cycle still live
+   become the schedule's (``adopt``), the schedule is armed on the pool's stream
+   and installed in the native front (:mod:`umrt.allocators.front`), and the
+   bridge stops feeding Python (recorder ops and module hooks off).
 3. **native**: torch's allocations and frees are served by the schedule
-   without entering Python; its CUDA calls are replayed from the table. At each
-   step Python drains the schedule's events (one call).
+   without entering Python; its CUDA calls are replayed from its table. At each
+   step Python drops the step's events (counted natively: one call) and, at the
+   end of a cycle, credits the backend's call counters and ``umrt.statistics()``.
 4. A **deviation** (the schedule declines an allocation: size, hash, a block
    still live, a failed call) hands back to Python, in the allocator callback
    that got the refusal or at the next step: the schedule gives up its live
    blocks (``disown``), the backend waits for the work the schedule queued and
    forgets its stream-ordering state (``settle``: one synchronization), and the
-   window's events so far are replayed into the pool, the bridge and the policy
-   (their CUDA calls muted: the schedule made them), so Python stands where it would have stood had it served the window
-   itself, and re-learns as it does today. If Python's view disagrees with
-   the blocks the schedule handed out (the pool placed a block elsewhere), the
-   pool retires its layout for the stream (it never hands that memory out
-   again), adopts the schedule's blocks, and umrt stops acting: data is never
-   put at risk.
+   cycle's events so far are replayed into the pool, the bridge and the policy
+   (their CUDA calls muted: the schedule made them), so Python stands where it
+   would have stood had it served the cycle itself, and re-learns as it does
+   today; recording starts again :data:`REARM_AFTER` steps later. If Python's
+   view disagrees with the blocks the schedule handed out (the pool placed a
+   block elsewhere), or the replay fails, the pool retires its layout for the
+   stream (it never hands that memory out again), adopts the schedule's
+   blocks, and umrt stops acting: data is never put at risk.
 
+One lock (the server's) is held around a Python-path allocation or free, arming
+and handing back, so no allocation lands in the pool while a schedule is armed.
 Without the native front (no compiler) the same schedule runs in Python, inside
 the allocator callbacks (:class:`~umrt.allocators.steady.PythonSteadySchedule`).
 """
