@@ -72,6 +72,10 @@ def native_allocator() -> Any:
     in the native steady state a CuPy allocation on the schedule's stream never
     enters Python; otherwise it reaches the pool through umrt's callbacks, as
     :func:`allocator` does. Without the front (no compiler) it is :func:`allocator`.
+    Running out of managed memory there is not CuPy's ``OutOfMemoryError``: with
+    torch's shim loaded CuPy gets a NULL block, without it the process stops with
+    a message (a C allocator cannot raise); use :func:`allocator` where a program
+    must catch it.
 
         cupy.cuda.set_allocator(umrt.allocators.cupy.native_allocator())
     """
