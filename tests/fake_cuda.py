@@ -957,3 +957,13 @@ class FakeBindingsRuntime:
             self.gpu.migrate_batch(call, ranges, targets, stream, discard=True)
         return self._run(call, op, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs, numPrefetchLocs, flags,
                          stream)
+
+
+def plain(x):
+    """A logged call argument (or a whole call) as plain values: a cudaMemLocation as its
+    type and fields, so two runs' logs compare with ``==``."""
+    if isinstance(x, (int, str, float, type(None))):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tuple(plain(y) for y in x)
+    return (type(x).__name__, *(plain(v) for v in vars(x).values()))

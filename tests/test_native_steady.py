@@ -7,6 +7,7 @@ import warnings
 from collections import Counter
 
 import pytest
+from fake_cuda import plain
 
 from umrt import stats
 from umrt.allocators.managed import ManagedPool
@@ -465,15 +466,6 @@ def test_a_replay_that_fails_never_fails_the_allocation(cuda13, monkeypatch):
     _run(server, program, 2)
 
 
-def _plain(x):
-    """A logged runtime call as plain values (a cudaMemLocation as its type and fields)."""
-    if isinstance(x, (int, str, float, type(None))):
-        return x
-    if isinstance(x, (list, tuple)):
-        return tuple(_plain(y) for y in x)
-    return (type(x).__name__, *(_plain(v) for v in vars(x).values()))
-
-
 def _events_masked(calls):
     """Runtime calls with the event handle of each event record and wait left out."""
     return [(c[0], c[2]) if c[0] == "cudaEventRecord" else (c[0], c[1]) if c[0] == "cudaStreamWaitEvent" else c
@@ -502,7 +494,7 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
         gpu = FakeGpu(total=80 << 30, managed_limit=512 << 30)
         served = serve(run, budget, iterations, native=native, api=BindingsApi(FakeBindingsRuntime(gpu)),
                        front=load_front() if native else None, odd_steps=(11,))
-        calls = [_plain(c) for c in gpu.calls if c[0] != "cudaStreamSynchronize"]  # (a hand-back's settle)
+        calls = [plain(c) for c in gpu.calls if c[0] != "cudaStreamSynchronize"]  # (a hand-back's settle)
         runs[native] = served, calls, list(gpu.violations)
     (python, python_calls, python_violations), (native, native_calls, native_violations) = runs[False], runs[True]
     assert native.report["arms"] >= 1 and native.report["steps_native"] >= 2, native.report
@@ -585,3 +577,25 @@ def test_steps_of_two_shapes_taking_turns_keep_their_segments_and_go_native(cuda
         program.step([SIZES, other][j % 2])
         server.bridge.on_step(server)
     assert server.phase is Phase.NATIVE and (cuda13.calls["cudaMallocManaged"], cuda13.calls["cudaFree"]) == made
+
+
+def test_a_native_schedule_calls_libcudart_only_on_the_process_runtime(cuda13, monkeypatch):
+    """The C table over the process's libcudart is for the process's own CUDA runtime;
+    a stand-in runtime (the fake one) gets its calls through its own adapter, whatever
+    libcudart some other code loaded."""
+    from umrt.allocators.steady import ScheduleArrays, counting_table, load_steady
+    from umrt.drive import steady as steady_module
+
+    built = []
+    monkeypatch.setattr(steady_module, "loaded_libcudart", lambda: ("/x/libcudart.so.13", ""))
+    monkeypatch.setattr(steady_module, "cudart_table", lambda path: built.append(path) or counting_table())
+    schedule = load_steady(ScheduleArrays([64], [1 << 30], [0, 0], [0, 0]))
+    if not schedule.native:
+        pytest.skip("the native schedule did not build here")
+    calls = BackendCalls(cuda13)
+    calls.attach(schedule)
+    assert calls.table_kind == "python" and not built  # the fake runtime: its own adapter
+    monkeypatch.setattr(cuda13.api, "process_runtime", True)
+    calls = BackendCalls(cuda13)
+    calls.attach(schedule)
+    assert calls.table_kind == "libcudart" and built == ["/x/libcudart.so.13"]

@@ -9,7 +9,7 @@ import pytest
 
 from bench.live_replay import LOGS, RUNS, read_live_log
 from bench.steady import gpt2_steady, log_iterations, run_plan, schedule_plan
-from tests.fake_cuda import STREAM_NON_BLOCKING, FakeBindingsRuntime, FakeCupyRuntime, FakeGpu
+from tests.fake_cuda import STREAM_NON_BLOCKING, FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, plain
 from umrt.allocators import steady
 from umrt.allocators.steady import (
     EV_ALLOC,
@@ -250,15 +250,6 @@ def test_a_full_event_buffer_disarms_with_a_reason_and_loses_nothing(lib):
     assert got[1] == [0, 0, 0] and len(events) == 6  # the second iteration fell back, whole
 
 
-def _plain(x):
-    """A logged call argument as plain values (a cudaMemLocation as its type and id)."""
-    if isinstance(x, (int, str, float, type(None))):
-        return x
-    if isinstance(x, (list, tuple)):
-        return tuple(_plain(y) for y in x)
-    return (type(x).__name__, *(_plain(v) for v in vars(x).values()))
-
-
 def test_twins_on_the_fake_runtime_make_the_same_cuda_calls_and_obey_its_rules(lib):
     """Decisions through ApiTable over the fake CUDA 13 runtime: the calls are checked by
     its contract (the batch calls reject the legacy stream) and are the same for both."""
@@ -288,7 +279,7 @@ def test_twins_on_the_fake_runtime_make_the_same_cuda_calls_and_obey_its_rules(l
         p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
         s.free(p)
         results.append((ok, s.deviation(), s.drain()))
-        calls.append([tuple(_plain(x) for x in c) for c in gpu.calls[start + 1:]])
+        calls.append([tuple(plain(x) for x in c) for c in gpu.calls[start + 1:]])
     assert calls[0] == calls[1] and results[0] == results[1]
     assert results[0][0] == (Deviation.NONE, -1, "")
     assert results[0][1][0] == Deviation.CALL and "discard_prefetch" in results[0][1][2]
@@ -625,7 +616,7 @@ def _serve_rounds(s, gpu, expected) -> None:
         p, q = s.malloc(4 * MiB), s.malloc(4 * MiB)
         s.free(p)
         s.free(q)
-        assert [tuple(_plain(x) for x in c) for c in gpu.calls[start:]] == want
+        assert [tuple(plain(x) for x in c) for c in gpu.calls[start:]] == want
 
 
 def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_gpu):
@@ -637,10 +628,10 @@ def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_g
     assert steady.repeat_period(logs) == 1
     (previous, _), (log, recorded) = iterations[-2:]
     arrays = compile_schedule(log, previous=previous)
-    plain = [tuple(_plain(x) for x in c) for c in recorded]
+    expected = [tuple(plain(x) for x in c) for c in recorded]
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        _serve_rounds(s, fake_gpu, [plain, plain])
+        _serve_rounds(s, fake_gpu, [expected, expected])
     assert not fake_gpu.violations
 
 
@@ -687,10 +678,10 @@ def test_a_recorded_cuda_backend_iteration_replays_the_same_runtime_calls(lib, f
     assert {"cudaEventRecord", "cudaStreamWaitEvent", "cudaMemDiscardAndPrefetchBatchAsync"} <= {
         c[0] for c in recorded}
     arrays = compile_schedule(log, previous=previous)
-    plain = [tuple(_plain(x) for x in c) for c in recorded]
+    expected = [tuple(plain(x) for x in c) for c in recorded]
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        _serve_rounds(s, fake_gpu, [plain, plain])
+        _serve_rounds(s, fake_gpu, [expected, expected])
         assert s.deviation() == (Deviation.NONE, -1, "")
     assert not fake_gpu.violations
 
@@ -975,11 +966,11 @@ def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteratio
     assert steady.repeat_period(logs[:3]) is None and steady.repeat_period(logs) == 2
     arrays = steady.compile_steady(logs)
     assert arrays.iteration_starts == [0, 2] and len(arrays.sizes) == 4
-    plain = [[tuple(_plain(x) for x in c) for c in calls] for _, calls in iterations[-2:]]
+    expected = [[tuple(plain(x) for x in c) for c in calls] for _, calls in iterations[-2:]]
     out = []
     for s in both(lib, arrays):
         s.set_table(ApiTable(backend.api.api))
-        _serve_rounds(s, fake_gpu, [plain[k % 2] for k in range(4)])
+        _serve_rounds(s, fake_gpu, [expected[k % 2] for k in range(4)])
         out.append((s.drain(), s.deviation(), s.state()))
     assert out[0] == out[1] and out[0][1][0] == Deviation.NONE and out[0][2] == (4, 3, 0, 0)
     assert [e[1] for e in out[0][0] if e[0] == EV_BOUNDARY] == [1, 2, 3]

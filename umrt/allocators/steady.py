@@ -296,6 +296,7 @@ class RecordingApi(CudaApi):
         self.log = log
         self.version = api.version
         self.has_batch = api.has_batch
+        self.process_runtime = api.process_runtime
 
     def device_count(self) -> int:
         return self.api.device_count()

@@ -90,6 +90,9 @@ class CudaApi(ABC):
     version: int
     #: True when the batched and discard entry points exist (CUDA 13+).
     has_batch: bool = False
+    #: True when the calls reach this process's CUDA runtime (not a stand-in, as in tests):
+    #: a native steady schedule may then call the runtime's library directly.
+    process_runtime: bool = False
 
     @abstractmethod
     def device_count(self) -> int: ...
@@ -131,6 +134,7 @@ class CupyApi(CudaApi):
     """CUDA 12 through ``cupy.cuda.runtime`` (errors are ``CUDARuntimeError``)."""
 
     def __init__(self, runtime: Any = None) -> None:
+        self.process_runtime = runtime is None
         if runtime is None:
             import cupy.cuda.runtime as runtime  # noqa: PLC0415 (GPU-only import)
         self.rt = runtime
@@ -202,6 +206,7 @@ class BindingsApi(CudaApi):
     has_batch = True
 
     def __init__(self, runtime: Any = None) -> None:
+        self.process_runtime = runtime is None
         if runtime is None:
             from cuda.bindings import runtime  # noqa: PLC0415 (GPU-only import)
         self.rt = runtime

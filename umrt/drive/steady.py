@@ -128,9 +128,10 @@ class BackendCalls:
     """The :class:`CallSource` of a :class:`umrt.backends.cuda.CudaBackend`: its runtime
     adapter is wrapped in a :class:`~umrt.allocators.steady.RecordingApi` while a window
     is recorded, so the schedule replays exactly the calls (streams, events) the backend
-    made. A native schedule gets the C table over the libcudart this process loaded
-    (torch's), so its decisions never take the GIL; where none is loaded (the fake
-    runtime in tests), a table of Python callbacks over the backend's adapter."""
+    made. A native schedule on this process's CUDA runtime gets the C table over the
+    libcudart the process loaded (torch's), so its decisions never take the GIL; where
+    none is loaded, or the backend's runtime is a stand-in (the fake runtime in tests),
+    a table of Python callbacks over the backend's adapter."""
 
     def __init__(self, backend: CudaBackend, *, c_table: Callable[[], Any] | None = None) -> None:
         self.backend = backend
@@ -147,7 +148,7 @@ class BackendCalls:
             schedule.set_c_table(self.c_table())
             self.table_kind = "given"
             return
-        if schedule.native:
+        if schedule.native and self.api.process_runtime:  # (a stand-in runtime gets its own calls)
             path, reason = loaded_libcudart()
             if path is not None:
                 schedule.set_c_table(cudart_table(path))
