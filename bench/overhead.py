@@ -555,7 +555,7 @@ def step_hook(schedule) -> int:
     """What a steady step's one Python callback (the optimizer-step hook) does on the
     native path (``SteadyServer.on_step``): drop the step's events, counted natively
     (``clear_events``), and check the schedule is still armed."""
-    events, _, _ = schedule.clear_events()
+    events = schedule.clear_events()
     if not schedule.armed:
         raise RuntimeError(f"the native schedule disarmed: {schedule.deviation()[2]}")
     return events

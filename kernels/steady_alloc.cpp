@@ -451,20 +451,14 @@ UMRT_EXPORT int64_t umrt_steady_drain(void* handle, int32_t* kinds, int64_t* ord
   return static_cast<int64_t>(k);
 }
 
-// Drop every buffered event, counting them: out3 = {events, allocations, boundaries}.
-// (A step's drain when nothing in Python reads the events one by one.)
-UMRT_EXPORT void umrt_steady_clear_events(void* handle, int64_t* out3) {
+// Drop every buffered event; returns how many there were (a step's drain when nothing
+// in Python reads the events one by one).
+UMRT_EXPORT int64_t umrt_steady_clear_events(void* handle) {
   Schedule* s = static_cast<Schedule*>(handle);
   std::lock_guard<std::mutex> lock(s->mu);
-  int64_t allocs = 0, boundaries = 0;
-  for (const Event& e : s->events) {
-    allocs += e.kind == EV_ALLOC;
-    boundaries += e.kind == EV_BOUNDARY;
-  }
-  out3[0] = static_cast<int64_t>(s->events.size());
-  out3[1] = allocs;
-  out3[2] = boundaries;
+  const int64_t n = static_cast<int64_t>(s->events.size());
   s->events.clear();
+  return n;
 }
 
 // The deviation that disarmed the schedule (0: none); its message and position.

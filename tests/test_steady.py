@@ -188,6 +188,16 @@ def test_twins_serve_the_same_addresses_events_and_calls(lib):
     assert calls == [("prefetch", a, 100, 0, 0), ("discard", ((a, 1 << 20),), 0), ("advise", c, 300, 3, 0)] * 3
 
 
+def test_twins_drop_their_events_counted_alike(lib):
+    arrays, _ = small_schedule()
+    for s in both(lib, arrays):
+        drive(s, LogTable(), iterations=2)  # drains what it served
+        s.malloc(100, 0, 0)
+        s.malloc(200, 0, 0)
+        assert s.clear_events() == 3  # a boundary and two allocations
+        assert s.clear_events() == 0 and s.drain() == [] and s.state()[3] == 0
+
+
 @pytest.mark.parametrize("size, code, message", [
     (201, Deviation.SIZE, "allocation 1: 201 bytes, the schedule expects 200"),
 ])

@@ -662,8 +662,8 @@ class SteadySchedule(Protocol):
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         """The buffered events, oldest first."""
 
-    def clear_events(self) -> tuple[int, int, int]:
-        """Drop the buffered events: ``(events, allocations, boundaries)`` among them."""
+    def clear_events(self) -> int:
+        """Drop the buffered events; how many there were."""
 
     def deviation(self) -> tuple[Deviation, int, str]:
         """``(code, allocation ordinal, message)`` of what disarmed it (NONE, -1, "")."""
@@ -870,11 +870,10 @@ class PythonSteadySchedule:
             out, self._events[:k] = self._events[:k], []
             return out
 
-    def clear_events(self) -> tuple[int, int, int]:
+    def clear_events(self) -> int:
         with self._lock:
             events, self._events = self._events, []
-        kinds = [e[0] for e in events]
-        return len(events), kinds.count(EV_ALLOC), kinds.count(EV_BOUNDARY)
+        return len(events)
 
     def deviation(self) -> tuple[Deviation, int, str]:
         with self._lock:
@@ -1105,10 +1104,8 @@ class NativeSteadySchedule:
         k = self.lib.umrt_steady_drain(self.handle, kinds, ordinals, ptrs, sizes, cap)
         return list(zip(kinds[:k], ordinals[:k], ptrs[:k], sizes[:k], strict=True))
 
-    def clear_events(self) -> tuple[int, int, int]:
-        out = (ctypes.c_int64 * 3)()
-        self.lib.umrt_steady_clear_events(self.handle, out)
-        return out[0], out[1], out[2]
+    def clear_events(self) -> int:
+        return int(self.lib.umrt_steady_clear_events(self.handle))
 
     def deviation(self) -> tuple[Deviation, int, str]:
         buf = ctypes.create_string_buffer(512)
@@ -1176,7 +1173,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
         "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
-        "umrt_steady_clear_events": (None, [vp, vp]),
+        "umrt_steady_clear_events": (i64, [vp]),
         "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),
         "umrt_steady_state": (None, [vp, vp]),
         "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),

@@ -400,7 +400,7 @@ class SteadyServer:
         self.report.steps_native += 1
         self._steps_armed += 1  # a window ended
         if self._steps_armed % self._period == 0:  # a cycle ended: a hand-back replays from here
-            self.report.events_drained += self.schedule.clear_events()[0]
+            self.report.events_drained += self.schedule.clear_events()
         cycles = self._steps_armed // self._period
         if cycles > self._credited:
             if self._window_calls:
