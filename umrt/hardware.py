@@ -84,6 +84,13 @@ class HardwareProfile:
     peak_flops_fp32: float = 0.0
     peak_flops_tf32: float = 0.0
     memory_efficiency: float = 0.0  # achieved fraction of hbm_bandwidth; 0: as compute_efficiency
+    # Achieved fraction of the TF32 peak for TF32 kernels (cuDNN's convolutions: PyTorch runs
+    # FP32 convolutions, not matmuls, in TF32 by default); 0: as compute_efficiency.
+    tf32_efficiency: float = 0.0
+    # cudaMemcpyAsync between GPU-resident managed memory and pinned host memory, on the
+    # copy engines (umrt's swap path). 0: the pinned copy's rate, h2d/d2h_bandwidth.
+    copy_h2d_rate: float = 0.0
+    copy_d2h_rate: float = 0.0
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -121,6 +128,20 @@ class HardwareProfile:
             return self.prefetch_d2h_rate
         return max(self.prefetch_h2d_rate, self.fault_migration_rate)
 
+    def copy_rate(self, direction: str = "h2d") -> float:
+        """Bytes/s of a ``cudaMemcpyAsync`` between pinned host memory and GPU-resident managed
+        memory in ``direction`` (the copy engines): :attr:`copy_h2d_rate` / :attr:`copy_d2h_rate`
+        where the profile measured them, else the pinned copy's own rate (the link,
+        :attr:`h2d_bandwidth` / :attr:`d2h_bandwidth`; umrt/sim/MODEL.md says why)."""
+        if direction == "d2h":
+            return self.copy_d2h_rate or self.d2h_bandwidth
+        return self.copy_h2d_rate or self.h2d_bandwidth
+
+    def fastest_rate(self, direction: str = "h2d") -> float:
+        """The fastest any path moves data in ``direction``: a migration (prefetch or fault path)
+        or a copy-engine copy (:meth:`copy_rate`). What :mod:`umrt.sim.bound` may assume of every policy."""
+        return max(self.migration_rate_limit(direction), self.copy_rate(direction))
+
     def peak_for(self, math_mode: str = "") -> float:
         """Peak FLOP/s for a kernel whose arithmetic runs in ``math_mode``.
 
@@ -142,10 +163,11 @@ class HardwareProfile:
 
     def compute_time(self, flops: int, nbytes: int, math_mode: str = "") -> float:
         """Roofline time of one kernel: ``max(flops/(peak*eff), bytes/(hbm*mem_eff), launch floor)``,
-        with the peak of its arithmetic (:meth:`peak_for`)."""
+        with the peak of its arithmetic (:meth:`peak_for`) and, for TF32 kernels (convolutions),
+        :attr:`tf32_efficiency` where the profile has one."""
         peak = self.peak_flops if not math_mode else self.peak_for(math_mode)
-        return max(flops / (peak * self.compute_efficiency), nbytes / self.achieved_hbm_bandwidth,
-                   self.launch_floor_s)
+        eff = self.tf32_efficiency if math_mode == "tf32" and self.tf32_efficiency else self.compute_efficiency
+        return max(flops / (peak * eff), nbytes / self.achieved_hbm_bandwidth, self.launch_floor_s)
 
     def to_dict(self) -> dict:
         """The JSON form: numbers as ``{"value", "source"}`` pairs."""
@@ -165,6 +187,7 @@ _NUMERIC: dict[str, tuple[type, float, float]] = {
     "hbm_bandwidth": (float, 0, math.inf),
     "compute_efficiency": (float, 0, 1.0),
     "memory_efficiency": (float, 0, 1.0),
+    "tf32_efficiency": (float, 0, 1.0),
     "launch_floor_s": (float, -1, 1.0),
     "h2d_bandwidth": (float, 0, math.inf),
     "d2h_bandwidth": (float, 0, math.inf),
@@ -187,10 +210,13 @@ _NUMERIC: dict[str, tuple[type, float, float]] = {
     "advise_call_s": (float, -1, 1.0),
     "batch_range_s": (float, -1, 1.0),
     "batch_d2h_range_s": (float, -1, 1.0),
+    "copy_h2d_rate": (float, 0, math.inf),
+    "copy_d2h_rate": (float, 0, math.inf),
 }
 # Fields a profile file may leave out (written before they existed): the FP32/TF32
 # peaks as peak_flops, memory_efficiency as compute_efficiency.
-_OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32", "memory_efficiency"})
+_OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32", "memory_efficiency", "copy_h2d_rate",
+                       "copy_d2h_rate", "tf32_efficiency"})
 # The Unified Memory cost model of umrt/sim/MODEL.md (umrt 0.2): a file written before it
 # (with the UVMSmart transfer curve) lacks these and is refused with a hint.
 _UM_MODEL = frozenset({

@@ -70,12 +70,30 @@ class Backend(ABC):
         kernels)."""
         self.prefetch(ranges, self.device)
 
+    @property
+    def swap(self) -> SwapPath:
+        """How this backend takes live ranges off the GPU and brings them back
+        (:class:`SwapPath`): through the copy engines where it has them, else by page
+        migration (this default)."""
+        path = self.__dict__.get("_migration_swap")
+        if path is None:
+            path = self.__dict__["_migration_swap"] = SwapPath(self)
+        return path
+
     @abstractmethod
     def discard(self, ranges: Sequence[Range]) -> None:
         """Declare the ranges' contents dead: a later migration copies nothing.
 
         In kernel order: the kernels queued before it may still read the dead
         bytes, those queued after it may write a new owner's."""
+
+    def drop(self, ranges: Sequence[Range]) -> None:
+        """Discard dead ranges *beside* the kernels: after those queued so far (which may
+        still read them), on a stream of the backend's own, so that no kernel waits for
+        the discard's work. Unlike :meth:`discard`, a kernel queued afterwards that touches
+        the ranges must come after a :meth:`populate` of them (which waits for the
+        discard). Default: :meth:`discard` (in kernel order)."""
+        self.discard(ranges)
 
     @abstractmethod
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
@@ -138,6 +156,42 @@ class FollowsStream(Protocol):
         """The stream the program's kernels now run on."""
 
 
+class SwapPath:
+    """Taking live ranges off a backend's GPU and back, keeping their contents (``backend.swap``).
+
+    This default is page migration: :meth:`out` prefetches to the host, :meth:`back` to the
+    GPU. A backend with copy engines (``copy_engines``) copies each range out to pinned host
+    memory after the kernels queued so far and discards its pages once the copy is done;
+    :meth:`back` populates the pages and copies the range back, and the kernels that read it
+    must come after :meth:`wait`. Addresses never change, and every byte swapped out must come
+    back (or be :meth:`release`'d when its object dies) before a kernel uses it.
+    """
+
+    #: Whether ranges go through the copy engines (pinned staging, a discard after the copy).
+    copy_engines: bool = False
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room in host memory for ``nbytes`` away at once (before the first step that swaps)."""
+
+    def out(self, ranges: Sequence[Range]) -> None:
+        """Take ``ranges`` off the GPU after the kernels queued so far, keeping their contents."""
+        self.backend.prefetch(ranges, HOST)
+
+    def back(self, ranges: Sequence[Range]) -> None:
+        """Bring ``ranges`` back to the GPU (what was never taken off is prefetched)."""
+        self.backend.prefetch(ranges, self.backend.device)
+
+    def wait(self, ranges: Sequence[Range]) -> None:
+        """Kernels queued from now on wait until ``ranges`` are back (a prefetch keeps memory
+        coherent: nothing to wait for here)."""
+
+    def release(self, ranges: Sequence[Range]) -> None:
+        """``ranges`` were taken off and died: their copies are dropped (nothing to drop here)."""
+
+
 class ForwardingBackend(Backend):
     """A backend that passes every call to ``backend``: subclass it to watch some
     calls (a pool's segments, a count of calls); anything else a caller asks of
@@ -162,6 +216,13 @@ class ForwardingBackend(Backend):
 
     def discard(self, ranges: Sequence[Range]) -> None:
         self._b.discard(ranges)
+
+    @property
+    def swap(self) -> SwapPath:
+        return self._b.swap
+
+    def drop(self, ranges: Sequence[Range]) -> None:
+        self._b.drop(ranges)
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         self._b.advise(ranges, advice, device)

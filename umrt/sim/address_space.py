@@ -134,6 +134,13 @@ class DefinedBytes:
         for ptr, n in ranges:
             self._defined.remove(ptr, n)
 
+    def take(self, ranges: Sequence[Range]) -> list[Range]:
+        """Forget the ranges; return the parts of them that held data."""
+        out: list[Range] = []
+        for ptr, n in ranges:
+            out.extend(self._defined.take(ptr, n))
+        return out
+
     def _integrity_error(self, ptr: int, n: int) -> None:
         bad = self._defined.first_gap(ptr, n)
         raise DataIntegrityError(

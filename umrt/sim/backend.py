@@ -2,8 +2,12 @@
 
 It implements :class:`umrt.backends.base.Backend`, so a policy or the umrt
 runtime drives it exactly as it drives the real ``cuda`` backend, and it
-keeps simulated time on three engines: one compute stream and the H2D and
-D2H copy engines (they run concurrently and overlap compute).
+keeps simulated time on its engines: one compute stream, the link per
+direction with the driver's one migration path, a copy engine per direction
+for the swap path's ``cudaMemcpyAsync`` (:attr:`SimBackend.swap`, :class:`SimSwap`,
+out and back: they run beside each other and beside compute,
+sharing the link with migrations), and the streams discards run on beside
+the kernels (umrt/sim/MODEL.md, "The swap path").
 
 Time model, chosen to be fair to every policy:
 
@@ -56,7 +60,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umrt.backends.base import HOST, Advice, Backend, Range
+from umrt.backends.base import HOST, Advice, Backend, Range, SwapPath
+from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.sim import engine as E
@@ -82,10 +87,14 @@ class SimBackend(Backend):
     refaults = EngineCount(E.G_REFAULTS, doc="Pages a launch had on the GPU, lost to its own fault servicing, "
                                              "and faulted again (thrashing).")
     evictions = EngineCount(E.G_EVICTIONS, doc="2 MB blocks evicted.")
-    h2d_bytes = EngineCount(E.G_H2D, E.G_REMOTE_R, doc="Bytes moved host-to-device: migrations plus remote reads.")
-    d2h_bytes = EngineCount(E.G_D2H, E.G_REMOTE_W, doc="Bytes moved device-to-host: migrations plus remote writes.")
+    h2d_bytes = EngineCount(E.G_H2D, E.G_REMOTE_R, E.G_COPY_H2D,
+                            doc="Bytes moved host-to-device: migrations, remote reads and copies (swap.back).")
+    d2h_bytes = EngineCount(E.G_D2H, E.G_REMOTE_W, E.G_COPY_D2H,
+                            doc="Bytes moved device-to-host: migrations, remote writes and copies (swap.out).")
     peak_resident_bytes = EngineCount(E.G_PEAK, unit=E.PAGE, doc="Most bytes on the GPU since :meth:`reset_peak`.")
     page_events = EngineCount(E.G_EVENTS, doc="Pages visited by launches, migrations and evictions (simulator work).")
+    swapped_out_bytes = EngineCount(E.G_COPY_D2H, doc="Bytes the GPU -> host copy engine copied out (swap.out).")
+    swapped_in_bytes = EngineCount(E.G_COPY_H2D, doc="Bytes the host -> GPU copy engine copied back (swap.back).")
 
     def __init__(self, profile: HardwareProfile | str, capacity_bytes: int | float | None = None) -> None:
         self.profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
@@ -107,7 +116,8 @@ class SimBackend(Backend):
         self._time = {"compute_s": 0.0, "fault_stall_s": 0.0, "transfer_wait_s": 0.0, "overhead_s": 0.0,
                       "remote_access_s": 0.0}
         self.launches = 0
-        self.calls = 0  # prefetch/discard/advise calls
+        self.calls = 0  # prefetch/discard/advise/copy calls
+        self._swap = SimSwap(self)  # the swap path (copy engines)
 
     # ------------------------------------------------------------ Backend API
 
@@ -127,6 +137,7 @@ class SimBackend(Backend):
         first, nb = self.space.release(ptr)
         self.engine.release(first, first + nb)
         self.contents.forget([(ptr, nb * E.BLOCK)])
+        self._swap.staged.remove(ptr, nb * E.BLOCK)
 
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """Migrate to the GPU (``device == 0``) or host on the prefetch path.
@@ -142,6 +153,9 @@ class SimBackend(Backend):
             return
         if device not in (HOST, self.device):
             raise ValueError(f"prefetch to device {device}: the simulator has GPU 0 and HOST (-1)")
+        if device != HOST and self._swap.staged and any(self._swap.staged.overlaps(p, n) for p, n in ranges):
+            self._swap.back(ranges)  # what was swapped out comes back by its copy, never by a bare prefetch
+            return
         merged = self.space.coalesce(ranges)
         call = self.profile.prefetch_call_overhead_s
         k = len(merged)
@@ -189,6 +203,28 @@ class SimBackend(Backend):
         self.engine.discard(lo, hi)
         self.contents.forget(ranges)
 
+    @property
+    def swap(self) -> SimSwap:
+        """The swap path: through the copy engines (:class:`SimSwap`)."""
+        return self._swap
+
+    def drop(self, ranges: Sequence[Range]) -> None:
+        """Dead ranges discarded beside the kernels, as the ``cuda`` backend issues it: one
+        ``cudaMemDiscardBatchAsync`` (``prefetch_call_overhead_s`` plus ``discard_range_s``
+        per range of CPU time) on its discard stream after the kernels queued so far; the
+        work (bytes over ``discard_rate``) runs there, one discard after the other, and no
+        launch waits for it. The pages are *discarded* as with :meth:`discard`; a later
+        population of them (:meth:`populate`) waits until the discard is done, and so does
+        any reuse of their memory."""
+        if not ranges:
+            return
+        p = self.profile
+        t = self._issue(p.prefetch_call_overhead_s + len(ranges) * p.discard_range_s)
+        lo, hi = self.space.page_spans(ranges, inward=True)
+        self.engine.discard_beside(lo, hi, max(t, self._t_compute))
+        self.contents.forget(ranges)
+        self._swap.release(ranges)
+
     def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
         """``cudaMemDiscardAndPrefetchBatchAsync``: contents undefined, and the pages placed on ``device``.
 
@@ -225,7 +261,16 @@ class SimBackend(Backend):
 
     def launch(self, reads: Sequence[Range], writes: Sequence[Range], flops: int, nbytes: int,
                precision: str = "") -> None:
-        """Execute one kernel: integrity check, faults and migrations, then compute."""
+        """Execute one kernel: integrity check, faults and migrations, then compute.
+
+        A kernel that touches bytes still swapped out gets them back first, as the ``cuda``
+        backend's ``launch`` does (the plan should have: counted in ``late_swap_ins``)."""
+        if self._swap.staged:
+            late = [r for r in (*reads, *writes) if self._swap.staged.overlaps(*r)]
+            if late:
+                self._swap.late += 1
+                self._swap.back(late)
+                self._swap.wait(late)
         self.contents.launch(reads, writes)
         t0 = max(self._t_compute, self._t_action)
         self._time["overhead_s"] += t0 - self._t_compute
@@ -259,7 +304,7 @@ class SimBackend(Backend):
         """Wait for every copy: the compute stream catches up with both engines."""
         tf = self.engine.tf
         start = max(self._t_compute, self._t_action)
-        end = max(start, tf[E.T_H2D], tf[E.T_D2H])
+        end = max(start, tf[E.T_H2D], tf[E.T_D2H], tf[E.T_MIG], tf[E.T_CE_H2D], tf[E.T_CE_D2H], tf[E.T_DISC], tf[E.T_DROP])
         self._time["overhead_s"] += start - self._t_compute
         self._time["transfer_wait_s"] += end - start
         self._t_compute = end
@@ -282,8 +327,10 @@ class SimBackend(Backend):
 
         Bookkeeping only: the driver does not know, so nothing moves and its
         pages are still copied back if evicted (only :meth:`discard` avoids that).
+        A pinned copy the swap path made of them is dropped too.
         """
         self.contents.forget(ranges)
+        self._swap.release(ranges)
 
     def drain_faults(self) -> list[int]:
         """2 MB block addresses that faulted since the last call, in order (one per block per batch)."""
@@ -323,6 +370,9 @@ class SimBackend(Backend):
             "page_events": self.page_events,
             "launches": self.launches,
             "calls": self.calls,
+            "swapped_out_bytes": self.swapped_out_bytes,
+            "swapped_in_bytes": self.swapped_in_bytes,
+            "late_swap_ins": self._swap.late,
             **self._time,
         }
 
@@ -333,3 +383,117 @@ class SimBackend(Backend):
         self.calls += 1
         self._t_action = max(self._t_action, self._t_compute) + cpu_s
         return self._t_action
+
+
+class SimSwap(SwapPath):
+    """The simulated GPU's swap path (:attr:`SimBackend.swap`): copies through the copy
+    engines, a discard after each copy out, a population before each copy back
+    (umrt/sim/MODEL.md, "The swap path"). ``staged``: the bytes whose data is in pinned
+    memory now; ``peak_bytes``: the most at once (the staging a live run needs)."""
+
+    copy_engines = True
+
+    def __init__(self, backend: SimBackend) -> None:
+        super().__init__(backend)
+        self.backend: SimBackend = backend
+        self.staged = RangeSet()
+        self.peak_bytes = 0
+        self.late = 0  # launches that touched swapped-out bytes no plan had brought back
+
+    def out(self, ranges: Sequence[Range]) -> None:
+        """Copy live ranges to pinned host memory on the GPU -> host copy engine, then discard them.
+
+        As the ``cuda`` backend issues it: one ``cudaMemcpyAsync`` per coalesced
+        range (``prefetch_call_overhead_s`` of CPU time each, the measured cost
+        of a runtime call), then one ``cudaMemDiscardBatchAsync`` of their whole
+        64 KB pages (``prefetch_call_overhead_s`` plus ``discard_range_s`` per
+        range), ordered after the copies. The copy of range ``r`` starts once
+        issued and once its pages have arrived, at ``copy_d2h_rate`` on the D2H
+        copy engine beside compute and the other direction; the discard's work
+        (bytes over ``discard_rate``) follows it on a stream of its own, and the
+        pages' memory is free once that is done (umrt/sim/MODEL.md).
+        Their bytes hold no data on the GPU until :meth:`back` copies them
+        back: a launch reading them first is an integrity error. An empty
+        call costs nothing.
+        """
+        if not ranges:
+            return
+        b = self.backend
+        merged = b.space.coalesce(ranges)
+        p = b.profile
+        call = p.prefetch_call_overhead_s
+        k = len(merged)
+        t0 = b._issue(k * call + call + k * p.discard_range_s)
+        b.calls += k  # k copies, and the discard (counted by _issue)
+        issue = t0 - (k - np.arange(k)) * call - k * p.discard_range_s
+        lo, hi = b.space.page_spans(merged, inward=False)
+        dlo, dhi = b.space.page_spans(merged, inward=True)
+        nbytes = np.array([n for _, n in merged], np.float64)
+        b.engine.copy_out(lo, hi, nbytes, dlo, dhi, issue)
+        for ptr, n in b.contents.take(merged):
+            self.staged.add(ptr, n)
+        self.peak_bytes = max(self.peak_bytes, self.staged.nbytes())
+
+    def back(self, ranges: Sequence[Range]) -> None:
+        """Populate ranges on the GPU, then copy back what :meth:`out` copied out.
+
+        As the ``cuda`` backend issues it, per coalesced range that holds swapped
+        bytes: a ``cudaMemPrefetchAsync`` to the GPU (population: discarded pages
+        still there revalidate, others populate, no copy) and a ``cudaMemcpyAsync``
+        from pinned memory after it on the host -> GPU copy engine at
+        ``copy_h2d_rate``, ``prefetch_call_overhead_s`` of CPU time each. A launch
+        that reads the range waits for its copy (transfer wait). Ranges (or
+        parts) that were never swapped out are prefetched (:meth:`SimBackend.prefetch`).
+        """
+        if not ranges:
+            return
+        b = self.backend
+        staged: list[Range] = []
+        rest: list[Range] = []
+        for ptr, n in b.space.coalesce(ranges):
+            at = ptr
+            for q, m in self.staged.take(ptr, n):
+                if q > at:
+                    rest.append((at, q - at))
+                staged.append((q, m))
+                at = q + m
+            if at < ptr + n:
+                rest.append((at, ptr + n - at))
+        if staged:
+            merged = b.space.coalesce(staged)
+            call = b.profile.prefetch_call_overhead_s
+            k = len(merged)
+            t0 = b._issue(2 * k * call)
+            b.calls += 2 * k - 1
+            issue = t0 - (k - 1 - np.arange(k)) * 2 * call
+            lo, hi = b.space.page_spans(merged, inward=False)
+            nbytes = np.array([n for _, n in merged], np.float64)
+            b.engine.copy_in(lo, hi, nbytes, issue)
+            b.contents.write(merged)
+        if rest:
+            b.prefetch(rest, b.device)
+
+    def wait(self, ranges: Sequence[Range]) -> None:
+        """The compute stream waits for the copies into these ranges (a ``cudaStreamWaitEvent``,
+        as the ``cuda`` backend makes it: the next launch starts no earlier, whatever it touches)."""
+        if not ranges:
+            return
+        b = self.backend
+        lo, hi = b.space.page_spans(ranges, inward=False)
+        t = b.engine.ready_time(lo, hi)
+        old = b._t_compute
+        if t > old:
+            busy = min(t, b._t_action)
+            b._time["overhead_s"] += max(0.0, busy - old)
+            b._time["transfer_wait_s"] += t - max(old, busy)
+            b._t_compute = t
+
+    def release(self, ranges: Sequence[Range]) -> None:
+        """Swapped-out ranges died: their pinned copies are dropped (nothing is copied back)."""
+        for ptr, n in ranges:
+            self.staged.remove(ptr, n)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes held in pinned host memory by :meth:`out` now."""
+        return self.staged.nbytes()

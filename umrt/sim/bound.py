@@ -28,18 +28,21 @@ writes). Take two cuts ``k1 < k2``, a *window*:
 Each of these ``H = max(0, A - B) + Hb`` bytes must cross the link
 host-to-device after cut ``k1`` and before the launch that reads it ends,
 i.e. within the window (a page holding defined data is populated, so a
-migration copies it). The simulator can carry it three ways:
+migration copies it). The simulator can carry it four ways:
 
 1. an explicit prefetch: a copy on the prefetch path taking at least
-   ``bytes / rate`` seconds, ``rate`` the fastest migration the profile has
-   (``HardwareProfile.migration_rate_limit``: the larger of the prefetch and
-   fault-driven rates; every set-up cost only adds); copies issued after the
-   cut start no earlier than it (the CPU is synchronised with the GPU);
-2. a fault migration: at most the same rate, stalling the compute stream;
-3. a remote read (AccessedBy / PreferredLocation=host) by a launch of the
+   ``bytes / rate`` seconds, ``rate`` the fastest any path has
+   (``HardwareProfile.fastest_rate``: the larger of the prefetch,
+   fault-driven and copy-engine rates; every set-up cost only adds); copies
+   issued after the cut start no earlier than it (the CPU is synchronised
+   with the GPU);
+2. a copy-engine copy of swapped-out data back into its pages (``swap.back``),
+   at most the same rate, sharing the link with the migrations;
+3. a fault migration: at most the same rate, stalling the compute stream;
+4. a remote read (AccessedBy / PreferredLocation=host) by a launch of the
    window: ``bytes / h2d_bandwidth`` seconds of the link, within that launch.
 
-All three share the host-to-device link, and the simulator conserves its
+All four share the host-to-device link, and the simulator conserves its
 work (fault copies and remote accesses share it with the copy queue,
 delaying it by the link time they take), so the window lasts at least the
 link time of its ``H`` bytes, ``min(H, R) / h2d_bandwidth + max(H - R, 0) /
@@ -60,16 +63,31 @@ time. Nothing in it depends on what a policy does, so it holds for every
 policy; fault latency, call costs, migration set-ups, host population and
 the sharing of one migration path by both directions only add time.
 
-What the bound does not count (see :attr:`LinkBound.d2h_min_bytes`): copying
-written data *back* to the host before the cut. A written value that must
-leave the GPU (``W_k - B`` bytes, ``W_k`` the needed bytes written during
-this iteration before the cut) crosses the D2H link in the simulator, but it
-can still be on its way at the cut: the simulator's capacity is accounted
-when an operation is issued, so a prefetch to the GPU issued before the cut
-that evicts it frees its pages for accounting at once (for the pages it
-brings in) while their copy-back completes later. :attr:`LinkBound.conserving_s`
-adds that D2H term to the shared-link one; it is what a simulator accounting
-memory at copy completion would guarantee, not a bound here.
+Data must also *leave*. A value a launch writes exists only on the GPU; if
+it is still needed when launch ``i`` starts and the GPU cannot hold it, it
+has left over the device-to-host link before then, and it could start to
+leave only once written (at the earliest when the writing launch starts: a
+remote write crosses the link during its launch). The simulator never holds
+more than the budget in resident pages plus pages still being copied out
+(their memory is free only once the copy is done), and every way out (a
+copy-engine copy, a prefetch to the host, a fault-path eviction, a remote
+write) shares that link at no more than :meth:`~umrt.hardware.HardwareProfile.fastest_rate`.
+So with ``W_i`` the bytes written in this iteration before launch ``i`` and
+read by it or later, ``D_i = max(0, W_i - B)`` bytes must have crossed by
+launch ``i``'s start: no earlier than ``F_i``, the time one queue at that
+rate, fed each value from the start of the launch that wrote it (at the
+earliest ``before[w]``, its ideal compute before it), finishes ``D_i`` bytes
+taking the earliest first. Cut ``i + 1`` comes at least ``c_i`` after launch
+``i`` starts, so every chain of windows passes cut ``k`` no earlier than
+``F_{k-1} + c_{k-1}``, and the windows after it add to that (they bound
+durations). Host-to-device bytes move at the fastest rate any path has too
+(a copy-engine copy back, a prefetch, the fault path): what comes back must
+have left first only adds.
+
+:attr:`LinkBound.conserving_s` is an older estimate kept for comparison: the
+shared-link windows plus, per window, the bytes written in it and needed after
+it beyond the budget over the link rate (not a bound: a value may still be
+on its way out at the window's end).
 """
 from __future__ import annotations
 
@@ -100,13 +118,15 @@ class LinkBound:
     launches: int  # launches in the iteration
     budget_bytes: int
     h2d_min_bytes: int  # bytes that must cross host-to-device, summed over the windows
-    d2h_min_bytes: int  # at its start: bytes written this iteration, needed later, over the budget (not charged)
+    d2h_min_bytes: int  # the most bytes that must have left the GPU by a launch's start (D_i above)
     compute_before_s: float  # ideal compute before the window
     compute_after_s: float  # ideal compute in the window
     remote_free_bytes: int  # what remote reads could carry under the window's compute
     h2d_rate: float  # bytes/s: the migration rate's supremum
     d2h_rate: float
-    conserving_s: float  # plus the copy-back term, if memory were accounted at copy completion (not a bound)
+    conserving_s: float  # the older estimate with a per-window copy-back term (not a bound)
+    leave_launch: int = 0  # the launch whose start the bytes that must leave bound most ...
+    leave_s: float = 0.0  # ... at this time: when they can all have left (F_i)
 
     @property
     def slowdown(self) -> float:
@@ -269,7 +289,11 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     n = c.shape[0]
     before = np.concatenate([[0.0], np.cumsum(c)])  # compute before cut k
     ideal = float(before[-1])
-    rate_h = profile.migration_rate_limit("h2d")  # no migration of data is faster
+    rate_h = profile.fastest_rate("h2d")  # no migration or copy of data is faster
+    rate_d = profile.fastest_rate("d2h")
+    leave, leave_at, leave_bytes = _leave_times(flow.wrote, before, budget, rate_d)
+    ready = np.zeros(n + 1)  # no chain passes cut k earlier: launch k-1 starts after F_{k-1}
+    ready[1:] = leave + c
     link_h, link_d = profile.h2d_bandwidth, profile.d2h_bandwidth  # remote access runs at the link rate
     cap = link_h * c  # remote bytes launch i carries for free under its compute
 
@@ -304,16 +328,14 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         out = np.cumsum(np.bincount(wrote[act, 0] + 1, wrote[act, 2], minlength=m + 1)[:m]
                         - np.bincount(wrote[act, 1] + 1, wrote[act, 2], minlength=m + 1)[:m])[k1 + 1 :]
         span_s = np.maximum(span, np.maximum(out - budget, 0.0) / link_d)
-        cand = best[k1] + span
+        cand = max(best[k1], ready[k1]) + span
         better = cand > best[k1 + 1 :]
         best[k1 + 1 :] = np.where(better, cand, best[k1 + 1 :])
         came[k1 + 1 :] = np.where(better, k1, came[k1 + 1 :])
         win_h2d[k1 + 1 :] = np.where(better, h2d, win_h2d[k1 + 1 :])
         win_excess[k1 + 1 :] = np.where(better, span - comp, win_excess[k1 + 1 :])
         win_free[k1 + 1 :] = np.where(better, free, win_free[k1 + 1 :])
-        shared[k1 + 1 :] = np.maximum(shared[k1 + 1 :], shared[k1] + span_s)
-        if k1 == 0:  # written during the iteration before cut k2 and still needed there
-            written = np.concatenate([[0.0], np.maximum(out - budget, 0.0)])
+        shared[k1 + 1 :] = np.maximum(shared[k1 + 1 :], max(shared[k1], ready[k1]) + span_s)
 
     cuts = [n]
     while cuts[-1] > 0:
@@ -322,10 +344,8 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     windows = list(zip(cuts[:-1], cuts[1:], strict=False))
     excess = [float(win_excess[b]) for _, b in windows]
     a, b = windows[int(np.argmax(excess))] if windows else (0, 0)
-    if not n:
-        written = np.zeros(1)
     return LinkBound(
-        time_s=max(float(best[n]), ideal),
+        time_s=max(float(best[n]), float(ready[n]), ideal),
         ideal_s=ideal,
         at_launch=a,
         window_end=b,
@@ -333,14 +353,44 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         launches=n,
         budget_bytes=int(budget),
         h2d_min_bytes=int(sum(float(win_h2d[y]) for _, y in windows)),
-        d2h_min_bytes=int(written[a]) if n else 0,
+        d2h_min_bytes=int(leave_bytes),
         compute_before_s=float(before[a]),
         compute_after_s=float(before[b] - before[a]),
         remote_free_bytes=int(win_free[b]) if windows else 0,
         h2d_rate=float(rate_h),
-        d2h_rate=float(profile.migration_rate_limit("d2h")),
-        conserving_s=max(float(shared[n]), ideal),
+        d2h_rate=float(rate_d),
+        conserving_s=max(float(shared[n]), float(ready[n]), ideal),
+        leave_launch=leave_at,
+        leave_s=float(leave[leave_at]) if n else 0.0,
     )
+
+
+def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: float
+                 ) -> tuple[np.ndarray, int, int]:
+    """``F_i`` for each launch ``i`` (module docstring): the earliest time by which the bytes
+    written before launch ``i``, read by it or later and over the budget can all have left
+    the GPU; then the launch where the most bytes must have left, and how many.
+
+    ``wrote`` rows are ``(w, r, bytes)``: launch ``w`` wrote a value last read by launch ``r``.
+    """
+    n = before.shape[0] - 1
+    leave = np.zeros(n)
+    most, most_at = 0.0, 0
+    w, r, nb = wrote[:, 0], wrote[:, 1], wrote[:, 2].astype(np.float64)
+    for i in range(1, n):
+        live = (w < i) & (i <= r)
+        if not live.any():
+            continue
+        released = np.bincount(w[live], nb[live], minlength=n)[:i]  # bytes that may leave from before[w]
+        due = released.sum() - budget
+        if due <= 0:
+            continue
+        if due > most:
+            most, most_at = due, i
+        earlier = np.cumsum(released) - released  # released before launch w's
+        use = (released > 0) & (earlier < due)
+        leave[i] = float(np.max(before[:i][use] + (due - earlier[use]) / rate_d))
+    return leave, most_at, int(most)
 
 
 def _window(h2d, comp, free, extra, rate_h: float, link_h: float) -> np.ndarray:

@@ -88,7 +88,9 @@ G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced
 G_RHEAD = 23  # copy records, per direction (+ T_H2D / T_D2H): the first that may be in flight ...
 G_RTAIL = 25  # ... and the next id
 G_REFAULTS = 27  # pages a launch lost to its own fault servicing and faulted again
-NG = 28
+G_COPY_H2D = 28  # bytes the copy engines moved (cudaMemcpyAsync between pinned host and managed memory)
+G_COPY_D2H = 29
+NG = 30
 
 # Copy records: every queued copy (a prefetch's block, a prefetch's evictions) is a record
 # whose completion time lives in ``rec_t[direction, id % RING]``; a page in flight holds
@@ -103,7 +105,11 @@ T_OUT = 2  # launch: time its faults are all serviced
 T_WAIT = 3  # launch: transfer wait
 T_REMOTE = 4  # launch: time its remote accesses are done (from T_OUT; T_OUT if none)
 T_MIG = 5  # the driver's prefetch path (both directions, one migration at a time) is busy until
-NT = 6
+T_CE_H2D = 6  # the copy engine host -> GPU (cudaMemcpyAsync from pinned memory) is busy until
+T_CE_D2H = 7  # the copy engine GPU -> host (cudaMemcpyAsync to pinned memory) is busy until
+T_DISC = 8  # the stream the swap path's discards run on (after their copies out) is busy until
+T_DROP = 9  # the stream dead ranges are discarded on, beside the kernels, is busy until
+NT = 10
 
 # Parameters in ``prm`` (float64), from the hardware profile (rates in bytes/s).
 P_H2D = 0  # the link per direction: remote access
@@ -121,7 +127,10 @@ P_POPULATE = 11  # prefetch_populate_rate: a prefetch populates one
 P_HOSTPOP = 12  # host_populate_rate: the first copy of a page to the host
 P_REFAULT = 13  # discard_refault_rate: a fault on a discarded page
 P_REVALIDATE = 14  # discard_prefetch_rate: a prefetch of a discarded page already on the GPU
-NP = 15
+P_COPY_H2D = 15  # copy_h2d_rate: cudaMemcpyAsync pinned host -> GPU-resident managed memory
+P_COPY_D2H = 16  # copy_d2h_rate: cudaMemcpyAsync GPU-resident managed memory -> pinned host
+P_DISCARD = 17  # discard_rate: a discard's own work, bytes/s of the range
+NP = 18
 
 # Fault entry kinds (two bits of a sort key).
 E_MIGRATE, E_MAPREMOTE, E_COLLAPSE, E_REFAULT = 0, 1, 2, 3
@@ -202,18 +211,43 @@ def _share_link(tf, rec_t, g, d, t, secs):
 
 
 @njit(cache=True)
-def _queue(tf, d, start, secs):
+def _queue(tf, d, start, secs, link=True):
     """A prefetch-path migration of ``secs`` in direction ``d``, ready at ``start``; returns its end.
 
     Explicit migrations in both directions go through one path, one at a
     time in issue order (h100-measured.md: 2 GiB each way at once took as
     long as both one after the other), behind the copies on its own link.
+    A migration that copies nothing over the link (``link`` False: it only
+    populates or revalidates pages on the GPU) waits for the path, not for
+    the link's queued copies.
     """
-    begin = max(start, tf[T_MIG], tf[d])
+    begin = max(start, tf[T_MIG], tf[d]) if link else max(start, tf[T_MIG])
     end = begin + secs
     if secs > 0.0:
         tf[T_MIG] = end
-        tf[d] = end
+        if link:
+            tf[d] = end
+    return end
+
+
+@njit(cache=True)
+def _copy_engine(tf, rec_t, g, d, start, secs):
+    """A ``cudaMemcpyAsync`` of ``secs`` (at its copy rate) on the copy engine of direction ``d``,
+    ready at ``start``; returns its end.
+
+    Each direction has a copy engine of its own, so copies run beside the
+    other direction's and beside compute (uvm-model.md: H2D and D2H copy
+    engines run concurrently; not measured for managed memory, MODEL.md).
+    Copies on one engine run one at a time in issue order; each shares its
+    direction of the link with the migrations queued there exactly as a
+    fault-path copy does (:func:`_share_link`: processor sharing, work
+    conserved), so a migration and a copy in one direction never both get
+    the whole link.
+    """
+    ce = T_CE_H2D if d == T_H2D else T_CE_D2H
+    begin = max(start, tf[ce])
+    end = _share_link(tf, rec_t, g, d, begin, secs)
+    tf[ce] = end
     return end
 
 
@@ -439,7 +473,9 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
             rec = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the copy record this eviction's pages take
             nres = bi[b, B_RES]
             s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
-            done = _queue(tf, T_D2H, max(t, a), s)
+            # nothing to copy (discarded or never written): free once its own copies are done,
+            # without waiting for the migration path or the link
+            done = _queue(tf, T_D2H, max(t, a), s) if s > 0.0 else max(t, a)
             _new_record(rec_t, g, T_D2H, done)
             _push_pending(g, q_r, q_n, rec, nres)
         else:
@@ -665,6 +701,8 @@ def launch(pf, prec, rec_t, pmark, pwmark, pclass, bi, g, tf, prm, q_r, q_n, flo
                     return ERR_NO_VICTIM
                 if evict_secs > 0.0:  # eviction is synchronous in the fault path
                     t = _share_link(tf, rec_t, g, T_D2H, max(t, arrived), evict_secs)
+                elif arrived > t:  # a victim still in flight (a copy out, a discard) is freed once done
+                    t = arrived
                 for i in range(PAGES_PER_BLOCK):  # a page moves once its previous move (to the host) is done
                     if mask[i] and pf[p0 + i, F_VALID]:
                         t = max(t, _ready(prec, rec_t, g, p0 + i))
@@ -762,9 +800,11 @@ def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue)
                 for q in range(p, stop):  # a page moves once its previous move (to the host) is done
                     if pf[q, F_MAPPED] and not pf[q, F_GPU] and pf[q, F_VALID]:
                         start = max(start, _ready(prec, rec_t, g, q))
+                    elif pf[q, F_GPU] and pf[q, F_DISC]:  # and is repopulated once its discard is done
+                        start = max(start, _ready(prec, rec_t, g, q))
                 copy, fill = _migrate_runs(pf, prec, p, stop, False, None, prm, g, -1, prm[P_PF_H2D],
                                            prm[P_POPULATE])
-                done = _queue(tf, T_H2D, start, setup + copy + fill + nrev * PAGE / prm[P_REVALIDATE])
+                done = _queue(tf, T_H2D, start, setup + copy + fill + nrev * PAGE / prm[P_REVALIDATE], copy > 0.0)
                 setup = 0.0
                 rec = _new_record(rec_t, g, T_H2D, done)
                 for q in range(p, stop):
@@ -824,6 +864,130 @@ def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue
                 _refresh_block(bi, g, b)
             p = stop
     return 0
+
+
+@njit(cache=True)
+def _discard_after(pf, prec, rec_t, bi, g, tf, prm, lo, hi, start, stream):
+    """Discard pages ``[lo, hi)`` on the discard stream ``stream`` (``T_DISC``: the swap path's,
+    ``T_DROP``: dead ranges') once ``start`` has passed and the discards queued there before
+    are done: ``bytes / P_DISCARD`` of work. The pages hold nothing from now on (a launch
+    touching one refaults); the GPU memory of those resident is free once the work is done
+    (their copy record). Returns that time."""
+    dbegin = max(start, tf[stream])
+    dend = dbegin + (hi - lo) * PAGE / prm[P_DISCARD]
+    tf[stream] = dend
+    rec = _new_record(rec_t, g, T_D2H, dend)
+    for q in range(lo, hi):
+        g[G_EVENTS] += 1
+        pf[q, F_DISC] = 1
+        if pf[q, F_GPU]:
+            prec[q] = rec
+        if pf[q, F_VALID]:
+            pf[q, F_VALID] = 0
+            pf[q, F_HOSTCOPY] = 0
+            if pf[q, F_GPU]:
+                b = q // PAGES_PER_BLOCK
+                bi[b, B_RESVALID] -= 1
+                _refresh_block(bi, g, b)
+    return dend
+
+
+@njit(cache=True)
+def discard_beside(pf, prec, rec_t, bi, g, tf, prm, p_lo, p_hi, t):
+    """Dead pages ``[p_lo[r], p_hi[r])`` discarded on the stream of dead ranges (``T_DROP``) from
+    ``t`` (after the kernels queued so far), beside the kernels (:func:`_discard_after`);
+    returns when done."""
+    last = t
+    for r in range(p_lo.shape[0]):
+        if p_hi[r] > p_lo[r]:
+            last = max(last, _discard_after(pf, prec, rec_t, bi, g, tf, prm, p_lo[r], p_hi[r], t, T_DROP))
+    return last
+
+
+@njit(cache=True)
+def copy_out(pf, prec, rec_t, bi, g, tf, prm, p_lo, p_hi, nbytes, d_lo, d_hi, t_issue):
+    """Swap out: ``cudaMemcpyAsync`` of ``nbytes[r]`` from managed pages ``[p_lo[r], p_hi[r])``
+    to a pinned host slot, then a discard of the whole pages ``[d_lo[r], d_hi[r])``.
+
+    The copy starts once issued (``t_issue[r]``: after the range's last
+    writer, the CPU being synchronised with the GPU), once the pages' own
+    migrations are done and once the D2H copy engine is free; it takes
+    ``nbytes / P_COPY_D2H`` and shares the D2H link (:func:`_copy_engine`).
+    The discard follows it on a stream of its own (``T_DISC``, discards one
+    after the other, beside the copies and the migration path): its work,
+    ``bytes / P_DISCARD``, as measured for the call. Discarded pages hold
+    nothing (a later eviction copies nothing: they are the first victims)
+    and are free only once the discard is done (their copy record). A
+    kernel touching one before :func:`copy_in` takes the refault path.
+    Returns when the last range's discard is done.
+    """
+    last = 0.0
+    for r in range(p_lo.shape[0]):
+        start = t_issue[r]
+        for q in range(p_lo[r], p_hi[r]):
+            if pf[q, F_GPU]:
+                ready = _ready(prec, rec_t, g, q)
+                if ready > start:
+                    start = ready  # cannot copy what has not arrived
+        end = _copy_engine(tf, rec_t, g, T_D2H, start, nbytes[r] / prm[P_COPY_D2H])
+        g[G_COPY_D2H] += nbytes[r]
+        if d_hi[r] <= d_lo[r]:
+            last = max(last, end)
+            continue
+        last = max(last, _discard_after(pf, prec, rec_t, bi, g, tf, prm, d_lo[r], d_hi[r], end, T_DISC))
+    return last
+
+
+@njit(cache=True)
+def copy_in(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, nbytes, t_issue):
+    """Swap in: populate pages ``[p_lo[r], p_hi[r])`` on the GPU, then ``cudaMemcpyAsync``
+    ``nbytes[r]`` into them from a pinned host slot.
+
+    Population is a prefetch to the GPU (:func:`prefetch_gpu`: discarded
+    pages still on the GPU come back at ``P_REVALIDATE``, pages the driver
+    took away populate at ``P_POPULATE``, making room as a prefetch does);
+    the copy follows it on the H2D copy engine at ``P_COPY_H2D``, sharing
+    the H2D link (:func:`_copy_engine`). Every page of the range is valid
+    and usable once the copy is done (its copy record): a kernel reaching it
+    earlier waits (transfer wait). Returns 0 or an ``ERR_*`` code.
+    """
+    issue = np.empty(1, np.float64)
+    for r in range(p_lo.shape[0]):
+        start = t_issue[r]
+        for q in range(p_lo[r], p_hi[r]):  # after the range's own copy out and discard
+            ready = _ready(prec, rec_t, g, q)
+            if ready > start:
+                start = ready
+        issue[0] = start
+        err = prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo[r : r + 1], p_hi[r : r + 1], issue)
+        if err:
+            return err
+        for q in range(p_lo[r], p_hi[r]):
+            ready = _ready(prec, rec_t, g, q)
+            if ready > start:
+                start = ready  # populated first
+        end = _copy_engine(tf, rec_t, g, T_H2D, start, nbytes[r] / prm[P_COPY_H2D])
+        g[G_COPY_H2D] += nbytes[r]
+        rec = _new_record(rec_t, g, T_H2D, end)
+        for q in range(p_lo[r], p_hi[r]):
+            pf[q, F_DISC] = 0
+            prec[q] = rec
+            if not pf[q, F_VALID]:
+                pf[q, F_VALID] = 1
+                b = q // PAGES_PER_BLOCK
+                bi[b, B_RESVALID] += 1
+                _refresh_block(bi, g, b)
+    return 0
+
+
+@njit(cache=True)
+def ready_time(prec, rec_t, g, p_lo, p_hi):
+    """When the last migration or copy of any page in the spans ``[p_lo[r], p_hi[r])`` completes."""
+    t = 0.0
+    for r in range(p_lo.shape[0]):
+        for q in range(p_lo[r], p_hi[r]):
+            t = max(t, _ready(prec, rec_t, g, q))
+    return t
 
 
 @njit(cache=True)

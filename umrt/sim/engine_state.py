@@ -26,7 +26,7 @@ _FAULT_LOG = 1 << 18  # faulted blocks remembered for drain_faults
 _INITIAL_BLOCKS = 1024  # 2 GB of address space; doubled as allocations need
 
 _RATES = (E.P_H2D, E.P_D2H, E.P_PF_H2D, E.P_PF_D2H, E.P_FAULT, E.P_TOUCH, E.P_POPULATE, E.P_HOSTPOP,
-          E.P_REFAULT, E.P_REVALIDATE)
+          E.P_REFAULT, E.P_REVALIDATE, E.P_COPY_H2D, E.P_COPY_D2H, E.P_DISCARD)
 
 
 def engine_parameters(profile: HardwareProfile) -> np.ndarray:
@@ -41,7 +41,8 @@ def engine_parameters(profile: HardwareProfile) -> np.ndarray:
                          (E.P_SETUP_D2H, p.prefetch_d2h_setup_s), (E.P_FAULT, p.fault_migration_rate),
                          (E.P_TOUCH, p.first_touch_rate), (E.P_POPULATE, p.prefetch_populate_rate),
                          (E.P_HOSTPOP, p.host_populate_rate), (E.P_REFAULT, p.discard_refault_rate),
-                         (E.P_REVALIDATE, p.discard_prefetch_rate)):
+                         (E.P_REVALIDATE, p.discard_prefetch_rate), (E.P_COPY_H2D, p.copy_rate("h2d")),
+                         (E.P_COPY_D2H, p.copy_rate("d2h")), (E.P_DISCARD, p.discard_rate)):
         prm[index] = value
     if not all(prm[i] > 0 for i in _RATES):
         raise ConfigError(f"hardware profile {p.name!r} lacks a Unified Memory rate (every rate must be > 0)")
@@ -121,6 +122,28 @@ class EngineState:
         else:
             self.check(E.prefetch_gpu(self.pf, self.prec, self.rec_t, self.bi, self.g, self.tf, self.prm,
                                       self.q_r, self.q_n, lo, hi, issue))
+
+    def copy_out(self, lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray, dlo: np.ndarray, dhi: np.ndarray,
+                 issue: np.ndarray) -> float:
+        """Swap out: copy ``nbytes[r]`` of pages ``[lo[r], hi[r])`` to pinned memory on the D2H copy
+        engine, then discard pages ``[dlo[r], dhi[r])``; returns when the last discard is done."""
+        return float(E.copy_out(self.pf, self.prec, self.rec_t, self.bi, self.g, self.tf, self.prm, lo, hi,
+                                nbytes, dlo, dhi, issue))
+
+    def copy_in(self, lo: np.ndarray, hi: np.ndarray, nbytes: np.ndarray, issue: np.ndarray) -> None:
+        """Swap in: populate pages ``[lo[r], hi[r])`` on the GPU, then copy ``nbytes[r]`` back into
+        them on the H2D copy engine."""
+        self.check(E.copy_in(self.pf, self.prec, self.rec_t, self.bi, self.g, self.tf, self.prm, self.q_r,
+                             self.q_n, lo, hi, nbytes, issue))
+
+    def ready_time(self, lo: np.ndarray, hi: np.ndarray) -> float:
+        """When every page of ``[lo[r], hi[r])`` has arrived (its last migration or copy is done)."""
+        return float(E.ready_time(self.prec, self.rec_t, self.g, lo, hi))
+
+    def discard_beside(self, lo: np.ndarray, hi: np.ndarray, t: float) -> float:
+        """Dead pages ``[lo[r], hi[r])`` discarded on the discard stream from ``t``; returns when done."""
+        return float(E.discard_beside(self.pf, self.prec, self.rec_t, self.bi, self.g, self.tf, self.prm,
+                                      lo, hi, t))
 
     def discard(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Pages ``[lo[r], hi[r])`` lose their content (no copy-back; a kernel refaults them)."""
