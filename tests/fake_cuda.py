@@ -85,9 +85,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 SUCCESS, INVALID_VALUE, MEMORY_ALLOCATION, INVALID_DEVICE, INVALID_HANDLE, NOT_SUPPORTED = 0, 1, 2, 101, 400, 801
+INVALID_MEMCPY_DIRECTION = 21  # cudaErrorInvalidMemcpyDirection (driver_types.h)
 ERROR_NAMES = {
     SUCCESS: "cudaSuccess",
     INVALID_VALUE: "cudaErrorInvalidValue",
+    INVALID_MEMCPY_DIRECTION: "cudaErrorInvalidMemcpyDirection",
     MEMORY_ALLOCATION: "cudaErrorMemoryAllocation",
     INVALID_DEVICE: "cudaErrorInvalidDevice",
     INVALID_HANDLE: "cudaErrorInvalidResourceHandle",
@@ -226,8 +228,270 @@ class _Intervals:
         return sum(e - s for s, e in zip(self.starts, self.ends, strict=True))
 
 
+# ---------------------------------------------------------------------------
+# The swap path: pinned host memory (cudaHostAlloc, cudaFreeHost) and copies between it
+# and managed memory (cudaMemcpyAsync), with the state a swap depends on.
+# ---------------------------------------------------------------------------
+MEMCPY_H2H, MEMCPY_H2D, MEMCPY_D2H, MEMCPY_D2D, MEMCPY_DEFAULT = 0, 1, 2, 3, 4  # cudaMemcpyKind (driver_types.h)
+HOST_ALLOC_FLAGS = 0x1 | 0x2 | 0x4  # cudaHostAllocPortable | Mapped | WriteCombined (driver_types.h)
+PINNED_BASE = 0x5000_0000_0000  # where the fake places pinned host memory (apart from managed memory)
+
+
+class _SwapState:
+    """What the swap path's checks remember (see :class:`SwapPath`)."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}  # cudaHostAlloc'd: ptr -> bytes
+        self.pinned_starts: list[int] = []
+        self.next_pinned = PINNED_BASE
+        self.written = _Intervals()  # managed bytes a kernel or a copy back wrote (and not freed)
+        self.writers: dict[int, dict] = {}  # page -> stream -> newest kernel that wrote it
+        self.copied_out: dict[int, Op] = {}  # page -> newest copy that read it out to pinned memory
+        self.copied_in: dict[int, Op] = {}  # page -> newest copy that wrote it back from pinned memory
+        self.slot_fills: list[tuple[int, int, Op]] = []  # pinned bytes [s, e) and the copy out that filled them
+        self.slot_reads: list[tuple[int, int, Op]] = []  # pinned bytes [s, e) and a copy back that read them
+        self.copies: list[Op] = []  # every copy, in issue order
+
+
+class SwapPath:
+    """The swap path of :class:`FakeGpu`: ``cudaHostAlloc`` / ``cudaFreeHost`` and
+    ``cudaMemcpyAsync`` checked against the CUDA 13 header (cuda_runtime_api.h:
+    cudaHostAlloc "flags ... cudaHostAllocDefault, Portable, Mapped, WriteCombined",
+    memory "must be freed with cudaFreeHost"; cudaFreeHost: the pointer "must have been
+    returned by a previous call to cudaMallocHost() or cudaHostAlloc()"; cudaMemcpyAsync:
+    ``kind`` "must be one of" the five cudaMemcpyKind values, "the memory areas may not
+    overlap", pointers that do not match the direction are undefined behaviour, which the
+    fake refuses with cudaErrorInvalidMemcpyDirection). The fake's own, stricter rules: a copy
+    is between memory the fake knows (pinned or managed, each range inside one allocation),
+    of more than 0 bytes; a pinned allocation is more than 0 bytes.
+
+    The page and slot state it keeps, and the violations (:class:`PageStateError`) it raises:
+
+    ``copy-out-unwritten``
+        a copy to pinned memory reads managed bytes no kernel (or copy back) wrote, or that
+        were discarded and not written since: it would save nothing.
+    ``copy-out-race``
+        a copy out reads a page that a queued kernel writes, not ordered before the copy.
+    ``discard-before-copy-out``
+        a discard of a page whose copy out is not ordered before it: the copy would read
+        nothing (the data is lost).
+    ``copy-into-discarded``
+        a copy back into a page that was discarded and not repopulated on the GPU (a
+        prefetch or discard-and-prefetch) ordered before the copy.
+    ``read-before-copy-back``
+        a kernel touches a page whose copy back from pinned memory is not ordered before it.
+    ``slot-read-early``
+        a copy back reads pinned bytes no copy out filled, or whose copy out is not ordered
+        before it.
+    ``slot-reused``
+        a copy out into pinned bytes that a copy back still reads (not ordered before it):
+        the bytes waiting to go back would be overwritten.
+    ``slot-freed-in-use``
+        ``cudaFreeHost`` of pinned memory a copy uses that the host has not waited for.
+    """
+
+    @property
+    def swap(self) -> _SwapState:
+        state = self.__dict__.get("_swap_state")
+        if state is None:
+            state = self.__dict__["_swap_state"] = _SwapState()
+        return state
+
+    host_limit: int = 64 * 2**30  # pinned host memory the fake hands out
+
+    # -- pinned memory -----------------------------------------------------------
+    def host_alloc(self, call: str, size: int, flags: int) -> int:
+        if not isinstance(size, int) or size < 0:
+            raise OverflowError(f"{call}: size {size!r} is not a size_t")
+        if not isinstance(flags, int) or flags & ~HOST_ALLOC_FLAGS:
+            raise FakeCudaError(INVALID_VALUE, call, f"flags {flags!r} (cudaHostAllocDefault, Portable, Mapped, "
+                                                     "WriteCombined)")
+        if size == 0:
+            raise FakeCudaError(INVALID_VALUE, call, "size 0")
+        st = self.swap
+        if sum(st.pinned.values()) + size > self.host_limit:
+            raise FakeCudaError(MEMORY_ALLOCATION, call, "out of pinned host memory")
+        ptr = st.next_pinned
+        st.next_pinned += -(-size // ALIGN) * ALIGN
+        st.pinned[ptr] = size
+        bisect.insort(st.pinned_starts, ptr)
+        return ptr
+
+    def free_host(self, call: str, ptr: int) -> None:
+        st = self.swap
+        if ptr not in st.pinned:
+            raise FakeCudaError(INVALID_VALUE, call, f"{ptr:#x} was not returned by cudaHostAlloc (or was freed)")
+        end = ptr + st.pinned[ptr]
+        for s_, e_, op in st.slot_fills + st.slot_reads:
+            if s_ < end and ptr < e_ and not self.completed(op):
+                self._violate("slot-freed-in-use", f"cudaFreeHost({ptr:#x}) while {op}, which uses it, may still run")
+        del st.pinned[ptr]
+        st.pinned_starts.remove(ptr)
+        st.slot_fills = [x for x in st.slot_fills if not ptr <= x[0] < end]
+        st.slot_reads = [x for x in st.slot_reads if not ptr <= x[0] < end]
+
+    def pinned_of(self, ptr: int) -> tuple[int, int] | None:
+        st = self.swap
+        i = bisect.bisect_right(st.pinned_starts, ptr) - 1
+        if i < 0:
+            return None
+        base = st.pinned_starts[i]
+        return (base, st.pinned[base]) if ptr < base + st.pinned[base] else None
+
+    def pinned_bytes(self) -> int:
+        return sum(self.swap.pinned.values())
+
+    # -- copies --------------------------------------------------------------------
+    def memcpy(self, call: str, dst: int, src: int, count: int, kind: int, stream: object) -> Op:
+        """``cudaMemcpyAsync``, checked, queued on ``stream`` and applied to the page and slot state."""
+        if not all(isinstance(x, int) for x in (dst, src, count)):
+            raise TypeError(f"{call}: dst, src and count must be int")
+        if count < 0:
+            raise OverflowError(f"{call}: count {count!r} is not a size_t")
+        if kind not in (MEMCPY_H2H, MEMCPY_H2D, MEMCPY_D2H, MEMCPY_D2D, MEMCPY_DEFAULT):
+            raise FakeCudaError(INVALID_MEMCPY_DIRECTION, call, f"kind {kind!r} is not a cudaMemcpyKind")
+        if count == 0:
+            raise FakeCudaError(INVALID_VALUE, call, "count 0")
+        where = {}
+        for name, ptr in (("dst", dst), ("src", src)):
+            managed, pinned = self.allocation_of(ptr), self.pinned_of(ptr)
+            alloc = managed or pinned
+            if alloc is None or ptr + count > alloc[0] + alloc[1]:
+                raise FakeCudaError(INVALID_VALUE, call, f"{name} ({ptr:#x}, {count}) is not inside one pinned or "
+                                                         "managed allocation")
+            where[name] = "device" if managed else "host"
+        if dst < src + count and src < dst + count:
+            raise FakeCudaError(INVALID_VALUE, call, "the memory areas overlap")
+        expected = {MEMCPY_H2H: ("host", "host"), MEMCPY_H2D: ("host", "device"), MEMCPY_D2H: ("device", "host"),
+                    MEMCPY_D2D: ("device", "device")}.get(kind)
+        if expected is not None and expected != (where["src"], where["dst"]):
+            raise FakeCudaError(INVALID_MEMCPY_DIRECTION, call, f"kind {kind} does not match a copy from "
+                                                                f"{where['src']} to {where['dst']} memory")
+        self.stream_key(call, stream)
+        op = self.issue(call, stream, f"({src:#x} -> {dst:#x}, {count})")
+        st = self.swap
+        st.copies.append(op)
+        if where["src"] == "device":
+            self._copy_out(op, src, count)
+        if where["dst"] == "host":
+            self._fill_slot(op, dst, count)
+        if where["src"] == "host":
+            self._read_slot(op, src, count)
+        if where["dst"] == "device":
+            self._copy_in(op, dst, count)
+        return op
+
+    def _copy_out(self, op: Op, src: int, count: int) -> None:
+        st = self.swap
+        unwritten = [(s_, e_) for s_, e_ in _gaps(st.written.overlap(src, src + count), src, src + count)]
+        lost = self._dead.overlap(src, src + count)
+        if unwritten or lost:
+            s_, e_ = (unwritten or lost)[0]
+            self._violate("copy-out-unwritten", f"{op} copies out ({s_:#x}, {e_ - s_}) bytes that hold nothing: "
+                                                "never written, or discarded and not written since")
+        for i in range(src // PAGE, -(-(src + count) // PAGE)):
+            for k in st.writers.get(i, {}).values():
+                if not self.ordered(k, op):
+                    self._violate("copy-out-race", f"{op} copies out page {i * PAGE:#x} while {k}, which writes it, "
+                                                   "is queued and not ordered before it")
+            page = self._pages.get(i)
+            if page is not None and page.discard_op is not None and not self.ordered(page.discard_op, op):
+                self._violate("discard-race", f"{op} copies page {i * PAGE:#x} while {page.discard_op} may still run")
+            st.copied_out[i] = op
+
+    def _copy_in(self, op: Op, dst: int, count: int) -> None:
+        st = self.swap
+        for i in range(dst // PAGE, -(-(dst + count) // PAGE)):
+            page = self._pages.get(i)
+            if page is not None:
+                if page.discard_op is not None and not self.ordered(page.discard_op, op):
+                    self._violate("discard-race", f"{op} copies into page {i * PAGE:#x} while {page.discard_op} "
+                                                  "may still run")
+                if page.discarded or (page.revive_op is not None and not self.ordered(page.revive_op, op)):
+                    self._violate("copy-into-discarded", f"{op} copies into page {i * PAGE:#x}, discarded by "
+                                                         f"{page.discard_op}, with no population of it ordered before")
+                for k in page.uses.values():
+                    if not self.ordered(k, op):
+                        self._violate("copy-race", f"{op} copies into page {i * PAGE:#x} while {k}, which touches it, "
+                                                   "is queued and not ordered before it")
+                page.loc = "gpu"
+            st.copied_in[i] = op
+        st.written.add(dst, dst + count)
+        self._dead.remove(dst, dst + count)
+
+    def _fill_slot(self, op: Op, dst: int, count: int) -> None:
+        st = self.swap
+        for s_, e_, reader in st.slot_reads:
+            if s_ < dst + count and dst < e_ and not self.ordered(reader, op):
+                self._violate("slot-reused", f"{op} writes pinned ({max(s_, dst):#x}, ...) while {reader}, which "
+                                             "copies those bytes back, is not ordered before it")
+        st.slot_reads = [x for x in st.slot_reads if not (x[0] < dst + count and dst < x[1])]
+        st.slot_fills = [x for x in st.slot_fills if not (x[0] < dst + count and dst < x[1])]
+        st.slot_fills.append((dst, dst + count, op))
+
+    def _read_slot(self, op: Op, src: int, count: int) -> None:
+        st = self.swap
+        covered = _Intervals()
+        for s_, e_, filler in st.slot_fills:
+            if s_ < src + count and src < e_:
+                covered.add(max(s_, src), min(e_, src + count))
+                if not self.ordered(filler, op):
+                    self._violate("slot-read-early", f"{op} copies back pinned bytes that {filler}, which fills "
+                                                     "them, is not ordered before")
+        if len(covered) < count:
+            self._violate("slot-read-early", f"{op} copies back pinned bytes ({src:#x}, {count}) no copy out filled")
+        st.slot_reads.append((src, src + count, op))
+
+    # -- hooks into the rest of the fake -----------------------------------------------
+    def swap_check_move(self, op: Op, index: int, discard: bool) -> None:
+        """A migration or discard of page ``index``: a discard must come after the page's copy out."""
+        out = self.swap.copied_out.get(index) if discard else None
+        if out is not None and not self.ordered(out, op):
+            self._violate("discard-before-copy-out", f"{op} discards page {index * PAGE:#x} while {out}, which "
+                                                     "copies it out, is not ordered before it")
+
+    def swap_check_kernel(self, op: Op, touched: list) -> None:
+        """A kernel: it must come after the copies back of its pages; its writes hold data."""
+        st = self.swap
+        for p, n, write in touched:
+            if self.allocation_of(p) is None:
+                continue
+            for i in range(p // PAGE, -(-(p + n) // PAGE)):
+                back = st.copied_in.get(i)
+                if back is not None and not self.ordered(back, op):
+                    self._violate("read-before-copy-back", f"{op} touches page {i * PAGE:#x} before {back}, which "
+                                                           "copies it back, is ordered before it")
+                if write:
+                    st.writers.setdefault(i, {})[op.stream] = op
+            if write:
+                st.written.add(p, p + n)
+
+    def swap_forget(self, ptr: int, n: int) -> None:
+        """``cudaFree`` of managed memory: what the swap path remembers of it goes."""
+        st = self.__dict__.get("_swap_state")
+        if st is None:
+            return
+        st.written.remove(ptr, ptr + n)
+        for i in range(ptr // PAGE, -(-(ptr + n) // PAGE)):
+            st.writers.pop(i, None)
+            st.copied_out.pop(i, None)
+            st.copied_in.pop(i, None)
+
+
+def _gaps(covered: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of ``[start, end)`` outside the sorted, disjoint ``covered`` intervals."""
+    out, at = [], start
+    for s_, e_ in covered:
+        if s_ > at:
+            out.append((at, s_))
+        at = max(at, e_)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
 @dataclass
-class FakeGpu:
+class FakeGpu(SwapPath):
     """State of a fake machine. ``calls`` logs (name, args) of every runtime call."""
 
     devices: int = 1
@@ -438,6 +702,7 @@ class FakeGpu:
         for i in range(ptr // PAGE, -(-(ptr + n) // PAGE)):
             self._pages.pop(i, None)
         self._dead.remove(ptr, ptr + n)
+        self.swap_forget(ptr, n)
 
     def base_of(self, ptr: int) -> int:
         alloc = self.allocation_of(ptr)
@@ -490,6 +755,7 @@ class FakeGpu:
 
     def _check_move(self, op: Op, index: int, page: _Page, dest: str | None, discard: bool) -> None:
         where = f"page {index * PAGE:#x}"
+        self.swap_check_move(op, index, discard)
         # A prefetch *to* the GPU cannot take a page from a GPU kernel (accesses stay coherent
         # during a migration, header line 7127), so only evictions and discards must wait.
         for k in (page.uses.values() if discard or dest == "host" else ()):
@@ -547,6 +813,7 @@ class FakeGpu:
         for p, n, write in touched:
             if write:
                 self._dead.remove(p, p + n)
+        self.swap_check_kernel(op, touched)
         return op
 
     # -- advice and queries --------------------------------------------------------
@@ -731,6 +998,7 @@ def _attribute(gpu: FakeGpu, call: str, attr: int, device: int) -> int:
 class cudaError_t(enum.IntEnum):
     cudaSuccess = SUCCESS
     cudaErrorInvalidValue = INVALID_VALUE
+    cudaErrorInvalidMemcpyDirection = INVALID_MEMCPY_DIRECTION
     cudaErrorMemoryAllocation = MEMORY_ALLOCATION
     cudaErrorInvalidDevice = INVALID_DEVICE
     cudaErrorInvalidResourceHandle = INVALID_HANDLE
@@ -760,6 +1028,14 @@ class cudaDeviceAttr(enum.IntEnum):
     cudaDevAttrConcurrentManagedAccess = ATTR_CONCURRENT_MANAGED_ACCESS
 
 
+class cudaMemcpyKind(enum.IntEnum):
+    cudaMemcpyHostToHost = MEMCPY_H2H
+    cudaMemcpyHostToDevice = MEMCPY_H2D
+    cudaMemcpyDeviceToHost = MEMCPY_D2H
+    cudaMemcpyDeviceToDevice = MEMCPY_D2D
+    cudaMemcpyDefault = MEMCPY_DEFAULT
+
+
 class cudaMemLocation:
     def __init__(self) -> None:
         self.type = cudaMemLocationType.cudaMemLocationTypeInvalid
@@ -774,6 +1050,8 @@ class FakeBindingsRuntime:
     cudaMemoryAdvise = cudaMemoryAdvise
     cudaDeviceAttr = cudaDeviceAttr
     cudaMemLocation = cudaMemLocation
+    cudaMemcpyKind = cudaMemcpyKind
+    cudaHostAllocDefault, cudaHostAllocPortable, cudaHostAllocMapped, cudaHostAllocWriteCombined = 0x0, 0x1, 0x2, 0x4
     cudaMemAttachGlobal = MEM_ATTACH_GLOBAL
     cudaMemAttachHost = MEM_ATTACH_HOST
     cudaStreamDefault = STREAM_DEFAULT
@@ -927,6 +1205,20 @@ class FakeBindingsRuntime:
                 device = self._target(call, loc, numa=a == cudaMemoryAdvise.cudaMemAdviseSetPreferredLocation)
             self.gpu.advise(call, p, n, int(a), device)
         return self._run("cudaMemAdvise", op, devPtr, count, advice, location)
+
+    # -- the swap path (SwapPath) ----------------------------------------------------------
+    def cudaHostAlloc(self, size, flags):
+        return self._run("cudaHostAlloc", lambda n, f: self.gpu.host_alloc("cudaHostAlloc", n, f), size, flags)
+
+    def cudaFreeHost(self, ptr):
+        return self._run("cudaFreeHost", lambda p: self.gpu.free_host("cudaFreeHost", p), ptr)
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        def op(d, s_, n, k, st):
+            if not isinstance(k, cudaMemcpyKind):
+                raise TypeError("kind must be a cudaMemcpyKind")
+            self.gpu.memcpy("cudaMemcpyAsync", d, s_, n, int(k), st)
+        return self._run("cudaMemcpyAsync", op, dst, src, count, kind, stream)
 
     def cudaMemPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                   numPrefetchLocs, flags, stream):

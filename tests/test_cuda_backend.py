@@ -228,7 +228,8 @@ def test_counters_count_calls_by_runtime_name_and_bytes(cuda_backend):
     calls = delta.pop("calls")
     cuda13 = cuda_backend.api.has_batch
     assert delta == {"h2d_bytes": 2 * MiB, "d2h_bytes": MiB, "populated_bytes": 0,
-                     "discarded_bytes": MiB if cuda13 else 0}
+                     "discarded_bytes": MiB if cuda13 else 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0,
+                     "staging_bytes": 0, "late_swap_ins": 0}
     assert calls["cudaMemPrefetchAsync"] == 3 and calls["cudaMemAdvise"] == 1
     assert calls.get("cudaMemDiscardBatchAsync", 0) == int(cuda13)
     assert calls["cudaEventRecord"] >= 3 and "cudaMallocManaged" not in calls  # before the snapshot

@@ -30,6 +30,7 @@ from fake_cuda import (
     HOST,
     INVALID_DEVICE,
     INVALID_HANDLE,
+    INVALID_MEMCPY_DIRECTION,
     INVALID_VALUE,
     PAGE,
     SUCCESS,
@@ -184,6 +185,22 @@ def _prefetch12(e: Env, ptr=None, n=MiB, device=0, stream=None):
     return e.rt.memPrefetchAsync(e.ptr if ptr is None else ptr, n, device, e.stream if stream is None else stream)
 
 
+MK = FakeBindingsRuntime.cudaMemcpyKind
+
+
+def _memcpy(e: Env, kind: Any = None, out: bool = True, stream: Any = None) -> Any:
+    """One copy between a fresh pinned buffer and the managed allocation: out of managed memory
+    (``out``; its bytes written by a kernel first) or into it (the pinned bytes filled first)."""
+    _, host = e.rt.cudaHostAlloc(MiB, 0)
+    e.gpu.kernel(e.stream, writes=[(e.ptr, MiB)])
+    if not out:
+        e.rt.cudaMemcpyAsync(host, e.ptr, MiB, MK.cudaMemcpyDefault, e.stream)
+        e.rt.cudaStreamSynchronize(e.stream)  # the copy back below comes after, whatever its stream
+    dst, src = (host, e.ptr) if out else (e.ptr, host)
+    return e.rt.cudaMemcpyAsync(dst, src, MiB, MK.cudaMemcpyDefault if kind is None else kind,
+                                e.stream if stream is None else stream)
+
+
 RULES: list[Rule] = [
     # cudaMallocManaged
     Rule("cudaMallocManaged", "4454-4455", "size 0 returns cudaErrorInvalidValue", INVALID_VALUE,
@@ -282,6 +299,29 @@ RULES: list[Rule] = [
          lambda e: (e.rt.setDevice(1), e.rt.streamWaitEvent(e.rt.streamCreateWithFlags(1), e.event, 0)), devices=2),
     Rule("cudaStreamSynchronize", "2311", "the stream must exist", INVALID_HANDLE,
          lambda e: e.rt.cudaStreamSynchronize(0x9999), lambda e: e.rt.streamSynchronize(0x9999)),
+    # the swap path: pinned memory and copies (cudaHostAlloc, cudaFreeHost, cudaMemcpyAsync)
+    Rule("cudaHostAlloc", "4838-4848", "flags must be among cudaHostAllocDefault, Portable, Mapped, WriteCombined",
+         INVALID_VALUE, lambda e: e.rt.cudaHostAlloc(MiB, 8)),
+    Rule("cudaHostAlloc", "4850-4851", "the flags are orthogonal: any combination is valid", SUCCESS,
+         lambda e: e.rt.cudaHostAlloc(MiB, 0x1 | 0x2 | 0x4)),
+    Rule("cudaHostAlloc", "4881 (fake's own)", "size 0 is refused (umrt never asks for it)", INVALID_VALUE,
+         lambda e: e.rt.cudaHostAlloc(0, 0)),
+    Rule("cudaFreeHost", "4757-4758", "the pointer must come from cudaHostAlloc", INVALID_VALUE,
+         lambda e: e.rt.cudaFreeHost(e.ptr)),
+    Rule("cudaFreeHost", "4757-4758", "freeing twice returns an error", INVALID_VALUE,
+         lambda e: (lambda h: (e.rt.cudaFreeHost(h), e.rt.cudaFreeHost(h))[1])(e.rt.cudaHostAlloc(MiB, 0)[1])),
+    Rule("cudaMemcpyAsync", "6286-6288", "cudaMemcpyDefault infers the direction (pinned -> managed)", SUCCESS,
+         lambda e: _memcpy(e, out=False)),
+    Rule("cudaMemcpyAsync", "6290", "the memory areas may not overlap", INVALID_VALUE,
+         lambda e: e.rt.cudaMemcpyAsync(e.ptr + 4096, e.ptr, MiB, MK.cudaMemcpyDefault, e.stream)),
+    Rule("cudaMemcpyAsync", "6290-6292", "a kind that does not match the pointers (undefined: refused)",
+         INVALID_MEMCPY_DIRECTION, lambda e: _memcpy(e, kind=MK.cudaMemcpyHostToDevice)),
+    Rule("cudaMemcpyAsync", "6290-6292 (fake's own)", "both areas must be memory the fake knows (pinned or managed)",
+         INVALID_VALUE, lambda e: e.rt.cudaMemcpyAsync(0x1234_0000, e.ptr, MiB, MK.cudaMemcpyDefault, e.stream)),
+    Rule("cudaMemcpyAsync", "6296-6298 (note_null_stream)", "the legacy stream 0 is accepted", SUCCESS,
+         lambda e: _memcpy(e, out=False, stream=0)),
+    Rule("cudaMemcpyAsync", "6296-6298", "the stream must exist", INVALID_HANDLE,
+         lambda e: _memcpy(e, out=False, stream=0x7777)),
     # device
     Rule("cudaSetDevice", "1648", "the device must exist", INVALID_DEVICE,
          lambda e: e.rt.cudaSetDevice(1), lambda e: e.rt.setDevice(1)),
@@ -316,6 +356,21 @@ def test_every_call_umrt_makes_has_rules():
     made = set(re.findall(r'"(cuda[A-Z]\w+)"', src)) - {"cudaRuntimeGetVersion", "cudaGetDeviceCount",
                                                          "cudaMemGetInfo", "cudaGetErrorName"}
     assert made <= covered, made - covered  # the four left out take no argument that can be wrong
+
+
+def test_a_copy_kind_outside_the_enum_is_refused():
+    """Header 6282-6285: ``kind`` must be one of the five cudaMemcpyKind values. cuda.bindings
+    only takes its enum (a TypeError, as the real package); below it, the status is
+    cudaErrorInvalidMemcpyDirection."""
+    from fake_cuda import FakeCudaError
+
+    env = make_env("bindings")
+    _, host = env.rt.cudaHostAlloc(MiB, 0)
+    with pytest.raises(TypeError):
+        env.rt.cudaMemcpyAsync(host, env.ptr, MiB, 7, env.stream)
+    with pytest.raises(FakeCudaError) as err:
+        env.gpu.memcpy("cudaMemcpyAsync", host, env.ptr, MiB, 7, env.stream)
+    assert err.value.status == INVALID_MEMCPY_DIRECTION
 
 
 def test_batch_locations_apply_from_their_index():
@@ -578,3 +633,115 @@ def test_real_gpu_prefetch_over_two_touching_allocations():
     finally:
         rt.cudaFree(a)
         rt.cudaFree(b)
+
+
+# ---------------------------------------------------------------------------
+# The swap path's page and slot checks (fake_cuda.SwapPath)
+# ---------------------------------------------------------------------------
+class _Swap:
+    """A managed range written by a kernel on a compute stream, a pinned slot, and the swap
+    path's streams: the steps of a swap, each ordered as the ``cuda`` backend orders it
+    unless a test leaves an ordering out."""
+
+    def __init__(self, rt: FakeBindingsRuntime) -> None:
+        self.rt, self.gpu = rt, rt.gpu
+        self.ptr, self.compute = _setup(rt)
+        self.out, self.disc, self.pop, self.inn = (rt.cudaStreamCreateWithFlags(1)[1] for _ in range(4))
+        _, self.slot = rt.cudaHostAlloc(MiB, 0)
+        self.kernel = self.gpu.kernel(self.compute, writes=[(self.ptr, MiB)])
+
+    def after(self, waiter: int, source: int) -> None:
+        _, ev = self.rt.cudaEventCreateWithFlags(2)
+        self.rt.cudaEventRecord(ev, source)
+        self.rt.cudaStreamWaitEvent(waiter, ev, 0)
+
+    def copy_out(self, ordered: bool = True) -> None:
+        if ordered:
+            self.after(self.out, self.compute)
+        assert self.rt.cudaMemcpyAsync(self.slot, self.ptr, MiB, MK.cudaMemcpyDefault, self.out)[0] == SUCCESS
+
+    def discard(self, ordered: bool = True) -> None:
+        if ordered:
+            self.after(self.disc, self.out)
+        _discard(self.rt, self.ptr, MiB, self.disc)
+
+    def populate(self, ordered: bool = True) -> None:
+        if ordered:
+            self.after(self.pop, self.disc)
+        assert self.rt.cudaMemPrefetchAsync(self.ptr, MiB, GPU0, 0, self.pop)[0] == SUCCESS
+
+    def copy_back(self, ordered: bool = True) -> None:
+        self.after(self.inn, self.pop if ordered else self.disc)  # unordered: after the discard only
+        assert self.rt.cudaMemcpyAsync(self.ptr, self.slot, MiB, MK.cudaMemcpyDefault, self.inn)[0] == SUCCESS
+
+    def read(self, ordered: bool = True) -> None:
+        self.after(self.compute, self.inn if ordered else self.pop)  # unordered: after the population only
+        self.gpu.kernel(self.compute, reads=[(self.ptr, MiB)])
+
+    def round_trip(self, **skip: bool) -> None:
+        for step in ("copy_out", "discard", "populate", "copy_back", "read"):
+            getattr(self, step)(ordered=not skip.get(step, False))
+
+
+def test_a_whole_swap_ordered_as_the_backend_orders_it_is_clean(rt):
+    swap = _Swap(rt)
+    swap.round_trip()
+    swap.round_trip()  # the slot again, once its copy back is ordered before the next copy out
+    assert not rt.gpu.violations and rt.gpu.dead_bytes() == 0
+
+
+@pytest.mark.parametrize(("skip", "kind"), [
+    ("copy_out", "copy-out-race"),  # the copy does not wait for the kernel that writes the range
+    ("discard", "discard-before-copy-out"),  # the discard does not wait for the copy out
+    ("populate", "discard-race"),  # the population does not wait for the discard
+    ("copy_back", "copy-into-discarded"),  # the copy back does not wait for the population
+    ("read", "read-before-copy-back"),  # the reader does not wait for the copy back
+])
+def test_each_ordering_of_a_swap_left_out_is_caught(rt, skip, kind):
+    with pytest.raises(PageStateError, match=kind):
+        _Swap(rt).round_trip(**{skip: True})
+
+
+def test_a_copy_out_of_bytes_never_written_is_caught(rt):
+    _, fresh = rt.cudaMallocManaged(MiB, 1)
+    _, slot = rt.cudaHostAlloc(MiB, 0)
+    with pytest.raises(PageStateError, match="copy-out-unwritten"):
+        rt.cudaMemcpyAsync(slot, fresh, MiB, MK.cudaMemcpyDefault, 2)
+
+
+def test_a_copy_out_of_discarded_bytes_is_caught(rt):
+    swap = _Swap(rt)
+    swap.copy_out()
+    swap.discard()
+    with pytest.raises(PageStateError, match="copy-out-unwritten"):
+        swap.copy_out()  # the data left with the first copy: a second one saves nothing
+
+
+def test_a_copy_back_of_a_slot_no_copy_filled_is_caught(rt):
+    swap = _Swap(rt)
+    with pytest.raises(PageStateError, match="slot-read-early"):
+        rt.cudaMemcpyAsync(swap.ptr, swap.slot, MiB, MK.cudaMemcpyDefault, swap.compute)
+
+
+def test_a_slot_reused_before_its_copy_back_is_caught(rt):
+    swap = _Swap(rt)
+    for step in ("copy_out", "discard", "populate", "copy_back"):
+        getattr(swap, step)()
+    _, other = rt.cudaMallocManaged(MiB, 1)
+    rt.gpu.kernel(swap.compute, writes=[(other, MiB)])
+    swap.after(swap.out, swap.compute)  # after the writer, but not after the copy back on the slot
+    with pytest.raises(PageStateError, match="slot-reused"):
+        rt.cudaMemcpyAsync(swap.slot, other, MiB, MK.cudaMemcpyDefault, swap.out)
+
+
+def test_freeing_a_slot_a_copy_may_still_use_is_caught(rt):
+    swap = _Swap(rt)
+    swap.copy_out()
+    with pytest.raises(PageStateError, match="slot-freed-in-use"):
+        rt.cudaFreeHost(swap.slot)
+    rt.gpu.violations.clear()
+    rt.gpu.strict = False
+    swap2 = _Swap(rt)
+    swap2.copy_out()
+    rt.cudaStreamSynchronize(swap2.out)
+    assert rt.cudaFreeHost(swap2.slot)[0] == SUCCESS and not rt.gpu.violations

@@ -70,6 +70,7 @@ from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDIN
     is_legacy_stream,
     same_stream,
 )
+from umrt.backends.cuda_swap import CudaSwapPath
 from umrt.backends.ranges import RangeSet
 from umrt.errors import CudaError
 
@@ -125,6 +126,21 @@ class CudaApi(ABC):
 
     def discard_batch(self, ranges: Sequence[Range], stream: Any) -> None:
         raise NotImplementedError("cudaMemDiscardBatchAsync needs CUDA 13")
+
+    #: True when the adapter makes the swap path's calls (pinned memory, cudaMemcpyAsync).
+    has_copies: bool = False
+
+    def host_alloc(self, nbytes: int) -> int:
+        """cudaHostAlloc(nbytes, cudaHostAllocDefault): pinned host memory."""
+        raise NotImplementedError("cudaHostAlloc: this adapter has no swap path")
+
+    def free_host(self, ptr: int) -> None:
+        """cudaFreeHost."""
+        raise NotImplementedError("cudaFreeHost: this adapter has no swap path")
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, stream)."""
+        raise NotImplementedError("cudaMemcpyAsync: this adapter has no swap path")
 
     def discard_and_prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
         raise NotImplementedError("cudaMemDiscardAndPrefetchBatchAsync needs CUDA 13")
@@ -204,6 +220,7 @@ class BindingsApi(CudaApi):
     """CUDA 13 through ``cuda.bindings.runtime`` (every call returns ``(err, *results)``)."""
 
     has_batch = True
+    has_copies = True
 
     def __init__(self, runtime: Any = None) -> None:
         self.process_runtime = runtime is None
@@ -283,6 +300,17 @@ class BindingsApi(CudaApi):
         ptrs, sizes = [p for p, _ in ranges], [n for _, n in ranges]
         self._call("cudaMemDiscardAndPrefetchBatchAsync", ptrs, sizes, len(ranges),
                    [self._location(device)], [0], 1, 0, stream)
+
+    def host_alloc(self, nbytes: int) -> int:
+        # cudaHostAlloc(size, flags) -> (err, ptr); cudaHostAllocDefault is 0 (driver_types.h).
+        return int(self._call("cudaHostAlloc", nbytes, 0)[0])
+
+    def free_host(self, ptr: int) -> None:
+        self._call("cudaFreeHost", ptr)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        # cudaMemcpyDefault: the direction comes from the pointers (unified virtual addressing).
+        self._call("cudaMemcpyAsync", dst, src, nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
 
 
 def default_api() -> CudaApi:
@@ -389,6 +417,8 @@ class CudaBackend(Backend):
         self.d2h_bytes = 0
         self.populated_bytes = 0
         self.discarded_bytes = 0
+        # The swap path: pinned staging (allocated once: swap.reserve), its streams and copies.
+        self._swap = CudaSwapPath(self, self._call, self._dropped)
 
     # -- allocation ----------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
@@ -406,7 +436,10 @@ class CudaBackend(Backend):
         # (the pool gives a segment back rarely; PyTorch's empty_cache synchronizes too).
         self.synchronize()
         self._call("cudaFree", self.api.free, ptr)
-        self._dropped.remove(ptr, self.allocations.remove(ptr))
+        nbytes = self.allocations.remove(ptr)
+        self._dropped.remove(ptr, nbytes)
+        if self._swap.away:
+            self._swap.release([(ptr, nbytes)])
 
     def allocation_of(self, ptr: int) -> tuple[int, int] | None:
         """``(base, nbytes)`` of the managed allocation holding ``ptr``, or None."""
@@ -423,7 +456,10 @@ class CudaBackend(Backend):
         """A snapshot of the counters (see the class docstring): bytes per direction,
         bytes discarded, and ``calls``, a dict of runtime call name -> calls issued."""
         return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "populated_bytes": self.populated_bytes,
-                "discarded_bytes": self.discarded_bytes, "calls": dict(self.calls)}
+                "discarded_bytes": self.discarded_bytes, "swapped_out_bytes": self._swap.out_bytes,
+                "swapped_in_bytes": self._swap.in_bytes, "staging_bytes": self._swap.pool.nbytes,
+                "late_swap_ins": self._swap.late,
+                "calls": dict(self.calls)}
 
     # -- migration -------------------------------------------------------------
     def prefetch(self, ranges: Sequence[Range], device: int) -> None:
@@ -445,6 +481,10 @@ class CudaBackend(Backend):
         self._check_device(device)
         if not ranges or not self._can_migrate():
             return
+        if self._swap.away:  # swapped out: to the GPU by its copy back; to the host it already is
+            ranges = self._swap.take_back(ranges) if device != HOST else self._swap.not_away(ranges)
+            if not ranges:
+                return
         if device != HOST and self._dropped:
             taken, ranges = _take_parts(self._dropped, ranges)
             if taken:
@@ -478,7 +518,10 @@ class CudaBackend(Backend):
         copied (``h2d_bytes``)."""
         ranges = self.allocations.checked("cudaMemPrefetchAsync", ranges)
         if ranges and self._can_migrate():
-            self._in_kernel_order(ranges, [r for p, n in ranges for r in self._dropped.take(p, n)])
+            if self._swap.away:
+                ranges = self._swap.take_back(ranges)
+            if ranges:
+                self._in_kernel_order(ranges, [r for p, n in ranges for r in self._dropped.take(p, n)])
 
     def discard(self, ranges: Sequence[Range]) -> None:
         """Drop dead ranges' pages, in order with the kernels (see :meth:`discard_stream`).
@@ -492,10 +535,13 @@ class CudaBackend(Backend):
         while its discard runs is undefined)."""
         checked = self.allocations.checked("cudaMemDiscardBatchAsync", ranges)
         ranges = [r for r in (_shrink(p, n) for p, n in checked) if r]
+        if self._swap.away:
+            self._swap.release(ranges)  # dead: a copy of it in pinned memory is of no use
         if not ranges or not self.api.has_batch or not self._can_migrate():
             return  # CUDA 12: documented no-op; the pool reuses dead ranges in place
         stream = self.discard_stream()
         self.order.wait_copies(stream, ranges)
+        self._swap.wait_over(stream, ranges)  # a swap's copy out and discard of them, still running
         self._call("cudaMemDiscardBatchAsync", self.api.discard_batch, ranges, stream)
         self.discarded_bytes += sum(n for _, n in ranges)
         self.allocations.place(ranges, on_device=False)  # discarded pages are released
@@ -520,8 +566,11 @@ class CudaBackend(Backend):
             return
         if not self._can_migrate():
             return
+        if self._swap.away:
+            self._swap.release(aligned)  # dead contents: a copy of them in pinned memory is of no use
         stream = self.discard_stream()
         self.order.wait_copies(stream, aligned)
+        self._swap.wait_over(stream, aligned)
         self._call("cudaMemDiscardAndPrefetchBatchAsync", self.api.discard_and_prefetch_batch, aligned, device,
                    stream)
         self.discarded_bytes += sum(n for _, n in aligned)
@@ -538,6 +587,16 @@ class CudaBackend(Backend):
             return
         for ptr, n in ranges:
             self._call("cudaMemAdvise", self.api.advise, ptr, n, advice, device)
+
+    # -- the swap path (copy engines: umrt.backends.cuda_swap) ----------------------
+    @property
+    def swap(self) -> CudaSwapPath:
+        """The swap path: through the copy engines on CUDA 13 (discard), else page migration."""
+        return self._swap
+
+    def drop(self, ranges: Sequence[Range]) -> None:
+        """Discard dead ranges beside the kernels (:meth:`CudaSwapPath.drop`)."""
+        self._swap.drop(self.allocations.checked("cudaMemDiscardBatchAsync", ranges))
 
     # -- ordering --------------------------------------------------------------
     def set_compute_stream(self, stream: Any) -> None:
@@ -582,18 +641,27 @@ class CudaBackend(Backend):
                precision: str = "") -> None:
         if self.order.pending and (reads or writes):
             self.order.wait_copies(self.compute_stream, [*reads, *writes])
+        if self._swap.away and (reads or writes):  # swapped out and not brought back: now, before it
+            touched = self.allocations.checked("cudaMemcpyAsync", [*reads, *writes])
+            if self._swap.not_away(touched) != touched:
+                self._swap.late += 1
+                self._swap.take_back(touched)
+        if self._swap.streams.coming and (reads or writes):
+            self._swap.wait([*reads, *writes])
 
     def synchronize(self) -> None:
         self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.copy_stream)
         self._call("cudaStreamSynchronize", self.api.stream_synchronize, self.compute_stream)
         if self._order_stream is not None:
             self._call("cudaStreamSynchronize", self.api.stream_synchronize, self._order_stream)
+        self._swap.synchronized()
         self.order.synchronized()
 
     def close(self) -> None:
         """Free every allocation still held (at process exit or session end; :meth:`free` waits for both streams)."""
         for ptr in self.allocations:
             self.free(ptr)
+        self._swap.pool.release()
 
     # -- helpers ----------------------------------------------------------------
     def _in_kernel_order(self, ranges: list[Range], dropped: list[Range]) -> None:
@@ -601,6 +669,7 @@ class CudaBackend(Backend):
         of them umrt had discarded, now taken out of ``_dropped``)."""
         stream = self.compute_stream
         self.order.wait_copies(stream, ranges)
+        self._swap.wait_drops(stream, ranges)  # dead ranges discarded beside the kernels: populated after
         for ptr, n in ranges:
             self._call("cudaMemPrefetchAsync", self.api.prefetch, ptr, n, self.device, stream)
         populated = sum(n for _, n in dropped)
