@@ -38,6 +38,19 @@ from umrt.calibrate import BATCH_RANGE, GIB, MIB, Measurements, SimProbe, build_
 DATA = Path(__file__).parent / "data"
 MEASURED = DATA / "h100-measured.json"
 GPT2_TRACE = DATA / "gpt2-b8s1024-cuda.umrt"
+RESNET50_TRACE = DATA / "resnet50-b256-meta.umrt"  # hf:ResNetConfig, batch 256, 224 x 224, fp32 (meta)
+RESNET152_TRACE = DATA / "resnet152-b64-meta.umrt"  # zoo resnet-152, batch 64, 224 x 224, fp32 (meta)
+# Published: ResNet-50 v1.5 training in TF32 on one A100 80GB (NVIDIA DeepLearningExamples,
+# PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance: NVIDIA DGX A100
+# (8x A100 80GB)", 1 GPU, pytorch-21.03 NGC container): what tf32_efficiency is fitted to.
+A100_RESNET50_TF32_IMG_S = 938.0
+# The A100 SXM4 80GB datasheet (NVIDIA A100 datasheet): TF32 156 TFLOP/s dense, FP32 19.5,
+# BF16 312, HBM2e 2.039 TB/s.
+A100_SXM4_80G = {"peak_flops": 312e12, "peak_flops_tf32": 156e12, "peak_flops_fp32": 19.5e12,
+                 "hbm_bandwidth": 2.039e12}
+# ResNet-152 (zoo resnet-152: 64 x 224, fp32, AdamW), plain PyTorch steps on the same H100 as
+# h100-measured.md (its session's record, issue 20; not among the raw probe outputs).
+H100_RESNET152_STEP_S = (0.0867, 0.0884)
 PROFILE = "h100-sxm5-80g"
 ORIGIN = ("measured on an NVIDIA H100 80GB HBM3 (SXM5) over PCIe Gen5 x16, driver 580.159.04, CUDA 13.0, "
           "2026-11-25 (h100-measured.md; bench/data/h100-measured.json)")
@@ -167,6 +180,146 @@ def _between(*values: float) -> Range:
     return (min(values), max(values))
 
 
+class CopyProbe:
+    """The swap path's operations on the simulator (:class:`umrt.sim.backend.SimSwap`),
+    each on a fresh GPU, on 2 GiB ranges of managed memory a kernel wrote on the GPU, as
+    ``../gpu-probes/um_micro_4.py`` measures them on a real one."""
+
+    def __init__(self, profile: Any) -> None:
+        self.profile = profile
+
+    def _resident(self, nbytes: int) -> tuple[Any, int]:
+        from umrt.sim.backend import SimBackend
+
+        b = SimBackend(self.profile)
+        ptr = b.malloc(nbytes)
+        b.prefetch([(ptr, nbytes)], 0)  # populated on the GPU, then written there
+        b.launch([], [(ptr, nbytes)], 0, nbytes)
+        b.synchronize()
+        return b, ptr
+
+    def copy(self, nbytes: int, to_device: bool) -> float:
+        """Seconds of one copy between pinned memory and GPU-resident managed memory (the copy engine alone)."""
+        from umrt.sim import engine as E
+
+        b, ptr = self._resident(nbytes)
+        t0 = b.now()
+        b.swap.out([(ptr, nbytes)])
+        if not to_device:
+            return float(b.engine.tf[E.T_CE_D2H]) - t0
+        b.synchronize()
+        t1 = b.now()
+        b.swap.back([(ptr, nbytes)])
+        return float(b.engine.tf[E.T_CE_H2D]) - max(t1, float(b.engine.tf[E.T_MIG]))
+
+    def round_trip(self, nbytes: int) -> float:
+        """A whole swap: copy out, discard, populate, copy back, one after the other."""
+        b, ptr = self._resident(nbytes)
+        t0 = b.now()
+        b.swap.out([(ptr, nbytes)])
+        b.synchronize()
+        b.swap.back([(ptr, nbytes)])
+        b.synchronize()
+        return b.now() - t0
+
+    def both_ways(self, nbytes: int) -> float:
+        """One range copied out while another, swapped out before, is copied back."""
+        b, out = self._resident(nbytes)
+        inn = b.malloc(nbytes)
+        b.prefetch([(inn, nbytes)], 0)
+        b.launch([], [(inn, nbytes)], 0, nbytes)
+        b.swap.out([(inn, nbytes)])
+        b.synchronize()
+        t0 = b.now()
+        b.swap.out([(out, nbytes)])
+        b.swap.back([(inn, nbytes)])
+        b.synchronize()
+        return b.now() - t0
+
+
+def swap_rows(profile: Any) -> list[Row]:
+    """The swap path (copies between pinned and managed memory, compute beside them): what
+    ``../gpu-probes/um_micro_4.py`` measures. Not measured yet: each row shows what the
+    simulator assumes (umrt/sim/MODEL.md, "The swap path")."""
+    probe = CopyProbe(profile)
+    G2 = 2 * GIB
+    probe4 = "um_micro_4.py (not run on a GPU yet)"
+    return [
+        Row(1, "cudaMemcpyAsync, GPU-resident managed -> pinned, 2 GiB", None, "B/s", "unmeasured",
+            "assumed: the pinned copy's rate, d2h_bandwidth (copy_d2h_rate unset)",
+            probe4 + " copy_managed_gpu_to_pinned_GBs", lambda p: _rate(G2, probe.copy(G2, False))),
+        Row(1, "cudaMemcpyAsync, pinned -> GPU-resident managed, 2 GiB", None, "B/s", "unmeasured",
+            "assumed: the pinned copy's rate, h2d_bandwidth (copy_h2d_rate unset)",
+            probe4 + " copy_pinned_to_managed_gpu_GBs", lambda p: _rate(G2, probe.copy(G2, True))),
+        Row(1, "copies both ways at once, 2 GiB each way on two streams", None, "s", "unmeasured",
+            "assumed: one copy engine per direction, each at its full rate (full duplex), each sharing "
+            "its direction of the link with migrations", probe4 + " copy_both_ways_2G_each_s",
+            lambda p: probe.both_ways(G2)),
+        Row(1, "swap round trip, 2 GiB: copy out, discard, populate, copy back", None, "s", "unmeasured",
+            "from the rates above and the measured discard and discard-then-prefetch costs",
+            probe4 + " swap_round_trip_2G_s", lambda p: probe.round_trip(G2)),
+        Row(1, "fp32 matmuls beside copies both ways, slowdown", None, "", "unmeasured",
+            "assumed: none (compute, copy engines and the driver's discards and populations do not "
+            "slow each other)", probe4 + " matmul_slowdown_with_copies_both_ways", lambda p: 1.0),
+        Row(1, "fp32 matmuls beside a discard and a population, slowdown", None, "", "unmeasured",
+            "assumed: none", probe4 + " matmul_slowdown_with_discard_and_populate", lambda p: 1.0),
+        Row(1, "cudaMemcpyAsync into a discarded range, not populated first", None, "B/s", "cannot express",
+            "the swap path always populates first (discard-and-prefetch or prefetch), so the simulator "
+            "has no such copy", probe4 + " copy_pinned_to_discarded_GBs", None),
+        Row(1, "cudaHostAlloc, 2 GiB of pinned memory", None, "s", "not a simulator figure",
+            "the staging pool is allocated once, before the first step: no step pays it",
+            probe4 + " host_alloc_2G_s", None),
+    ]
+
+
+def conv_rows(profile: Any) -> list[Row]:
+    """Convolutional networks: ``tf32_efficiency`` fitted to a published A100 figure, and the
+    H100's ResNet-152 step as a check of it."""
+    import dataclasses
+
+    from umrt.hardware import load_profile
+    from umrt.trace.fileformat import load
+
+    def step(trace_path: Path, prof: Any) -> float:
+        from umrt.sim.replay import simulate
+
+        trace = load(trace_path)
+        return simulate(trace, "ideal", prof, "100%", iterations=3).iteration_time_s
+
+    a100 = dataclasses.replace(load_profile(profile), name="a100-sxm4-80g (datasheet peaks)", **A100_SXM4_80G)
+    return [
+        Row(3, "ResNet-50 v1.5 training, TF32, one A100 80GB, batch 256 (published, img/s)",
+            A100_RESNET50_TF32_IMG_S, "img/s", "fitted",
+            "tf32_efficiency: on the A100 SXM4 80GB datasheet peaks with this profile's measured memory "
+            "efficiency", "NVIDIA DeepLearningExamples resnet50v1.5 README (pytorch-21.03)",
+            lambda p: 256 / step(RESNET50_TRACE, a100)),
+        Row(3, "ResNet-152 64 x 224 fp32 AdamW, plain PyTorch step (`ideal`, h100-sxm5-80g)", H100_RESNET152_STEP_S,
+            "s", "check", "convolutions at tf32_efficiency (fitted on the A100 above, not on this step)",
+            "issue 20 (the H100 session's record)", lambda p: step(RESNET152_TRACE, p.profile)),
+    ]
+
+
+def fit_tf32_efficiency(profile: Any = PROFILE, tolerance: float = 1e-3) -> float:
+    """``tf32_efficiency`` such that the simulated ResNet-50 step on the A100 SXM4 80GB datasheet
+    peaks (with ``profile``'s other figures) runs at the published 938 img/s: a bisection over
+    the fraction, each step a simulation of the shipped trace (``--fit-tf32``)."""
+    import dataclasses
+
+    from umrt.hardware import load_profile
+    from umrt.sim.replay import simulate
+    from umrt.trace.fileformat import load
+
+    trace = load(RESNET50_TRACE)
+    base = dataclasses.replace(load_profile(profile), **A100_SXM4_80G)
+    target = 256 / A100_RESNET50_TF32_IMG_S
+    lo, hi = 0.01, 1.0
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        t = simulate(trace, "ideal", dataclasses.replace(base, tf32_efficiency=mid), "100%").iteration_time_s
+        lo, hi = (mid, hi) if t > target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def micro_rows(data: dict[str, Any]) -> list[Row]:
     """Section 1: the Unified Memory micro-benchmarks."""
     m1, m2, m3, cal = data["um-micro-1"], data["um-micro-2"], data["um-micro-3"], data["calibrate"]
@@ -210,12 +363,13 @@ def micro_rows(data: dict[str, Any]) -> list[Row]:
     rows += [
         Row(1, "both directions at once, 2 GiB each way on two streams", m1["pf_both_dirs_2G_each_s"], "s", "check",
             "one migration path for both directions", "um-micro-1 pf_both_dirs_2G_each_s", lambda p: p.prefetch_both(G2)),
-        Row(1, "pinned cudaMemcpyAsync, 1 GiB, host -> GPU", m1["memcpy_pinned_h2d_GBs"] * 1e9, "B/s", "cannot express",
-            "no cudaMemcpy in the simulator; fits the link rate h2d_bandwidth (remote access, not measured)",
-            "um-micro-1 memcpy_pinned_h2d_GBs", None),
-        Row(1, "pinned cudaMemcpyAsync, 1 GiB, GPU -> host", m1["memcpy_pinned_d2h_GBs"] * 1e9, "B/s", "cannot express",
-            "no cudaMemcpy in the simulator; fits the link rate d2h_bandwidth (remote access, not measured)",
-            "um-micro-1 memcpy_pinned_d2h_GBs", None),
+        Row(1, "pinned cudaMemcpyAsync, 1 GiB, host -> GPU", m1["memcpy_pinned_h2d_GBs"] * 1e9, "B/s", "fitted",
+            "h2d_bandwidth: the link, the rate of remote access and of the copy engine (swap_in; copies of "
+            "managed memory are assumed to run as fast, see the unmeasured rows)",
+            "um-micro-1 memcpy_pinned_h2d_GBs", lambda p: _rate(GIB, CopyProbe(p.profile).copy(GIB, True))),
+        Row(1, "pinned cudaMemcpyAsync, 1 GiB, GPU -> host", m1["memcpy_pinned_d2h_GBs"] * 1e9, "B/s", "fitted",
+            "d2h_bandwidth: the link, the rate of remote access and of the copy engine (swap_out)",
+            "um-micro-1 memcpy_pinned_d2h_GBs", lambda p: _rate(GIB, CopyProbe(p.profile).copy(GIB, False))),
         Row(1, "after discard of a 2 GiB GPU-resident range, a kernel writes it", m2["touch_after_discard_2G_s"], "s",
             "fitted", "discard_refault_rate", "um-micro-2 touch_after_discard_2G_s", lambda p: p.write(G2, "discarded")),
         Row(1, "same, 4 GiB (one range or 2048 ranges of 2 MiB)",
@@ -346,7 +500,7 @@ def fidelity(profile: Any = PROFILE, steps: bool = True) -> list[Row]:
     m1 = data["um-micro-1"]
     kernel_rate = 4 * GIB / m1["resident_touch_4G_s"]
     probe = SimProbe(prof, kernel_rate=kernel_rate)
-    rows = micro_rows(data) + (step_rows(data, load(GPT2_TRACE)) if steps else [])
+    rows = micro_rows(data) + swap_rows(prof) + (step_rows(data, load(GPT2_TRACE)) + conv_rows(prof) if steps else [])
     for row in rows:
         if row.simulate is not None:
             row.sim = float(row.simulate(probe))
@@ -365,6 +519,10 @@ def _fmt(value: float | Range | None, unit: str) -> str:
         return f"{_fmt(value[0], unit)} - {_fmt(value[1], unit)}"
     if unit == "B/s":
         return f"{value / 1e12:.2f} TB/s" if value >= 1e12 else f"{value / 1e9:.1f} GB/s"
+    if unit == "img/s":
+        return f"{value:.0f} img/s"
+    if unit == "":
+        return f"{value:.2f}x"
     if value >= 1.0:
         return f"{value:.2f} s"
     if value >= 1e-3:
@@ -400,9 +558,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=PROFILE, help="hardware profile to simulate (default %(default)s)")
     parser.add_argument("--no-steps", action="store_true", help="skip the GPT-2 step rows")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--fit-tf32", action="store_true",
+                        help="print tf32_efficiency fitted to the published ResNet-50 A100 figure and exit")
     parser.add_argument("--write-profile", metavar="PATH",
                         help="write the profile fitted to the shipped measurements (h100-sxm5-80g) to PATH and exit")
     args = parser.parse_args(argv)
+    if args.fit_tf32:
+        print(f"tf32_efficiency {fit_tf32_efficiency(args.profile):.4f}")
+        return 0
     if args.write_profile:
         from umrt.hardware import save_profile
 
