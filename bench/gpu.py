@@ -16,6 +16,13 @@ torch's allocator can be swapped only once per process:
 ``umrt``
     ``umrt.enable(gpu_memory=BUDGET)``: the default policy, once per
     ``--budget`` (repeat the flag to measure several side by side).
+``checkpoint``
+    what a user picks instead: plain torch with the model's own activation
+    checkpointing (``gradient_checkpointing_enable()``, as
+    ``../shared/gpu-probes/alternatives.py`` runs it). Its peak allocated bytes
+    are what ``--budget checkpoint`` refers to, so
+    ``--modes ideal,checkpoint,um,umrt --budget checkpoint`` puts umrt and
+    checkpointing side by side at the same peak, in one run.
 
 Every mode trains on the same batches and dropout masks (step ``s`` seeds
 torch with ``SEED + s``) from the same initial weights, so each step's loss is
@@ -77,7 +84,8 @@ from umrt.config import format_bytes
 
 __all__ = ["BenchError", "main", "run", "steady_time"]
 
-MODES = ("ideal", "um", "umrt")
+MODES = ("ideal", "checkpoint", "um", "umrt")
+DEFAULT_MODES = ("ideal", "um", "umrt")
 DEFAULT_BUDGET = "50%"
 # Managed memory umrt's pool may hold beyond the ideal peak (2 MB rounding,
 # segments): the device must have this much more free than the ideal peak.
@@ -102,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--budget", action="append", default=None, metavar="BUDGET",
                    help="umrt's GPU memory budget: %% of the ideal run's peak (50%%), a size (7.5GiB, a byte "
-                        "count), or a fraction of the footprint umrt's pool needs, measured by the um run "
-                        "(footprint, footprint/2, footprint*0.75). Repeat to measure umrt at several budgets "
+                        "count), a fraction of the footprint umrt's pool needs, measured by the um run "
+                        "(footprint, footprint/2, footprint*0.75), or the checkpoint run's peak (checkpoint). "
+                        "Repeat to measure umrt at several budgets "
                         f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of ideal,um,umrt")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated subset of ideal,checkpoint,um,umrt (default ideal,um,umrt)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     p.add_argument("--profile", default=None,
                    help="hardware profile for the simulated column (default: closest to the GPU)")
@@ -155,6 +165,9 @@ def validate(args: argparse.Namespace) -> list[str]:
                          "or give the budget as a size (e.g. 8GiB)")
     if "umrt" in modes and "um" not in modes and any(b.kind == "footprint" for b in specs):
         raise BenchError("a footprint --budget is measured by the um run's pool: keep um in --modes "
+                         "or give the budget as a size (e.g. 8GiB)")
+    if "umrt" in modes and "checkpoint" not in modes and any(b.kind == "checkpoint" for b in specs):
+        raise BenchError("--budget checkpoint is the checkpoint run's peak: keep checkpoint in --modes "
                          "or give the budget as a size (e.g. 8GiB)")
     from umrt.errors import ConfigError
     from umrt.zoo import resolve
@@ -250,7 +263,8 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
     device = "cpu" if dry else _TORCH_DEVICE
     result: dict[str, Any] = {"mode": mode, "notes": []}
     session = None
-    if mode != "ideal":
+    plain = mode in ("ideal", "checkpoint")  # plain torch: PyTorch's caching allocator, no umrt
+    if not plain:
         import umrt
 
         session = umrt.enable(policy=mode, gpu_memory=int(args.budget_bytes) or "100%", device=args.device,
@@ -290,6 +304,11 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
         with _quiet_transformers():
             torch.manual_seed(0)  # the same initial weights in every mode
             model = build_model(spec, device)
+            if mode == "checkpoint":
+                if not getattr(model, "supports_gradient_checkpointing", False):
+                    raise BenchError(f"{args.model} has no activation checkpointing of its own "
+                                     "(transformers' gradient_checkpointing_enable)")
+                model.gradient_checkpointing_enable()  # as ../shared/gpu-probes/alternatives.py
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
             fwd = _forward_kwargs(spec)
             for step in range(args.warmup + args.steps):
@@ -328,7 +347,7 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
     steps = [dataclasses.asdict(r) for r in records]
     result.update(batch=batch, seq=seq, step_times_s=times, losses=losses, steps=steps,
                   per_step=steady_per_step(steps))
-    if mode == "ideal":
+    if plain:
         if not dry:
             result["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated(args.device))
             result["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(args.device))
@@ -451,7 +470,8 @@ def compute_ratios(seconds: dict[str, float]) -> dict[str, float | None]:
             return None
         return x / y
 
-    return {"um/ideal": ratio("um", "ideal"), "umrt/ideal": ratio("umrt", "ideal"), "um/umrt": ratio("um", "umrt")}
+    return {"um/ideal": ratio("um", "ideal"), "umrt/ideal": ratio("umrt", "ideal"), "um/umrt": ratio("um", "umrt"),
+            "checkpoint/ideal": ratio("checkpoint", "ideal"), "umrt/checkpoint": ratio("umrt", "checkpoint")}
 
 
 def resolve_budget(spec: str, ideal_peak: int | None, footprint: int | None = None) -> int:
@@ -481,6 +501,8 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
     trace = trace_for(model, batch, seq)  # the bench grid's meta trace, cached
     out: dict[str, Any] = {"profile": profile, "budget": budget, "modes": {}}
     for mode in modes:
+        if mode == "checkpoint":  # recomputation is no Unified Memory policy: measured only
+            continue
         try:
             policy = make_policy(mode, trace)
             # each mode in its steady state, as the timed steps after --warmup
@@ -533,17 +555,18 @@ def build_report(results: dict[str, dict[str, Any]], *, model: str, budget_spec:
             gpu = gpu or r.get("gpu", {})
     entries = {label: _entry(r, ideal_losses) for label, r in results.items()}
     first_umrt = budgets[0]["label"] if budgets else None
-    measured = {m: entries[m] for m in ("ideal", "um") if m in entries}
+    measured = {m: entries[m] for m in ("ideal", "checkpoint", "um") if m in entries}
     if first_umrt in entries:
         measured["umrt"] = entries[first_umrt]
     seconds = {m: e["iteration_time_s"] for m, e in measured.items() if "error" not in e}
     peak = ideal.get("peak_allocated_bytes")
     ideal_entry = entries.get("ideal", {"error": "not measured"})
     checks: list[TargetCheck] = []
-    if "um" in entries:
-        um = entries["um"]
-        checks.append(TargetCheck("um", "ran", um["error"], "completes", False) if "error" in um
-                      else check_losses("um", um))
+    for plainer in ("checkpoint", "um"):  # their losses are plain PyTorch's too
+        if plainer in entries:
+            row = entries[plainer]
+            checks.append(TargetCheck(plainer, "ran", row["error"], "completes", False) if "error" in row
+                          else check_losses(plainer, row))
     budget_rows = []
     for b in budgets:
         row = entries.get(b["label"], {"error": "not measured"})
@@ -728,6 +751,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "the GPU: pick a smaller --batch/--seq/--model")
             _check_model_fits(results["ideal"])
         peak = results.get("ideal", {}).get("peak_allocated_bytes")
+        checkpoint_peak = None
+        if "checkpoint" in modes:
+            results["checkpoint"] = run_mode("checkpoint", args, 0, Path(tmp), console=console)
+            checkpoint_peak = results["checkpoint"].get("peak_allocated_bytes") or None
         if "um" in modes:
             um_budget = next((_try_resolve(b, peak, None) for b in specs if b.kind != "footprint"), None) or \
                 results.get("ideal", {}).get("gpu", {}).get("free_bytes_at_start", 0)
@@ -739,7 +766,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 label = "umrt" if i == 0 else f"umrt@{spec.text}"
                 shown = f"umrt@{spec.text}" if many else "umrt"
                 try:
-                    nbytes = spec.resolve(peak, footprint)
+                    nbytes = spec.resolve(peak, footprint, checkpoint_peak)
                 except BenchError as exc:
                     results[label] = {"mode": "umrt", "error": str(exc)}
                     console.print(f"[red]{shown} skipped:[/red] {exc}")

@@ -53,7 +53,8 @@ class BenchError(Exception):
 @dataclass(frozen=True)
 class BudgetSpec:
     """One ``--budget``: ``kind`` is ``percent`` (of plain PyTorch's peak allocated
-    bytes), ``bytes``, or ``footprint`` (a fraction of what umrt's pool needs)."""
+    bytes), ``bytes``, ``footprint`` (a fraction of what umrt's pool needs) or
+    ``checkpoint`` (the peak of plain PyTorch with activation checkpointing)."""
 
     text: str
     kind: str
@@ -61,6 +62,12 @@ class BudgetSpec:
 
     @classmethod
     def parse(cls, text: str) -> BudgetSpec:
+        if text.strip().lower() == "checkpoint":  # the checkpoint run's peak: umrt at checkpointing's memory
+            return cls(text, "checkpoint", 1.0)
+        return cls._parse_amount(text)
+
+    @classmethod
+    def _parse_amount(cls, text: str) -> BudgetSpec:
         """``"50%"``, ``"7.5GiB"`` / ``"1073741824"``, ``"footprint"``, ``"footprint/2"``, ``"footprint*0.75"``
         (read by :func:`umrt.config.read_amount`, as every memory amount umrt takes)."""
         amount = read_amount(text)
@@ -82,10 +89,14 @@ class BudgetSpec:
             raise BenchError(f"--budget {text!r} is below one 2 MB block")
         return cls(text, "bytes", float(nbytes))
 
-    def resolve(self, ideal_peak: int | None, footprint: int | None) -> int:
+    def resolve(self, ideal_peak: int | None, footprint: int | None, checkpoint_peak: int | None = None) -> int:
         """Budget bytes; :class:`BenchError` when the figure it refers to is missing."""
         if self.kind == "bytes":
             return int(self.value)
+        if self.kind == "checkpoint":
+            if not checkpoint_peak:
+                raise BenchError(f"--budget {self.text}: the checkpoint run's peak was not measured")
+            return max(_MIN_BUDGET, int(checkpoint_peak))
         if self.kind == "percent":
             if not ideal_peak:
                 raise BenchError(f"--budget {self.text}: a percentage needs the ideal run's peak, and there is none")

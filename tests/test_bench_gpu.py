@@ -82,7 +82,10 @@ def test_ratios_from_fake_timings():
     assert r["umrt/ideal"] == pytest.approx(2.0)
     assert r["um/umrt"] == pytest.approx(2.5)
     missing = gpu.compute_ratios({"ideal": 0.1, "umrt": math.nan})
-    assert missing == {"um/ideal": None, "umrt/ideal": None, "um/umrt": None}
+    assert missing == {"um/ideal": None, "umrt/ideal": None, "um/umrt": None, "checkpoint/ideal": None,
+                       "umrt/checkpoint": None}
+    beside = gpu.compute_ratios({"ideal": 0.1, "checkpoint": 0.127, "umrt": 0.2})
+    assert beside["checkpoint/ideal"] == pytest.approx(1.27) and beside["umrt/checkpoint"] == pytest.approx(0.2 / 0.127)
 
 
 def test_steady_time_is_the_median_of_the_timed_steps():
@@ -454,3 +457,31 @@ def test_the_simulated_prediction_is_each_modes_steady_state(monkeypatch):
     monkeypatch.setattr(replay, "simulate", fake_simulate)
     gpu.simulate_modes("gpt2", 1, 32, "50%", "h100-pcie5-80g", ["ideal", "um", "umrt"])
     assert seen == {"ideal": 3, "um": 3, "umrt": 5}
+
+
+def test_the_checkpoint_mode_trains_with_the_models_own_checkpointing_and_sets_the_budget(tmp_path, capsys):
+    """What a user picks instead, in the same run: plain torch with activation checkpointing;
+    its losses are plain PyTorch's, and ``--budget checkpoint`` is its peak (on the CPU there
+    is no peak to read: the umrt row says the budget could not be resolved)."""
+    from tests.conftest import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is present: this is the CPU dry run")
+    out = tmp_path / "r.json"
+    code = gpu.main(["--dry-run-cpu", "--model", MICRO, "--batch", "2", "--seq", "16", "--steps", "2",
+                     "--warmup", "1", "--modes", "ideal,checkpoint,um,umrt", "--budget", "checkpoint",
+                     "--json", str(out)])
+    assert code == 1  # um and umrt cannot start without a GPU
+    err = capsys.readouterr().err
+    assert "checkpoint  step 2/3 timed" in err
+    rep = json.loads(out.read_text())
+    ideal, ckpt = rep["measured"]["ideal"], rep["measured"]["checkpoint"]
+    assert ckpt["losses"] == ideal["losses"]  # recomputation changes no result
+    assert any(t["budget"] == "checkpoint" and t["name"].startswith("losses") and t["passed"] for t in rep["targets"])
+    assert "checkpoint run's peak" in rep["budgets"][0]["measured"]["error"]
+
+
+def test_a_checkpoint_budget_needs_the_checkpoint_mode():
+    args = gpu.build_parser().parse_args(["--modes", "ideal,um,umrt", "--budget", "checkpoint"])
+    with pytest.raises(gpu.BenchError, match="keep checkpoint in --modes"):
+        gpu.validate(args)
