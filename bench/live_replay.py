@@ -299,9 +299,36 @@ class CountingBackend(ForwardingBackend):
         self._count("discard", ranges)
         self._b.discard(ranges)
 
+    def drop(self, ranges) -> None:
+        self._count("discard", ranges)  # dead ranges discarded beside the kernels: a discard
+        self._b.drop(ranges)
+
+    @property
+    def swap(self):
+        return _CountingSwap(self._b.swap, self._count)
+
     def advise(self, ranges, advice, device) -> None:
         self._count("advise", ranges)
         self._b.advise(ranges, advice, device)
+
+
+class _CountingSwap:
+    """The wrapped backend's swap path, its copies out and back counted."""
+
+    def __init__(self, swap, count) -> None:
+        self._s = swap
+        self._count = count
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def out(self, ranges) -> None:
+        self._count("swap_out", ranges)
+        self._s.out(ranges)
+
+    def back(self, ranges) -> None:
+        self._count("swap_in", ranges)
+        self._s.back(ranges)
 
 
 @functools.lru_cache(maxsize=4)

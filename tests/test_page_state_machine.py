@@ -38,6 +38,7 @@ fail.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -54,8 +55,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from umrt.backends import cuda_swap
 from umrt.backends.cuda import BindingsApi, CudaBackend
 from umrt.backends.cuda_order import StreamOrder
+from umrt.backends.cuda_swap import PAGE_ALIGN, CudaSwapPath
+from umrt.backends.staging import StagingPool
 from umrt.errors import CudaError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
@@ -362,6 +366,8 @@ class PageStateMachine(RuleBasedStateMachine):
         SEEN["examples with discards"] += "cudaMemDiscardBatchAsync" in names
         SEEN["examples with evictions"] += rep["evicted_bytes"] > 0
         SEEN["examples with populates"] += rep["populate_calls"] > 0
+        SEEN["examples with swaps"] += "cudaMemcpyAsync" in names
+        SEEN["copies"] += names.count("cudaMemcpyAsync")
         SEEN["examples with deviations"] += rep["deviations"] > 0
         SEEN["discard calls"] += names.count("cudaMemDiscardBatchAsync")
         SEEN["prefetch calls"] += names.count("cudaMemPrefetchAsync")
@@ -381,7 +387,8 @@ def test_runtime_keeps_every_invariant(capsys):
             f"{k} {v}" for k, v in sorted(SEEN.items()) if k != "examples"))
     assert SEEN["examples"] >= EXAMPLES
     # Not vacuous: the runtime learned, acted, discarded, evicted and repopulated in many of them.
-    for what in ("acted iterations", "light iterations", "discards", "evictions", "populates", "deviations"):
+    for what in ("acted iterations", "light iterations", "discards", "evictions", "populates", "deviations",
+                 "swaps"):
         assert SEEN[f"examples with {what}"] >= EXAMPLES // 20, (what, SEEN)
 
 
@@ -402,6 +409,17 @@ def _populate_on_the_copy_stream(self, ranges, dropped):
 _STREAM_AFTER = StreamOrder.stream_after
 
 
+def _drop_not_after_the_kernels(self, checked):
+    """CudaSwapPath.drop with its stream waiting for nothing (not the kernels queued so far)."""
+    real_wait = self.streams.wait
+    drop = self.drop_stream()
+    self.streams.wait = lambda stream, event: None if stream is drop else real_wait(stream, event)
+    try:
+        _DROP(self, checked)
+    finally:
+        self.streams.wait = real_wait
+
+
 def _evictions_not_after_kernels(self, waiter, source):
     if waiter is not self.copy_stream:
         _STREAM_AFTER(self, waiter, source)
@@ -411,27 +429,100 @@ def _evictions_not_after_kernels(self, waiter, source):
 # legacy stream 0), and each ordering the backend promises, removed in turn
 # (the class the bug is planted in, the method replaced, the replacement; what the machine reports).
 BACKEND_BUGS = {
-    "discards on the legacy compute stream": ((CudaBackend, "discard_stream", _discard_on_the_compute_stream),
+    # (the runtime's dead ranges are discarded by the swap path's drop, the backend's discard
+    # and discard-and-prefetch on its discard stream: the bug is planted in both)
+    "discards on the legacy compute stream": ([(CudaBackend, "discard_stream", _discard_on_the_compute_stream),
+                                               (CudaSwapPath, "drop_stream", lambda self: self.backend.compute_stream)],
                                               "cudaErrorInvalidValue"),
-    # A discard on the copy stream is unordered with the kernels (a page migrated while in
-    # use) and with a populate on the compute stream (a discard racing a prefetch).
-    "discards on the copy stream": ((CudaBackend, "discard_stream", lambda self: self.copy_stream),
+    # A drop (the runtime's discard of dead ranges, on a stream of its own) not after the
+    # kernels that last used the ranges: a page discarded while in use, or a discard racing a
+    # later population. (The backend's own discard, on the copy stream: test_cuda_contract.)
+    "drops not after the kernels": ((CudaSwapPath, "drop", _drop_not_after_the_kernels),
                                     "migrated-in-use|discard-race"),
     "populating on the copy stream": ((CudaBackend, "_in_kernel_order", _populate_on_the_copy_stream),
                                       "refault|discard-race"),
     "no wait on a stream change": ((CudaBackend, "set_compute_stream", _no_wait_on_stream_change),
-                                   "migrated-in-use|discard-race"),
+                                   "migrated-in-use|discard-race|copy-out-race|read-before-copy-back"),
     "evictions not after kernels": ((StreamOrder, "stream_after", _evictions_not_after_kernels), "migrated-in-use"),
 }
 
 
 @pytest.mark.parametrize("bug", BACKEND_BUGS)
 def test_the_machine_finds_planted_backend_bugs(monkeypatch, bug):
-    (cls, name, patched), error = BACKEND_BUGS[bug]
-    monkeypatch.setattr(cls, name, patched)
+    where, error = BACKEND_BUGS[bug]
+    for cls, name, patched in (where if isinstance(where, list) else [where]):
+        monkeypatch.setattr(cls, name, patched)
     found = settings(SETTINGS, max_examples=300, phases=(Phase.generate,))
     with pytest.raises((PageStateError, CudaError), match=error):
         run_state_machine_as_test(PageStateMachine, settings=found)
+
+
+def _copy_out_not_after_the_writer(self, ranges):
+    """CudaSwapPath.out without its wait on the compute stream (the range's last writer)."""
+    real_mark = self.streams.mark
+    compute = self.backend.compute_stream
+    out = self.streams.stream("out")
+    self.streams.mark = lambda stream: real_mark(out if stream is compute else stream)  # not the writer's stream
+    try:
+        _SWAP_OUT(self, ranges)
+    finally:
+        self.streams.mark = real_mark
+
+
+def _discard_not_after_the_copy(self, ranges):
+    """CudaSwapPath.out with its discard queued on the copy stream's neighbour, unordered."""
+    real_wait = self.streams.wait
+    self.streams.wait = lambda stream, event: None if stream is self.streams.stream("discard") else real_wait(stream, event)
+    try:
+        _SWAP_OUT(self, ranges)
+    finally:
+        self.streams.wait = real_wait
+
+
+def _slot_taken_without_waiting(self, nbytes):
+    """StagingPool.take that forgets the copy back a free slot's bytes are still read by."""
+    got = _TAKE(self, nbytes)
+    return None if got is None else (got[0], [])
+
+
+def _pages_rounded_outward(ptr, nbytes):
+    """whole_pages rounding outward: a neighbour's bytes go out (and are discarded) too."""
+    start = ptr // PAGE_ALIGN * PAGE_ALIGN
+    return (start, -(-(ptr + nbytes) // PAGE_ALIGN) * PAGE_ALIGN - start)
+
+
+_SWAP_OUT = CudaSwapPath.out
+_DROP = CudaSwapPath.drop
+_TAKE = StagingPool.take
+
+# Swap-path bugs the machine must find (the issue's four: a discard before the copy out completed,
+# a reader before the copy back completed, a slot reused before its copy back completed, a copy out
+# of a range never written), each planted in the backend in turn: (where, name, replacement), what
+# the fake reports.
+SWAP_BUGS = {
+    "discard before the copy out completed": ((CudaSwapPath, "out", _discard_not_after_the_copy),
+                                              "discard-before-copy-out"),
+    # (its reader is then not after the discard either: whichever the fake meets first)
+    "reader before the copy back completed": ((CudaSwapPath, "wait", lambda self, ranges: None),
+                                              "read-before-copy-back|discard-race|refault"),
+    "slot reused before its copy back completed": ((StagingPool, "take", _slot_taken_without_waiting), "slot-reused"),
+    "copy out of bytes never written": ((cuda_swap, "whole_pages", _pages_rounded_outward),
+                                        "copy-out-unwritten|discarded-read|refault|discard-race"),
+    "copy out before the last writer": ((CudaSwapPath, "out", _copy_out_not_after_the_writer), "copy-out-race"),
+}
+
+
+@pytest.mark.parametrize("bug", SWAP_BUGS)
+def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, capsys):
+    (where, name, patched), error = SWAP_BUGS[bug]
+    monkeypatch.setattr(where, name, patched)
+    found = settings(SETTINGS, max_examples=1000, phases=(Phase.generate,))
+    t0 = time.perf_counter()
+    with pytest.raises(PageStateError, match=error) as caught:
+        run_state_machine_as_test(PageStateMachine, settings=found)
+    with capsys.disabled():
+        print(f"\nplanted swap bug {bug!r}: found in {time.perf_counter() - t0:.1f} s "
+              f"({str(caught.value).split(':')[0]})")
 
 
 def test_the_machine_finds_a_planted_bug(monkeypatch):

@@ -48,7 +48,8 @@ def test_learns_then_acts_and_beats_plain_um():
     res = simulate(tr, rt, PROFILE, "30%", iterations=4)
     rep = rt.report()
     assert rep["learned"] >= 1 and rep["acted"] >= 1 and rep["deviations"] <= 1
-    assert rep["prefetched_bytes"] > 0 and rep["evicted_bytes"] > 0 and rep["discarded_bytes"] > 0
+    # the simulator has the copy engines: what leaves and comes back is swapped, not migrated
+    assert rep["swapped_in_bytes"] > 0 and rep["swapped_out_bytes"] > 0 and rep["discarded_bytes"] > 0
     assert res.iteration_time_s < 0.8 * um.iteration_time_s
     assert res.faults < um.faults / 2
 
@@ -171,7 +172,7 @@ def test_options_are_the_constructor_keywords_frozen():
     kwargs = {"op_level": False, "headroom": 0.8, "learn_iterations": 3, "probe_iterations": 1,
               "guard_window": 5, "guard_failures": 2, "guard_cooldown": 1, "max_variants": 4,
               "use_pool": False, "min_discard": 2 * PAGE, "read_mostly": True, "freeze": False,
-              "launch_free": False, "discard_on_free": True}
+              "launch_free": False, "discard_on_free": True, "swap": False}
     assert {f.name for f in fields(RuntimeOptions)} == set(kwargs)
     rt = Runtime(**kwargs)
     assert rt.options == RuntimeOptions(**kwargs)

@@ -265,7 +265,7 @@ class CudaSwapPath(SwapPath):
         if not pages or not self.api.has_batch or not b.concurrent:
             return
         sw = self.streams
-        stream = sw.stream("drop")
+        stream = self.drop_stream()
         self.wait_over(stream, pages)
         used = sw.mark(b.compute_stream)
         sw.wait(stream, used)
@@ -278,6 +278,12 @@ class CudaSwapPath(SwapPath):
         for p, n in pages:
             self._dropped.add(p, n)
         b.order.discarded(stream, pages)
+
+    def drop_stream(self) -> Any:
+        """The stream dead ranges are discarded on: one of the swap path's own (non-blocking;
+        on the legacy stream 0 the discard fails, and on the compute stream kernels would wait
+        for it)."""
+        return self.streams.stream("drop")
 
     def wait_over(self, stream: Any, ranges: Sequence[Range]) -> None:
         """``stream`` (about to discard ``ranges``) waits for the discards of them still

@@ -427,6 +427,12 @@ class LiveBridge:
                 else "memory stays managed, no longer prefetched")
         log.warning("umrt: runtime stopped acting after an error (%s); %s", reason, then)
         self.recorder.suspend_ops()  # nothing reads its launches any more: stop paying for them
+        # What the runtime swapped out lives only in pinned memory: it comes back before any
+        # later kernel, since no plan will bring it back now.
+        try:
+            self.policy.detach()
+        except Exception as again:  # noqa: BLE001 - said, never raised into the training
+            log.warning("umrt: could not copy back what was swapped out (%s: %s)", type(again).__name__, again)
 
     def raise_if_failed(self, *_hook_args: Any) -> None:
         """With ``strict``: raise the failure as :class:`~umrt.errors.StoppedActing`

@@ -82,6 +82,11 @@ class Policy(ABC):
         a policy that plans by kind keeps it; by default it is not needed."""
         return None
 
+    def detach(self) -> None:
+        """The source stops feeding events for good (a live run's failure): put back what only
+        this policy would have brought back (umrt's runtime copies back what it swapped out).
+        Default: nothing."""
+
     def report(self) -> dict:
         """Policy-specific counters for reports (prefetches issued, ...)."""
         return {}

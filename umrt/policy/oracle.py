@@ -375,6 +375,7 @@ CANDIDATES: dict[str, dict] = {
     "planner-unpinned-full": {"headroom": 0.97, "short_launches": 1},
     "planner-local": {"headroom": 0.9, "remote_access": False},  # nothing read over the link
     "planner-keep-dead": {"headroom": 0.9, "discard": False},  # dead ranges reused in place, not discarded
+    "planner-migrate": {"headroom": 0.9, "swap": False},  # page migration only, no copy engines
     # umrt's runtime as it runs: two iterations learned, then its planner's schedule. The same
     # plan as "planner", but the simulator's steady state depends a little on history and on
     # the order of ranges within a call (its keys order them), so it can land either side.
@@ -507,8 +508,9 @@ class OraclePolicy(Policy):
         # Pages the oracle took off the GPU (discarded, evicted, host-mapped) or that no one
         # populated yet (new pool segments): a newborn there is populated (planner plans).
         self._away = RangeSet()
+        self._swapped = SwappedOut()  # live pages swapped out: copied back before use
         self.stats = {"prefetches": 0, "evictions": 0, "discards": 0, "host_mapped": 0, "matched_iterations": 0,
-                      "unmatched_iterations": 0, "unresolved": 0, "populated": 0}
+                      "unmatched_iterations": 0, "unresolved": 0, "populated": 0, "swap_outs": 0, "swap_ins": 0}
 
     @property
     def warmup_iterations(self) -> int:
@@ -533,8 +535,9 @@ class OraclePolicy(Policy):
         elif self.choice not in ("none", RUNTIME):
             options = dict(CANDIDATES[self.choice])
             keep_dead = not options.pop("discard", True)
+            swap = options.pop("swap", True) and ctx.backend.swap.copy_engines
             rec = iteration_record(self.trace, self.template, ctx.profile)
-            planner = Planner(max(1, int(ctx.budget_bytes)), ctx.profile, **options)
+            planner = Planner(max(1, int(ctx.budget_bytes)), ctx.profile, swap=swap, **options)
             self.schedule = planner.plan(rec)
             if keep_dead:  # dead ranges are reused in place: no discard, no populate of them
                 self.schedule = replace(self.schedule, discard=frozenset())
@@ -624,6 +627,14 @@ class OraclePolicy(Policy):
             rng = self._advised.pop(event.obj, None)
             if rng is not None:
                 self._advise_unset.append(rng)
+            if self._swapped.ranges and event.obj in self._nbytes:  # dead: its staged copy is dropped
+                try:
+                    at = self.ctx.layout.address(event.obj)
+                    dead = self._swapped.take(at, at + self._nbytes[event.obj])
+                except (UmrtError, KeyError):
+                    dead = []
+                if dead:
+                    self.ctx.backend.swap.release(dead)
         elif not isinstance(event, Launch):
             return
         if self._pos is None or self._lost:
@@ -633,6 +644,7 @@ class OraclePolicy(Policy):
         ops = self.template.ops
         if p >= len(ops) or not TemplateIds.matches(ops[p], event):
             self._lost = True
+            self._swapped.restore(self.ctx.backend, self._away)
             return
         self._learn(ops[p], event)
         if self.schedule is not None:
@@ -661,6 +673,11 @@ class OraclePolicy(Policy):
         if self._pos is not None:
             done = self._pos == len(self.template.ops) and not self._lost
             self.stats["matched_iterations" if done else "unmatched_iterations"] += 1
+            t = self.template
+            if not done or set(t.freed) - set(t.born) - set(t.pair):
+                # The next iteration may not play this one's part (this one strayed, or it frees
+                # what it did not make, as a script's last step does): nothing stays swapped out.
+                self._swapped.restore(self.ctx.backend, self._away)
         self.ids.next_iteration()
         self._pos, self._lost = 0, False
         self._launch = 0
@@ -780,6 +797,38 @@ class OraclePolicy(Policy):
             self._discards.append(inner)
 
     def _move(self, action: Action) -> None:
+        backend = self.ctx.backend
+
+        def pages(keys: tuple[int, ...]) -> list[tuple[int, int]]:
+            """The whole pages of the planner's ``keys`` alive now (as the runtime resolves a swap)."""
+            ranges = (self._range(self.ids.resolve_key(k)) for k in keys)
+            return [x for x in (_whole_pages(*r) for r in ranges if r is not None) if x is not None]
+
+        if action.swap_out:
+            out = pages(action.swap_out)
+            if out:
+                backend.swap.out(out)
+                self.stats["swap_outs"] += len(out)
+                for r in out:
+                    self._away.add(*r)
+                    self._swapped.ranges[r[0]] = r[1]
+        if action.swap_in:
+            ins = pages(action.swap_in)
+            if ins:
+                backend.swap.back(ins)
+                self.stats["swap_ins"] += len(ins)
+                for r in ins:
+                    self._away.remove(*r)
+                    self._swapped.ranges.pop(r[0], None)
+        if action.ready:
+            backend.swap.wait(pages(action.ready))
+        if action.drop:
+            dead = pages(action.drop)
+            if dead:
+                backend.drop(dead)
+                self.stats["discards"] += len(dead)
+                for r in dead:
+                    self._away.add(*r)
         evicts = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.evict) if r is not None]
         out = [x for x in (_whole_pages(*r) for r in evicts) if x is not None]
         if out:
@@ -842,10 +891,12 @@ class OraclePolicy(Policy):
         """The pool made a segment: its pages are populated as newborns land there."""
         self._away.add(ptr, nbytes)
 
+
     def _released(self, ptr: int, nbytes: int) -> None:
         """The pool handed a segment back: pending calls inside it are moot."""
         end = ptr + nbytes
         self._away.remove(ptr, nbytes)
+        self._swapped.take(ptr, end)
 
         def outside(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
             return [r for r in ranges if not ptr <= r[0] < end]
@@ -858,7 +909,9 @@ class OraclePolicy(Policy):
         backend = self.ctx.backend
         device = self._device()
         if self._discards:
-            backend.discard(self._discards)
+            # umrt's plans drop dead ranges beside the kernels, as its runtime does (a newborn
+            # there is populated first); the belady plan moves their pages out right after
+            (backend.drop if self.schedule is not None else backend.discard)(self._discards)
             self.stats["discards"] += len(self._discards)
             for r in self._discards:
                 self._away.add(*r)
@@ -940,3 +993,27 @@ class ChosenLayout(Layout):
         if not isinstance(layout, LifetimePool):
             raise ConfigError(f"the oracle's plans run on umrt's pool, not {type(layout).__name__}")
         return layout
+
+
+class SwappedOut:
+    """Ranges a plan swapped out, as it handed them to ``swap.out`` (``ranges``: ptr -> bytes)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, int] = {}
+
+    def take(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Forget the ranges inside ``[start, end)``; return them."""
+        out = [(p, n) for p, n in self.ranges.items() if start <= p < end]
+        for p, _ in out:
+            del self.ranges[p]
+        return out
+
+    def restore(self, backend: Backend, away: RangeSet) -> None:
+        """Copy every range back now and make the kernels wait for it (no plan will)."""
+        if self.ranges:
+            ranges = list(self.ranges.items())
+            self.ranges.clear()
+            backend.swap.back(ranges)
+            backend.swap.wait(ranges)
+            for r in ranges:
+                away.remove(*r)

@@ -113,6 +113,7 @@ class Guard:
         rt = self.rt
         rt.counters["switches"] += 1
         self.unfreeze()  # the addresses seen so far were checked against another shape
+        rt.restore_swapped()  # the other shape's plan does not bring back what this one swapped out
         rt._plan = plan
         rt._actions = plan.actions
         rt._next_action = idx
@@ -157,3 +158,4 @@ class Guard:
         rt._event_tokens = None
         rt._discard_keys = frozenset()
         rt._oversized = {}
+        rt.restore_swapped()  # no plan brings them back now

@@ -34,10 +34,11 @@ class Learner:
         self.profile: HardwareProfile | None = None
 
     def new_planner(self, budget_bytes: int, profile: HardwareProfile | None, *, headroom: float,
-                    op_level: bool) -> None:
-        """Plan for ``budget_bytes`` on ``profile`` from now on."""
+                    op_level: bool, swap: bool = False) -> None:
+        """Plan for ``budget_bytes`` on ``profile`` from now on (``swap``: the backend has the
+        copy-engine path, see :class:`~umrt.policy.runtime.planner.Planner`)."""
         self.profile = profile
-        self.planner = Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level)
+        self.planner = Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level, swap=swap)
 
     def new_record(self, alloc_of: dict[int, Alloc]) -> IterationRecord:
         """A record of the iteration starting now, with what is alive."""

@@ -59,6 +59,11 @@ class RuntimeOptions:
         :mod:`umrt.policy.runtime.launch_free`). Always False with
         ``op_level`` (a decision before every launch needs them all): every
         iteration is then followed launch by launch.
+    swap:
+        Where the backend has the copy-engine path (``Backend.swap.copy_engines``: CUDA
+        13, discard, pinned staging), let the planner take objects off the GPU
+        and back through it (``backend.swap.out`` / ``back``) where that costs less
+        than page migration; False: page migration only, as before.
     discard_on_free:
         Discard a dead range at its ``Free`` instead of at the next
         allocation or launch: for a driver whose events arrive after the
@@ -80,6 +85,7 @@ class RuntimeOptions:
     freeze: bool = True
     launch_free: bool = True
     discard_on_free: bool = False
+    swap: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1:

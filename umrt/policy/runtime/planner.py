@@ -66,6 +66,15 @@ class Action:
     n_free: int
     evict: tuple[int, ...]  # keys to move to the host
     prefetch: tuple[int, ...]  # keys to move to the GPU, in need order
+    # The copy-engine path (Backend.swap: out / back): keys copied out to pinned memory
+    # and discarded, keys copied back, and keys whose copy back the kernels from this
+    # point on must wait for (their first reader comes before the next decision).
+    swap_out: tuple[int, ...] = ()
+    swap_in: tuple[int, ...] = ()
+    ready: tuple[int, ...] = ()
+    # Keys whose data no launch reads again though they are not freed yet: discarded
+    # (their pages leave without a copy), never moved.
+    drop: tuple[int, ...] = ()
     # The same point on the clock of non-launch events (IterationRecord.launch_free_clock):
     # the event right before launch ``at`` and the running hash expected there;
     # -1 where no event falls between launches at - 1 and at: the runtime then
@@ -84,6 +93,7 @@ class Plan:
     actions: list[Action]
     discard: frozenset[int]  # keys whose range is discarded when they die
     stats: dict = field(default_factory=dict)
+    swap: frozenset[int] = frozenset()  # keys the plan moves through the copy engines (Backend.swap: out / back)
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
@@ -215,7 +225,10 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
             prev = actions[-1] if actions else None
             if prev is not None and prev.launch_free_at == e:  # two decisions now on one event: one
                 actions[-1] = replace(prev, evict=_union(prev.evict, a.evict),
-                                      prefetch=_union(prev.prefetch, a.prefetch))
+                                      prefetch=_union(prev.prefetch, a.prefetch),
+                                      swap_out=_union(prev.swap_out, a.swap_out),
+                                      swap_in=_union(prev.swap_in, a.swap_in), ready=_union(prev.ready, a.ready),
+                                      drop=_union(prev.drop, a.drop))
                 continue
             if prev is not None and prev.launch_free_at > e:
                 return None
@@ -313,6 +326,20 @@ def peak_live(rec: IterationRecord) -> int:
     return peak
 
 
+def swap_pays(profile: HardwareProfile | None, nbytes: int) -> bool:
+    """Whether taking ``nbytes`` off the GPU and back costs less through the copy engines
+    (a copy out, a discard, a population, a copy back: four runtime calls) than by page
+    migration (a prefetch each way on the driver's one migration path), on the profile's
+    measured costs, which are the simulator's; never for less than two pages (a discard
+    needs one whole 64 KB page inside the object)."""
+    if profile is None or nbytes < 2 * PAGE:
+        return False
+    p = profile
+    migrate = p.prefetch_time(nbytes, "d2h") + p.prefetch_time(nbytes, "h2d")
+    swap = 4 * p.prefetch_call_overhead_s + nbytes / p.copy_rate("d2h") + nbytes / p.copy_rate("h2d")
+    return swap < migrate
+
+
 def _round(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
 
@@ -349,6 +376,11 @@ class Planner:
     early_evict:
         Issue each pre-eviction right after the victim's last use instead of
         when its room is needed.
+    swap:
+        The backend has the copy-engine path (``Backend.swap.copy_engines``): an object
+        the plan takes off the GPU and needs again goes by ``swap.out`` /
+        ``swap.back`` where :func:`swap_pays` says that is cheaper than page
+        migration for its size, by migration otherwise.
     remote_access:
         Keep optimizer state, and long-lived data only oversized launches
         touch, on the host, accessed over the link (see :meth:`remote_keys`).
@@ -367,6 +399,7 @@ class Planner:
         short_launches: int = 4,
         remote_access: bool = True,
         early_evict: bool = True,
+        swap: bool = False,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
@@ -390,6 +423,11 @@ class Planner:
         self.short_launches = short_launches
         self.remote_access = remote_access
         self.early_evict = early_evict
+        # The copy engines (Backend.swap: out / back): where the backend has them and the profile
+        # says what they cost. Their rates, per direction.
+        self.swap = bool(swap and profile is not None)
+        self.swap_d2h_rate = float(profile.copy_rate("d2h")) if profile is not None else self.d2h_rate
+        self.swap_h2d_rate = float(profile.copy_rate("h2d")) if profile is not None else self.rate
 
     # -- public ---------------------------------------------------------------
 
@@ -463,19 +501,40 @@ class Planner:
             rec = replace(rec, uses=uses)
         points = self.decision_points(rec)
         state = None
+        away = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
-            actions, state, stats, remote_at = self._pass(rec, points, state)
+            start_away = away
+            actions, (state, away), stats, remote_at, swapped = self._pass(rec, points, state, away)
+        # The plan runs cyclically: what it leaves swapped out at the iteration's end must be
+        # what it expects away at the start. Where pass 2 ends with more away than it began
+        # with, the first decision copies those back (and waits for them): never a read of data
+        # that is only in pinned memory.
+        missing = tuple(sorted(away - (start_away or set())))
+        if missing and actions:
+            first = actions[0]
+            if first.at == 0:
+                actions[0] = replace(first, swap_in=_union(missing, first.swap_in), ready=_union(missing, first.ready))
+            else:
+                actions.insert(0, Action(0, rec.exec_ids[0], (rec.alloc_counts or [0])[0], (rec.free_counts or [0])[0],
+                                         (), (), (), missing, missing))
+            stats["planned_restored_at_start"] = len(missing)
         # Discard what dies after a long life, where the plan evicts: its pages
         # may be evicted (or were), so dropping them saves a copy. When
         # everything fits nothing is evicted and a dead range is reused in
         # place, resident: a discard would only cost a call and a prefetch
         # before the range's next owner may use it. Short-lived temporaries
         # die resident and their range is reused at once; a call would be waste.
+        # A temporary so large that its range is a sizeable share of the budget (the logits of
+        # a language model's loss) is dropped too, however short its life: the pool keeps its
+        # range for it, and until it comes back that memory holds dead bytes the driver would
+        # copy back to make room for what the plan moves in (a newborn there is populated).
         born = {k: p for p, k in rec.allocs}
         pressure = stats["planned_d2h_bytes"] > 0 or bool(remote)
+        big = max(self.min_discard, PAGE, self.cap // 8)  # more than an eighth of what the plan may hold
         discard = frozenset(
             k for p, k in rec.frees
-            if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE) and p - born.get(k, -len(rec)) > self.short_launches
+            if rec.sizes.get(k, 0) >= max(self.min_discard, PAGE)
+            and (p - born.get(k, -len(rec)) > self.short_launches or rec.sizes.get(k, 0) > big)
         ) if pressure else frozenset()
         stats["decision_points"] = len(points)
         stats["remote_bytes"] = sum(rec.sizes.get(k, 0) for k in remote)
@@ -486,7 +545,7 @@ class Planner:
         resume: dict[int, tuple[int, int]] = {}
         if launch_free_end is not None:
             actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
-        return Plan(rec.signature, n, actions, discard, stats, remote=remote, read_mostly=mostly,
+        return Plan(rec.signature, n, actions, discard, stats, swap=swapped, remote=remote, read_mostly=mostly,
                     remote_at=remote_at, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
@@ -526,7 +585,8 @@ class Planner:
 
     # -- one pass over the iteration -----------------------------------------
 
-    def _pass(self, rec: IterationRecord, points: Sequence[int], start: set[int] | None):
+    def _pass(self, rec: IterationRecord, points: Sequence[int], start: set[int] | None,
+              start_away: set[int] | None = None):
         n = len(rec)
         uses_of: dict[int, list[int]] = {}
         for i, keys in enumerate(rec.uses):
@@ -555,12 +615,32 @@ class Planner:
         died = {k: p for p, k in rec.frees}
         pinned = {k for k, b in born.items() if died.get(k, n + 1) - b <= self.short_launches}
         rate, d2h_rate = self.rate, self.d2h_rate
+        # Keys whose data dies: born in this iteration and freed in it, or carried to the next one
+        # and never used there. Only they are ever dropped; a key with no use left that never
+        # dies (one the plan reads over the link, say), or one alive before the iteration (what a
+        # script's teardown frees after its last step looks the same), keeps its data.
+        mortal = {k for k in died if k in born} | {k for k, ck in rec.carried.items() if not uses_of.get(ck)}
+        # Keys that go through the copy engines when the plan takes them off the GPU.
+        # Not what a launch larger than the budget touches: that is read over the link where it
+        # lies, so its data must be in its own pages (migrated there), not in pinned memory.
+        mapped = {k for i in (self.oversize(rec) if self.remote_access else ()) for k in rec.uses[i]}
+        swaps = ({k for k in size if k not in pinned and k not in mapped and swap_pays(self.profile, rec.sizes[k])}
+                 if self.swap else set())
+        swap_h2d, swap_d2h = self.swap_h2d_rate, self.swap_d2h_rate
+
+        def out_s(k: int) -> float:
+            """Seconds to take ``k`` off the GPU (a copy out, or a prefetch to the host)."""
+            return size[k] / (swap_d2h if k in swaps else d2h_rate)
+
+        def in_s(k: int) -> float:
+            """Seconds to bring ``k`` back (a copy back, or a prefetch to the GPU)."""
+            return size[k] / (swap_h2d if k in swaps else rate)
 
         def dies_first(k: int, cursor: int) -> bool:
             """Used for the last time and freed before copying it out would be
             done: evicting it would copy dead data for room its death frees anyway."""
             d = died.get(k)
-            return d is not None and t[min(d, n)] - t[cursor] <= size[k] / d2h_rate
+            return d is not None and t[min(d, n)] - t[cursor] <= out_s(k)
 
         ptr = {k: 0 for k in uses_of}
 
@@ -591,7 +671,19 @@ class Planner:
 
         frees = sorted(rec.frees)
         fi = 0
+        # The window's own place in the frees: what dies before the launch the window reaches
+        # takes no room there, though the launches before its death still use it (``gone``).
+        wfi = 0
+        gone: set[int] = set()
+        gone_bytes = 0
         moves: list[tuple[list[int], list[int]]] = [([], []) for _ in points]  # per point: evict, prefetch
+        ready: list[list[int]] = [[] for _ in points]  # per point: keys copied back that launches from it read
+        drops: list[list[int]] = [[] for _ in points]  # per point: keys whose data is dead, discarded
+        dropped = 0
+        # Keys swapped out (their data is in pinned memory, not on the GPU): at the start, what
+        # the cyclic plan may have left away at the end of the last iteration.
+        away: set[int] = ({k for k in rec.start_live if k in swaps and k not in resident} if start_away is None
+                          else {k for k in start_away if k in swaps})
         oversize = self.oversize(rec) if self.remote_access else set()
         remote_at: dict[int, list[int]] = {}  # oversized launch -> keys it reaches over the link
         last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
@@ -599,7 +691,7 @@ class Planner:
         cursor = 0
         link_free = 0.0
         d2h_free = 0.0
-        h2d = d2h = faults = 0
+        h2d = d2h = faults = late = away_peak = 0
         peak = used
         ac = rec.alloc_counts or [0] * n
         fc = rec.free_counts or [0] * n
@@ -612,6 +704,10 @@ class Planner:
                 b = resident.pop(k, None)
                 if b is not None:
                     used -= b
+                if k in gone:
+                    gone.discard(k)
+                    gone_bytes -= size[k]
+                away.discard(k)  # dead: its pinned copy is dropped
             evict: list[int] = []
             prefetch: list[int] = []
             if cursor < d:
@@ -623,21 +719,61 @@ class Planner:
             # the link needs, in time.
             nxt2 = points[pi + 2] if pi + 2 < len(points) else n
             horizon = t[nxt] + (t[nxt] - t[d])
-            while cursor < n and (cursor < nxt2 or link_free < horizon):
+            # With the copy engines, copies out run beside copies in: the window also goes on
+            # while the queued copies out would be done before the horizon, so the D2H engine
+            # is never idle while room will be needed (each copy out starts right after its
+            # object's last use, early_evict).
+            pressed = False  # this window had to make room
+            while cursor < n:
+                # Beyond what the link needs in time, a plan with the copy engines goes on filling
+                # the room that is free (never evicting for it): when copies back are the
+                # bottleneck, the H2D engine then always has the next ranges queued.
+                free_only = not (cursor < nxt2 or link_free < horizon or (pressed and swaps and d2h_free < horizon))
+                if free_only and not swaps:
+                    break
+                while wfi < len(frees) and frees[wfi][0] <= cursor:
+                    k = frees[wfi][1]
+                    if k in resident and k not in gone:
+                        gone.add(k)
+                        gone_bytes += size[k]
+                    wfi += 1
                 need = [k for k in rec.uses[cursor] if k not in resident and k in size]
                 nbytes = sum(size[k] for k in need)
+                if free_only and used + nbytes > cap:
+                    break  # (room free now, at this decision point, as the copies are issued now)
                 if nbytes > cap:  # one launch larger than the budget: the driver must stream it
                     cursor += 1
                     continue
-                if used + nbytes > cap:
+                if used - gone_bytes + nbytes > cap:
+                    if (swaps and cursor >= nxt2 and need
+                            and max(d2h_free, t[d]) + (used - gone_bytes + nbytes - cap) / swap_d2h > t[cursor]):
+                        # Room for an early copy back would come from copies out that cannot be
+                        # done before it is needed: the D2H engine is the bottleneck here, and
+                        # more copies out would only delay the launches that wait for room.
+                        break
                     before = len(evict)
                     was = used
-                    used = self._make_room(heap, resident, used, cap - nbytes, cursor, next_use,
+                    used = self._make_room(heap, resident, used, cap - nbytes + gone_bytes, cursor, next_use,
                                            pinned, size, evict, spare=dies_first)
+                    for k in evict[before:]:
+                        if k in gone:  # evicted before its death: it no longer takes room
+                            gone.discard(k)
+                            gone_bytes -= size[k]
                     if len(evict) > before:  # room comes from copies to the host, on the D2H engine
-                        d2h_free = max(d2h_free, t[d]) + (was - used) / d2h_rate
-                        link_free = max(link_free, d2h_free)
-                    if used + nbytes > cap:
+                        pressed = True
+                        d2h_free = max(d2h_free, t[d]) + sum(out_s(k) for k in evict[before:])
+                        # The migration path is one queue both ways: prefetches wait behind the
+                        # evictions on it. Copies out run on their own engine, beside the copies
+                        # back (and a copy back waits only for its own room: the simulator's
+                        # population makes room as a prefetch does).
+                        if not swaps:
+                            link_free = max(link_free, d2h_free)
+                        else:
+                            migrated = sum(out_s(k) for k in evict[before:] if k not in swaps)
+                            if migrated:
+                                link_free = max(link_free, t[d]) + migrated
+                        away.update(k for k in evict[before:] if k in swaps and k in touched and next_use(k) != INF)
+                    if used - gone_bytes + nbytes > cap:
                         break  # capacity-bound: the window ends here
                 for k in need:
                     resident[k] = size[k]
@@ -645,20 +781,30 @@ class Planner:
                     push(k)
                     if k in touched:  # holds data: move it; born but unwritten or unborn: room only
                         prefetch.append(k)
-                        link_free += size[k] / rate
+                        link_free += in_s(k)
+                        if k in away:  # copied back: the kernels of its first reader's segment wait for it
+                            away.discard(k)
+                            ready[bisect.bisect_right(points, cursor) - 1].append(k)
                 cursor += 1
-            if used > peak:
-                peak = used
+            if used - gone_bytes > peak:
+                peak = used - gone_bytes
+            if away:  # the most bytes swapped out at once: the pinned staging it needs
+                away_peak = max(away_peak, sum(size[k] for k in away))
             evict = [k for k in evict if k in touched]  # unwritten pages hold nothing to move
             # Pre-evict as early as it is safe: right after the victim's last
             # use, so its copy-out is long done when the room is needed and the
-            # prefetch that needs the room never waits for it.
+            # prefetch that needs the room never waits for it. A victim no launch
+            # uses again holds dead data: it is dropped (discarded), not copied.
             for k in evict:
                 at = last_pi.get(k, -1) + 1 if self.early_evict else pi
+                if swaps and k in mortal and next_use(k) == INF:  # (a backend with the copy engines can discard)
+                    drops[min(at, pi)].append(k)
+                    dropped += size[k]
+                    continue
                 moves[min(at, pi)][0].append(k)
+                d2h += size[k]
             moves[pi][1].extend(prefetch)
             h2d += sum(size[k] for k in prefetch)
-            d2h += sum(size[k] for k in evict)
             # Run the segment: what the window did not cover faults in.
             for i in range(d, nxt):
                 while fi < len(frees) and frees[fi][0] <= i:
@@ -667,10 +813,27 @@ class Planner:
                     b = resident.pop(k, None)
                     if b is not None:
                         used -= b
+                    if k in gone:
+                        gone.discard(k)
+                        gone_bytes -= size[k]
+                    away.discard(k)
                 big = i in oversize
                 for k in rec.uses[i]:
                     if k not in size:
                         continue
+                    if k in away:
+                        # Swapped out and not brought back by a window: its data is only in
+                        # pinned memory, so it is copied back now and this segment waits for it
+                        # (never faulted in, never read over the link: both would read nothing).
+                        away.discard(k)
+                        late += 1
+                        moves[pi][1].append(k)
+                        ready[pi].append(k)
+                        h2d += size[k]
+                        resident[k] = size[k]
+                        used += size[k]
+                        if used > cap:
+                            used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
                     if big and k not in resident:
                         # Larger than the budget: what is not resident is read
                         # and written over the link for this launch only.
@@ -692,14 +855,23 @@ class Planner:
                     push(k)
         while fi < len(frees):  # deaths after the last launch (zero_grad after the step)
             resident.pop(frees[fi][1], None)
+            away.discard(frees[fi][1])
             fi += 1
         # What the next iteration starts with: survivors under their carried keys.
         carried = {c for c in (rec.carried.get(k, k) for k in resident) if c in rec.start_live}
+        out = [k for ev, _ in moves for k in ev if k in swaps]
         stats = {"planned_h2d_bytes": h2d, "planned_d2h_bytes": d2h, "planned_faults": faults,
-                 "planned_peak_bytes": peak, "capacity_bytes": cap}
-        actions = [Action(d, rec.exec_ids[d], ac[d], fc[d], tuple(ev), tuple(pf))
-                   for d, (ev, pf) in zip(points, moves, strict=True) if ev or pf]
-        return actions, carried, stats, {i: tuple(ks) for i, ks in remote_at.items()}
+                 "planned_peak_bytes": peak, "capacity_bytes": cap,
+                 "planned_swap_out_bytes": sum(size[k] for k in out), "planned_late_swap_ins": late,
+                 "planned_drop_bytes": dropped, "planned_swap_peak_bytes": away_peak}
+        actions = [Action(d, rec.exec_ids[d], ac[d], fc[d],
+                          tuple(k for k in ev if k not in swaps), tuple(k for k in pf if k not in swaps),
+                          tuple(k for k in ev if k in swaps), tuple(k for k in pf if k in swaps), tuple(rd), tuple(dr))
+                   for d, (ev, pf), rd, dr in zip(points, moves, ready, drops, strict=True) if ev or pf or rd or dr]
+        # ... and what it leaves swapped out, under the keys the next iteration knows them by.
+        end_away = {c for c in (rec.carried.get(k, k) for k in away) if c in rec.start_live}
+        return (actions, (carried, end_away), stats, {i: tuple(ks) for i, ks in remote_at.items()},
+                frozenset(out))
 
     @staticmethod
     def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out, spare=None) -> int:

@@ -38,6 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Runtime"]
 
 _N = itemgetter(1)  # a range -> its bytes
+# Pinned staging beyond the plan's figure: objects' whole pages and the 64 KiB slots round up,
+# and an iteration may keep a little more away than the one it was planned on.
+STAGING_MARGIN = 1.25
 
 
 def _reference_key(plan: Plan) -> tuple[int, bool]:
@@ -88,13 +91,14 @@ class Runtime(Policy):
         freeze: bool = True,
         launch_free: bool = True,
         discard_on_free: bool = False,
+        swap: bool = True,
     ) -> None:
         self.options = options = RuntimeOptions(
             op_level=op_level, headroom=headroom, learn_iterations=learn_iterations,
             probe_iterations=probe_iterations, guard_window=guard_window, guard_failures=guard_failures,
             guard_cooldown=guard_cooldown, max_variants=max_variants, use_pool=use_pool,
             min_discard=min_discard, read_mostly=read_mostly, freeze=freeze, launch_free=launch_free,
-            discard_on_free=discard_on_free)
+            discard_on_free=discard_on_free, swap=swap)
         # The options on_event reads at every Free, copied: one attribute read, not two.
         self._min_discard = options.min_discard
         self._discard_on_free = options.discard_on_free
@@ -107,6 +111,7 @@ class Runtime(Policy):
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
             "light_iterations": 0, "late_decisions": 0, "light_rebases": 0,
+            "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
         self._n_discarded = 0
@@ -123,6 +128,11 @@ class Runtime(Policy):
         # prefetched to the GPU before its kernel (see _populate).
         self._off_gpu = RangeSet()
         self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
+        # Live ranges umrt swapped out (their data is in the backend's pinned staging): each
+        # comes back with swap.back before a kernel reads it, or is released when it dies.
+        # (each range as swap.out was given it, ptr -> bytes: one allocation's whole pages).
+        self._swapped: dict[int, int] = {}
+        self._swap_signature: int | None = None  # the plan that swapped them (it brings them back)
 
         self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
         self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
@@ -162,7 +172,7 @@ class Runtime(Policy):
         # learning: without a plan there is no pressure to relieve, and a discarded
         # range costs a prefetch before its next owner may use it).
         self._discard_keys: frozenset[int] = frozenset()
-        self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard before the next allocation or launch
+        self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
         # Frozen: a trusted plan whose objects keep their addresses (checked at
         # every allocation against the last iteration of the same shape) reuses
         # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
@@ -198,7 +208,8 @@ class Runtime(Policy):
         lazily). Shadow mode sets it once the peak is known."""
         self.ctx.budget_bytes = int(budget_bytes)
         self._learner.new_planner(budget_bytes, self.profile, headroom=self.options.headroom,
-                                  op_level=self.options.op_level)
+                                  op_level=self.options.op_level,
+                                  swap=self.options.swap and self.ctx.backend.swap.copy_engines)
         self.plans.clear()
         self._clock.forget_plans()
         if self._mode == "act":
@@ -213,6 +224,24 @@ class Runtime(Policy):
         self.wants_launches = wants_launches
         self._discard_keys = frozenset()
         self._oversized = {}
+        self.restore_swapped()
+
+    def detach(self) -> None:
+        """The live source stopped for good: what is swapped out comes back now."""
+        self.restore_swapped()
+
+    def restore_swapped(self) -> None:
+        """Copy back every range still swapped out, and make the kernels queued from now on
+        wait for it: the plan that would have brought them back is no longer followed."""
+        if not self._swapped:
+            return
+        ranges = list(self._swapped.items())
+        self._swapped.clear()
+        self.backend.swap.back(ranges)
+        self.backend.swap.wait(ranges)
+        for p, n in ranges:
+            self._off_gpu.remove(p, n)
+        self.counters["swap_restores"] += 1
 
     def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
         """umrt's lifetime-aware pool (the caching-allocator model with
@@ -232,6 +261,8 @@ class Runtime(Policy):
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
         self._off_gpu.remove(ptr, nbytes)
+        if self._swapped:  # only dead objects lie in a segment the pool gives back
+            self._drop_swapped(ptr, end)
         if self._pending_discards:
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
         self._host.released(ptr, end)
@@ -296,6 +327,8 @@ class Runtime(Policy):
             # and what of its range umrt took off the GPU comes back first.
             if self._pending_discards:
                 self._flush()
+            if self._swapped:
+                self._check_swapped(n_events, events_hash)
             if off_gpu and self._off_gpu.overlaps(ptr, event.nbytes):
                 self._populate(ptr, event.nbytes)
             if n_events == self._due_event:
@@ -314,8 +347,11 @@ class Runtime(Policy):
                 self._host.unset_read_mostly(obj)
             # The acting plan's long-lived dead are dropped (their pages would be
             # evicted, i.e. copied, under pressure), batched until the next allocation
-            # or launch (nothing can write them before).
+            # or module boundary (nothing can write them before an allocation): the same
+            # events whether or not launches are seen, so a plan acts alike either way.
             nb = self._alloc_of.pop(obj, NO_ALLOC).nbytes
+            if self._swapped:
+                self._release_swapped(obj, nb)
             if nb >= self._min_discard:
                 if key in self._discard_keys:
                     try:
@@ -340,6 +376,8 @@ class Runtime(Policy):
                 self._event_tokens.append((nb << 3) | 5)
             if self._discard_on_free and self._pending_discards:
                 self._flush()
+            if self._swapped:
+                self._check_swapped(n_events, events_hash)
             if n_events == self._due_event:
                 self._clock.on_due_event(n_events)
         elif t is Launch:
@@ -349,10 +387,10 @@ class Runtime(Policy):
                 self._learner.record_launch(self._record, event, self._n_frees)
             if self._launch_mapped:
                 self._host.unmap_launch()
-            if self._pending_discards:
-                self._flush()
             n = self._n_launches
             self._n_launches = n + 1
+            if self._swapped and (self._plan is None or n >= self._plan.n_launches):
+                self.restore_swapped()  # a launch the plan never saw: it may read what is away
             if n == self._next_launch and self._mode == "act":
                 self._decide(event)
             if self._oversized and n in self._oversized and self._mode == "act":
@@ -369,11 +407,12 @@ class Runtime(Policy):
                 rec.tokens.append((v << 2) | 2)  # launch_free_token(v, LAYER_TOKEN)
             if self._event_tokens is not None:
                 self._event_tokens.append((v << 2) | 2)
-            if self._acting_launch_free:
-                if self._pending_discards:
-                    self._flush()
-                if n_events == self._due_event:
-                    self._clock.on_due_event(n_events)
+            if self._pending_discards:
+                self._flush()
+            if self._swapped:
+                self._check_swapped(n_events, events_hash)
+            if self._acting_launch_free and n_events == self._due_event:
+                self._clock.on_due_event(n_events)
         elif t is IterationBoundary:
             self._boundary(event.index)
 
@@ -414,6 +453,8 @@ class Runtime(Policy):
     def _boundary(self, index: int) -> None:
         """One iteration ends (its plan finished, its record compiled) and the next starts."""
         c = self.counters
+        if self._pending_discards:  # as at any other event: whether or not launches are seen
+            self._flush()
         if self._acting_launch_free:
             self._clock.finish_iteration()
         if self._mode == "act" and self._record is not None and self._learner.signature != self._plan.signature:
@@ -541,6 +582,13 @@ class Runtime(Policy):
         self._clock.follow(plan.launch_free_resume if launch_free else {})
         if launch_free and -1 in self._clock.resume:  # a decision before the iteration's first event
             self._counting_launches = self.wants_launches = True
+        if self._swapped and (plan is None or plan.signature != self._swap_signature):
+            self.restore_swapped()  # another plan (or none) would not bring them back
+        self._swap_signature = plan.signature if plan is not None else None
+        if plan is not None and plan.swap:
+            # pinned staging for the most the plan keeps away at once (allocated once; a host
+            # without that much memory is an error naming both figures, before anything moves)
+            self.backend.swap.reserve(int(plan.stats.get("planned_swap_peak_bytes", 0) * STAGING_MARGIN))
         if plan is not None:  # a plan with nothing to do (everything fits) is acted on too: no capture
             self._mode = "act"
             self._plan = plan
@@ -602,11 +650,29 @@ class Runtime(Policy):
         else:  # counted from the event before it (Plan.launch_free_resume)
             self._next_launch, self._clock.next_event = a.at, -1
 
-    def _act(self, a: Action) -> None:
-        """Issue one decision's moves."""
+    def _act(self, a: Action, destructive: bool = True) -> None:
+        """Issue one decision's moves (``destructive`` False: not its swaps out and drops, which
+        leave data only in pinned memory or nowhere: a decision taken off its place skips them)."""
         c = self.counters
         c["decisions"] += 1
         off_gpu = self._off_gpu
+        if a.swap_out and destructive:
+            ranges, moved, _ = self._ranges.resolve(a.swap_out, True, self._frozen)
+            if ranges:
+                self.backend.swap.out(ranges)
+                c["swap_calls"] += 1
+                c["swapped_out_bytes"] += moved
+                for p, n in ranges:
+                    off_gpu.add(p, n)
+                    self._swapped[p] = n
+        if a.drop and destructive:
+            ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
+            if ranges:  # dead data no launch reads again: its pages leave without a copy
+                self.backend.drop(ranges)
+                self._n_discard_calls += 1
+                self._n_discarded += moved
+                for p, n in ranges:
+                    off_gpu.add(p, n)
         if a.evict:
             ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
             if ranges:
@@ -615,6 +681,21 @@ class Runtime(Policy):
                 c["evicted_bytes"] += moved
                 for p, n in ranges:
                     off_gpu.add(p, n)
+        if a.swap_in:
+            # Whole pages, as they went out; what of them was never swapped out is prefetched.
+            ranges, moved, unresolved = self._ranges.resolve(a.swap_in, True, self._frozen)
+            c["unresolved"] += unresolved
+            if ranges:
+                self.backend.swap.back(ranges)
+                c["swap_calls"] += 1
+                c["swapped_in_bytes"] += moved
+                for p, n in ranges:
+                    off_gpu.remove(p, n)
+                    self._swapped.pop(p, None)
+        if a.ready:
+            ranges, _, _ = self._ranges.resolve(a.ready, True, self._frozen)
+            if ranges:
+                self.backend.swap.wait(ranges)
         if a.prefetch:
             ranges, moved, unresolved = self._ranges.resolve(a.prefetch, False, self._frozen)
             c["unresolved"] += unresolved
@@ -626,12 +707,37 @@ class Runtime(Policy):
                     for p, n in ranges:
                         off_gpu.remove(p, n)
 
+    def _check_swapped(self, event: int, events_hash: int) -> None:
+        """While something is swapped out, every allocation, free and module boundary must be the
+        plan's (the running hash after it the recorded one): a program that leaves the plan may
+        read what only the plan would have brought back, so it all comes back now."""
+        plan = self._plan
+        if plan is None or plan.launch_free_end is None or plan.hash_after(event) != events_hash:
+            self.restore_swapped()
+
+    def _release_swapped(self, obj: int, nbytes: int) -> None:
+        """``obj`` died: the parts of it still swapped out are dropped from the staging."""
+        try:
+            ptr = self._live_index[obj].ptr
+        except KeyError:
+            return  # never placed by the layout: nothing of it was swapped
+        pieces = self._drop_swapped(ptr, ptr + nbytes)
+        if pieces:
+            self.backend.swap.release(pieces)
+
+    def _drop_swapped(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Forget the swapped-out ranges inside ``[start, end)``; return them."""
+        out = [(p, n) for p, n in self._swapped.items() if start <= p < end]
+        for p, _ in out:
+            del self._swapped[p]
+        return out
+
     def _flush(self) -> None:
         """Discard the ranges freed since the last flush in one call. Ranges
         of segments the pool gave back meanwhile were dropped (_released)."""
         ranges = self._pending_discards
         self._pending_discards = []
-        self.backend.discard(ranges)
+        self.backend.drop(ranges)
         self._n_discard_calls += 1
         self._n_discarded += sum(map(_N, ranges))
         off_gpu = self._off_gpu
