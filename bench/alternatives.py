@@ -1,0 +1,159 @@
+"""What users pick instead: umrt beside activation checkpointing, ``python -m bench.alternatives``.
+
+When a model does not fit, a PyTorch user's usual answer is activation
+checkpointing (recompute the forward's activations in backward). Measured on an
+H100 80GB HBM3 (``../shared/gpu-evidence/alternatives.jsonl``, h100-measured.md
+section 5): GPT-2 small 8 x 1024 fp32 ran at 1.27x plain PyTorch's step with its
+peak at 45% of plain's, BERT-large 32 x 512 fp32 at 1.31x with 33%.
+
+The table simulates umrt on ``h100-sxm5-80g`` (SIMULATED) for both models, fp32
+and bf16, at the memory checkpointing needed (45% / 33% of the trace's peak live
+bytes: ``--budget-base peak``) and at 25%, where checkpointing cannot go (its own
+peak is above it). Each row: umrt's step over the ideal step (unlimited memory),
+the link bound (:mod:`umrt.sim.bound`: no policy's step is shorter in the
+simulator) over ideal, umrt over the bound, and checkpointing's MEASURED figure
+beside them (fp32, at its own peak only: it was not measured in bf16). Where the
+bound itself is above checkpointing's figure, the row says so: moving data over
+the link cannot match recomputation there, and the two figures tell by how much.
+
+Traces are the bench grid's meta traces (:func:`bench.grid.trace_for`, cached).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["CHECKPOINTING", "Row", "main", "rows", "table"]
+
+PROFILE = "h100-sxm5-80g"
+MODELS = (("gpt2", 8, 1024), ("bert-large", 32, 512))
+DTYPES = ("float32", "bfloat16")
+TIGHT = "25%"  # below checkpointing's own peak for both models
+# Measured on an H100 80GB HBM3 (alternatives.jsonl): activation checkpointing's steady step
+# over plain PyTorch's, and its peak allocated bytes over plain's (fp32).
+CHECKPOINTING = {
+    "gpt2": {"step_ratio": 235.0645489999863 / 185.46572199999645, "peak_fraction": 6864139264 / 15173841920,
+             "budget": "45%"},
+    "bert-large": {"step_ratio": 1065.0574039999867 / 812.081274999997, "peak_fraction": 12057632256 / 37052538368,
+                   "budget": "33%"},
+}
+SOURCE = "../shared/gpu-evidence/alternatives.jsonl (H100 80GB HBM3, torch 2.11, fp32)"
+
+
+@dataclass
+class Row:
+    """One cell: a model, a precision and a budget (a percentage of the trace's peak live bytes)."""
+
+    model: str
+    batch: int
+    seq: int
+    dtype: str
+    budget: str
+    ideal_s: float  # SIMULATED
+    umrt_s: float  # SIMULATED
+    bound_s: float  # SIMULATED
+    checkpointing: float | None  # MEASURED step ratio, fp32 at its own peak; None elsewhere
+    out_gb: float = 0.0  # SIMULATED: bytes that left the GPU in the steady step (copies, migrations)
+    in_gb: float = 0.0
+    error: str = ""
+
+    @property
+    def umrt_ratio(self) -> float:
+        return self.umrt_s / self.ideal_s
+
+    @property
+    def bound_ratio(self) -> float:
+        return self.bound_s / self.ideal_s
+
+    @property
+    def to_bound(self) -> float:
+        return self.umrt_s / self.bound_s
+
+    @property
+    def bound_above_checkpointing(self) -> bool:
+        return self.checkpointing is not None and self.bound_ratio > self.checkpointing
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"umrt_over_ideal": self.umrt_ratio, "bound_over_ideal": self.bound_ratio,
+                               "umrt_over_bound": self.to_bound,
+                               "bound_above_checkpointing": self.bound_above_checkpointing}
+
+
+def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = True) -> list[Row]:
+    """Every cell, simulated (each umrt run to its steady state, as ``umrt simulate`` reports it)."""
+    from bench.grid import trace_for
+    from umrt.errors import UmrtError
+    from umrt.policy import make_policy
+    from umrt.sim.bound import link_bound
+    from umrt.sim.replay import simulate
+
+    out: list[Row] = []
+    for model, batch, seq in models:
+        for dtype in dtypes:
+            trace = trace_for(model, batch, seq, dtype=dtype)
+            ideal = simulate(trace, "ideal", profile, "100%", budget_base="peak").iteration_time_s
+            ckpt = CHECKPOINTING[model]
+            for budget in (ckpt["budget"], TIGHT):
+                t0 = time.perf_counter()
+                measured = ckpt["step_ratio"] if dtype == "float32" and budget == ckpt["budget"] else None
+                try:
+                    policy = make_policy("umrt", trace)
+                    r = simulate(trace, policy, profile, budget, iterations=policy.steady_iterations(),
+                                 budget_base="peak")
+                    bound = link_bound(trace, profile, budget, iterations=policy.steady_iterations(),
+                                       budget_base="peak")
+                    row = Row(model, batch, seq, dtype, budget, ideal, r.iteration_time_s, bound.time_s, measured,
+                              r.d2h_bytes / 1e9, r.h2d_bytes / 1e9)
+                except UmrtError as exc:
+                    row = Row(model, batch, seq, dtype, budget, ideal, float("nan"), float("nan"), measured,
+                              error=str(exc))
+                out.append(row)
+                if progress:
+                    print(f"  {model} {dtype} {budget}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return out
+
+
+def table(cells: list[Row]) -> str:
+    """The rows as a markdown table (SIMULATED and MEASURED columns labelled)."""
+    out = [f"What users pick instead, on {PROFILE}: umrt and the link bound SIMULATED, activation "
+           f"checkpointing MEASURED ({SOURCE}). Budgets are % of the trace's peak live bytes.", "",
+           "| model | dtype | budget | umrt / ideal (SIMULATED) | bound / ideal (SIMULATED) | umrt / bound | "
+           "checkpointing / plain (MEASURED) | note |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in cells:
+        if r.error:
+            out.append(f"| {r.model} {r.batch}x{r.seq} | {r.dtype} | {r.budget} | - | - | - | - | {r.error} |")
+            continue
+        ck = f"{r.checkpointing:.2f}x" if r.checkpointing is not None else "-"
+        if r.bound_above_checkpointing:
+            note = (f"the bound is above checkpointing: moving data cannot match recomputation here "
+                    f"(by {r.bound_ratio / r.checkpointing:.2f}x at best)")
+        elif r.checkpointing is None and r.budget == TIGHT:
+            note = "below checkpointing's own peak"
+        else:
+            note = ""
+        out.append(f"| {r.model} {r.batch}x{r.seq} | {r.dtype} | {r.budget} | {r.umrt_ratio:.2f}x | "
+                   f"{r.bound_ratio:.2f}x | {r.to_bound:.2f} | {ck} | {note} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.alternatives", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--models", nargs="+", choices=[m for m, _, _ in MODELS], help="a subset of the models")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, help="a subset of the precisions")
+    args = parser.parse_args(argv)
+    models = [m for m in MODELS if not args.models or m[0] in args.models]
+    cells = rows(models, tuple(args.dtype or DTYPES))
+    print(table(cells))
+    if args.json:
+        args.json.write_text(json.dumps([r.to_json() for r in cells], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
