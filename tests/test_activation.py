@@ -140,8 +140,9 @@ def test_run_simulate_calls_shadow(tmp_path, monkeypatch, no_umrt_env):
     script = tmp_path / "s.py"
     script.write_text("raise SystemExit('must not run for real')\n")
     assert _cli(["run", "--simulate", "v100-pcie3-16g", "--gpu-memory", "20%", str(script), "x"]) == 0
-    assert seen == {"script": str(script), "argv": ["x"], "profile": "v100-pcie3-16g", "gpu_memory": "20%",
-                    "policy": "umrt"}
+    amount = seen.pop("gpu_memory")  # "20%" as shadow mode reads it: of the footprint the run needs
+    assert (amount.fraction, amount.base, amount.text) == (0.2, "footprint", "20%")
+    assert seen == {"script": str(script), "argv": ["x"], "profile": "v100-pcie3-16g", "policy": "umrt"}
 
 
 def test_run_bad_input_exits_2(tmp_path, capsys, no_umrt_env):

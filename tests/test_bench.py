@@ -319,10 +319,17 @@ def test_dtypes_run_side_by_side(monkeypatch):
 
 
 def test_cli_takes_dtypes_and_the_budget_base(capsys, tmp_path):
-    grid = grid_from_args(build_parser().parse_args(["--dtype", "float32", "bfloat16", "--budget-base", "peak"]))
-    assert grid.dtypes == ("float32", "bfloat16") and grid.budget_base == "peak"
+    grid = grid_from_args(build_parser().parse_args(["--dtype", "float32", "bfloat16", "--gpu-memory", "20%peak",
+                                                     "8GiB"]))
+    assert grid.dtypes == ("float32", "bfloat16") and grid.budgets == ("20%peak", "8GiB")
     grid = grid_from_args(build_parser().parse_args([]))
-    assert grid.dtypes == ("float32",) and grid.budget_base == "footprint"
+    assert grid.dtypes == ("float32",) and grid.budgets == ("20%", "50%")
+    # the old spellings, for one version, each with a note
+    grid = grid_from_args(build_parser().parse_args(["--budgets", "20%", "8GiB", "--budget-base", "peak"]))
+    assert grid.budgets == ("20%peak", "8GiB")
+    err = capsys.readouterr().err
+    assert "bench: note: --budgets is now --gpu-memory (the same meaning)" in err
+    assert "bench: note: --budget-base is gone: a percentage names its base" in err
     assert main(["--dtype", "fp8", "--out", str(tmp_path)]) == 2
     assert "unknown dtype 'fp8'" in capsys.readouterr().err
 

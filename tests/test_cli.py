@@ -47,17 +47,19 @@ def test_plain_text_keeps_the_words():
         "For example:\n\n    umrt run x.py\nuse `umrt trace`"
 
 
-def test_shadow_gpu_memory_errors_speak_of_the_footprint(tmp_path, capsys, monkeypatch):
-    """In shadow mode a percentage is of the footprint the run needs, not of device memory
-    (issue 14); live, it is of device memory."""
+def test_gpu_memory_errors_name_the_flag_and_every_base(tmp_path, capsys, monkeypatch):
+    """One vocabulary (issue 22): the error names the flag as the user wrote it and what each
+    percentage is of, in shadow mode and live alike."""
     monkeypatch.delenv("UMRT_SIMULATE", raising=False)
+    monkeypatch.delenv("UMRT_GPU_MEMORY", raising=False)
     script = tmp_path / "s.py"
     script.write_text("pass\n")
-    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "banana", str(script)]) == 2
-    err = capsys.readouterr().err
-    assert "shadow mode" in err and "footprint" in err and "device memory" not in err
-    assert main(["run", "--gpu-memory", "banana", str(script)]) == 2
-    assert "device memory" in capsys.readouterr().err
+    for argv in (["--simulate", "h100-pcie5-80g"], []):
+        assert main(["run", *argv, "--gpu-memory", "banana", str(script)]) == 2
+        err = capsys.readouterr().err
+        assert err == ("umrt: error: --gpu-memory='banana' is not a memory amount; give a size ('12GiB', '500MB', "
+                       "a byte count) or a percentage: '50%' of the footprint the run needs, '50%peak' of its peak "
+                       "live bytes, '90%device' of the GPU's memory\n")
 
 
 def test_one_size_parser_for_live_and_simulated_budgets():
@@ -71,11 +73,12 @@ def test_one_size_parser_for_live_and_simulated_budgets():
 
 
 def test_shadow_mode_takes_its_budget_from_the_config(tmp_path, monkeypatch):
-    """umrt.cli.run.shadow reads cfg.gpu_memory (UMRT_GPU_MEMORY or --gpu-memory, as given), not the environment."""
+    """umrt.cli.run.shadow reads cfg.budget() (--gpu-memory, else UMRT_GPU_MEMORY, else the simulated
+    default), not the environment."""
     import types
 
     from umrt.cli.run import shadow
-    from umrt.config import Config
+    from umrt.config import SIMULATED_DEFAULT, Config
 
     seen = {}
     fake = types.ModuleType("umrt.shadow")
@@ -85,8 +88,8 @@ def test_shadow_mode_takes_its_budget_from_the_config(tmp_path, monkeypatch):
     script = tmp_path / "s.py"
     script.write_text("pass\n")
     assert shadow(Config().replace(simulate="h100-pcie5-80g", gpu_memory="12G"), str(script), []) == 0
-    assert seen["gpu_memory"] == "12G"
+    assert seen["gpu_memory"].bytes == 12 << 30
     seen.clear()
     monkeypatch.setenv("UMRT_GPU_MEMORY", "30%")  # the Config given wins over a stray variable
     assert shadow(Config().replace(simulate="h100-pcie5-80g"), str(script), []) == 0
-    assert "gpu_memory" not in seen  # unset: run_shadow's default (20% of the footprint)
+    assert str(seen["gpu_memory"]) == SIMULATED_DEFAULT == "50%"  # unset: the simulated default

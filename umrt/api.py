@@ -92,6 +92,7 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
     """
     global _current
     cfg = (config or from_env()).replace(enabled=True, **overrides)
+    cfg.budget()  # a budget this run cannot read fails here, before anything starts
     if cfg.shadow and "simulate" not in overrides:
         # UMRT_SIMULATE from the environment: this process is being simulated (shadow run);
         # a script's own umrt.enable() must not touch a GPU there.
@@ -115,6 +116,8 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
             say_no_gpu_once()
             _current = Session(cfg, active=False, notes=["no CUDA GPU"])
             return _current
+        for note in cfg.notes():  # an old spelling: what it means now, once
+            print(f"umrt: note: {note}", file=sys.stderr)
         _current = _start(cfg)
         return _current
 
@@ -131,8 +134,8 @@ def _start(cfg: Config) -> Session:
 
     backend = CudaBackend(cfg.device)
     _, total = backend.mem_info()
-    budget = cfg.gpu_memory.resolve(total)
-    arena = cfg.short_lived_arena.resolve(budget) if cfg.short_lived_arena else None
+    budget = cfg.budget().resolve(total)
+    arena = cfg.arena(budget)
     pool = ManagedPool(backend, _layout_factory(arena), populate_limit=budget)
     session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget)
     session.steady = _steady_server(cfg, backend, pool)
