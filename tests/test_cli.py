@@ -1,5 +1,6 @@
 """The top-level CLI: every subcommand's --help renders (argparse formats help
 strings with %, so a stray % crashes only when a user asks for help)."""
+import os
 import re
 import sys
 
@@ -93,3 +94,99 @@ def test_shadow_mode_takes_its_budget_from_the_config(tmp_path, monkeypatch):
     monkeypatch.setenv("UMRT_GPU_MEMORY", "30%")  # the Config given wins over a stray variable
     assert shadow(Config().replace(simulate="h100-pcie5-80g"), str(script), []) == 0
     assert str(seen["gpu_memory"]) == SIMULATED_DEFAULT == "50%"  # unset: the simulated default
+
+
+# -- what a user sees (issue 22) -----------------------------------------------------------
+
+RAISES = "def f():\n    raise ValueError('boom')\n\n\nf()\n"
+SYNTAX = "x = (\n"
+WAYS = {
+    "run": lambda script, tmp: ["run", str(script)],
+    "run --simulate": lambda script, tmp: ["run", "--simulate", "h100-pcie5-80g", str(script)],
+    "trace": lambda script, tmp: ["trace", "-o", str(tmp / "t.umrt"), "--", "python", str(script)],
+}
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("body", [RAISES, SYNTAX], ids=["raises", "syntax-error"])
+def test_a_failing_script_shows_what_python_shows(way, body, tmp_path, capsys, monkeypatch):
+    """Under `umrt run`, `umrt run --simulate` and `umrt trace`, a script that raises (or does not
+    parse) shows python's own traceback of it, without a frame of umrt's or runpy's, and exits 1."""
+    import subprocess
+
+    import umrt.api
+
+    monkeypatch.setattr(umrt.api, "gpu_count", lambda: 0)
+    for k in [k for k in os.environ if k.startswith("UMRT")]:
+        monkeypatch.delenv(k)
+    script = tmp_path / "s.py"
+    script.write_text(body)
+    python = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert python.returncode == 1 and python.stderr.endswith("Error: boom\n" if body == RAISES else "closed\n")
+    assert main(WAYS[way](script, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert python.stderr in err, err
+    assert "umrt/" not in err.replace("umrt: ", "") and "runpy" not in err
+    others = [line for line in err.replace(python.stderr, "").splitlines() if line]
+    assert all(line.startswith("umrt: ") for line in others), others  # at most umrt's own one-liners
+    assert not (tmp_path / "t.umrt").exists()
+
+
+def test_a_negative_amount_gets_umrts_message_not_argparses(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("UMRT_GPU_MEMORY", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    for sim in ([], ["--simulate", "h100-pcie5-80g"]):
+        assert main(["run", *sim, "--gpu-memory", "-20%", str(script)]) == 2
+        assert capsys.readouterr().err == "umrt: error: --gpu-memory='-20%': a percentage must be above 0%\n"
+
+
+def test_a_gpu_memory_error_in_shadow_mode_names_the_flag(tmp_path, capsys, monkeypatch):
+    """It said `gpu_memory='200%'`, the Config field's name; 200% of the footprint is a roomy GPU now."""
+    monkeypatch.delenv("UMRT_GPU_MEMORY", raising=False)
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "90%device", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("umrt: error: --gpu-memory='90%device': a simulated GPU has no memory but its budget")
+    assert "gpu_memory=" not in err and err.count("\n") == 1
+
+
+#: Words of the code's history, not of what a user does.
+HISTORY = (r"umrt\.shadow", r"run_shadow", r"before 0\.2", r"issue \d", r"gpu_memory=", r"\brest\b")
+
+
+def _helps():
+    from bench.cli import build_parser as bench_parser
+    from bench.gpu import build_parser as gpu_parser
+
+    yield "python -m bench", bench_parser().format_help()
+    yield "python -m bench.gpu", gpu_parser().format_help()
+    parser = build_parser()
+    yield "umrt", parser.format_help()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        yield f"umrt {name}", p.format_help()
+
+
+def test_help_speaks_of_what_a_user_does_not_of_the_codes_history():
+    for where, text in _helps():
+        for word in HISTORY:
+            assert not re.search(word, text), f"{where} --help: {word}"
+
+
+def test_the_defaults_in_help_are_the_codes():
+    from umrt.config import LIVE_DEFAULT, SIMULATED_DEFAULT
+
+    helps = dict(_helps())
+    assert f"default {LIVE_DEFAULT} live, {SIMULATED_DEFAULT} in shadow mode" in " ".join(helps["umrt run"].split())
+    assert f"(default {SIMULATED_DEFAULT})" in " ".join(helps["umrt simulate"].split())
+    assert "(default umrt)" in " ".join(helps["umrt simulate"].split())  # the same default policy as `umrt run`
+
+
+def test_trace_output_under_a_file_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hello.py").write_text("pass\n")
+    assert main(["trace", "-o", "hello.py/x.umrt", "--", "python", "hello.py"]) == 2
+    assert capsys.readouterr().err == (f"umrt: error: cannot write 'hello.py/x.umrt': '{tmp_path / 'hello.py'}' "
+                                       "is a file, not a directory\n")

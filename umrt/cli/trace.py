@@ -56,14 +56,15 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--device",
         choices=("meta", "cpu", "cuda"),
-        help="where to run: zoo default meta (no memory touched); scripts default cuda if available, "
-        "else cpu",
+        help="whose memory to trace: a zoo model runs there (default meta: no memory touched); a script "
+        "runs where it chooses, and by default the device it uses is traced",
     )
     p.add_argument(
         "--steps",
         type=int,
         default=3,
-        help="iterations to record (default 3); for a script, the steps after its first one",
+        help="training steps (optimizer steps) to record (default 3); the first builds the model and the "
+        "optimizer's state, the ones after it repeat",
     )
     p.add_argument(
         "--dtype",
@@ -78,7 +79,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "rest",
         nargs=argparse.REMAINDER,
-        help="'info FILE' to inspect a trace, or '-- python script.py [args]' to trace a script",
+        metavar="info FILE | -- python SCRIPT [ARGS]",
+        help="inspect a trace file, or trace a script (everything after -- is the command that runs it)",
     )
     p.set_defaults(func=run)
 
