@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     json_path, csv_path = args.json or out / "results.json", args.csv or out / "results.csv"
     md_path, plots_dir = args.md or out / "results.md", args.plots or out / "plots"
     # Every output path is checked before the grid runs, not after minutes of simulation.
+    if not (args.json and args.csv and args.md and (args.plots or args.no_plots)):
+        check_writable_dir(out)
     for path in ([md_path] if args.from_json else [json_path, csv_path, md_path]):
         check_writable(path, make_dirs=True)
     if not args.no_plots:

@@ -698,7 +698,7 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"{label}: {note}")
     checks = report.get("targets") or []
     if checks:
-        tt = Table(title="issue 10 targets (reported, not asserted)")
+        tt = Table(title="targets umrt is held to on a GPU (reported, not asserted)")
         for col in ("budget", "check", "measured", "target", "result"):
             tt.add_column(col, overflow="fold")
         for c in checks:

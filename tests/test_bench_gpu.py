@@ -213,7 +213,7 @@ def test_targets_of_the_issue_in_the_report():
     buf = io.StringIO()
     gpu.render(rep, Console(file=buf, width=250))
     text = buf.getvalue()
-    for words in ("umrt@footprint/2", "issue 10 targets", "missed", "met", "8.9 GiB",  # 9.6e9 B
+    for words in ("umrt@footprint/2", "targets umrt is held to on a GPU", "missed", "met", "8.9 GiB",  # 9.6e9 B
                   "CUDA calls per timed step: cudaMemPrefetchAsync 4.0", "first unequal step 2",
                   "footprint 1000.0 MiB"):
         assert words in text, words

@@ -16,7 +16,7 @@ def register(subparsers: Any) -> None:
         "host population, fault latency and fault-driven migration, first touch, discard and the refault path, "
         "call costs by kind), the link (pinned copies), fp32 matmul and device-copy rates, names the card "
         "(SXM, PCIe, NVLink-C2C) from its name and attributes, and writes a profile file that "
-        "`umrt simulate --gpu FILE` and `UMRT_PROFILE=FILE` read. Never asks for more than half the free GPU "
+        "`umrt simulate --profile FILE` and `UMRT_PROFILE=FILE` read. Never asks for more than half the free GPU "
         "memory. Needs a GPU (exit status 2 without one).",
     )
     p.add_argument("-o", "--output", default="calibrated.json", help="profile file to write (default %(default)s)")
