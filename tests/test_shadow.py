@@ -341,3 +341,33 @@ def test_the_two_paths_give_one_footprint(script, tmp_path, capsys, monkeypatch)
     peak = re.search(rf"│ peak live +│ +({SIZE}) │", simulated).group(1)
     assert f"whose memory is {memory} = {share} {footprint} (peak live {peak})" in shadow
     assert set(re.findall(rf"footprint ({SIZE})", shadow)) == {footprint}
+
+
+def test_the_live_feed_is_told_what_the_optimizer_step_says(monkeypatch):
+    """As the live bridge hints parameters, gradients and optimizer state at each optimizer step,
+    drive_live hints the objects the finished trace knows better, before the next boundary, once."""
+    import umrt.shadow as shadow
+    from umrt.hardware import load_profile
+    from umrt.policy.baselines import UMPolicy
+    from umrt.trace.events import Alloc, Free, IterationBoundary, Kind
+
+    told = []
+
+    class Listening(UMPolicy):
+        def hint_kind(self, obj, kind):
+            told.append((obj, kind, len(seen)))
+
+        def on_event(self, ev):
+            seen.append(ev)
+            super().on_event(ev)
+
+    seen: list = []
+    monkeypatch.setattr(shadow, "make_policy", lambda name: Listening())
+    mib = 1 << 20
+    events = [IterationBoundary(0), Alloc(1, 4 * mib, Kind.ACTIVATION), Alloc(2, 4 * mib, Kind.TEMPORARY),
+              Alloc(3, 4 * mib, Kind.TEMPORARY), Free(3), IterationBoundary(1), IterationBoundary(2)]
+    kinds = {1: Kind.PARAMETER, 2: Kind.OPTIMIZER_STATE, 3: Kind.GRADIENT}
+    run = shadow.drive_live(events, "um", load_profile("h100-pcie5-80g"), 64 * mib, kinds)
+    assert run.error is None
+    # objects 1 and 2, before the boundary that ends the step (5 events seen); 3 died before it
+    assert told == [(1, Kind.PARAMETER, 5), (2, Kind.OPTIMIZER_STATE, 5)]

@@ -84,8 +84,8 @@ class LiveRun:
         return dict(self.driver.policy.report() or {})
 
 
-#: What a live run learns of an object after its allocation, at the optimizer step
-#: (:meth:`umrt.drive.live.LiveBridge._hint_optimizer`: parameters, gradients, optimizer state).
+#: What a live run learns of an object after its allocation, at the optimizer step (the live
+#: bridge, :class:`umrt.drive.live.LiveBridge`, hints parameters, gradients and optimizer state).
 OPTIMIZER_KINDS = (Kind.PARAMETER, Kind.GRADIENT, Kind.OPTIMIZER_STATE)
 
 
