@@ -18,7 +18,7 @@ from bench.grid import (
     dtype_of,
     geomean,
 )
-from umrt.config import read_amount
+from umrt.config import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION, read_amount
 
 __all__ = ["CSV_FIELDS", "write_json", "write_csv", "write_markdown", "write_plots", "check_targets",
            "TargetResult", "load_rows"]
@@ -114,8 +114,7 @@ def markdown_table(rows: list[dict]) -> str:
         "Each policy cell: slowdown vs `ideal` (infinite GPU memory; lower is better) and, in",
         "parentheses, speedup vs plain `um` (higher is better). "
         + " ".join(f"Budget = % of {BASE_WORDS.get(b, b)}." for b in bases),
-        *(["`footprint`: the managed memory the trace's allocations obtain with nothing evicted (the larger of",
-           "umrt's pool and PyTorch's caching allocator replayed over the trace): at 100% everything fits.",
+        *([f"{FOOTPRINT_DEFINITION}; {PEAK_LIVE_DEFINITION}.",
            "`budget GiB`: the budget / the footprint the run needs / the trace's peak live bytes, in GiB."]
           if "footprint" in bases or sized else []),
         *([

@@ -190,3 +190,21 @@ def test_trace_output_under_a_file_says_so(tmp_path, capsys, monkeypatch):
     assert main(["trace", "-o", "hello.py/x.umrt", "--", "python", "hello.py"]) == 2
     assert capsys.readouterr().err == (f"umrt: error: cannot write 'hello.py/x.umrt': '{tmp_path / 'hello.py'}' "
                                        "is a file, not a directory\n")
+
+
+def test_one_default_in_code_help_readme_and_doctor():
+    """GPU memory defaults to 90%device live and 50% (of the footprint) simulated: the same constants
+    in every front end, the README's configuration table and (tests/test_doctor.py) doctor."""
+    import inspect
+    from pathlib import Path
+
+    from bench.gpu import DEFAULT_BUDGET
+    from umrt.config import LIVE_DEFAULT, SIMULATED_DEFAULT
+    from umrt.shadow import run_shadow
+
+    assert inspect.signature(run_shadow).parameters["gpu_memory"].default == SIMULATED_DEFAULT == DEFAULT_BUDGET
+    assert build_parser().parse_args(["simulate", "t.umrt"]).gpu_memory == SIMULATED_DEFAULT
+    assert build_parser().parse_args(["simulate", "t.umrt"]).policy == "umrt"  # as UMRT_POLICY's default
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `UMRT_GPU_MEMORY` |"))
+    assert row.endswith(f"| `{LIVE_DEFAULT}` live, `{SIMULATED_DEFAULT}` in shadow mode |")

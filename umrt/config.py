@@ -91,6 +91,13 @@ SIMULATED_DEFAULT = "50%"
 #: How a user writes an amount (every error message offers these).
 AMOUNT_FORMS = ("a size ('12GiB', '500MB', a byte count) or a percentage: '50%' of the footprint the run "
                 "needs, '50%peak' of its peak live bytes, '90%device' of the GPU's memory")
+#: What "the footprint" means, printed beside every figure that uses it (one definition for every report).
+FOOTPRINT_DEFINITION = ("footprint: the GPU memory the run needs with nothing evicted - the most managed memory "
+                        "its allocations take, placed by umrt's pool and by PyTorch's caching allocator over the "
+                        "whole recorded run, whichever needs more (2 MB blocks, rounding and fragmentation "
+                        "included); at 100% everything fits")
+#: What "peak live" means.
+PEAK_LIVE_DEFINITION = "peak live: the most bytes of tensors alive at once in the recorded run"
 #: How a user writes the GPU memory of a simulated run.
 SIMULATED_FORMS = ("a size ('8GiB', '512MB', a number of bytes) or a percentage of the footprint the run needs "
                    "('20%') or of its peak live bytes ('20%peak')")

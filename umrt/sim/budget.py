@@ -36,7 +36,14 @@ from dataclasses import dataclass
 from umrt.backends.base import (
     BLOCK,  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
 )
-from umrt.config import SIMULATED_FORMS, format_bytes, read_amount, simulated_amount
+from umrt.config import (
+    FOOTPRINT_DEFINITION,
+    PEAK_LIVE_DEFINITION,
+    SIMULATED_FORMS,
+    format_bytes,
+    read_amount,
+    simulated_amount,
+)
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
 from umrt.policy.baselines import UMPolicy
@@ -50,13 +57,7 @@ BASES = ("footprint", "peak")
 BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
 FORMS = SIMULATED_FORMS
-#: What "the footprint" means, printed beside every figure that uses it (one definition for every report).
-FOOTPRINT_DEFINITION = ("footprint: the GPU memory the run needs with nothing evicted - the most managed memory "
-                        "its allocations take, placed by umrt's pool and by PyTorch's caching allocator over the "
-                        "whole recorded run, whichever needs more (2 MB blocks, rounding and fragmentation "
-                        "included); at 100% everything fits")
-#: What "peak live" means.
-PEAK_LIVE_DEFINITION = "peak live: the most bytes of tensors alive at once in the recorded run"
+
 
 
 @dataclass(frozen=True)
