@@ -97,7 +97,7 @@ class Program:
 
 def _server(cuda13, front=None, act=None):
     pool = ManagedPool(cuda13)
-    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13))
+    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13), enabled=True)
     bridge = StubBridge(pool, act)
     server.attach(bridge)
     return pool, server, bridge
@@ -344,7 +344,7 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
 
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    server = SteadyServer(pool, calls=BackendCalls(backend))
+    server = SteadyServer(pool, calls=BackendCalls(backend), enabled=True)
     session = api.Session(Config(enabled=True, policy="um"), active=True, backend=backend, pool=pool,
                           budget_bytes=1 << 30, steady=server)
     bridge = LiveBridge(session, device="cpu", from_allocator=True)

@@ -218,11 +218,12 @@ class SteadyServer:
         calls: the backend's CUDA calls (:class:`CallSource`); ``None``: the
             native steady state is never tried (nothing could replay decisions).
         device: the CUDA device allocations are made on.
-        enabled: ``False`` (``UMRT_NATIVE=0``) forwards everything to the pool.
+        enabled: ``True`` (``UMRT_NATIVE=1``) tries the native steady state; ``False``
+            (the default: opt-in until a GPU run has checked it) forwards everything to the pool.
     """
 
     def __init__(self, pool: ManagedPool, *, front: Any = None, calls: CallSource | None = None,
-                 device: int = 0, enabled: bool = True) -> None:
+                 device: int = 0, enabled: bool = False) -> None:
         self.pool, self.front, self.calls, self.device = pool, front, calls, device
         self.bridge: SteadyBridge | None = None
         self.phase = Phase.FOLLOWING if enabled and calls is not None else Phase.OFF
