@@ -8,8 +8,9 @@
 // that stream, run the decisions through a table of C function pointers that Python sets
 // (the CUDA calls; tests fill it with the fake runtime), and append events (Alloc, Free,
 // Boundary) to a bounded buffer that Python drains. Anything the schedule does not expect
-// (a size, a device, a stream, a planned block overlapping a live one, a full buffer, a
-// failed call) disarms it: malloc returns NULL and the caller falls back to Python.
+// (a size, a device, a stream, a planned block overlapping a live one, a decision touching a
+// live block that was dead there in the recorded window, a full buffer, a failed call)
+// disarms it: malloc returns NULL and the caller falls back to Python.
 // Blocks live before arming can be handed to the schedule (umrt_steady_adopt), and every
 // live block handed back at once (umrt_steady_disown, which disarms).
 //
@@ -62,7 +63,7 @@ enum Ev : int32_t { EV_ALLOC = 0, EV_FREE = 1, EV_BOUNDARY = 2 };
 // Deviation codes (steady.py: Deviation).
 enum Dev : int32_t {
   DEV_NONE = 0, DEV_SIZE = 1, DEV_HASH = 2, DEV_LIVE = 3, DEV_BUFFER = 4, DEV_CALL = 5, DEV_DEVICE = 6,
-  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9
+  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9, DEV_TOUCH = 10
 };
 
 }  // namespace
@@ -106,6 +107,9 @@ struct Schedule {
   std::vector<int32_t> dec_kind, dec_device, dec_advice;
   std::vector<uint64_t> dec_stream, dec_event;  // 0: the table's / caller's stream; the event handle
   std::vector<uint64_t> range_ptr, range_len;
+  // Decision d may touch, of the live blocks, only those of the allocations
+  // guard_ordinal[guard_begin[d], guard_begin[d+1]) (live there in the recorded window).
+  std::vector<int64_t> guard_begin, guard_ordinal;
   umrt_cuda_table table{};
   // State.
   bool armed = false;
@@ -225,6 +229,38 @@ std::map<uint64_t, std::pair<uint64_t, int64_t>>::iterator overlapping(Schedule*
   return s->live.end();
 }
 
+// Decisions [begin, end) touch no live block but those live where they ran in the recorded
+// window (a block freed later than recorded is live now, dead there: a discard would destroy
+// its data); else deviate (DEV_TOUCH) before any of them runs. Event records and waits touch
+// no memory.
+bool check_decisions(Schedule* s, int64_t begin, int64_t end, const char* where, int64_t ordinal) {
+  for (int64_t d = begin; d < end; ++d) {
+    const int32_t kind = s->dec_kind[d];
+    if (kind == RECORD_EVENT || kind == WAIT_EVENT) continue;
+    const int64_t* g0 = s->guard_ordinal.data() + s->guard_begin[d];
+    const int64_t* g1 = s->guard_ordinal.data() + s->guard_begin[d + 1];
+    for (int64_t r = s->range_begin[d]; r < s->range_begin[d + 1]; ++r) {
+      const uint64_t p = s->range_ptr[r], n = s->range_len[r];
+      auto it = s->live.upper_bound(p);
+      if (it != s->live.begin()) --it;
+      for (; it != s->live.end() && it->first < p + n; ++it) {
+        if (it->second.first <= p) continue;
+        const int64_t block = it->second.second;
+        if (std::find(g0, g1, block) == g1) {
+          deviate(s, DEV_TOUCH, ordinal,
+                  "%s of allocation %lld: its %s of (0x%llx, %llu) would touch live block 0x%llx of allocation "
+                  "%lld, dead at that point of the recorded window",
+                  where, static_cast<long long>(ordinal), call_name(kind), static_cast<unsigned long long>(p),
+                  static_cast<unsigned long long>(n), static_cast<unsigned long long>(it->first),
+                  static_cast<long long>(block));
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
 void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
   if (!s->armed) return nullptr;
   const int64_t n = static_cast<int64_t>(s->sizes.size());
@@ -266,13 +302,17 @@ void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
             static_cast<unsigned long long>(hit->first), static_cast<long long>(hit->second.second));
     return nullptr;
   }
+  auto born = s->live.emplace(addr, std::make_pair(addr + size, p)).first;
+  if (!check_decisions(s, s->alloc_begin[p], s->alloc_begin[p + 1], "allocation", p)) {
+    s->live.erase(born);
+    return nullptr;
+  }
   if (s->starts_iteration[p] && (p != 0 || s->position == n)) {  // not the first allocation after arming
     s->iteration += 1;
     s->events.push_back(Event{EV_BOUNDARY, s->iteration, 0, 0});
   }
   s->position = p + 1;
   s->hash = h;
-  s->live.emplace(addr, std::make_pair(addr + size, p));
   s->events.push_back(Event{EV_ALLOC, p, addr, size});
   run_decisions(s, s->alloc_begin[p], s->alloc_begin[p + 1], stream, "allocation", p);
   return reinterpret_cast<void*>(static_cast<uintptr_t>(addr));
@@ -284,7 +324,8 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
   const int64_t ordinal = it->second.second;
   s->live.erase(it);
   s->events.push_back(Event{EV_FREE, ordinal, ptr, s->sizes[ordinal]});
-  if (s->armed) run_decisions(s, s->free_begin[ordinal], s->free_begin[ordinal + 1], stream, "free", ordinal);
+  const int64_t begin = s->free_begin[ordinal], end = s->free_begin[ordinal + 1];
+  if (s->armed && check_decisions(s, begin, end, "free", ordinal)) run_decisions(s, begin, end, stream, "free", ordinal);
   return 1;
 }
 
@@ -294,13 +335,17 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
 // iteration_starts: the ordinals where the iterations of the schedule start, ascending,
 // the first 0 (one iteration: {0}; a cycle of several when CUDA handles repeat only
 // every few iterations). The running hash restarts and EV_BOUNDARY is emitted at each.
+// guard_begin (n_decisions + 1 offsets) / guard_ordinal: per decision, the allocations whose
+// blocks it may touch (see check_decisions).
 UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uint64_t* addrs,
                                      const int64_t* alloc_begin, const int64_t* free_begin, int64_t n_decisions,
                                      const int32_t* dec_kind, const int32_t* dec_device, const int32_t* dec_advice,
                                      const uint64_t* dec_stream, const uint64_t* dec_event, const int64_t* range_begin, int64_t n_ranges, const uint64_t* range_ptr,
                                      const uint64_t* range_len, int64_t n_starts, const int64_t* iteration_starts,
+                                     const int64_t* guard_begin, int64_t n_guards, const int64_t* guard_ordinal,
                                      int64_t capacity) {
-  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || capacity < 3 || n_starts < 1 || iteration_starts[0] != 0) {
+  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || n_guards < 0 || capacity < 3 || n_starts < 1 ||
+      iteration_starts[0] != 0) {
     return nullptr;
   }
   Schedule* s = new (std::nothrow) Schedule();
@@ -317,12 +362,16 @@ UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uin
   s->range_begin.assign(range_begin, range_begin + n_decisions + 1);
   s->range_ptr.assign(range_ptr, range_ptr + n_ranges);
   s->range_len.assign(range_len, range_len + n_ranges);
-  bool ok = s->alloc_begin[n] <= n_decisions && s->free_begin[n] <= n_decisions && s->range_begin[n_decisions] <= n_ranges;
+  s->guard_begin.assign(guard_begin, guard_begin + n_decisions + 1);
+  s->guard_ordinal.assign(guard_ordinal, guard_ordinal + n_guards);
+  bool ok = s->alloc_begin[n] <= n_decisions && s->free_begin[n] <= n_decisions &&
+            s->range_begin[n_decisions] <= n_ranges && s->guard_begin[0] == 0 && s->guard_begin[n_decisions] <= n_guards;
   for (int64_t i = 0; ok && i < n; ++i) {
     ok = s->alloc_begin[i] <= s->alloc_begin[i + 1] && s->free_begin[i] <= s->free_begin[i + 1] && sizes[i] > 0;
   }
   for (int64_t d = 0; ok && d < n_decisions; ++d) {
-    ok = s->range_begin[d] <= s->range_begin[d + 1] && dec_kind[d] >= 0 && dec_kind[d] < kKinds;
+    ok = s->range_begin[d] <= s->range_begin[d + 1] && s->guard_begin[d] <= s->guard_begin[d + 1] &&
+         dec_kind[d] >= 0 && dec_kind[d] < kKinds;
   }
   s->starts_iteration.assign(static_cast<size_t>(n), 0);
   for (int64_t k = 0; ok && k < n_starts; ++k) {

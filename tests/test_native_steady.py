@@ -97,7 +97,7 @@ class Program:
 
 def _server(cuda13, front=None, act=None):
     pool = ManagedPool(cuda13)
-    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13))
+    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13), enabled=True)
     bridge = StubBridge(pool, act)
     server.attach(bridge)
     return pool, server, bridge
@@ -344,7 +344,7 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
 
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    server = SteadyServer(pool, calls=BackendCalls(backend))
+    server = SteadyServer(pool, calls=BackendCalls(backend), enabled=True)
     session = api.Session(Config(enabled=True, policy="um"), active=True, backend=backend, pool=pool,
                           budget_bytes=1 << 30, steady=server)
     bridge = LiveBridge(session, device="cpu", from_allocator=True)
@@ -599,3 +599,137 @@ def test_a_native_schedule_calls_libcudart_only_on_the_process_runtime(cuda13, m
     calls = BackendCalls(cuda13)
     calls.attach(schedule)
     assert calls.table_kind == "libcudart" and built == ["/x/libcudart.so.13"]
+
+
+# -- findings of the native path's review: each test fails without its fix -------------------
+class DiscardingPolicy:
+    """A policy as umrt's runtime acts in a live run: at each allocation or free, the
+    blocks freed before it are discarded, and each new block is populated on the GPU
+    before its first kernel (no refault). It follows a replayed window with its calls
+    muted, as the runtime does (``bridge.mute``)."""
+
+    def __init__(self, backend, pool):
+        self.backend, self.dead, self.bridge = backend, [], None
+        pool.listeners.append(self.on_pool_event)
+
+    def on_pool_event(self, what, ptr, n):
+        calls = self.bridge is None or not self.bridge.mute
+        dead = [(p, m) for p, m in self.dead if self.backend.allocation_of(p) is not None]  # (as ManagedOnly)
+        if dead and calls:
+            self.backend.discard(dead)
+        self.dead = [(ptr, n)] if what == "free" else []
+        if what == "alloc" and calls:
+            self.backend.populate([(ptr, n)])
+
+
+class KernelProgram:
+    """A step whose blocks hold data: each block is written by a kernel on the compute
+    stream when it is made and read by one before it is freed (the fake GPU reports a
+    read of discarded bytes, or a touch of memory no longer managed). ``late``: block
+    ``a`` is freed after block ``b``, later than in the recorded step."""
+
+    def __init__(self, malloc, free, gpu, stream=0):
+        self.malloc, self.free, self.gpu, self.stream = malloc, free, gpu, stream
+        self.live: dict[int, int] = {}
+        self.survivors: list[int] = []
+
+    def _new(self, n):
+        ptr = self.malloc(n)
+        assert ptr, f"no memory for {n} bytes"
+        self.live[ptr] = n
+        self.gpu.kernel(self.stream, writes=[(ptr, n)], name=f"write {n}")
+        return ptr
+
+    def _done(self, ptr):
+        self.gpu.kernel(self.stream, reads=[(ptr, self.live[ptr])], name=f"read {self.live[ptr]}")
+        self.free(ptr)
+        del self.live[ptr]
+
+    def step(self, late=False, extra=0):
+        for ptr in self.survivors:
+            self._done(ptr)
+        if extra:  # a temporary of another size (every other step: two shapes taking turns)
+            self._done(self._new(extra))
+        a = self._new(1 << 20)
+        b = self._new(512 << 10)
+        for ptr in ((b, a) if late else (a, b)):  # recorded: a's discard runs at b's free
+            self._done(ptr)
+        c = self._new(3 << 20)
+        d = self._new(2 << 20)
+        self._done(c)
+        self.survivors = [d]
+
+
+def _kernel_server(backend, front=None):
+    pool, server, bridge = _server(backend, front=front)
+    DiscardingPolicy(backend, pool).bridge = bridge
+    if front is not None:
+        from umrt.allocators.torch import make_callbacks
+
+        _, _, alloc_ptr, free_ptr = make_callbacks(server)
+        front.set_fallback(alloc_ptr, free_ptr)
+        return pool, server, bridge, (lambda n: front.malloc(n, 0, 0)), (lambda p: front.free(p, 0, 0, 0))
+    return pool, server, bridge, (lambda n: server.malloc(n, 0)), server.free
+
+
+@pytest.fixture(params=["python", "native"])
+def twin(request):
+    """Which schedule serves: the Python twin (no front) or the native one (the front)."""
+    if request.param == "python":
+        yield None
+        return
+    from umrt.allocators.front import load_front
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    yield front
+    front.install(None)
+    front.set_fallback(0, 0)
+
+
+def test_a_free_later_than_recorded_hands_back_before_the_discard_of_its_block(cuda13, fake_gpu, twin):
+    """Finding 1: the recorded window discards block a at the free of block b (a died just
+    before). A step that frees a after b must hand back before that discard runs: a's
+    data is read afterwards (the fake GPU raises on a read of discarded bytes)."""
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    program = KernelProgram(malloc, free, fake_gpu)
+    _learn(server, program)
+    assert server.report.schedule_calls > 0
+    _run(server, program, 2)
+    assert server.phase is Phase.NATIVE
+    discards = cuda13.calls["cudaMemDiscardBatchAsync"]
+    program.step(late=True)  # raised PageStateError (discarded-read) before the fix
+    server.bridge.on_step(server)
+    assert not fake_gpu.violations
+    assert server.report.catch_ups == 1 and "live" in server.report.last_deviation, server.report
+    assert server.report.layouts_retired == 0 and bridge.stopped is None
+    assert pool.live_blocks() == program.live
+    assert cuda13.calls["cudaMemDiscardBatchAsync"] > discards  # Python discarded a once it died
+    _run(server, program, 8)  # Python, then native again, nothing lost
+    assert server.report.arms == 2 and not fake_gpu.violations
+
+
+def test_empty_cache_while_native_hands_back_first(cuda13, fake_gpu, twin):
+    """Finding 2: torch.cuda.empty_cache() while the schedule serves. Steps of two shapes
+    take turns, so the pool keeps an overflow segment that is empty at every step's end
+    and used inside every other step. The pool must not give it back while the schedule
+    serves blocks in it: the next step's kernels would touch memory that is no longer
+    managed (an illegal address on a GPU, or a second owner after a later cudaMallocManaged)."""
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    program = KernelProgram(malloc, free, fake_gpu)
+    extra = [0, 5 << 20]
+    k = 0
+    for k in range(16):
+        program.step(extra=extra[k % 2])
+        bridge.on_step(server)
+        if server.phase is Phase.NATIVE:
+            break
+    assert server.phase is Phase.NATIVE
+    server.empty_cache()  # between two steps, as a training loop calls it
+    for j in range(k + 1, k + 9):
+        program.step(extra=extra[j % 2])  # an illegal-address before the fix
+        bridge.on_step(server)
+    assert not fake_gpu.violations and pool.live_blocks() == program.live
+    assert server.report.catch_ups == 1 and "empty_cache" in server.report.last_deviation
+    assert server.report.arms == 2  # Python, then native again

@@ -726,7 +726,8 @@ def test_calls_after_the_last_event_open_the_next_iteration():
 
 # -- ownership hand-over ---------------------------------------------------------------
 def test_adopt_hands_survivors_to_the_schedule_and_disown_hands_everything_back(lib):
-    arrays, (a, b, c) = small_schedule()
+    arrays, (a, b, _) = small_schedule()
+    c = a + (4 << 20)  # allocation 2's block from an earlier iteration, outside a's discard (1 MiB from a)
     out = []
     for s in both(lib, arrays):
         table = LogTable()
@@ -1028,3 +1029,43 @@ def test_native_create_rejects_bad_iteration_starts_itself(lib, monkeypatch):
         with pytest.raises(SteadyError, match="rejected"):
             NativeSteadySchedule(lib, dataclasses.replace(arrays, iteration_starts=starts))
     assert NativeSteadySchedule(lib, arrays).a.iteration_starts == [0, 1]
+
+
+def test_a_decision_touching_a_block_live_now_but_dead_when_recorded_deviates_before_any_call(lib):
+    """Finding 1, both twins: the recorded window discards a and b at b's free, evicts a
+    while it is live (allowed: live there too) and populates c at its allocation. A step
+    that frees b before a must deviate (TOUCH) at b's free, with no call made there; one
+    whose discard would land on a block at an allocation declines that allocation."""
+    a, b, c = 1 << 30, (1 << 30) + 2 * MiB, (1 << 30) + 4 * MiB
+    rec = [AllocAt(MiB, a), AllocAt(MiB, b), CallAt(P, ((a, MiB),), HOST), FreeAt(a), FreeAt(b),
+           CallAt(D, ((a, 3 * MiB),)), AllocAt(MiB, c), CallAt(POP, ((c, MiB),), 0), FreeAt(c)]
+    arrays = compile_schedule(rec)
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        s.set_table(table)
+        s.arm()
+        r = [s.malloc(MiB), s.malloc(MiB), s.free(a), s.free(b), s.malloc(MiB), s.free(c), list(table.calls)]
+        table.calls.clear()
+        s.arm()
+        r += [s.malloc(MiB), s.malloc(MiB), s.free(b), s.armed, s.deviation(), list(table.calls), s.free(a),
+              s.malloc(MiB)]
+        out.append(r)
+    assert out[0] == out[1]
+    r = out[0]
+    assert r[:6] == [a, b, True, True, c, True]
+    assert r[6] == [("prefetch", a, MiB, HOST, 0), ("discard", ((a, 3 * MiB),), 0), ("populate", c, MiB, 0, 0)]
+    assert r[7:10] == [a, b, True] and r[10] is False
+    assert r[11] == (Deviation.TOUCH, 1, f"free of allocation 1: its discard of ({a:#x}, {3 * MiB}) would touch live "
+                     f"block {a:#x} of allocation 0, dead at that point of the recorded window")
+    assert r[12] == [("prefetch", a, MiB, HOST, 0)] and r[13] is True and r[14] == 0  # no discard; then Python
+
+    # At an allocation: the discard is keyed to c's allocation; a still live there declines c.
+    rec = [AllocAt(MiB, a), FreeAt(a), AllocAt(MiB, c), CallAt(D, ((a, MiB),)), FreeAt(c)]
+    out = []
+    for s in both(lib, compile_schedule(rec)):
+        table = LogTable()
+        s.set_table(table)
+        s.arm()
+        out.append([s.malloc(MiB), s.malloc(MiB), s.deviation()[:2], s.state()[:3], table.calls])
+    assert out[0] == out[1] == [a, 0, (Deviation.TOUCH, 1), (1, 0, 1), []]

@@ -22,6 +22,8 @@ Variable                    Meaning                                    Default
 ``UMRT_SHORT_LIVED_ARENA``  arena for short-lived tensors: bytes/``%``  ``0`` (off)
                             or ``off``
 ``UMRT_STRICT``             raise when umrt stops acting (bool)         off
+``UMRT_NATIVE``             serve the steady state natively (bool;      off
+                            opt-in until a GPU run has checked it)
 ==========================  =========================================  ===========
 
 When umrt stops acting (a CUDA call fails, the event recorder cannot read an
@@ -189,7 +191,9 @@ class Config:
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
     strict: bool = False
-    native: bool = True  # serve the steady state natively once the plan repeats (UMRT_NATIVE=0: never)
+    # Serve the steady state natively once the plan repeats (UMRT_NATIVE=1). Off by default
+    # until a GPU run has shown it safe (README.md, "The native steady state").
+    native: bool = False
 
     @property
     def shadow(self) -> bool:

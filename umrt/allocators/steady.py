@@ -26,8 +26,9 @@ same addresses, events and CUDA calls): :class:`NativeSteadySchedule` (ctypes ov
 when it builds, else warns once and returns the Python one.
 
 ``malloc`` returns the planned address, or ``0`` after a *deviation* (a size, device or
-stream the schedule does not expect, a planned block overlapping a live one, a full
-event buffer, a failed CUDA call), which disarms the schedule: the caller falls back to
+stream the schedule does not expect, a planned block overlapping a live one, a decision
+that would touch a block live now but dead at that point of the recorded window, a
+full event buffer, a failed CUDA call), which disarms the schedule: the caller falls back to
 Python (the pool) and the reason is in :meth:`SteadySchedule.deviation`. ``free``
 returns True for a block the schedule handed out (it stays the schedule's until freed,
 even disarmed), False otherwise. Events (:data:`EV_ALLOC`, :data:`EV_FREE`,
@@ -102,6 +103,7 @@ class Deviation(enum.IntEnum):
     STREAM = 7
     NO_TABLE = 8
     STOPPED = 9  # disown() while armed: "stopped by Python"
+    TOUCH = 10  # a decision would touch a block live now that was dead there in the recorded window
 
 
 # Each kind's call: its CudaTable method and its field of the C table (CTable).
@@ -407,6 +409,12 @@ class ScheduleArrays:
     range_ptr: list[int] = field(default_factory=list)
     range_len: list[int] = field(default_factory=list)
     iteration_starts: list[int] = field(default_factory=lambda: [0])  # a cycle of iterations: each first ordinal
+    # Decision d may touch, of the blocks live when it runs, only those of allocations
+    # guard_ordinal[guard_begin[d]:guard_begin[d + 1]]: the ones live and overlapping its
+    # ranges at that point of the recorded window. Any other live block it would touch was
+    # dead there (freed later than recorded): the schedule deviates (TOUCH) before any call.
+    guard_begin: list[int] = field(default_factory=lambda: [0])
+    guard_ordinal: list[int] = field(default_factory=list)
 
     def decisions(self, begin: int, end: int) -> list[Decision]:
         """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges, stream, event)``."""
@@ -620,10 +628,12 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
     arrays = ScheduleArrays(sizes, addrs, [], [], iteration_starts=starts)
     decisions_alloc = [_merge_calls(at_alloc.get(i, []), bounds) for i in range(len(sizes))]
     decisions_free = [_merge_calls(at_free.get(i, []), bounds) for i in range(len(sizes))]
-    for table, begins in ((decisions_alloc, arrays.alloc_begin), (decisions_free, arrays.free_begin)):
+    guards_alloc, guards_free = _guards(entries, sizes, decisions_alloc, decisions_free)
+    for table, guards, begins in ((decisions_alloc, guards_alloc, arrays.alloc_begin),
+                                  (decisions_free, guards_free, arrays.free_begin)):
         begins.append(len(arrays.dec_kind))
-        for decisions in table:
-            for kind, device, advice, ranges, stream, event in decisions:
+        for i, decisions in enumerate(table):
+            for k, (kind, device, advice, ranges, stream, event) in enumerate(decisions):
                 arrays.dec_kind.append(int(kind))
                 arrays.dec_device.append(device)
                 arrays.dec_advice.append(advice)
@@ -633,8 +643,81 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
                     arrays.range_ptr.append(p)
                     arrays.range_len.append(n)
                 arrays.range_begin.append(len(arrays.range_ptr))
+                arrays.guard_ordinal.extend(guards.get((i, k), ()))
+                arrays.guard_begin.append(len(arrays.guard_ordinal))
             begins.append(len(arrays.dec_kind))
     return arrays
+
+
+class _LiveBlocks:
+    """Blocks live at a point of a recorded window: start -> (end, allocation ordinal)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.blocks: dict[int, tuple[int, int]] = {}
+
+    def add(self, start: int, end: int, ordinal: int) -> None:
+        if start not in self.blocks:
+            bisect.insort(self.starts, start)
+        self.blocks[start] = (end, ordinal)
+
+    def pop(self, start: int) -> int | None:
+        entry = self.blocks.pop(start, None)
+        if entry is None:
+            return None
+        del self.starts[bisect.bisect_left(self.starts, start)]
+        return entry[1]
+
+    def touched(self, ranges: Sequence[Range]) -> list[int]:
+        """The ordinals of the live blocks ``ranges`` overlap, ascending."""
+        out: set[int] = set()
+        for p, n in ranges:
+            i = max(0, bisect.bisect_right(self.starts, p) - 1)
+            while i < len(self.starts) and self.starts[i] < p + n:
+                start = self.starts[i]
+                end, ordinal = self.blocks[start]
+                if end > p:
+                    out.add(ordinal)
+                i += 1
+        return sorted(out)
+
+
+def _guards(entries: Sequence[Recorded], sizes: Sequence[int], decisions_alloc: Sequence[list[Decision]],
+            decisions_free: Sequence[list[Decision]]) -> tuple[dict, dict]:
+    """For each decision, the allocations whose blocks it may touch: those live where it
+    runs in the recorded window (the cycle repeats: the blocks it left live are live at its
+    start), as ``{(ordinal, k): [ordinals]}`` for the k-th decision at allocation / free of
+    ``ordinal``. Event records and waits touch no memory and get none."""
+    ordinal = 0
+    survivors: dict[int, int] = {}
+    for entry in entries:
+        if isinstance(entry, AllocAt):
+            survivors[entry.ptr] = ordinal
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            survivors.pop(entry.ptr, None)
+    live = _LiveBlocks()
+    for ptr, k in survivors.items():
+        live.add(ptr, ptr + sizes[k], k)
+    guards_alloc: dict[tuple[int, int], list[int]] = {}
+    guards_free: dict[tuple[int, int], list[int]] = {}
+
+    def guard(into: dict, decisions: list[Decision], at: int) -> None:
+        for k, (kind, _, _, ranges, _, _) in enumerate(decisions):
+            if kind not in (DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT):
+                into[(at, k)] = live.touched(ranges)
+
+    ordinal = 0
+    for entry in entries:
+        if isinstance(entry, AllocAt):
+            live.add(entry.ptr, entry.ptr + entry.size, ordinal)
+            guard(guards_alloc, decisions_alloc[ordinal], ordinal)
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            freed = live.pop(entry.ptr)
+            if freed is not None:
+                guard(guards_free, decisions_free[freed], freed)
+    return guards_alloc, guards_free
 
 
 # ---------------------------------------------------------------------------
@@ -765,12 +848,16 @@ class PythonSteadySchedule:
                 self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
                               f"block {hit:#x} of allocation {self._live[hit][1]}")
                 return 0
+            bisect.insort(self._starts, addr)
+            self._live[addr] = (addr + size, p)
+            if not self._check(a.alloc_begin[p], a.alloc_begin[p + 1], "allocation", p):
+                del self._starts[bisect.bisect_left(self._starts, addr)]
+                del self._live[addr]
+                return 0
             if starts and (p != 0 or self._position == n):  # not the first allocation after arming
                 self._iteration += 1
                 self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
             self._position, self._hash = p + 1, h
-            bisect.insort(self._starts, addr)
-            self._live[addr] = (addr + size, p)
             self._events.append((EV_ALLOC, p, addr, size))
             self._run(a.alloc_begin[p], a.alloc_begin[p + 1], stream, "allocation", p)
             return addr
@@ -783,9 +870,33 @@ class PythonSteadySchedule:
             del self._starts[bisect.bisect_left(self._starts, ptr)]
             ordinal = entry[1]
             self._events.append((EV_FREE, ordinal, ptr, self.a.sizes[ordinal]))
-            if self._armed:
-                self._run(self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1], stream or 0, "free", ordinal)
+            begin, end = self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1]
+            if self._armed and self._check(begin, end, "free", ordinal):
+                self._run(begin, end, stream or 0, "free", ordinal)
             return True
+
+    def _check(self, begin: int, end: int, where: str, ordinal: int) -> bool:
+        """Decisions ``[begin, end)`` touch no live block but those live where they ran in
+        the recorded window; else deviate (TOUCH) before any of them runs."""
+        a = self.a
+        for d in range(begin, end):
+            if a.dec_kind[d] in (DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT):
+                continue
+            allowed = a.guard_ordinal[a.guard_begin[d]:a.guard_begin[d + 1]]
+            for r in range(a.range_begin[d], a.range_begin[d + 1]):
+                p, n = a.range_ptr[r], a.range_len[r]
+                i = max(0, bisect.bisect_right(self._starts, p) - 1)
+                while i < len(self._starts) and self._starts[i] < p + n:
+                    start = self._starts[i]
+                    block_end, block = self._live[start]
+                    if block_end > p and block not in allowed:
+                        self._deviate(Deviation.TOUCH, ordinal, f"{where} of allocation {ordinal}: its "
+                                      f"{CALL_NAMES[DecisionKind(a.dec_kind[d])]} of ({p:#x}, {n}) would touch live "
+                                      f"block {start:#x} of allocation {block}, dead at that point of the "
+                                      "recorded window")
+                        return False
+                    i += 1
+        return True
 
     def _run(self, begin: int, end: int, stream: int, where: str, ordinal: int) -> bool:
         t = self._table
@@ -903,6 +1014,11 @@ def _check(arrays: ScheduleArrays, capacity: int) -> None:
         raise SteadyError(f"inconsistent schedule arrays: {nd} decision kinds but {len(arrays.dec_device)} devices, "
                           f"{len(arrays.dec_advice)} advices, {len(arrays.dec_stream)} streams, "
                           f"{len(arrays.dec_event)} events")
+    gb = arrays.guard_begin
+    if (len(gb) != nd + 1 or gb[0] != 0 or any(b < a for a, b in zip(gb, gb[1:], strict=False))
+            or gb[-1] != len(arrays.guard_ordinal)):
+        raise SteadyError(f"inconsistent schedule arrays: {len(gb)} guard offsets for {nd} decisions (need n + 1, "
+                          f"ascending from 0 to {len(arrays.guard_ordinal)})")
     if any(not 0 <= k < len(DecisionKind) for k in arrays.dec_kind):
         raise SteadyError(f"inconsistent schedule arrays: a decision kind outside 0..{len(DecisionKind) - 1}")
     if capacity < 3:
@@ -1035,7 +1151,8 @@ class NativeSteadySchedule:
             (u64 * max(1, nd))(*arrays.dec_stream), (u64 * max(1, nd))(*arrays.dec_event),
             (i64 * (nd + 1))(*arrays.range_begin), nr, (u64 * max(1, nr))(*arrays.range_ptr),
             (u64 * max(1, nr))(*arrays.range_len), len(arrays.iteration_starts),
-            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), capacity)
+            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), (i64 * (nd + 1))(*arrays.guard_begin),
+            len(arrays.guard_ordinal), (i64 * max(1, len(arrays.guard_ordinal)))(*arrays.guard_ordinal), capacity)
         if not self.handle:
             raise SteadyError("the native schedule rejected the arrays (inconsistent decision, range or iteration offsets)")
         self._table_keep: Any = None
@@ -1159,7 +1276,8 @@ def build_library() -> str:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
     sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, i64]),
+        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, i64, vp,
+                                    i64]),
         "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
         "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
         "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),

@@ -21,7 +21,8 @@ program is learned it only forwards to the pool. Then, at optimizer steps
    step Python drops the step's events (counted natively: one call) and, at the
    end of a cycle, credits the backend's call counters and ``umrt.statistics()``.
 4. A **deviation** (the schedule declines an allocation: size, hash, a block
-   still live, a failed call) hands back to Python, in the allocator callback
+   still live, a decision that would touch a block freed later than recorded, a
+   failed call; or ``empty_cache()`` while it serves) hands back to Python, in the allocator callback
    that got the refusal or at the next step: the schedule gives up its live
    blocks (``disown``), the backend waits for the work the schedule queued and
    forgets its stream-ordering state (``settle``: one synchronization), and the
@@ -218,11 +219,12 @@ class SteadyServer:
         calls: the backend's CUDA calls (:class:`CallSource`); ``None``: the
             native steady state is never tried (nothing could replay decisions).
         device: the CUDA device allocations are made on.
-        enabled: ``False`` (``UMRT_NATIVE=0``) forwards everything to the pool.
+        enabled: ``True`` (``UMRT_NATIVE=1``) tries the native steady state; ``False``
+            (the default: opt-in until a GPU run has checked it) forwards everything to the pool.
     """
 
     def __init__(self, pool: ManagedPool, *, front: Any = None, calls: CallSource | None = None,
-                 device: int = 0, enabled: bool = True) -> None:
+                 device: int = 0, enabled: bool = False) -> None:
         self.pool, self.front, self.calls, self.device = pool, front, calls, device
         self.bridge: SteadyBridge | None = None
         self.phase = Phase.FOLLOWING if enabled and calls is not None else Phase.OFF
@@ -268,8 +270,14 @@ class SteadyServer:
             self.pool.free(ptr)
 
     def empty_cache(self) -> None:
-        """The pool's cached, unused memory back (``torch.cuda.empty_cache()``)."""
-        self.pool.empty_cache()
+        """The pool's cached, unused memory back (``torch.cuda.empty_cache()``). While a
+        schedule serves, Python hands back first: the pool's view is the one at arming, and
+        segments that look empty to it may hold blocks the schedule serves (or will serve
+        later in the step); once caught up, the pool frees only what is really unused."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                self.catch_up("empty_cache() while the native schedule served: handed back first")
+            self.pool.empty_cache()
 
     def reserved_bytes(self) -> int:
         """Managed bytes the pool holds."""
@@ -411,20 +419,22 @@ class SteadyServer:
 
     # -- handing back ----------------------------------------------------------------
 
-    def catch_up(self) -> None:
-        """Hand the steady state back to Python (see the module docstring, 4.). Never
-        raises: a replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
+    def catch_up(self, why: str = "") -> None:
+        """Hand the steady state back to Python (see the module docstring, 4.); ``why``:
+        the reason reported when the schedule itself did not deviate. Never raises: a
+        replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
         with self._lock:
             if self.phase is not Phase.NATIVE:
                 return  # another thread did it
             schedule = self.schedule
+            was_armed = schedule.armed
             blocks = schedule.disown()
             if schedule.native:
                 self.front.install(None)
             events = schedule.drain()
             self.schedule = None
             self.report.catch_ups += 1
-            self.report.last_deviation = schedule.deviation()[2]
+            self.report.last_deviation = (why or schedule.deviation()[2]) if was_armed else schedule.deviation()[2]
             self.report.events_drained += len(events)
             self._short_lived = self._short_lived + 1 if self._steps_armed < SHORT_LIVED else 0
             self._set_phase(Phase.FOLLOWING if self._short_lived < MAX_SHORT_LIVED else Phase.OFF)
