@@ -110,9 +110,6 @@ def refusal(members: list[Member], newcomer: Member, total: int) -> str | None:
     if least > total:
         return (f"{format_bytes(least)} would be promised on a GPU of {format_bytes(total)} "
                 f"(fixed shares, and each fair job at its minimum)")
-    due = targets(everyone, total)[newcomer.id]
-    if newcomer.mode == FAIR and due < newcomer.minimum:
-        return f"its fair share would be {format_bytes(due)}, below its minimum {format_bytes(newcomer.minimum)}"
     return None
 
 
@@ -196,9 +193,9 @@ def _read(path: Path) -> Member | None:
 class Share:
     """This process's share of one GPU: its locked file in the registry.
 
-    ``held`` is the budget it plans with. :meth:`watch` starts the thread that
-    notices when that should move; :meth:`step` moves it (at a safe point) and
-    returns the new budget. :meth:`close` leaves the registry (process exit does too).
+    ``held`` is the budget it plans with. :meth:`poll` notices when that should
+    move (:meth:`watch`: every second, in a thread); :meth:`step` moves it (at a
+    safe point) and returns the new budget. :meth:`close` leaves the registry (process exit does too).
     """
 
     def __init__(self, registry: Registry, member: Member, total: int, fd: int) -> None:
@@ -229,16 +226,19 @@ class Share:
         free = self.total - sum(m.held for m in others)
         return max(0, min(due, free))
 
-    def looks_due(self) -> bool:
-        """Whether the share should move (one registry read; the watch thread calls it)."""
+    def poll(self) -> bool:
+        """Read the registry once and flag a move if the share should move (the watch
+        thread calls this every second); returns whether one is due."""
         with self.registry.locked():
             members = self.registry.members(mine=self.member.id)
         self.others = len(members) - 1
-        return self._next(members) != self.member.held
+        if self._next(members) != self.member.held:
+            self._due.set()
+        return self._due.is_set()
 
     def step(self) -> int | None:
-        """At a safe point (between optimizer steps): move to the share now due, if the
-        watch flagged a move. Returns the new budget, or None when it stays."""
+        """At a safe point (between optimizer steps): move to the share now due, if
+        :meth:`poll` flagged a move. Returns the new budget, or None when it stays."""
         if not self._due.is_set():
             return None
         self._due.clear()
@@ -260,8 +260,7 @@ class Share:
         def run() -> None:
             while not self._stop.wait(poll_s):
                 try:
-                    if self.looks_due():
-                        self._due.set()
+                    self.poll()
                 except OSError as exc:  # the registry went away: keep the share held
                     log.debug("umrt: share registry unreadable: %s", exc)
 
