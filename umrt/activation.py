@@ -36,6 +36,7 @@ import site
 import subprocess
 import sys
 import sysconfig
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,13 @@ def _run_shadow_and_exit(cfg: Any) -> None:
     except UmrtError as exc:
         _fail(str(exc))
         return
+    except KeyboardInterrupt:
+        rc = 130
+    except BaseException:  # noqa: BLE001 - the script's own error: as Python shows it, then its status
+        # Raised out of here it would reach `site`, which reports a failing .pth line and
+        # then runs the script a second time, unrecorded.
+        traceback.print_exc()
+        rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(rc or 0))
