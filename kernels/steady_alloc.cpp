@@ -85,6 +85,14 @@ struct umrt_cuda_table {
   int (*wait_event)(void* stream, uint64_t event);
   void* copy_stream;
   void* discard_stream;
+  // Called after any call that failed (NULL: none needed). A failed CUDA runtime call also
+  // sets the calling thread's last error (cudaGetLastError, cuda_runtime_api.h: "Returns the
+  // last error that has been produced by any of the runtime calls in the same instance of the
+  // CUDA Runtime library in the host thread ... and resets it to cudaSuccess"); torch checks
+  // it after every kernel launch (C10_CUDA_KERNEL_LAUNCH_CHECK), so a failed decision left
+  // there would raise in an unrelated op before umrt could fall back. The libcudart table
+  // points this at cudaGetLastError.
+  int (*clear_error)();
 };
 
 namespace {
@@ -210,6 +218,7 @@ bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const 
       }
     }
     if (rc != 0) {
+      if (t.clear_error) t.clear_error();  // the error is ours: torch's next launch check must not see it
       deviate(s, DEV_CALL, ordinal, "%s of allocation %lld: %s failed with CUDA error %d", where,
               static_cast<long long>(ordinal), what, rc);
       return false;
@@ -611,6 +620,8 @@ using DiscardPrefetchFn = cudaError (*)(void**, size_t*, size_t, CudaMemLocation
 using RecordFn = cudaError (*)(void*, void*);
 using WaitFn = cudaError (*)(void*, void*, unsigned int);
 using VersionFn = cudaError (*)(int*);
+// cudaGetLastError(void): returns and resets the calling thread's last error.
+using LastErrorFn = cudaError (*)();
 
 // The entry points of the runtime last given to umrt_steady_cudart_table (one per process).
 struct Cudart {
@@ -622,6 +633,7 @@ struct Cudart {
   DiscardPrefetchFn discard_prefetch = nullptr;
   RecordFn record = nullptr;
   WaitFn wait = nullptr;
+  LastErrorFn last_error = nullptr;
 };
 Cudart g_cudart;
 
@@ -659,6 +671,8 @@ int cudart_discard_prefetch(const uint64_t* ptrs, const uint64_t* lens, int64_t 
 int cudart_record_event(uint64_t event, void* stream) { return g_cudart.record(as_ptr(event), stream); }
 
 int cudart_wait_event(void* stream, uint64_t event) { return g_cudart.wait(stream, as_ptr(event), 0); }
+
+int cudart_clear_error() { return g_cudart.last_error(); }
 
 void put_error(char* err, int64_t errlen, const char* fmt, const char* a, const char* b) {
   if (err && errlen > 0) snprintf(err, static_cast<size_t>(errlen), fmt, a, b);
@@ -706,6 +720,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   }
   c.record = reinterpret_cast<RecordFn>(dlsym(lib, "cudaEventRecord"));
   c.wait = reinterpret_cast<WaitFn>(dlsym(lib, "cudaStreamWaitEvent"));
+  c.last_error = reinterpret_cast<LastErrorFn>(dlsym(lib, "cudaGetLastError"));
   const char* missing = nullptr;
   if (!c.prefetch_loc && !c.prefetch_dev) missing = "cudaMemPrefetchAsync";
   else if (!c.advise_loc && !c.advise_dev) missing = "cudaMemAdvise";
@@ -713,6 +728,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   else if (version >= 13000 && !c.discard_prefetch) missing = "cudaMemDiscardAndPrefetchBatchAsync";
   else if (!c.record) missing = "cudaEventRecord";
   else if (!c.wait) missing = "cudaStreamWaitEvent";
+  else if (!c.last_error) missing = "cudaGetLastError";
   if (missing) {
     put_error(err, errlen, "%s has no %s", libcudart_path, missing);
     return 0;
@@ -726,6 +742,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   out->discard_prefetch = c.discard_prefetch ? &cudart_discard_prefetch : nullptr;
   out->record_event = &cudart_record_event;
   out->wait_event = &cudart_wait_event;
+  out->clear_error = &cudart_clear_error;
   return version;
 }
 
@@ -755,7 +772,7 @@ int count_wait(void*, uint64_t) { g_counted[WAIT_EVENT].fetch_add(1, std::memory
 // Fill `out` with the counting functions (streams NULL).
 UMRT_EXPORT void umrt_steady_counting_table(umrt_cuda_table* out) {
   *out = umrt_cuda_table{&count_prefetch, &count_discard, &count_discard_prefetch, &count_populate, &count_advise,
-                         &count_record, &count_wait, nullptr, nullptr};
+                         &count_record, &count_wait, nullptr, nullptr, nullptr};
 }
 
 // The calls counted per kind (Kind order: prefetch, discard, discard_prefetch, populate,

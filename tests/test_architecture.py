@@ -23,6 +23,7 @@ LARGE_ON_PURPOSE = {
 THIRD_PARTY_PROBES = {
     "activation.py": {"argv", "exec_module"},  # sys (no argv when embedded), importlib loaders
     "allocators/torch.py": {"_cuda_customAllocator"},  # torch builds without the pluggable allocator
+    "api.py": {"accelerator"},  # torch.accelerator (torch >= 2.6), whose device setter umrt follows
     "backends/cuda.py": {"cudaMemDiscardBatchAsync"},  # cuda-bindings before 13 lacks it
     "capture/profiled.py": {"stack", "overload_name"},  # torch profiler events by version
     "capture/recorder.py": {"_schema", "_overloadpacket"},  # torch op objects (OpOverload vs packet)

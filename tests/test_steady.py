@@ -931,6 +931,25 @@ def test_a_cudart_error_code_reaches_the_deviation(lib, fake_cudarts):
                                                        "failed with CUDA error 2"))
 
 
+def test_a_failed_native_call_leaves_no_last_error_for_torch(lib, fake_cudarts):
+    """Finding 3: a decision that fails through the libcudart table sets that runtime's
+    per-thread last error (the fake keeps it as CUDA does); torch checks it after its next
+    kernel launch (cudaGetLastError) and would raise "CUDA error" in an unrelated op. Both
+    twins clear it (cudaGetLastError) before falling back, on the thread that failed."""
+    fake = fake_cudarts["13"]
+    arrays, a = _every_kind_schedule()
+    for s in both(lib, arrays):
+        s.set_c_table(steady.cudart_table(fake.path))
+        s.arm(0, 0x4000)
+        fake.lib.fake_cudart_fail(2)
+        try:
+            assert s.malloc(MiB, 0, 0x4000) == a and s.deviation()[0] == Deviation.CALL
+        finally:
+            fake.lib.fake_cudart_fail(0)
+        assert fake.lib.cudaPeekAtLastError() == 0, type(s).__name__  # torch's next launch check: no error
+        assert s.malloc(MiB, 0, 0x4000) == 0  # disarmed: the next allocation goes to Python
+
+
 def test_cudart_table_errors_are_clear(lib, tmp_path):
     with pytest.raises(SteadyError, match="dlopen.*nowhere.so"):
         steady.cudart_table(str(tmp_path / "nowhere.so"))
@@ -962,7 +981,7 @@ def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
         pytest.skip("no CUDA 13 libcudart in /usr/local/cuda/lib64")
     table = steady.cudart_table(found[0])
     assert table.version >= 13000
-    assert all(bool(getattr(table, name)) for name in steady.CALL_NAMES.values())
+    assert all(bool(getattr(table, name)) for name in (*steady.CALL_NAMES.values(), "clear_error"))
     assert not table.copy_stream and not table.discard_stream
 
 

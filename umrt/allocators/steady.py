@@ -159,6 +159,10 @@ class CudaTable(Protocol):
     def wait_event(self, stream: int, event: int) -> int:
         """cudaStreamWaitEvent (flags 0)."""
 
+    def clear_error(self) -> int:
+        """Called after a call that failed: reset the runtime's per-thread last error
+        (``cudaGetLastError``) so that the framework's next launch check does not see it."""
+
 
 class ApiTable:
     """A :class:`CudaTable` over a :class:`umrt.backends.cuda.CudaApi` (the adapters
@@ -203,6 +207,12 @@ class ApiTable:
 
     def wait_event(self, stream: int, event: int) -> int:
         return self._run(self.api.stream_wait_event, stream, event)
+
+    def clear_error(self) -> int:
+        """Nothing to reset: a failed call came back as an exception of umrt's adapter, made
+        through its own binding of the runtime (cuda-bindings links its own instance), not
+        through the libcudart whose last error torch checks."""
+        return 0
 
 
 # ---------------------------------------------------------------------------
@@ -933,6 +943,9 @@ class PythonSteadySchedule:
                         what = f"{name}({p:#x}, {n})"
                         break
             if rc != 0:
+                clear = getattr(t, "clear_error", None)
+                if clear is not None:
+                    clear()  # as the native twin: the failed call's last error is not left for torch
                 self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
                               f"CUDA error {rc}")
                 return False
@@ -1037,16 +1050,19 @@ DISCARD_PREFETCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, ctypes.c_int6
 ADVISE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int)
 RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p)
 WAIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
+CLEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
 
 
 class CTable(ctypes.Structure):
     """``struct umrt_cuda_table``: C function pointers (NULL: the call is missing) and
-    the copy / discard streams (NULL: the caller's). Made by :func:`cudart_table`,
+    the copy / discard streams (NULL: the caller's), and ``clear_error``, called after a
+    call that failed (libcudart's ``cudaGetLastError``; NULL: none). Made by :func:`cudart_table`,
     :func:`counting_table`, or :meth:`NativeSteadySchedule.set_table` from a Python table."""
 
     _fields_ = [("prefetch", PREFETCH_FN), ("discard", DISCARD_FN), ("discard_prefetch", DISCARD_PREFETCH_FN),
                 ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("record_event", RECORD_FN),
-                ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
+                ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p),
+                ("clear_error", CLEAR_FN)]
 
 
 
@@ -1095,6 +1111,9 @@ class CFunctionTable:
     def wait_event(self, stream: int, event: int) -> int:
         return self.c.wait_event(stream or None, event)
 
+    def clear_error(self) -> int:
+        return self.c.clear_error() if self.c.clear_error else 0
+
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., int]:
     """A table function for a ctypes callback: an exception becomes error 999 (a callback cannot raise)."""
@@ -1123,6 +1142,9 @@ def _c_table_of(table: CudaTable) -> CTable:
     for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
+    if getattr(table, "clear_error", None) is not None:
+        fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
+        c.clear_error = fns["clear_error"]
     c.keep = fns  # the callbacks must outlive every call the schedule makes
     return c
 
