@@ -88,6 +88,10 @@ class LogTable:
     def wait_event(self, stream, event):
         return self._log("wait_event", stream, event)
 
+    def clear_error(self):
+        self.cleared = getattr(self, "cleared", 0) + 1
+        return 0
+
 
 # -- compiling -------------------------------------------------------------------------
 def test_coalesce_merges_touching_and_overlapping_ranges_within_an_allocation():

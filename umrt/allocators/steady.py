@@ -752,6 +752,10 @@ class SteadySchedule(Protocol):
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         """True when the block was the schedule's (freed here)."""
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """A block used on ``stream`` too: True when it is the schedule's (which then
+        deviates unless ``stream`` is the one it serves)."""
+
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         """The buffered events, oldest first."""
 
@@ -885,6 +889,23 @@ class PythonSteadySchedule:
                 self._run(begin, end, stream or 0, "free", ordinal)
             return True
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """torch's ``record_stream``: the block at ``ptr`` is used on ``stream`` too. For a
+        live block of the schedule on another stream than the one it serves: deviate
+        (STREAM, if armed; the schedule orders nothing across streams) and return True.
+        False for a block not its own."""
+        stream = stream or 0
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                return False
+            if stream != self._stream and self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.STREAM, 0 if self._position == n else self._position,
+                              f"record_stream: block {ptr:#x} of allocation {entry[1]} is used on stream "
+                              f"{stream:#x} too")
+            return True
+
     def _check(self, begin: int, end: int, where: str, ordinal: int) -> bool:
         """Decisions ``[begin, end)`` touch no live block but those live where they ran in
         the recorded window; else deviate (TOUCH) before any of them runs."""
@@ -943,9 +964,7 @@ class PythonSteadySchedule:
                         what = f"{name}({p:#x}, {n})"
                         break
             if rc != 0:
-                clear = getattr(t, "clear_error", None)
-                if clear is not None:
-                    clear()  # as the native twin: the failed call's last error is not left for torch
+                t.clear_error()  # as the native twin: the failed call's last error is not left for torch
                 self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
                               f"CUDA error {rc}")
                 return False
@@ -1142,9 +1161,8 @@ def _c_table_of(table: CudaTable) -> CTable:
     for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
-    if getattr(table, "clear_error", None) is not None:
-        fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
-        c.clear_error = fns["clear_error"]
+    fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
+    c.clear_error = fns["clear_error"]
     c.keep = fns  # the callbacks must outlive every call the schedule makes
     return c
 
@@ -1233,6 +1251,10 @@ class NativeSteadySchedule:
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         return bool(self._free(self.handle, ptr, size, device, stream or None))
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """See :meth:`PythonSteadySchedule.record_stream`."""
+        return bool(self.lib.umrt_steady_record_stream(self.handle, ptr, stream or None))
+
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         cap = self.capacity if max_events is None else min(max_events, self.capacity)
         if self._drain_buf is None or len(self._drain_buf[0]) < cap:
@@ -1312,6 +1334,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_armed": (c_int, [vp]),
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
+        "umrt_steady_record_stream": (c_int, [vp, u64, vp]),
         "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
         "umrt_steady_clear_events": (i64, [vp]),
         "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),

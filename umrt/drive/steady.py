@@ -269,6 +269,20 @@ class SteadyServer:
                 return
             self.pool.free(ptr)
 
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """torch's ``Tensor.record_stream``: the block at ``ptr`` is used on ``stream`` too.
+        A block the schedule serves makes it deviate (it orders nothing across streams;
+        the front told the native one already): Python hands back first. Then the pool
+        orders the block's next use and discard after that stream's work."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                schedule = self.schedule
+                if not schedule.native:
+                    schedule.record_stream(ptr, stream or 0)
+                if not schedule.armed:
+                    self.catch_up()
+            self.pool.record_stream(ptr, stream)
+
     def empty_cache(self) -> None:
         """The pool's cached, unused memory back (``torch.cuda.empty_cache()``). While a
         schedule serves, Python hands back first: the pool's view is the one at arming, and
@@ -393,7 +407,6 @@ class SteadyServer:
         self.schedule = schedule
         self.bridge.go_native()
         if schedule.native:
-            self.front.set_cupy_stream(self._stream or 0)  # CuPy's calls name no stream
             self.front.install(schedule)
         self.report.arms += 1
         self.report.schedule_allocations = len(arrays.sizes)
