@@ -877,3 +877,44 @@ def test_the_shim_passes_torchs_record_stream_to_umrt(monkeypatch):
     finally:
         shim.set_record_stream(0)
     assert seen == [(0x7F00_0000_0000, 0x5000)]
+
+
+def test_a_call_made_at_a_module_boundary_replays_after_the_kernels_before_it(cuda13, fake_gpu, twin):
+    """Finding 5: the policy evicts block a at a module boundary, after the kernel that
+    writes it. The schedule cannot see module boundaries: the eviction must replay after
+    that kernel (at the next allocation), never before it (at a's allocation, where the
+    kernel then refaults a's pages from the host). Each native step's ops: the eviction
+    comes after the write, as on the Python path."""
+    from umrt.backends.base import HOST
+
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    n, live = 1 << 20, {}
+
+    class Program:  # one step: a written, a module boundary (a evicted), b, a read back
+        survivors: list = []
+
+        def step(self):
+            a = malloc(n)
+            fake_gpu.kernel(0, writes=[(a, n)], name="write a")
+            getattr(server, "mark", lambda: None)()  # (a module hook; before the fix nothing marked it)
+            if not bridge.native:
+                cuda13.prefetch([(a, n)], HOST)  # the policy, at the boundary: a is not needed for a while
+            b = malloc(2 * n)
+            fake_gpu.kernel(0, writes=[(b, 2 * n)], name="write b")
+            free(b)
+            fake_gpu.kernel(0, reads=[(a, n)], name="read a")
+            free(a)
+            live.clear()
+
+    program = Program()
+    program.live = live
+    _learn(server, program)
+    assert server.report.schedule_calls > 0
+    for _ in range(2):
+        mark = len(fake_gpu.ops)
+        program.step()
+        bridge.on_step(server)
+        names = [op.name + (" -> host" if op.detail.endswith("host") else "") for op in fake_gpu.ops[mark:]]
+        assert server.phase is Phase.NATIVE
+        assert names.index("cudaMemPrefetchAsync -> host") > names.index("write a"), names
+    assert not fake_gpu.violations

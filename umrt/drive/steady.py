@@ -6,10 +6,13 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 (the live bridge calls :meth:`SteadyServer.on_step`):
 
 1. **following**: once the policy acts without launches, it starts recording
-   *windows* (one optimizer step to the next): the pool's allocations and frees
-   and every CUDA call the backend makes between them
+   *windows* (one optimizer step to the next): the pool's allocations and frees,
+   every CUDA call the backend makes between them
    (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
-   :class:`CallSource`).
+   :class:`CallSource`), and the module boundaries (:meth:`SteadyServer.mark`:
+   kernels ran there, so calls made after one replay at the next allocation or
+   free, never before those kernels; a window that would carry such calls past the
+   optimizer step's kernels does not compile).
 2. **recording**: when a cycle of up to :data:`MAX_PERIOD` windows compiles
    (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
    cycle before it, that is the steady state: the blocks of the cycle still live
@@ -268,6 +271,14 @@ class SteadyServer:
             if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
                 return
             self.pool.free(ptr)
+
+    def mark(self, what: str = "module") -> None:
+        """The program's kernels may have run since the last allocation or free (a module
+        boundary, where the policy acts): while a window is recorded, calls made from here
+        on replay at the next allocation or free, after those kernels
+        (:class:`~umrt.allocators.steady.Mark`)."""
+        if self.phase is Phase.RECORDING:
+            self._recorder.mark(what)
 
     def record_stream(self, ptr: int, stream: Any) -> None:
         """torch's ``Tensor.record_stream``: the block at ``ptr`` is used on ``stream`` too.
