@@ -444,6 +444,26 @@ UMRT_EXPORT int umrt_steady_free(void* handle, uint64_t ptr, uint64_t size, int 
   return serve_free(s, ptr, stream);
 }
 
+// torch's record_stream: the block at `ptr` is used on `stream` too. A schedule serves one
+// stream and orders nothing across streams: for a block of its own (live) used on another
+// stream it deviates (DEV_STREAM, if armed) and returns 1, so that Python hands back and
+// orders the block's next use after that stream; 0 for a block not its own.
+UMRT_EXPORT int umrt_steady_record_stream(void* handle, uint64_t ptr, void* stream) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  auto it = s->live.find(ptr);
+  if (it == s->live.end()) return 0;
+  if (stream == s->stream) return 1;
+  if (s->armed) {
+    const int64_t n = static_cast<int64_t>(s->sizes.size());
+    deviate(s, DEV_STREAM, s->position == n ? 0 : s->position,
+            "record_stream: block 0x%llx of allocation %lld is used on stream 0x%llx too",
+            static_cast<unsigned long long>(ptr), static_cast<long long>(it->second.second),
+            static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(stream)));
+  }
+  return 1;
+}
+
 // Hand blocks live before arming to the schedule: block k at addrs[k] was allocation
 // ordinals[k] of the recorded iteration (its size: that allocation's). Their frees then
 // run their free decisions and emit EV_FREE. All or nothing: returns 0, or k + 1 for the

@@ -280,24 +280,49 @@ def test_front_counts_and_falls_back_without_a_schedule():
         front.set_fallback(0, 0)
 
 
-def test_cupy_entry_points_share_the_native_path(fronted, monkeypatch):
-    """CuPy's CFunctionAllocator signatures (param, size, device) / (param, ptr, device)
-    reach the same schedule as torch's, on the stream it was armed on."""
+def test_cupy_native_allocator_serves_on_cupys_current_stream(fronted, fake_gpu, monkeypatch):
+    """Finding 4 (CuPy): umrt's native CuPy allocator passes CuPy's current stream, read at
+    each allocation, to the same entry points as torch's: the schedule serves the stream
+    it was armed on, and a step on another stream deviates (before the fix every CuPy
+    allocation was labelled with the armed stream and served natively, whatever stream
+    CuPy ran on). Its blocks are freed through the front when CuPy drops them."""
+    cupy = pytest.importorskip("cupy")
+    from fake_cuda import STREAM_NON_BLOCKING
+
     from umrt.allocators import cupy as uc
 
     front, pool, server, bridge = fronted
-    cupy_malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
-        front.cupy_malloc_address)
-    cupy_free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(front.cupy_free_address)
-    program = Program(lambda n: cupy_malloc(None, n, 0) or 0, lambda p: cupy_free(None, p, 0))
+    streams = [fake_gpu.create_stream("test", STREAM_NON_BLOCKING) for _ in range(2)]
+    current = {"stream": streams[0]}
+
+    class Stream:
+        @property
+        def ptr(self):
+            return current["stream"]
+
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Stream())
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setitem(uc._state, "pool", server)
+    monkeypatch.setitem(uc._state, "front", front)
+    allocate, held = uc.native_allocator(), {}
+
+    def malloc(n):
+        memory = allocate(n)
+        held[memory.ptr] = memory
+        return memory.ptr
+
+    program = Program(malloc, lambda p: held.pop(p) and None)  # CuPy drops the array: freed
     learned = _learn(server, program)
     before = front.counters()
     assert _run(server, program, 2) == [learned] * 2
     after = front.counters()
     assert after.fallback_allocs == before.fallback_allocs
     assert after.native_frees - before.native_frees == 2 * len(SIZES)
+    current["stream"] = streams[1]  # the program moves to another CuPy stream
+    program.step()
+    assert server.phase is not Phase.NATIVE and "stream" in server.report.last_deviation
+    assert pool.live_blocks() == program.live and pool.stream == streams[1]
     server.close()
-    monkeypatch.setitem(uc._state, "pool", server)
     monkeypatch.setitem(uc._state, "front", None)
     assert uc.native_allocator() is uc.allocator  # no front: the Python allocator
 
@@ -645,7 +670,7 @@ class KernelProgram:
         self.free(ptr)
         del self.live[ptr]
 
-    def step(self, late=False, extra=0):
+    def step(self, late=False, extra=0, use_c=None):
         for ptr in self.survivors:
             self._done(ptr)
         if extra:  # a temporary of another size (every other step: two shapes taking turns)
@@ -655,6 +680,8 @@ class KernelProgram:
         for ptr in ((b, a) if late else (a, b)):  # recorded: a's discard runs at b's free
             self._done(ptr)
         c = self._new(3 << 20)
+        if use_c is not None:  # c is used elsewhere too (another stream)
+            use_c(c, self.live[c])
         d = self._new(2 << 20)
         self._done(c)
         self.survivors = [d]
@@ -733,3 +760,161 @@ def test_empty_cache_while_native_hands_back_first(cuda13, fake_gpu, twin):
     assert not fake_gpu.violations and pool.live_blocks() == program.live
     assert server.report.catch_ups == 1 and "empty_cache" in server.report.last_deviation
     assert server.report.arms == 2  # Python, then native again
+
+
+def _streams(fake_gpu):
+    """Two created non-blocking streams on the fake runtime: the compute stream and a side one."""
+    from fake_cuda import STREAM_NON_BLOCKING
+
+    return fake_gpu.create_stream("test", STREAM_NON_BLOCKING), fake_gpu.create_stream("test", STREAM_NON_BLOCKING)
+
+
+def _side_stream_reads(fake_gpu, ptr, n, main, side):
+    """What a program does to use a block on a side stream: the side stream waits for the
+    block's producer (``side.wait_stream(main)``), then a kernel there reads it."""
+    event = fake_gpu.handle()
+    fake_gpu.events[event] = None
+    fake_gpu._event_device[event] = 0
+    fake_gpu.record("test", event, main)
+    fake_gpu.wait("test", side, event, 0)
+    fake_gpu.kernel(side, reads=[(ptr, n)], name="side-stream consumer")
+
+
+def test_a_block_used_on_a_side_stream_is_reused_and_discarded_only_after_that_streams_work(cuda13, fake_gpu):
+    """Finding 4: torch's record_stream, as its caching allocator honours it (an event on
+    each recorded stream at the free, the block's next use after it). A block written on
+    the main stream, read on a side stream, recorded there and freed: its reuse on the
+    main stream (a kernel writing it) and its discard come after the side stream's read.
+    Before the fix the pool ignored the stream (a stream-race, a discard of pages in use)."""
+    main, side = _streams(fake_gpu)
+    pool = ManagedPool(cuda13)
+    DiscardingPolicy(cuda13, pool)
+    n = 1 << 20
+    x = pool.malloc(n, main)
+    fake_gpu.kernel(main, writes=[(x, n)], name="producer")
+    _side_stream_reads(fake_gpu, x, n, main, side)
+    getattr(pool, "record_stream", lambda *a: None)(x, side)  # (before the fix torch's call went nowhere)
+    pool.free(x)
+    y = pool.malloc(n, main)  # the dead block's discard runs here, then y is populated
+    assert y == x  # reused in place, on its stream
+    fake_gpu.kernel(main, writes=[(y, n)], name="next owner")
+    assert not fake_gpu.violations
+
+
+def test_a_discard_at_a_free_goes_to_the_stream_the_block_was_used_on(cuda13, fake_gpu):
+    """Finding 4: the backend's compute stream follows the latest allocation's stream; a
+    block of another stream, read there after that switch and then freed, must not be
+    discarded on the compute stream before that read (pages discarded while in use)."""
+    main, other = _streams(fake_gpu)
+    pool = ManagedPool(cuda13)
+    freed = []
+    pool.listeners.append(lambda what, ptr, n: what == "free" and cuda13.discard([(ptr, n)]) or freed.append(ptr))
+    n = 1 << 20
+    y = pool.malloc(n, other)
+    fake_gpu.kernel(other, writes=[(y, n)], name="producer on its stream")
+    z = pool.malloc(n, main)  # the compute stream is main from here
+    fake_gpu.kernel(other, reads=[(y, n)], name="last user on its stream")
+    pool.free(y)  # discarded at its free: after its last user
+    fake_gpu.kernel(main, writes=[(z, n)])
+    assert not fake_gpu.violations
+
+
+def test_record_stream_on_a_block_the_schedule_serves_hands_back_and_orders_its_reuse(cuda13, fake_gpu, twin):
+    """Finding 4, the native path: torch's record_stream on a block the schedule served
+    (through the front's entry point, as the shim forwards it; the server's for the Python
+    twin). The schedule serves one stream: it deviates, Python hands back, and the pool
+    orders the block's reuse and discard after the side stream's read."""
+    from fake_cuda import STREAM_NON_BLOCKING
+
+    side = fake_gpu.create_stream("test", STREAM_NON_BLOCKING)
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    if twin is not None:
+        from umrt.allocators.torch import make_callbacks, record_stream_callback
+
+        _, _, alloc_ptr, free_ptr = make_callbacks(server)
+        twin.set_fallback(alloc_ptr, free_ptr, record_stream_callback())  # (as umrt.enable sets it)
+    # (before the fix torch's record_stream reached nothing of umrt's)
+    record = getattr(twin if twin is not None else server, "record_stream", lambda *a: None)
+    program = KernelProgram(malloc, free, fake_gpu)
+    _learn(server, program)
+    _run(server, program, 1)
+    assert server.phase is Phase.NATIVE
+
+    def on_the_side(ptr, n):
+        _side_stream_reads(fake_gpu, ptr, n, 0, side)
+        record(ptr, side)
+
+    program.step(use_c=on_the_side)  # before the fix: c's discard and reuse raced the side stream's read
+    bridge.on_step(server)
+    assert server.report.catch_ups == 1 and "record_stream" in server.report.last_deviation, server.report
+    _run(server, program, 6)
+    assert not fake_gpu.violations and pool.live_blocks() == program.live
+
+
+def test_the_shim_passes_torchs_record_stream_to_umrt(monkeypatch):
+    """torch's CUDAPluggableAllocator::recordStream calls the function given to
+    set_record_stream_fn with the block and the stream: the shim's umrt_record_stream
+    (called here as torch holds it, a std::function) reaches the pool's record_stream."""
+    import shutil
+
+    from umrt.allocators import torch as ut
+
+    if shutil.which("c++") is None:
+        pytest.skip("no compiler: the shim cannot be built")
+    shim = ut.load_shim()
+    assert shim is not None
+    seen = []
+
+    class Pool:
+        def record_stream(self, ptr, stream):
+            seen.append((ptr, stream))
+
+    monkeypatch.setitem(ut._state, "pool", Pool())
+    shim.set_record_stream(ut.record_stream_callback())
+    try:
+        shim.module._try_record_stream(0x7F00_0000_0000, 0x5000)
+        shim.module._try_record_stream(0, 0x5000)  # no block: nothing
+    finally:
+        shim.set_record_stream(0)
+    assert seen == [(0x7F00_0000_0000, 0x5000)]
+
+
+def test_a_call_made_at_a_module_boundary_replays_after_the_kernels_before_it(cuda13, fake_gpu, twin):
+    """Finding 5: the policy evicts block a at a module boundary, after the kernel that
+    writes it. The schedule cannot see module boundaries: the eviction must replay after
+    that kernel (at the next allocation), never before it (at a's allocation, where the
+    kernel then refaults a's pages from the host). Each native step's ops: the eviction
+    comes after the write, as on the Python path."""
+    from umrt.backends.base import HOST
+
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    n, live = 1 << 20, {}
+
+    class Program:  # one step: a written, a module boundary (a evicted), b, a read back
+        survivors: list = []
+
+        def step(self):
+            a = malloc(n)
+            fake_gpu.kernel(0, writes=[(a, n)], name="write a")
+            getattr(server, "mark", lambda: None)()  # (a module hook; before the fix nothing marked it)
+            if not bridge.native:
+                cuda13.prefetch([(a, n)], HOST)  # the policy, at the boundary: a is not needed for a while
+            b = malloc(2 * n)
+            fake_gpu.kernel(0, writes=[(b, 2 * n)], name="write b")
+            free(b)
+            fake_gpu.kernel(0, reads=[(a, n)], name="read a")
+            free(a)
+            live.clear()
+
+    program = Program()
+    program.live = live
+    _learn(server, program)
+    assert server.report.schedule_calls > 0
+    for _ in range(2):
+        mark = len(fake_gpu.ops)
+        program.step()
+        bridge.on_step(server)
+        names = [op.name + (" -> host" if op.detail.endswith("host") else "") for op in fake_gpu.ops[mark:]]
+        assert server.phase is Phase.NATIVE
+        assert names.index("cudaMemPrefetchAsync -> host") > names.index("write a"), names
+    assert not fake_gpu.violations

@@ -88,6 +88,10 @@ class LogTable:
     def wait_event(self, stream, event):
         return self._log("wait_event", stream, event)
 
+    def clear_error(self):
+        self.cleared = getattr(self, "cleared", 0) + 1
+        return 0
+
 
 # -- compiling -------------------------------------------------------------------------
 def test_coalesce_merges_touching_and_overlapping_ranges_within_an_allocation():
@@ -1088,3 +1092,25 @@ def test_a_decision_touching_a_block_live_now_but_dead_when_recorded_deviates_be
         s.arm()
         out.append([s.malloc(MiB), s.malloc(MiB), s.deviation()[:2], s.state()[:3], table.calls])
     assert out[0] == out[1] == [a, 0, (Deviation.TOUCH, 1), (1, 0, 1), []]
+
+
+def test_calls_after_a_module_boundary_replay_at_the_next_pool_event_never_before_it():
+    """Finding 5: a Mark (a module boundary: kernels may have run since the last pool
+    event) sends the calls after it to the next allocation or free, before that one's own
+    calls; calls at the window's end after a Mark would replay after the optimizer step's
+    kernels: the compiler refuses; a block living across the step is freed at its ordinal."""
+    a, b, c = 1 << 30, (1 << 30) + 2 * MiB, (1 << 30) + 4 * MiB
+    evict = CallAt(P, ((a, MiB),), HOST, stream=7, exact=True)
+    advise = CallAt(ADV, ((a, MiB),), HOST, 3, exact=True)
+    own = CallAt(POP, ((b, MiB),), 0, exact=True)
+    rec = [FreeAt(c), CallAt(D, ((c, MiB),), stream=9, exact=True),  # c: allocated in the previous step
+           AllocAt(MiB, a), steady.Mark(), evict, advise, AllocAt(MiB, b), own, FreeAt(b), steady.Mark(),
+           CallAt(P, ((a, MiB),), 0, stream=7, exact=True), FreeAt(a), AllocAt(MiB, c)]
+    arrays = compile_schedule(rec)
+    at = {name: [d[0] for d in arrays.decisions(begins[i], begins[i + 1])]
+          for name, begins, i in (("alloc a", arrays.alloc_begin, 0), ("alloc b", arrays.alloc_begin, 1),
+                                  ("free a", arrays.free_begin, 0), ("free c", arrays.free_begin, 2))}
+    assert at == {"alloc a": [], "alloc b": [P, ADV, POP], "free a": [P], "free c": [D]}
+    with pytest.raises(SteadyError, match="after the optimizer step's kernels"):
+        compile_schedule([AllocAt(MiB, a), FreeAt(a), steady.Mark(), CallAt(P, ((b, MiB),), HOST, stream=7,
+                                                                             exact=True)])

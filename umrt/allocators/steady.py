@@ -258,7 +258,18 @@ class Unschedulable:
     name: str
 
 
-Recorded = AllocAt | FreeAt | CallAt | Unschedulable
+@dataclass(frozen=True)
+class Mark:
+    """A point of the recorded window where the program's kernels may have run since the
+    last allocation or free: a module boundary (the live bridge's hooks) where the policy
+    acts. A schedule cannot see it, so calls made after it replay at the *next* allocation
+    or free (after those kernels, never before them: an eviction before the kernels that
+    write the data would make them refault)."""
+
+    what: str = "module"
+
+
+Recorded = AllocAt | FreeAt | CallAt | Unschedulable | Mark
 
 
 class RecordingBackend(ForwardingBackend):
@@ -392,6 +403,10 @@ class SteadyRecorder:
     def on_pool_event(self, what: str, ptr: int, nbytes: int) -> None:
         """A ``ManagedPool`` listener: ``("alloc" | "free", ptr, nbytes)``."""
         self.log.append(AllocAt(nbytes, ptr) if what == "alloc" else FreeAt(ptr))
+
+    def mark(self, what: str = "module") -> None:
+        """Kernels may have run since the last pool event (a module boundary): see :class:`Mark`."""
+        self.log.append(Mark(what))
 
     def take(self) -> list[Recorded]:
         """What was recorded since the last call (one iteration, if called at its boundaries)."""
@@ -532,11 +547,15 @@ def compile_schedule(recorded: Sequence[Recorded],
     """Compile one recorded steady iteration into a schedule.
 
     A call is attributed to the latest allocation or free before it (``at allocation
-    i``: run before its address is returned; ``at the free of allocation i's block``);
-    calls before the iteration's first allocation or free go to allocation 0. Frees of
-    blocks the iteration did not allocate (allocated in an earlier iteration) key their
-    calls by the ordinal of the allocation now at that address if any, else the calls
-    go to the next allocation. ``bounds`` (``CudaBackend.allocation_of``) keeps
+    i``: run before its address is returned; ``at the free of allocation i's block``),
+    unless a :class:`Mark` (a module boundary: kernels may have run) came between: then
+    to the next allocation or free, before that one's own calls (calls move later past
+    kernels the schedule cannot see, never earlier). Calls before the iteration's first
+    allocation or free go to allocation 0. The free of a block an earlier iteration
+    allocated and the iteration allocates again at the same address before it ends (a
+    block that lives across the step: the cycle repeats) keys its calls by that
+    allocation's ordinal, as the schedule frees that block; the free of any other block
+    not allocated in the iteration sends its calls to the next allocation or free. ``bounds`` (``CudaBackend.allocation_of``) keeps
     coalesced ranges inside one managed allocation. Exact calls (:class:`RecordingApi`)
     are compiled verbatim, in order: no merging, coalescing or reordering. An event a
     call waits for was recorded in the iteration before (or earlier in this one): the
@@ -545,8 +564,9 @@ def compile_schedule(recorded: Sequence[Recorded],
 
     Raises:
         SteadyError: the iteration has no allocation, made an :class:`Unschedulable`
-            call, its exact calls differ from ``previous``'s, or an entry is not a
-            :class:`Recorded` one.
+            call, its exact calls differ from ``previous``'s, it made calls after its last
+            allocation or free that would replay after the optimizer step's kernels, or an
+            entry is not a :class:`Recorded` one.
     """
     if previous is not None:
         _check_repeats(recorded, previous)
@@ -611,6 +631,8 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
         starts.append(starts[-1] + previous_allocations if starts else 0)
         previous_allocations = allocations
         entries.extend(recorded)
+    lives_across = _lives_across(entries)  # address -> ordinal of a block that lives across the cycle's end
+    trailing = False  # the calls pending were made after a Mark with no pool event since
     for entry in entries:
         if isinstance(entry, AllocAt):
             if entry.size <= 0:
@@ -618,12 +640,19 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
             ordinal_at[entry.ptr] = len(sizes)
             target = at_alloc.setdefault(len(sizes), [])
             target.extend(pending)
-            pending = []
+            pending, trailing = [], False
             sizes.append(int(entry.size))
             addrs.append(int(entry.ptr))
         elif isinstance(entry, FreeAt):
-            ordinal = ordinal_at.get(entry.ptr)
-            target = pending if ordinal is None else at_free.setdefault(ordinal, [])
+            ordinal = ordinal_at.get(entry.ptr, lives_across.get(entry.ptr))
+            if ordinal is None:  # a block from before the cycle: the schedule does not free it
+                target = None
+                continue
+            target = at_free.setdefault(ordinal, [])
+            target.extend(pending)
+            pending, trailing = [], False
+        elif isinstance(entry, Mark):
+            target, trailing = None, True
         elif isinstance(entry, CallAt):
             (pending if target is None else target).append(entry)
         elif isinstance(entry, Unschedulable):
@@ -633,6 +662,10 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
             raise SteadyError(f"not a recorded allocation, free or call: {entry!r}")
     if not sizes:
         raise SteadyError("the recorded iteration has no allocation: nothing to compile")
+    if pending and trailing:
+        raise SteadyError(f"{len(pending)} call(s) made at a module boundary after the iteration's last allocation "
+                          "or free would replay after the optimizer step's kernels (at the next iteration's first "
+                          f"allocation); the first: {pending[0]}")
     # Calls after the last event open the next iteration: before those recorded at its allocation 0.
     at_alloc[0] = pending + at_alloc.get(0, [])
     arrays = ScheduleArrays(sizes, addrs, [], [], iteration_starts=starts)
@@ -657,6 +690,20 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
                 arrays.guard_begin.append(len(arrays.guard_ordinal))
             begins.append(len(arrays.dec_kind))
     return arrays
+
+
+def _lives_across(entries: Sequence[Recorded]) -> dict[int, int]:
+    """The blocks the cycle allocates and leaves live at its end, as ``{address: ordinal}``:
+    in steady state each is freed in the next cycle, before its address is allocated again."""
+    live: dict[int, int] = {}
+    ordinal = 0
+    for entry in entries:
+        if isinstance(entry, AllocAt):
+            live[entry.ptr] = ordinal
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            live.pop(entry.ptr, None)
+    return live
 
 
 class _LiveBlocks:
@@ -698,16 +745,8 @@ def _guards(entries: Sequence[Recorded], sizes: Sequence[int], decisions_alloc: 
     runs in the recorded window (the cycle repeats: the blocks it left live are live at its
     start), as ``{(ordinal, k): [ordinals]}`` for the k-th decision at allocation / free of
     ``ordinal``. Event records and waits touch no memory and get none."""
-    ordinal = 0
-    survivors: dict[int, int] = {}
-    for entry in entries:
-        if isinstance(entry, AllocAt):
-            survivors[entry.ptr] = ordinal
-            ordinal += 1
-        elif isinstance(entry, FreeAt):
-            survivors.pop(entry.ptr, None)
     live = _LiveBlocks()
-    for ptr, k in survivors.items():
+    for ptr, k in _lives_across(entries).items():
         live.add(ptr, ptr + sizes[k], k)
     guards_alloc: dict[tuple[int, int], list[int]] = {}
     guards_free: dict[tuple[int, int], list[int]] = {}
@@ -751,6 +790,10 @@ class SteadySchedule(Protocol):
 
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         """True when the block was the schedule's (freed here)."""
+
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """A block used on ``stream`` too: True when it is the schedule's (which then
+        deviates unless ``stream`` is the one it serves)."""
 
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         """The buffered events, oldest first."""
@@ -885,6 +928,23 @@ class PythonSteadySchedule:
                 self._run(begin, end, stream or 0, "free", ordinal)
             return True
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """torch's ``record_stream``: the block at ``ptr`` is used on ``stream`` too. For a
+        live block of the schedule on another stream than the one it serves: deviate
+        (STREAM, if armed; the schedule orders nothing across streams) and return True.
+        False for a block not its own."""
+        stream = stream or 0
+        with self._lock:
+            entry = self._live.get(ptr)
+            if entry is None:
+                return False
+            if stream != self._stream and self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.STREAM, 0 if self._position == n else self._position,
+                              f"record_stream: block {ptr:#x} of allocation {entry[1]} is used on stream "
+                              f"{stream:#x} too")
+            return True
+
     def _check(self, begin: int, end: int, where: str, ordinal: int) -> bool:
         """Decisions ``[begin, end)`` touch no live block but those live where they ran in
         the recorded window; else deviate (TOUCH) before any of them runs."""
@@ -943,9 +1003,7 @@ class PythonSteadySchedule:
                         what = f"{name}({p:#x}, {n})"
                         break
             if rc != 0:
-                clear = getattr(t, "clear_error", None)
-                if clear is not None:
-                    clear()  # as the native twin: the failed call's last error is not left for torch
+                t.clear_error()  # as the native twin: the failed call's last error is not left for torch
                 self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
                               f"CUDA error {rc}")
                 return False
@@ -1142,9 +1200,8 @@ def _c_table_of(table: CudaTable) -> CTable:
     for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
-    if getattr(table, "clear_error", None) is not None:
-        fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
-        c.clear_error = fns["clear_error"]
+    fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
+    c.clear_error = fns["clear_error"]
     c.keep = fns  # the callbacks must outlive every call the schedule makes
     return c
 
@@ -1233,6 +1290,10 @@ class NativeSteadySchedule:
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         return bool(self._free(self.handle, ptr, size, device, stream or None))
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """See :meth:`PythonSteadySchedule.record_stream`."""
+        return bool(self.lib.umrt_steady_record_stream(self.handle, ptr, stream or None))
+
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         cap = self.capacity if max_events is None else min(max_events, self.capacity)
         if self._drain_buf is None or len(self._drain_buf[0]) < cap:
@@ -1312,6 +1373,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_armed": (c_int, [vp]),
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
+        "umrt_steady_record_stream": (c_int, [vp, u64, vp]),
         "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
         "umrt_steady_clear_events": (i64, [vp]),
         "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),

@@ -450,6 +450,8 @@ class LiveBridge:
             self.driver.feed(self._translate(ev))
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
+            if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
+                self.steady.mark()
             self.driver.feed(ev)
         elif t is IterationBoundary:
             if self._next_boundary is None:  # the recorder's first: iterations start here

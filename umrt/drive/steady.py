@@ -6,10 +6,13 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 (the live bridge calls :meth:`SteadyServer.on_step`):
 
 1. **following**: once the policy acts without launches, it starts recording
-   *windows* (one optimizer step to the next): the pool's allocations and frees
-   and every CUDA call the backend makes between them
+   *windows* (one optimizer step to the next): the pool's allocations and frees,
+   every CUDA call the backend makes between them
    (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
-   :class:`CallSource`).
+   :class:`CallSource`), and the module boundaries (:meth:`SteadyServer.mark`:
+   kernels ran there, so calls made after one replay at the next allocation or
+   free, never before those kernels; a window that would carry such calls past the
+   optimizer step's kernels does not compile).
 2. **recording**: when a cycle of up to :data:`MAX_PERIOD` windows compiles
    (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
    cycle before it, that is the steady state: the blocks of the cycle still live
@@ -269,6 +272,28 @@ class SteadyServer:
                 return
             self.pool.free(ptr)
 
+    def mark(self, what: str = "module") -> None:
+        """The program's kernels may have run since the last allocation or free (a module
+        boundary, where the policy acts): while a window is recorded, calls made from here
+        on replay at the next allocation or free, after those kernels
+        (:class:`~umrt.allocators.steady.Mark`)."""
+        if self.phase is Phase.RECORDING:
+            self._recorder.mark(what)
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """torch's ``Tensor.record_stream``: the block at ``ptr`` is used on ``stream`` too.
+        A block the schedule serves makes it deviate (it orders nothing across streams;
+        the front told the native one already): Python hands back first. Then the pool
+        orders the block's next use and discard after that stream's work."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                schedule = self.schedule
+                if not schedule.native:
+                    schedule.record_stream(ptr, stream or 0)
+                if not schedule.armed:
+                    self.catch_up()
+            self.pool.record_stream(ptr, stream)
+
     def empty_cache(self) -> None:
         """The pool's cached, unused memory back (``torch.cuda.empty_cache()``). While a
         schedule serves, Python hands back first: the pool's view is the one at arming, and
@@ -393,7 +418,6 @@ class SteadyServer:
         self.schedule = schedule
         self.bridge.go_native()
         if schedule.native:
-            self.front.set_cupy_stream(self._stream or 0)  # CuPy's calls name no stream
             self.front.install(schedule)
         self.report.arms += 1
         self.report.schedule_allocations = len(arrays.sizes)
