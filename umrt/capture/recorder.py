@@ -31,7 +31,9 @@ hooks give layer events and iterations (:mod:`~umrt.capture.hooks`).
   model (a root module with parameters) with gradients off, in inference
   mode or with the model in eval mode (:meth:`Recorder.loop_phase`); the
   model's next training forward opens a training iteration again. A step's
-  boundary takes the phase the loop is in when it is emitted.
+  boundary takes the phase the loop is in when it is emitted, at the first
+  launch that writes the device (one that only reads it, a copy to the host
+  such as ``loss.item()`` or a checkpoint's, ends the iteration it follows).
 * :meth:`Recorder.suspend_ops` stops recording launches (the live runtime's
   steady state) while layer events, boundaries and frees keep coming.
 """
@@ -556,7 +558,10 @@ class Recorder:
             and all(t.dim() == 0 for t, _ in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
-        self._flush()
+        if not self._pending_boundary or any(on for _, on in outs) or any(w and on for _, w, on in inputs):
+            # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
+            # torch.save) belongs to the iteration it follows: it opens none.
+            self._flush()
         in_graph = torch._C._current_graph_task_id() != -1
         hooks = self._hooks
         if hooks.backward_module is not None and not in_graph:
