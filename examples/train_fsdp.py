@@ -6,7 +6,7 @@ random init, no download): each transformer block and then the whole model are
 and backward and its gradients reduce-scattered after. Each rank trains on its
 own random token batches. On the CPU the ranks talk through gloo::
 
-    torchrun --nproc_per_node 2 examples/train_fsdp.py --steps 4
+    torchrun --nproc_per_node 2 examples/train_fsdp.py
     umrt run --simulate h100-pcie5-80g --gpu-memory 20% -- torchrun --nproc_per_node 2 examples/train_fsdp.py
 
 On GPUs (NCCL, one GPU per rank)::
@@ -22,11 +22,11 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per batch and rank (default 2)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch and rank (default 4)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (default) or cuda")
     parser.add_argument("--backend", default=None, help="process group backend (default: gloo on cpu, nccl on cuda)")
     parser.add_argument("--seed", type=int, default=0)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank, then sharded
     config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
-                        n_positions=max(args.seq, 64), vocab_size=4096, use_cache=False)
+                        n_positions=max(args.seq, 128), vocab_size=8192, use_cache=False)
     model = GPT2LMHeadModel(config).to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters())

@@ -224,6 +224,7 @@ def test_the_job_report_has_a_row_per_rank_and_the_slowest_rank_sets_the_step(tm
 # -- real torchrun jobs: 2 ranks over gloo on the CPU ------------------------------------------
 
 STEPS = "5"  # 2 learned, then acted on
+SMALL = ("--steps", STEPS, "--layers", "2", "--hidden", "128", "--batch", "2", "--seq", "64")  # quick on a CPU
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -262,11 +263,11 @@ def _no_process_left(marker: str) -> list[str]:
 @pytest.mark.slow
 def test_ddp_under_torchrun_in_shadow_mode_keeps_the_losses_and_reports_each_rank(tmp_path):
     script = str(EXAMPLES / "train_ddp.py")
-    plain = _run(_torchrun(script, "--steps", STEPS), _env(), tmp_path)
+    plain = _run(_torchrun(script, *SMALL), _env(), tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     reports = tmp_path / "reports"
     shadow = _run([sys.executable, "-m", "umrt", "run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "50%", "--",
-                   "torchrun", "--standalone", "--nproc_per_node", "2", script, "--steps", STEPS],
+                   "torchrun", "--standalone", "--nproc_per_node", "2", script, *SMALL],
                   _env(UMRT_SHADOW_REPORTS=str(reports)), tmp_path)
     assert shadow.returncode == 0, shadow.stderr[-3000:]
     assert _losses(shadow.stdout) == _losses(plain.stdout)  # the ranks' training is a plain run's
@@ -286,10 +287,10 @@ def test_fsdp2_under_torchrun_in_shadow_mode_keeps_the_losses_and_reports_each_r
     """FSDP2 (fully_shard) runs on the CPU with gloo in torch 2.13: its collectives (all-gather,
     reduce-scatter) are ops the recorder sees, into buffers from torch's allocator."""
     script = str(EXAMPLES / "train_fsdp.py")
-    plain = _run(_torchrun(script, "--steps", STEPS), _env(), tmp_path)
+    plain = _run(_torchrun(script, *SMALL), _env(), tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     # the form without `umrt run`: UMRT=1 and UMRT_SIMULATE in torchrun's environment
-    shadow = _run(_torchrun(script, "--steps", STEPS),
+    shadow = _run(_torchrun(script, *SMALL),
                   _env(UMRT="1", UMRT_SIMULATE="h100-pcie5-80g", UMRT_GPU_MEMORY="50%"), tmp_path)
     assert shadow.returncode == 0, shadow.stderr[-3000:]
     assert _losses(shadow.stdout) == _losses(plain.stdout)

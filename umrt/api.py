@@ -209,7 +209,7 @@ def _join_share(cfg: Config, total: int) -> share.Share | None:
     fixed = cfg.gpu_memory.resolve(total) if cfg.gpu_memory.text is not None else None
     minimum = (cfg.share_min or Amount(fraction=0.1)).resolve(total)
     held = share.join(registry, total, fixed=fixed, minimum=minimum, wait=cfg.share_wait,
-                      label=" ".join(sys.argv[:2])[:80], describe=_device_name(cfg.device))
+                      label=share.job_label(), describe=_device_name(cfg.device))
     if held.others:
         print(f"umrt: {_device_name(cfg.device)} is shared with {held.others} other umrt job(s): this job plans "
               f"with {format_bytes(held.held)} ({held.mode} share)", file=sys.stderr)

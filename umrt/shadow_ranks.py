@@ -99,7 +99,7 @@ def simulated_share(cfg: Config, rank: RankInfo | None) -> Iterator[share.Share 
     device = distributed.rank_device(cfg.device if rank is None else None, rank, rank.local_world_size if rank else 1)
     registry = share.Registry(cfg.share_dir or share.default_folder(), f"sim-{profile.name}-{device}")
     held = share.join(registry, profile.gpu_memory_bytes, fixed=cfg.gpu_memory.bytes, minimum=0,
-                      wait=cfg.share_wait, label=" ".join(sys.argv[:2])[:80],
+                      wait=cfg.share_wait, label=share.job_label(),
                       describe=f"the simulated {profile.name} GPU {device}")
     if held.others:
         print(f"umrt: the simulated {profile.name} GPU {device} is shared with {held.others} other umrt "
@@ -191,5 +191,5 @@ def render(ranks: dict[int, dict | None], cfg: Config) -> str:
     if not ranks:
         lines.append("No rank left a report: did the workers start under umrt (UMRT=1 hook installed)?")
     buf = StringIO()
-    Console(file=buf, width=120, highlight=False).print(table)
+    Console(file=buf, width=130, highlight=False).print(table)
     return buf.getvalue() + "\n".join(lines + notes)

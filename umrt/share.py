@@ -53,7 +53,7 @@ from umrt.config import format_bytes
 from umrt.errors import UmrtError
 
 __all__ = ["FAIR", "FIXED", "FAIR_FRACTION", "Member", "Registry", "Share", "ShareError", "default_folder",
-           "targets", "refusal", "join"]
+           "job_label", "targets", "refusal", "join"]
 
 log = logging.getLogger("umrt")
 
@@ -111,6 +111,13 @@ def refusal(members: list[Member], newcomer: Member, total: int) -> str | None:
         return (f"{format_bytes(least)} would be promised on a GPU of {format_bytes(total)} "
                 f"(fixed shares, and each fair job at its minimum)")
     return None
+
+
+def job_label(argv: list[str] | None = None) -> str:
+    """What this job is, for the other jobs' messages: its script's name (or ``python -c``)."""
+    argv = sys.argv if argv is None else argv
+    first = argv[0] if argv else ""
+    return (f"python {first}" if first.startswith("-") else os.path.basename(first))[:60]
 
 
 def default_folder() -> Path:
