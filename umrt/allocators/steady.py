@@ -848,7 +848,7 @@ class PythonSteadySchedule:
         self._deferred: list[tuple[int, int]] = []
 
     def _reentered(self) -> bool:
-        return getattr(self._inside, "active", False)
+        return self._inside.__dict__.get("active", False)  # (per thread: unset on a thread that never ran one)
 
     def set_table(self, table: CudaTable | None) -> None:
         with self._lock:
