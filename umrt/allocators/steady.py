@@ -67,6 +67,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
 from umrt.backends.cuda import CudaApi
+from umrt.allocators.sources import native_source
 from umrt.errors import CudaError, UmrtError
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
@@ -1386,8 +1387,9 @@ class NativeSteadySchedule:
 # Building and loading.
 # ---------------------------------------------------------------------------
 def steady_source() -> Path:
-    """``kernels/steady_alloc.cpp`` (found by path, like the torch shim)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "steady_alloc.cpp"
+    """``steady_alloc.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("steady_alloc.cpp")
 
 
 def build_native(source: Path, stem: str, what: str, ldflags: Sequence[str] = ()) -> str:
