@@ -63,7 +63,7 @@ enum Ev : int32_t { EV_ALLOC = 0, EV_FREE = 1, EV_BOUNDARY = 2 };
 // Deviation codes (steady.py: Deviation).
 enum Dev : int32_t {
   DEV_NONE = 0, DEV_SIZE = 1, DEV_HASH = 2, DEV_LIVE = 3, DEV_BUFFER = 4, DEV_CALL = 5, DEV_DEVICE = 6,
-  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9, DEV_TOUCH = 10
+  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9, DEV_TOUCH = 10, DEV_REENTERED = 11
 };
 
 }  // namespace
@@ -132,6 +132,22 @@ struct Schedule {
   int32_t deviation = DEV_NONE;
   int64_t deviation_position = -1;
   std::string reason;
+  // Frees that arrived on the thread running this schedule's decisions (a callback of a
+  // Python table can run the garbage collector, which frees a tensor): served after them.
+  std::vector<std::pair<uint64_t, void*>> deferred;
+};
+
+// The schedule whose decisions this thread is running. Its mutex is held further up this
+// thread's stack, so an entry point called again from inside a decision's call must not
+// lock it (std::mutex is not recursive): a free is deferred, an allocation declined.
+thread_local Schedule* t_inside = nullptr;
+
+struct Inside {
+  Schedule* prev;
+  explicit Inside(Schedule* s) : prev(t_inside) { t_inside = s; }
+  ~Inside() { t_inside = prev; }
+  Inside(const Inside&) = delete;
+  Inside& operator=(const Inside&) = delete;
 };
 
 void deviate(Schedule* s, int32_t code, int64_t position, const char* fmt, ...)
@@ -178,6 +194,7 @@ bool table_has(const umrt_cuda_table& t, int32_t kind) {
 // Run decisions [begin, end) for a call on `stream`; false (disarmed) at the first that fails.
 bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const char* where, int64_t ordinal) {
   const umrt_cuda_table& t = s->table;
+  Inside inside(s);
   for (int64_t d = begin; d < end; ++d) {
     const int32_t kind = s->dec_kind[d], device = s->dec_device[d], advice = s->dec_advice[d];
     const uint64_t own = s->dec_stream[d], event = s->dec_event[d];
@@ -422,17 +439,52 @@ UMRT_EXPORT void umrt_steady_arm(void* handle, int device, void* stream) {
   s->reason.clear();
 }
 
+// The decision kinds the schedule has and its table lacks, as a bit mask (1 << kind): a
+// schedule with any would disarm at the first such decision, every time it is armed.
+UMRT_EXPORT int32_t umrt_steady_missing(void* handle) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  int32_t mask = 0;
+  for (const int32_t kind : s->dec_kind) {
+    if (!table_has(s->table, kind)) mask |= 1 << kind;
+  }
+  return mask;
+}
+
 UMRT_EXPORT int umrt_steady_armed(void* handle) {
   Schedule* s = static_cast<Schedule*>(handle);
   std::lock_guard<std::mutex> lock(s->mu);
   return s->armed ? 1 : 0;
 }
 
+namespace {
+
+// The frees deferred while this thread ran the schedule's decisions (called once they ran).
+void serve_deferred(Schedule* s) {
+  while (!s->deferred.empty() && t_inside != s) {
+    const auto [ptr, stream] = s->deferred.front();
+    s->deferred.erase(s->deferred.begin());
+    serve_free(s, ptr, stream);
+  }
+}
+
+}  // namespace
+
 // The planned block for this allocation, or NULL (disarmed: the caller falls back).
 UMRT_EXPORT void* umrt_steady_malloc(void* handle, uint64_t size, int device, void* stream) {
   Schedule* s = static_cast<Schedule*>(handle);
+  if (t_inside == s) {  // from inside one of its own decisions' calls: the lock is ours already
+    if (s->armed) {
+      const int64_t n = static_cast<int64_t>(s->sizes.size());
+      deviate(s, DEV_REENTERED, s->position == n ? 0 : s->position,
+              "an allocation of %llu bytes from inside a decision's CUDA call", static_cast<unsigned long long>(size));
+    }
+    return nullptr;
+  }
   std::lock_guard<std::mutex> lock(s->mu);
-  return serve_malloc(s, size, device, stream);
+  void* out = serve_malloc(s, size, device, stream);
+  serve_deferred(s);
+  return out;
 }
 
 // 1: a block this schedule handed out (freed here); 0: not ours (the caller frees it).
@@ -440,8 +492,15 @@ UMRT_EXPORT int umrt_steady_free(void* handle, uint64_t ptr, uint64_t size, int 
   (void)size;
   (void)device;
   Schedule* s = static_cast<Schedule*>(handle);
+  if (t_inside == s) {  // from inside one of its own decisions' calls: served once they ran
+    if (s->live.find(ptr) == s->live.end()) return 0;
+    s->deferred.emplace_back(ptr, stream);
+    return 1;
+  }
   std::lock_guard<std::mutex> lock(s->mu);
-  return serve_free(s, ptr, stream);
+  const int out = serve_free(s, ptr, stream);
+  serve_deferred(s);
+  return out;
 }
 
 // torch's record_stream: the block at `ptr` is used on `stream` too. A schedule serves one
@@ -450,7 +509,8 @@ UMRT_EXPORT int umrt_steady_free(void* handle, uint64_t ptr, uint64_t size, int 
 // orders the block's next use after that stream; 0 for a block not its own.
 UMRT_EXPORT int umrt_steady_record_stream(void* handle, uint64_t ptr, void* stream) {
   Schedule* s = static_cast<Schedule*>(handle);
-  std::lock_guard<std::mutex> lock(s->mu);
+  std::unique_lock<std::mutex> lock(s->mu, std::defer_lock);
+  if (t_inside != s) lock.lock();  // (from inside its decisions' calls the lock is this thread's)
   auto it = s->live.find(ptr);
   if (it == s->live.end()) return 0;
   if (stream == s->stream) return 1;

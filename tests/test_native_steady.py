@@ -918,3 +918,72 @@ def test_a_call_made_at_a_module_boundary_replays_after_the_kernels_before_it(cu
         assert server.phase is Phase.NATIVE
         assert names.index("cudaMemPrefetchAsync -> host") > names.index("write a"), names
     assert not fake_gpu.violations
+
+
+DEADLOCK = """
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+from fake_cuda import FakeBindingsRuntime, FakeGpu
+import test_native_steady as t
+from umrt.allocators import steady
+from umrt.allocators import torch as ut
+from umrt.allocators.front import load_front
+from umrt.backends.cuda import BindingsApi, CudaBackend
+
+gpu = FakeGpu()
+backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+front, shim = load_front(), ut.load_shim()
+pool, server, bridge = t._server(backend, front=front)
+t.DiscardingPolicy(backend, pool).bridge = bridge  # decisions at every allocation: Python table calls
+_, _, alloc_ptr, free_ptr = ut.make_callbacks(server)
+front.set_fallback(alloc_ptr, free_ptr)
+ut._state["shim"] = shim
+shim.set_callbacks(front.malloc_address, front.free_address)
+program = t.Program(lambda n: shim.module._try_alloc(n, 0), lambda p: shim.module._try_free(p, 0, 0))
+t._learn(server, program)
+entered, run = threading.Event(), steady.ApiTable._run
+
+def slow(self, *args):  # a decision's Python call, on the other thread: it lets the GIL go a while
+    if threading.current_thread().name == "autograd":
+        entered.set()
+        time.sleep(0.5)
+    return run(self, *args)
+
+steady.ApiTable._run = slow
+for ptr in program.survivors:  # the next step starts as recorded
+    shim.module._try_free(ptr, 0, 0)
+# torch's autograd thread (no GIL) allocates through the front; its decision runs slowly...
+other = threading.Thread(target=lambda: front.lib.umrt_front_malloc(t.SIZES[0], 0, None), daemon=True,
+                         name="autograd")
+other.start()
+entered.wait(10)
+# ...while this thread, holding the GIL (a torch op called from Python), allocates too.
+shim.module._try_alloc(t.SIZES[1], 0)
+other.join(10)
+print("RESULT done", entered.is_set(), server.phase.value, front.installed is None, server.report.last_deviation)
+"""
+
+
+def test_a_decision_calling_python_never_runs_under_a_lock_a_gil_holder_waits_for(tmp_path):
+    """Finding 6: a native schedule whose CUDA calls go through Python (no libcudart found)
+    ran those calls under its mutex; a thread allocating from a torch op holds the GIL and
+    waits for that mutex, while the decision's callback waits for the GIL: a deadlock.
+    Such a schedule is now served from umrt's callbacks (ctypes lets the GIL go before
+    taking the lock), never from the front torch's threads call directly."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from umrt.allocators.front import load_front
+
+    if load_front() is None or shutil.which("c++") is None:
+        pytest.skip("no compiler: the native front and the shim cannot be built")
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK.format(tests=str(Path(__file__).parent)))
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: a GIL holder waited for the schedule's lock while a decision waited for the GIL")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT done True native True" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt.allocators.sources import native_source
 from umrt.allocators.steady import build_native, warn_not_built
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
@@ -38,8 +39,9 @@ class FrontCounters:
 
 
 def front_source() -> Path:
-    """``kernels/steady_front.cpp`` (found by path, like the torch shim)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "steady_front.cpp"
+    """``steady_front.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("steady_front.cpp")
 
 
 class Front:

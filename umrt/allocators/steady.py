@@ -49,10 +49,12 @@ it yet.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import enum
 import functools
 import hashlib
+import os
 import re
 import sys
 import threading
@@ -65,6 +67,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
 from umrt.backends.cuda import CudaApi
+from umrt.allocators.sources import native_source
 from umrt.errors import CudaError, UmrtError
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
@@ -104,6 +107,7 @@ class Deviation(enum.IntEnum):
     NO_TABLE = 8
     STOPPED = 9  # disown() while armed: "stopped by Python"
     TOUCH = 10  # a decision would touch a block live now that was dead there in the recorded window
+    REENTERED = 11  # an allocation from inside a decision's CUDA call (a Python table's callback)
 
 
 # Each kind's call: its CudaTable method and its field of the C table (CTable).
@@ -807,6 +811,9 @@ class SteadySchedule(Protocol):
     def state(self) -> tuple[int, int, int, int]:
         """``(position, iteration, live blocks, buffered events)``."""
 
+    def missing_calls(self) -> list[str]:
+        """The calls its decisions need that its table lacks."""
+
 
 class PythonSteadySchedule:
     """The pure-Python schedule: line for line what ``kernels/steady_alloc.cpp`` does."""
@@ -835,6 +842,14 @@ class PythonSteadySchedule:
         self._live: dict[int, tuple[int, int]] = {}  # start -> (end, ordinal)
         self._events: list[SteadyEvent] = []
         self._deviation = (Deviation.NONE, -1, "")
+        # The thread running decisions holds the lock: what it calls again (a free by the
+        # garbage collector inside a table call) must not take it (threading.Lock is not
+        # recursive). Frees arriving so are served once the decisions ran.
+        self._inside = threading.local()
+        self._deferred: list[tuple[int, int]] = []
+
+    def _reentered(self) -> bool:
+        return self._inside.__dict__.get("active", False)  # (per thread: unset on a thread that never ran one)
 
     def set_table(self, table: CudaTable | None) -> None:
         with self._lock:
@@ -868,65 +883,102 @@ class PythonSteadySchedule:
 
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
         stream = stream or 0
+        if self._reentered():  # from inside one of its decisions' calls: the lock is this thread's
+            if self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.REENTERED, 0 if self._position == n else self._position,
+                              f"an allocation of {size} bytes from inside a decision's CUDA call")
+            return 0
         with self._lock:
-            if not self._armed:
-                return 0
-            a = self.a
-            n = len(a.sizes)
-            p = 0 if self._position == n else self._position
-            if device != self._device:
-                self._deviate(Deviation.DEVICE, p, f"allocation {p}: device {device}, the schedule serves "
-                              f"device {self._device}")
-                return 0
-            if stream != self._stream:
-                self._deviate(Deviation.STREAM, p, f"allocation {p}: stream {stream:#x}, the schedule serves "
-                              f"stream {self._stream:#x}")
-                return 0
-            if len(self._events) + len(self._live) + 3 > self.capacity:
-                self._deviate(Deviation.BUFFER, p, f"allocation {p}: the event buffer is full "
-                              f"({len(self._events)} events not drained, capacity {self.capacity})")
-                return 0
-            if size != a.sizes[p]:
-                self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
-                return 0
-            starts = p in self._starts_iteration
-            h = mix(0 if starts else self._hash, size)
-            if h != self._hashes[p]:
-                self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
-                              f"{self._hashes[p]}")
-                return 0
-            addr = a.addrs[p]
-            hit = self._overlapping(addr, addr + size)
-            if hit is not None:
-                self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
-                              f"block {hit:#x} of allocation {self._live[hit][1]}")
-                return 0
-            bisect.insort(self._starts, addr)
-            self._live[addr] = (addr + size, p)
-            if not self._check(a.alloc_begin[p], a.alloc_begin[p + 1], "allocation", p):
-                del self._starts[bisect.bisect_left(self._starts, addr)]
-                del self._live[addr]
-                return 0
-            if starts and (p != 0 or self._position == n):  # not the first allocation after arming
-                self._iteration += 1
-                self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
-            self._position, self._hash = p + 1, h
-            self._events.append((EV_ALLOC, p, addr, size))
-            self._run(a.alloc_begin[p], a.alloc_begin[p + 1], stream, "allocation", p)
-            return addr
+            try:
+                return self._malloc(size, device, stream)
+            finally:
+                self._serve_deferred()
+
+    def _malloc(self, size: int, device: int, stream: int) -> int:
+        if not self._armed:
+            return 0
+        a = self.a
+        n = len(a.sizes)
+        p = 0 if self._position == n else self._position
+        if device != self._device:
+            self._deviate(Deviation.DEVICE, p, f"allocation {p}: device {device}, the schedule serves "
+                          f"device {self._device}")
+            return 0
+        if stream != self._stream:
+            self._deviate(Deviation.STREAM, p, f"allocation {p}: stream {stream:#x}, the schedule serves "
+                          f"stream {self._stream:#x}")
+            return 0
+        if len(self._events) + len(self._live) + 3 > self.capacity:
+            self._deviate(Deviation.BUFFER, p, f"allocation {p}: the event buffer is full "
+                          f"({len(self._events)} events not drained, capacity {self.capacity})")
+            return 0
+        if size != a.sizes[p]:
+            self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
+            return 0
+        starts = p in self._starts_iteration
+        h = mix(0 if starts else self._hash, size)
+        if h != self._hashes[p]:
+            self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
+                          f"{self._hashes[p]}")
+            return 0
+        addr = a.addrs[p]
+        hit = self._overlapping(addr, addr + size)
+        if hit is not None:
+            self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
+                          f"block {hit:#x} of allocation {self._live[hit][1]}")
+            return 0
+        bisect.insort(self._starts, addr)
+        self._live[addr] = (addr + size, p)
+        if not self._check(a.alloc_begin[p], a.alloc_begin[p + 1], "allocation", p):
+            del self._starts[bisect.bisect_left(self._starts, addr)]
+            del self._live[addr]
+            return 0
+        if starts and (p != 0 or self._position == n):  # not the first allocation after arming
+            self._iteration += 1
+            self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
+        self._position, self._hash = p + 1, h
+        self._events.append((EV_ALLOC, p, addr, size))
+        self._run(a.alloc_begin[p], a.alloc_begin[p + 1], stream, "allocation", p)
+        return addr
 
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
-        with self._lock:
-            entry = self._live.pop(ptr, None)
-            if entry is None:
+        if self._reentered():  # from inside one of its decisions' calls: served once they ran
+            if ptr not in self._live:
                 return False
-            del self._starts[bisect.bisect_left(self._starts, ptr)]
-            ordinal = entry[1]
-            self._events.append((EV_FREE, ordinal, ptr, self.a.sizes[ordinal]))
-            begin, end = self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1]
-            if self._armed and self._check(begin, end, "free", ordinal):
-                self._run(begin, end, stream or 0, "free", ordinal)
+            self._deferred.append((ptr, stream or 0))
             return True
+        with self._lock:
+            try:
+                return self._free(ptr, stream or 0)
+            finally:
+                self._serve_deferred()
+
+    def _free(self, ptr: int, stream: int) -> bool:
+        entry = self._live.pop(ptr, None)
+        if entry is None:
+            return False
+        del self._starts[bisect.bisect_left(self._starts, ptr)]
+        ordinal = entry[1]
+        self._events.append((EV_FREE, ordinal, ptr, self.a.sizes[ordinal]))
+        begin, end = self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1]
+        if self._armed and self._check(begin, end, "free", ordinal):
+            self._run(begin, end, stream, "free", ordinal)
+        return True
+
+    def _serve_deferred(self) -> None:
+        """The frees deferred while this thread ran decisions (the lock held)."""
+        while self._deferred and not self._reentered():
+            ptr, stream = self._deferred.pop(0)
+            self._free(ptr, stream)
+
+    def missing_calls(self) -> list[str]:
+        """The calls its decisions make that its table lacks (a CUDA 12 runtime has no batched
+        discard): armed, it would disarm at the first of them, every time."""
+        with self._lock:
+            t = self._table
+            kinds = {DecisionKind(k) for k in self.a.dec_kind}
+            return [CALL_NAMES[k] for k in sorted(kinds) if t is None or not t.provides(k)]
 
     def record_stream(self, ptr: int, stream: int) -> bool:
         """torch's ``record_stream``: the block at ``ptr`` is used on ``stream`` too. For a
@@ -934,7 +986,7 @@ class PythonSteadySchedule:
         (STREAM, if armed; the schedule orders nothing across streams) and return True.
         False for a block not its own."""
         stream = stream or 0
-        with self._lock:
+        with contextlib.nullcontext() if self._reentered() else self._lock:
             entry = self._live.get(ptr)
             if entry is None:
                 return False
@@ -969,6 +1021,13 @@ class PythonSteadySchedule:
         return True
 
     def _run(self, begin: int, end: int, stream: int, where: str, ordinal: int) -> bool:
+        self._inside.active = True
+        try:
+            return self._run_calls(begin, end, stream, where, ordinal)
+        finally:
+            self._inside.active = False
+
+    def _run_calls(self, begin: int, end: int, stream: int, where: str, ordinal: int) -> bool:
         t = self._table
         a = self.a
         for d in range(begin, end):
@@ -1290,6 +1349,11 @@ class NativeSteadySchedule:
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         return bool(self._free(self.handle, ptr, size, device, stream or None))
 
+    def missing_calls(self) -> list[str]:
+        """See :meth:`PythonSteadySchedule.missing_calls`."""
+        mask = int(self.lib.umrt_steady_missing(self.handle))
+        return [CALL_NAMES[kind] for kind in DecisionKind if mask & (1 << kind)]
+
     def record_stream(self, ptr: int, stream: int) -> bool:
         """See :meth:`PythonSteadySchedule.record_stream`."""
         return bool(self.lib.umrt_steady_record_stream(self.handle, ptr, stream or None))
@@ -1323,8 +1387,9 @@ class NativeSteadySchedule:
 # Building and loading.
 # ---------------------------------------------------------------------------
 def steady_source() -> Path:
-    """``kernels/steady_alloc.cpp`` (found by path, like the torch shim)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "steady_alloc.cpp"
+    """``steady_alloc.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("steady_alloc.cpp")
 
 
 def build_native(source: Path, stem: str, what: str, ldflags: Sequence[str] = ()) -> str:
@@ -1371,6 +1436,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_set_table": (None, [vp, vp]),
         "umrt_steady_arm": (None, [vp, c_int, vp]),
         "umrt_steady_armed": (c_int, [vp]),
+        "umrt_steady_missing": (i32, [vp]),
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
         "umrt_steady_record_stream": (c_int, [vp, u64, vp]),
@@ -1446,21 +1512,58 @@ def cudart_table(path: str, copy_stream: int | None = None, discard_stream: int 
     return table
 
 
+# The libraries of torch's (and CuPy's) that call the CUDA runtime: the libcudart they
+# resolve is the runtime instance whose per-thread state (the last error, the current
+# device) torch reads.
+CUDART_USERS = ("libc10_cuda.so", "libtorch_cuda.so", "libcupy")
+
+
 def loaded_libcudart(maps: str = "/proc/self/maps") -> tuple[str | None, str]:
-    """``(path, reason)``: the libcudart shared library this process has loaded (torch's
-    or CuPy's, found in ``/proc/self/maps``), else ``(None, why not)``. cuda-bindings
-    links the runtime statically: importing it alone loads no libcudart."""
+    """``(path, reason)``: the libcudart shared library torch uses in this process (found in
+    ``/proc/self/maps``), else ``(None, why not)``. With one loaded, that one; with several
+    (torch's, CuPy's, another CUDA version's: separate runtime instances), the one torch's
+    own CUDA library (``libc10_cuda.so``) resolves ``cudaGetLastError`` to, never a guess.
+    cuda-bindings links the runtime statically: importing it alone loads no libcudart."""
     try:
         text = Path(maps).read_text()
     except OSError as exc:
         return None, f"cannot read {maps}: {exc}"
-    found = sorted({line.split(None, 5)[5] for line in text.splitlines()
-                    if len(line.split(None, 5)) == 6 and re.search(r"/libcudart\.so[.\d]*$", line)})
+    paths = {line.split(None, 5)[5] for line in text.splitlines() if len(line.split(None, 5)) == 6}
+    found = sorted(p for p in paths if re.search(r"/libcudart\.so[.\d]*$", p))
     if not found:
         return None, f"no libcudart.so in {maps} (load torch.cuda or CuPy's runtime first)"
-    if len(found) > 1:
-        return found[0], f"{len(found)} libcudart libraries loaded ({', '.join(found)}); using the first"
-    return found[0], f"loaded by this process ({maps})"
+    if len(found) == 1:
+        return found[0], f"loaded by this process ({maps})"
+    real = {os.path.realpath(p): p for p in found}
+    for user in CUDART_USERS:
+        for path in sorted(p for p in paths if Path(p).name.startswith(user)):
+            resolved = _resolves_to(path, "cudaGetLastError")
+            if resolved is not None and os.path.realpath(resolved) in real:
+                return real[os.path.realpath(resolved)], f"the copy {Path(path).name} uses, of {len(found)} loaded"
+    return None, (f"{len(found)} libcudart libraries loaded ({', '.join(found)}) and none is known to be torch's: "
+                  "the schedule's calls go through umrt's Python adapter")
+
+
+class _DlInfo(ctypes.Structure):
+    """``Dl_info`` (glibc ``dlfcn.h``)."""
+
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p),
+                ("dli_saddr", ctypes.c_void_p)]
+
+
+def _resolves_to(library: str, symbol: str) -> str | None:
+    """The file of the library that defines ``symbol`` as ``library`` (already loaded) sees it:
+    ``dlsym`` on its handle searches it and its dependencies, ``dladdr`` names the file."""
+    try:
+        handle = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        address = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+        libc = ctypes.CDLL(None)
+        info = _DlInfo()
+        if not address or not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+        return info.dli_fname.decode()
+    except (OSError, AttributeError):
+        return None
 
 
 COUNTED_KINDS = tuple(DecisionKind)  # the order of umrt_steady_counted's counts

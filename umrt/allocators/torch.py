@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt.allocators.sources import native_source
 from umrt.errors import UmrtError
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -176,9 +177,9 @@ class Shim:
 
 
 def _shim_source() -> Path:
-    """``kernels/torch_alloc_shim.cpp``: ``kernels`` ships beside ``umrt`` (found by path, not
-    by import, so an unrelated ``kernels`` package on ``sys.path`` cannot shadow it)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "torch_alloc_shim.cpp"
+    """``torch_alloc_shim.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("torch_alloc_shim.cpp")
 
 
 @functools.lru_cache(maxsize=1)

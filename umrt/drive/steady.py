@@ -105,8 +105,9 @@ class CallSource(Protocol):
         entry ``compile_schedule`` rejects for a call a schedule cannot repeat);
         ``None`` stops."""
 
-    def attach(self, schedule: Any) -> None:
-        """Give ``schedule`` the table its decisions run through."""
+    def attach(self, schedule: Any) -> bool:
+        """Give ``schedule`` the table its decisions run through; True when its calls
+        never enter Python (a table of C functions)."""
 
     def count(self, calls: Counter, windows: int) -> None:
         """Add ``windows`` windows' worth of ``calls`` (CUDA name -> count) to the
@@ -147,20 +148,21 @@ class BackendCalls:
         api = self.api if log is None else RecordingApi(self.api, log)
         self.backend.api = self.backend.order.api = api
 
-    def attach(self, schedule: Any) -> None:
+    def attach(self, schedule: Any) -> bool:
         if schedule.native and self.c_table is not None:
             schedule.set_c_table(self.c_table())
             self.table_kind = "given"
-            return
+            return True
         if schedule.native and self.api.process_runtime:  # (a stand-in runtime gets its own calls)
             path, reason = loaded_libcudart()
             if path is not None:
                 schedule.set_c_table(cudart_table(path))
                 self.table_kind = "libcudart"
-                return
+                return True
             log.info("umrt: the native schedule's CUDA calls go through Python: %s", reason)
         schedule.set_table(ApiTable(self.api))
         self.table_kind = "python"
+        return False
 
     def count(self, calls: Counter, windows: int) -> None:
         counts = self.backend.calls
@@ -239,6 +241,7 @@ class SteadyServer:
         self._wait = 0  # steps before recording may start again
         self._stream: Any = 0
         self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
+        self._in_front = False  # the schedule is installed in the native front (else served here)
         self._window_calls: Counter = Counter()  # CUDA calls per cycle, credited to the backend
         self._period, self._credited, self._steps_armed = 1, 0, 0
         self._cycle_allocations = (0, 0)
@@ -251,13 +254,14 @@ class SteadyServer:
     # -- the allocator torch and CuPy call -------------------------------------------
 
     def malloc(self, nbytes: int, stream: Any = 0) -> int:
-        """A block for ``nbytes``: from the Python schedule while it serves, else the pool
-        (after catching Python up, if the schedule just declined). Under the server's lock,
-        so a schedule is never armed between the check and the pool's placing a block."""
+        """A block for ``nbytes``: from the schedule while it serves and is not in the front,
+        else the pool (after catching Python up, if the schedule just declined). Under the
+        server's lock, so a schedule is never armed between the check and the pool's placing
+        a block."""
         with self._lock:
             if self.phase is Phase.NATIVE:
                 schedule = self.schedule
-                if not schedule.native:
+                if not self._in_front:
                     ptr = schedule.malloc(nbytes, self.device, stream or 0)
                     if ptr:
                         return ptr
@@ -265,10 +269,11 @@ class SteadyServer:
             return self.pool.malloc(nbytes, stream)
 
     def free(self, ptr: int) -> None:
-        """Return a block: the Python schedule's if it handed it out, else the pool's."""
+        """Return a block: the schedule's if it handed it out (and is not in the front),
+        else the pool's."""
         with self._lock:
             schedule = self.schedule
-            if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
+            if schedule is not None and not self._in_front and schedule.free(ptr, 0, self.device, self._stream):
                 return
             self.pool.free(ptr)
 
@@ -288,7 +293,7 @@ class SteadyServer:
         with self._lock:
             if self.phase is Phase.NATIVE:
                 schedule = self.schedule
-                if not schedule.native:
+                if not self._in_front:
                     schedule.record_stream(ptr, stream or 0)
                 if not schedule.armed:
                     self.catch_up()
@@ -324,6 +329,7 @@ class SteadyServer:
         except Exception as exc:  # noqa: BLE001 - the training goes on
             log.warning("umrt: the native steady state stopped after an error (%s: %s); Python serves "
                         "every allocation from now on", type(exc).__name__, exc)
+            self.report.last_deviation = f"stopped: {type(exc).__name__}: {exc}"
             self._stop_recording()
             if self.phase is Phase.NATIVE:
                 self.catch_up()
@@ -406,7 +412,11 @@ class SteadyServer:
         if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
             raise SteadyError("a block the window left live is not live in the pool at its size")
         schedule = load_steady(arrays, native=self.front is not None)
-        self.calls.attach(schedule)
+        without_python = self.calls.attach(schedule)
+        missing = schedule.missing_calls()
+        if missing:  # it would disarm at its first such decision, every time it is armed
+            raise SteadyError(f"the CUDA calls the schedule replays include {', '.join(missing)}, which the "
+                              f"runtime it would call lacks (torch built for CUDA 12 with umrt's calls on CUDA 13?)")
         schedule.adopt(survivors)
         self._stream = self.pool.stream
         schedule.arm(self.device, self._stream or 0)
@@ -417,14 +427,19 @@ class SteadyServer:
         self._cycle_allocations = (len(arrays.sizes), sum(arrays.sizes))  # for umrt.statistics() totals
         self.schedule = schedule
         self.bridge.go_native()
-        if schedule.native:
+        # Into the front (torch's threads call it, the GIL held or not) only when no Python
+        # can run under the schedule's lock: a decision's Python callback would wait for the
+        # GIL held by a thread waiting for that lock. Otherwise the server serves it from
+        # its Python callbacks (ctypes drops the GIL before taking the lock).
+        self._in_front = schedule.native and (without_python or not arrays.dec_kind)
+        if self._in_front:
             self.front.install(schedule)
         self.report.arms += 1
         self.report.schedule_allocations = len(arrays.sizes)
         self.report.schedule_calls = len(arrays.dec_kind)
         self._set_phase(Phase.NATIVE)
         log.info("umrt: steady state: %d allocations per step served %s", len(arrays.sizes),
-                 "natively" if schedule.native else "by the Python schedule")
+                 "natively" if self._in_front else "by the schedule, from umrt's callbacks")
 
     def _drain(self) -> None:
         """A native step's one piece of Python: at the end of a cycle drop its events
@@ -453,8 +468,9 @@ class SteadyServer:
             schedule = self.schedule
             was_armed = schedule.armed
             blocks = schedule.disown()
-            if schedule.native:
+            if self._in_front:
                 self.front.install(None)
+            self._in_front = False
             events = schedule.drain()
             self.schedule = None
             self.report.catch_ups += 1
