@@ -7,12 +7,15 @@ the time of its own iterations: simulated in a simulation, measured live
 with CUDA events (:meth:`umrt.policy.base.Policy.iteration_time`). For each
 loop phase (a training step, an evaluation batch) it keeps the times of the
 iterations in which the runtime moved nothing of its own plan (learning,
-recovering, or holding back) as the baseline, and those of the iterations it
-followed a plan from start to end; once ``window`` of the latter are in and
-their median is more than ``margin`` above the baseline's, acting loses for
-that phase: the runtime stops acting for it (the "none" plan: the driver
-alone, as plain Unified Memory) and says so in its report. A phase whose
-shape changes (a new plan is compiled for it) gets another chance.
+recovering, or holding back) as the baseline, by iteration shape, and
+compares each iteration that followed a plan from start to end with the
+baseline of its shape (of its phase, where the shape has none: a phase's
+shapes differ, an evaluation's first and last batches from the others).
+Once ``window`` such ratios are in and their median is more than ``margin``
+above 1, acting loses for that phase: the runtime stops acting for it (the
+"none" plan: the driver alone, as plain Unified Memory) and says so in its
+report. A phase whose shape changes (a new plan is compiled for it) gets
+another chance.
 """
 from __future__ import annotations
 
@@ -42,18 +45,20 @@ class Payoff:
         if window < 1 or margin < 0:
             raise ValueError("window must be >= 1 and margin >= 0")
         self.window, self.margin = window, margin
-        self._roles: OrderedDict[int, tuple[str, str]] = OrderedDict()  # iteration -> (phase, role)
-        self.baseline: dict[str, deque[float]] = {}
-        self.acting: dict[str, deque[float]] = {}
+        self._roles: OrderedDict[int, tuple[str, str, int]] = OrderedDict()  # iteration -> (phase, role, shape)
+        self.baseline: dict[str, deque[float]] = {}  # phase -> seconds
+        self._shape_baseline: dict[tuple[str, int], deque[float]] = {}  # (phase, shape) -> seconds
+        self.acting: dict[str, deque[float]] = {}  # phase -> seconds
+        self.ratios: dict[str, deque[float]] = {}  # phase -> acting / the baseline of its shape
         self.stopped: dict[str, str] = {}  # phase -> why acting stopped for it
 
-    def iteration(self, index: int, phase: str, role: str | None) -> None:
+    def iteration(self, index: int, phase: str, role: str | None, shape: int = 0) -> None:
         """Iteration ``index`` of ``phase`` ended; ``role``: what its time is a sample
         of (:data:`BASELINE`, :data:`ACTING`), or None (it acted part-way, or is the
-        run's first, whose time is set-up's)."""
+        run's first, whose time is set-up's); ``shape``: its signature (0: unknown)."""
         if role is None:
             return
-        self._roles[index] = (phase, role)
+        self._roles[index] = (phase, role, shape)
         while len(self._roles) > _KEEP:
             self._roles.popitem(last=False)
 
@@ -63,20 +68,25 @@ class Payoff:
         entry = self._roles.pop(index, None)
         if entry is None or seconds <= 0:
             return None
-        phase, role = entry
-        samples = (self.baseline if role == BASELINE else self.acting).setdefault(phase, deque(maxlen=16))
-        samples.append(seconds)
-        if phase in self.stopped or role != ACTING:
+        phase, role, shape = entry
+        if role == BASELINE:
+            self.baseline.setdefault(phase, deque(maxlen=16)).append(seconds)
+            if shape:
+                self._shape_baseline.setdefault((phase, shape), deque(maxlen=4)).append(seconds)
             return None
-        acting, base = self.acting[phase], self.baseline.get(phase)
-        if len(acting) < self.window or not base:
+        self.acting.setdefault(phase, deque(maxlen=16)).append(seconds)
+        base = self._shape_baseline.get((phase, shape)) or self.baseline.get(phase)
+        if not base:
             return None
-        act_s = statistics.median(list(acting)[-self.window:])
-        base_s = statistics.median(base)
-        if act_s <= base_s * (1 + self.margin):
+        ratios = self.ratios.setdefault(phase, deque(maxlen=16))
+        ratios.append(seconds / statistics.median(base))
+        if phase in self.stopped or len(ratios) < self.window:
             return None
-        self.stopped[phase] = (f"acting took {act_s * 1e3:.3g} ms per {phase} iteration against "
-                               f"{base_s * 1e3:.3g} ms doing nothing")
+        ratio = statistics.median(list(ratios)[-self.window:])
+        if ratio <= 1 + self.margin:
+            return None
+        self.stopped[phase] = (f"its last {self.window} {phase} iterations acting took {ratio:.2f}x the time of "
+                               "the same iterations doing nothing")
         return phase
 
     def allows(self, phase: str) -> bool:
@@ -86,17 +96,19 @@ class Payoff:
     def new_shape(self, phase: str) -> None:
         """A new shape of ``phase`` was learned: acting gets another chance there."""
         if self.stopped.pop(phase, None) is not None:
-            self.acting.pop(phase, None)
+            self.ratios.pop(phase, None)
 
     def report(self) -> dict:
-        """Per phase: the median baseline and acting times (ms) and whether acting
-        stopped there, and why."""
+        """Per phase: the median times (ms) of iterations doing nothing and acting,
+        the median ratio of acting to doing nothing (shape for shape) over the last
+        ``window``, and whether acting stopped there, and why."""
         out = {}
         for phase in sorted(set(self.baseline) | set(self.acting) | set(self.stopped)):
-            base, act = self.baseline.get(phase), self.acting.get(phase)
+            base, act, ratios = self.baseline.get(phase), self.acting.get(phase), self.ratios.get(phase)
             out[phase] = {
                 "baseline_ms": round(statistics.median(base) * 1e3, 4) if base else None,
-                "acting_ms": round(statistics.median(list(act)[-self.window:]) * 1e3, 4) if act else None,
+                "acting_ms": round(statistics.median(act) * 1e3, 4) if act else None,
+                "acting_vs_baseline": round(statistics.median(list(ratios)[-self.window:]), 4) if ratios else None,
                 "acting": phase not in self.stopped,
                 "stopped_because": self.stopped.get(phase),
             }

@@ -464,8 +464,8 @@ class Runtime(Policy):
         for phase in sorted(set(self._learner.learned) | set(payoff) | {self._phase}):
             out[phase] = {"learned": self._learner.learned.get(phase, 0),
                           "plans": len(self._learner.phase_plans(phase)),
-                          **payoff.get(phase, {"baseline_ms": None, "acting_ms": None, "acting": True,
-                                               "stopped_because": None})}
+                          **payoff.get(phase, {"baseline_ms": None, "acting_ms": None, "acting_vs_baseline": None,
+                                               "acting": True, "stopped_because": None})}
         return out
 
     # -- iteration boundaries -----------------------------------------------------
@@ -544,12 +544,12 @@ class Runtime(Policy):
             entry["signature"] = self._learner.signature
         # The payoff check's samples: an iteration that followed its plan to the end, or
         # one that moved nothing of a plan's (not the run's first: set-up's costs).
-        role = None
+        role, shape = None, 0
         if mode == "act":
-            role = ACTING
+            role, shape = ACTING, self._plan.signature
         elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
-            role = BASELINE
-        self._payoff.iteration(self._iteration, self._phase, role)
+            role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
+        self._payoff.iteration(self._iteration, self._phase, role, shape)
         if mode == "none":
             self.counters["held_iterations"] += 1
         self._event_tokens = None
