@@ -22,7 +22,9 @@ LARGE_ON_PURPOSE = {
 # by model family; umrt's own optional interfaces are typed Protocols instead.
 THIRD_PARTY_PROBES = {
     "activation.py": {"argv", "exec_module"},  # sys (no argv when embedded), importlib loaders
-    "allocators/torch.py": {"_cuda_customAllocator"},  # torch builds without the pluggable allocator
+    "allocators/torch.py": {"_cuda_customAllocator",  # torch builds without the pluggable allocator
+                            "set_record_stream_fn"},  # torch versions without it (record_stream goes nowhere)
+    "api.py": {"accelerator"},  # torch.accelerator (torch >= 2.6), whose device setter umrt follows
     "backends/cuda.py": {"cudaMemDiscardBatchAsync"},  # cuda-bindings before 13 lacks it
     "capture/profiled.py": {"stack", "overload_name"},  # torch profiler events by version
     "capture/recorder.py": {"_schema", "_overloadpacket"},  # torch op objects (OpOverload vs packet)

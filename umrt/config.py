@@ -9,10 +9,11 @@ CLI flags override the environment through :meth:`Config.replace`.
 Variable                    Meaning                                    Default
 ==========================  =========================================  =============
 ``UMRT``                    switch umrt on (1/true/yes/on)              off
-``UMRT_GPU_MEMORY``         GPU memory umrt may use: a size            ``90%device``
-                            (``12GiB``, ``500MB``, ``1073741824``) or  live,
-                            a percentage (below)                       ``50%`` in
-                                                                       shadow mode
+``UMRT_GPU_MEMORY``         GPU memory umrt may use: a size            live: a fair
+                            (``12GiB``, ``500MB``, ``1073741824``) or  share,
+                            a percentage (below)                       ``90%device``
+                                                                       alone; ``50%``
+                                                                       in shadow mode
 ``UMRT_PROFILE``            hardware profile name or JSON path          auto
 ``UMRT_POLICY``             policy name                                 ``umrt``
 ``UMRT_DEVICE``             CUDA device index                           ``0``
@@ -25,6 +26,16 @@ Variable                    Meaning                                    Default
                             percentage of the budget (``10%budget``)
                             or ``off``
 ``UMRT_STRICT``             raise when umrt stops acting (bool)         off
+``UMRT_NATIVE``             serve the steady state natively (bool;      off
+                            opt-in until a GPU run has checked it)
+``UMRT_SHARE_DIR``          folder of the per-GPU share registry, or    auto
+                            ``off`` (:mod:`umrt.share`)
+``UMRT_SHARE_MIN``          the least memory a fair share may shrink    ``10%device``
+                            to: a size or ``%device``
+``UMRT_SHARE_WAIT``         seconds to wait for a share the device      ``0``
+                            cannot give now (``forever``: no limit)
+``UMRT_SHADOW_REPORTS``     folder where each torchrun rank of a        unset
+                            shadow run leaves its report
 ==========================  =========================================  =============
 
 A percentage is of one named thing, written after it (:data:`PERCENT_BASES`):
@@ -35,6 +46,12 @@ the GPU's memory; ``10%budget`` (the arena only) of the budget. A simulated run
 knows its footprint; a live one does not before it runs, so it takes a size or
 ``%device`` (a bare percentage there is read as ``%device`` for this version,
 with a one-line note: :func:`live_amount`).
+
+``UMRT_GPU_MEMORY`` set (here or as ``enable(gpu_memory=...)``) is a *fixed*
+share of the device; unset, a job takes a *fair* share of what the fixed
+shares leave, which moves as umrt jobs on the GPU come and go
+(:mod:`umrt.share`). Under ``torchrun`` the device defaults to the rank's
+``LOCAL_RANK`` (:mod:`umrt.distributed`).
 
 When umrt stops acting (a CUDA call fails, the event recorder cannot read an
 op) it says so in one warning, ``umrt.memory_stats()`` shows it (``acting``,
@@ -83,11 +100,13 @@ PERCENT_BASES: dict[str, str] = {
     "budget": "umrt's GPU memory budget",
 }
 DEFAULT_BASE = "footprint"
-#: GPU memory when none is given. Live, umrt leaves a tenth of the GPU to the CUDA context and to
-#: other processes; simulated (shadow mode, ``umrt simulate``, the benches), the GPU has half of
-#: what the run needs.
+#: GPU memory when none is given. Live, a fair share of the GPU (:mod:`umrt.share`): alone on it,
+#: umrt leaves a tenth to the CUDA context and to other processes (with ``UMRT_SHARE_DIR=off``, always);
+#: simulated (shadow mode, ``umrt simulate``, the benches), the GPU has half of what the run needs.
 LIVE_DEFAULT = "90%device"
 SIMULATED_DEFAULT = "50%"
+#: The least a fair share of the GPU shrinks to (:mod:`umrt.share`), unless ``UMRT_SHARE_MIN`` says.
+SHARE_MIN_DEFAULT = "10%device"
 #: How a user writes an amount (every error message offers these).
 AMOUNT_FORMS = ("a size ('12GiB', '500MB', a byte count) or a percentage: '50%' of the footprint the run "
                 "needs, '50%peak' of its peak live bytes, '90%device' of the GPU's memory")
@@ -294,7 +313,18 @@ class Config:
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
     strict: bool = False
-    native: bool = True  # serve the steady state natively once the plan repeats (UMRT_NATIVE=0: never)
+    # Serve the steady state natively once the plan repeats (UMRT_NATIVE=1). Off by default
+    # until a GPU run has shown it safe (README.md, "The native steady state").
+    native: bool = False
+    share_dir: str | None = None  # the per-GPU share registry's folder (None: auto; "off": no registry)
+    share_min: Amount | None = None  # the least a fair share shrinks to (None: SHARE_MIN_DEFAULT)
+    share_wait: float = 0.0  # seconds to wait for a share the device cannot give now (inf: no limit)
+    shadow_reports: str | None = None  # torchrun shadow runs: where each rank leaves its report
+
+    @property
+    def shares_off(self) -> bool:
+        """True when ``UMRT_SHARE_DIR=off``: no registry, the budget is of the whole device."""
+        return self.share_dir == "off"
 
     @property
     def shadow(self) -> bool:
@@ -310,6 +340,11 @@ class Config:
             return simulated_amount(self.gpu_memory or read_amount(SIMULATED_DEFAULT))  # type: ignore[arg-type]
         return live_amount(self.gpu_memory or read_amount(LIVE_DEFAULT))  # type: ignore[arg-type]
 
+    def share_minimum(self) -> Amount:
+        """The least a fair share of the GPU shrinks to (``UMRT_SHARE_MIN``, default
+        :data:`SHARE_MIN_DEFAULT`): a size or a percentage of the GPU's memory."""
+        return self.share_min or live_amount(read_amount(SHARE_MIN_DEFAULT))  # type: ignore[arg-type]
+
     def arena(self, budget_bytes: int) -> int | None:
         """Bytes of the short-lived arena for a budget of ``budget_bytes`` (None: off)."""
         return None if self.short_lived_arena is None else self.short_lived_arena.resolve(budget_bytes)
@@ -317,7 +352,7 @@ class Config:
     def notes(self) -> list[str]:
         """One line per old spelling among the settings, saying what it means now (a front end
         prints them as ``umrt: note: ...``); raises like :meth:`budget`."""
-        amounts = (self.budget(), self.short_lived_arena)
+        amounts = (self.budget(), self.short_lived_arena, self.share_min)
         return [a.note for a in amounts if a is not None and a.note]
 
     def replace(self, **overrides: object) -> Config:
@@ -348,8 +383,17 @@ _ENV = {  # field -> environment variable
     "short_lived_arena": "UMRT_SHORT_LIVED_ARENA",
     "strict": "UMRT_STRICT",
     "native": "UMRT_NATIVE",
+    "share_dir": "UMRT_SHARE_DIR",
+    "share_min": "UMRT_SHARE_MIN",
+    "share_wait": "UMRT_SHARE_WAIT",
+    "shadow_reports": "UMRT_SHADOW_REPORTS",
 }
 ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
+
+
+def env_var(field: str) -> str:
+    """The ``UMRT_*`` variable that sets a :class:`Config` field."""
+    return _ENV[field]
 
 
 def _coerce(field: str, value: object, name: str | None = None) -> object:
@@ -389,6 +433,17 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
         if text:
             _check_profile(text, name)
         return text or None
+    if field == "shadow_reports":
+        return str(value).strip() or None
+    if field == "share_dir":
+        text = str(value).strip()
+        return "off" if text.lower() in FALSE_WORDS and text else (text or None)
+    if field == "share_min":
+        if value is None:
+            return value
+        return live_amount(parse_amount(value, name))  # type: ignore[arg-type]
+    if field == "share_wait":
+        return _seconds(value, name)
     if field == "policy":
         text = str(value).strip()
         if not text:
@@ -418,6 +473,23 @@ def _check_profile(text: str, name: str) -> None:
         raise ConfigError(f"{name}={text!r}: {exc}") from None
 
 
+def _seconds(value: object, name: str) -> float:
+    """A wait in seconds: a number >= 0, or ``forever`` (no limit)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        text = str(value).strip().lower()
+        if text in ("forever", "inf", "infinite"):
+            return math.inf
+        try:
+            number = float(text.removesuffix("s"))
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a wait; give seconds like '600' or 'forever'") from None
+    if not number >= 0:
+        raise ConfigError(f"{name}={value!r} must be 0 or more seconds (or 'forever')")
+    return number
+
+
 def _check_policy(name_value: str, name: str) -> None:
     """Reject unknown policy names early (:data:`umrt.registry.POLICY_NAMES`: no policy is imported)."""
     if name_value not in POLICY_NAMES:
@@ -441,7 +513,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
     for field, var in _ENV.items():
         if var in env:
             coerced = _coerce(field, env[var], var)
-            if coerced is not None or field in ("short_lived_arena", "profile", "simulate"):
+            if coerced is not None or field in ("short_lived_arena", "profile", "simulate", "share_dir",
+                                                "shadow_reports"):
                 values[field] = coerced
     return dataclasses.replace(Config(), **values)
 

@@ -143,6 +143,7 @@ def run_shadow(
     steps: int | None = None,
     out: Callable[[str], None] | None = None,
     plot: str | None = None,
+    on_report: Callable[[dict, int], None] | None = None,
 ) -> int:
     """Run ``script`` with ``argv`` in shadow mode and print the report.
 
@@ -152,8 +153,11 @@ def run_shadow(
     default :data:`umrt.config.SIMULATED_DEFAULT`. ``policy`` drives it (default
     the umrt runtime); ``steps`` stops the script after that many training steps;
     ``out`` takes the report as text instead of stdout; ``plot`` is a PNG file for
-    the memory-savings curve. Returns the script's exit status, or 2 when the
-    script made too few training steps to simulate one.
+    the memory-savings curve; ``on_report`` is handed the report (a dict) and the
+    script's exit status once it is printed (a ``torchrun`` rank leaves it for the
+    launcher: :mod:`umrt.shadow_ranks`). Returns the script's exit status; a script
+    that made too few training steps to simulate one is a :class:`ConfigError`
+    (exit status 2) unless it failed itself.
     """
     path = Path(script)
     if not path.is_file():
@@ -183,6 +187,9 @@ def run_shadow(
         message = (f"the script made {what}: shadow mode simulates a training loop's steps (one optimizer.step() "
                    f"to the next) and needs at least {MIN_STEPS} (the first builds the model and the optimizer's "
                    "state); nothing to simulate")
+        if on_report is not None:
+            on_report({"profile": prof.name, "policy": policy, "iterations": max(made, 0), "rows": [],
+                       "notes": [message]}, int(status))
         if status:
             print(f"umrt: {message}", file=sys.stderr)
             return status
@@ -190,6 +197,8 @@ def run_shadow(
     budget = resolve_budget(amount.text or str(amount), trace)
     rep = _report(trace, live_events, budget, prof, policy, made, plot)
     _print(rep, out)
+    if on_report is not None:
+        on_report(rep, int(status))
     if rep.get("error") is not None:
         raise UmrtError(rep["error"])
     return int(status)
@@ -200,7 +209,8 @@ def run_shadow(
 
 def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: HardwareProfile, policy: str,
             steps: int, plot: str | None) -> dict:
-    rep: dict = {"profile": prof.name, "policy": policy, "steps": steps, "budget_bytes": budget.bytes,
+    rep: dict = {"profile": prof.name, "policy": policy, "steps": steps, "iterations": steps,
+                 "budget_bytes": budget.bytes,
                  "budget_description": budget.describe(), "budget_share": budget.share(),
                  "footprint_bytes": budget.needs.footprint_bytes,
                  "peak_live_bytes": budget.needs.peak_live_bytes, "rows": [], "runtime": {}, "notes": []}
@@ -224,14 +234,14 @@ def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: Hardwa
     rt = live.report()
     acted = int(rt.get("acted", 0)) if "acted" in rt else None
     if steady:
-        rep["rows"].append({"policy": policy, "how": "live" if acted != 0 else "live, learning",
+        rep["rows"].append({"policy": policy, "how": "live", "learning": acted == 0,
                             "iteration_time_s": steady["time_s"], "h2d_bytes": steady["h2d_bytes"],
                             "d2h_bytes": steady["d2h_bytes"], "faults": steady["faults"],
                             "evictions": steady["evictions"]})
     for row in rep["rows"]:
         row["vs_ideal"] = row["iteration_time_s"] / ideal_t if ideal_t > 0 else float("nan")
     um = next((r for r in rep["rows"] if r["policy"] == "um"), None)
-    row = next((r for r in rep["rows"] if r["how"].startswith("live")), None)
+    row = next((r for r in rep["rows"] if r["how"] == "live"), None)
     if um and row and row["iteration_time_s"] > 0 and acted != 0:
         rep["speedup_vs_um"] = um["iteration_time_s"] / row["iteration_time_s"]
     rep["acted"] = acted
@@ -350,7 +360,8 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
     for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
     for r in rep["rows"]:
-        table.add_row(r["policy"], r["how"], f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
+        how = r["how"] + (", learning" if r.get("learning") else "")
+        table.add_row(r["policy"], how, f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
                       format_bytes(r["h2d_bytes"]), format_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
                       f"{r['evictions']:,}")
     head = [
@@ -364,7 +375,7 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
         f"  {PEAK_LIVE_DEFINITION}.",
     ]
     lines = list(LEGEND)
-    live = next((r for r in rep["rows"] if r["how"].startswith("live")), None)
+    live = next((r for r in rep["rows"] if r["how"] == "live"), None)
     rt = rep.get("runtime") or {}
     if "speedup_vs_um" in rep and live is not None:
         x = rep["speedup_vs_um"]

@@ -1,4 +1,6 @@
-"""``umrt run [options] script.py [args...]``: run a training script under umrt."""
+"""``umrt run [options] script.py [args...]``: run a training script under umrt (the help text,
+:data:`DESCRIPTION`, says what it does); ``umrt run [options] -- torchrun ...`` runs a ``torchrun``
+job with umrt in every rank (:mod:`umrt.launch`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +8,10 @@ import os
 import sys
 from typing import Any
 
-from umrt import api
+from umrt import api, distributed, shadow_ranks
 from umrt.config import LIVE_DEFAULT, SIMULATED_DEFAULT, Config, from_env, parse_amount
 from umrt.errors import ConfigError
+from umrt.launch import run_launcher
 from umrt.scripts import run_script
 
 DESCRIPTION = f"""\
@@ -55,7 +58,7 @@ def register(subparsers: Any) -> None:
                    help="do not sample NVML during the run")
     p.add_argument("--plot", metavar="PNG", default=None,
                    help="shadow mode: also draw the memory-savings curve into this PNG file")
-    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script", help="the Python script to run (or `torchrun ...`, after `--`)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=main)
 
@@ -74,6 +77,8 @@ def config_from(args: argparse.Namespace) -> Config:
 def main(args: argparse.Namespace) -> int:
     cfg = config_from(args)
     script = args.script
+    if distributed.launcher_command([script, *args.args]):
+        return _torchrun(args)
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
     if cfg.shadow:
@@ -96,15 +101,37 @@ def main(args: argparse.Namespace) -> int:
         api.disable()
 
 
+def _torchrun(args: argparse.Namespace) -> int:
+    """``umrt run [options] -- torchrun ...``: the options become ``UMRT_*`` variables of
+    every rank (:func:`umrt.launch.run_launcher`)."""
+    if args.device is not None:
+        raise ConfigError("--device does not apply to a torchrun job: each rank drives the GPU of its "
+                          "LOCAL_RANK (or what it sets with torch.cuda.set_device); use CUDA_VISIBLE_DEVICES")
+    if args.plot is not None:
+        raise ConfigError("--plot draws one process's memory-savings curve; it does not apply to a torchrun job")
+    settings = {"UMRT_SIMULATE": args.simulate, "UMRT_GPU_MEMORY": args.gpu_memory, "UMRT_POLICY": args.policy}
+    if args.telemetry is False:
+        settings["UMRT_TELEMETRY"] = "0"
+    settings = {k: str(v) for k, v in settings.items() if v is not None}
+    cfg = from_env({**os.environ, **settings})  # checked here, once, before any rank starts
+    cfg.budget()
+    return run_launcher(cfg, [args.script, *args.args], settings)
+
+
 def shadow(cfg: Config, script: str, argv: list[str], plot: str | None = None) -> int:
     """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``),
     with the GPU memory ``cfg.budget()`` reads (``--gpu-memory``, else ``UMRT_GPU_MEMORY``, else the
-    simulated default); an old spelling's note first."""
+    simulated default); an old spelling's note first. In a ``torchrun`` rank the report is left for
+    the launcher (:mod:`umrt.shadow_ranks`)."""
     # optional: umrt.shadow (torch, the simulator) is loaded only in shadow mode (tests swap it in sys.modules)
     from umrt.shadow import run_shadow
 
     for note in cfg.notes():
         print(f"umrt: note: {note}", file=sys.stderr)
-    extra = {"plot": plot} if plot is not None else {}
-    return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, gpu_memory=cfg.budget(),
-                          **extra) or 0)
+    extra: dict = {"plot": plot} if plot is not None else {}
+    rank = distributed.rank_info()
+    distributed.check_same_settings(cfg, rank)
+    extra.update(shadow_ranks.rank_hooks(cfg, rank))  # a torchrun rank leaves its report for the launcher
+    with shadow_ranks.simulated_share(cfg, rank):
+        return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, gpu_memory=cfg.budget(),
+                              **extra) or 0)
