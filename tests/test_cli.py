@@ -179,7 +179,8 @@ def test_the_defaults_in_help_are_the_codes():
     from umrt.config import LIVE_DEFAULT, SIMULATED_DEFAULT
 
     helps = dict(_helps())
-    assert f"default {LIVE_DEFAULT} live, {SIMULATED_DEFAULT} in shadow mode" in " ".join(helps["umrt run"].split())
+    assert f"default: live, a fair share, {LIVE_DEFAULT} alone; {SIMULATED_DEFAULT} in shadow mode" in \
+        " ".join(helps["umrt run"].split())
     assert f"(default {SIMULATED_DEFAULT})" in " ".join(helps["umrt simulate"].split())
     assert "(default umrt)" in " ".join(helps["umrt simulate"].split())  # the same default policy as `umrt run`
 
@@ -193,8 +194,9 @@ def test_trace_output_under_a_file_says_so(tmp_path, capsys, monkeypatch):
 
 
 def test_one_default_in_code_help_readme_and_doctor():
-    """GPU memory defaults to 90%device live and 50% (of the footprint) simulated: the same constants
-    in every front end, the README's configuration table and (tests/test_doctor.py) doctor."""
+    """GPU memory defaults to a fair share live (90%device alone) and 50% (of the footprint) simulated:
+    the same constants in every front end, the README's configuration table and (tests/test_doctor.py)
+    doctor."""
     import inspect
     from pathlib import Path
 
@@ -207,4 +209,5 @@ def test_one_default_in_code_help_readme_and_doctor():
     assert build_parser().parse_args(["simulate", "t.umrt"]).policy == "umrt"  # as UMRT_POLICY's default
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `UMRT_GPU_MEMORY` |"))
-    assert row.endswith(f"| `{LIVE_DEFAULT}` live, `{SIMULATED_DEFAULT}` in shadow mode |")
+    assert row.endswith(f"| live: unset, a fair share (`{LIVE_DEFAULT}` when alone); `{SIMULATED_DEFAULT}` in "
+                        "shadow mode |")

@@ -31,7 +31,8 @@ or a percentage of one named thing:
                with nothing evicted); shadow mode only: a live run does not know it
   '50%peak'    of the run's peak live bytes; shadow mode only
   '90%device'  of the GPU's memory; a live run only
-Default: {LIVE_DEFAULT} live, {SIMULATED_DEFAULT} in shadow mode.
+Default: live, a fair share of the GPU ({LIVE_DEFAULT} when umrt is alone on it);
+{SIMULATED_DEFAULT} in shadow mode.
 
 examples:
   umrt run --simulate h100-pcie5-80g --gpu-memory 20% examples/train_gpt2.py
@@ -50,8 +51,8 @@ def register(subparsers: Any) -> None:
                    help="shadow mode: simulate the script on this hardware profile (name or JSON path; "
                         "UMRT_SIMULATE)")
     p.add_argument("--gpu-memory", metavar="AMOUNT", default=None,
-                   help=f"GPU memory umrt may use, see above (UMRT_GPU_MEMORY; default {LIVE_DEFAULT} live, "
-                        f"{SIMULATED_DEFAULT} in shadow mode)".replace("%", "%%"))
+                   help=f"GPU memory umrt may use, see above (UMRT_GPU_MEMORY; default: live, a fair share, "
+                        f"{LIVE_DEFAULT} alone; {SIMULATED_DEFAULT} in shadow mode)".replace("%", "%%"))
     p.add_argument("--policy", default=None, help="policy name (UMRT_POLICY; default umrt)")
     p.add_argument("--device", type=int, default=None, help="CUDA device index (UMRT_DEVICE; default 0)")
     p.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
