@@ -92,8 +92,8 @@ from umrt.allocators.steady import (
     native_library,
 )
 from umrt.backends.base import Backend
-from umrt.drive.driver import Driver
 from umrt.cli import Renamed
+from umrt.drive.driver import Driver
 from umrt.errors import UmrtError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext

@@ -15,8 +15,9 @@ from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime, RuntimeOptions
 from umrt.policy.runtime.planner import PAGE
-from umrt.shadow import ShadowSource
+from umrt.shadow import LiveRun, drive_live
 from umrt.sim.backend import SimBackend
+from umrt.sim.budget import needs_of_events, resolve_budget
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
 from umrt.testing.synthetic import training_trace
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit, Trace
@@ -24,12 +25,12 @@ from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, Laye
 PROFILE = "v100-pcie3-32g"
 
 
-def drive(trace: Trace, policy, budget: str = "30%") -> ShadowSource:
-    """Feed a whole trace, event by event, as shadow mode does live."""
-    d = ShadowSource(policy, PROFILE, budget)
-    for ev in trace.events:
-        d(ev)
-    d.finish()
+def drive(trace: Trace, policy, budget: str = "30%") -> LiveRun:
+    """Feed a whole trace, event by event, as shadow mode feeds its live row; the GPU sized from
+    the footprint of set-up and the first iteration (a trace whose later steps grow keeps the
+    pressure those steps were written to put on the runtime)."""
+    first = needs_of_events(trace.events[: trace.iteration_spans()[1][0] + 1])
+    d = drive_live(trace.events, policy, load_profile(PROFILE), resolve_budget(budget, first).bytes)
     assert d.error is None, d.error
     return d
 

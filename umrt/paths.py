@@ -3,7 +3,6 @@ at the start (``umrt trace -o``, ``umrt run --plot``, ``python -m bench --out/--
 not with a traceback after minutes of recording or simulating."""
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 

@@ -44,15 +44,15 @@ from umrt.console import text_console
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
+from umrt.memory.base import KindHints
 from umrt.paths import check_writable
 from umrt.policy import make_policy
-from umrt.policy.base import PolicyContext
+from umrt.policy.base import Policy, PolicyContext
 from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
-from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION, Budget, needs, resolve_budget
+from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION, Budget, resolve_budget
 from umrt.sim.replay import simulate
 from umrt.sim.warmup import warm_up
-from umrt.memory.base import KindHints
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind, Trace
 
 __all__ = ["run_shadow", "drive_live", "LiveRun", "memory_savings", "SAVINGS_FRACTIONS", "plot_savings"]
@@ -89,17 +89,18 @@ class LiveRun:
 OPTIMIZER_KINDS = (Kind.PARAMETER, Kind.GRADIENT, Kind.OPTIMIZER_STATE)
 
 
-def drive_live(events: Iterable[Event], policy: str, profile: HardwareProfile, budget_bytes: int,
+def drive_live(events: Iterable[Event], policy: str | Policy, profile: HardwareProfile, budget_bytes: int,
                kinds: dict[int, Kind] | None = None) -> LiveRun:
-    """Feed ``events`` (a run's, as emitted) one by one to ``policy`` driving a simulated GPU of
-    ``budget_bytes``; a failure of the simulated run is kept in :attr:`LiveRun.error`, not raised.
+    """Feed ``events`` (a run's, as emitted) one by one to ``policy`` (a name, or a policy not yet
+    attached) driving a simulated GPU of ``budget_bytes``; a failure of the simulated run is kept in
+    :attr:`LiveRun.error`, not raised.
 
     ``kinds`` (object -> kind, as the finished trace knows them) stands in for what a live run
     learns at each optimizer step: before each iteration boundary, every live object that
     ``kinds`` says is a parameter, a gradient or optimizer state, and that was announced as
     something else, is hinted to the layout and the policy, as the live bridge does.
     """
-    pol = make_policy(policy)
+    pol = make_policy(policy) if isinstance(policy, str) else policy
     backend = SimBackend(profile, math.inf if pol.unlimited_memory else budget_bytes)
     layout = pol.make_layout(backend)
     pol.attach(PolicyContext(backend, layout, budget_bytes, profile))
