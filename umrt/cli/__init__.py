@@ -12,11 +12,13 @@ import argparse
 import importlib
 import re
 import sys
+from typing import Any
 
 from umrt import __version__
 from umrt.errors import UmrtError
 
 SUBCOMMANDS = ("trace", "simulate", "run", "bench", "calibrate", "doctor")
+REPORT_WIDTH = 120  # columns of a report written to a file or a pipe (the same on every machine)
 
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`(~?)([^`]+)`")  # :func:`umrt.x`, :py:class:`~a.B`
 _LITERAL = re.compile(r"``([^`]+)``")
@@ -40,6 +42,17 @@ class PlainHelpParser(argparse.ArgumentParser):
 
     def format_usage(self) -> str:
         return plain_text(super().format_usage())
+
+
+def make_console(*, stderr: bool = False) -> Any:
+    """A ``rich`` console for a command's report: as wide as the terminal on a terminal,
+    :data:`REPORT_WIDTH` columns otherwise (a log, a pipe, a test's captured output), so
+    that what a command writes does not depend on the machine, ``COLUMNS`` or the load."""
+    # optional: rich is imported by the commands that print tables only
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else REPORT_WIDTH)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from umrt.cli import make_console
 from umrt.config import format_bytes
 from umrt.errors import ConfigError
 from umrt.hardware import PROFILES, load_profile
@@ -83,12 +84,12 @@ def _seconds(t: float) -> str:
 
 
 def _print_table(r, bound) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     budget = r.budget.describe() if r.budget is not None else f"budget {format_bytes(r.budget_bytes)}"
-    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · {budget} · "
-                        f"simulated, iteration {r.iterations} of {r.iterations}")
+    # The title on a line of its own: a table's title wraps at the table's (narrow) width.
+    title = f"{r.model} · {r.policy} · {r.profile} · {budget} · simulated, iteration {r.iterations} of {r.iterations}"
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [
@@ -115,4 +116,6 @@ def _print_table(r, bound) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = make_console()
+    console.print(title, soft_wrap=True, highlight=False, markup=False)
+    console.print(table)

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from umrt.cli import make_console
 from umrt.config import format_bytes
 from umrt.errors import ConfigError, UmrtError
 from umrt.scripts import as_main
@@ -257,7 +258,6 @@ def _info(argv: list[str], as_json: bool) -> int:
         except BrokenPipeError:  # e.g. piped into head
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{ns.file}", show_header=False, title_justify="left")
@@ -280,7 +280,7 @@ def _info(argv: list[str], as_json: bool) -> int:
     for k, v in s["bytes_by_kind"].items():
         if v:
             t.add_row(f"  peak {k}", f"{format_bytes(v)} ({s['objects_by_kind'][k]} objects)")
-    console = Console()
+    console = make_console()
     console.print(t)
     if h.notes:
         console.print("[bold]known differences from a CUDA run[/bold]")
