@@ -65,9 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from umrt.allocators.sources import native_source
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
 from umrt.backends.cuda import CudaApi
-from umrt.allocators.sources import native_source
 from umrt.errors import CudaError, UmrtError
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
