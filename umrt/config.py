@@ -24,7 +24,21 @@ Variable                    Meaning                                    Default
 ``UMRT_STRICT``             raise when umrt stops acting (bool)         off
 ``UMRT_NATIVE``             serve the steady state natively (bool;      off
                             opt-in until a GPU run has checked it)
+``UMRT_SHARE_DIR``          folder of the per-GPU share registry, or    auto
+                            ``off`` (:mod:`umrt.share`)
+``UMRT_SHARE_MIN``          the least memory a fair share may shrink    ``10%``
+                            to: ``%`` of device memory or bytes
+``UMRT_SHARE_WAIT``         seconds to wait for a share the device      ``0``
+                            cannot give now (``forever``: no limit)
+``UMRT_SHADOW_REPORTS``     folder where each torchrun rank of a        unset
+                            shadow run leaves its report
 ==========================  =========================================  ===========
+
+``UMRT_GPU_MEMORY`` set (here or as ``enable(gpu_memory=...)``) is a *fixed*
+share of the device; unset, a job takes a *fair* share of what the fixed
+shares leave, which moves as umrt jobs on the GPU come and go
+(:mod:`umrt.share`). Under ``torchrun`` the device defaults to the rank's
+``LOCAL_RANK`` (:mod:`umrt.distributed`).
 
 When umrt stops acting (a CUDA call fails, the event recorder cannot read an
 op) it says so in one warning, ``umrt.memory_stats()`` shows it (``acting``,
@@ -194,6 +208,15 @@ class Config:
     # Serve the steady state natively once the plan repeats (UMRT_NATIVE=1). Off by default
     # until a GPU run has shown it safe (README.md, "The native steady state").
     native: bool = False
+    share_dir: str | None = None  # the per-GPU share registry's folder (None: auto; "off": no registry)
+    share_min: Amount | None = None  # the least a fair share shrinks to (None: 10% of the device)
+    share_wait: float = 0.0  # seconds to wait for a share the device cannot give now (inf: no limit)
+    shadow_reports: str | None = None  # torchrun shadow runs: where each rank leaves its report
+
+    @property
+    def shares_off(self) -> bool:
+        """True when ``UMRT_SHARE_DIR=off``: no registry, the budget is of the whole device."""
+        return self.share_dir == "off"
 
     @property
     def shadow(self) -> bool:
@@ -228,8 +251,17 @@ _ENV = {  # field -> environment variable
     "short_lived_arena": "UMRT_SHORT_LIVED_ARENA",
     "strict": "UMRT_STRICT",
     "native": "UMRT_NATIVE",
+    "share_dir": "UMRT_SHARE_DIR",
+    "share_min": "UMRT_SHARE_MIN",
+    "share_wait": "UMRT_SHARE_WAIT",
+    "shadow_reports": "UMRT_SHADOW_REPORTS",
 }
 ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
+
+
+def env_var(field: str) -> str:
+    """The ``UMRT_*`` variable that sets a :class:`Config` field."""
+    return _ENV[field]
 
 
 def _coerce(field: str, value: object, name: str | None = None) -> object:
@@ -264,9 +296,18 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
         if word not in LOG_LEVELS:
             raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(LOG_LEVELS)}")
         return word
-    if field in ("profile", "simulate"):
+    if field in ("profile", "simulate", "shadow_reports"):
         text = str(value).strip()
         return text or None
+    if field == "share_dir":
+        text = str(value).strip()
+        return "off" if text.lower() in FALSE_WORDS and text else (text or None)
+    if field == "share_min":
+        if value is None or isinstance(value, Amount):
+            return value
+        return parse_amount(value, name)  # type: ignore[arg-type]
+    if field == "share_wait":
+        return _seconds(value, name)
     if field == "policy":
         text = str(value).strip()
         if not text:
@@ -274,6 +315,23 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
         _check_policy(text, name)
         return text
     raise AssertionError(field)
+
+
+def _seconds(value: object, name: str) -> float:
+    """A wait in seconds: a number >= 0, or ``forever`` (no limit)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        text = str(value).strip().lower()
+        if text in ("forever", "inf", "infinite"):
+            return math.inf
+        try:
+            number = float(text.removesuffix("s"))
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not a wait; give seconds like '600' or 'forever'") from None
+    if not number >= 0:
+        raise ConfigError(f"{name}={value!r} must be 0 or more seconds (or 'forever')")
+    return number
 
 
 def _check_policy(name_value: str, name: str) -> None:
@@ -299,7 +357,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
     for field, var in _ENV.items():
         if var in env:
             coerced = _coerce(field, env[var], var)
-            if coerced is not None or field in ("short_lived_arena", "profile", "simulate"):
+            if coerced is not None or field in ("short_lived_arena", "profile", "simulate", "share_dir",
+                                                "shadow_reports"):
                 values[field] = coerced
     return dataclasses.replace(Config(), **values)
 

@@ -148,13 +148,17 @@ def run_shadow(
     policy: str = "umrt",
     steps: int | None = None,
     out: Callable[[str], None] | None = None,
+    on_report: Callable[[dict, int], None] | None = None,
 ) -> int:
     """Run ``script`` with ``argv`` in shadow mode and print the report.
 
     ``profile`` names a hardware profile (or a profile file); ``gpu_memory``
     is the simulated GPU memory ("20%" of the job's peak live bytes, or a
     size such as "8GiB"); ``policy`` the policy that drives it (default the
-    umrt runtime); ``steps`` stops the script after that many iterations.
+    umrt runtime); ``steps`` stops the script after that many iterations;
+    ``on_report`` is handed the report (a dict) and the script's exit status
+    once it is printed (a ``torchrun`` rank leaves it for the launcher:
+    :mod:`umrt.shadow_ranks`).
     Returns the script's exit status (2 if shadow mode itself failed).
     """
     path = Path(script)
@@ -183,6 +187,8 @@ def run_shadow(
     trace = rec.trace()
     report = _report(trace, driver, prof, policy)
     _print(report, out)
+    if on_report is not None:
+        on_report(report, int(status))
     if driver.error is not None:
         raise driver.error
     return int(status)

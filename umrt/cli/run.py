@@ -8,6 +8,9 @@
   telemetry summary prints at exit.
 * Without a GPU and without ``--simulate``: one line says so and the script
   runs unchanged.
+* ``umrt run [options] -- torchrun --nproc_per_node N train.py``: the
+  ``torchrun`` job as written, umrt in every rank (:mod:`umrt.launch`); with
+  ``--simulate`` each rank simulates its own GPU and one report has a row per rank.
 """
 from __future__ import annotations
 
@@ -16,9 +19,10 @@ import os
 import sys
 from typing import Any
 
-from umrt import api
+from umrt import api, distributed, shadow_ranks
 from umrt.config import Config, from_env, parse_amount
 from umrt.errors import ConfigError
+from umrt.launch import run_launcher
 from umrt.scripts import run_script
 from umrt.sim.budget import parse_budget
 
@@ -38,7 +42,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", type=int, default=None, help="CUDA device index (UMRT_DEVICE)")
     p.add_argument("--no-telemetry", dest="telemetry", action="store_false", default=None,
                    help="do not sample NVML during the run")
-    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script", help="the Python script to run (or `torchrun ...`, after `--`)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     p.set_defaults(func=main)
 
@@ -53,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             parse_amount(args.gpu_memory, "--gpu-memory")
     script = args.script
+    if distributed.launcher_command([script, *args.args]):
+        return _torchrun(args)
     if not os.path.isfile(script):
         raise ConfigError(f"script {script!r} not found")
     overrides = {"simulate": args.simulate, "gpu_memory": args.gpu_memory, "policy": args.policy,
@@ -76,6 +82,20 @@ def main(args: argparse.Namespace) -> int:
         api.disable()
 
 
+def _torchrun(args: argparse.Namespace) -> int:
+    """``umrt run [options] -- torchrun ...``: the options become ``UMRT_*`` variables of
+    every rank (:func:`umrt.launch.run_launcher`)."""
+    if args.device is not None:
+        raise ConfigError("--device does not apply to a torchrun job: each rank drives the GPU of its "
+                          "LOCAL_RANK (or what it sets with torch.cuda.set_device); use CUDA_VISIBLE_DEVICES")
+    settings = {"UMRT_SIMULATE": args.simulate, "UMRT_GPU_MEMORY": args.gpu_memory, "UMRT_POLICY": args.policy}
+    if args.telemetry is False:
+        settings["UMRT_TELEMETRY"] = "0"
+    settings = {k: str(v) for k, v in settings.items() if v is not None}
+    cfg = from_env({**os.environ, **settings})  # checked here, once, before any rank starts
+    return run_launcher(cfg, [args.script, *args.args], settings)
+
+
 def shadow(cfg: Config, script: str, argv: list[str]) -> int:
     """Run ``script`` in shadow mode on ``cfg.simulate`` (``umrt run --simulate`` and ``UMRT_SIMULATE``).
 
@@ -87,5 +107,9 @@ def shadow(cfg: Config, script: str, argv: list[str]) -> int:
     from umrt.shadow import run_shadow
 
     budget = cfg.gpu_memory.text
-    extra = {"gpu_memory": budget} if budget else {}
-    return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)
+    extra: dict = {"gpu_memory": budget} if budget else {}
+    rank = distributed.rank_info()
+    distributed.check_same_settings(cfg, rank)
+    extra.update(shadow_ranks.rank_hooks(cfg, rank))  # a torchrun rank leaves its report for the launcher
+    with shadow_ranks.simulated_share(cfg, rank):
+        return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)

@@ -41,7 +41,7 @@ from umrt.trace.events import (
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.api import Session
 
-__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for"]
+__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for", "set_budget"]
 
 log = logging.getLogger("umrt")
 
@@ -446,8 +446,10 @@ class LiveBridge:
         and boundaries give way to the allocator's and the bridge's."""
         t = type(ev)
         if t is Launch:
-            self._boundary_if_stepped()
-            self.driver.feed(self._translate(ev))
+            launch = self._translate(ev)
+            if any(a.write for a in launch.accesses):  # a read of the device (a copy to the host) opens nothing
+                self._boundary_if_stepped()
+            self.driver.feed(launch)
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
             if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
@@ -551,6 +553,21 @@ class LiveBridge:
                     except Exception as exc:  # noqa: BLE001
                         self._fail(exc)
         stats.runtime_closed()
+
+
+def set_budget(bridge: LiveBridge, budget_bytes: int) -> None:
+    """``bridge``'s policy plans for ``budget_bytes`` from now on (the job's share of its GPU
+    moved; called at an optimizer step's end). A native steady state hands back to Python
+    first (its schedule's calls were planned for the old budget); the policy re-learns."""
+    if bridge.native and bridge.steady is not None:
+        bridge.steady.catch_up()  # takes the server's lock, then the bridge's: never under the bridge's
+    with bridge._lock:
+        if bridge.failed is None:
+            try:
+                bridge.policy.set_budget(budget_bytes)
+                bridge._follow_wants()
+            except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
+                bridge._fail(exc)
 
 
 def _live_policy(cfg: Config, *, discard_on_free: bool) -> Policy:
