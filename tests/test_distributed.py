@@ -37,6 +37,9 @@ def clean(monkeypatch):
                                                      "TORCH_NCCL"))]:
         monkeypatch.delenv(k)
     monkeypatch.setattr(api, "_current", None)
+    # follow_device reads the process's live allocation count: blocks other tests of this
+    # worker left live must not count as this session's tensors.
+    monkeypatch.setattr(stats, "_process", stats.Statistics())
     yield
     api.disable()
     stats.attach()

@@ -706,6 +706,8 @@ class NativeSteadyMachine(RuleBasedStateMachine):
         SEEN_NATIVE["arms"] += self.server.report.arms
         self.server.close()
         assert self.pool.live_blocks() == {p: n for p, n in self.live.values()}
+        for ptr, _ in self.live.values():  # the process's allocation counts back where they were
+            self.server.free(ptr)
 
 
 NATIVE_SETTINGS = settings(max_examples=NATIVE_EXAMPLES, stateful_step_count=6, deadline=None, derandomize=True,
