@@ -242,6 +242,7 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                                           ev.precision), shown=seen)
             elif t is LayerEnter or t is LayerExit:
                 bridge.open_if_stepped()
+                server.mark()  # as the live bridge: kernels ran since the last pool event
                 bridge.driver.feed(ev)
         server.close()
     finally:

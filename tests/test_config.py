@@ -80,6 +80,19 @@ def test_strict_is_documented_and_overridable():
         Config().replace(strict="sometimes")
 
 
+def test_native_steady_state_is_opt_in():
+    """UMRT_NATIVE=1 turns the native steady state on; unset (or 0) leaves it off: it has not
+    met a GPU yet (README.md, "The native steady state")."""
+    import umrt.config
+
+    assert not Config().native and not from_env({}).native and not from_env({"UMRT_NATIVE": "0"}).native
+    assert from_env({"UMRT_NATIVE": "1"}).native and Config().replace(native="on").native
+    assert "UMRT_NATIVE" in umrt.config.__doc__
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `UMRT_NATIVE`"))
+    assert row.rstrip(" |").endswith("off"), row
+
+
 def test_unknown_variable_warns():
     with pytest.warns(UserWarning, match="UMRT_GPU_MEMROY"):
         from_env({"UMRT_GPU_MEMROY": "20%"})

@@ -273,9 +273,15 @@ def test_torch_built_for_another_cuda_than_umrts_calls_is_a_note():
     assert "umrt's own CUDA calls go through CUDA 12.8: install umrt[cuda13] to match" in text
 
 
-def test_native_steady_libraries_are_reported():
-    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml()))
+def test_native_steady_is_off_unless_asked_for_and_its_libraries_are_reported():
+    """Opt-in (UMRT_NATIVE=1) until a GPU run has checked it: off, doctor says so and builds
+    nothing; on, it reports the two libraries."""
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="never built")))
+    assert rc == 0 and status_of(text, "native steady") == "ok" and "off: every allocation goes through Python" in text
+    assert "UMRT_NATIVE=1" in text and "never built" not in text
+    on = {"UMRT_NATIVE": "1"}
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml()), on)
     assert rc == 0 and status_of(text, "native steady") == "ok" and "served without Python" in text
-    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="no c++")))
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="no c++")), on)
     assert rc == 0 and status_of(text, "native steady") == "note"
     assert "could not be built (no c++); the steady state is served from Python" in text

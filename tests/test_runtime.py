@@ -155,7 +155,8 @@ def test_misprediction_guard_falls_back_and_relearns(launch_free):
 
 
 @pytest.mark.parametrize("bad", [{"headroom": 0}, {"headroom": 1.5}, {"learn_iterations": 0},
-                                 {"probe_iterations": -1}, {"guard_window": -1}, {"max_variants": -1}])
+                                 {"probe_iterations": -1}, {"guard_window": -1}, {"max_variants": -1},
+                                 {"payoff_window": -1}, {"payoff_margin": -0.5}])
 def test_bad_options(bad):
     """A bad option is refused at construction, naming itself (not later, mid-run)."""
     (name,) = bad
@@ -171,7 +172,7 @@ def test_options_are_the_constructor_keywords_frozen():
     kwargs = {"op_level": False, "headroom": 0.8, "learn_iterations": 3, "probe_iterations": 1,
               "guard_window": 5, "guard_failures": 2, "guard_cooldown": 1, "max_variants": 4,
               "use_pool": False, "min_discard": 2 * PAGE, "read_mostly": True, "freeze": False,
-              "launch_free": False, "discard_on_free": True}
+              "launch_free": False, "discard_on_free": True, "payoff_window": 2, "payoff_margin": 0.1}
     assert {f.name for f in fields(RuntimeOptions)} == set(kwargs)
     rt = Runtime(**kwargs)
     assert rt.options == RuntimeOptions(**kwargs)

@@ -265,10 +265,10 @@ def _steady_server(cfg: Config, backend: Any, pool: Any) -> Any:
     server = SteadyServer(pool, front=front, calls=BackendCalls(backend), device=cfg.device, enabled=cfg.native)
     if front is not None:  # what the front declines goes to the server through umrt's callbacks
         # optional: GPU start only; the callbacks need no CUDA torch
-        from umrt.allocators.torch import make_callbacks
+        from umrt.allocators.torch import make_callbacks, record_stream_callback
 
         _, _, alloc_address, free_address = make_callbacks(server)
-        front.set_fallback(alloc_address, free_address)
+        front.set_fallback(alloc_address, free_address, record_stream_callback())
     return server
 
 

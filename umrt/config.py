@@ -22,6 +22,8 @@ Variable                    Meaning                                    Default
 ``UMRT_SHORT_LIVED_ARENA``  arena for short-lived tensors: bytes/``%``  ``0`` (off)
                             or ``off``
 ``UMRT_STRICT``             raise when umrt stops acting (bool)         off
+``UMRT_NATIVE``             serve the steady state natively (bool;      off
+                            opt-in until a GPU run has checked it)
 ``UMRT_SHARE_DIR``          folder of the per-GPU share registry, or    auto
                             ``off`` (:mod:`umrt.share`)
 ``UMRT_SHARE_MIN``          the least memory a fair share may shrink    ``10%``
@@ -203,7 +205,9 @@ class Config:
     log_level: str = "warning"
     short_lived_arena: Amount | None = None
     strict: bool = False
-    native: bool = True  # serve the steady state natively once the plan repeats (UMRT_NATIVE=0: never)
+    # Serve the steady state natively once the plan repeats (UMRT_NATIVE=1). Off by default
+    # until a GPU run has shown it safe (README.md, "The native steady state").
+    native: bool = False
     share_dir: str | None = None  # the per-GPU share registry's folder (None: auto; "off": no registry)
     share_min: Amount | None = None  # the least a fair share shrinks to (None: 10% of the device)
     share_wait: float = 0.0  # seconds to wait for a share the device cannot give now (inf: no limit)

@@ -271,7 +271,7 @@ def check(machine: Machine, environ: dict[str, str] | None = None, *, build_shim
     nvml_found: list[Finding] = []
     nvml_driver = _nvml(machine, nvml_found)  # read first: the driver line shows NVML's driver version
     gpu = _gpu(machine, cfg, nvml_driver, found)
-    torch = _torch(machine, gpu, found, build_shim)
+    torch = _torch(machine, gpu, found, build_shim, native=cfg.native)
     found.extend(nvml_found)
     _profile(cfg, gpu, found)
     hook = machine.activation()
@@ -408,7 +408,8 @@ def _gpu(machine: Machine, cfg: Config, nvml_driver: str | None, found: list[Fin
     return _Gpu(api, cfg.device, name, total)
 
 
-def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim: bool) -> TorchBuild | None:
+def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim: bool, *,
+           native: bool) -> TorchBuild | None:
     torch = machine.torch_build()
     if torch is None:
         found.append(Finding("torch build", MISSING, "torch is not installed", TORCH_CUDA_INSTALL))
@@ -430,8 +431,13 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
     found.append(_built("allocator shim", machine.build_shim(), "{path}",
                         "without it running out of managed memory stops the process instead of raising "
                         "torch.cuda.OutOfMemoryError"))
+    if not native:
+        found.append(Finding("native steady", OK, "off: every allocation goes through Python (UMRT_NATIVE=1 "
+                                                  "serves a repeating step natively; opt-in until a GPU run "
+                                                  "has checked it, see the README)"))
+        return torch
     found.append(_built("native steady", machine.build_native(),
-                        "allocations of a repeating step are served without Python ({path})",
+                        "allocations of a repeating step are served without Python ({path}; UMRT_NATIVE=1)",
                         "the steady state is served from Python (same behaviour, ~70x the CPU per allocation)"))
     return torch
 

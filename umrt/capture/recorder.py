@@ -26,6 +26,14 @@ hooks give layer events and iterations (:mod:`~umrt.capture.hooks`).
   hook), so frees after the step close the iteration they belong to. Without
   marks, :meth:`Recorder.trace` finds iterations as repeats
   (:mod:`umrt.capture.detect`).
+* Phases (``IterationBoundary.phase``): once training is under way (after the
+  first step), an evaluation is iterations of its own, one per forward of the
+  model (a root module with parameters) with gradients off, in inference
+  mode or with the model in eval mode (:meth:`Recorder.loop_phase`); the
+  model's next training forward opens a training iteration again. A step's
+  boundary takes the phase the loop is in when it is emitted, at the first
+  launch that writes the device (one that only reads it, a copy to the host
+  such as ``loss.item()`` or a checkpoint's, ends the iteration it follows).
 * :meth:`Recorder.suspend_ops` stops recording launches (the live runtime's
   steady state) while layer events, boundaries and frees keep coming.
 """
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -111,7 +120,8 @@ class Recorder:
         mark_start: emit ``IterationBoundary(0)`` on entry (after set-up);
             otherwise the first step marks it and what runs before is set-up.
         stop_after: raise :class:`StopRecording` into the program once this
-            many iterations are complete (after the trace is closed).
+            many training iterations (optimizer steps) are complete (after the
+            trace is closed).
         model_name: recorded in the trace header.
         steer: where attention and dropout are routed to single fused ops
             (see :mod:`umrt.capture.steer`): default meta only, where nothing
@@ -168,6 +178,10 @@ class Recorder:
         self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
         self._seq = 0
         self._pending_boundary = False
+        self._iteration_phase = "train"  # the running iteration's phase (IterationBoundary.phase)
+        self._model_forwards = 0  # forwards of the model in the running iteration
+        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # root modules with parameters
+        self._steps = 0  # optimizer steps (step boundaries) so far
         self._stop_requested = False
         self._closed = False
         self._recording = False
@@ -201,7 +215,7 @@ class Recorder:
         self._hooks.remove()
         with self._lock:
             if self._pending_boundary and not self._closed:
-                self._emit_boundary()  # the last step's iteration is complete
+                self._emit_step_boundary()  # the last step's iteration is complete
             self._close()
 
     def step(self) -> None:
@@ -210,9 +224,21 @@ class Recorder:
             if self._closed:
                 return
             if self._phases.iteration < 0:
-                self._emit_boundary()  # the first mark only ends set-up
+                self._emit_boundary("train")  # the first mark only ends set-up
             elif self._seq > 0:
                 self._pending_boundary = True
+
+    def loop_phase(self) -> str:
+        """The phase the training loop is in now: ``"eval"`` in inference mode or
+        with every model seen (a root module with parameters) in eval mode,
+        ``"train"`` otherwise (a forward with gradients off is an evaluation's
+        too, see :meth:`_model_forward`)."""
+        if torch.is_inference_mode_enabled():
+            return "eval"
+        models = list(self._models)
+        if self.model is not None:
+            models.append(self.model)
+        return "eval" if models and not any(m.training for m in models) else "train"
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -286,7 +312,7 @@ class Recorder:
             raise RuntimeError("this Recorder keeps no events (keep_events=False): it has no trace")
         with self._lock:
             if self._pending_boundary and not self._closed:
-                self._emit_boundary()
+                self._emit_step_boundary()
             events = self._objects.refined(self._log.events, self._phases.iteration)
         header = TraceHeader(
             format_version=FORMAT_VERSION,
@@ -320,7 +346,7 @@ class Recorder:
         if self.optimizer is not None:
             self._mark_optimizer(self.optimizer, grads=False)
         if self.mark_start:
-            self._emit_boundary()
+            self._emit_boundary("train")
 
     def _mark(self, t: Any, kind: Kind) -> None:
         """Record a fact about a tensor's storage (announcing it if new)."""
@@ -352,20 +378,40 @@ class Recorder:
         self._on_error(exc)
 
     # ------------------------------------------------------------------ iterations
-    def _emit_boundary(self) -> None:
+    def _emit_boundary(self, phase: str) -> None:
         self._pending_boundary = False
         self._hooks.end_backward()
         self._phases.iteration += 1
         self._occurrence.clear()
-        self._log.emit(IterationBoundary(self._phases.iteration))
-        if self.stop_after is not None and self._phases.iteration >= self.stop_after:
+        self._iteration_phase = phase
+        self._model_forwards = 0
+        self._log.emit(IterationBoundary(self._phases.iteration, phase))
+
+    def _emit_step_boundary(self) -> None:
+        """The boundary a step left pending: it opens an iteration of the loop's phase."""
+        self._emit_boundary(self.loop_phase())
+        self._steps += 1
+        if self.stop_after is not None and self._steps >= self.stop_after:
             self._close()
             self._stop_requested = True
+
+    def _model_forward(self, module: torch.nn.Module) -> None:
+        """A root module with parameters starts a forward (lock held): once training is
+        under way (a step has run), a forward in another phase than the running
+        iteration's opens an iteration of its phase, and so does each forward of an
+        evaluation after the first (one iteration per batch)."""
+        self._models.add(module)
+        if self._steps == 0 or self._closed:
+            return  # before the first step: set-up and the first iteration, whatever they run
+        phase = "eval" if not torch.is_grad_enabled() else self.loop_phase()
+        if phase != self._iteration_phase or (phase == "eval" and self._model_forwards):
+            self._emit_boundary(phase)
+        self._model_forwards += 1
 
     def _flush(self) -> None:
         """Emit a pending boundary (called before anything of the next iteration)."""
         if self._pending_boundary:
-            self._emit_boundary()
+            self._emit_step_boundary()
             if self._stop_requested:
                 self._stop_requested = False
                 raise StopRecording(f"recorded {self.stop_after} iterations")
@@ -512,7 +558,10 @@ class Recorder:
             and all(t.dim() == 0 for t, _ in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
-        self._flush()
+        if not self._pending_boundary or any(on for _, on in outs) or any(w and on for _, w, on in inputs):
+            # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
+            # torch.save) belongs to the iteration it follows: it opens none.
+            self._flush()
         in_graph = torch._C._current_graph_task_id() != -1
         hooks = self._hooks
         if hooks.backward_module is not None and not in_graph:

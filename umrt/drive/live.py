@@ -446,10 +446,14 @@ class LiveBridge:
         and boundaries give way to the allocator's and the bridge's."""
         t = type(ev)
         if t is Launch:
-            self._boundary_if_stepped()
-            self.driver.feed(self._translate(ev))
+            launch = self._translate(ev)
+            if any(a.write for a in launch.accesses):  # a read of the device (a copy to the host) opens nothing
+                self._boundary_if_stepped()
+            self.driver.feed(launch)
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
+            if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
+                self.steady.mark()
             self.driver.feed(ev)
         elif t is IterationBoundary:
             if self._next_boundary is None:  # the recorder's first: iterations start here

@@ -88,6 +88,13 @@ class Policy(ABC):
         a policy that plans by kind keeps it; by default it is not needed."""
         return None
 
+    def iteration_time(self, index: int, seconds: float) -> None:
+        """How long iteration ``index`` took, once known: simulated (the driver, at the
+        boundary that ends it) or measured live with CUDA events (the live bridge, an
+        iteration or two later). A policy that checks whether its acting pays keeps
+        it; by default it is not needed."""
+        return None
+
     def report(self) -> dict:
         """Policy-specific counters for reports (prefetches issued, ...)."""
         return {}

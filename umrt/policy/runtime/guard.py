@@ -1,7 +1,8 @@
 """What the runtime does when the program leaves its plan.
 
-A mismatch at a decision first looks for another learned shape that matches
-there (an eval step instead of a train step) and continues with its plan
+A mismatch at a decision first looks for another learned shape of the same
+loop phase that matches there (a short last batch instead of a full one) and
+continues with its plan
 (:meth:`Guard.switch`); otherwise it is a deviation and the runtime stops
 acting (:meth:`Guard.deviate`). If plans keep failing part-way, predictions
 are not paying: the guard trips, the runtime drops its plans, does nothing for
@@ -75,13 +76,13 @@ class Guard:
         rt._addresses = None
 
     def switch(self, ev: Launch) -> Action | None:
-        """Another learned shape may match where this one failed (an eval
-        step instead of a train step): continue with its plan from here."""
+        """Another learned shape of this phase may match where this one failed (a
+        short last batch instead of a full one): continue with its plan from here."""
         rt = self.rt
         n = rt._n_launches - 1
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
-            if plan is rt._plan:
+            if plan is rt._plan or not rt.in_phase(sig):
                 continue
             idx = plan.index_at(n)
             if idx is None:
@@ -93,14 +94,15 @@ class Guard:
         return None
 
     def switch_launch_free(self, event: int) -> bool:
-        """Another learned shape whose events so far are this iteration's (its running
-        hash after launch-free event ``event`` is ours: an eval step instead of a train
-        step, say): continue with its plan from its next decision (as :meth:`switch`)."""
+        """Another learned shape of this phase whose events so far are this iteration's
+        (its running hash after launch-free event ``event`` is ours: a short last batch
+        instead of a full one, say): continue with its plan from its next decision (as
+        :meth:`switch`)."""
         rt = self.rt
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
             plan = plan.launch_free_variant or plan
-            if plan is rt._plan or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
+            if plan is rt._plan or not rt.in_phase(sig) or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
                 continue
             idx = plan.index_at_launch_free(event)
             self.adopt(plan, idx if idx is not None else plan.index_after_launch_free(event))

@@ -298,11 +298,16 @@ def min_host_map_bytes(profile: HardwareProfile | None) -> int:
 def peak_live(rec: IterationRecord) -> int:
     """The most bytes the iteration holds alive at once, from what is alive at its
     start and its allocations and frees (2 MB-block rounding aside; at a launch
-    boundary, allocations are counted before frees: an upper bound)."""
+    boundary, allocations are counted before frees: an upper bound). What was
+    alive at the start and the iteration neither touches nor frees does not
+    count (an evaluation leaves the optimizer state alone: its working set is
+    the parameters and its own activations)."""
     sizes = rec.sizes
-    live = sum(sizes.get(k, 0) for k in rec.start_live)
+    involved = {k for keys in rec.uses for k in keys}
+    involved.update(k for _, k in rec.frees)
+    live = sum(sizes.get(k, 0) for k in rec.start_live if k in involved)
     peak = live
-    frees = sorted(rec.frees)
+    frees = sorted((p, k) for p, k in rec.frees if k not in rec.start_live or k in involved)
     fi = 0
     for p, k in sorted(rec.allocs):
         while fi < len(frees) and frees[fi][0] < p:

@@ -11,6 +11,7 @@ launches), :class:`~umrt.policy.runtime.guard.Guard` (mispredictions),
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import replace
 from operator import itemgetter
@@ -26,8 +27,9 @@ from umrt.policy.runtime.host_map import HostMapper
 from umrt.policy.runtime.launch_free import LaunchFreeClock
 from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
 from umrt.policy.runtime.options import RuntimeOptions
+from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
-from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges
+from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DeadPages, DecisionRanges
 from umrt.predict.tables import ObjectKeys, VariantTable
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
@@ -37,7 +39,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Runtime"]
 
+log = logging.getLogger("umrt")
+
 _N = itemgetter(1)  # a range -> its bytes
+# Where an iteration's signature starts, by loop phase: an evaluation batch and a
+# training step never share a plan, even where their launches would agree.
+_PHASE_SEED = {"train": 0, "eval": 0x5EED_E7A1}
 
 
 def _reference_key(plan: Plan) -> tuple[int, bool]:
@@ -56,7 +63,11 @@ class Runtime(Policy):
     mode: ``learn`` (record the iteration, do nothing to memory; at the boundary
     compile a plan for its signature), ``act`` (follow the predicted shape's
     plan, see :meth:`_start_iteration`), ``rebase`` (see
-    :meth:`Guard.launch_free_mismatch`) or ``off`` (after a deviation).
+    :meth:`Guard.launch_free_mismatch`), ``off`` (after a deviation) or
+    ``none`` (acting was found to lose in this iteration's loop phase: do
+    nothing, see :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
+    (``IterationBoundary.phase``: a training step, an evaluation batch) has its
+    own plans, learned and predicted apart.
 
     Parameters
     ----------
@@ -88,13 +99,15 @@ class Runtime(Policy):
         freeze: bool = True,
         launch_free: bool = True,
         discard_on_free: bool = False,
+        payoff_window: int = 3,
+        payoff_margin: float = 0.05,
     ) -> None:
         self.options = options = RuntimeOptions(
             op_level=op_level, headroom=headroom, learn_iterations=learn_iterations,
             probe_iterations=probe_iterations, guard_window=guard_window, guard_failures=guard_failures,
             guard_cooldown=guard_cooldown, max_variants=max_variants, use_pool=use_pool,
             min_discard=min_discard, read_mostly=read_mostly, freeze=freeze, launch_free=launch_free,
-            discard_on_free=discard_on_free)
+            discard_on_free=discard_on_free, payoff_window=payoff_window, payoff_margin=payoff_margin)
         # The options on_event reads at every Free, copied: one attribute read, not two.
         self._min_discard = options.min_discard
         self._discard_on_free = options.discard_on_free
@@ -106,7 +119,8 @@ class Runtime(Policy):
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
-            "light_iterations": 0, "late_decisions": 0, "light_rebases": 0,
+            "light_iterations": 0, "late_decisions": 0, "light_rebases": 0, "held_iterations": 0,
+            "stopped_acting": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
         self._n_discarded = 0
@@ -128,6 +142,7 @@ class Runtime(Policy):
         self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
         self._clock = LaunchFreeClock(self)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
+        self._payoff = Payoff(options.payoff_window or 1, options.payoff_margin)
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -168,7 +183,17 @@ class Runtime(Policy):
         # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
         self._frozen = False
         self._addresses: list[int] | None = None  # this iteration's addresses, by allocation ordinal
-        self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the last full iteration's addresses
+        self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the running iteration's reference
+        # The last full iteration's addresses of each shape (a training step's survive an evaluation).
+        self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
+        self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
+        self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        # While an evaluation runs: the whole pages its dead left free (freed, not
+        # reused since). Nothing discards them there (an evaluation that fits moves
+        # nothing), so they are discarded when training resumes: the driver would
+        # otherwise copy their dead bytes out to make room for the training step.
+        self._phase_dead: DeadPages | None = None
+        self._last_of_phase: dict[str, int] = {}  # phase -> the signature of its last iteration
 
     # -- Policy -----------------------------------------------------------------
 
@@ -232,12 +257,15 @@ class Runtime(Policy):
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
         self._off_gpu.remove(ptr, nbytes)
+        if self._phase_dead is not None:
+            self._phase_dead.take(ptr, nbytes)
         if self._pending_discards:
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
         self._host.released(ptr, end)
         # Memoized decision ranges may point into it: never reuse them unchecked.
         self._guard.unfreeze()
         self._reference = None
+        self._references.clear()
         self._ranges.forget()
 
     def on_event(self, event: Event) -> None:
@@ -272,6 +300,8 @@ class Runtime(Policy):
                     ref = self._reference[1]
                     if ordinal >= len(ref) or ref[ordinal] != ptr:
                         self._guard.unfreeze()
+            if self._phase_dead is not None:
+                self._phase_dead.take(self.layout.address(obj), event.nbytes)
             if self._pending_discards and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
@@ -317,6 +347,8 @@ class Runtime(Policy):
             # or launch (nothing can write them before).
             nb = self._alloc_of.pop(obj, NO_ALLOC).nbytes
             if nb >= self._min_discard:
+                if self._phase_dead is not None:
+                    self._phase_dead.died(self.layout.address(obj), nb)
                 if key in self._discard_keys:
                     try:
                         ptr = self._live_index[obj].ptr
@@ -375,7 +407,7 @@ class Runtime(Policy):
                 if n_events == self._due_event:
                     self._clock.on_due_event(n_events)
         elif t is IterationBoundary:
-            self._boundary(event.index)
+            self._boundary(event.index, event.phase)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What a live object holds, learned after it was announced (a live
@@ -389,6 +421,20 @@ class Runtime(Policy):
         key = self.keys.key_of.get(obj)
         if rec is not None and key is not None:
             rec.kinds[key] = kind
+
+    def iteration_time(self, index: int, seconds: float) -> None:
+        """Iteration ``index`` took ``seconds`` (simulated, or measured live): where
+        acting is found to lose in its phase, the runtime stops acting there."""
+        if not self.options.payoff_window:
+            return
+        phase = self._payoff.timed(index, seconds)
+        if phase is not None:
+            self.counters["stopped_acting"] += 1
+            log.info("umrt: stopped acting in %s iterations: %s", phase, self._payoff.stopped[phase])
+
+    def acting_in(self, phase: str) -> bool:
+        """Whether the runtime acts in ``phase`` (False once acting was found to lose there)."""
+        return self._payoff.allows(phase)
 
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
@@ -404,15 +450,29 @@ class Runtime(Policy):
             correlation_rows=len(self._learner.correlation),
             correlation_accuracy=round(self._learner.correlation.accuracy, 4),
             data_rows=len(self._learner.data),
+            phases=self._phase_report(),
         )
         if self._plan is not None:
             out["plan"] = dict(self._plan.stats)
         return out
 
+    def _phase_report(self) -> dict:
+        """Per loop phase: iterations learned, plans, whether the runtime acts there
+        (and why not), the times the payoff check compared."""
+        payoff = self._payoff.report()
+        out = {}
+        for phase in sorted(set(self._learner.learned) | set(payoff) | {self._phase}):
+            out[phase] = {"learned": self._learner.learned.get(phase, 0),
+                          "plans": len(self._learner.phase_plans(phase)),
+                          **payoff.get(phase, {"baseline_ms": None, "acting_ms": None, "acting_vs_baseline": None,
+                                               "acting": True, "stopped_because": None})}
+        return out
+
     # -- iteration boundaries -----------------------------------------------------
 
-    def _boundary(self, index: int) -> None:
-        """One iteration ends (its plan finished, its record compiled) and the next starts."""
+    def _boundary(self, index: int, phase: str) -> None:
+        """One iteration ends (its plan finished, its record compiled) and the next,
+        of loop phase ``phase``, starts."""
         c = self.counters
         if self._acting_launch_free:
             self._clock.finish_iteration()
@@ -433,7 +493,10 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self._record is not None and self._mode == "learn":
             self._record.carried = moved
-            self._learner.learn(self._record)
+            if self._learner.learn(self._record, self._phase):
+                self._payoff.new_shape(self._phase)
+        if phase != self._phase:
+            self._switch_phase(phase)
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
@@ -449,12 +512,17 @@ class Runtime(Policy):
             self.counters["light_iterations"] += 1
         if self._addresses is not None and mode in ("act", "learn"):
             key = _reference_key(self._plan) if mode == "act" else (self._learner.signature, False)
-            self._reference = (key, self._addresses)
-        elif not self._frozen:
-            self._reference = None
+            self._references[key] = self._addresses
+            self._references.move_to_end(key)
+            if len(self._references) > max(1, self.options.max_variants):
+                self._references.popitem(last=False)
+        elif not self._frozen and self._reference is not None:
+            self._references.pop(self._reference[0], None)
+        entry["phase"] = self._phase
         if mode == "act":
             self._guard.outcomes.append(True)
             sig = self._plan.signature
+            self._last_of_phase[self._phase] = sig
             if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
                 self._clock.confirmed.add(sig)
             self._learner.ran(sig)
@@ -465,15 +533,25 @@ class Runtime(Policy):
             self._clock.rebase(entry)
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
-            self._learner.relearn = True
+            self._learner.seek(self._phase)
             if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
-                self._learner.seek_left = self.options.max_variants
+                self._learner.seek_left[self._phase] = self.options.max_variants
         elif mode == "learn" and self._record is not None:
             self._record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
+            self._last_of_phase[self._phase] = self._learner.signature
             self.counters["learned"] += 1
-            self._learner.learned += 1
             entry["signature"] = self._learner.signature
+        # The payoff check's samples: an iteration that followed its plan to the end, or
+        # one that moved nothing of a plan's (not the run's first: set-up's costs).
+        role, shape = None, 0
+        if mode == "act":
+            role, shape = ACTING, self._plan.signature
+        elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
+            role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
+        self._payoff.iteration(self._iteration, self._phase, role, shape)
+        if mode == "none":
+            self.counters["held_iterations"] += 1
         self._event_tokens = None
         self._token_objects = []
         self.log.append(entry)
@@ -498,7 +576,9 @@ class Runtime(Policy):
         self._n_frees = 0
         self._n_events = 0
         self._events_hash = 0
-        self._learner.signature = 0
+        self._moved = False
+        phase = self._phase
+        self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._record = None
         self._plan = None
         # Misprediction guard: too many recent deviations -> do nothing, re-learn.
@@ -507,15 +587,16 @@ class Runtime(Policy):
             self.plans.clear()
             self._clock.forget_plans()
         plan = None
+        learner = self._learner
+        if not self._payoff.allows(phase):
+            self._hold()
+            return
         if self._guard.cooling():
             pass
-        elif self._learner.relearn:
-            self._learner.relearn = False
-        elif self._learner.learned >= self.options.learn_iterations:
-            for sig in self.variants.predict():
-                plan = self.plans.get(sig)
-                if plan is not None:
-                    break
+        elif phase in learner.relearn:
+            learner.relearn.discard(phase)
+        elif learner.learned.get(phase, 0) >= self.options.learn_iterations:
+            plan = self._predict(phase)
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
@@ -533,8 +614,10 @@ class Runtime(Policy):
             if plan.signature not in self._clock.confirmed:
                 self._event_tokens, self._token_objects = [], []
         self._keymap = plan.keymap if launch_free else None
-        ref = self._reference
-        self._frozen = bool(self.options.freeze and trusted and ref is not None and ref[0] == _reference_key(plan))
+        key = _reference_key(plan) if plan is not None else None
+        addresses = self._references.get(key) if key is not None else None
+        self._reference = ref = (key, addresses) if addresses is not None else None
+        self._frozen = bool(self.options.freeze and trusted and ref is not None)
         self._addresses = None if self._frozen else []
         self._counting_launches = False
         self.wants_launches = not launch_free
@@ -563,6 +646,44 @@ class Runtime(Policy):
             self._discard_keys = frozenset()
             self._oversized = {}
         self._clock.set_due(-1)
+
+    def in_phase(self, signature: int) -> bool:
+        """Whether the plan of ``signature`` is one of the running iteration's phase."""
+        return self._learner.phase_of.get(signature, "train") == self._phase
+
+    def _switch_phase(self, phase: str) -> None:
+        """The loop goes from one phase to another: leaving an evaluation, the pages
+        its dead left free are discarded (see ``_phase_dead``); entering one, they
+        are tracked."""
+        dead, self._phase_dead = self._phase_dead, (DeadPages() if phase == "eval" else None)
+        self._phase = phase
+        if dead:
+            self._pending_discards.extend(dead.drain())
+            self._flush()
+
+    def _hold(self) -> None:
+        """Do nothing this iteration (the "none" plan): acting loses in its phase."""
+        self._mode = "none"
+        self._frozen = self._acting_launch_free = self._counting_launches = False
+        self._addresses = self._reference = self._keymap = None
+        self.wants_launches = False
+        self._next_launch = self._clock.next_event = -1
+        self._discard_keys = frozenset()
+        self._oversized = {}
+        self._clock.follow({})
+        self._clock.set_due(-1)
+
+    def _predict(self, phase: str) -> Plan | None:
+        """The plan of the shape expected next in ``phase``: the variant table's
+        prediction among that phase's plans, else the phase's last shape (a
+        training step resumes its plan at once after an evaluation)."""
+        phase_of = self._learner.phase_of
+        for sig in self.variants.predict():
+            plan = self.plans.get(sig)
+            if plan is not None and phase_of.get(sig, "train") == phase:
+                return plan
+        last = self._last_of_phase.get(phase)
+        return self.plans.get(last) if last is not None else None
 
     # -- acting -----------------------------------------------------------------
 
@@ -606,6 +727,7 @@ class Runtime(Policy):
         """Issue one decision's moves."""
         c = self.counters
         c["decisions"] += 1
+        self._moved = True
         off_gpu = self._off_gpu
         if a.evict:
             ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
