@@ -175,6 +175,23 @@ def test_the_nccl_register_hook_is_refused_up_front(two_gpus, monkeypatch):
         api.enable()
 
 
+def test_umrt_run_hands_its_options_to_every_rank(monkeypatch, clean, capsys):
+    import umrt.cli.run as run
+    from umrt.cli import main
+
+    calls = []
+    monkeypatch.setattr(run, "run_launcher", lambda cfg, command, settings: calls.append((cfg, command, settings)) or 5)
+    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "20%", "--", "torchrun",
+                 "--nproc_per_node", "2", "train.py", "--steps", "3"]) == 5
+    cfg, command, settings = calls[0]
+    assert command == ["torchrun", "--nproc_per_node", "2", "train.py", "--steps", "3"]
+    assert settings == {"UMRT_SIMULATE": "h100-pcie5-80g", "UMRT_GPU_MEMORY": "20%"} and cfg.shadow
+    assert main(["run", "--no-telemetry", sys.executable, "-m", "torch.distributed.run", "t.py"]) == 5
+    assert calls[1][2] == {"UMRT_TELEMETRY": "0"} and not calls[1][0].shadow
+    assert main(["run", "--device", "1", "--", "torchrun", "t.py"]) == 2
+    assert "--device does not apply to a torchrun job" in capsys.readouterr().err
+
+
 # -- the launcher and the job's report --------------------------------------------------------
 
 
