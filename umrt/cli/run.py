@@ -103,13 +103,13 @@ def shadow(cfg: Config, script: str, argv: list[str]) -> int:
     in shadow mode a percentage is of the footprint the script needs, so the text is read again by
     :func:`umrt.sim.budget.parse_budget`; unset keeps :func:`~umrt.shadow.run_shadow`'s default.
     """
-    # optional: umrt.shadow is loaded only in shadow mode (tests swap it in sys.modules)
-    from umrt.shadow import run_shadow
-
     budget = cfg.gpu_memory.text
     extra: dict = {"gpu_memory": budget} if budget else {}
     rank = distributed.rank_info()
     distributed.check_same_settings(cfg, rank)
     extra.update(shadow_ranks.rank_hooks(cfg, rank))  # a torchrun rank leaves its report for the launcher
-    with shadow_ranks.simulated_share(cfg, rank):
+    with shadow_ranks.simulated_share(cfg, rank):  # a share refused is said before shadow mode loads
+        # optional: umrt.shadow is loaded only in shadow mode (tests swap it in sys.modules)
+        from umrt.shadow import run_shadow
+
         return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, **extra) or 0)
