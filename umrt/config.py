@@ -140,11 +140,6 @@ class Amount:
     implied: bool = dataclasses.field(default=False, compare=False)
     note: str | None = dataclasses.field(default=None, compare=False)
 
-    @property
-    def of_footprint(self) -> bool:
-        """A share of the footprint the run needs."""
-        return self.fraction is not None and self.base == "footprint"
-
     def resolve(self, total: int) -> int:
         """Bytes this amount means when its base is ``total`` bytes."""
         if self.bytes is not None:
