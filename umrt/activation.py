@@ -73,6 +73,7 @@ def activate_from_env() -> None:
 
     try:
         cfg = from_env()
+        cfg.budget()  # a GPU memory this kind of run cannot read fails now, before the script
     except UmrtError as exc:
         _fail(str(exc))
         return

@@ -1,7 +1,7 @@
 """Switching umrt on in code: :func:`enable`, :func:`session`, :func:`disable`.
 
     import umrt
-    umrt.enable(gpu_memory="20%")          # before the first CUDA tensor
+    umrt.enable(gpu_memory="20%device")    # before the first CUDA tensor
     ...train...
 
     with umrt.session(policy="um-advise"):  # or scoped
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from umrt import distributed, share, stats
-from umrt.config import Amount, Config, format_bytes, from_env, parse_bool
+from umrt.config import Config, format_bytes, from_env, parse_bool
 from umrt.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,7 +86,7 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
 
     Args:
         config: a :class:`~umrt.config.Config`; default :func:`umrt.config.from_env`.
-        **overrides: any ``Config`` field, e.g. ``gpu_memory="20%"``, ``policy="um"``,
+        **overrides: any ``Config`` field, e.g. ``gpu_memory="20%device"``, ``policy="um"``,
             ``device=1``, ``telemetry=True``.
 
     Raises:
@@ -95,6 +95,7 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
     """
     global _current
     cfg = (config or from_env()).replace(enabled=True, **overrides)
+    cfg.budget()  # a budget this run cannot read fails here, before anything starts
     if cfg.shadow and "simulate" not in overrides:
         # UMRT_SIMULATE from the environment: this process is being simulated (shadow run);
         # a script's own umrt.enable() must not touch a GPU there.
@@ -119,6 +120,8 @@ def enable(config: Config | None = None, **overrides: Any) -> Session:
             say_no_gpu_once()
             _current = Session(cfg, active=False, notes=["no CUDA GPU"])
             return _current
+        for note in cfg.notes():  # an old spelling: what it means now, once
+            print(f"umrt: note: {note}", file=sys.stderr)
         rank = distributed.rank_info()
         explicit = "device" in overrides or "UMRT_DEVICE" in os.environ or cfg.device != 0
         cfg = cfg.replace(device=distributed.rank_device(cfg.device if explicit else None, rank, count))
@@ -160,8 +163,8 @@ def _start(cfg: Config) -> Session:
     backend = CudaBackend(cfg.device)
     _, total = backend.mem_info()
     held = _join_share(cfg, total)
-    budget = held.held if held is not None else cfg.gpu_memory.resolve(total)
-    arena = cfg.short_lived_arena.resolve(budget) if cfg.short_lived_arena else None
+    budget = held.held if held is not None else cfg.budget().resolve(total)
+    arena = cfg.arena(budget)
     pool = ManagedPool(backend, _layout_factory(arena), populate_limit=budget)
     session = Session(cfg, active=True, backend=backend, pool=pool, budget_bytes=budget, share=held)
     session.steady = _steady_server(cfg, backend, pool)
@@ -206,8 +209,8 @@ def _join_share(cfg: Config, total: int) -> share.Share | None:
     if cfg.shares_off:
         return None
     registry = share.Registry(cfg.share_dir or share.default_folder(), _device_id(cfg.device))
-    fixed = cfg.gpu_memory.resolve(total) if cfg.gpu_memory.text is not None else None
-    minimum = (cfg.share_min or Amount(fraction=0.1)).resolve(total)
+    fixed = cfg.budget().resolve(total) if cfg.gpu_memory is not None else None  # set: a fixed share
+    minimum = cfg.share_minimum().resolve(total)
     held = share.join(registry, total, fixed=fixed, minimum=minimum, wait=cfg.share_wait,
                       label=share.job_label(), describe=_device_name(cfg.device))
     if held.others:
@@ -342,7 +345,7 @@ def follow_device(device: int) -> bool:
         session = _current
         if session is None or not session.active or session.config.device == device:
             return session is not None and session.active
-        if session.pool.reserved_bytes() or stats.memory_stats()["allocation_count"]:
+        if session.pool.reserved_bytes():  # its pool made managed memory: tensors may live there
             log.warning("umrt: the script chose cuda:%d after umrt started on cuda:%d and made CUDA tensors "
                         "there: umrt stays on cuda:%d (set UMRT_DEVICE=%d, or call torch.cuda.set_device "
                         "before the first CUDA tensor)", device, session.config.device,
@@ -409,7 +412,7 @@ def _disable_keeping(other_error: bool) -> None:
 
 @contextlib.contextmanager
 def session(config: Config | None = None, **overrides: Any) -> Iterator[Session]:
-    """``with umrt.session(gpu_memory="20%") as s:`` - :func:`enable` for a block, then :func:`disable`."""
+    """``with umrt.session(gpu_memory="20%device") as s:`` - :func:`enable` for a block, then :func:`disable`."""
     s = enable(config, **overrides)
     try:
         yield s

@@ -85,20 +85,21 @@ def rank_hooks(cfg: Config, rank: RankInfo | None) -> dict[str, Any]:
 @contextlib.contextmanager
 def simulated_share(cfg: Config, rank: RankInfo | None) -> Iterator[share.Share | None]:
     """A shadow run's share of its simulated GPU, held while the script runs: only for a
-    budget in bytes (a percentage is of the footprint, known after the first iteration).
+    budget in bytes (a percentage is of the footprint, known once the script has run).
     Its GPU is the profile's, one per ``LOCAL_RANK``: two shadow jobs started alone share
     device 0, the ranks of one job each have their own.
 
     Raises:
         ShareError: the simulated GPU cannot give this job its share (exit status 2).
     """
-    if cfg.shares_off or cfg.gpu_memory.bytes is None or cfg.gpu_memory.text is None:
+    fixed = cfg.gpu_memory.bytes if cfg.gpu_memory is not None else None
+    if cfg.shares_off or fixed is None:
         yield None
         return
     profile = load_profile(cfg.simulate)
     device = distributed.rank_device(cfg.device if rank is None else None, rank, rank.local_world_size if rank else 1)
     registry = share.Registry(cfg.share_dir or share.default_folder(), f"sim-{profile.name}-{device}")
-    held = share.join(registry, profile.gpu_memory_bytes, fixed=cfg.gpu_memory.bytes, minimum=0,
+    held = share.join(registry, profile.gpu_memory_bytes, fixed=fixed, minimum=0,
                       wait=cfg.share_wait, label=share.job_label(),
                       describe=f"the simulated {profile.name} GPU {device}")
     if held.others:
