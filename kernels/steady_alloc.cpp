@@ -137,6 +137,12 @@ struct Schedule {
   std::vector<std::pair<uint64_t, void*>> deferred;
 };
 
+// Test only: bugs the Hypothesis state machine of tests/test_page_state_machine.py must find,
+// planted with umrt_steady_plant_bugs (0 in any real run): 1 drops the live-block check of
+// decisions, 2 skips the last-error reset after a failed call.
+std::atomic<int> g_planted{0};
+constexpr int kBugNoLiveCheck = 1, kBugNoErrorClear = 2;
+
 // The schedule whose decisions this thread is running. Its mutex is held further up this
 // thread's stack, so an entry point called again from inside a decision's call must not
 // lock it (std::mutex is not recursive): a free is deferred, an allocation declined.
@@ -235,7 +241,8 @@ bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const 
       }
     }
     if (rc != 0) {
-      if (t.clear_error) t.clear_error();  // the error is ours: torch's next launch check must not see it
+      // The error is ours: torch's next launch check must not see it.
+      if (t.clear_error && !(g_planted.load(std::memory_order_relaxed) & kBugNoErrorClear)) t.clear_error();
       deviate(s, DEV_CALL, ordinal, "%s of allocation %lld: %s failed with CUDA error %d", where,
               static_cast<long long>(ordinal), what, rc);
       return false;
@@ -260,6 +267,7 @@ std::map<uint64_t, std::pair<uint64_t, int64_t>>::iterator overlapping(Schedule*
 // its data); else deviate (DEV_TOUCH) before any of them runs. Event records and waits touch
 // no memory.
 bool check_decisions(Schedule* s, int64_t begin, int64_t end, const char* where, int64_t ordinal) {
+  if (g_planted.load(std::memory_order_relaxed) & kBugNoLiveCheck) return true;
   for (int64_t d = begin; d < end; ++d) {
     const int32_t kind = s->dec_kind[d];
     if (kind == RECORD_EVENT || kind == WAIT_EVENT) continue;
@@ -617,6 +625,9 @@ UMRT_EXPORT void umrt_steady_state(void* handle, int64_t* out4) {
   out4[2] = static_cast<int64_t>(s->live.size());
   out4[3] = static_cast<int64_t>(s->events.size());
 }
+
+// Test only (see g_planted): plant the bugs in `mask` in every schedule of the process.
+UMRT_EXPORT void umrt_steady_plant_bugs(int mask) { g_planted.store(mask); }
 
 // Bench baselines: empty functions with the signatures of malloc and free (a ctypes
 // call's own cost). The empty malloc returns the handle (a non-NULL pointer, as a served one).

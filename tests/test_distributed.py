@@ -37,6 +37,9 @@ def clean(monkeypatch):
                                                      "TORCH_NCCL"))]:
         monkeypatch.delenv(k)
     monkeypatch.setattr(api, "_current", None)
+    # follow_device reads the process's live allocation count: blocks other tests of this
+    # worker left live must not count as this session's tensors.
+    monkeypatch.setattr(stats, "_process", stats.Statistics())
     yield
     api.disable()
     stats.attach()
@@ -175,6 +178,23 @@ def test_the_nccl_register_hook_is_refused_up_front(two_gpus, monkeypatch):
         api.enable()
 
 
+def test_umrt_run_hands_its_options_to_every_rank(monkeypatch, clean, capsys):
+    import umrt.cli.run as run
+    from umrt.cli import main
+
+    calls = []
+    monkeypatch.setattr(run, "run_launcher", lambda cfg, command, settings: calls.append((cfg, command, settings)) or 5)
+    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "20%", "--", "torchrun",
+                 "--nproc_per_node", "2", "train.py", "--steps", "3"]) == 5
+    cfg, command, settings = calls[0]
+    assert command == ["torchrun", "--nproc_per_node", "2", "train.py", "--steps", "3"]
+    assert settings == {"UMRT_SIMULATE": "h100-pcie5-80g", "UMRT_GPU_MEMORY": "20%"} and cfg.shadow
+    assert main(["run", "--no-telemetry", sys.executable, "-m", "torch.distributed.run", "t.py"]) == 5
+    assert calls[1][2] == {"UMRT_TELEMETRY": "0"} and not calls[1][0].shadow
+    assert main(["run", "--device", "1", "--", "torchrun", "t.py"]) == 2
+    assert "--device does not apply to a torchrun job" in capsys.readouterr().err
+
+
 # -- the launcher and the job's report --------------------------------------------------------
 
 
@@ -311,8 +331,9 @@ RANK_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(6):
-        model(torch.randn(8, 64)).square().mean().backward()
+    for step in range(int(os.environ.get("STEPS", "6"))):
+        batch = 3 if rank == int(os.environ.get("ODD_RANK", "-1")) and step == 5 else 8  # one odd step
+        model(torch.randn(batch, 64)).square().mean().backward()
         for p in model.parameters():
             dist.all_reduce(p.grad)
         opt.step()
@@ -322,6 +343,28 @@ RANK_SCRIPT = textwrap.dedent("""
             os._exit(3)
     dist.destroy_process_group()
 """)
+
+
+@pytest.mark.slow
+def test_a_rank_that_deviates_from_its_plan_does_so_alone(tmp_path):
+    """Rank 1 takes one step of another shape: its runtime leaves its plan and learns
+    again; rank 0's does not notice (no umrt of one rank waits for another's), and both
+    finish with their reports."""
+    script = tmp_path / "odd_step.py"
+    script.write_text(RANK_SCRIPT)
+    reports = tmp_path / "reports"
+    out = _run(_torchrun(str(script)), _env(UMRT="1", UMRT_SIMULATE="h100-pcie5-80g", UMRT_GPU_MEMORY="8MiB",
+                                            UMRT_SHADOW_REPORTS=str(reports), STEPS="9", ODD_RANK="1"),
+               tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    learned, acted = {}, {}
+    for rank in (0, 1):
+        text = " ".join((reports / f"rank-{rank}.txt").read_text().split())
+        found = re.search(r"learned the iteration from (\d+) iteration\(s\), then acted on (\d+)", text)
+        learned[rank], acted[rank] = int(found.group(1)), int(found.group(2))
+    # rank 1 learned again after its odd step; rank 0 learned once and acted on
+    assert learned[1] > learned[0] == 2 and acted[0] > acted[1], (learned, acted)
+    assert re.search(r"│ 1 +│ +9 │ .*│ +0 │", out.stdout) and re.search(r"│ 0 +│ +9 │ .*│ +0 │", out.stdout)
 
 
 @pytest.mark.slow

@@ -345,7 +345,7 @@ def follow_device(device: int) -> bool:
         session = _current
         if session is None or not session.active or session.config.device == device:
             return session is not None and session.active
-        if session.pool.reserved_bytes() or stats.memory_stats()["allocation_count"]:
+        if session.pool.reserved_bytes():  # its pool made managed memory: tensors may live there
             log.warning("umrt: the script chose cuda:%d after umrt started on cuda:%d and made CUDA tensors "
                         "there: umrt stays on cuda:%d (set UMRT_DEVICE=%d, or call torch.cuda.set_device "
                         "before the first CUDA tensor)", device, session.config.device,

@@ -65,9 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from umrt.allocators.sources import native_source
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
 from umrt.backends.cuda import CudaApi
-from umrt.allocators.sources import native_source
 from umrt.errors import CudaError, UmrtError
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
@@ -1062,11 +1062,15 @@ class PythonSteadySchedule:
                         what = f"{name}({p:#x}, {n})"
                         break
             if rc != 0:
-                t.clear_error()  # as the native twin: the failed call's last error is not left for torch
+                self._clear_error(t)  # as the native twin: the failed call's last error is not left for torch
                 self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
                               f"CUDA error {rc}")
                 return False
         return True
+
+    @staticmethod
+    def _clear_error(table: CudaTable) -> None:
+        table.clear_error()
 
     def adopt(self, blocks: Iterable[tuple[int, int]]) -> None:
         """Make live blocks the schedule's: ``(address, ordinal)``, a block allocated at
@@ -1447,6 +1451,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_noop_free": (c_int, [vp, u64, u64, c_int, vp]),
         "umrt_steady_run": (i64, [vp, i64, vp, vp, vp, i64, c_int, vp]),
+        "umrt_steady_plant_bugs": (None, [c_int]),
     }
     for fname, (restype, argtypes) in sigs.items():
         fn = getattr(lib, fname)

@@ -124,15 +124,15 @@ def shadow(cfg: Config, script: str, argv: list[str], plot: str | None = None) -
     with the GPU memory ``cfg.budget()`` reads (``--gpu-memory``, else ``UMRT_GPU_MEMORY``, else the
     simulated default); an old spelling's note first. In a ``torchrun`` rank the report is left for
     the launcher (:mod:`umrt.shadow_ranks`)."""
-    # optional: umrt.shadow (torch, the simulator) is loaded only in shadow mode (tests swap it in sys.modules)
-    from umrt.shadow import run_shadow
-
     for note in cfg.notes():
         print(f"umrt: note: {note}", file=sys.stderr)
     extra: dict = {"plot": plot} if plot is not None else {}
     rank = distributed.rank_info()
     distributed.check_same_settings(cfg, rank)
     extra.update(shadow_ranks.rank_hooks(cfg, rank))  # a torchrun rank leaves its report for the launcher
-    with shadow_ranks.simulated_share(cfg, rank):
+    with shadow_ranks.simulated_share(cfg, rank):  # a share refused is said before shadow mode loads
+        # optional: umrt.shadow (torch, the simulator) is loaded only in shadow mode (tests swap it in sys.modules)
+        from umrt.shadow import run_shadow
+
         return int(run_shadow(script, argv, profile=cfg.simulate, policy=cfg.policy, gpu_memory=cfg.budget(),
                               **extra) or 0)

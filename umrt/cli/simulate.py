@@ -98,7 +98,9 @@ def _print_table(r, bound) -> None:
     # optional: the simulator's budget module (numpy) is loaded only when a run is simulated
     from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION
 
-    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · simulated, iteration {r.iterations} of {r.iterations}")
+    # The title on a line of its own: a table's title wraps at the table's (narrow) width.
+    title = f"{r.model} · {r.policy} · {r.profile} · simulated, iteration {r.iterations} of {r.iterations}"
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     b = r.budget
@@ -130,6 +132,7 @@ def _print_table(r, bound) -> None:
     for name, value in rows:
         table.add_row(name, value)
     out = console()
+    out.print(title, soft_wrap=True, markup=False)
     out.print(table)
     out.print(f"{FOOTPRINT_DEFINITION}.")
     out.print(f"{PEAK_LIVE_DEFINITION}.")

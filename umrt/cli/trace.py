@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from umrt.config import format_bytes
+from umrt.console import console as umrt_console
 from umrt.errors import ConfigError, UmrtError
 from umrt.paths import check_writable
 from umrt.scripts import run_module, run_script
@@ -242,7 +243,6 @@ def _info(argv: list[str], as_json: bool) -> int:
         except BrokenPipeError:  # e.g. piped into head
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{ns.file}", show_header=False, title_justify="left")
@@ -265,7 +265,7 @@ def _info(argv: list[str], as_json: bool) -> int:
     for k, v in s["bytes_by_kind"].items():
         if v:
             t.add_row(f"  peak {k}", f"{format_bytes(v)} ({s['objects_by_kind'][k]} objects)")
-    console = Console()
+    console = umrt_console()
     console.print(t)
     if h.notes:
         console.print("[bold]known differences from a CUDA run[/bold]")

@@ -507,9 +507,9 @@ class SteadyServer:
                     tracked.discard(ptr)
                     pool.free(ptr)
             live = pool.live_blocks()
-            for ptr in sorted(tracked - native_live.keys()):
-                if ptr in live:  # freed by the schedule, live in Python: only if Python was off
-                    wrong.append(f"block {ptr:#x} is live in Python, freed natively")
+            phantoms = [ptr for ptr in sorted(tracked - native_live.keys()) if ptr in live]
+            for ptr in phantoms:  # freed by the schedule, live in Python: only if Python was off
+                wrong.append(f"block {ptr:#x} is live in Python, freed natively")
             for ptr, size in native_live.items():
                 if live.get(ptr) != size:
                     wrong.append(f"block {ptr:#x} ({size} bytes) is live natively, not in Python")
@@ -517,20 +517,28 @@ class SteadyServer:
             self.bridge.muted(False)
             self._tracked = set()
         if wrong:
-            self._quarantine(native_live, wrong)
+            self._quarantine(native_live, wrong, phantoms)
 
-    def _quarantine(self, native_live: dict[int, int], wrong: list[str]) -> None:
+    def _quarantine(self, native_live: dict[int, int], wrong: list[str], phantoms: Sequence[int] = ()) -> None:
         """Python's view of the pool is off: its layout never places a block again, the
-        schedule's blocks are the pool's, and umrt stops acting."""
+        schedule's blocks are the pool's, blocks the program freed natively that Python
+        still counts live (``phantoms``) are freed (into the retired layout), and umrt
+        stops acting."""
         pool = self.pool
         pool.retire_layout(self._stream)
         self.report.layouts_retired += 1
-        live = pool.live_blocks()
-        for ptr, size in native_live.items():
-            if live.get(ptr) != size:
-                if ptr in live:  # Python holds a block of another size there: into the retired layout
-                    pool.free(ptr)
-                pool.adopt(ptr, size)
+        self.bridge.muted(True)  # these frees are books only: no call of the policy's may touch the memory
+        try:
+            for ptr in phantoms:
+                pool.free(ptr)
+            live = pool.live_blocks()
+            for ptr, size in native_live.items():
+                if live.get(ptr) != size:
+                    if ptr in live:  # Python holds a block of another size there: into the retired layout
+                        pool.free(ptr)
+                    pool.adopt(ptr, size)
+        finally:
+            self.bridge.muted(False)
         self._set_phase(Phase.OFF)
         self.bridge.stop(SteadyError("after the native steady state, Python's view of the pool did not "
                                      f"match the schedule's ({len(wrong)} differences; first: {wrong[0]}); "
