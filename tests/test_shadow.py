@@ -119,14 +119,16 @@ def test_the_embedded_example_runs_end_to_end(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     example = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
     lines: list[str] = []
-    rc = run_shadow(str(example), ["--steps", "5"],
+    rc = run_shadow(str(example), ["--steps", "6"],
                     profile="h100-pcie5-80g", gpu_memory="20%", out=lines.append)
     assert rc == 0
-    assert "step 4: loss" in capsys.readouterr().out
+    assert "step 5: loss" in capsys.readouterr().out
     text = "\n".join(lines)
     assert re.search(r"│ umrt +│ live ", text)
-    # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would
+    # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would; the
+    # last iteration holds the script's teardown (its frees after the last step): it leaves the plan
     assert re.search(r"then acted on 3 \(1 of them without recording ops", " ".join(text.split())), text
+    assert re.search(r"Iterations: 2 learned \(0, 1\); 1 recovered after leaving a plan \(5\)", " ".join(text.split()))
 
 
 # A tiny GPT-2 with attention and residual dropout on (transformers' defaults, p=0.1):

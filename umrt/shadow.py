@@ -9,12 +9,16 @@ live, to a driver that does what the GPU would: the runtime (or another
 policy) sees the event and drives a simulated GPU
 (:class:`~umrt.sim.backend.SimBackend`) through the ordinary
 :class:`~umrt.backends.base.Backend` interface, exactly as it would drive
-the ``cuda`` backend. When the script ends, the recorded trace is replayed
-under ``ideal`` (unlimited memory) and ``um`` (plain Unified Memory) for
-comparison (and under ``oracle``, which is handed the whole recorded trace:
-the reference for how close the live runtime gets), and a table reports iteration times, traffic, faults and what
-the runtime prefetched, pre-evicted and discarded. Every number is
-simulated.
+the ``cuda`` backend. When the script ends, the recorded trace is replayed,
+first iteration to last, under ``ideal`` (unlimited memory) and ``um`` (plain
+Unified Memory) for comparison (and under ``oracle``, which is handed the
+whole recorded trace: the reference for how close the live runtime gets), so
+that every policy is measured over the same iterations
+(:mod:`umrt.phase_report`): a table reports each one's whole-run time,
+traffic and faults, a second one the steady time per phase of the loop
+(training steps, evaluation batches), and plain sentences what the runtime
+prefetched, pre-evicted and discarded and which iterations it learned,
+recovered in or deviated in. Every number is simulated.
 
 Sizing the budget live. ``gpu_memory="20%"`` means 20% of the footprint the
 job needs (:mod:`umrt.sim.budget`: the managed memory its allocations obtain
@@ -45,12 +49,21 @@ from umrt.config import format_bytes
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
+from umrt.phase_report import (
+    PHASE_LABELS,
+    RunFigures,
+    describe_iterations,
+    live_run,
+    named_iterations,
+    phase_table,
+    replay_run,
+)
 from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
 from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import Budget, needs_of_events, parse_budget, resolve_budget
-from umrt.sim.replay import peak_live_bytes, simulate
+from umrt.sim.replay import peak_live_bytes
 from umrt.sim.warmup import warm_up
 from umrt.trace.events import Event, IterationBoundary, Trace
 
@@ -196,56 +209,67 @@ def _report(trace: Trace, driver: ShadowSource, prof, policy: str) -> dict:
                  "budget_description": driver.budget.describe() if driver.budget is not None else None,
                  "gpu_memory": str(driver.gpu_memory), "sized_from_bytes": driver.peak_bytes,
                  "peak_live_bytes": peak_live_bytes(trace), "iterations": len(trace.iteration_spans()),
-                 "rows": [], "runtime": {}, "notes": []}
-    if driver.budget_bytes is None or not trace.iteration_spans():
+                 "rows": [], "runs": [], "runtime": {}, "notes": []}
+    if driver.budget_bytes is None or not trace.iteration_spans() or driver.driver is None:
         rep["notes"].append("the script completed no training iteration: nothing to simulate")
         return rep
-    steady = driver.steady()
-    n = len(driver.iteration_times())
-    comparisons = {}
+    # Every policy over the same iterations: the recorded run, first to last; the steady
+    # figures of each phase leave out the live policy's warm-up (and the run's first).
+    skip = max(1, driver.policy.warmup_iterations)
+    runs: list[RunFigures] = []
     for name in ("ideal", "um", "oracle"):
         try:
-            comparisons[name] = simulate(trace, name, prof, driver.budget_bytes, iterations=max(2, min(n, 3)))
+            runs.append(replay_run(trace, name, prof, driver.budget_bytes, skip))
         except UmrtError as exc:
             rep["notes"].append(f"{name} replay failed: {exc}")
-    ideal_t = comparisons["ideal"].iteration_time_s if "ideal" in comparisons else steady.get("ideal_time_s", 0.0)
-    for name, res in comparisons.items():
-        rep["rows"].append({"policy": name, "how": "replay", "iteration_time_s": res.iteration_time_s,
-                            "h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes, "faults": res.faults,
-                            "evictions": res.evictions})
-    if steady:
-        rep["rows"].append({"policy": policy, "how": "live", "iteration_time_s": steady["time_s"],
-                            "h2d_bytes": steady["h2d_bytes"], "d2h_bytes": steady["d2h_bytes"],
-                            "faults": steady["faults"], "evictions": steady["evictions"]})
-    for row in rep["rows"]:
-        row["vs_ideal"] = row["iteration_time_s"] / ideal_t if ideal_t > 0 else float("nan")
+    live = live_run(policy, driver.driver, skip)
+    if live.times:
+        runs.append(live)
+    rep["runs"] = [r.to_json() for r in runs]
+    rep["skip"] = skip
+    ideal_total = next((r.totals["time_s"] for r in runs if r.policy == "ideal"), 0.0)
+    for r in runs:
+        rep["rows"].append({"policy": r.policy, "how": r.how, "iterations": len(r.times), **r.totals,
+                            "vs_ideal": r.totals["time_s"] / ideal_total if ideal_total > 0 else float("nan")})
     um = next((r for r in rep["rows"] if r["policy"] == "um"), None)
-    live = next((r for r in rep["rows"] if r["how"] == "live"), None)
-    if um and live and live["iteration_time_s"] > 0:
-        rep["speedup_vs_um"] = um["iteration_time_s"] / live["iteration_time_s"]
-    rep["iteration_times_s"] = driver.iteration_times()
+    row = next((r for r in rep["rows"] if r["how"] == "live"), None)
+    if um and row and row["time_s"] > 0:
+        rep["speedup_vs_um"] = um["time_s"] / row["time_s"]
+    if live.times and len(live.times) != rep["iterations"]:
+        rep["notes"].append(f"the live run simulated {len(live.times)} of the {rep['iterations']} recorded "
+                            "iterations; the replays ran all of them")
+    rep["iteration_times_s"] = live.times
+    rep["iteration_phases"] = live.phases
     rep["runtime"] = dict(driver.policy.report() or {})
+    log = getattr(driver.policy, "log", None)
+    if log is not None:
+        rep["named_iterations"] = named_iterations(log)
     if driver.error is not None:
         rep["notes"].append(f"the simulated run stopped: {driver.error}")
+    rep["_runs"] = runs  # for the printed tables (not part of the JSON-able report)
     return rep
 
 
-#: What each row and column of the report means, printed under the table.
+#: What each row and column of the report means, printed under the tables.
 LEGEND = (
-    "Each row: one steady-state training iteration, simulated.",
+    "Each row of the first table: the whole run, simulated, under one policy; every policy runs the same "
+    "recorded iterations, first to last.",
     "  ideal: a GPU with unlimited memory (nothing moves: the floor).",
     "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
     "  oracle: the fastest of several plans made knowing the whole recorded run in advance "
     "(the reference: nothing live can beat it).",
     "  run: replay = simulated afterwards from the recorded trace; live = driven event by event "
     "while the script ran, as on a GPU.",
-    "  H2D / D2H: bytes moved host to GPU / GPU to host per iteration; faults: GPU page faults "
-    "(64 KiB pages) per iteration; evictions: 2 MiB blocks the driver pushed out to make room, per iteration.",
+    "  H2D / D2H: bytes moved host to GPU / GPU to host over the run; faults: GPU page faults "
+    "(64 KiB pages) over the run; evictions: 2 MiB blocks the driver pushed out to make room, over the run.",
+    "The second table: per phase of the loop (a training step; one batch of an evaluation), its steady time "
+    "per iteration under each policy: the mean over that phase's iterations after the first {skip} of the "
+    "run (umrt's learning; the same iterations for every policy); and the whole run's total.",
 )
 
 
 def _print(rep: dict, out: Callable[[str], None] | None) -> None:
-    """Render the report: a title, what was measured, the table, its legend, and
+    """Render the report: a title, what was measured, the tables, their legend, and
     in plain words where the policy stands and what it did."""
     from rich.console import Console
     from rich.table import Table
@@ -257,26 +281,30 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
               if rep.get("budget_description") and sized else f"GPU memory {format_bytes(budget or 0)}")
     title = f"umrt shadow run — what a {rep['profile']} GPU would have done (SIMULATED)"
     table = Table(title=title)
-    for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
+    for col in ("policy", "run", "whole run", "vs ideal", "H2D", "D2H", "faults", "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
     for r in rep["rows"]:
-        table.add_row(r["policy"], r["how"], f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
+        table.add_row(r["policy"], r["how"], f"{r['time_s'] * 1e3:,.2f} ms", f"{r['vs_ideal']:.2f}x",
                       format_bytes(r["h2d_bytes"]), format_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
                       f"{r['evictions']:,}")
+    runs = rep.get("_runs") or []
+    phases = phase_table(runs, "Steady time per iteration, by phase of the loop (SIMULATED)") if runs else None
     head = [
-        f"Measured on this machine: the script ran {rep.get('iterations', 0)} complete training iteration(s) "
+        f"Measured on this machine: the script ran {rep.get('iterations', 0)} complete iteration(s) "
         f"on the CPU, unchanged (its losses are a plain run's); their peak live memory was "
         f"{format_bytes(rep['peak_live_bytes'])}. The step times it printed include umrt recording every op, "
         "and the first run on a machine a one-off compile of the simulator: they are not GPU times.",
         f"Simulated: a GPU with {memory}; nothing ran on a GPU.",
     ]
-    lines = list(LEGEND)
+    lines = [line.format(skip=rep.get("skip", 1)) for line in LEGEND]
     live = next((r for r in rep["rows"] if r["how"] == "live"), None)
     if "speedup_vs_um" in rep and live is not None:
         x = rep["speedup_vs_um"]
         than = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
         lines.append(f"In plain words: {rep['policy']} is {live['vs_ideal']:.1f}x slower than a GPU with enough "
-                     f"memory, and {than} than plain Unified Memory (simulated).")
+                     f"memory, and {than} than plain Unified Memory over the whole run ({live['iterations']} "
+                     "iterations, simulated).")
+    lines.extend(_phase_sentences(runs, rep["policy"]))
     rt = rep.get("runtime") or {}
     if "prefetched_bytes" in rt:
         lines.append(
@@ -287,24 +315,52 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             f"at {rt.get('decisions', 0)} decision points (the places in an iteration where it acts: module "
             f"boundaries, at least a few ms of compute apart), and discarded {format_bytes(rt['discarded_bytes'])} "
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
+        for phase, info in (rt.get("phases") or {}).items():
+            if not info.get("acting", True):
+                lines.append(f"umrt stopped acting in {PHASE_LABELS.get(phase, phase)}s: {info['stopped_because']}; "
+                             "they run as plain Unified Memory (do no harm).")
         dev = rt.get("deviations", 0)
         lines.append(
             f"Deviations: {dev} — iterations that left their learned plan (the script's last, partial one, its "
             "teardown, usually does); umrt stops acting for the rest of such an iteration and learns again. "
             "Not an error." if dev else "Deviations: 0 — every acted iteration matched its learned plan.")
+    if rep.get("named_iterations"):
+        lines.append(describe_iterations(rep["named_iterations"]))
     if rep.get("iteration_times_s"):
+        marks = {"train": "", "eval": " (eval)"}
         lines.append("Simulated iteration times, first to last (learning first, then acting): "
-                     + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
+                     + ", ".join(f"{t * 1e3:.1f} ms{marks.get(p, f' ({p})')}"
+                                 for t, p in zip(rep["iteration_times_s"], rep["iteration_phases"], strict=True)))
     lines.extend(rep["notes"])
     if console is not None:
         for line in head:
             console.print(line)
         console.print(table)
+        if phases is not None:
+            console.print(phases)
         for line in lines:
             console.print(line)
     else:
         from io import StringIO
 
         buf = StringIO()
-        Console(file=buf, width=110, highlight=False).print(table)
+        printer = Console(file=buf, width=110, highlight=False)
+        printer.print(table)
+        if phases is not None:
+            printer.print(phases)
         out("\n".join(head) + "\n" + buf.getvalue() + "\n".join(lines))
+
+
+def _phase_sentences(runs: list[RunFigures], policy: str) -> list[str]:
+    """Per phase, in plain words: the live policy's steady time against plain UM's and the oracle's."""
+    by = {r.policy: r for r in runs}
+    live = next((r for r in runs if r.how == "live"), None)
+    if live is None:
+        return []
+    out = []
+    for phase, figs in live.by_phase.items():
+        others = [f"{name}'s {by[name].by_phase[phase].steady_s * 1e3:,.2f} ms" for name in ("um", "oracle")
+                  if name in by and phase in by[name].by_phase]
+        out.append(f"{PHASE_LABELS.get(phase, phase).capitalize()}s (steady): {policy} {figs.steady_s * 1e3:,.2f} ms"
+                   + (f" against {' and '.join(others)}" if others else "") + ".")
+    return out

@@ -188,6 +188,7 @@ class Runtime(Policy):
         self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
         self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        self._deviations_before = 0  # deviations when this iteration started
         # While an evaluation runs: the whole pages its dead left free (freed, not
         # reused since). Nothing discards them there (an evaluation that fits moves
         # nothing), so they are discarded when training resumes: the driver would
@@ -519,6 +520,8 @@ class Runtime(Policy):
         elif not self._frozen and self._reference is not None:
             self._references.pop(self._reference[0], None)
         entry["phase"] = self._phase
+        if self.counters["deviations"] > self._deviations_before:
+            entry["deviated"] = True
         if mode == "act":
             self._guard.outcomes.append(True)
             sig = self._plan.signature
@@ -577,6 +580,7 @@ class Runtime(Policy):
         self._n_events = 0
         self._events_hash = 0
         self._moved = False
+        self._deviations_before = self.counters["deviations"]
         phase = self._phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._record = None
