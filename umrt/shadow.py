@@ -139,7 +139,8 @@ class ShadowSource:
         backend = SimBackend(self.profile, math.inf if self.policy.unlimited_memory else self.budget_bytes)
         layout = self.policy.make_layout(backend)
         self.policy.attach(PolicyContext(backend, layout, self.budget_bytes, self.profile))
-        self.driver = Driver(self.policy, layout, backend, profile=self.profile)
+        # Closed loop, as a live run: a launch reaches the policy only while it wants launches.
+        self.driver = Driver(self.policy, layout, backend, profile=self.profile, launches_on_demand=True)
         held, self._held = self._held, []
         self.driver.feed_all(held)
 
