@@ -99,15 +99,16 @@ class Trainer:
                 break
 
     def _validate(self, model: LitClassifier, optimizer, val_loader: DataLoader, epoch: int) -> None:
+        # As Lightning's evaluation loop: the model in eval mode and gradients off for the
+        # batches, the epoch-end metrics and the callbacks; train mode again at the end.
         model.eval()
         outs = []
         with torch.no_grad():
             for batch_idx, batch in enumerate(val_loader):
                 batch = [t.to(self.device) for t in batch]
                 outs.append(model.validation_step(batch, batch_idx))
-        model.train()
-        val_loss = torch.stack([o["val_loss"] for o in outs]).mean().item()
-        val_acc = torch.stack([o["val_acc"] for o in outs]).mean().item()
+            val_loss = torch.stack([o["val_loss"] for o in outs]).mean().item()  # on_validation_epoch_end
+            val_acc = torch.stack([o["val_acc"] for o in outs]).mean().item()
         print(f"epoch {epoch} step {self.global_step}: val_loss {val_loss:.4f}, val_acc {val_acc:.3f}")
         if val_loss < self.best:  # ModelCheckpoint(monitor="val_loss") and EarlyStopping(monitor="val_loss")
             self.best, self.wait = val_loss, 0
@@ -116,6 +117,8 @@ class Trainer:
         else:
             self.wait += 1
             self.should_stop = self.wait >= self.patience
+        del outs
+        model.train()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -319,6 +319,10 @@ def test_bridge_boundaries_carry_the_loop_phase_and_the_gpu_clock_times_them(fak
     for i, e in enumerate(policy.got):  # each opens before anything of its iteration
         if isinstance(e, IterationBoundary) and e.phase == "eval":
             assert isinstance(policy.got[i + 1], (LayerEnter, Alloc)), policy.got[i + 1]
+    # training resumes at the next batch's allocation (its randn), before the model's forward
+    resumed = policy.got.index(bounds[5])
+    assert isinstance(policy.got[resumed + 1], Alloc) and isinstance(policy.got[resumed + 2], Launch)
+    assert policy.got[resumed + 2].op == "aten::randn.default"
     assert [i for i, _ in policy.times] == list(range(7))  # each iteration timed, in order
     assert all(t == pytest.approx(1e-3) for _, t in policy.times)
 

@@ -35,10 +35,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from umrt.trace.events import Trace
 
 __all__ = ["RunFigures", "PhaseFigures", "replay_run", "live_run", "phase_table", "named_iterations",
-           "PHASE_LABELS", "TOTALS"]
+           "describe_iterations", "PHASE_LABELS", "PHASE_PLURALS", "TOTALS"]
 
-#: How a phase is named in reports.
+#: How a phase is named in reports: one iteration of it, and several.
 PHASE_LABELS = {"train": "training step", "eval": "evaluation batch"}
+PHASE_PLURALS = {"train": "training steps", "eval": "evaluation batches"}
 #: The whole-run counters a run's figures add up (the simulator's names).
 TOTALS = ("time_s", "h2d_bytes", "d2h_bytes", "faults", "evictions")
 

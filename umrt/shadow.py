@@ -50,7 +50,7 @@ from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.phase_report import (
-    PHASE_LABELS,
+    PHASE_PLURALS,
     RunFigures,
     describe_iterations,
     live_run,
@@ -318,7 +318,7 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
         for phase, info in (rt.get("phases") or {}).items():
             if not info.get("acting", True):
-                lines.append(f"umrt stopped acting in {PHASE_LABELS.get(phase, phase)}s: {info['stopped_because']}; "
+                lines.append(f"umrt stopped acting in {PHASE_PLURALS.get(phase, phase)}: {info['stopped_because']}; "
                              "they run as plain Unified Memory (do no harm).")
         dev = rt.get("deviations", 0)
         lines.append(
@@ -362,6 +362,6 @@ def _phase_sentences(runs: list[RunFigures], policy: str) -> list[str]:
     for phase, figs in live.by_phase.items():
         others = [f"{name}'s {by[name].by_phase[phase].steady_s * 1e3:,.2f} ms" for name in ("um", "oracle")
                   if name in by and phase in by[name].by_phase]
-        out.append(f"{PHASE_LABELS.get(phase, phase).capitalize()}s (steady): {policy} {figs.steady_s * 1e3:,.2f} ms"
+        out.append(f"{PHASE_PLURALS.get(phase, phase).capitalize()} (steady): {policy} {figs.steady_s * 1e3:,.2f} ms"
                    + (f" against {' and '.join(others)}" if others else "") + ".")
     return out

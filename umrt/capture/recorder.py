@@ -30,7 +30,9 @@ hooks give layer events and iterations (:mod:`~umrt.capture.hooks`).
   first step), an evaluation is iterations of its own, one per forward of the
   model (a root module with parameters) with gradients off, in inference
   mode or with the model in eval mode (:meth:`Recorder.loop_phase`); the
-  model's next training forward opens a training iteration again. A step's
+  model's next training forward, or the first op before it that writes the
+  device in training mode (the next batch loaded), opens a training
+  iteration again. A step's
   boundary takes the phase the loop is in when it is emitted, at the first
   launch that writes the device (one that only reads it, a copy to the host
   such as ``loss.item()`` or a checkpoint's, ends the iteration it follows).
@@ -180,6 +182,7 @@ class Recorder:
         self._pending_boundary = False
         self._iteration_phase = "train"  # the running iteration's phase (IterationBoundary.phase)
         self._model_forwards = 0  # forwards of the model in the running iteration
+        self._leaving_eval = False  # an evaluation ran: training resumes at the first op that writes in train mode
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # root modules with parameters
         self._steps = 0  # optimizer steps (step boundaries) so far
         self._stop_requested = False
@@ -385,6 +388,8 @@ class Recorder:
         self._occurrence.clear()
         self._iteration_phase = phase
         self._model_forwards = 0
+        if phase == "train":
+            self._leaving_eval = False
         self._log.emit(IterationBoundary(self._phases.iteration, phase))
 
     def _emit_step_boundary(self) -> None:
@@ -407,6 +412,15 @@ class Recorder:
         if phase != self._iteration_phase or (phase == "eval" and self._model_forwards):
             self._emit_boundary(phase)
         self._model_forwards += 1
+        if phase == "eval":
+            self._leaving_eval = True
+
+    def resuming_training(self) -> bool:
+        """Whether the next op that writes the device opens a training iteration: an
+        evaluation ran and the loop is back in training (the model in train mode,
+        gradients on), as when the next batch is loaded after a validation. The
+        live bridge opens that iteration itself, before the op's allocation."""
+        return self._leaving_eval and torch.is_grad_enabled() and self.loop_phase() == "train"
 
     def _flush(self) -> None:
         """Emit a pending boundary (called before anything of the next iteration)."""
@@ -562,6 +576,8 @@ class Recorder:
             # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
             # torch.save) belongs to the iteration it follows: it opens none.
             self._flush()
+            if self._leaving_eval and self.resuming_training():
+                self._emit_boundary("train")  # the next batch after an evaluation: training's
         in_graph = torch._C._current_graph_task_id() != -1
         hooks = self._hooks
         if hooks.backward_module is not None and not in_graph:

@@ -263,6 +263,8 @@ class LiveBridge:
         self._next_boundary: int | None = None  # None until the recorder's first boundary
         self._step_ended = False
         self._recorder_step_due = False  # a step ended: the recorder's next boundary is that step's
+        self._recorder_resume_due = False  # the bridge opened training after an evaluation: the recorder's is that
+        self._phase = "train"  # the running iteration's loop phase
         self.clock: IterationClock | None = None  # CUDA events at boundaries (the live policy's iteration times)
         self._step_hook: Any = None
         self._device = device
@@ -393,7 +395,7 @@ class LiveBridge:
     def _before_malloc(self, nbytes: int) -> None:
         """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
         block is placed, so the pool's layout counts the block in it. Never raises."""
-        if self._step_ended and self.failed is None:
+        if (self._step_ended or self._phase == "eval") and self.failed is None:
             self._in_allocator(self._boundary_if_stepped)
 
     def _hint_optimizer(self, opt: Any) -> None:
@@ -469,7 +471,10 @@ class LiveBridge:
                 self._recorder_step_due = False
                 if self._step_ended:
                     self._open(ev.phase)
+            elif self._recorder_resume_due and ev.phase == "train":  # training resumed: opened already
+                self._recorder_resume_due = False
             else:  # an evaluation batch, or training again after one (the model's forward): open it now
+                self._recorder_resume_due = False
                 self._step_ended = False
                 self._open(ev.phase)
         elif t is Alloc:
@@ -500,12 +505,19 @@ class LiveBridge:
         return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
 
     def _boundary_if_stepped(self) -> None:
-        if self._step_ended and self._next_boundary is not None:
+        """Open the iteration a step (or the end of an evaluation) left pending, if any."""
+        if self._next_boundary is None:
+            return
+        if self._step_ended:
             self._open(self.recorder.loop_phase())
+        elif self._phase == "eval" and not self._recorder_resume_due and self.recorder.resuming_training():
+            self._recorder_resume_due = True  # the recorder emits its own after this op: that one is ours
+            self._open("train")
 
     def _open(self, phase: str) -> None:
         """Open the next iteration, of loop phase ``phase``."""
         self._step_ended = False
+        self._phase = phase
         index, self._next_boundary = self._next_boundary, self._next_boundary + 1
         self.driver.feed(IterationBoundary(index, phase))
         self._timed(index)

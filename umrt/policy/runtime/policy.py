@@ -189,6 +189,9 @@ class Runtime(Policy):
         self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
         self._deviations_before = 0  # deviations when this iteration started
+        self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
+        self._opens_run = True  # this iteration is the first of a run of its phase
+        self._opening: dict[str, int] = {}  # phase -> the shape its last run opened with
         # While an evaluation runs: the whole pages its dead left free (freed, not
         # reused since). Nothing discards them there (an evaluation that fits moves
         # nothing), so they are discarded when training resumes: the driver would
@@ -482,6 +485,7 @@ class Runtime(Policy):
             # decision told apart (a plan with nothing to do has none): learn it.
             c["switches"] += 1
             self._mode = "learn"
+            self._left_plan = True
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
@@ -496,6 +500,7 @@ class Runtime(Policy):
             self._record.carried = moved
             if self._learner.learn(self._record, self._phase):
                 self._payoff.new_shape(self._phase)
+        self._opens_run = False
         if phase != self._phase:
             self._switch_phase(phase)
         self._start_iteration()
@@ -520,10 +525,10 @@ class Runtime(Policy):
         elif not self._frozen and self._reference is not None:
             self._references.pop(self._reference[0], None)
         entry["phase"] = self._phase
-        if self.counters["deviations"] > self._deviations_before:
+        if self.counters["deviations"] > self._deviations_before or self._left_plan:
             entry["deviated"] = True
         if mode == "act":
-            self._guard.outcomes.append(True)
+            self._guard.outcomes(self._phase).append(True)
             sig = self._plan.signature
             self._last_of_phase[self._phase] = sig
             if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
@@ -555,6 +560,8 @@ class Runtime(Policy):
         self._payoff.iteration(self._iteration, self._phase, role, shape)
         if mode == "none":
             self.counters["held_iterations"] += 1
+        if self._opens_run and "signature" in entry:  # how a run of this phase starts
+            self._opening[self._phase] = entry["signature"]
         self._event_tokens = None
         self._token_objects = []
         self.log.append(entry)
@@ -581,32 +588,47 @@ class Runtime(Policy):
         self._events_hash = 0
         self._moved = False
         self._deviations_before = self.counters["deviations"]
+        self._left_plan = False
         phase = self._phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._record = None
         self._plan = None
-        # Misprediction guard: too many recent deviations -> do nothing, re-learn.
-        if self._guard.tripped():
+        # Misprediction guard: too many recent deviations in this phase -> do nothing
+        # there for a while, then re-learn its shapes (the other phases' plans stay).
+        if self._guard.tripped(phase):
             self.counters["guard_trips"] += 1
-            self.plans.clear()
+            for sig in self._learner.phase_plans(phase):
+                del self.plans[sig]
             self._clock.forget_plans()
         plan = None
         learner = self._learner
         if not self._payoff.allows(phase):
             self._hold()
             return
-        if self._guard.cooling():
+        probing = False
+        if self._guard.cooling(phase):
             pass
-        elif phase in learner.relearn:
-            learner.relearn.discard(phase)
-        elif learner.learned.get(phase, 0) >= self.options.learn_iterations:
-            plan = self._predict(phase)
+        else:
+            if phase in learner.relearn:
+                # A shape no plan knew ran (and left no record): this iteration is recorded
+                # whatever it runs. Acting on the predicted plan meanwhile costs nothing if
+                # the shape is a known one (a short last batch was the stranger): only a
+                # deviation makes it a learned iteration.
+                probing = True
+                if learner.seek_left.get(phase, 0) > 1:
+                    learner.seek_left[phase] -= 1
+                else:
+                    learner.seek_left.pop(phase, None)
+                    learner.relearn.discard(phase)
+            if learner.learned.get(phase, 0) >= self.options.learn_iterations:
+                plan = self._predict(phase)
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._learner.runs(plan.signature) >= self.options.probe_iterations
+        trusted = (plan is not None and not probing
+                   and self._learner.runs(plan.signature) >= self.options.probe_iterations)
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
@@ -661,6 +683,7 @@ class Runtime(Policy):
         are tracked."""
         dead, self._phase_dead = self._phase_dead, (DeadPages() if phase == "eval" else None)
         self._phase = phase
+        self._opens_run = True
         if dead:
             self._pending_discards.extend(dead.drain())
             self._flush()
@@ -679,15 +702,20 @@ class Runtime(Policy):
 
     def _predict(self, phase: str) -> Plan | None:
         """The plan of the shape expected next in ``phase``: the variant table's
-        prediction among that phase's plans, else the phase's last shape (a
-        training step resumes its plan at once after an evaluation)."""
+        prediction among that phase's plans; else, where the phase's run starts
+        here, the shape its last run started with (an evaluation's first batch);
+        else the phase's last shape (a training step resumes its plan at once
+        after an evaluation)."""
         phase_of = self._learner.phase_of
         for sig in self.variants.predict():
             plan = self.plans.get(sig)
             if plan is not None and phase_of.get(sig, "train") == phase:
                 return plan
-        last = self._last_of_phase.get(phase)
-        return self.plans.get(last) if last is not None else None
+        for sig in ((self._opening.get(phase),) if self._opens_run else ()) + (self._last_of_phase.get(phase),):
+            plan = self.plans.get(sig) if sig is not None else None
+            if plan is not None:
+                return plan
+        return None
 
     # -- acting -----------------------------------------------------------------
 
