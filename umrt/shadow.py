@@ -60,6 +60,7 @@ from umrt.phase_report import (
 )
 from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.runtime import Runtime
 from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import Budget, needs_of_events, parse_budget, resolve_budget
@@ -242,9 +243,8 @@ def _report(trace: Trace, driver: ShadowSource, prof, policy: str) -> dict:
     rep["iteration_times_s"] = live.times
     rep["iteration_phases"] = live.phases
     rep["runtime"] = dict(driver.policy.report() or {})
-    log = getattr(driver.policy, "log", None)
-    if log is not None:
-        rep["named_iterations"] = named_iterations(log)
+    if isinstance(driver.policy, Runtime):
+        rep["named_iterations"] = named_iterations(driver.policy.log)
     if driver.error is not None:
         rep["notes"].append(f"the simulated run stopped: {driver.error}")
     rep["_runs"] = runs  # for the printed tables (not part of the JSON-able report)

@@ -301,8 +301,8 @@ class LiveBridge:
                     self._follow_wants()
                 else:
                     self.driver.feed(ev)
-                    if type(ev) is IterationBoundary:
-                        self._timed(ev.index)
+                    if type(ev) is IterationBoundary and self.clock is not None:
+                        self.clock.boundary(ev.index, self.policy.iteration_time)
             except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
                 self._fail(exc)
 
@@ -466,17 +466,17 @@ class LiveBridge:
                 self._step_ended = False
                 self._recorder_step_due = False
                 self.driver.feed(ev)
-                self._timed(ev.index)
+                if self.clock is not None:
+                    self.clock.boundary(ev.index, self.policy.iteration_time)
             elif self._recorder_step_due:  # the recorder's boundary for a step: the bridge opens its own
                 self._recorder_step_due = False
                 if self._step_ended:
-                    self._open(ev.phase)
+                    self._boundary_if_stepped(ev.phase)
             elif self._recorder_resume_due and ev.phase == "train":  # training resumed: opened already
                 self._recorder_resume_due = False
             else:  # an evaluation batch, or training again after one (the model's forward): open it now
                 self._recorder_resume_due = False
-                self._step_ended = False
-                self._open(ev.phase)
+                self._boundary_if_stepped(ev.phase)
         elif t is Alloc:
             # The allocator announced the object; the recorder knows better what it holds.
             if ev.kind is not Kind.OTHER:
@@ -504,36 +504,27 @@ class LiveBridge:
                 accesses.append(Access(obj, a.offset, a.length, a.write))
         return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
 
-    def _boundary_if_stepped(self) -> None:
-        """Open the iteration a step (or the end of an evaluation) left pending, if any."""
+    def _boundary_if_stepped(self, phase: str | None = None) -> None:
+        """Open the next iteration: of ``phase`` where given (the recorder's boundary
+        for a step, or of a phase); else the one a step (or the end of an evaluation)
+        left pending, if any. The iteration clock marks it on the GPU and hands the
+        policy the times of iterations the GPU has passed (never waits)."""
         if self._next_boundary is None:
             return
-        if self._step_ended:
-            self._open(self.recorder.loop_phase())
-        elif self._phase == "eval" and not self._recorder_resume_due and self.recorder.resuming_training():
-            self._recorder_resume_due = True  # the recorder emits its own after this op: that one is ours
-            self._open("train")
-
-    def _open(self, phase: str) -> None:
-        """Open the next iteration, of loop phase ``phase``."""
+        if phase is None:
+            if self._step_ended:
+                phase = self.recorder.loop.now()
+            elif self._phase == "eval" and not self._recorder_resume_due and self.recorder.loop.resuming_training():
+                self._recorder_resume_due = True  # the recorder emits its own after this op: that one is ours
+                phase = "train"
+            else:
+                return
         self._step_ended = False
         self._phase = phase
         index, self._next_boundary = self._next_boundary, self._next_boundary + 1
         self.driver.feed(IterationBoundary(index, phase))
-        self._timed(index)
-
-    def _timed(self, index: int) -> None:
-        """Iteration ``index`` opens: mark it on the GPU's clock, and hand the policy
-        the times of iterations whose marks the GPU has passed (never waits)."""
         if self.clock is not None:
-            for done, seconds in self.clock.boundary(index):
-                self.policy.iteration_time(done, seconds)
-
-    def phase_report(self) -> dict:
-        """Per loop phase, whether the policy acts there and why not (its report's
-        ``phases``; :func:`umrt.memory_stats`)."""
-        with self._lock:
-            return dict((self.policy.report() or {}).get("phases") or {})
+            self.clock.boundary(index, self.policy.iteration_time)
 
     def _follow_wants(self, *, in_op: bool = False) -> None:
         """Suspend or resume the recorder's ops so that they follow the policy's
@@ -566,7 +557,12 @@ class LiveBridge:
             self.clock = IterationClock.for_cuda()
         self.recorder.__enter__()
         stats.runtime_started()
-        stats.watch_phases(self.phase_report)
+
+        def phases() -> dict:  # memory_stats()'s "phases": whether the policy acts in each, and why not
+            with self._lock:
+                return dict((self.policy.report() or {}).get("phases") or {})
+
+        stats.watch_phases(phases)
         if self.strict:  # after the recorder's: its step bookkeeping is done when this raises
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -627,19 +623,17 @@ class IterationClock:
             log.info("umrt: no CUDA events to time iterations with (%s)", exc)
             return None
 
-    def boundary(self, index: int) -> list[tuple[int, float]]:
-        """Iteration ``index`` opens now: ``(iteration, seconds)`` of each iteration the
-        GPU has finished since the last call."""
+    def boundary(self, index: int, timed: Callable[[int, float], None]) -> None:
+        """Iteration ``index`` opens now: ``timed(iteration, seconds)`` for each
+        iteration the GPU has finished since the last call, oldest first."""
         event = self._make_event()
         event.record()
         self._marks.append((index, event))
-        done = []
         while len(self._marks) >= 2 and self._marks[1][1].query():
             (i, start), (_, end) = self._marks[0], self._marks[1]
-            done.append((i, start.elapsed_time(end) / 1e3))
             self._marks.pop(0)
+            timed(i, start.elapsed_time(end) / 1e3)
         del self._marks[: max(0, len(self._marks) - self._keep)]  # a GPU far behind: the oldest go untimed
-        return done
 
 
 def _live_policy(cfg: Config, *, discard_on_free: bool) -> Policy:

@@ -94,7 +94,7 @@ class Guard:
         n = rt._n_launches - 1
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
-            if plan is rt._plan or not rt.in_phase(sig):
+            if plan is rt._plan or not rt.phases.in_phase(sig):
                 continue
             idx = plan.index_at(n)
             if idx is None:
@@ -114,7 +114,7 @@ class Guard:
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
             plan = plan.launch_free_variant or plan
-            if plan is rt._plan or not rt.in_phase(sig) or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
+            if plan is rt._plan or not rt.phases.in_phase(sig) or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
                 continue
             idx = plan.index_at_launch_free(event)
             self.adopt(plan, idx if idx is not None else plan.index_after_launch_free(event))
