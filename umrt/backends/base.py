@@ -137,6 +137,10 @@ class FollowsStream(Protocol):
     def set_compute_stream(self, stream: int) -> None:
         """The stream the program's kernels now run on."""
 
+    def order_after(self, waiter: int, source: int) -> None:
+        """Order the work queued on ``waiter`` from now on after the work queued on
+        ``source`` so far (an event recorded on ``source``, waited for on ``waiter``)."""
+
 
 class ForwardingBackend(Backend):
     """A backend that passes every call to ``backend``: subclass it to watch some

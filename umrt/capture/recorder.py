@@ -82,6 +82,18 @@ class StopRecording(BaseException):
     """
 
 
+def script_recorder(command: Sequence[str], *, steps: int | None = None, device: str | None = None,
+                    listeners: Sequence[Listener] = ()) -> Recorder:
+    """The recorder of a user's training script, the same for ``umrt trace -- python script.py``
+    and shadow mode (so one script gives one trace, and one footprint, either way): nothing
+    steered (the script computes exactly what it computes without umrt), each optimizer step
+    ending an iteration from the first one on (iteration 0 builds the model and the optimizer's
+    lazy state), on the device the script uses unless ``device`` says; ``steps`` stops the
+    script (:class:`StopRecording`) once that many iterations are recorded."""
+    return Recorder(listeners=listeners, device=device, mark_start=True, stop_after=steps, steer=False,
+                    model_name=" ".join(command)[:200], meta={"argv": list(command), "steps": steps})
+
+
 class EventLog:
     """Hands each event to the listeners, and keeps it unless told not to."""
 

@@ -41,7 +41,7 @@ from umrt.trace.events import (
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.api import Session
 
-__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for"]
+__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for", "set_budget"]
 
 log = logging.getLogger("umrt")
 
@@ -459,6 +459,8 @@ class LiveBridge:
             self.driver.feed(launch)
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
+            if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
+                self.steady.mark()
             self.driver.feed(ev)
         elif t is IterationBoundary:
             if self._next_boundary is None:  # the recorder's first: iterations start here
@@ -634,6 +636,21 @@ class IterationClock:
             self._marks.pop(0)
             timed(i, start.elapsed_time(end) / 1e3)
         del self._marks[: max(0, len(self._marks) - self._keep)]  # a GPU far behind: the oldest go untimed
+
+
+def set_budget(bridge: LiveBridge, budget_bytes: int) -> None:
+    """``bridge``'s policy plans for ``budget_bytes`` from now on (the job's share of its GPU
+    moved; called at an optimizer step's end). A native steady state hands back to Python
+    first (its schedule's calls were planned for the old budget); the policy re-learns."""
+    if bridge.native and bridge.steady is not None:
+        bridge.steady.catch_up()  # takes the server's lock, then the bridge's: never under the bridge's
+    with bridge._lock:
+        if bridge.failed is None:
+            try:
+                bridge.policy.set_budget(budget_bytes)
+                bridge._follow_wants()
+            except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
+                bridge._fail(exc)
 
 
 def _live_policy(cfg: Config, *, discard_on_free: bool) -> Policy:

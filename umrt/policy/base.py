@@ -69,6 +69,12 @@ class Policy(ABC):
     def on_event(self, event: Event) -> None:
         """Observe one event and issue backend calls if needed."""
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """Plan for ``budget_bytes`` of GPU memory from now on (a live job's share of its
+        GPU moved; shadow mode sizes the GPU once the footprint is known). By default
+        the new figure is only recorded: a policy that plans with it replans."""
+        self.ctx.budget_bytes = int(budget_bytes)
+
     def make_layout(self, backend: Backend) -> Layout:
         """The address layout this policy runs with: by default a model of
         PyTorch's caching allocator (umrt's own runtime uses its pool)."""
