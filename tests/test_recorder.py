@@ -698,3 +698,34 @@ def test_stop_after_counts_training_steps_not_evaluation_batches():
     with pytest.raises(StopRecording):
         _phased_loop(rec, model, opt, eval_batches=4)
     assert rec.trace().iteration_phases().count("train") == 3
+
+
+def test_training_resumes_at_the_first_op_that_writes_in_train_mode_after_an_evaluation():
+    """A Lightning-style loop loads the next batch after its validation, before the
+    forward: that batch belongs to the training step, as every other step's does."""
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    rows = [torch.randn(16) for _ in range(8)]
+
+    def step():
+        x = torch.stack(rows)  # the batch, collated on the device
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with rec:
+        step()
+        step()
+        model.eval()
+        with torch.no_grad():
+            model(torch.stack(rows)).sum().item()
+        model.train()
+        step()
+        step()
+    tr = rec.trace()
+    assert tr.iteration_phases() == ["train", "train", "eval", "train", "train"]
+    starts = []
+    for a, b in tr.iteration_spans():
+        first = next(e for e in tr.events[a:b] if isinstance(e, Launch))
+        starts.append(first.op)
+    assert starts[1:] == ["aten::stack.default"] * 4, starts  # every step, after the evaluation too

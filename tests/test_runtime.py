@@ -456,11 +456,14 @@ def test_the_guard_trips_after_enough_failures_then_cools_down():
 
     guard = Guard(Runtime(), window=4, failures=3, cooldown=2)
     for ok in (False, True, False, True, True):
-        guard.outcomes.append(ok)
+        guard.outcomes().append(ok)
     assert not guard.tripped()  # the first failure left the window
-    guard.outcomes.extend([False, False, False])
-    assert guard.tripped() and not guard.outcomes
+    guard.outcomes().extend([False, False, False])
+    guard.outcomes("eval").extend([False, False])
+    assert guard.tripped() and not guard.outcomes()
+    assert not guard.tripped("eval")  # phase by phase: an evaluation's failures are its own
     assert [guard.cooling() for _ in range(3)] == [True, True, False]
+    assert not guard.cooling("eval")
 
 
 def test_the_runtime_feeds_no_layout_the_driver_does():

@@ -17,9 +17,15 @@ bit those of a plain run. When the script ends:
   emitted it (object kinds as they were known then, not as the finished trace
   refines them: what the runtime sees on a real GPU), exactly as it would drive
   the ``cuda`` backend: the ``live`` row;
-* the recorded trace is replayed under ``ideal`` (unlimited memory), ``um``
-  (plain Unified Memory) and ``oracle`` (handed the whole recorded run: the
-  reference for how close the runtime gets) at the same GPU memory;
+* the recorded trace is replayed, first iteration to last, under ``ideal``
+  (unlimited memory), ``um`` (plain Unified Memory) and ``oracle`` (handed the
+  whole recorded run: the reference for how close the runtime gets) at the
+  same GPU memory, so that every policy is measured over the same iterations
+  (:mod:`umrt.phase_report`): the first table gives each one's whole-run time,
+  traffic and faults (and its steady training step), the second the steady
+  time per phase of the loop (training steps, evaluation batches), and plain
+  sentences name the iterations the runtime learned, recovered in or deviated
+  in;
 * the memory-savings table (:func:`memory_savings`): step time over ideal of
   ``um`` and the policy at 100, 75, 50, 33 and 25% of the footprint, from the
   same recording, beside the run's own budget (and a plot with ``plot=``).
@@ -46,12 +52,21 @@ from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.memory.base import KindHints
 from umrt.paths import check_writable
+from umrt.phase_report import (
+    PHASE_PLURALS,
+    RunFigures,
+    describe_iterations,
+    live_run,
+    named_iterations,
+    phase_table,
+    replay_run,
+)
 from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.runtime import Runtime
 from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION, Budget, resolve_budget
-from umrt.sim.replay import simulate
 from umrt.sim.warmup import warm_up
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind, Trace
 
@@ -104,7 +119,8 @@ def drive_live(events: Iterable[Event], policy: str | Policy, profile: HardwareP
     backend = SimBackend(profile, math.inf if pol.unlimited_memory else budget_bytes)
     layout = pol.make_layout(backend)
     pol.attach(PolicyContext(backend, layout, budget_bytes, profile))
-    driver = Driver(pol, layout, backend, profile=profile)
+    # Closed loop, as a live run: a launch reaches the policy only while it wants launches.
+    driver = Driver(pol, layout, backend, profile=profile, launches_on_demand=True)
     run = LiveRun(driver, budget_bytes)
     hints = layout if isinstance(layout, KindHints) else None
     pending: dict[int, Kind] = {}  # live objects the optimizer step will name
@@ -198,6 +214,7 @@ def run_shadow(
     budget = resolve_budget(amount.text or str(amount), trace)
     rep = _report(trace, live_events, budget, prof, policy, made, plot)
     _print(rep, out)
+    rep.pop("_runs", None)  # the printed tables' figures; the report's "runs" hold them as JSON
     if on_report is not None:
         on_report(rep, int(status))
     if rep.get("error") is not None:
@@ -210,63 +227,79 @@ def run_shadow(
 
 def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: HardwareProfile, policy: str,
             steps: int, plot: str | None) -> dict:
-    rep: dict = {"profile": prof.name, "policy": policy, "steps": steps, "iterations": steps,
+    rep: dict = {"profile": prof.name, "policy": policy, "steps": steps, "iterations": len(trace.iteration_spans()),
                  "budget_bytes": budget.bytes,
                  "budget_description": budget.describe(), "budget_share": budget.share(),
                  "footprint_bytes": budget.needs.footprint_bytes,
-                 "peak_live_bytes": budget.needs.peak_live_bytes, "rows": [], "runtime": {}, "notes": []}
+                 "peak_live_bytes": budget.needs.peak_live_bytes, "rows": [], "runs": [], "runtime": {}, "notes": []}
     kinds = refined_kinds(trace)
     live = drive_live(live_events, policy, prof, budget.bytes, kinds)
-    n = len(live.iteration_times())
-    iterations = max(MIN_STEPS, min(n, 3))
-    comparisons = {}
+    # Every policy over the same iterations: the recorded run, first to last; the steady
+    # figures of each phase leave out the live policy's warm-up (and the run's first).
+    skip = max(1, live.driver.policy.warmup_iterations)
+    runs: list[RunFigures] = []
     for name in ("ideal", "um", "oracle"):
         try:
-            comparisons[name] = simulate(trace, name, prof, budget.bytes, iterations=iterations)
+            runs.append(replay_run(trace, name, prof, budget.bytes, skip))
         except UmrtError as exc:
             rep["notes"].append(f"{name} replay failed: {exc}")
-    steady = live.steady()
-    ideal_t = comparisons["ideal"].iteration_time_s if "ideal" in comparisons else steady.get("ideal_time_s", 0.0)
+    mine = live_run(policy, live.driver, skip)
+    if mine.times:
+        runs.append(mine)
+    rep["runs"] = [r.to_json() for r in runs]
+    rep["skip"] = skip
+    ideal = next((r for r in runs if r.policy == "ideal"), None)
+    ideal_t = _step_s(ideal) if ideal is not None else 0.0
+    ideal_total = ideal.totals["time_s"] if ideal is not None else 0.0
     rep["ideal_time_s"] = ideal_t
-    for name, res in comparisons.items():
-        rep["rows"].append({"policy": name, "how": "replay", "iteration_time_s": res.iteration_time_s,
-                            "h2d_bytes": res.h2d_bytes, "d2h_bytes": res.d2h_bytes, "faults": res.faults,
-                            "evictions": res.evictions})
     rt = live.report()
     acted = int(rt.get("acted", 0)) if "acted" in rt else None
-    if steady:
-        rep["rows"].append({"policy": policy, "how": "live", "learning": acted == 0,
-                            "iteration_time_s": steady["time_s"], "h2d_bytes": steady["h2d_bytes"],
-                            "d2h_bytes": steady["d2h_bytes"], "faults": steady["faults"],
-                            "evictions": steady["evictions"]})
-    for row in rep["rows"]:
-        row["vs_ideal"] = row["iteration_time_s"] / ideal_t if ideal_t > 0 else float("nan")
+    for r in runs:
+        step = _step_s(r)
+        rep["rows"].append({"policy": r.policy, "how": r.how, "learning": r.how == "live" and acted == 0,
+                            "iterations": len(r.times), **r.totals, "iteration_time_s": step,
+                            "vs_ideal": step / ideal_t if ideal_t > 0 else float("nan"),
+                            "run_vs_ideal": r.totals["time_s"] / ideal_total if ideal_total > 0 else float("nan")})
     um = next((r for r in rep["rows"] if r["policy"] == "um"), None)
     row = next((r for r in rep["rows"] if r["how"] == "live"), None)
-    if um and row and row["iteration_time_s"] > 0 and acted != 0:
-        rep["speedup_vs_um"] = um["iteration_time_s"] / row["iteration_time_s"]
+    if um and row and row["time_s"] > 0 and acted != 0:
+        rep["speedup_vs_um"] = um["time_s"] / row["time_s"]  # the whole run's: like with like
+    if mine.times and len(mine.times) != rep["iterations"]:
+        rep["notes"].append(f"the live run simulated {len(mine.times)} of the {rep['iterations']} recorded "
+                            "iterations; the replays ran all of them")
     rep["acted"] = acted
-    rep["iteration_times_s"] = live.iteration_times()
+    rep["iteration_times_s"] = mine.times
+    rep["iteration_phases"] = mine.phases
     rep["runtime"] = rt
+    if isinstance(live.driver.policy, Runtime):
+        rep["named_iterations"] = named_iterations(live.driver.policy.log)
     if live.error is not None:
         rep["notes"].append(f"the simulated run stopped: {live.error}")
         rep["error"] = str(live.error)
-    rep["savings"] = memory_savings(trace, live_events, prof, policy, budget, ideal_t, iterations,
+    rep["savings"] = memory_savings(trace, live_events, prof, policy, budget, ideal_t, skip,
                                     own={"um": um, policy: row}, kinds=kinds)
     if plot is not None:
         plot_savings(rep["savings"], plot, title=f"{prof.name}, {policy} vs um (SIMULATED)")
         rep["notes"].append(f"memory-savings plot written to {plot}")
+    rep["_runs"] = runs  # for the printed tables (not part of the JSON-able report)
     return rep
 
 
+def _step_s(run: RunFigures) -> float:
+    """A run's steady training step (its first phase's where it has no training step)."""
+    figs = run.by_phase.get("train") or next(iter(run.by_phase.values()), None)
+    return figs.steady_s if figs is not None else 0.0
+
+
 def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile, policy: str, budget: Budget,
-                   ideal_s: float, iterations: int, own: dict[str, dict | None] | None = None,
+                   ideal_s: float, skip: int, own: dict[str, dict | None] | None = None,
                    fractions: tuple[float, ...] = SAVINGS_FRACTIONS,
                    kinds: dict[int, Kind] | None = None) -> list[dict]:
     """How much memory a run can save, at what cost: for each share of the footprint in
-    ``fractions`` (and the run's own budget), the steady step time over ideal of plain
-    Unified Memory (``um``, the trace replayed) and of ``policy`` (fed the run's events as
-    emitted, as the report's live row), all simulated from the same recording.
+    ``fractions`` (and the run's own budget), the steady training step time over ideal of
+    plain Unified Memory (``um``, the trace replayed) and of ``policy`` (fed the run's events
+    as emitted, as the report's live row), all simulated from the same recording: the mean
+    of the run's training steps after its first ``skip`` iterations (:mod:`umrt.phase_report`).
 
     ``own`` holds the report's rows at the run's own budget (``{"um": row, policy: row}``),
     reused rather than simulated again. Rows are ordered from the most memory to the least;
@@ -286,7 +319,7 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
             continue  # the run's own budget is that row already
         row = {"fraction": f, "budget_bytes": nbytes, "own": False}
         for name in policies:
-            row[f"{name}_s"] = _step_time(trace, live_events, prof, name, nbytes, iterations, kinds)
+            row[f"{name}_s"] = _step_time(trace, live_events, prof, name, nbytes, skip, kinds)
         rows.append(row)
     for row in rows:
         for name in policies:
@@ -296,14 +329,17 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
 
 
 def _step_time(trace: Trace, live_events: list[Event], prof: HardwareProfile, policy: str, nbytes: int,
-               iterations: int, kinds: dict[int, Kind] | None) -> float | None:
-    """The steady step time of ``policy`` at ``nbytes``: ``um`` replayed from the trace, any other
-    policy fed the live events (as the report's live row); None when the run fails."""
+               skip: int, kinds: dict[int, Kind] | None) -> float | None:
+    """The steady training step time of ``policy`` at ``nbytes`` (as the report's rows): ``um``
+    replayed from the trace, any other policy fed the live events (as the report's live row);
+    None when the run fails."""
     try:
         if policy == "um":
-            return simulate(trace, "um", prof, nbytes, iterations=iterations).iteration_time_s
+            return _step_s(replay_run(trace, "um", prof, nbytes, skip))
         run = drive_live(live_events, policy, prof, nbytes, kinds)
-        return None if run.error is not None or not run.steady() else float(run.steady()["time_s"])
+        if run.error is not None or len(run.driver.marks) < 2:
+            return None
+        return _step_s(live_run(policy, run.driver, skip))
     except UmrtError:
         return None
 
@@ -336,17 +372,22 @@ def plot_savings(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-#: What each row and column of the report means, printed under the table.
+#: What each row and column of the report means, printed under the tables.
 LEGEND = (
-    "Each row: one steady-state training iteration, simulated.",
+    "Each row of the first table: the whole run, simulated, under one policy; every policy runs the same "
+    "recorded iterations, first to last. step: its steady training step (the mean of its training steps "
+    "after the first {skip} iterations of the run), and over ideal's.",
     "  ideal: a GPU with unlimited memory (nothing is evicted: the floor).",
     "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
     "  oracle: the fastest of several plans made knowing the whole recorded run in advance "
     "(the reference: nothing live can beat it).",
     "  run: replay = simulated from the recorded run; live = fed each event as the script emitted it, "
     "as the runtime sees a program on a GPU.",
-    "  H2D / D2H: bytes moved host to GPU / GPU to host per iteration; faults: GPU page faults "
-    "(64 KiB pages) per iteration; evictions: 2 MiB blocks the driver pushed out to make room, per iteration.",
+    "  H2D / D2H: bytes moved host to GPU / GPU to host over the run; faults: GPU page faults "
+    "(64 KiB pages) over the run; evictions: 2 MiB blocks the driver pushed out to make room, over the run.",
+    "The second table: per phase of the loop (a training step; one batch of an evaluation), its steady time "
+    "per iteration under each policy: the mean over that phase's iterations after the first {skip} of the "
+    "run (umrt's learning; the same iterations for every policy); and the whole run's total.",
 )
 
 
@@ -358,13 +399,16 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
 
     title = f"umrt shadow run — what a {rep['profile']} GPU would have done (SIMULATED)"
     table = Table(title=title)
-    for col in ("policy", "run", "iteration", "vs ideal", "H2D", "D2H", "faults", "evictions"):
+    for col in ("policy", "run", "whole run", "vs ideal", "step", "step / ideal", "H2D", "D2H", "faults",
+                "evictions"):
         table.add_column(col, justify="left" if col in ("policy", "run") else "right")
     for r in rep["rows"]:
         how = r["how"] + (", learning" if r.get("learning") else "")
-        table.add_row(r["policy"], how, f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x",
-                      format_bytes(r["h2d_bytes"]), format_bytes(r["d2h_bytes"]), f"{r['faults']:,}",
-                      f"{r['evictions']:,}")
+        table.add_row(r["policy"], how, f"{r['time_s'] * 1e3:,.2f} ms", f"{r['run_vs_ideal']:.2f}x",
+                      f"{r['iteration_time_s'] * 1e3:.2f} ms", f"{r['vs_ideal']:.2f}x", format_bytes(r["h2d_bytes"]),
+                      format_bytes(r["d2h_bytes"]), f"{r['faults']:,}", f"{r['evictions']:,}")
+    runs = rep.get("_runs") or []
+    phases = phase_table(runs, "Steady time per iteration, by phase of the loop (SIMULATED)") if runs else None
     head = [
         f"Measured on this machine: the script ran {rep['steps']} training step(s) on the CPU, unchanged (its "
         "losses are a plain run's). The step times it printed include umrt recording every op: they are not "
@@ -375,18 +419,20 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
         f"  {FOOTPRINT_DEFINITION}.",
         f"  {PEAK_LIVE_DEFINITION}.",
     ]
-    lines = list(LEGEND)
+    lines = [line.format(skip=rep.get("skip", 1)) for line in LEGEND]
     live = next((r for r in rep["rows"] if r["how"] == "live"), None)
     rt = rep.get("runtime") or {}
     if "speedup_vs_um" in rep and live is not None:
         x = rep["speedup_vs_um"]
         than = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-        lines.append(f"In plain words: {rep['policy']} is {live['vs_ideal']:.1f}x slower than a GPU with enough "
-                     f"memory, and {than} than plain Unified Memory (simulated).")
+        lines.append(f"In plain words: {rep['policy']} is {live['run_vs_ideal']:.1f}x slower than a GPU with enough "
+                     f"memory, and {than} than plain Unified Memory over the whole run ({live['iterations']} "
+                     "iterations, simulated).")
     elif rep.get("acted") == 0:
         lines.append(f"In plain words: {rep['policy']} did not act in this run: it learns from the first "
                      f"{rt.get('learned', 2)} step(s) and acts from the next; run more training steps to see it "
                      "act (its row is a learning step, no comparison is drawn).")
+    lines.extend(_phase_sentences(runs, rep["policy"]))
     if "prefetched_bytes" in rt:
         lines.append(
             f"What umrt did: it learned the iteration from {rt.get('learned', 0)} iteration(s), then acted on "
@@ -396,20 +442,30 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             f"at {rt.get('decisions', 0)} decision points (the places in an iteration where it acts: module "
             f"boundaries, at least a few ms of compute apart), and discarded {format_bytes(rt['discarded_bytes'])} "
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
+        for phase, info in (rt.get("phases") or {}).items():
+            if not info.get("acting", True):
+                lines.append(f"umrt stopped acting in {PHASE_PLURALS.get(phase, phase)}: {info['stopped_because']}; "
+                             "they run as plain Unified Memory (do no harm).")
         dev = rt.get("deviations", 0)
         lines.append(
             f"Deviations: {dev} — iterations that left their learned plan (the script's last, partial one, its "
             "teardown, usually does); umrt stops acting for the rest of such an iteration and learns again. "
             "Not an error." if dev else "Deviations: 0 — every acted iteration matched its learned plan.")
+    if rep.get("named_iterations"):
+        lines.append(describe_iterations(rep["named_iterations"]))
     if rep.get("iteration_times_s"):
+        marks = {"train": "", "eval": " (eval)"}
         lines.append("Simulated iteration times, first to last (learning first, then acting): "
-                     + ", ".join(f"{t * 1e3:.1f} ms" for t in rep["iteration_times_s"]))
+                     + ", ".join(f"{t * 1e3:.1f} ms{marks.get(p, f' ({p})')}"
+                                 for t, p in zip(rep["iteration_times_s"], rep["iteration_phases"], strict=True)))
     lines.extend(rep["notes"])
     savings, savings_lines = _savings_table(rep)
     console = text_console(out)
     for line in head:
         console.print(line)
     console.print(table)
+    if phases is not None:
+        console.print(phases)
     for line in lines:
         console.print(line)
     if savings is not None:
@@ -436,7 +492,22 @@ def _savings_table(rep: dict):
         pct = f"{r['fraction'] * 100:.0f}%" + (" (this run)" if r["own"] else "")
         table.add_row(format_bytes(r["budget_bytes"]), pct,
                       *[f"{r[f'{n}_x']:.2f}x" if r[f"{n}_x"] is not None else "failed" for n in names])
-    lines = [f"Each cell: the steady step time at that GPU memory over ideal ({rep['ideal_time_s'] * 1e3:.2f} ms, "
+    lines = [f"Each cell: the steady training step time at that GPU memory over ideal ({rep['ideal_time_s'] * 1e3:.2f} ms, "
              "unlimited memory), simulated from this run's recording: um replayed, "
              f"{rep['policy']} fed the run's events as the live row."]
     return table, lines
+
+
+def _phase_sentences(runs: list[RunFigures], policy: str) -> list[str]:
+    """Per phase, in plain words: the live policy's steady time against plain UM's and the oracle's."""
+    by = {r.policy: r for r in runs}
+    live = next((r for r in runs if r.how == "live"), None)
+    if live is None:
+        return []
+    out = []
+    for phase, figs in live.by_phase.items():
+        others = [f"{name}'s {by[name].by_phase[phase].steady_s * 1e3:,.2f} ms" for name in ("um", "oracle")
+                  if name in by and phase in by[name].by_phase]
+        out.append(f"{PHASE_PLURALS.get(phase, phase).capitalize()} (steady): {policy} {figs.steady_s * 1e3:,.2f} ms"
+                   + (f" against {' and '.join(others)}" if others else "") + ".")
+    return out

@@ -165,7 +165,8 @@ class RecorderHooks:
         if self.current_module() is None and next(module.parameters(), None) is not None:
             with rec._lock:  # the model's forward: it may open an iteration of another phase
                 rec._flush()
-                rec._model_forward(module)
+                if not rec._closed:
+                    rec.loop.model_forward(module, rec._emit_boundary)
         if rec.model is None and self.current_module() is None:
             if rec._following:
                 with rec._lock:

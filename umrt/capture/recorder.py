@@ -29,8 +29,11 @@ hooks give layer events and iterations (:mod:`~umrt.capture.hooks`).
 * Phases (``IterationBoundary.phase``): once training is under way (after the
   first step), an evaluation is iterations of its own, one per forward of the
   model (a root module with parameters) with gradients off, in inference
-  mode or with the model in eval mode (:meth:`Recorder.loop_phase`); the
-  model's next training forward opens a training iteration again. A step's
+  mode or with the model in eval mode (:class:`~umrt.capture.phases.LoopPhase`,
+  :attr:`Recorder.loop`); the
+  model's next training forward, or the first op before it that writes the
+  device in training mode (the next batch loaded), opens a training
+  iteration again. A step's
   boundary takes the phase the loop is in when it is emitted, at the first
   launch that writes the device (one that only reads it, a copy to the host
   such as ``loss.item()`` or a checkpoint's, ends the iteration it follows).
@@ -42,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -55,7 +57,7 @@ from umrt.capture.hooks import RecorderHooks, guarded
 from umrt.capture.identity import StorageObjects, TracedObject
 from umrt.capture.modestack import ModeSwitch, OpsMode
 from umrt.capture.ops import OpInfo, OpTable, extent, launch_flops, precision_of, tensors_in, tf32_switches
-from umrt.capture.phases import BACKWARD, FORWARD, STEP, Phases, lifetime_kind
+from umrt.capture.phases import BACKWARD, FORWARD, STEP, LoopPhase, Phases, lifetime_kind
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -190,10 +192,7 @@ class Recorder:
         self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
         self._seq = 0
         self._pending_boundary = False
-        self._iteration_phase = "train"  # the running iteration's phase (IterationBoundary.phase)
-        self._model_forwards = 0  # forwards of the model in the running iteration
-        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # root modules with parameters
-        self._steps = 0  # optimizer steps (step boundaries) so far
+        self.loop = LoopPhase(model)  # the phase of the training loop (IterationBoundary.phase)
         self._stop_requested = False
         self._closed = False
         self._recording = False
@@ -227,7 +226,7 @@ class Recorder:
         self._hooks.remove()
         with self._lock:
             if self._pending_boundary and not self._closed:
-                self._emit_step_boundary()  # the last step's iteration is complete
+                self._emit_boundary()  # the last step's iteration is complete
             self._close()
 
     def step(self) -> None:
@@ -239,18 +238,6 @@ class Recorder:
                 self._emit_boundary("train")  # the first mark only ends set-up
             elif self._seq > 0:
                 self._pending_boundary = True
-
-    def loop_phase(self) -> str:
-        """The phase the training loop is in now: ``"eval"`` in inference mode or
-        with every model seen (a root module with parameters) in eval mode,
-        ``"train"`` otherwise (a forward with gradients off is an evaluation's
-        too, see :meth:`_model_forward`)."""
-        if torch.is_inference_mode_enabled():
-            return "eval"
-        models = list(self._models)
-        if self.model is not None:
-            models.append(self.model)
-        return "eval" if models and not any(m.training for m in models) else "train"
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -324,7 +311,7 @@ class Recorder:
             raise RuntimeError("this Recorder keeps no events (keep_events=False): it has no trace")
         with self._lock:
             if self._pending_boundary and not self._closed:
-                self._emit_step_boundary()
+                self._emit_boundary()
             events = self._objects.refined(self._log.events, self._phases.iteration)
         header = TraceHeader(
             format_version=FORMAT_VERSION,
@@ -390,40 +377,27 @@ class Recorder:
         self._on_error(exc)
 
     # ------------------------------------------------------------------ iterations
-    def _emit_boundary(self, phase: str) -> None:
+    def _emit_boundary(self, phase: str | None = None) -> None:
+        """Open an iteration of ``phase``; None: the one a step left pending, of the
+        loop's phase now (``stop_after`` counts these)."""
+        step = phase is None
         self._pending_boundary = False
         self._hooks.end_backward()
         self._phases.iteration += 1
         self._occurrence.clear()
-        self._iteration_phase = phase
-        self._model_forwards = 0
+        phase = self.loop.now() if step else phase
+        self.loop.opened(phase)
         self._log.emit(IterationBoundary(self._phases.iteration, phase))
-
-    def _emit_step_boundary(self) -> None:
-        """The boundary a step left pending: it opens an iteration of the loop's phase."""
-        self._emit_boundary(self.loop_phase())
-        self._steps += 1
-        if self.stop_after is not None and self._steps >= self.stop_after:
-            self._close()
-            self._stop_requested = True
-
-    def _model_forward(self, module: torch.nn.Module) -> None:
-        """A root module with parameters starts a forward (lock held): once training is
-        under way (a step has run), a forward in another phase than the running
-        iteration's opens an iteration of its phase, and so does each forward of an
-        evaluation after the first (one iteration per batch)."""
-        self._models.add(module)
-        if self._steps == 0 or self._closed:
-            return  # before the first step: set-up and the first iteration, whatever they run
-        phase = "eval" if not torch.is_grad_enabled() else self.loop_phase()
-        if phase != self._iteration_phase or (phase == "eval" and self._model_forwards):
-            self._emit_boundary(phase)
-        self._model_forwards += 1
+        if step:
+            self.loop.steps += 1
+            if self.stop_after is not None and self.loop.steps >= self.stop_after:
+                self._close()
+                self._stop_requested = True
 
     def _flush(self) -> None:
         """Emit a pending boundary (called before anything of the next iteration)."""
         if self._pending_boundary:
-            self._emit_step_boundary()
+            self._emit_boundary()
             if self._stop_requested:
                 self._stop_requested = False
                 raise StopRecording(f"recorded {self.stop_after} iterations")
@@ -574,6 +548,8 @@ class Recorder:
             # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
             # torch.save) belongs to the iteration it follows: it opens none.
             self._flush()
+            if self.loop.resuming_training():
+                self._emit_boundary("train")  # the next batch after an evaluation: training's
         in_graph = torch._C._current_graph_task_id() != -1
         hooks = self._hooks
         if hooks.backward_module is not None and not in_graph:

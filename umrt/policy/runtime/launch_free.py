@@ -131,7 +131,7 @@ class LaunchFreeClock:
         rt = self.rt
         end = (rt._n_events, rt._events_hash)
         if end != rt._plan.launch_free_end:
-            other = next((p for p in (q.launch_free_variant or q for sig, q in rt.plans.items() if rt.in_phase(sig))
+            other = next((p for p in (q.launch_free_variant or q for sig, q in rt.plans.items() if rt.phases.in_phase(sig))
                           if p is not rt._plan and p.launch_free_end == end), None)
             if other is None:
                 rt._guard.launch_free_mismatch()

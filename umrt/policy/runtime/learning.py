@@ -82,17 +82,14 @@ class Learner:
     def learn(self, rec: IterationRecord, phase: str) -> bool:
         """A learned iteration of ``phase``: its plan (:meth:`compile`); whether its shape
         was new. After a shape no plan knew ran without launches, the iterations of its
-        phase after it are learned until one is new, at most ``seek_left[phase]`` of them."""
+        phase after it are recorded until one is new (at most ``seek_left[phase]`` of
+        them, see ``Runtime._start_iteration``): a new one ends the search."""
         self.learned[phase] = self.learned.get(phase, 0) + 1
         self.phase_of[rec.signature] = phase
         new = self.compile(rec)
-        left = self.seek_left.get(phase, 0)
-        if left:
-            left = self.seek_left[phase] = 0 if new else left - 1
-            if left:
-                self.relearn.add(phase)
-            else:
-                self.relearn.discard(phase)
+        if new:  # the stranger was found: stop seeking it
+            self.seek_left.pop(phase, None)
+            self.relearn.discard(phase)
         return new
 
     def seek(self, phase: str) -> None:
@@ -115,7 +112,10 @@ class Learner:
         return self.plan_runs.get(signature, 0)
 
     def compile(self, rec: IterationRecord) -> bool:
-        """A plan for the learned iteration's shape; whether the shape was new."""
+        """A plan for the learned iteration's shape; whether the shape was new. Each
+        loop phase keeps its last ``max_variants`` plans (the least recently used of
+        its own go): the many shapes of variable-length training steps never push
+        out the evaluation's."""
         sig = rec.signature
         if sig in self.plans:
             self.plans.move_to_end(sig)
@@ -123,6 +123,8 @@ class Learner:
         plan = self.planner.plan(rec)
         self.counters["plans_compiled"] += 1
         self.plans[sig] = plan
-        while len(self.plans) > self.max_variants:
-            self.plans.popitem(last=False)
+        phase = self.phase_of.get(sig, "train")
+        same = self.phase_plans(phase)
+        for old in same[: max(0, len(same) - self.max_variants)]:
+            del self.plans[old]
         return True

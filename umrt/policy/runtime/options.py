@@ -36,8 +36,8 @@ class RuntimeOptions:
         The misprediction guard (see :class:`~umrt.policy.runtime.guard.Guard`);
         ``guard_window`` is at least 0.
     max_variants:
-        Compiled plans kept (one per iteration shape; least recently used
-        dropped), at least 0.
+        Compiled plans kept per loop phase (one per iteration shape; the
+        phase's least recently used dropped), at least 0.
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.

@@ -28,6 +28,7 @@ from umrt.policy.runtime.launch_free import LaunchFreeClock
 from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
 from umrt.policy.runtime.options import RuntimeOptions
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
+from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
 from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DeadPages, DecisionRanges
 from umrt.predict.tables import ObjectKeys, VariantTable
@@ -143,6 +144,7 @@ class Runtime(Policy):
         self._clock = LaunchFreeClock(self)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
         self._payoff = Payoff(options.payoff_window or 1, options.payoff_margin)
+        self.phases = LoopPhases(self)
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -188,12 +190,13 @@ class Runtime(Policy):
         self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
         self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        self._deviations_before = 0  # deviations when this iteration started
+        self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
         # While an evaluation runs: the whole pages its dead left free (freed, not
         # reused since). Nothing discards them there (an evaluation that fits moves
         # nothing), so they are discarded when training resumes: the driver would
         # otherwise copy their dead bytes out to make room for the training step.
         self._phase_dead: DeadPages | None = None
-        self._last_of_phase: dict[str, int] = {}  # phase -> the signature of its last iteration
 
     # -- Policy -----------------------------------------------------------------
 
@@ -432,10 +435,6 @@ class Runtime(Policy):
             self.counters["stopped_acting"] += 1
             log.info("umrt: stopped acting in %s iterations: %s", phase, self._payoff.stopped[phase])
 
-    def acting_in(self, phase: str) -> bool:
-        """Whether the runtime acts in ``phase`` (False once acting was found to lose there)."""
-        return self._payoff.allows(phase)
-
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
         out = dict(self.counters)
@@ -450,22 +449,10 @@ class Runtime(Policy):
             correlation_rows=len(self._learner.correlation),
             correlation_accuracy=round(self._learner.correlation.accuracy, 4),
             data_rows=len(self._learner.data),
-            phases=self._phase_report(),
+            phases=self.phases.report(self._payoff.report()),
         )
         if self._plan is not None:
             out["plan"] = dict(self._plan.stats)
-        return out
-
-    def _phase_report(self) -> dict:
-        """Per loop phase: iterations learned, plans, whether the runtime acts there
-        (and why not), the times the payoff check compared."""
-        payoff = self._payoff.report()
-        out = {}
-        for phase in sorted(set(self._learner.learned) | set(payoff) | {self._phase}):
-            out[phase] = {"learned": self._learner.learned.get(phase, 0),
-                          "plans": len(self._learner.phase_plans(phase)),
-                          **payoff.get(phase, {"baseline_ms": None, "acting_ms": None, "acting_vs_baseline": None,
-                                               "acting": True, "stopped_because": None})}
         return out
 
     # -- iteration boundaries -----------------------------------------------------
@@ -481,6 +468,7 @@ class Runtime(Policy):
             # decision told apart (a plan with nothing to do has none): learn it.
             c["switches"] += 1
             self._mode = "learn"
+            self._left_plan = True
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
@@ -495,8 +483,7 @@ class Runtime(Policy):
             self._record.carried = moved
             if self._learner.learn(self._record, self._phase):
                 self._payoff.new_shape(self._phase)
-        if phase != self._phase:
-            self._switch_phase(phase)
+        self.phases.boundary(phase)
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
@@ -519,10 +506,11 @@ class Runtime(Policy):
         elif not self._frozen and self._reference is not None:
             self._references.pop(self._reference[0], None)
         entry["phase"] = self._phase
+        if self.counters["deviations"] > self._deviations_before or self._left_plan:
+            entry["deviated"] = True
         if mode == "act":
-            self._guard.outcomes.append(True)
+            self._guard.outcomes(self._phase).append(True)
             sig = self._plan.signature
-            self._last_of_phase[self._phase] = sig
             if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
                 self._clock.confirmed.add(sig)
             self._learner.ran(sig)
@@ -539,7 +527,6 @@ class Runtime(Policy):
         elif mode == "learn" and self._record is not None:
             self._record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
-            self._last_of_phase[self._phase] = self._learner.signature
             self.counters["learned"] += 1
             entry["signature"] = self._learner.signature
         # The payoff check's samples: an iteration that followed its plan to the end, or
@@ -552,6 +539,7 @@ class Runtime(Policy):
         self._payoff.iteration(self._iteration, self._phase, role, shape)
         if mode == "none":
             self.counters["held_iterations"] += 1
+        self.phases.finished(self._phase, entry.get("signature"))
         self._event_tokens = None
         self._token_objects = []
         self.log.append(entry)
@@ -577,32 +565,48 @@ class Runtime(Policy):
         self._n_events = 0
         self._events_hash = 0
         self._moved = False
+        self._deviations_before = self.counters["deviations"]
+        self._left_plan = False
         phase = self._phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._record = None
         self._plan = None
-        # Misprediction guard: too many recent deviations -> do nothing, re-learn.
-        if self._guard.tripped():
+        # Misprediction guard: too many recent deviations in this phase -> do nothing
+        # there for a while, then re-learn its shapes (the other phases' plans stay).
+        if self._guard.tripped(phase):
             self.counters["guard_trips"] += 1
-            self.plans.clear()
+            for sig in self._learner.phase_plans(phase):
+                del self.plans[sig]
             self._clock.forget_plans()
         plan = None
         learner = self._learner
         if not self._payoff.allows(phase):
-            self._hold()
+            self.phases.hold()
             return
-        if self._guard.cooling():
+        probing = False
+        if self._guard.cooling(phase):
             pass
-        elif phase in learner.relearn:
-            learner.relearn.discard(phase)
-        elif learner.learned.get(phase, 0) >= self.options.learn_iterations:
-            plan = self._predict(phase)
+        else:
+            if phase in learner.relearn:
+                # A shape no plan knew ran (and left no record): this iteration is recorded
+                # whatever it runs. Acting on the predicted plan meanwhile costs nothing if
+                # the shape is a known one (a short last batch was the stranger): only a
+                # deviation makes it a learned iteration.
+                probing = True
+                if learner.seek_left.get(phase, 0) > 1:
+                    learner.seek_left[phase] -= 1
+                else:
+                    learner.seek_left.pop(phase, None)
+                    learner.relearn.discard(phase)
+            if learner.learned.get(phase, 0) >= self.options.learn_iterations:
+                plan = self.phases.predict(phase)
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._learner.runs(plan.signature) >= self.options.probe_iterations
+        trusted = (plan is not None and not probing
+                   and self._learner.runs(plan.signature) >= self.options.probe_iterations)
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
@@ -646,44 +650,6 @@ class Runtime(Policy):
             self._discard_keys = frozenset()
             self._oversized = {}
         self._clock.set_due(-1)
-
-    def in_phase(self, signature: int) -> bool:
-        """Whether the plan of ``signature`` is one of the running iteration's phase."""
-        return self._learner.phase_of.get(signature, "train") == self._phase
-
-    def _switch_phase(self, phase: str) -> None:
-        """The loop goes from one phase to another: leaving an evaluation, the pages
-        its dead left free are discarded (see ``_phase_dead``); entering one, they
-        are tracked."""
-        dead, self._phase_dead = self._phase_dead, (DeadPages() if phase == "eval" else None)
-        self._phase = phase
-        if dead:
-            self._pending_discards.extend(dead.drain())
-            self._flush()
-
-    def _hold(self) -> None:
-        """Do nothing this iteration (the "none" plan): acting loses in its phase."""
-        self._mode = "none"
-        self._frozen = self._acting_launch_free = self._counting_launches = False
-        self._addresses = self._reference = self._keymap = None
-        self.wants_launches = False
-        self._next_launch = self._clock.next_event = -1
-        self._discard_keys = frozenset()
-        self._oversized = {}
-        self._clock.follow({})
-        self._clock.set_due(-1)
-
-    def _predict(self, phase: str) -> Plan | None:
-        """The plan of the shape expected next in ``phase``: the variant table's
-        prediction among that phase's plans, else the phase's last shape (a
-        training step resumes its plan at once after an evaluation)."""
-        phase_of = self._learner.phase_of
-        for sig in self.variants.predict():
-            plan = self.plans.get(sig)
-            if plan is not None and phase_of.get(sig, "train") == phase:
-                return plan
-        last = self._last_of_phase.get(phase)
-        return self.plans.get(last) if last is not None else None
 
     # -- acting -----------------------------------------------------------------
 
