@@ -1,14 +1,19 @@
 """Code-shape figures of the ``umrt`` package: ``python -m bench.architecture``.
 
-What a newcomer meets, counted from the source (no import of umrt):
+What a newcomer meets, counted from the source of ``umrt/`` and ``bench/`` (no import of either):
 
 * the largest classes, by methods and by the attributes their methods set on ``self``;
+* the largest files, and the lines of each package;
 * the lines of the modules named on the command line (default: the facade and the runtime);
 * ``getattr(obj, "name")`` / ``hasattr`` probes (duck typing where an interface should be);
 * imports of umrt modules inside functions (hidden dependencies; a module that is
   optional or GPU-only says why with an ``# optional:`` comment on the import and is
   counted apart);
-* import cycles between umrt modules (every import outside ``if TYPE_CHECKING``).
+* import cycles between the modules of both packages: those the interpreter meets (every
+  import outside ``if TYPE_CHECKING``) and those a reader meets (``TYPE_CHECKING`` imports too);
+* private attributes one module reads or writes of another's: ``obj._name`` (``obj`` not
+  ``self`` or ``cls``) where ``_name`` is defined only in other modules of the two packages,
+  and ``from module import _name`` across modules.
 
 ``tests/test_architecture.py`` holds the package to the limits these figures show.
 """
@@ -24,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "umrt"
+#: The packages whose imports, cycles and private reaches are counted together.
+PACKAGES = (PACKAGE, ROOT / "bench")
 
 
 @dataclass
@@ -41,6 +48,16 @@ class Shape:
     function_imports: list[str] = field(default_factory=list)
     optional_imports: list[str] = field(default_factory=list)
     cycles: list[list[str]] = field(default_factory=list)
+    #: cycles once ``if TYPE_CHECKING`` imports count too (``cycles`` is a subset of these)
+    cycles_with_type_checking: list[list[str]] = field(default_factory=list)
+    #: ``file:line module-or-object._name``: another module's private attribute read or written
+    private_reaches: list[str] = field(default_factory=list)
+    #: ``a -> b`` for packages that import each other both ways (``umrt -> bench`` and back)
+    package_cycles: list[str] = field(default_factory=list)
+    #: lines of every file of both packages, largest first
+    file_lines: dict[str, int] = field(default_factory=dict)
+    #: lines of each package (``umrt``, ``bench``)
+    package_lines: dict[str, int] = field(default_factory=dict)
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -63,11 +80,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imported(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
-    """The umrt modules an import statement names (``from a import b`` names ``a.b`` if it is a module)."""
+def _imported(node: ast.AST, module: str, is_package: bool, tops: tuple[str, ...] = ("umrt",)) -> Iterator[str]:
+    """The modules of ``tops`` an import statement names (``from a import b`` names ``a.b`` if it is a module)."""
     if isinstance(node, ast.Import):
         for alias in node.names:
-            if alias.name.split(".")[0] == "umrt":
+            if alias.name.split(".")[0] in tops:
                 yield alias.name
     elif isinstance(node, ast.ImportFrom):
         if node.level:
@@ -76,55 +93,133 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
             name = ".".join(base + ([node.module] if node.module else []))
         else:
             name = node.module or ""
-        if name.split(".")[0] != "umrt":
+        if name.split(".")[0] not in tops:
             return
         yield name
         for alias in node.names:
             yield f"{name}.{alias.name}"
 
 
-def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py", "umrt/policy/runtime/policy.py")) -> Shape:
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _defined_private_names(tree: ast.AST) -> set[str]:
+    """Private names a module defines: attributes it stores on ``self`` or ``cls``, functions,
+    classes and module- or class-level assignments."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and _private(node.id):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and _private(node.target.id):
+            names.add(node.target.id)
+    return names
+
+
+def _root(node: ast.AST) -> str:
+    """The name an attribute chain starts from (``a`` of ``a.b.c``), or ``""``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _private_reaches(tree: ast.AST, rel: str, mod: str, is_package: bool, own: set[str],
+                     elsewhere: dict[str, set[str]], tops: tuple[str, ...]) -> Iterator[str]:
+    """``obj._name`` where ``obj`` is not ``self``/``cls`` (nor rooted in a third-party module,
+    ``torch._C``) and only other modules define ``_name``; ``from other import _name``."""
+    third_party = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom)) and not list(_imported(node, mod, is_package, tops))
+                   and not getattr(node, "level", 0) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in own \
+                and node.attr in elsewhere and _root(node.value) not in third_party | {"self", "cls"}:
+            yield f"{rel}:{node.lineno} {ast.unparse(node.value)}.{node.attr}"
+        elif isinstance(node, ast.ImportFrom):
+            names = list(_imported(node, mod, is_package, tops))
+            if names:
+                for alias in node.names:
+                    if _private(alias.name):
+                        yield f"{rel}:{node.lineno} {names[0]}.{alias.name}"
+
+
+def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py", "umrt/policy/runtime/policy.py"),
+            packages: tuple[Path, ...] = PACKAGES) -> Shape:
+    """Every figure: classes, probes and function-level imports of ``package``; cycles,
+    private reaches and lines across ``packages``."""
     shape = Shape()
-    mods = modules(package)
+    tops = tuple(p.name for p in packages)
+    mods = {m: p for pkg in packages for m, p in modules(pkg).items()}
     graph: dict[str, set[str]] = {m: set() for m in mods}
+    reader_graph: dict[str, set[str]] = {m: set() for m in mods}
+    trees = {mod: ast.parse(path.read_text()) for mod, path in mods.items()}
+    defined = {mod: _defined_private_names(tree) for mod, tree in trees.items()}
+    defined_by: dict[str, set[str]] = {}
+    for mod, names in defined.items():
+        for n in names:
+            defined_by.setdefault(n, set()).add(mod)
     for mod, path in mods.items():
         source = path.read_text()
-        tree = ast.parse(source)
+        tree = trees[mod]
         lines = source.splitlines()
         skip = _type_checking_nodes(tree)
-        rel = path.relative_to(package.parent).as_posix()
+        rel = path.relative_to(packages[tops.index(mod.split(".")[0])].parent).as_posix()
+        is_package = path.name == "__init__.py"
+        shape.file_lines[rel] = len(lines)
+        top = mod.split(".")[0]
+        shape.package_lines[top] = shape.package_lines.get(top, 0) + len(lines)
+        shape.private_reaches.extend(_private_reaches(
+            tree, rel, mod, is_package, defined[mod],
+            {n: ms - {mod} for n, ms in defined_by.items() if ms - {mod}}, tops))
         for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef):
-                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-                attrs = {t.attr for m in methods for t in ast.walk(m)
-                         if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
-                         and isinstance(t.value, ast.Name) and t.value.id == "self"}
-                shape.classes.append(ClassShape(f"{mod}.{node.name}", len(methods), len(attrs)))
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
-                    and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
-                shape.getattr_probes.append(f"{rel}:{node.lineno} {node.func.id} {node.args[1].value}")
-        for func in ast.walk(tree):
-            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            for node in ast.walk(func):
-                if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip \
-                        and any(True for _ in _imported(node, mod, path.name == "__init__.py")):
-                    where = f"{rel}:{node.lineno} {ast.unparse(node)}"
-                    optional = "optional:" in lines[node.lineno - 1] or "optional:" in lines[node.lineno - 2]
-                    (shape.optional_imports if optional else shape.function_imports).append(where)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip:
-                for name in _imported(node, mod, path.name == "__init__.py"):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported(node, mod, is_package, tops):
                     if name in mods and name != mod:
-                        graph[mod].add(name)
+                        reader_graph[mod].add(name)
+                        if id(node) not in skip:
+                            graph[mod].add(name)
+        if path.is_relative_to(package):
+            _measure_package_module(shape, tree, lines, rel, mod, is_package, skip)
     shape.classes.sort(key=lambda c: (-c.methods, -c.attributes))
+    shape.file_lines = dict(sorted(shape.file_lines.items(), key=lambda kv: -kv[1]))
     for f in line_files:
         p = package.parent / f
         if p.exists():
             shape.lines[f] = len(p.read_text().splitlines())
     shape.cycles = cycles(graph)
+    shape.cycles_with_type_checking = cycles(reader_graph)
+    between = {(a.split(".")[0], b.split(".")[0]) for a, deps in reader_graph.items() for b in deps}
+    shape.package_cycles = sorted(f"{a} <-> {b}" for a, b in between if a < b and (b, a) in between)
     return shape
+
+
+def _measure_package_module(shape: Shape, tree: ast.AST, lines: list[str], rel: str, mod: str,
+                            is_package: bool, skip: set[int]) -> None:
+    """Classes, getattr probes and function-level imports of one module of the main package."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            attrs = {t.attr for m in methods for t in ast.walk(m)
+                     if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                     and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            shape.classes.append(ClassShape(f"{mod}.{node.name}", len(methods), len(attrs)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            shape.getattr_probes.append(f"{rel}:{node.lineno} {node.func.id} {node.args[1].value}")
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip \
+                    and any(True for _ in _imported(node, mod, is_package)):
+                where = f"{rel}:{node.lineno} {ast.unparse(node)}"
+                optional = "optional:" in lines[node.lineno - 1] or "optional:" in lines[node.lineno - 2]
+                (shape.optional_imports if optional else shape.function_imports).append(where)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -188,9 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"umrt imports inside functions: {len(shape.function_imports)} "
           f"(+ {len(shape.optional_imports)} marked optional)")
     print(f"import cycles: {len(shape.cycles)}" + "".join(f"\n  {' <-> '.join(c)}" for c in shape.cycles))
+    print(f"import cycles counting TYPE_CHECKING imports: {len(shape.cycles_with_type_checking)}"
+          + "".join(f"\n  {' <-> '.join(c)}" for c in shape.cycles_with_type_checking))
+    print(f"packages importing each other: {len(shape.package_cycles)}"
+          + "".join(f"\n  {c}" for c in shape.package_cycles))
+    print(f"private attributes reached across modules: {len(shape.private_reaches)}")
+    print("largest files: " + ", ".join(f"{f} {n}" for f, n in list(shape.file_lines.items())[: args.top]))
+    print("lines: " + ", ".join(f"{p} {n}" for p, n in shape.package_lines.items()))
     if args.verbose:
         for title, rows in (("probes", shape.getattr_probes), ("function-level imports", shape.function_imports),
-                            ("optional imports", shape.optional_imports)):
+                            ("optional imports", shape.optional_imports),
+                            ("private attributes reached across modules", shape.private_reaches)):
             print(f"\n{title}:")
             for r in rows:
                 print("  " + r)

@@ -7,42 +7,45 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.grid import DTYPES, PRESETS, Grid, check_dtype, preset, run_grid, split_list
+from umrt.cli import PlainHelpParser, Renamed
+from umrt.config import read_amount
 from umrt.errors import ConfigError, UmrtError
+from umrt.paths import check_writable, check_writable_dir
 
 __all__ = ["add_arguments", "run", "main", "build_parser"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
 DESCRIPTION = """\
-Simulate a grid of models x budgets x GPU profiles x policies and write a JSON
-and a CSV of every cell, a markdown table (steady-state slowdown vs ideal,
-speedup vs um, and the link bound no policy can beat: umrt.sim.bound) and
-plots (throughput relative to ideal against budget). Traces
-are made on the meta device and cached under bench/.cache/. All results are
-simulated. The default grid finishes within about 5 minutes on 2 cores.
+Simulate a grid of models x GPU memory x GPU profiles x policies and write a
+JSON and a CSV of every cell, a markdown table (steady-state slowdown vs
+ideal, speedup vs um, and the link bound no policy can beat) and plots
+(throughput relative to ideal against GPU memory). Traces are made on the
+meta device and cached under bench/.cache/. All results are simulated. The
+default grid finishes within about 5 minutes on 2 cores.
 
-A budget is a percentage of the footprint the run needs (the managed memory
-the trace's allocations obtain with nothing evicted: the larger of umrt's pool
-and PyTorch's caching allocator replayed over the trace), so 100% holds
-everything; --budget-base peak makes it a percentage of the trace's peak live
-bytes instead (the meaning of earlier figures). Every row reports its budget in
-bytes and as a share of both.
+GPU memory (--gpu-memory) is a percentage of the footprint the run needs
+('20%': the GPU memory the trace's allocations take with nothing evicted, the
+larger of umrt's pool and PyTorch's caching allocator replayed over the trace,
+so 100% holds everything), of the trace's peak live bytes ('20%peak'), or a
+size ('8GiB'). Every row reports its GPU memory in bytes and as a share of both.
 """
 
 EPILOG = """\
 presets:
   default  gpt2 and bert-base at the zoo's batch sizes; 20% and 50%;
-           v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle
+           v100-pcie3-32g and h100-pcie5-80g; ideal, um, um-advise, oracle, umrt
   readme   gpt2-xl, bert-large, vit-large, resnet-152 at the zoo's batch sizes; 20% and 50%;
            both profiles; ideal, um, um-advise, oracle; fp32 and bf16 (the README's first table)
   targets  the same 4 models at 20% on both profiles; ideal, um, oracle, umrt and the
-           peers deepum, sentinel, vdnn, swapadvisor (issue 4's targets; add --check-targets)
+           peers deepum, sentinel, vdnn, swapadvisor (the README's "umrt against the peers";
+           add --check-targets)
 
 examples:
   python -m bench
-  python -m bench --models gpt2 --budgets 10% 30% --policies um oracle --json r.json
+  python -m bench --models gpt2 --gpu-memory 10% 30% --policies um oracle --json r.json
   python -m bench --preset targets --check-targets
-  python -m bench --preset targets --check-targets --budget-base peak   # 20% of peak live, as before
+  python -m bench --preset targets --check-targets --gpu-memory 20%peak   # 20% of peak live bytes
   python -m bench --models gpt2 --dtype float32 bfloat16
   python -m bench --from-json bench/out/results.json --check-targets
 """
@@ -53,11 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting grid (default: default)")
     g.add_argument("--models", nargs="+", metavar="MODEL",
                    help="zoo names (gpt2, gpt2-xl, bert-large, vit-large, resnet-152, ...) or hf:Config:k=v,... specs")
-    g.add_argument("--budgets", nargs="+", metavar="PCT",
-                   help="GPU memory budgets, as %% of the footprint the run needs (e.g. 20%%; see --budget-base)")
-    g.add_argument("--budget-base", choices=("footprint", "peak"),
-                   help="what a budget percentage is of: the footprint the run needs (default) or the trace's "
-                        "peak live bytes (the meaning of figures before the footprint base)")
+    g.add_argument("--gpu-memory", nargs="+", metavar="AMOUNT", dest="budgets",
+                   help="GPU memory of each cell: 20%% (of the footprint the run needs), 20%%peak (of peak live "
+                        "bytes) or a size (8GiB); several run side by side")
+    g.add_argument("--budgets", nargs="+", dest="budgets", action=Renamed, new="--gpu-memory", prefix="bench")
+    g.add_argument("--budget-base", choices=("footprint", "peak"), action=Renamed, prefix="bench",
+                   note="--budget-base is gone: a percentage names its base, '20%' of the footprint the run needs, "
+                        "'20%peak' of its peak live bytes; '--budget-base peak' reads a bare '20%' as '20%peak' "
+                        "for this version")
     g.add_argument("--dtype", nargs="+", metavar="DTYPE",
                    help=f"training precision(s), as `umrt trace --dtype`: {', '.join(DTYPES)} "
                         "(default float32; several run side by side)")
@@ -76,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     x = p.add_argument_group("other")
     x.add_argument("--check-targets", action="store_true",
-                   help="evaluate issue 4's targets on the result and print pass/fail/n-a per target; "
-                        "exit 1 if one fails")
+                   help="check the targets umrt is held to (the README's \"umrt against the peers\") on the "
+                        "20%% cells and print pass/fail/n-a per target; exit 1 if one fails")
     x.add_argument("--from-json", type=Path, metavar="FILE",
                    help="do not simulate: re-render (and --check-targets) an earlier results JSON")
     x.add_argument("--refresh-traces", action="store_true", help="re-make cached traces")
@@ -86,8 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = PlainHelpParser(prog="python -m bench", description=DESCRIPTION, epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p
 
@@ -113,20 +119,26 @@ def _per_model(values: list[str] | None, models: tuple[str, ...], what: str) -> 
     return out
 
 
+def _based(budgets: tuple[str, ...], base: str | None) -> tuple[str, ...]:
+    """``--budget-base peak`` (an old flag): each bare percentage as a percentage of peak live bytes."""
+    if base != "peak":
+        return budgets
+    return tuple(f"{b.strip()}peak" if (a := read_amount(b)) is not None and a.implied else b for b in budgets)
+
+
 def grid_from_args(args: argparse.Namespace) -> Grid:
     base = preset(args.preset)
     models = split_list(args.models) if args.models else base.models
     grid = replace(
         base,
         models=models,
-        budgets=split_list(args.budgets) if args.budgets else base.budgets,
+        budgets=_based(split_list(args.budgets) if args.budgets else base.budgets, args.budget_base),
         profiles=split_list(args.profiles) if args.profiles else base.profiles,
         policies=split_list(args.policies) if args.policies else base.policies,
         batch={m: n for m, n in base.batch.items() if m in models} | _per_model(args.batch, models, "batch"),
         seq={m: n for m, n in base.seq.items() if m in models} | _per_model(args.seq, models, "seq"),
         iterations=args.iterations if args.iterations is not None else base.iterations,
         dtypes=tuple(check_dtype(d) for d in split_list(args.dtype)) if args.dtype else base.dtypes,
-        budget_base=args.budget_base or base.budget_base,
     )
     if grid.iterations < 2:
         raise ConfigError("--iterations must be at least 2 (the first iteration pays cold misses)")
@@ -148,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     json_path, csv_path = args.json or out / "results.json", args.csv or out / "results.csv"
     md_path, plots_dir = args.md or out / "results.md", args.plots or out / "plots"
+    # Every output path is checked before the grid runs, not after minutes of simulation.
+    if not (args.json and args.csv and args.md and (args.plots or args.no_plots)):
+        check_writable_dir(out)
+    for path in ([md_path] if args.from_json else [json_path, csv_path, md_path]):
+        check_writable(path, make_dirs=True)
+    if not args.no_plots:
+        check_writable_dir(plots_dir)
     if args.from_json:
         rows = report.load_rows(args.from_json)
     else:

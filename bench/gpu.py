@@ -7,21 +7,23 @@ torch's allocator can be swapped only once per process:
 
 ``ideal``
     plain torch (cudaMalloc, PyTorch's caching allocator); the model must fit.
-    Its peak allocated bytes are what a percentage ``--budget`` refers to,
-    as the simulator's budget refers to the trace's peak live bytes.
+    Its peak allocated bytes are the run's peak live bytes (``--gpu-memory 50%peak``),
+    its peak reserved bytes what PyTorch's caching allocator needs.
 ``um``
     ``umrt.enable(policy="um")``: every allocation in managed memory through
-    umrt's pool, no prefetching policy. Its pool's peak reserved bytes are the
-    *footprint* a ``--budget footprint/2`` refers to: what umrt's pool needs.
+    umrt's pool, no prefetching policy. Its pool's peak reserved bytes are what
+    umrt's pool needs. **The footprint** a percentage ``--gpu-memory 50%``
+    refers to is the larger of the two, as the simulator's footprint is the
+    larger of its model of each (:mod:`umrt.sim.budget`).
 ``umrt``
-    ``umrt.enable(gpu_memory=BUDGET)``: the default policy, once per
-    ``--budget`` (repeat the flag to measure several side by side).
+    ``umrt.enable(gpu_memory=BYTES)``: the default policy, once per
+    ``--gpu-memory`` (repeat the flag to measure several side by side).
 ``checkpoint``
     what a user picks instead: plain torch with the model's own activation
     checkpointing (``gradient_checkpointing_enable()``, as
     ``../shared/gpu-probes/alternatives.py`` runs it). Its peak allocated bytes
-    are what ``--budget checkpoint`` refers to, so
-    ``--modes ideal,checkpoint,um,umrt --budget checkpoint`` puts umrt and
+    are what ``--gpu-memory checkpoint`` refers to, so
+    ``--modes ideal,checkpoint,um,umrt --gpu-memory checkpoint`` puts umrt and
     checkpointing side by side at the same peak, in one run.
 
 Every mode trains on the same batches and dropout masks (step ``s`` seeds
@@ -80,6 +82,7 @@ from bench.gpu_measure import (
     steady_time,
 )
 from bench.gpu_watch import StepRecord, Watchdog, format_step, install_stack_dump, supervise
+from umrt.cli import PlainHelpParser, Renamed
 from umrt.config import format_bytes
 
 __all__ = ["BenchError", "main", "run", "steady_time"]
@@ -99,7 +102,7 @@ _TORCH_DEVICE = "cuda"  # the workers' torch device (a unit test runs the loop o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = PlainHelpParser(
         prog="python -m bench.gpu",
         description="Measure ideal / um / umrt iteration times of a real training loop on this GPU.",
     )
@@ -108,12 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=None, help="sequence length / image side (default: the zoo's)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--budget", action="append", default=None, metavar="BUDGET",
-                   help="umrt's GPU memory budget: %% of the ideal run's peak (50%%), a size (7.5GiB, a byte "
-                        "count), a fraction of the footprint umrt's pool needs, measured by the um run "
-                        "(footprint, footprint/2, footprint*0.75), or the checkpoint run's peak (checkpoint). "
-                        "Repeat to measure umrt at several budgets "
+    p.add_argument("--gpu-memory", action="append", default=None, metavar="AMOUNT", dest="budget",
+                   help="GPU memory umrt may use: a percentage of the footprint the run needs (50%%: the larger "
+                        "of the ideal run's peak reserved bytes and umrt's pool's in the um run), of the ideal "
+                        "run's peak allocated bytes (50%%peak) or of the GPU's memory (90%%device), or a size "
+                        "(7.5GiB, a byte count), or the checkpoint run's peak (checkpoint). Repeat to measure umrt at several "
                         f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
+    p.add_argument("--budget", action=Renamed, dest="budget", new="--gpu-memory", append=True, prefix="bench.gpu")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help="comma-separated subset of ideal,checkpoint,um,umrt (default ideal,um,umrt)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
@@ -160,15 +164,18 @@ def validate(args: argparse.Namespace) -> list[str]:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise BenchError(f"--modes {args.modes!r}: use a comma-separated subset of {','.join(MODES)}")
-    if any(m != "ideal" for m in modes) and "ideal" not in modes and any(b.kind == "percent" for b in specs):
-        raise BenchError("a percentage --budget refers to the ideal run's peak: keep ideal in --modes "
-                         "or give the budget as a size (e.g. 8GiB)")
-    if "umrt" in modes and "um" not in modes and any(b.kind == "footprint" for b in specs):
-        raise BenchError("a footprint --budget is measured by the um run's pool: keep um in --modes "
-                         "or give the budget as a size (e.g. 8GiB)")
+    if any(m != "ideal" for m in modes) and "ideal" not in modes and any(b.kind == "peak" for b in specs):
+        raise BenchError("a percentage of the ideal run's peak (--gpu-memory ...%peak) needs it: keep ideal in "
+                         "--modes or give a size (e.g. 8GiB)")
+    if "umrt" in modes and not {"ideal", "um"} <= set(modes) and any(b.kind == "footprint" for b in specs):
+        raise BenchError("a percentage of the footprint (--gpu-memory 50%) is measured by the ideal and um runs: "
+                         "keep both in --modes or give a size (e.g. 8GiB)")
+    for b in specs if args.budget else ():  # what an old spelling the user wrote means now (not the default)
+        if b.note:
+            print(f"bench.gpu: note: {b.note}", file=sys.stderr)
     if "umrt" in modes and "checkpoint" not in modes and any(b.kind == "checkpoint" for b in specs):
-        raise BenchError("--budget checkpoint is the checkpoint run's peak: keep checkpoint in --modes "
-                         "or give the budget as a size (e.g. 8GiB)")
+        raise BenchError("--gpu-memory checkpoint is the checkpoint run's peak: keep checkpoint in --modes "
+                         "or give a size (e.g. 8GiB)")
     from umrt.errors import ConfigError
     from umrt.zoo import resolve
 
@@ -475,8 +482,18 @@ def compute_ratios(seconds: dict[str, float]) -> dict[str, float | None]:
 
 
 def resolve_budget(spec: str, ideal_peak: int | None, footprint: int | None = None) -> int:
-    """Budget bytes from one ``--budget``: a fraction of the ideal peak or of the footprint, or a size."""
+    """Budget bytes from one ``--gpu-memory``: a share of the footprint or of the ideal peak, or a size."""
     return BudgetSpec.parse(spec).resolve(ideal_peak, footprint)
+
+
+def measured_footprint(results: dict[str, dict[str, Any]]) -> int | None:
+    """The footprint the run needs, as measured: the larger of plain PyTorch's peak reserved bytes
+    (the ideal run) and umrt's pool's peak reserved bytes (the um run); None before the um run."""
+    pool = results.get("um", {}).get("pool_peak_reserved_bytes")
+    if not pool:
+        return None
+    ideal = results.get("ideal", {})
+    return max(int(pool), int(ideal.get("peak_reserved_bytes") or 0), int(ideal.get("peak_allocated_bytes") or 0))
 
 
 def closest_profile(gpu_name: str, total_bytes: int) -> str:
@@ -612,8 +629,9 @@ def build_report(results: dict[str, dict[str, Any]], *, model: str, budget_spec:
         "notes": ["um: the driver evicts only when device memory is full, so the budget puts no pressure on "
                   "plain UM here; um is managed memory's own cost (faults, pool, recorder), a lower bound "
                   "on oversubscribed UM",
-                  "footprint: the peak reserved bytes of umrt's pool in the um run (the same pool, fed the "
-                  "same events); each umrt row shows its own pool's peak"],
+                  "footprint: the GPU memory the run needs with nothing evicted, measured as the larger of the "
+                  "ideal run's peak reserved bytes (PyTorch's caching allocator) and umrt's pool's in the um run; "
+                  "peak live: the ideal run's peak allocated bytes; each umrt row shows its own pool's peak"],
     }
 
 
@@ -679,9 +697,9 @@ def render(report: dict[str, Any], console: Any = None) -> None:
     sim_peak = next((v.get("peak_live_bytes") for v in sim_modes.values() if v.get("peak_live_bytes")), None)
     fp = report.get("footprint_bytes")
     if peak or sim_peak or fp:
-        console.print(f"budget base (peak bytes): measured ideal {format_bytes(peak) if peak else '-'}, "
-                      f"umrt's pool footprint {format_bytes(fp) if fp else '-'}, "
-                      f"simulated trace {format_bytes(sim_peak) if sim_peak else '-'}")
+        console.print(f"measured: footprint {format_bytes(fp) if fp else '-'}, peak live "
+                      f"{format_bytes(peak) if peak else '-'}; simulated trace's peak live "
+                      f"{format_bytes(sim_peak) if sim_peak else '-'}")
     for mode, v in sim_modes.items():
         if v.get("error"):
             console.print(f"simulated {mode}: {v['error']}")
@@ -702,7 +720,7 @@ def render(report: dict[str, Any], console: Any = None) -> None:
             console.print(f"{label}: {note}")
     checks = report.get("targets") or []
     if checks:
-        tt = Table(title="issue 10 targets (reported, not asserted)")
+        tt = Table(title="targets umrt is held to on a GPU (reported, not asserted)")
         for col in ("budget", "check", "measured", "target", "result"):
             tt.add_column(col, overflow="fold")
         for c in checks:
@@ -755,18 +773,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "checkpoint" in modes:
             results["checkpoint"] = run_mode("checkpoint", args, 0, Path(tmp), console=console)
             checkpoint_peak = results["checkpoint"].get("peak_allocated_bytes") or None
+        total = results.get("ideal", {}).get("gpu", {}).get("total_bytes")
         if "um" in modes:
-            um_budget = next((_try_resolve(b, peak, None) for b in specs if b.kind != "footprint"), None) or \
+            um_budget = next((_try_resolve(b, peak, None, total, checkpoint_peak) for b in specs if b.kind != "footprint"), None) or \
                 results.get("ideal", {}).get("gpu", {}).get("free_bytes_at_start", 0)
             results["um"] = _run_checked("um", args, int(um_budget), Path(tmp), results, console)
-            footprint = results["um"].get("pool_peak_reserved_bytes") or None
+            footprint = measured_footprint(results)
         if "umrt" in modes:
             many = len(specs) > 1
             for i, spec in enumerate(specs):
                 label = "umrt" if i == 0 else f"umrt@{spec.text}"
                 shown = f"umrt@{spec.text}" if many else "umrt"
                 try:
-                    nbytes = spec.resolve(peak, footprint, checkpoint_peak)
+                    nbytes = spec.resolve(peak, footprint, total, checkpoint_peak)
                 except BenchError as exc:
                     results[label] = {"mode": "umrt", "error": str(exc)}
                     console.print(f"[red]{shown} skipped:[/red] {exc}")
@@ -775,7 +794,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[label] = _run_checked("umrt", args, nbytes, Path(tmp), results, console, shown=shown)
                 budgets.append({"spec": spec.text, "bytes": nbytes, "label": label, "simulated": None})
     first = budgets[0] if budgets else None
-    budget_bytes = first["bytes"] if first and first["bytes"] else (_try_resolve(specs[0], peak, footprint) or 0)
+    budget_bytes = first["bytes"] if first and first["bytes"] else (_try_resolve(specs[0], peak, footprint, total, checkpoint_peak) or 0)
     simulated = None
     if not args.no_sim and not dry:
         gpu = next((r["gpu"] for r in results.values() if "gpu" in r), None)
@@ -793,13 +812,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _sim_budget(spec: BudgetSpec, nbytes: int) -> int | str:
-    """The simulator's budget: a percentage of the trace's peak stays one; anything else in bytes."""
-    return spec.text if spec.kind == "percent" else nbytes
+    """The simulator's GPU memory: a percentage of the footprint or of peak live stays one (of the
+    simulated trace's); anything else in bytes."""
+    return spec.simulated or nbytes
 
 
-def _try_resolve(spec: BudgetSpec, peak: int | None, footprint: int | None) -> int | None:
+def _try_resolve(spec: BudgetSpec, peak: int | None, footprint: int | None, total: int | None = None,
+                 checkpoint_peak: int | None = None) -> int | None:
     try:
-        return spec.resolve(peak, footprint)
+        return spec.resolve(peak, footprint, total, checkpoint_peak)
     except BenchError:
         return None
 

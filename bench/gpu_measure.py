@@ -1,7 +1,8 @@
 """What ``python -m bench.gpu`` measures and checks, apart from the GPU itself.
 
-* :class:`BudgetSpec` - a ``--budget``: a percentage of plain PyTorch's peak,
-  a size, or a fraction of the footprint umrt's pool needs.
+* :class:`BudgetSpec` - a ``--gpu-memory``: a percentage of the footprint the
+  run needs, of plain PyTorch's peak (``%peak``) or of the GPU's memory
+  (``%device``), or a size.
 * :class:`Counters` / :func:`read_counters` - the bytes and CUDA calls umrt's
   backend issued (its ``counters()`` snapshot where it has one).
 * :class:`PcieCounters` - NVML's PCIe byte counters of the GPU, read in a
@@ -52,59 +53,68 @@ class BenchError(Exception):
 
 @dataclass(frozen=True)
 class BudgetSpec:
-    """One ``--budget``: ``kind`` is ``percent`` (of plain PyTorch's peak allocated
-    bytes), ``bytes``, ``footprint`` (a fraction of what umrt's pool needs) or
-    ``checkpoint`` (the peak of plain PyTorch with activation checkpointing)."""
+    """One ``--gpu-memory``: ``kind`` is ``footprint`` (a share of the footprint the run needs:
+    the larger of plain PyTorch's peak reserved bytes and umrt's pool's, as measured),
+    ``peak`` (of plain PyTorch's peak allocated bytes: the run's peak live bytes), ``device``
+    (of the GPU's memory), ``checkpoint`` (the peak of plain PyTorch with the model's own
+    activation checkpointing) or ``bytes``; ``note``: what an old spelling means now."""
 
     text: str
     kind: str
-    value: float  # the fraction (percent, footprint) or the byte count
+    value: float  # the fraction (footprint, peak, device) or the byte count
+    note: str | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, text: str) -> BudgetSpec:
-        if text.strip().lower() == "checkpoint":  # the checkpoint run's peak: umrt at checkpointing's memory
+        """``"50%"`` (of the footprint), ``"50%peak"``, ``"90%device"``, ``"7.5GiB"`` / ``"1073741824"``,
+        ``"checkpoint"`` (the checkpoint run's peak: umrt at checkpointing's memory); the old ``footprint``,
+        ``footprint/2``, ``footprint*0.75`` with a note (read by :func:`umrt.config.read_amount`, as every
+        memory amount umrt takes)."""
+        if text.strip().lower() == "checkpoint":
             return cls(text, "checkpoint", 1.0)
-        return cls._parse_amount(text)
-
-    @classmethod
-    def _parse_amount(cls, text: str) -> BudgetSpec:
-        """``"50%"``, ``"7.5GiB"`` / ``"1073741824"``, ``"footprint"``, ``"footprint/2"``, ``"footprint*0.75"``
-        (read by :func:`umrt.config.read_amount`, as every memory amount umrt takes)."""
-        amount = read_amount(text)
-        if amount is not None and amount.fraction is not None and not amount.of_footprint:
+        amount = read_amount(text, "--gpu-memory")
+        if amount is not None and amount.fraction is not None:
+            base = amount.base or "footprint"
             if not 0 < amount.fraction <= 1:
-                raise BenchError(f"--budget {text!r}: a percentage must be in (0, 100]")
-            return cls(text, "percent", amount.fraction)
-        if amount is not None and amount.of_footprint:
-            if not 0 < amount.fraction <= 1:
-                raise BenchError(f"--budget {text!r}: a fraction of the footprint must be in (0, 1] "
-                                 "(footprint, footprint/2, footprint*0.75)")
-            return cls(text, "footprint", amount.fraction)
+                raise BenchError(f"--gpu-memory {text!r}: a percentage must be in (0, 100]")
+            if base not in ("footprint", "peak", "device"):
+                raise BenchError(f"--gpu-memory {text!r}: give a percentage of the footprint ('50%'), of the "
+                                 "ideal run's peak ('50%peak') or of the GPU's memory ('50%device')")
+            note = amount.note
+            if amount.implied:
+                pct = f"{amount.fraction * 100:g}"
+                note = (f"--gpu-memory {text.strip()} is {pct}% of the footprint the run needs (for {pct}% of the "
+                        f"ideal run's peak allocated bytes, write {pct}%peak)")
+            return cls(text, base, amount.fraction, note)
         if amount is None or not amount.bytes:
-            raise BenchError(f"--budget {text!r}: give a percentage of the ideal run's peak ('50%'), a size "
-                             "('7.5GiB', '512MB', a byte count) or a fraction of umrt's pool footprint "
-                             "('footprint', 'footprint/2')")
+            raise BenchError(f"--gpu-memory {text!r}: give a percentage of the footprint the run needs ('50%'), "
+                             "of the ideal run's peak ('50%peak') or of the GPU's memory ('90%device'), or a size "
+                             "('7.5GiB', '512MB', a byte count)")
         nbytes = amount.bytes
         if nbytes < _MIN_BUDGET:
-            raise BenchError(f"--budget {text!r} is below one 2 MB block")
+            raise BenchError(f"--gpu-memory {text!r} is below one 2 MB block")
         return cls(text, "bytes", float(nbytes))
 
-    def resolve(self, ideal_peak: int | None, footprint: int | None, checkpoint_peak: int | None = None) -> int:
+    @property
+    def simulated(self) -> str | None:
+        """The same GPU memory for the simulator (``50%``, ``50%peak``), None when only bytes say it."""
+        if self.kind in ("footprint", "peak"):
+            return f"{self.value * 100:g}%" + ("peak" if self.kind == "peak" else "")
+        return None
+
+    def resolve(self, ideal_peak: int | None, footprint: int | None, device_total: int | None = None,
+                checkpoint_peak: int | None = None) -> int:
         """Budget bytes; :class:`BenchError` when the figure it refers to is missing."""
         if self.kind == "bytes":
             return int(self.value)
-        if self.kind == "checkpoint":
-            if not checkpoint_peak:
-                raise BenchError(f"--budget {self.text}: the checkpoint run's peak was not measured")
-            return max(_MIN_BUDGET, int(checkpoint_peak))
-        if self.kind == "percent":
-            if not ideal_peak:
-                raise BenchError(f"--budget {self.text}: a percentage needs the ideal run's peak, and there is none")
-            return max(_MIN_BUDGET, int(ideal_peak * self.value))
-        if not footprint:
-            raise BenchError(f"--budget {self.text}: the footprint of umrt's pool was not measured "
-                             "(it comes from the um run)")
-        return max(_MIN_BUDGET, int(footprint * self.value))
+        base, what = {"peak": (ideal_peak, "the ideal run's peak, and there is none"),
+                      "footprint": (footprint, "the footprint, which the ideal and um runs measure, and there is "
+                                               "none"),
+                      "device": (device_total, "the GPU's memory, and no run read it"),
+                      "checkpoint": (checkpoint_peak, "the checkpoint run's peak, which was not measured")}[self.kind]
+        if not base:
+            raise BenchError(f"--gpu-memory {self.text}: a percentage of {what}")
+        return max(_MIN_BUDGET, int(base * self.value))
 
 
 # ---------------------------------------------------------------- umrt's own counters

@@ -7,24 +7,25 @@ each of the grid's training precisions (``dtypes``), and cached under
 a :class:`~umrt.errors.DataIntegrityError`) is recorded with its error and
 the run goes on.
 
-Budgets are percentages of the footprint the run needs (``budget_base =
-"footprint"``, :mod:`umrt.sim.budget`: 100% holds everything), or of the
-trace's peak live bytes (``"peak"``, the meaning of the figures before the
-footprint base); every row carries its bytes and both fractions.
+A budget is the GPU memory of a cell: a percentage of the footprint the run
+needs (``20%``, :mod:`umrt.sim.budget`: 100% holds everything), of the trace's
+peak live bytes (``20%peak``), or a size (``8GiB``); every row carries its
+bytes and its share of both.
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from umrt.config import read_amount
+from umrt.config import SIMULATED_FORMS, Amount, read_amount, simulated_amount
 from umrt.errors import ConfigError
 
-__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR",
+__all__ = ["Cell", "Grid", "PRESETS", "preset", "parse_budget", "check_budget", "run_grid", "trace_for", "cell_bound", "CACHE_DIR",
            "DTYPES", "BUDGET_KEYS"]
 
 CACHE_DIR = Path(__file__).resolve().parent / ".cache"
@@ -86,7 +87,7 @@ PRESETS: dict[str, Grid] = {
         models=("gpt2", "bert-base"),
         budgets=("20%", "50%"),
         profiles=PAPER_PROFILES,
-        policies=("ideal", "um", "um-advise", "oracle"),
+        policies=("ideal", "um", "um-advise", "oracle", "umrt"),
     ),
     # The README's first table (issue 3), in fp32 and in bf16 (issue 11: users train in bf16).
     "readme": Grid(
@@ -113,16 +114,28 @@ def preset(name: str) -> Grid:
         raise ConfigError(f"unknown bench preset {name!r}; valid: {', '.join(PRESETS)}") from None
 
 
-def parse_budget(text: str) -> float:
-    """A bench budget, ``"20%"``, as a fraction (of the footprint the run needs, or of peak live bytes).
-
-    Read by :func:`umrt.config.read_amount`, as every memory amount umrt takes; only a percentage
-    above 0% is a bench budget."""
+def check_budget(text: str) -> Amount:
+    """A bench budget (GPU memory of a cell), checked: a percentage of the footprint the run needs
+    (``20%``) or of its peak live bytes (``20%peak``), or a size (``8GiB``); read by
+    :func:`umrt.config.read_amount`, as every memory amount umrt takes."""
     amount = read_amount(str(text))
-    if amount is None or amount.fraction is None or amount.of_footprint:
-        raise ConfigError(f"bench budgets are percentages of the footprint the run needs (e.g. 20%), got {text!r}")
-    if not 0 < amount.fraction < math.inf:
-        raise ConfigError(f"budget {text!r} must be above 0%")
+    if amount is None:
+        raise ConfigError(f"invalid budget {text!r}: give {SIMULATED_FORMS}")
+    if amount.fraction is not None:
+        simulated_amount(amount)
+        if not 0 < amount.fraction < math.inf:
+            raise ConfigError(f"budget {text!r} must be above 0%")
+    elif not amount.bytes:
+        raise ConfigError(f"budget {text!r} must be more than zero bytes")
+    return amount
+
+
+def parse_budget(text: str) -> float:
+    """A percentage bench budget, ``"20%"`` or ``"20%peak"``, as a fraction of its base (:func:`check_budget`);
+    a size is a :class:`ConfigError` here."""
+    amount = check_budget(text)
+    if amount.fraction is None:
+        raise ConfigError(f"budget {text!r} is a size, not a percentage")
     return amount.fraction
 
 
@@ -262,7 +275,7 @@ def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
     from umrt.sim.budget import BASES
 
     for b in grid.budgets:
-        parse_budget(b)
+        check_budget(b)
     for d in grid.dtypes:
         check_dtype(d)
     if grid.budget_base not in BASES:
@@ -332,13 +345,38 @@ def base_of(row: dict) -> str:
 
 
 def _progress(enabled: bool):
-    """A rich progress bar, or a context that yields None when disabled."""
+    """Progress: a rich bar on a terminal, one line per finished cell elsewhere (a log, a pipe),
+    nothing when disabled (the context yields None)."""
     if not enabled:
         return contextlib.nullcontext()
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext(LineProgress())
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), transient=False)
+
+
+class LineProgress:
+    """The part of rich's ``Progress`` the grid uses, printing one line to stderr per finished cell:
+    ``bench: [3/16] gpt2 v100-pcie3-32g 20% um (41 s)``."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._tasks: dict[int, list] = {}  # task -> [description, done, total]
+
+    def add_task(self, description: str, total: int) -> int:
+        self._tasks[len(self._tasks)] = [description, 0, total]
+        return len(self._tasks) - 1
+
+    def update(self, task: int, description: str) -> None:
+        self._tasks[task][0] = description
+
+    def advance(self, task: int) -> None:
+        t = self._tasks[task]
+        t[1] += 1
+        print(f"bench: [{t[1]}/{t[2]}] {t[0]} ({time.perf_counter() - self._start:.0f} s)", file=sys.stderr,
+              flush=True)
 
 
 def geomean(values: Iterable[float]) -> float | None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umrt.backends.base import Backend, ForwardingBackend
+from umrt.cli import Renamed
 from umrt.config import parse_amount
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
@@ -385,7 +386,9 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", default="40GiB", help=f"a live log: {', '.join(RUNS)} or a path (default 40GiB)")
-    p.add_argument("--budget", default="40GiB", help="GPU memory the runtime plans for (default 40GiB)")
+    p.add_argument("--gpu-memory", dest="budget", default="40GiB", metavar="SIZE",
+                   help="GPU memory the runtime plans for, a size (default 40GiB)")
+    p.add_argument("--budget", dest="budget", action=Renamed, new="--gpu-memory", prefix="bench.live_replay")
     p.add_argument("--iterations", type=int, default=24)
     p.add_argument("--profile", default="h100-pcie5-80g")
     p.add_argument("--lag", action="store_true", help="launches resume only at the next module hook")
@@ -393,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     try:
-        budget = parse_amount(args.budget, "--budget", allow_percent=False).bytes
+        budget = parse_amount(args.budget, "--gpu-memory", allow_percent=False).bytes
     except ConfigError as exc:
         p.error(str(exc))
     rows = replay(args.run, budget, args.iterations, profile=args.profile, lag=args.lag)

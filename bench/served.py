@@ -33,6 +33,7 @@ from umrt.allocators.managed import ManagedPool
 from umrt.allocators.steady import counting_table
 from umrt.backends.base import Advice, Range
 from umrt.backends.cuda import CudaApi, CudaBackend
+from umrt.cli import Renamed
 from umrt.config import parse_amount
 from umrt.drive.driver import Driver
 from umrt.drive.live import LiveLayout, ManagedOnly
@@ -242,6 +243,7 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                                           ev.precision), shown=seen)
             elif t is LayerEnter or t is LayerExit:
                 bridge.open_if_stepped()
+                server.mark()  # as the live bridge: kernels ran since the last pool event
                 bridge.driver.feed(ev)
         server.close()
     finally:
@@ -310,12 +312,14 @@ def compare(run: str, budget: int, iterations: int, steady_from: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.served", description=__doc__.splitlines()[0])
     p.add_argument("--run", default="40GiB", help=f"a live log: {', '.join(RUNS)} or a path (default 40GiB)")
-    p.add_argument("--budget", default="40GiB", help="GPU memory the runtime plans for (default 40GiB)")
+    p.add_argument("--gpu-memory", dest="budget", default="40GiB", metavar="SIZE",
+                   help="GPU memory the runtime plans for, a size (default 40GiB)")
+    p.add_argument("--budget", dest="budget", action=Renamed, new="--gpu-memory", prefix="bench.served")
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     args = p.parse_args(argv)
     try:
-        budget = parse_amount(args.budget, "--budget", allow_percent=False).bytes
+        budget = parse_amount(args.budget, "--gpu-memory", allow_percent=False).bytes
     except ConfigError as exc:
         p.error(str(exc))
     if args.iterations < 12:

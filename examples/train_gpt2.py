@@ -7,9 +7,10 @@ foreach=True as on CUDA — that runs on a CPU in seconds::
     python examples/train_gpt2.py --steps 6
     umrt run --simulate h100-pcie5-80g --gpu-memory 20% examples/train_gpt2.py
 
-The second command runs it unchanged in umrt's shadow mode: the runtime
-drives a simulated GPU with 20% of the job's peak memory and reports what
-the GPU would have done.
+The second command runs it unchanged in umrt's shadow mode: umrt then drives
+a simulated GPU whose memory is 20% of the footprint the job needs (the GPU
+memory its allocations take with nothing evicted) and reports what the GPU
+would have done, and how much memory the job can save at what cost.
 """
 from __future__ import annotations
 

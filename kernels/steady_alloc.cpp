@@ -8,8 +8,9 @@
 // that stream, run the decisions through a table of C function pointers that Python sets
 // (the CUDA calls; tests fill it with the fake runtime), and append events (Alloc, Free,
 // Boundary) to a bounded buffer that Python drains. Anything the schedule does not expect
-// (a size, a device, a stream, a planned block overlapping a live one, a full buffer, a
-// failed call) disarms it: malloc returns NULL and the caller falls back to Python.
+// (a size, a device, a stream, a planned block overlapping a live one, a decision touching a
+// live block that was dead there in the recorded window, a full buffer, a failed call)
+// disarms it: malloc returns NULL and the caller falls back to Python.
 // Blocks live before arming can be handed to the schedule (umrt_steady_adopt), and every
 // live block handed back at once (umrt_steady_disown, which disarms).
 //
@@ -62,7 +63,7 @@ enum Ev : int32_t { EV_ALLOC = 0, EV_FREE = 1, EV_BOUNDARY = 2 };
 // Deviation codes (steady.py: Deviation).
 enum Dev : int32_t {
   DEV_NONE = 0, DEV_SIZE = 1, DEV_HASH = 2, DEV_LIVE = 3, DEV_BUFFER = 4, DEV_CALL = 5, DEV_DEVICE = 6,
-  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9
+  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9, DEV_TOUCH = 10, DEV_REENTERED = 11
 };
 
 }  // namespace
@@ -84,6 +85,14 @@ struct umrt_cuda_table {
   int (*wait_event)(void* stream, uint64_t event);
   void* copy_stream;
   void* discard_stream;
+  // Called after any call that failed (NULL: none needed). A failed CUDA runtime call also
+  // sets the calling thread's last error (cudaGetLastError, cuda_runtime_api.h: "Returns the
+  // last error that has been produced by any of the runtime calls in the same instance of the
+  // CUDA Runtime library in the host thread ... and resets it to cudaSuccess"); torch checks
+  // it after every kernel launch (C10_CUDA_KERNEL_LAUNCH_CHECK), so a failed decision left
+  // there would raise in an unrelated op before umrt could fall back. The libcudart table
+  // points this at cudaGetLastError.
+  int (*clear_error)();
 };
 
 namespace {
@@ -106,6 +115,9 @@ struct Schedule {
   std::vector<int32_t> dec_kind, dec_device, dec_advice;
   std::vector<uint64_t> dec_stream, dec_event;  // 0: the table's / caller's stream; the event handle
   std::vector<uint64_t> range_ptr, range_len;
+  // Decision d may touch, of the live blocks, only those of the allocations
+  // guard_ordinal[guard_begin[d], guard_begin[d+1]) (live there in the recorded window).
+  std::vector<int64_t> guard_begin, guard_ordinal;
   umrt_cuda_table table{};
   // State.
   bool armed = false;
@@ -120,6 +132,28 @@ struct Schedule {
   int32_t deviation = DEV_NONE;
   int64_t deviation_position = -1;
   std::string reason;
+  // Frees that arrived on the thread running this schedule's decisions (a callback of a
+  // Python table can run the garbage collector, which frees a tensor): served after them.
+  std::vector<std::pair<uint64_t, void*>> deferred;
+};
+
+// Test only: bugs the Hypothesis state machine of tests/test_page_state_machine.py must find,
+// planted with umrt_steady_plant_bugs (0 in any real run): 1 drops the live-block check of
+// decisions, 2 skips the last-error reset after a failed call.
+std::atomic<int> g_planted{0};
+constexpr int kBugNoLiveCheck = 1, kBugNoErrorClear = 2;
+
+// The schedule whose decisions this thread is running. Its mutex is held further up this
+// thread's stack, so an entry point called again from inside a decision's call must not
+// lock it (std::mutex is not recursive): a free is deferred, an allocation declined.
+thread_local Schedule* t_inside = nullptr;
+
+struct Inside {
+  Schedule* prev;
+  explicit Inside(Schedule* s) : prev(t_inside) { t_inside = s; }
+  ~Inside() { t_inside = prev; }
+  Inside(const Inside&) = delete;
+  Inside& operator=(const Inside&) = delete;
 };
 
 void deviate(Schedule* s, int32_t code, int64_t position, const char* fmt, ...)
@@ -166,6 +200,7 @@ bool table_has(const umrt_cuda_table& t, int32_t kind) {
 // Run decisions [begin, end) for a call on `stream`; false (disarmed) at the first that fails.
 bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const char* where, int64_t ordinal) {
   const umrt_cuda_table& t = s->table;
+  Inside inside(s);
   for (int64_t d = begin; d < end; ++d) {
     const int32_t kind = s->dec_kind[d], device = s->dec_device[d], advice = s->dec_advice[d];
     const uint64_t own = s->dec_stream[d], event = s->dec_event[d];
@@ -206,6 +241,8 @@ bool run_decisions(Schedule* s, int64_t begin, int64_t end, void* stream, const 
       }
     }
     if (rc != 0) {
+      // The error is ours: torch's next launch check must not see it.
+      if (t.clear_error && !(g_planted.load(std::memory_order_relaxed) & kBugNoErrorClear)) t.clear_error();
       deviate(s, DEV_CALL, ordinal, "%s of allocation %lld: %s failed with CUDA error %d", where,
               static_cast<long long>(ordinal), what, rc);
       return false;
@@ -223,6 +260,39 @@ std::map<uint64_t, std::pair<uint64_t, int64_t>>::iterator overlapping(Schedule*
   }
   if (it != s->live.end() && it->first < end) return it;
   return s->live.end();
+}
+
+// Decisions [begin, end) touch no live block but those live where they ran in the recorded
+// window (a block freed later than recorded is live now, dead there: a discard would destroy
+// its data); else deviate (DEV_TOUCH) before any of them runs. Event records and waits touch
+// no memory.
+bool check_decisions(Schedule* s, int64_t begin, int64_t end, const char* where, int64_t ordinal) {
+  if (g_planted.load(std::memory_order_relaxed) & kBugNoLiveCheck) return true;
+  for (int64_t d = begin; d < end; ++d) {
+    const int32_t kind = s->dec_kind[d];
+    if (kind == RECORD_EVENT || kind == WAIT_EVENT) continue;
+    const int64_t* g0 = s->guard_ordinal.data() + s->guard_begin[d];
+    const int64_t* g1 = s->guard_ordinal.data() + s->guard_begin[d + 1];
+    for (int64_t r = s->range_begin[d]; r < s->range_begin[d + 1]; ++r) {
+      const uint64_t p = s->range_ptr[r], n = s->range_len[r];
+      auto it = s->live.upper_bound(p);
+      if (it != s->live.begin()) --it;
+      for (; it != s->live.end() && it->first < p + n; ++it) {
+        if (it->second.first <= p) continue;
+        const int64_t block = it->second.second;
+        if (std::find(g0, g1, block) == g1) {
+          deviate(s, DEV_TOUCH, ordinal,
+                  "%s of allocation %lld: its %s of (0x%llx, %llu) would touch live block 0x%llx of allocation "
+                  "%lld, dead at that point of the recorded window",
+                  where, static_cast<long long>(ordinal), call_name(kind), static_cast<unsigned long long>(p),
+                  static_cast<unsigned long long>(n), static_cast<unsigned long long>(it->first),
+                  static_cast<long long>(block));
+          return false;
+        }
+      }
+    }
+  }
+  return true;
 }
 
 void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
@@ -266,13 +336,17 @@ void* serve_malloc(Schedule* s, uint64_t size, int device, void* stream) {
             static_cast<unsigned long long>(hit->first), static_cast<long long>(hit->second.second));
     return nullptr;
   }
+  auto born = s->live.emplace(addr, std::make_pair(addr + size, p)).first;
+  if (!check_decisions(s, s->alloc_begin[p], s->alloc_begin[p + 1], "allocation", p)) {
+    s->live.erase(born);
+    return nullptr;
+  }
   if (s->starts_iteration[p] && (p != 0 || s->position == n)) {  // not the first allocation after arming
     s->iteration += 1;
     s->events.push_back(Event{EV_BOUNDARY, s->iteration, 0, 0});
   }
   s->position = p + 1;
   s->hash = h;
-  s->live.emplace(addr, std::make_pair(addr + size, p));
   s->events.push_back(Event{EV_ALLOC, p, addr, size});
   run_decisions(s, s->alloc_begin[p], s->alloc_begin[p + 1], stream, "allocation", p);
   return reinterpret_cast<void*>(static_cast<uintptr_t>(addr));
@@ -284,7 +358,8 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
   const int64_t ordinal = it->second.second;
   s->live.erase(it);
   s->events.push_back(Event{EV_FREE, ordinal, ptr, s->sizes[ordinal]});
-  if (s->armed) run_decisions(s, s->free_begin[ordinal], s->free_begin[ordinal + 1], stream, "free", ordinal);
+  const int64_t begin = s->free_begin[ordinal], end = s->free_begin[ordinal + 1];
+  if (s->armed && check_decisions(s, begin, end, "free", ordinal)) run_decisions(s, begin, end, stream, "free", ordinal);
   return 1;
 }
 
@@ -294,13 +369,17 @@ int serve_free(Schedule* s, uint64_t ptr, void* stream) {
 // iteration_starts: the ordinals where the iterations of the schedule start, ascending,
 // the first 0 (one iteration: {0}; a cycle of several when CUDA handles repeat only
 // every few iterations). The running hash restarts and EV_BOUNDARY is emitted at each.
+// guard_begin (n_decisions + 1 offsets) / guard_ordinal: per decision, the allocations whose
+// blocks it may touch (see check_decisions).
 UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uint64_t* addrs,
                                      const int64_t* alloc_begin, const int64_t* free_begin, int64_t n_decisions,
                                      const int32_t* dec_kind, const int32_t* dec_device, const int32_t* dec_advice,
                                      const uint64_t* dec_stream, const uint64_t* dec_event, const int64_t* range_begin, int64_t n_ranges, const uint64_t* range_ptr,
                                      const uint64_t* range_len, int64_t n_starts, const int64_t* iteration_starts,
+                                     const int64_t* guard_begin, int64_t n_guards, const int64_t* guard_ordinal,
                                      int64_t capacity) {
-  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || capacity < 3 || n_starts < 1 || iteration_starts[0] != 0) {
+  if (n <= 0 || n_decisions < 0 || n_ranges < 0 || n_guards < 0 || capacity < 3 || n_starts < 1 ||
+      iteration_starts[0] != 0) {
     return nullptr;
   }
   Schedule* s = new (std::nothrow) Schedule();
@@ -317,12 +396,16 @@ UMRT_EXPORT void* umrt_steady_create(int64_t n, const uint64_t* sizes, const uin
   s->range_begin.assign(range_begin, range_begin + n_decisions + 1);
   s->range_ptr.assign(range_ptr, range_ptr + n_ranges);
   s->range_len.assign(range_len, range_len + n_ranges);
-  bool ok = s->alloc_begin[n] <= n_decisions && s->free_begin[n] <= n_decisions && s->range_begin[n_decisions] <= n_ranges;
+  s->guard_begin.assign(guard_begin, guard_begin + n_decisions + 1);
+  s->guard_ordinal.assign(guard_ordinal, guard_ordinal + n_guards);
+  bool ok = s->alloc_begin[n] <= n_decisions && s->free_begin[n] <= n_decisions &&
+            s->range_begin[n_decisions] <= n_ranges && s->guard_begin[0] == 0 && s->guard_begin[n_decisions] <= n_guards;
   for (int64_t i = 0; ok && i < n; ++i) {
     ok = s->alloc_begin[i] <= s->alloc_begin[i + 1] && s->free_begin[i] <= s->free_begin[i + 1] && sizes[i] > 0;
   }
   for (int64_t d = 0; ok && d < n_decisions; ++d) {
-    ok = s->range_begin[d] <= s->range_begin[d + 1] && dec_kind[d] >= 0 && dec_kind[d] < kKinds;
+    ok = s->range_begin[d] <= s->range_begin[d + 1] && s->guard_begin[d] <= s->guard_begin[d + 1] &&
+         dec_kind[d] >= 0 && dec_kind[d] < kKinds;
   }
   s->starts_iteration.assign(static_cast<size_t>(n), 0);
   for (int64_t k = 0; ok && k < n_starts; ++k) {
@@ -364,17 +447,52 @@ UMRT_EXPORT void umrt_steady_arm(void* handle, int device, void* stream) {
   s->reason.clear();
 }
 
+// The decision kinds the schedule has and its table lacks, as a bit mask (1 << kind): a
+// schedule with any would disarm at the first such decision, every time it is armed.
+UMRT_EXPORT int32_t umrt_steady_missing(void* handle) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::lock_guard<std::mutex> lock(s->mu);
+  int32_t mask = 0;
+  for (const int32_t kind : s->dec_kind) {
+    if (!table_has(s->table, kind)) mask |= 1 << kind;
+  }
+  return mask;
+}
+
 UMRT_EXPORT int umrt_steady_armed(void* handle) {
   Schedule* s = static_cast<Schedule*>(handle);
   std::lock_guard<std::mutex> lock(s->mu);
   return s->armed ? 1 : 0;
 }
 
+namespace {
+
+// The frees deferred while this thread ran the schedule's decisions (called once they ran).
+void serve_deferred(Schedule* s) {
+  while (!s->deferred.empty() && t_inside != s) {
+    const auto [ptr, stream] = s->deferred.front();
+    s->deferred.erase(s->deferred.begin());
+    serve_free(s, ptr, stream);
+  }
+}
+
+}  // namespace
+
 // The planned block for this allocation, or NULL (disarmed: the caller falls back).
 UMRT_EXPORT void* umrt_steady_malloc(void* handle, uint64_t size, int device, void* stream) {
   Schedule* s = static_cast<Schedule*>(handle);
+  if (t_inside == s) {  // from inside one of its own decisions' calls: the lock is ours already
+    if (s->armed) {
+      const int64_t n = static_cast<int64_t>(s->sizes.size());
+      deviate(s, DEV_REENTERED, s->position == n ? 0 : s->position,
+              "an allocation of %llu bytes from inside a decision's CUDA call", static_cast<unsigned long long>(size));
+    }
+    return nullptr;
+  }
   std::lock_guard<std::mutex> lock(s->mu);
-  return serve_malloc(s, size, device, stream);
+  void* out = serve_malloc(s, size, device, stream);
+  serve_deferred(s);
+  return out;
 }
 
 // 1: a block this schedule handed out (freed here); 0: not ours (the caller frees it).
@@ -382,8 +500,36 @@ UMRT_EXPORT int umrt_steady_free(void* handle, uint64_t ptr, uint64_t size, int 
   (void)size;
   (void)device;
   Schedule* s = static_cast<Schedule*>(handle);
+  if (t_inside == s) {  // from inside one of its own decisions' calls: served once they ran
+    if (s->live.find(ptr) == s->live.end()) return 0;
+    s->deferred.emplace_back(ptr, stream);
+    return 1;
+  }
   std::lock_guard<std::mutex> lock(s->mu);
-  return serve_free(s, ptr, stream);
+  const int out = serve_free(s, ptr, stream);
+  serve_deferred(s);
+  return out;
+}
+
+// torch's record_stream: the block at `ptr` is used on `stream` too. A schedule serves one
+// stream and orders nothing across streams: for a block of its own (live) used on another
+// stream it deviates (DEV_STREAM, if armed) and returns 1, so that Python hands back and
+// orders the block's next use after that stream; 0 for a block not its own.
+UMRT_EXPORT int umrt_steady_record_stream(void* handle, uint64_t ptr, void* stream) {
+  Schedule* s = static_cast<Schedule*>(handle);
+  std::unique_lock<std::mutex> lock(s->mu, std::defer_lock);
+  if (t_inside != s) lock.lock();  // (from inside its decisions' calls the lock is this thread's)
+  auto it = s->live.find(ptr);
+  if (it == s->live.end()) return 0;
+  if (stream == s->stream) return 1;
+  if (s->armed) {
+    const int64_t n = static_cast<int64_t>(s->sizes.size());
+    deviate(s, DEV_STREAM, s->position == n ? 0 : s->position,
+            "record_stream: block 0x%llx of allocation %lld is used on stream 0x%llx too",
+            static_cast<unsigned long long>(ptr), static_cast<long long>(it->second.second),
+            static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(stream)));
+  }
+  return 1;
 }
 
 // Hand blocks live before arming to the schedule: block k at addrs[k] was allocation
@@ -480,6 +626,9 @@ UMRT_EXPORT void umrt_steady_state(void* handle, int64_t* out4) {
   out4[3] = static_cast<int64_t>(s->events.size());
 }
 
+// Test only (see g_planted): plant the bugs in `mask` in every schedule of the process.
+UMRT_EXPORT void umrt_steady_plant_bugs(int mask) { g_planted.store(mask); }
+
 // Bench baselines: empty functions with the signatures of malloc and free (a ctypes
 // call's own cost). The empty malloc returns the handle (a non-NULL pointer, as a served one).
 UMRT_EXPORT void* umrt_steady_noop_malloc(void* handle, uint64_t size, int device, void* stream) {
@@ -562,6 +711,8 @@ using DiscardPrefetchFn = cudaError (*)(void**, size_t*, size_t, CudaMemLocation
 using RecordFn = cudaError (*)(void*, void*);
 using WaitFn = cudaError (*)(void*, void*, unsigned int);
 using VersionFn = cudaError (*)(int*);
+// cudaGetLastError(void): returns and resets the calling thread's last error.
+using LastErrorFn = cudaError (*)();
 
 // The entry points of the runtime last given to umrt_steady_cudart_table (one per process).
 struct Cudart {
@@ -573,6 +724,7 @@ struct Cudart {
   DiscardPrefetchFn discard_prefetch = nullptr;
   RecordFn record = nullptr;
   WaitFn wait = nullptr;
+  LastErrorFn last_error = nullptr;
 };
 Cudart g_cudart;
 
@@ -610,6 +762,8 @@ int cudart_discard_prefetch(const uint64_t* ptrs, const uint64_t* lens, int64_t 
 int cudart_record_event(uint64_t event, void* stream) { return g_cudart.record(as_ptr(event), stream); }
 
 int cudart_wait_event(void* stream, uint64_t event) { return g_cudart.wait(stream, as_ptr(event), 0); }
+
+int cudart_clear_error() { return g_cudart.last_error(); }
 
 void put_error(char* err, int64_t errlen, const char* fmt, const char* a, const char* b) {
   if (err && errlen > 0) snprintf(err, static_cast<size_t>(errlen), fmt, a, b);
@@ -657,6 +811,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   }
   c.record = reinterpret_cast<RecordFn>(dlsym(lib, "cudaEventRecord"));
   c.wait = reinterpret_cast<WaitFn>(dlsym(lib, "cudaStreamWaitEvent"));
+  c.last_error = reinterpret_cast<LastErrorFn>(dlsym(lib, "cudaGetLastError"));
   const char* missing = nullptr;
   if (!c.prefetch_loc && !c.prefetch_dev) missing = "cudaMemPrefetchAsync";
   else if (!c.advise_loc && !c.advise_dev) missing = "cudaMemAdvise";
@@ -664,6 +819,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   else if (version >= 13000 && !c.discard_prefetch) missing = "cudaMemDiscardAndPrefetchBatchAsync";
   else if (!c.record) missing = "cudaEventRecord";
   else if (!c.wait) missing = "cudaStreamWaitEvent";
+  else if (!c.last_error) missing = "cudaGetLastError";
   if (missing) {
     put_error(err, errlen, "%s has no %s", libcudart_path, missing);
     return 0;
@@ -677,6 +833,7 @@ UMRT_EXPORT int umrt_steady_cudart_table(const char* libcudart_path, umrt_cuda_t
   out->discard_prefetch = c.discard_prefetch ? &cudart_discard_prefetch : nullptr;
   out->record_event = &cudart_record_event;
   out->wait_event = &cudart_wait_event;
+  out->clear_error = &cudart_clear_error;
   return version;
 }
 
@@ -706,7 +863,7 @@ int count_wait(void*, uint64_t) { g_counted[WAIT_EVENT].fetch_add(1, std::memory
 // Fill `out` with the counting functions (streams NULL).
 UMRT_EXPORT void umrt_steady_counting_table(umrt_cuda_table* out) {
   *out = umrt_cuda_table{&count_prefetch, &count_discard, &count_discard_prefetch, &count_populate, &count_advise,
-                         &count_record, &count_wait, nullptr, nullptr};
+                         &count_record, &count_wait, nullptr, nullptr, nullptr};
 }
 
 // The calls counted per kind (Kind order: prefetch, discard, discard_prefetch, populate,

@@ -1,5 +1,6 @@
 // umrt's allocation front: the functions torch's pluggable allocator (through the
-// shim, kernels/torch_alloc_shim.cpp) and CuPy's CFunctionAllocator call.
+// shim, kernels/torch_alloc_shim.cpp) and umrt's CuPy allocator call (with the stream
+// CuPy runs on, read in Python: umrt/allocators/cupy.py).
 //
 // Each allocation first asks the installed steady schedule (kernels/steady_alloc.cpp,
 // reached through the function pointers Python installs with umrt_front_install): a
@@ -26,6 +27,8 @@ typedef void* (*umrt_alloc_fn)(ssize_t, int, void*);
 typedef void (*umrt_free_fn)(void*, ssize_t, int, void*);
 typedef void* (*umrt_steady_malloc_fn)(void*, uint64_t, int, void*);
 typedef int (*umrt_steady_free_fn)(void*, uint64_t, uint64_t, int, void*);
+typedef void (*umrt_record_fn)(void*, void*);
+typedef int (*umrt_steady_record_fn)(void*, uint64_t, void*);
 
 namespace {
 
@@ -33,28 +36,30 @@ struct Installed {
   void* handle;
   umrt_steady_malloc_fn malloc_fn;
   umrt_steady_free_fn free_fn;
+  umrt_steady_record_fn record_fn;
 };
 
 std::atomic<umrt_alloc_fn> g_fallback_alloc{nullptr};
 std::atomic<umrt_free_fn> g_fallback_free{nullptr};
+std::atomic<umrt_record_fn> g_fallback_record{nullptr};
 std::atomic<Installed*> g_installed{nullptr};
 // Counters: allocations and frees served by the schedule, and those that went to Python.
 std::atomic<int64_t> g_native_allocs{0}, g_native_frees{0}, g_fallback_allocs{0}, g_fallback_frees{0};
-// CuPy's allocator passes no stream: the stream its allocations are served on (set by Python).
-std::atomic<void*> g_cupy_stream{nullptr};
 
 }  // namespace
 
-// The Python callbacks every allocation falls back to.
-UMRT_EXPORT void umrt_front_set_fallback(umrt_alloc_fn alloc_fp, umrt_free_fn free_fp) {
+// The Python callbacks every allocation falls back to, and every record_stream goes to
+// (record_fp NULL: none).
+UMRT_EXPORT void umrt_front_set_fallback(umrt_alloc_fn alloc_fp, umrt_free_fn free_fp, umrt_record_fn record_fp) {
   g_fallback_alloc.store(alloc_fp);
   g_fallback_free.store(free_fp);
+  g_fallback_record.store(record_fp);
 }
 
 // Serve allocations from `handle` (NULL handle: none). `slot` is storage Python keeps
 // alive for as long as the process runs (the record the front reads).
 UMRT_EXPORT void umrt_front_install(void* slot, void* handle, umrt_steady_malloc_fn malloc_fp,
-                                    umrt_steady_free_fn free_fp) {
+                                    umrt_steady_free_fn free_fp, umrt_steady_record_fn record_fp) {
   if (handle == nullptr || slot == nullptr) {
     g_installed.store(nullptr);
     return;
@@ -63,6 +68,7 @@ UMRT_EXPORT void umrt_front_install(void* slot, void* handle, umrt_steady_malloc
   rec->handle = handle;
   rec->malloc_fn = malloc_fp;
   rec->free_fn = free_fp;
+  rec->record_fn = record_fp;
   g_installed.store(rec);
 }
 
@@ -97,21 +103,18 @@ UMRT_EXPORT void umrt_front_free(void* ptr, ssize_t size, int device, void* stre
   if (fallback) fallback(ptr, size, device, stream);
 }
 
-// CuPy's CFunctionAllocator: void* malloc(void* param, size_t size, int device_id),
-// void free(void* param, void* ptr, int device_id) (cupy.cuda.CFunctionAllocator's
-// documentation). CuPy passes no stream: allocations are served on the stream Python
-// sets here (the one the schedule was armed on; a program that switches CuPy streams
-// deviates at its next allocation, in Python, where the current stream is read).
-UMRT_EXPORT void umrt_front_set_cupy_stream(void* stream) { g_cupy_stream.store(stream); }
-
-UMRT_EXPORT void* umrt_front_cupy_malloc(void* param, size_t size, int device) {
-  (void)param;
-  return umrt_front_malloc(static_cast<ssize_t>(size), device, g_cupy_stream.load());
-}
-
-UMRT_EXPORT void umrt_front_cupy_free(void* param, void* ptr, int device) {
-  (void)param;
-  umrt_front_free(ptr, 0, device, g_cupy_stream.load());
+// torch's Tensor.record_stream (through the shim's umrt_record_stream): the block is used on
+// `stream` too. A block the schedule serves makes it deviate (it serves one stream); then
+// Python hears of it (the fallback), hands back if the schedule deviated, and orders the
+// block's next use and discard after that stream's work (ManagedPool.record_stream).
+UMRT_EXPORT void umrt_front_record_stream(void* ptr, void* stream) {
+  if (ptr == nullptr) return;
+  Installed* rec = g_installed.load();
+  if (rec != nullptr && rec->record_fn != nullptr) {
+    rec->record_fn(rec->handle, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)), stream);
+  }
+  umrt_record_fn fallback = g_fallback_record.load();
+  if (fallback) fallback(ptr, stream);
 }
 
 // native allocations, native frees, fallback allocations, fallback frees.

@@ -33,10 +33,12 @@
 typedef void* umrt_stream_t;  // cudaStream_t, passed through untouched
 typedef void* (*umrt_alloc_fn)(ssize_t, int, umrt_stream_t);
 typedef void (*umrt_free_fn)(void*, ssize_t, int, umrt_stream_t);
+typedef void (*umrt_record_fn)(void*, umrt_stream_t);
 
 namespace {
 std::atomic<umrt_alloc_fn> g_alloc{nullptr};
 std::atomic<umrt_free_fn> g_free{nullptr};
+std::atomic<umrt_record_fn> g_record{nullptr};
 // Why the last allocation on this thread failed (set by the Python callback).
 thread_local std::string t_error;
 }  // namespace
@@ -46,6 +48,9 @@ UMRT_EXPORT void umrt_set_callbacks(umrt_alloc_fn alloc_fp, umrt_free_fn free_fp
   g_alloc.store(alloc_fp);
   g_free.store(free_fp);
 }
+
+// Where umrt_record_stream forwards (umrt's record-stream callback; NULL: nowhere).
+UMRT_EXPORT void umrt_set_record_stream(umrt_record_fn record_fp) { g_record.store(record_fp); }
 
 // Called by the alloc callback, before it returns NULL, with the pool's error.
 UMRT_EXPORT void umrt_set_error(const char* message) {
@@ -80,6 +85,16 @@ UMRT_EXPORT void umrt_free(void* ptr, ssize_t size, int device, umrt_stream_t st
   }
 }
 
+// torch's Tensor.record_stream(stream) on a block of this allocator: CUDAPluggableAllocator::
+// recordStream calls the function given to set_record_stream_fn (torch/csrc/cuda/
+// CUDAPluggableAllocator.cpp) with the block's pointer and the stream. Never throws.
+UMRT_EXPORT void umrt_record_stream(void* ptr, umrt_stream_t stream) noexcept {
+  umrt_record_fn record_fp = g_record.load();
+  if (ptr != nullptr && record_fp != nullptr) {
+    record_fp(ptr, stream);
+  }
+}
+
 // Test hook: umrt_alloc called the way CUDAPluggableAllocator::malloc calls
 // it (through a std::function<void*(size_t, int, cudaStream_t)>), inside
 // torch's own error translation (the HANDLE_TH_ERRORS / CATCH_CORE_ERRORS
@@ -97,10 +112,17 @@ static void try_free(int64_t ptr, int64_t size, int64_t device) {
   umrt_free(reinterpret_cast<void*>(ptr), static_cast<ssize_t>(size), static_cast<int>(device), nullptr);
 }
 
+static void try_record_stream(int64_t ptr, int64_t stream) {
+  std::function<void(void*, umrt_stream_t)> record_fn = &umrt_record_stream;  // as torch holds it
+  record_fn(reinterpret_cast<void*>(ptr), reinterpret_cast<umrt_stream_t>(stream));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "umrt's torch allocator shim (umrt_alloc / umrt_free for CUDAPluggableAllocator)";
   m.def("_try_alloc", &try_alloc, "umrt_alloc(size, device, NULL) under torch's error translation",
         pybind11::arg("size"), pybind11::arg("device") = 0);
   m.def("_try_free", &try_free, "umrt_free(ptr, size, device, NULL)",
         pybind11::arg("ptr"), pybind11::arg("size"), pybind11::arg("device") = 0);
+  m.def("_try_record_stream", &try_record_stream, "umrt_record_stream(ptr, stream) as torch's recordStream calls it",
+        pybind11::arg("ptr"), pybind11::arg("stream"));
 }

@@ -53,6 +53,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def private_share_registry(monkeypatch, tmp_path_factory):
+    """A test that enables umrt joins a registry of its own, never the machine's GPU share
+    registry (``/dev/shm/umrt-shares``) that other processes, and other test runs, share."""
+    import umrt.share
+
+    folder = tmp_path_factory.mktemp("shares")
+    monkeypatch.setattr(umrt.share, "default_folder", lambda: folder)
+    return folder
+
+
 @pytest.fixture
 def fake_gpu() -> FakeGpu:
     return FakeGpu()

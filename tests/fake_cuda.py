@@ -75,6 +75,10 @@ default) or appended to ``FakeGpu.violations``:
     page ends up is a race).
 ``illegal-address``
     a kernel touches memory that is not a live managed allocation.
+``stream-race``
+    a kernel writes bytes that a kernel on another stream touched and is not ordered
+    after it (a block reused on its stream while another stream still reads it: what
+    torch's ``record_stream`` is for).
 """
 from __future__ import annotations
 
@@ -490,6 +494,49 @@ def _gaps(covered: list[tuple[int, int]], start: int, end: int) -> list[tuple[in
     return out
 
 
+class _LastUse:
+    """For one stream: the newest kernel that touched each byte, as sorted, disjoint
+    ``[start, end)`` intervals with their op."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.ops: list[Op] = []
+
+    def set(self, start: int, end: int, op: Op) -> None:
+        i = bisect.bisect_right(self.ends, start)
+        j = bisect.bisect_left(self.starts, end)
+        keep = []
+        if i < j and self.starts[i] < start:
+            keep.append((self.starts[i], start, self.ops[i]))
+        keep.append((start, end, op))
+        if i < j and self.ends[j - 1] > end:
+            keep.append((end, self.ends[j - 1], self.ops[j - 1]))
+        self.starts[i:j] = [k[0] for k in keep]
+        self.ends[i:j] = [k[1] for k in keep]
+        self.ops[i:j] = [k[2] for k in keep]
+
+    def overlap(self, start: int, end: int) -> list[Op]:
+        i = bisect.bisect_right(self.ends, start)
+        out = []
+        while i < len(self.starts) and self.starts[i] < end:
+            out.append(self.ops[i])
+            i += 1
+        return out
+
+    def drop(self, start: int, end: int) -> None:
+        i = bisect.bisect_right(self.ends, start)
+        j = bisect.bisect_left(self.starts, end)
+        keep = []
+        if i < j and self.starts[i] < start:
+            keep.append((self.starts[i], start, self.ops[i]))
+        if i < j and self.ends[j - 1] > end:
+            keep.append((end, self.ends[j - 1], self.ops[j - 1]))
+        self.starts[i:j] = [k[0] for k in keep]
+        self.ends[i:j] = [k[1] for k in keep]
+        self.ops[i:j] = [k[2] for k in keep]
+
+
 @dataclass
 class FakeGpu(SwapPath):
     """State of a fake machine. ``calls`` logs (name, args) of every runtime call."""
@@ -523,6 +570,7 @@ class FakeGpu(SwapPath):
         self._host: dict = {}  # what the host has waited for
         self._pages: dict[int, _Page] = {}  # page index (address // PAGE) -> state
         self._dead = _Intervals()  # bytes discarded and not written since
+        self._last_use: dict[object, _LastUse] = {}  # stream key -> the newest kernel per byte
         self._starts: list[int] = []  # sorted allocation bases
 
     # -- checks --------------------------------------------------------------
@@ -703,6 +751,8 @@ class FakeGpu(SwapPath):
             self._pages.pop(i, None)
         self._dead.remove(ptr, ptr + n)
         self.swap_forget(ptr, n)
+        for uses in self._last_use.values():
+            uses.drop(ptr, ptr + n)
 
     def base_of(self, ptr: int) -> int:
         alloc = self.allocation_of(ptr)
@@ -813,6 +863,18 @@ class FakeGpu(SwapPath):
         for p, n, write in touched:
             if write:
                 self._dead.remove(p, p + n)
+                for key, uses in self._last_use.items():
+                    if key == op.stream:
+                        continue
+                    for other in uses.overlap(p, p + n):
+                        if not self.ordered(other, op):
+                            self._violate("stream-race", f"{op} writes ({p:#x}, {n}) bytes {other} touched on "
+                                                         "another stream, and is not ordered after it")
+                            break
+        mine = self._last_use.setdefault(op.stream, _LastUse())
+        for p, n, _ in touched:
+            if self.allocation_of(p) is not None:
+                mine.set(p, p + n, op)
         self.swap_check_kernel(op, touched)
         return op
 

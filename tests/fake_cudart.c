@@ -22,6 +22,11 @@ struct fake_location { int type; int id; }; /* struct cudaMemLocation */
 static char g_log[1 << 16];
 static size_t g_len;
 static int g_fail; /* every call returns this (0: cudaSuccess) */
+/* The calling thread's last error, as the CUDA runtime keeps it (cuda_runtime_api.h,
+ * cudaGetLastError: "Returns the last error that has been produced by any of the runtime
+ * calls in the same instance of the CUDA Runtime library in the host thread and resets it
+ * to cudaSuccess"): a failed call sets it, a later successful call leaves it set. */
+static __thread int t_last_error;
 
 static int logged(const char* fmt, ...) {
   va_list ap;
@@ -32,8 +37,20 @@ static int logged(const char* fmt, ...) {
     if (g_len > sizeof g_log - 1) g_len = sizeof g_log - 1;
   }
   va_end(ap);
+  if (g_fail) t_last_error = g_fail;
   return g_fail;
 }
+
+/* cudaGetLastError: returns the thread's last error and resets it. */
+int cudaGetLastError(void) {
+  int e = t_last_error;
+  t_last_error = 0;
+  return e;
+}
+
+/* cudaPeekAtLastError: returns it without resetting (what a test reads; and what torch's
+ * launch check, cudaGetLastError after each kernel launch, would find). */
+int cudaPeekAtLastError(void) { return t_last_error; }
 
 /* The lines logged since the last take (each ends in '\n'); clears the log. */
 size_t fake_cudart_take(char* out, size_t n) {

@@ -88,6 +88,21 @@ def test_bad_values_stop_before_the_script(boot):
     assert out.returncode == 2 and "UMRT_GPU_MEMORY" in out.stderr and "ARGS" not in out.stdout
 
 
+@pytest.mark.parametrize("env, line", [
+    ({"UMRT_PROFILE": "nope"}, "umrt: error: UMRT_PROFILE='nope': unknown hardware profile 'nope': not a file, "
+                               "and not one of v100-pcie3-16g"),
+    ({"UMRT_GPU_MEMORY": "20%peak"}, "umrt: error: UMRT_GPU_MEMORY='20%peak': a live run does not know the run's "
+                                     "peak live bytes before it runs"),
+    ({"UMRT_SIMULATE": "h100-pcie5-80g", "UMRT_GPU_MEMORY": "90%device"},
+     "umrt: error: UMRT_GPU_MEMORY='90%device': a simulated GPU has no memory but its budget"),
+])
+def test_every_setting_is_checked_before_the_script_starts(boot, env, line):
+    """As the README says of every knob (issue 22: UMRT_PROFILE was read only later)."""
+    out = boot({"UMRT": "1", **env})
+    assert out.returncode == 2 and "ARGS" not in out.stdout
+    assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+
+
 def test_enabled_waits_for_torch_then_runs_unchanged_without_gpu(boot):
     # "without a GPU" on any machine: CUDA_VISIBLE_DEVICES="" hides every device from the
     # CUDA runtime of the child (a GPU machine would otherwise really enable umrt there).
@@ -140,8 +155,9 @@ def test_run_simulate_calls_shadow(tmp_path, monkeypatch, no_umrt_env):
     script = tmp_path / "s.py"
     script.write_text("raise SystemExit('must not run for real')\n")
     assert _cli(["run", "--simulate", "v100-pcie3-16g", "--gpu-memory", "20%", str(script), "x"]) == 0
-    assert seen == {"script": str(script), "argv": ["x"], "profile": "v100-pcie3-16g", "gpu_memory": "20%",
-                    "policy": "umrt"}
+    amount = seen.pop("gpu_memory")  # "20%" as shadow mode reads it: of the footprint the run needs
+    assert (amount.fraction, amount.base, amount.text) == (0.2, "footprint", "20%")
+    assert seen == {"script": str(script), "argv": ["x"], "profile": "v100-pcie3-16g", "policy": "umrt"}
 
 
 def test_run_bad_input_exits_2(tmp_path, capsys, no_umrt_env):

@@ -41,9 +41,14 @@ def fresh(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", torch.cuda.empty_cache)
     monkeypatch.setattr(torch.cuda.memory, "empty_cache", torch.cuda.memory.empty_cache)
     calls = {}
+
+    class Allocator:  # torch._C._CUDAPluggableAllocator's setter torch's recordStream calls through
+        def set_record_stream_fn(self, address):
+            calls["record_stream"] = address
+
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch._C, "_cuda_customAllocator",
-                        lambda a, f: calls.setdefault("custom", (a, f)) and "ALLOC", raising=False)
+                        lambda a, f: calls.setdefault("custom", (a, f)) and Allocator(), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_changeCurrentAllocator",
                         lambda alloc: calls.setdefault("swap", alloc), raising=False)
     return calls
@@ -93,8 +98,18 @@ def test_install_hands_torch_the_shim(shim, fresh, pool, fake_gpu):
     ut.install(pool)
     alloc_ptr, free_ptr = fresh["custom"]  # via torch.cuda.memory.CUDAPluggableAllocator
     assert (alloc_ptr, free_ptr) == (_address(shim.lib.umrt_alloc), _address(shim.lib.umrt_free))
+    assert fresh["record_stream"] == _address(shim.lib.umrt_record_stream)  # torch's record_stream: to umrt
     assert ut._state["shim"] is shim
     _check_c_allocator(alloc_ptr, free_ptr, fake_gpu)
+    ptr = ut.ALLOC_FN(alloc_ptr)(MiB, 0, None)
+    shim.module._try_record_stream(ptr, 0x5000)  # reaches the pool (an unknown stream: nothing to order yet)
+    ut.FREE_FN(free_ptr)(ptr, MiB, 0, None)
+
+
+def test_a_torch_without_record_stream_for_pluggable_allocators_is_warned_about(fresh, pool, monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_customAllocator", lambda a, f: "an allocator without the setter")
+    with pytest.warns(RuntimeWarning, match="does not pass Tensor.record_stream"):
+        ut.install(pool, shim=False)
 
 
 def _check_c_allocator(alloc_ptr, free_ptr, fake_gpu):

@@ -250,6 +250,100 @@ def test_bridge_boundaries_fall_before_the_first_alloc_layer_or_launch_after_a_s
         assert j == len(got) - 1 or isinstance(got[j + 1], (Alloc, LayerEnter, Launch))
 
 
+class _Event:
+    """A CUDA event as torch's: recorded on a fake clock that advances a millisecond
+    per event; ``query()`` True once ``done`` says the GPU has passed it."""
+
+    clock = 0.0
+    done = True
+
+    def record(self):
+        _Event.clock += 1.0
+        self.at = _Event.clock
+
+    def query(self):
+        return _Event.done
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+class _TimedStub(StubPolicy):
+    def __init__(self):
+        super().__init__()
+        self.times = []
+
+    def iteration_time(self, index, seconds):
+        self.times.append((index, seconds))
+
+
+def test_bridge_boundaries_carry_the_loop_phase_and_the_gpu_clock_times_them(fake_gpu):
+    """Two steps, an evaluation of three batches (model.eval(), no_grad), two steps: the
+    bridge opens an eval iteration per batch and a training one after it, before the
+    first allocation of each; the iteration clock's times reach the policy, and
+    memory_stats() shows what the policy says of each phase."""
+    from umrt.drive.live import IterationClock
+
+    policy = _TimedStub()
+    bridge = LiveBridge(_session(fake_gpu), device="cpu", policy=policy, from_allocator=True)
+    bridge.clock = IterationClock(_Event)
+    policy.report = lambda: {"phases": {"eval": {"acting": False, "stopped_because": "slower"}}}
+    with FakeAllocator(bridge.pool):
+        bridge.start()
+        try:
+            assert stats.memory_stats()["phases"] == {"eval": {"acting": False, "stopped_because": "slower"}}
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+            def step():
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()
+            step()
+            model.eval()
+            with torch.no_grad():
+                for _ in range(3):
+                    model(torch.randn(4, 8)).sum().item()
+            model.train()
+            step()
+            step()
+        finally:
+            bridge.close()
+    stats.attach()
+    bounds = [e for e in policy.got if isinstance(e, IterationBoundary)]
+    assert [b.index for b in bounds] == list(range(8))
+    assert [b.phase for b in bounds[:-1]] == ["train", "train", "eval", "eval", "eval", "train", "train"]
+    for i, e in enumerate(policy.got):  # each opens before anything of its iteration
+        if isinstance(e, IterationBoundary) and e.phase == "eval":
+            assert isinstance(policy.got[i + 1], (LayerEnter, Alloc)), policy.got[i + 1]
+    # training resumes at the next batch's allocation (its randn), before the model's forward
+    resumed = policy.got.index(bounds[5])
+    assert isinstance(policy.got[resumed + 1], Alloc) and isinstance(policy.got[resumed + 2], Launch)
+    assert policy.got[resumed + 2].op == "aten::randn.default"
+    assert [i for i, _ in policy.times] == list(range(7))  # each iteration timed, in order
+    assert all(t == pytest.approx(1e-3) for _, t in policy.times)
+
+
+def test_the_iteration_clock_never_waits_for_the_gpu():
+    from umrt.drive.live import IterationClock
+
+    _Event.done = False
+    try:
+        clock = IterationClock(_Event)
+        got = []
+        clock.boundary(0, lambda i, t: got.append(i))
+        clock.boundary(1, lambda i, t: got.append(i))
+        assert got == []  # the GPU has not passed them yet
+        _Event.done = True
+        clock.boundary(2, lambda i, t: got.append(i))
+        assert got == [0, 1]  # late, but every one
+    finally:
+        _Event.done = True
+
+
 def test_ops_are_suspended_while_the_policy_wants_no_launches(fake_gpu):
     """The stub stops wanting launches at iteration 1's boundary and wants them
     again at 2's; a probe that always wants them shows what the run looks like."""

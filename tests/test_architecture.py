@@ -22,7 +22,9 @@ LARGE_ON_PURPOSE = {
 # by model family; umrt's own optional interfaces are typed Protocols instead.
 THIRD_PARTY_PROBES = {
     "activation.py": {"argv", "exec_module"},  # sys (no argv when embedded), importlib loaders
-    "allocators/torch.py": {"_cuda_customAllocator"},  # torch builds without the pluggable allocator
+    "allocators/torch.py": {"_cuda_customAllocator",  # torch builds without the pluggable allocator
+                            "set_record_stream_fn"},  # torch versions without it (record_stream goes nowhere)
+    "api.py": {"accelerator"},  # torch.accelerator (torch >= 2.6), whose device setter umrt follows
     "backends/cuda.py": {"cudaMemDiscardBatchAsync"},  # cuda-bindings before 13 lacks it
     "capture/profiled.py": {"stack", "overload_name"},  # torch profiler events by version
     "capture/recorder.py": {"_schema", "_overloadpacket"},  # torch op objects (OpOverload vs packet)
@@ -77,3 +79,28 @@ def test_every_module_parses_and_is_counted():
     assert "umrt.drive.driver" in mods and "umrt.api" in mods
     for path in mods.values():
         ast.parse(Path(path).read_text())
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path / "pkg"
+
+
+def test_type_checking_cycles_and_private_reaches_are_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "",
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n"
+                "class A:\n    def __init__(self):\n        self._mine = 1\n",
+        "b.py": "import torch\nfrom pkg.a import A\nfrom pkg.a import _helper\n"
+                "class B:\n    def f(self, a: A):\n        a._mine = 2\n        self._own = torch._C\n"
+                "        return self._own\n",
+    })
+    shape = measure(package=pkg, line_files=(), packages=(pkg,))
+    assert shape.cycles == []
+    assert shape.cycles_with_type_checking == [["pkg.a", "pkg.b"]]
+    # a._mine (defined only in pkg.a) and the private import; not self._own, not torch._C
+    assert sorted(shape.private_reaches) == ["pkg/b.py:3 pkg.a._helper", "pkg/b.py:6 a._mine"]
+    assert shape.package_lines == {"pkg": 0 + 6 + 8}

@@ -319,10 +319,17 @@ def test_dtypes_run_side_by_side(monkeypatch):
 
 
 def test_cli_takes_dtypes_and_the_budget_base(capsys, tmp_path):
-    grid = grid_from_args(build_parser().parse_args(["--dtype", "float32", "bfloat16", "--budget-base", "peak"]))
-    assert grid.dtypes == ("float32", "bfloat16") and grid.budget_base == "peak"
+    grid = grid_from_args(build_parser().parse_args(["--dtype", "float32", "bfloat16", "--gpu-memory", "20%peak",
+                                                     "8GiB"]))
+    assert grid.dtypes == ("float32", "bfloat16") and grid.budgets == ("20%peak", "8GiB")
     grid = grid_from_args(build_parser().parse_args([]))
-    assert grid.dtypes == ("float32",) and grid.budget_base == "footprint"
+    assert grid.dtypes == ("float32",) and grid.budgets == ("20%", "50%")
+    # the old spellings, for one version, each with a note
+    grid = grid_from_args(build_parser().parse_args(["--budgets", "20%", "8GiB", "--budget-base", "peak"]))
+    assert grid.budgets == ("20%peak", "8GiB")
+    err = capsys.readouterr().err
+    assert "bench: note: --budgets is now --gpu-memory (the same meaning)" in err
+    assert "bench: note: --budget-base is gone: a percentage names its base" in err
     assert main(["--dtype", "fp8", "--out", str(tmp_path)]) == 2
     assert "unknown dtype 'fp8'" in capsys.readouterr().err
 
@@ -373,3 +380,64 @@ def test_results_from_before_the_footprint_base_read_as_peak(tmp_path):
     report.write_json(_target_rows(1.08), path)  # rows without budget_base, as older runs wrote them
     rows = report.load_rows(path)
     assert "Budget = % of the trace's peak live bytes." in report.markdown_table(rows)
+
+
+# -- what a user meets (issue 22) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, under", [("--out", "out"), ("--json", "r.json"), ("--csv", "r.csv"),
+                                          ("--md", "r.md"), ("--plots", "plots")])
+def test_output_paths_are_checked_before_the_grid_runs(flag, under, tmp_path, capsys, monkeypatch):
+    """An output that cannot be written fails in one line at once, not after the grid (minutes)."""
+    import bench.cli
+
+    monkeypatch.setattr(bench.cli, "run_grid", lambda *a, **k: pytest.fail("the grid ran"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = ["--models", "gpt2", "--out", str(tmp_path / "ok")]
+    assert main([*argv, flag, str(blocker / under)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"bench: error: cannot write '{blocker / under}': '{blocker}' is a file, not a directory\n"
+
+
+def test_an_unwritable_system_path_is_refused_before_the_grid(capsys, monkeypatch):
+    import bench.cli
+
+    monkeypatch.setattr(bench.cli, "run_grid", lambda *a, **k: pytest.fail("the grid ran"))
+    assert main(["--out", "/proc/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench: error: cannot write '/proc/x") and err.count("\n") == 1
+
+
+def test_progress_when_piped(monkeypatch, capsys):
+    """Not a terminal (a log, `| tee`): one line per finished cell on stderr, as it finishes."""
+    fake_profiles(monkeypatch)
+    run_grid(GRID, progress=True, trace_fn=fake_trace, simulate=fake_simulate)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 8 and lines[0].startswith("bench: [1/8] m1 v100-pcie3-32g 20% ideal (")
+    assert lines[-1].startswith("bench: [8/8] m1 v100-pcie3-32g 50% oracle (")
+
+
+def test_the_default_grid_has_a_umrt_column():
+    assert "umrt" in preset("default").policies
+    assert "umrt" in build_parser().format_help().split("default  ")[1].split("readme")[0]
+
+
+def test_the_ideal_column_is_the_same_whatever_policies_run(monkeypatch):
+    """The same cell's ideal (ms) is the figure every slowdown is divided by, with or without the
+    ideal policy in the grid (it was the ideal policy's own time when it ran: 233.1 vs 232.7 ms)."""
+    fake_profiles(monkeypatch)
+
+    def simulate(trace, policy, profile, budget, iterations, budget_base="footprint"):
+        result = fake_simulate(trace, policy, profile, budget, iterations)
+        if policy.name == "ideal":  # the ideal policy pays a little more than the compute-only floor
+            result.data["iteration_time_s"] = 0.1002
+        return result
+
+    def ideal_ms(policies):
+        grid = Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=policies)
+        md = report.markdown_table(run_grid(grid, progress=False, trace_fn=fake_trace, simulate=simulate))
+        row = next(line for line in md.splitlines() if line.startswith("| m1 |"))
+        return row.split("|")[6].strip()
+
+    assert ideal_ms(("um",)) == ideal_ms(("ideal", "um")) == "100.0"

@@ -22,16 +22,18 @@ MICRO = "hf:GPT2Config:n_layer=1,n_embd=32,n_head=2,vocab_size=256,n_positions=3
     (["--steps", "0"], "--steps"),
     (["--warmup", "-1"], "--warmup"),
     (["--batch", "0"], "--batch"),
-    (["--budget", "150%"], "(0, 100]"),
-    (["--budget", "lots"], "--budget 'lots'"),
-    (["--budget", "1MB"], "2 MB block"),
+    (["--gpu-memory", "150%"], "(0, 100]"),
+    (["--gpu-memory", "lots"], "--gpu-memory 'lots'"),
+    (["--gpu-memory", "1MB"], "2 MB block"),
     (["--model", "gpt9"], "unknown model 'gpt9'"),
     (["--modes", "ideal,fast"], "--modes"),
-    (["--modes", "um,umrt"], "keep ideal"),
-    (["--modes", "ideal,umrt", "--budget", "footprint/2"], "keep um"),
-    (["--budget", "footprint/0"], "fraction of the footprint"),
-    (["--budget", "footprint*2"], "fraction of the footprint"),
-    (["--budget", "8GiB", "--budget", "half"], "--budget 'half'"),
+    (["--modes", "um,umrt", "--gpu-memory", "50%peak"], "keep ideal"),
+    (["--modes", "um,umrt"], "keep both"),  # the default, 50% of the footprint
+    (["--modes", "ideal,umrt", "--gpu-memory", "footprint/2"], "keep both"),
+    (["--gpu-memory", "footprint/0"], "(0, 100]"),
+    (["--gpu-memory", "footprint*2"], "(0, 100]"),
+    (["--gpu-memory", "20%device", "--gpu-memory", "20%budget"], "of the GPU's memory"),
+    (["--gpu-memory", "8GiB", "--gpu-memory", "half"], "--gpu-memory 'half'"),
     (["--stall", "0"], "--stall"),
     (["--profile", "tpu-v9"], "unknown --profile"),
 ])
@@ -93,20 +95,21 @@ def test_steady_time_is_the_median_of_the_timed_steps():
     assert math.isnan(gpu.steady_time([]))
 
 
-def test_budget_is_a_fraction_of_the_ideal_peak_or_of_the_footprint_or_a_size():
-    assert gpu.resolve_budget("50%", 1000 << 20) == 500 << 20
+def test_budget_is_a_share_of_the_footprint_or_of_the_ideal_peak_or_a_size():
+    assert gpu.resolve_budget("50%", None, 1000 << 20) == 500 << 20  # a bare percentage: of the footprint
+    assert gpu.resolve_budget("50%peak", 1000 << 20) == 500 << 20
     assert gpu.resolve_budget("1GiB", None) == 1 << 30
     assert gpu.resolve_budget("7.5GiB", None) == 15 << 29
-    assert gpu.resolve_budget("footprint/4", None, 1000 << 20) == 250 << 20
+    assert gpu.resolve_budget("footprint/4", None, 1000 << 20) == 250 << 20  # the old spelling of 25%
     with pytest.raises(gpu.BenchError, match="ideal run"):
-        gpu.resolve_budget("50%", None)
-    with pytest.raises(gpu.BenchError, match="footprint of umrt's pool was not measured"):
-        gpu.resolve_budget("footprint", 1000 << 20, None)
+        gpu.resolve_budget("50%peak", None)
+    with pytest.raises(gpu.BenchError, match="the footprint, which the ideal and um runs measure"):
+        gpu.resolve_budget("50%", 1000 << 20, None)
 
 
 def test_repeated_budgets_are_kept_in_order_once():
-    args = gpu.build_parser().parse_args(["--budget", "footprint", "--budget", "footprint/2", "--budget",
-                                          "footprint", "--budget", "7.5GiB"])
+    args = gpu.build_parser().parse_args(["--gpu-memory", "footprint", "--gpu-memory", "footprint/2", "--gpu-memory",
+                                          "footprint", "--gpu-memory", "7.5GiB"])
     assert [b.text for b in gpu.budget_specs(args)] == ["footprint", "footprint/2", "7.5GiB"]
     assert [b.text for b in gpu.budget_specs(gpu.build_parser().parse_args([]))] == ["50%"]
 
@@ -213,9 +216,9 @@ def test_targets_of_the_issue_in_the_report():
     buf = io.StringIO()
     gpu.render(rep, Console(file=buf, width=250))
     text = buf.getvalue()
-    for words in ("umrt@footprint/2", "issue 10 targets", "missed", "met", "8.9 GiB",  # 9.6e9 B
+    for words in ("umrt@footprint/2", "targets umrt is held to on a GPU", "missed", "met", "8.9 GiB",  # 9.6e9 B
                   "CUDA calls per timed step: cudaMemPrefetchAsync 4.0", "first unequal step 2",
-                  "umrt's pool footprint 1000.0 MiB"):
+                  "footprint 1000.0 MiB"):
         assert words in text, words
 
 
@@ -228,10 +231,28 @@ def test_run_passes_the_budget_from_the_ideal_peak(monkeypatch):
 
     monkeypatch.setattr(gpu, "require_gpu", lambda: None)
     monkeypatch.setattr(gpu, "run_mode", fake_run_mode)
-    args = gpu.build_parser().parse_args(["--model", "gpt2", "--budget", "25%", "--no-sim"])
+    args = gpu.build_parser().parse_args(["--model", "gpt2", "--gpu-memory", "25%peak", "--no-sim"])
     rep = gpu.run(args)
     assert seen == {"ideal": 0, "um": 50 << 20, "umrt": 50 << 20}
     assert rep["ratios"]["um/umrt"] == pytest.approx(2.5) and rep["simulated"] is None
+
+
+def test_a_bare_percentage_is_of_the_measured_footprint(monkeypatch, capsys):
+    """--gpu-memory 25% is a quarter of the footprint (the larger of the ideal run's peak reserved, 220 MiB,
+    and umrt's pool's in the um run, 240 MiB), as in the simulator; it was of the ideal peak, and says so."""
+    seen = {}
+
+    def fake_run_mode(mode, args, budget_bytes, workdir, **kw):
+        seen[kw.get("label", mode)] = budget_bytes
+        return _results()[mode] if mode != "umrt" else _fake("umrt", [0.02], memory_stats={})
+
+    monkeypatch.setattr(gpu, "require_gpu", lambda: None)
+    monkeypatch.setattr(gpu, "run_mode", fake_run_mode)
+    rep = gpu.run(gpu.build_parser().parse_args(["--model", "gpt2", "--gpu-memory", "25%", "--no-sim"]))
+    assert seen == {"ideal": 0, "um": 79 << 30, "umrt": 60 << 20}  # um: the free memory (no pressure on it)
+    assert rep["footprint_bytes"] == 240 << 20 and rep["budget"]["fraction_of_footprint"] == 0.25
+    assert "note: --gpu-memory 25% is 25% of the footprint the run needs (for 25% of the ideal run's peak " \
+           "allocated bytes, write 25%peak)" in capsys.readouterr().err
 
 
 def test_run_measures_umrt_at_fractions_of_the_um_runs_pool_footprint(monkeypatch):
@@ -244,8 +265,8 @@ def test_run_measures_umrt_at_fractions_of_the_um_runs_pool_footprint(monkeypatc
 
     monkeypatch.setattr(gpu, "require_gpu", lambda: None)
     monkeypatch.setattr(gpu, "run_mode", fake_run_mode)
-    args = gpu.build_parser().parse_args(["--model", "gpt2", "--budget", "footprint", "--budget", "footprint/2",
-                                          "--budget", "footprint/4", "--budget", "1GiB", "--no-sim"])
+    args = gpu.build_parser().parse_args(["--model", "gpt2", "--gpu-memory", "footprint", "--gpu-memory",
+                                          "footprint/2", "--budget", "footprint/4", "--budget", "1GiB", "--no-sim"])
     rep = gpu.run(args)
     # um first (its budget: the first size given; it puts no pressure on um), then umrt at each
     assert seen == {"ideal": 0, "um": 1 << 30, "umrt@footprint": 3000 << 20, "umrt@footprint/2": 1500 << 20,
@@ -262,10 +283,10 @@ def test_a_footprint_budget_without_a_footprint_is_a_failed_row_not_an_abort(mon
 
     monkeypatch.setattr(gpu, "require_gpu", lambda: None)
     monkeypatch.setattr(gpu, "run_mode", fake_run_mode)
-    args = gpu.build_parser().parse_args(["--model", "gpt2", "--budget", "footprint/2", "--no-sim"])
+    args = gpu.build_parser().parse_args(["--model", "gpt2", "--gpu-memory", "footprint/2", "--no-sim"])
     rep = gpu.run(args)
     assert rep["measured"]["um"]["timed_out"]
-    assert "footprint of umrt's pool was not measured" in rep["measured"]["umrt"]["error"]
+    assert "the footprint, which the ideal and um runs measure" in rep["measured"]["umrt"]["error"]
     from rich.console import Console
 
     buf = io.StringIO()
@@ -290,7 +311,7 @@ def test_a_budget_beyond_the_free_memory_is_a_failed_row(monkeypatch):
 
     monkeypatch.setattr(gpu, "require_gpu", lambda: None)
     monkeypatch.setattr(gpu, "run_mode", fake_run_mode)
-    args = gpu.build_parser().parse_args(["--model", "gpt2", "--no-sim", "--budget", "1GiB", "--budget", "90GiB"])
+    args = gpu.build_parser().parse_args(["--model", "gpt2", "--no-sim", "--gpu-memory", "1GiB", "--gpu-memory", "90GiB"])
     rep = gpu.run(args)
     assert "exceeds the device's free memory" in rep["budgets"][1]["measured"]["error"]
     assert "error" not in rep["budgets"][0]["measured"]
@@ -393,7 +414,7 @@ def test_a_cpu_dry_run_end_to_end(tmp_path, capsys):
         pytest.skip("a GPU is present: umrt would start")
     out = tmp_path / "r.json"
     code = gpu.main(["--dry-run-cpu", "--model", MICRO, "--batch", "2", "--seq", "16", "--steps", "2",
-                     "--warmup", "1", "--modes", "ideal,umrt", "--budget", "64MiB", "--json", str(out)])
+                     "--warmup", "1", "--modes", "ideal,umrt", "--gpu-memory", "64MiB", "--json", str(out)])
     assert code == 1  # umrt failed
     err = capsys.readouterr().err
     assert "ideal  step 0/3 warmup" in err and "ideal  step 2/3 timed" in err and "loss " in err
@@ -422,7 +443,7 @@ def test_tiny_end_to_end_on_a_gpu(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--model", TINY, "--batch", "4", "--seq", "128", "--steps", "3",
-         "--warmup", "3", "--budget", "footprint", "--budget", "footprint/2", "--timeout", "300",
+         "--warmup", "3", "--gpu-memory", "footprint", "--gpu-memory", "footprint/2", "--timeout", "300",
          "--stall", "120", "--json", str(out)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

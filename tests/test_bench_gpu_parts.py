@@ -18,7 +18,8 @@ from bench import gpu_watch as gw
 
 
 @pytest.mark.parametrize("text, kind, value", [
-    ("50%", "percent", 0.5), ("7.5GiB", "bytes", 7.5 * 2**30), ("1073741824", "bytes", 2**30),
+    ("50%", "footprint", 0.5), ("50%footprint", "footprint", 0.5), ("50%peak", "peak", 0.5),
+    ("90%device", "device", 0.9), ("7.5GiB", "bytes", 7.5 * 2**30), ("1073741824", "bytes", 2**30),
     ("footprint", "footprint", 1.0), ("footprint/2", "footprint", 0.5), ("Footprint / 4", "footprint", 0.25),
     ("footprint*0.75", "footprint", 0.75),
 ])
@@ -27,9 +28,17 @@ def test_budget_specs(text, kind, value):
     assert (spec.kind, spec.value, spec.text) == (kind, pytest.approx(value), text)
 
 
+def test_old_budget_spellings_say_what_they_mean_now():
+    assert gm.BudgetSpec.parse("footprint/2").note == "--gpu-memory='footprint/2' is 50% of the footprint the run " \
+                                                       "needs: write 50%"
+    assert "write 50%peak" in gm.BudgetSpec.parse("50%").note  # a bare percentage was of the ideal peak
+    assert gm.BudgetSpec.parse("50%peak").note is None and gm.BudgetSpec.parse("8GiB").note is None
+
+
 @pytest.mark.parametrize("text, words", [
-    ("0%", "(0, 100]"), ("footprint/0", "(0, 1]"), ("footprint*1.5", "(0, 1]"), ("footprint/0.5", "(0, 1]"),
+    ("0%", "(0, 100]"), ("footprint/0", "(0, 100]"), ("footprint*1.5", "(0, 100]"), ("footprint/0.5", "(0, 100]"),
     ("footprints", "'footprints'"), ("1MB", "2 MB block"), ("-3GB", "give a percentage"),
+    ("10%budget", "of the GPU's memory"),
 ])
 def test_bad_budget_specs(text, words):
     with pytest.raises(gm.BenchError, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
@@ -38,10 +47,21 @@ def test_bad_budget_specs(text, words):
 
 def test_budgets_resolve_against_what_they_refer_to():
     assert gm.BudgetSpec.parse("footprint/2").resolve(None, 15_000_000_000) == 7_500_000_000
-    assert gm.BudgetSpec.parse("25%").resolve(8 << 30, None) == 2 << 30
+    assert gm.BudgetSpec.parse("50%").resolve(None, 15_000_000_000) == 7_500_000_000
+    assert gm.BudgetSpec.parse("25%peak").resolve(8 << 30, None) == 2 << 30
+    assert gm.BudgetSpec.parse("50%device").resolve(None, None, 80 << 30) == 40 << 30
     assert gm.BudgetSpec.parse("footprint/1000000").resolve(None, 1 << 30) == 2 << 20  # at least one block
-    with pytest.raises(gm.BenchError, match="um run"):
+    with pytest.raises(gm.BenchError, match="ideal and um runs"):
         gm.BudgetSpec.parse("footprint").resolve(8 << 30, None)
+    with pytest.raises(gm.BenchError, match="ideal run's peak"):
+        gm.BudgetSpec.parse("25%peak").resolve(None, 8 << 30)
+
+
+def test_the_simulated_column_reads_the_budget_the_same_way():
+    """The simulator's footprint is a model of what bench.gpu measures: 50% is of it in both columns."""
+    assert gm.BudgetSpec.parse("50%").simulated == "50%" and gm.BudgetSpec.parse("footprint/4").simulated == "25%"
+    assert gm.BudgetSpec.parse("50%peak").simulated == "50%peak"
+    assert gm.BudgetSpec.parse("8GiB").simulated is None and gm.BudgetSpec.parse("50%device").simulated is None
 
 
 # ---------------------------------------------------------------- umrt's counters

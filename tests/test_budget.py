@@ -84,12 +84,27 @@ def test_percentages_and_bases():
     assert read_amount("20%").fraction == pytest.approx(0.2) and read_amount("8GiB").fraction is None
     with pytest.raises(ConfigError, match="above 0%"):
         parse_budget("0%", 10 * gib)
-    with pytest.raises(ConfigError, match="invalid budget"):  # bench.gpu's form, not a simulated budget
-        parse_budget("footprint/2", 10 * gib)
+    assert parse_budget("footprint/2", 10 * gib) == 5 * gib  # bench.gpu's old spelling of 50%
     with pytest.raises(ConfigError, match="budget base"):
         resolve_budget("20%", Needs(1 << 30, 1 << 30, 1 << 30), "device")
-    with pytest.raises(ConfigError, match="of the trace's peak live bytes"):
+    with pytest.raises(ConfigError, match="invalid budget 'twenty'"):
         parse_budget("twenty", 1 << 30, "peak")
+
+
+def test_a_percentage_names_its_base():
+    """'20%' is of the footprint, '20%peak' of peak live bytes, in one value; a live run's base (the GPU's
+    memory) is a clear error in a simulated run, whose GPU's memory is the budget itself."""
+    n = Needs(peak_live_bytes=100 * MB, pool_bytes=180 * MB, caching_bytes=200 * MB)
+    assert resolve_budget("20%", n).bytes == resolve_budget("20%footprint", n).bytes == 40 * MB
+    peak = resolve_budget("20%peak", n)
+    assert (peak.bytes, peak.base) == (20 * MB, "peak")
+    assert peak.describe() == "budget 20.0 MiB = 10% of the footprint 200.0 MiB (peak live 100.0 MiB; given as 20% " \
+                              "of peak live)"
+    assert resolve_budget("20%", n, "peak").bytes == 20 * MB  # the old --budget-base peak: a bare 20%
+    assert resolve_budget("20%footprint", n, "peak").bytes == 40 * MB  # a base in the value wins
+    for text in ("20%device", "20%budget"):
+        with pytest.raises(ConfigError, match="a simulated GPU has no memory but its budget"):
+            resolve_budget(text, n)
 
 
 def test_an_id_allocated_again_replaces_its_object():
@@ -98,21 +113,17 @@ def test_an_id_allocated_again_replaces_its_object():
     assert needs(trace).peak_live_bytes == 8 * MB
 
 
-def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_first_iteration():
-    from umrt.policy import make_policy
-    from umrt.shadow import ShadowSource
+def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_whole_run():
+    """Shadow mode's GPU is sized from the footprint of the whole recorded run, as `umrt simulate`
+    sizes it from the trace file: at "100%" the live-fed run holds everything."""
+    from umrt.hardware import load_profile
+    from umrt.shadow import drive_live
 
     trace = training_trace()
-    first = trace.iteration_spans()[1][0]  # set-up, iteration 0 and the boundary that opens iteration 1
-    held = trace.events[: first + 1]
-    driver = ShadowSource(make_policy("um"), "h100-pcie5-80g", "100%")
-    for event in trace.events:
-        driver(event)
-    assert driver.error is None
-    n = needs_of_events(held)
-    assert driver.budget_bytes == n.footprint_bytes > n.peak_live_bytes
-    assert driver.budget.describe().startswith("budget 396.0 MiB = 100% of the footprint 396.0 MiB")
-    assert driver.steady()["evictions"] == 0  # "100%" holds everything
+    budget = resolve_budget("100%", trace)
+    assert budget.bytes == needs(trace).footprint_bytes == needs_of_events(trace.events).footprint_bytes
+    run = drive_live(trace.events, "um", load_profile("h100-pcie5-80g"), budget.bytes)
+    assert run.error is None and run.steady()["evictions"] == 0  # "100%" holds everything
 
 
 def test_a_budget_far_above_the_footprint_reads_without_an_exponent():

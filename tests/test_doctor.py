@@ -188,7 +188,8 @@ def test_no_cuda_runtime_exits_2():
     ("cuda 13 through cupy", "CUDA runtime", "fix: pip install 'cuda-bindings>=13'"),
     ("old driver", "driver", "supports CUDA 12.2, older than the CUDA 12.8 runtime"),
     ("no driver", "driver", "no NVIDIA driver found (cudaDriverGetVersion: 0)"),
-    ("bad profile", "profile", "UMRT_PROFILE=no-such-gpu"),
+    ("bad profile", "settings", "UMRT_PROFILE='no-such-gpu': unknown hardware profile"),
+    ("live peak budget", "settings", "UMRT_GPU_MEMORY='20%peak': a live run does not know"),
 ])
 def test_each_missing_piece_is_named_with_exit_2(case, what, shown):
     machine = FakeMachine(cuda13(), nvml=fake_nvml())
@@ -211,6 +212,8 @@ def test_each_missing_piece_is_named_with_exit_2(case, what, shown):
         machine._api = CupyApi(CupyRuntime(FakeGpu(), version=12080, driver=0))
     elif case == "bad profile":
         environ = {"UMRT_PROFILE": "no-such-gpu"}
+    elif case == "live peak budget":
+        environ = {"UMRT_GPU_MEMORY": "20%peak"}
     rc, text = doctor(machine, environ)
     assert rc == 2, text
     assert status_of(text, what) == "missing", text
@@ -273,9 +276,39 @@ def test_torch_built_for_another_cuda_than_umrts_calls_is_a_note():
     assert "umrt's own CUDA calls go through CUDA 12.8: install umrt[cuda13] to match" in text
 
 
-def test_native_steady_libraries_are_reported():
-    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml()))
+def test_native_steady_is_off_unless_asked_for_and_its_libraries_are_reported():
+    """Opt-in (UMRT_NATIVE=1) until a GPU run has checked it: off, doctor says so and builds
+    nothing; on, it reports the two libraries."""
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="never built")))
+    assert rc == 0 and status_of(text, "native steady") == "ok" and "off: every allocation goes through Python" in text
+    assert "UMRT_NATIVE=1" in text and "never built" not in text
+    on = {"UMRT_NATIVE": "1"}
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml()), on)
     assert rc == 0 and status_of(text, "native steady") == "ok" and "served without Python" in text
-    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="no c++")))
+    rc, text = doctor(FakeMachine(cuda13(), nvml=fake_nvml(), native=ShimBuild(None, error="no c++")), on)
     assert rc == 0 and status_of(text, "native steady") == "note"
     assert "could not be built (no c++); the steady state is served from Python" in text
+
+
+def test_settings_say_what_the_gpu_memory_is_of_and_every_check_agrees():
+    """One line per finding, consistent (issue 22): the GPU memory as the run reads it, with its default
+    and its base; a bad UMRT_PROFILE is one missing setting, not an ok setting and a missing profile."""
+    from umrt.config import LIVE_DEFAULT, SIMULATED_DEFAULT
+
+    machine = FakeMachine(cuda13(), nvml=fake_nvml())
+    _, text = doctor(machine)
+    assert (f"UMRT_* valid: GPU memory unset: a fair share of the GPU ({LIVE_DEFAULT} when alone, at least "
+            "10%device), policy umrt") in text
+    _, text = doctor(machine, {"UMRT_SHARE_DIR": "off"})
+    assert f"UMRT_* valid: GPU memory {LIVE_DEFAULT} (the default, 90% of the GPU's memory), policy umrt" in text
+    _, text = doctor(machine, {"UMRT_SIMULATE": "h100-pcie5-80g"})
+    assert (f"GPU memory {SIMULATED_DEFAULT} (the default, 50% of the footprint the run needs; shadow mode on "
+            "h100-pcie5-80g)") in text
+    _, text = doctor(machine, {"UMRT_GPU_MEMORY": "50%"})
+    assert "GPU memory 50%device (50% of the GPU's memory)" in text
+    assert status_of(text, "settings") == "ok" and "note     settings           UMRT_GPU_MEMORY='50%' in a live " \
+        "run is 50% of the GPU's memory: write 50%device" in text
+    rc, text = doctor(machine, {"UMRT_PROFILE": "nope"})
+    assert rc == 2 and status_of(text, "settings") == "missing" and status_of(text, "profile") == "note"
+    assert "nope" not in next(line for line in text.splitlines() if line[9:].startswith("profile "))
+    assert "ok       settings" not in text

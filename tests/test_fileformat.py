@@ -108,26 +108,29 @@ def test_empty_file(tmp_path):
         ff.load(p)
 
 
-def _as_format_1(data: bytes) -> bytes:
-    """The same trace as format 1 wrote it: no precision column, no precision table."""
+def _as_format_1(data: bytes, version: int = 1) -> bytes:
+    """The same trace as format 1 wrote it: no precision column, no precision table,
+    no boundary phases (``version=2``: only the boundary phases missing)."""
+    drop = {"b_phase"} | ({"l_prec"} if version == 1 else set())
     magic, _, hlen, blen = ff._PREFIX.unpack_from(data)
     header = json.loads(data[ff._PREFIX.size : ff._PREFIX.size + hlen])
-    header["format_version"] = 1
+    header["format_version"] = version
     raw = zlib.decompress(data[ff._PREFIX.size + hlen : ff._PREFIX.size + hlen + blen])
     (ilen,) = struct.unpack_from("<I", raw, 0)
     index = json.loads(raw[4 : 4 + ilen])
     pos, arrays, columns = 4 + ilen, [], []
     for name, count in index["columns"]:
         size = count * np.dtype(ff._COLUMNS[name]).itemsize
-        if name != "l_prec":
+        if name not in drop:
             arrays.append(raw[pos : pos + size])
             columns.append([name, count])
         pos += size
-    index = {"columns": columns, "ops": index["ops"], "modules": index["modules"]}
+    index = {"columns": columns, "ops": index["ops"], "modules": index["modules"],
+             **({"precisions": index["precisions"]} if version > 1 else {})}
     ib = json.dumps(index).encode()
     body = zlib.compress(struct.pack("<I", len(ib)) + ib + b"".join(arrays))
     hb = json.dumps(header).encode()
-    return ff._PREFIX.pack(magic, 1, len(hb), len(body)) + hb + body + ff._CRC.pack(zlib.crc32(hb + body))
+    return ff._PREFIX.pack(magic, version, len(hb), len(body)) + hb + body + ff._CRC.pack(zlib.crc32(hb + body))
 
 
 def test_precisions_round_trip_and_format_1_still_loads():
@@ -140,6 +143,21 @@ def test_precisions_round_trip_and_format_1_still_loads():
     assert back.header.format_version == 1
     assert [e.precision for e in back.launches()] == [""] * len(tr.launches())
     assert [(e.op, e.flops, e.accesses) for e in back.launches()] == [(e.op, e.flops, e.accesses) for e in tr.launches()]
+
+
+def test_phases_round_trip_and_older_formats_load_as_training_steps():
+    tr = _trace(3)
+    events = [IterationBoundary(e.index, "eval") if isinstance(e, IterationBoundary) and e.index == 1 else e
+              for e in tr.events]
+    tr = Trace(tr.header, events)
+    assert tr.iteration_phases() == ["train", "eval", "train"]
+    assert ff.decode(ff.encode(tr)).iteration_phases() == ["train", "eval", "train"]
+    for version in (1, 2):  # written before boundaries carried a phase: every iteration a step
+        back = ff.decode(_as_format_1(ff.encode(tr), version))
+        assert back.header.format_version == version
+        assert back.iteration_phases() == ["train"] * 3
+    with pytest.raises(ValueError, match="phase is one of train, eval"):
+        IterationBoundary(0, "test")
 
 
 def test_unknown_version(tmp_path):

@@ -6,6 +6,8 @@ irreversible for the process.
 from __future__ import annotations
 
 import ctypes
+import json
+import math
 import os
 import subprocess
 import sys
@@ -187,3 +189,53 @@ def test_calibrate_writes_a_loadable_profile(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     profile = load_profile(str(path))
     assert profile.h2d_bandwidth > 1e9 and 0 < profile.fault_batch_latency_s < 1e-2
+
+
+EVAL_LOOP = textwrap.dedent("""
+    import importlib.util, json, sys, time
+    import torch
+    import umrt.stats
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    spec = importlib.util.spec_from_file_location("train_gpt_eval", sys.argv[1])
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--device", "cuda", "--max-iters", "14", "--eval-interval", "7", "--eval-iters", "4",
+                  "--seed", "7"])
+    print("PHASES", json.dumps(umrt.stats.memory_stats().get("phases", {})))
+""")
+
+
+def _eval_loop(tmp_path, env):
+    tmp_path.mkdir()
+    script = EVAL_LOOP.replace("sys.argv[1]", repr(os.path.join(ROOT, "examples", "train_gpt_eval.py")))
+    out = _boot_with_hook(tmp_path, script, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", **env})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    losses, step_ms = [], {}
+    for line in out.stdout.splitlines():
+        if line.startswith("iter "):  # "iter 3: loss 3.2104, time 51.20ms"
+            k, rest = line[5:].split(": loss ")
+            loss, ms = rest.split(", time ")
+            losses.append(float(loss))
+            step_ms[int(k)] = float(ms.rstrip("ms"))
+        elif line.startswith("step "):  # "step 7: train loss 3.2030, val loss 3.2012"
+            losses += [float(x.split(" loss ")[1]) for x in line.split(": ", 1)[1].split(", ")]
+    return out, losses, step_ms
+
+
+def test_a_loop_with_evaluations_keeps_its_step_and_its_losses_under_UMRT_1(tmp_path):
+    """Issue 24 on a GPU: the GPT script that evaluates every 7 iterations (model.eval(),
+    no_grad, both splits) and saves a checkpoint, under UMRT=1 with a budget that makes
+    memory move. Its losses (training and evaluation) are plain PyTorch's; the training
+    step after each evaluation takes what the step before it took; umrt learned the
+    evaluation as a phase of its own."""
+    plain, plain_losses, _ = _eval_loop(tmp_path / "plain", {})
+    out, losses, step_ms = _eval_loop(tmp_path / "umrt", {"UMRT": "1", "UMRT_GPU_MEMORY": "384MiB"})
+    assert len(losses) == len(plain_losses) > 14
+    assert all(math.isclose(a, b, abs_tol=2e-4) for a, b in zip(losses, plain_losses, strict=True)), (losses, plain_losses)
+    print("step ms under UMRT=1:", step_ms)
+    phases = json.loads(out.stdout.split("PHASES ", 1)[1].splitlines()[0])
+    assert set(phases) >= {"train", "eval"}, phases
+    # Iteration 7 holds an evaluation and a checkpoint: 8 and 9 are the steps after it, 5 and 6
+    # the steady steps before it (wall times, so a margin for noise; issue 24's 5% is simulated).
+    assert step_ms[8] <= 1.25 * step_ms[6] and step_ms[9] <= 1.25 * step_ms[5], step_ms

@@ -97,7 +97,7 @@ class Program:
 
 def _server(cuda13, front=None, act=None):
     pool = ManagedPool(cuda13)
-    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13))
+    server = SteadyServer(pool, front=front, calls=BackendCalls(cuda13), enabled=True)
     bridge = StubBridge(pool, act)
     server.attach(bridge)
     return pool, server, bridge
@@ -280,24 +280,49 @@ def test_front_counts_and_falls_back_without_a_schedule():
         front.set_fallback(0, 0)
 
 
-def test_cupy_entry_points_share_the_native_path(fronted, monkeypatch):
-    """CuPy's CFunctionAllocator signatures (param, size, device) / (param, ptr, device)
-    reach the same schedule as torch's, on the stream it was armed on."""
+def test_cupy_native_allocator_serves_on_cupys_current_stream(fronted, fake_gpu, monkeypatch):
+    """Finding 4 (CuPy): umrt's native CuPy allocator passes CuPy's current stream, read at
+    each allocation, to the same entry points as torch's: the schedule serves the stream
+    it was armed on, and a step on another stream deviates (before the fix every CuPy
+    allocation was labelled with the armed stream and served natively, whatever stream
+    CuPy ran on). Its blocks are freed through the front when CuPy drops them."""
+    cupy = pytest.importorskip("cupy")
+    from fake_cuda import STREAM_NON_BLOCKING
+
     from umrt.allocators import cupy as uc
 
     front, pool, server, bridge = fronted
-    cupy_malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
-        front.cupy_malloc_address)
-    cupy_free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(front.cupy_free_address)
-    program = Program(lambda n: cupy_malloc(None, n, 0) or 0, lambda p: cupy_free(None, p, 0))
+    streams = [fake_gpu.create_stream("test", STREAM_NON_BLOCKING) for _ in range(2)]
+    current = {"stream": streams[0]}
+
+    class Stream:
+        @property
+        def ptr(self):
+            return current["stream"]
+
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Stream())
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setitem(uc._state, "pool", server)
+    monkeypatch.setitem(uc._state, "front", front)
+    allocate, held = uc.native_allocator(), {}
+
+    def malloc(n):
+        memory = allocate(n)
+        held[memory.ptr] = memory
+        return memory.ptr
+
+    program = Program(malloc, lambda p: held.pop(p) and None)  # CuPy drops the array: freed
     learned = _learn(server, program)
     before = front.counters()
     assert _run(server, program, 2) == [learned] * 2
     after = front.counters()
     assert after.fallback_allocs == before.fallback_allocs
     assert after.native_frees - before.native_frees == 2 * len(SIZES)
+    current["stream"] = streams[1]  # the program moves to another CuPy stream
+    program.step()
+    assert server.phase is not Phase.NATIVE and "stream" in server.report.last_deviation
+    assert pool.live_blocks() == program.live and pool.stream == streams[1]
     server.close()
-    monkeypatch.setitem(uc._state, "pool", server)
     monkeypatch.setitem(uc._state, "front", None)
     assert uc.native_allocator() is uc.allocator  # no front: the Python allocator
 
@@ -344,7 +369,7 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
 
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    server = SteadyServer(pool, calls=BackendCalls(backend))
+    server = SteadyServer(pool, calls=BackendCalls(backend), enabled=True)
     session = api.Session(Config(enabled=True, policy="um"), active=True, backend=backend, pool=pool,
                           budget_bytes=1 << 30, steady=server)
     bridge = LiveBridge(session, device="cpu", from_allocator=True)
@@ -599,3 +624,369 @@ def test_a_native_schedule_calls_libcudart_only_on_the_process_runtime(cuda13, m
     calls = BackendCalls(cuda13)
     calls.attach(schedule)
     assert calls.table_kind == "libcudart" and built == ["/x/libcudart.so.13"]
+
+
+# -- findings of the native path's review: each test fails without its fix -------------------
+class DiscardingPolicy:
+    """A policy as umrt's runtime acts in a live run: at each allocation or free, the
+    blocks freed before it are discarded, and each new block is populated on the GPU
+    before its first kernel (no refault). It follows a replayed window with its calls
+    muted, as the runtime does (``bridge.mute``)."""
+
+    def __init__(self, backend, pool):
+        self.backend, self.dead, self.bridge = backend, [], None
+        pool.listeners.append(self.on_pool_event)
+
+    def on_pool_event(self, what, ptr, n):
+        calls = self.bridge is None or not self.bridge.mute
+        dead = [(p, m) for p, m in self.dead if self.backend.allocation_of(p) is not None]  # (as ManagedOnly)
+        if dead and calls:
+            self.backend.discard(dead)
+        self.dead = [(ptr, n)] if what == "free" else []
+        if what == "alloc" and calls:
+            self.backend.populate([(ptr, n)])
+
+
+class KernelProgram:
+    """A step whose blocks hold data: each block is written by a kernel on the compute
+    stream when it is made and read by one before it is freed (the fake GPU reports a
+    read of discarded bytes, or a touch of memory no longer managed). ``late``: block
+    ``a`` is freed after block ``b``, later than in the recorded step."""
+
+    def __init__(self, malloc, free, gpu, stream=0):
+        self.malloc, self.free, self.gpu, self.stream = malloc, free, gpu, stream
+        self.live: dict[int, int] = {}
+        self.survivors: list[int] = []
+
+    def _new(self, n):
+        ptr = self.malloc(n)
+        assert ptr, f"no memory for {n} bytes"
+        self.live[ptr] = n
+        self.gpu.kernel(self.stream, writes=[(ptr, n)], name=f"write {n}")
+        return ptr
+
+    def _done(self, ptr):
+        self.gpu.kernel(self.stream, reads=[(ptr, self.live[ptr])], name=f"read {self.live[ptr]}")
+        self.free(ptr)
+        del self.live[ptr]
+
+    def step(self, late=False, extra=0, use_c=None):
+        for ptr in self.survivors:
+            self._done(ptr)
+        if extra:  # a temporary of another size (every other step: two shapes taking turns)
+            self._done(self._new(extra))
+        a = self._new(1 << 20)
+        b = self._new(512 << 10)
+        for ptr in ((b, a) if late else (a, b)):  # recorded: a's discard runs at b's free
+            self._done(ptr)
+        c = self._new(3 << 20)
+        if use_c is not None:  # c is used elsewhere too (another stream)
+            use_c(c, self.live[c])
+        d = self._new(2 << 20)
+        self._done(c)
+        self.survivors = [d]
+
+
+def _kernel_server(backend, front=None):
+    pool, server, bridge = _server(backend, front=front)
+    DiscardingPolicy(backend, pool).bridge = bridge
+    if front is not None:
+        from umrt.allocators.torch import make_callbacks
+
+        _, _, alloc_ptr, free_ptr = make_callbacks(server)
+        front.set_fallback(alloc_ptr, free_ptr)
+        return pool, server, bridge, (lambda n: front.malloc(n, 0, 0)), (lambda p: front.free(p, 0, 0, 0))
+    return pool, server, bridge, (lambda n: server.malloc(n, 0)), server.free
+
+
+@pytest.fixture(params=["python", "native"])
+def twin(request):
+    """Which schedule serves: the Python twin (no front) or the native one (the front)."""
+    if request.param == "python":
+        yield None
+        return
+    from umrt.allocators.front import load_front
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    yield front
+    front.install(None)
+    front.set_fallback(0, 0)
+
+
+def test_a_free_later_than_recorded_hands_back_before_the_discard_of_its_block(cuda13, fake_gpu, twin):
+    """Finding 1: the recorded window discards block a at the free of block b (a died just
+    before). A step that frees a after b must hand back before that discard runs: a's
+    data is read afterwards (the fake GPU raises on a read of discarded bytes)."""
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    program = KernelProgram(malloc, free, fake_gpu)
+    _learn(server, program)
+    assert server.report.schedule_calls > 0
+    _run(server, program, 2)
+    assert server.phase is Phase.NATIVE
+    discards = cuda13.calls["cudaMemDiscardBatchAsync"]
+    program.step(late=True)  # raised PageStateError (discarded-read) before the fix
+    server.bridge.on_step(server)
+    assert not fake_gpu.violations
+    assert server.report.catch_ups == 1 and "live" in server.report.last_deviation, server.report
+    assert server.report.layouts_retired == 0 and bridge.stopped is None
+    assert pool.live_blocks() == program.live
+    assert cuda13.calls["cudaMemDiscardBatchAsync"] > discards  # Python discarded a once it died
+    _run(server, program, 8)  # Python, then native again, nothing lost
+    assert server.report.arms == 2 and not fake_gpu.violations
+
+
+def test_empty_cache_while_native_hands_back_first(cuda13, fake_gpu, twin):
+    """Finding 2: torch.cuda.empty_cache() while the schedule serves. Steps of two shapes
+    take turns, so the pool keeps an overflow segment that is empty at every step's end
+    and used inside every other step. The pool must not give it back while the schedule
+    serves blocks in it: the next step's kernels would touch memory that is no longer
+    managed (an illegal address on a GPU, or a second owner after a later cudaMallocManaged)."""
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    program = KernelProgram(malloc, free, fake_gpu)
+    extra = [0, 5 << 20]
+    k = 0
+    for k in range(16):
+        program.step(extra=extra[k % 2])
+        bridge.on_step(server)
+        if server.phase is Phase.NATIVE:
+            break
+    assert server.phase is Phase.NATIVE
+    server.empty_cache()  # between two steps, as a training loop calls it
+    for j in range(k + 1, k + 9):
+        program.step(extra=extra[j % 2])  # an illegal-address before the fix
+        bridge.on_step(server)
+    assert not fake_gpu.violations and pool.live_blocks() == program.live
+    assert server.report.catch_ups == 1 and "empty_cache" in server.report.last_deviation
+    assert server.report.arms == 2  # Python, then native again
+
+
+def _streams(fake_gpu):
+    """Two created non-blocking streams on the fake runtime: the compute stream and a side one."""
+    from fake_cuda import STREAM_NON_BLOCKING
+
+    return fake_gpu.create_stream("test", STREAM_NON_BLOCKING), fake_gpu.create_stream("test", STREAM_NON_BLOCKING)
+
+
+def _side_stream_reads(fake_gpu, ptr, n, main, side):
+    """What a program does to use a block on a side stream: the side stream waits for the
+    block's producer (``side.wait_stream(main)``), then a kernel there reads it."""
+    event = fake_gpu.handle()
+    fake_gpu.events[event] = None
+    fake_gpu._event_device[event] = 0
+    fake_gpu.record("test", event, main)
+    fake_gpu.wait("test", side, event, 0)
+    fake_gpu.kernel(side, reads=[(ptr, n)], name="side-stream consumer")
+
+
+def test_a_block_used_on_a_side_stream_is_reused_and_discarded_only_after_that_streams_work(cuda13, fake_gpu):
+    """Finding 4: torch's record_stream, as its caching allocator honours it (an event on
+    each recorded stream at the free, the block's next use after it). A block written on
+    the main stream, read on a side stream, recorded there and freed: its reuse on the
+    main stream (a kernel writing it) and its discard come after the side stream's read.
+    Before the fix the pool ignored the stream (a stream-race, a discard of pages in use)."""
+    main, side = _streams(fake_gpu)
+    pool = ManagedPool(cuda13)
+    DiscardingPolicy(cuda13, pool)
+    n = 1 << 20
+    x = pool.malloc(n, main)
+    fake_gpu.kernel(main, writes=[(x, n)], name="producer")
+    _side_stream_reads(fake_gpu, x, n, main, side)
+    getattr(pool, "record_stream", lambda *a: None)(x, side)  # (before the fix torch's call went nowhere)
+    pool.free(x)
+    y = pool.malloc(n, main)  # the dead block's discard runs here, then y is populated
+    assert y == x  # reused in place, on its stream
+    fake_gpu.kernel(main, writes=[(y, n)], name="next owner")
+    assert not fake_gpu.violations
+
+
+def test_a_discard_at_a_free_goes_to_the_stream_the_block_was_used_on(cuda13, fake_gpu):
+    """Finding 4: the backend's compute stream follows the latest allocation's stream; a
+    block of another stream, read there after that switch and then freed, must not be
+    discarded on the compute stream before that read (pages discarded while in use)."""
+    main, other = _streams(fake_gpu)
+    pool = ManagedPool(cuda13)
+    freed = []
+    pool.listeners.append(lambda what, ptr, n: what == "free" and cuda13.discard([(ptr, n)]) or freed.append(ptr))
+    n = 1 << 20
+    y = pool.malloc(n, other)
+    fake_gpu.kernel(other, writes=[(y, n)], name="producer on its stream")
+    z = pool.malloc(n, main)  # the compute stream is main from here
+    fake_gpu.kernel(other, reads=[(y, n)], name="last user on its stream")
+    pool.free(y)  # discarded at its free: after its last user
+    fake_gpu.kernel(main, writes=[(z, n)])
+    assert not fake_gpu.violations
+
+
+def test_record_stream_on_a_block_the_schedule_serves_hands_back_and_orders_its_reuse(cuda13, fake_gpu, twin):
+    """Finding 4, the native path: torch's record_stream on a block the schedule served
+    (through the front's entry point, as the shim forwards it; the server's for the Python
+    twin). The schedule serves one stream: it deviates, Python hands back, and the pool
+    orders the block's reuse and discard after the side stream's read."""
+    from fake_cuda import STREAM_NON_BLOCKING
+
+    side = fake_gpu.create_stream("test", STREAM_NON_BLOCKING)
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    if twin is not None:
+        from umrt.allocators.torch import make_callbacks, record_stream_callback
+
+        _, _, alloc_ptr, free_ptr = make_callbacks(server)
+        twin.set_fallback(alloc_ptr, free_ptr, record_stream_callback())  # (as umrt.enable sets it)
+    # (before the fix torch's record_stream reached nothing of umrt's)
+    record = getattr(twin if twin is not None else server, "record_stream", lambda *a: None)
+    program = KernelProgram(malloc, free, fake_gpu)
+    _learn(server, program)
+    _run(server, program, 1)
+    assert server.phase is Phase.NATIVE
+
+    def on_the_side(ptr, n):
+        _side_stream_reads(fake_gpu, ptr, n, 0, side)
+        record(ptr, side)
+
+    program.step(use_c=on_the_side)  # before the fix: c's discard and reuse raced the side stream's read
+    bridge.on_step(server)
+    assert server.report.catch_ups == 1 and "record_stream" in server.report.last_deviation, server.report
+    _run(server, program, 6)
+    assert not fake_gpu.violations and pool.live_blocks() == program.live
+
+
+def test_the_shim_passes_torchs_record_stream_to_umrt(monkeypatch):
+    """torch's CUDAPluggableAllocator::recordStream calls the function given to
+    set_record_stream_fn with the block and the stream: the shim's umrt_record_stream
+    (called here as torch holds it, a std::function) reaches the pool's record_stream."""
+    import shutil
+
+    from umrt.allocators import torch as ut
+
+    if shutil.which("c++") is None:
+        pytest.skip("no compiler: the shim cannot be built")
+    shim = ut.load_shim()
+    assert shim is not None
+    seen = []
+
+    class Pool:
+        def record_stream(self, ptr, stream):
+            seen.append((ptr, stream))
+
+    monkeypatch.setitem(ut._state, "pool", Pool())
+    shim.set_record_stream(ut.record_stream_callback())
+    try:
+        shim.module._try_record_stream(0x7F00_0000_0000, 0x5000)
+        shim.module._try_record_stream(0, 0x5000)  # no block: nothing
+    finally:
+        shim.set_record_stream(0)
+    assert seen == [(0x7F00_0000_0000, 0x5000)]
+
+
+def test_a_call_made_at_a_module_boundary_replays_after_the_kernels_before_it(cuda13, fake_gpu, twin):
+    """Finding 5: the policy evicts block a at a module boundary, after the kernel that
+    writes it. The schedule cannot see module boundaries: the eviction must replay after
+    that kernel (at the next allocation), never before it (at a's allocation, where the
+    kernel then refaults a's pages from the host). Each native step's ops: the eviction
+    comes after the write, as on the Python path."""
+    from umrt.backends.base import HOST
+
+    pool, server, bridge, malloc, free = _kernel_server(cuda13, twin)
+    n, live = 1 << 20, {}
+
+    class Program:  # one step: a written, a module boundary (a evicted), b, a read back
+        survivors: list = []
+
+        def step(self):
+            a = malloc(n)
+            fake_gpu.kernel(0, writes=[(a, n)], name="write a")
+            getattr(server, "mark", lambda: None)()  # (a module hook; before the fix nothing marked it)
+            if not bridge.native:
+                cuda13.prefetch([(a, n)], HOST)  # the policy, at the boundary: a is not needed for a while
+            b = malloc(2 * n)
+            fake_gpu.kernel(0, writes=[(b, 2 * n)], name="write b")
+            free(b)
+            fake_gpu.kernel(0, reads=[(a, n)], name="read a")
+            free(a)
+            live.clear()
+
+    program = Program()
+    program.live = live
+    _learn(server, program)
+    assert server.report.schedule_calls > 0
+    for _ in range(2):
+        mark = len(fake_gpu.ops)
+        program.step()
+        bridge.on_step(server)
+        names = [op.name + (" -> host" if op.detail.endswith("host") else "") for op in fake_gpu.ops[mark:]]
+        assert server.phase is Phase.NATIVE
+        assert names.index("cudaMemPrefetchAsync -> host") > names.index("write a"), names
+    assert not fake_gpu.violations
+
+
+DEADLOCK = """
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+from fake_cuda import FakeBindingsRuntime, FakeGpu
+import test_native_steady as t
+from umrt.allocators import steady
+from umrt.allocators import torch as ut
+from umrt.allocators.front import load_front
+from umrt.backends.cuda import BindingsApi, CudaBackend
+
+gpu = FakeGpu()
+backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+front, shim = load_front(), ut.load_shim()
+pool, server, bridge = t._server(backend, front=front)
+t.DiscardingPolicy(backend, pool).bridge = bridge  # decisions at every allocation: Python table calls
+_, _, alloc_ptr, free_ptr = ut.make_callbacks(server)
+front.set_fallback(alloc_ptr, free_ptr)
+ut._state["shim"] = shim
+shim.set_callbacks(front.malloc_address, front.free_address)
+program = t.Program(lambda n: shim.module._try_alloc(n, 0), lambda p: shim.module._try_free(p, 0, 0))
+t._learn(server, program)
+entered, run = threading.Event(), steady.ApiTable._run
+
+def slow(self, *args):  # a decision's Python call, on the other thread: it lets the GIL go a while
+    if threading.current_thread().name == "autograd":
+        entered.set()
+        time.sleep(0.5)
+    return run(self, *args)
+
+steady.ApiTable._run = slow
+for ptr in program.survivors:  # the next step starts as recorded
+    shim.module._try_free(ptr, 0, 0)
+# torch's autograd thread (no GIL) allocates through the front; its decision runs slowly...
+other = threading.Thread(target=lambda: front.lib.umrt_front_malloc(t.SIZES[0], 0, None), daemon=True,
+                         name="autograd")
+other.start()
+entered.wait(10)
+# ...while this thread, holding the GIL (a torch op called from Python), allocates too.
+shim.module._try_alloc(t.SIZES[1], 0)
+other.join(10)
+print("RESULT done", entered.is_set(), server.phase.value, front.installed is None, server.report.last_deviation)
+"""
+
+
+def test_a_decision_calling_python_never_runs_under_a_lock_a_gil_holder_waits_for(tmp_path):
+    """Finding 6: a native schedule whose CUDA calls go through Python (no libcudart found)
+    ran those calls under its mutex; a thread allocating from a torch op holds the GIL and
+    waits for that mutex, while the decision's callback waits for the GIL: a deadlock.
+    Such a schedule is now served from umrt's callbacks (ctypes lets the GIL go before
+    taking the lock), never from the front torch's threads call directly."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from umrt.allocators.front import load_front
+
+    if load_front() is None or shutil.which("c++") is None:
+        pytest.skip("no compiler: the native front and the shim cannot be built")
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK.format(tests=str(Path(__file__).parent)))
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # this checkout's umrt
+    try:
+        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlocked: a GIL holder waited for the schedule's lock while a decision waited for the GIL")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT done True native True" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

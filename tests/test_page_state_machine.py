@@ -34,16 +34,26 @@ invariants (tests/fake_cuda.py has the details):
 prints how many ran and what they exercised; ``test_the_machine_finds_a_planted_bug``
 removes the runtime's prefetch-before-reuse (``Runtime._populate``) and must
 fail.
+
+A second machine, :class:`NativeSteadyMachine`, drives the native steady state (both
+twins of the steady schedule, served by umrt's ``SteadyServer``) with drift: frees
+later or earlier than recorded, an extra or a missing allocation, ``empty_cache()``
+anywhere in a step, a side stream with ``record_stream``, a CUDA call that fails, part
+of a step on a second thread. ``test_the_native_steady_state_keeps_every_byte_under_drift``
+runs ``NATIVE_EXAMPLES`` (500) sequences; ``test_the_native_machine_finds_planted_bugs``
+plants each bug issue 19 names, in each twin, and prints how long the machine took to
+find it.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from fake_cuda import FakeBindingsRuntime, FakeGpu, PageStateError
+from fake_cuda import FakeBindingsRuntime, FakeGpu, PageStateError, Violation
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -379,6 +389,21 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=10, deadline=None
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def test_a_plan_learned_on_steps_cut_short_never_drops_what_a_full_step_still_reads():
+    """Found by the machine: learned on steps an exception cut short (their objects freed
+    early), the plan took the batch for dead; a full step frees it later and reads it
+    meanwhile. What a plan finds dead is discarded when the program frees it, never before."""
+    state = PageStateMachine()
+    state.start(template=Template(params=(49152, 1572864), acts=(65536, 49152), temps=(0, 102400),
+                                  input_bytes=262144, host_input=False, carry_grads=False, optimizer_state=False),
+                budget=0.3, stream="legacy", live=True, options={})
+    state.iteration_cut_short(cut=0)
+    state.iteration_cut_short(cut=16)
+    state.iterations_of_the_template(n=2)
+    state.nothing_lost_refaulted_or_raced()
+    state.teardown()
+
+
 def test_runtime_keeps_every_invariant(capsys):
     SEEN.clear()
     run_state_machine_as_test(PageStateMachine, settings=SETTINGS)
@@ -442,7 +467,7 @@ BACKEND_BUGS = {
     "populating on the copy stream": ((CudaBackend, "_in_kernel_order", _populate_on_the_copy_stream),
                                       "refault|discard-race"),
     "no wait on a stream change": ((CudaBackend, "set_compute_stream", _no_wait_on_stream_change),
-                                   "migrated-in-use|discard-race|copy-out-race|read-before-copy-back"),
+                                   "migrated-in-use|discard-race|stream-race|copy-out-race|read-before-copy-back"),
     "evictions not after kernels": ((StreamOrder, "stream_after", _evictions_not_after_kernels), "migrated-in-use"),
 }
 
@@ -533,3 +558,345 @@ def test_the_machine_finds_a_planted_bug(monkeypatch):
     found = settings(SETTINGS, max_examples=200, phases=(Phase.generate,))  # report the first failure, unshrunk
     with pytest.raises(PageStateError, match="refault"):
         run_state_machine_as_test(PageStateMachine, settings=found)
+
+
+# ---------------------------------------------------------------------------
+# The native steady state, driven with drift
+# ---------------------------------------------------------------------------
+# The steady schedule (both twins: kernels/steady_alloc.cpp through ctypes, and the Python
+# one) served live by umrt's SteadyServer over a ManagedPool on the fake CUDA 13 runtime,
+# with a policy that discards every freed block at the next allocation or free and
+# populates every new one (DiscardingPolicy). Each example draws a step's shape (3-5
+# blocks, when each dies, whether a temporary of another size comes every other step: an
+# overflow segment), the compute stream and the twin, runs it until the server serves it
+# natively, then steps with drift: a free later or earlier than recorded, an extra or a
+# missing allocation, empty_cache() at any point of a step, a block read on a side stream
+# and recorded there (record_stream), a discard that fails (the runtime keeps its error
+# per thread, as libcudart does, and each kernel launch checks it, as torch does), part of
+# a step on a second thread. Every block is written by a kernel when made and read by one
+# before it is freed. The machine fails on what loses data: a read of discarded bytes, a
+# touch of memory no longer managed, a kernel writing bytes another stream still uses,
+# pages moved or discarded under a queued kernel, a launch that finds umrt's error.
+LOSS = ("discarded-read", "illegal-address", "stream-race", "migrated-in-use", "discard-race", "launch-check")
+NATIVE_EXAMPLES = 500
+DRIFTS = ("none", "late free", "early free", "extra allocation", "missing allocation", "empty_cache",
+          "side stream", "failing call", "second thread")
+BLOCK_SIZES = (64 * KiB, 100 * KiB, 256 * KiB, 512 * KiB, 1 * MiB, 1536 * KiB)
+SEEN_NATIVE: Counter = Counter()
+
+
+class FlakyTable:
+    """The schedule's CUDA table over the fake runtime (umrt's ApiTable) with a discard that
+    fails when asked; a failed call leaves its error as libcudart does, per host thread,
+    until ``clear_error`` (cudaGetLastError)."""
+
+    def __init__(self, api) -> None:
+        from umrt.allocators.steady import ApiTable
+
+        self.inner = ApiTable(api)
+        self.copy_stream = self.discard_stream = None
+        self.fail_next = False
+        self.errors: dict[int, int] = {}  # host thread -> its last error
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _failing(self) -> bool:
+        if not self.fail_next:
+            return False
+        self.fail_next = False
+        self.errors[threading.get_ident()] = 1  # cudaErrorInvalidValue
+        SEEN_NATIVE["calls failed"] += 1
+        return True
+
+    def discard(self, ranges, stream):
+        return 1 if self._failing() else self.inner.discard(ranges, stream)
+
+    def discard_prefetch(self, ranges, device, stream):
+        return 1 if self._failing() else self.inner.discard_prefetch(ranges, device, stream)
+
+    def clear_error(self) -> int:
+        return self.errors.pop(threading.get_ident(), 0)
+
+
+class MachineCalls:
+    """The server's CallSource: the backend's, with :class:`FlakyTable` for either twin."""
+
+    def __init__(self, backend: CudaBackend) -> None:
+        from umrt.drive.steady import BackendCalls
+
+        self.calls = BackendCalls(backend)
+        self.table = FlakyTable(backend.api)
+
+    def record(self, log):
+        self.calls.record(log)
+
+    def attach(self, schedule) -> bool:
+        schedule.set_table(self.table)
+        return False
+
+    def count(self, calls, windows):
+        self.calls.count(calls, windows)
+
+    def settle(self):
+        self.calls.settle()
+
+
+@st.composite
+def step_shapes(draw):
+    n = draw(st.integers(3, 5))
+    sizes = tuple(draw(st.sampled_from(BLOCK_SIZES)) for _ in range(n))
+    # Block i dies after allocation free_after[i] (> i); n: it lives into the next step.
+    free_after = tuple(draw(st.integers(i + 1, n)) for i in range(n))
+    return sizes, free_after
+
+
+class NativeSteadyMachine(RuleBasedStateMachine):
+    """See the comment above."""
+
+    only_twin: str | None = None  # a planted-bug test's choice of twin
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server = None
+
+    @initialize(shape=step_shapes(), alternate=st.booleans(), stream=st.sampled_from(("legacy", "created")),
+                twin=st.sampled_from(("python", "native")))
+    def start(self, shape, alternate, stream, twin):
+        from test_native_steady import DiscardingPolicy, StubBridge
+
+        from umrt.allocators.managed import ManagedPool
+        from umrt.allocators.steady import native_library
+        from umrt.drive.steady import SteadyServer
+
+        self.gpu = FakeGpu(strict=False)
+        self.rt = FakeBindingsRuntime(self.gpu)
+        self.backend = CudaBackend(0, api=BindingsApi(self.rt))
+        self.stream = 0 if stream == "legacy" else self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking)[1]
+        self.side = self.rt.cudaStreamCreateWithFlags(self.rt.cudaStreamNonBlocking)[1]
+        self.pool = ManagedPool(self.backend)
+        self.calls = MachineCalls(self.backend)
+        twin = self.only_twin or twin
+        native = twin == "native" and native_library() is not None
+        self.server = SteadyServer(self.pool, front=object() if native else None, calls=self.calls, enabled=True)
+        self.bridge = StubBridge(self.pool)
+        DiscardingPolicy(self.backend, self.pool).bridge = self.bridge
+        self.server.attach(self.bridge)
+        self.sizes, self.free_after = shape
+        self.alternate = alternate
+        self.live: dict[object, tuple[int, int]] = {}
+        self.survivors: list[object] = []
+        self.steps = 0
+        self.names = itertools.count()
+        SEEN_NATIVE["twin " + ("native" if native else "python")] += 1
+        for _ in range(14):
+            self.step_with()
+            if self.server.phase.value == "native":
+                SEEN_NATIVE["examples served natively"] += 1
+                break
+
+    # -- a step ------------------------------------------------------------------------
+    def ops(self) -> list[tuple]:
+        out = [("free", key) for key in self.survivors]
+        if self.alternate and self.steps % 2:
+            out += [("alloc", "alt", 3 * MiB), ("free", "alt")]
+        n = len(self.sizes)
+        keys = [f"{self.steps}.{i}" for i in range(n)]
+        for i in range(n):
+            out.append(("alloc", keys[i], self.sizes[i]))
+            out += [("free", keys[j]) for j in range(i) if self.free_after[j] == i]
+        self.next_survivors = [keys[j] for j in range(n) if self.free_after[j] == n]
+        return out
+
+    def launch_check(self) -> None:
+        """torch's check after a kernel launch (cudaGetLastError)."""
+        if self.calls.table.errors.get(threading.get_ident()):
+            self.gpu.violations.append(Violation("launch-check", "a kernel launch found a CUDA error umrt left"))
+
+    def run(self, op) -> None:
+        what = op[0]
+        if what == "alloc":
+            _, key, n = op
+            ptr = self.server.malloc(n, self.stream)
+            assert ptr, f"no block for {n} bytes"
+            for other, m in self.live.values():
+                assert ptr + n <= other or other + m <= ptr, "two live blocks overlap"
+            self.live[key] = (ptr, n)
+            self.launch_check()
+            self.gpu.kernel(self.stream, writes=[(ptr, n)], name=f"write {key}")
+        elif what == "free":
+            ptr, n = self.live.pop(op[1])
+            self.launch_check()
+            self.gpu.kernel(self.stream, reads=[(ptr, n)], name=f"read {op[1]}")
+            self.server.free(ptr)
+        elif what == "side":  # read on a side stream, as a program does it: wait, read, record_stream
+            ptr, n = self.live[op[1]]
+            event = self.rt.cudaEventCreateWithFlags(0)[1]
+            self.rt.cudaEventRecord(event, self.stream)
+            self.rt.cudaStreamWaitEvent(self.side, event, 0)
+            self.launch_check()
+            self.gpu.kernel(self.side, reads=[(ptr, n)], name=f"side read {op[1]}")
+            self.server.record_stream(ptr, self.side)
+        elif what == "empty_cache":
+            self.server.empty_cache()
+        elif what == "fail":
+            self.calls.table.fail_next = True
+        elif what == "thread":
+            worker = threading.Thread(target=lambda: [self.run(o) for o in op[1]])
+            worker.start()
+            worker.join()
+        else:
+            raise AssertionError(op)
+
+    def step_with(self, drift: str = "none", at: int = 0, k: int = 0) -> None:
+        ops = self.ops()
+        frees = [i for i, o in enumerate(ops) if o[0] == "free"]
+        allocs = [i for i, o in enumerate(ops) if o[0] == "alloc"]
+        if drift == "late free" and frees:
+            i = frees[k % len(frees)]
+            later = [j for j in allocs if j > i]
+            if later:
+                ops.insert(later[min(k, len(later) - 1)], ops.pop(i))
+        elif drift == "early free" and frees:
+            op = ops.pop(frees[k % len(frees)])
+            born = next((j for j, o in enumerate(ops) if o[0] == "alloc" and o[1] == op[1]), -1)
+            ops.insert(born + 1, op)
+        elif drift == "extra allocation":
+            key = f"x{next(self.names)}"
+            ops[at % (len(ops) + 1):at % (len(ops) + 1)] = [("alloc", key, BLOCK_SIZES[k % len(BLOCK_SIZES)]),
+                                                              ("free", key)]
+        elif drift == "missing allocation":
+            j = allocs[k % len(allocs)]
+            key = ops[j][1]
+            ops = [o for o in ops if len(o) < 2 or o[1] != key]
+            self.next_survivors = [s for s in self.next_survivors if s != key]
+        elif drift == "empty_cache":
+            ops.insert(at % (len(ops) + 1), ("empty_cache",))
+        elif drift == "side stream" and frees:
+            i = frees[k % len(frees)]
+            ops.insert(i, ("side", ops[i][1]))
+        elif drift == "failing call":
+            ops.insert(at % (len(ops) + 1), ("fail",))
+        elif drift == "second thread":
+            i = at % len(ops)
+            ops[i:i + 3] = [("thread", ops[i:i + 3])]
+        native = self.server.phase.value == "native"
+        for op in ops:
+            self.run(op)
+        self.calls.table.fail_next = False  # a failure not consumed in this step does not carry over
+        self.bridge.on_step(self.server)
+        self.survivors = self.next_survivors
+        self.steps += 1
+        if native:
+            SEEN_NATIVE[f"native steps with drift: {drift}"] += 1
+            SEEN_NATIVE["hand-backs"] += self.server.phase.value != "native"
+
+    @rule(drift=st.sampled_from(DRIFTS), at=st.integers(0, 12), k=st.integers(0, 4))
+    def step(self, drift, at, k):
+        self.step_with(drift, at, k)
+
+    # -- checks --------------------------------------------------------------------------
+    @invariant()
+    def no_data_lost(self) -> None:
+        if self.server is None:
+            return
+        lost = [v for v in self.gpu.violations if v.kind in LOSS]
+        assert not lost, lost[:3]
+        if self.server.phase.value != "native":
+            assert self.pool.live_blocks() == {p: n for p, n in self.live.values()}
+
+    def teardown(self) -> None:
+        if self.server is None:
+            return
+        SEEN_NATIVE["examples"] += 1
+        SEEN_NATIVE["arms"] += self.server.report.arms
+        self.server.close()
+        assert self.pool.live_blocks() == {p: n for p, n in self.live.values()}
+        for ptr, _ in self.live.values():  # the process's allocation counts back where they were
+            self.server.free(ptr)
+
+
+NATIVE_SETTINGS = settings(max_examples=NATIVE_EXAMPLES, stateful_step_count=6, deadline=None, derandomize=True,
+                           database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def test_the_native_steady_state_keeps_every_byte_under_drift(capsys):
+    SEEN_NATIVE.clear()
+    run_state_machine_as_test(NativeSteadyMachine, settings=NATIVE_SETTINGS)
+    with capsys.disabled():
+        print(f"\nnative steady machine: {SEEN_NATIVE['examples']} sequences, " + ", ".join(
+            f"{k} {v}" for k, v in sorted(SEEN_NATIVE.items()) if k != "examples"))
+    assert SEEN_NATIVE["examples"] >= NATIVE_EXAMPLES
+    assert SEEN_NATIVE["examples served natively"] >= NATIVE_EXAMPLES * 3 // 4, SEEN_NATIVE
+    assert SEEN_NATIVE["twin native"] >= NATIVE_EXAMPLES // 4 and SEEN_NATIVE["twin python"] >= NATIVE_EXAMPLES // 4
+    for drift in DRIFTS:  # every drift met the schedule serving, many times
+        assert SEEN_NATIVE[f"native steps with drift: {drift}"] >= NATIVE_EXAMPLES // 20, (drift, SEEN_NATIVE)
+
+
+def _plant_no_live_check(monkeypatch):
+    from umrt.allocators.steady import PythonSteadySchedule, native_library
+
+    monkeypatch.setattr(PythonSteadySchedule, "_check", lambda self, *args: True)
+    return native_library(), 1  # kernels/steady_alloc.cpp: g_planted bit 1
+
+
+def _plant_empty_cache_while_native(monkeypatch):
+    from umrt.drive.steady import SteadyServer
+
+    monkeypatch.setattr(SteadyServer, "empty_cache", lambda self: self.pool.empty_cache())
+    return None, 0
+
+
+def _plant_no_error_clear(monkeypatch):
+    from umrt.allocators.steady import PythonSteadySchedule, native_library
+
+    monkeypatch.setattr(PythonSteadySchedule, "_clear_error", staticmethod(lambda table: None))
+    return native_library(), 2  # g_planted bit 2
+
+
+def _plant_stream_ignored(monkeypatch):
+    from umrt.allocators.managed import ManagedPool
+
+    monkeypatch.setattr(ManagedPool, "record_stream", lambda self, ptr, stream: None)
+    return None, 0
+
+
+# The bugs the native machine must find (issue 19): each planted in both twins where it
+# lives in them (a monkeypatch of the Python twin or the server, the test-only switch
+# umrt_steady_plant_bugs of the native one), with what the machine reports.
+NATIVE_BUGS = {
+    "no live-block check of decisions": (_plant_no_live_check, "discarded-read|migrated-in-use"),
+    "empty_cache frees while native": (_plant_empty_cache_while_native, "illegal-address"),
+    "no last-error clear after a failed call": (_plant_no_error_clear, "launch-check"),
+    "the block's stream ignored (record_stream)": (_plant_stream_ignored, "stream-race|migrated-in-use"),
+}
+FOUND_IN: dict[str, float] = {}
+
+
+@pytest.mark.parametrize(("bug", "twin"), [(bug, twin) for bug in NATIVE_BUGS for twin in ("python", "native")])
+def test_the_native_machine_finds_planted_bugs(monkeypatch, capsys, bug, twin):
+    import re
+    import time
+
+    from umrt.allocators.steady import native_library
+
+    if twin == "native" and native_library() is None:
+        pytest.skip("the native schedule did not build here")
+    monkeypatch.setattr(NativeSteadyMachine, "only_twin", twin)
+    plant, kind = NATIVE_BUGS[bug]
+    lib, mask = plant(monkeypatch)
+    if lib is not None:
+        lib.umrt_steady_plant_bugs(mask)
+    found = settings(NATIVE_SETTINGS, max_examples=300, phases=(Phase.generate,))  # the first failure, unshrunk
+    started = time.perf_counter()
+    try:
+        with pytest.raises(AssertionError) as caught:
+            run_state_machine_as_test(NativeSteadyMachine, settings=found)
+    finally:
+        if lib is not None:
+            lib.umrt_steady_plant_bugs(0)
+    took = time.perf_counter() - started
+    FOUND_IN[f"{bug} ({twin} twin)"] = took
+    with capsys.disabled():
+        print(f"\nnative steady machine: planted bug '{bug}' ({twin} twin) found in {took:.1f} s")
+    assert re.search(kind, str(caught.value)), str(caught.value)[:2000]

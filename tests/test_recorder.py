@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from umrt.capture import Recorder
+from umrt.capture import Recorder, StopRecording
 from umrt.capture.modestack import ModeSwitch
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 from umrt.trace.stats import summarize
@@ -636,3 +636,96 @@ def test_layer_events_stop_and_restart_with_emit_layers():
         model(torch.ones(2, 4))
         back = sum(isinstance(e, LayerEnter) for e in got)
     assert rec_off == 0 and back == on
+
+
+def _phased_loop(rec, model, opt, *, eval_batches=3, how="no_grad"):
+    """Two training steps, an evaluation of ``eval_batches`` batches (model.eval() and
+    ``how``: no_grad, inference_mode, or eval mode alone), then two more steps."""
+    def step():
+        with rec.paused():
+            x = torch.randn(8, 16)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with rec:
+        step()
+        step()
+        model.eval()
+        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+        with ctx() if ctx else torch.enable_grad():
+            for _ in range(eval_batches):
+                x = torch.randn(8, 16)
+                model(x).square().mean().item()
+        model.train()
+        step()
+        step()
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "eval_mode"])
+def test_an_evaluation_is_iterations_of_its_own_phase(how):
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    _phased_loop(rec, model, opt, eval_batches=3, how=how)
+    tr = rec.trace()
+    assert tr.iteration_phases() == ["train", "train", "eval", "eval", "eval", "train", "train"]
+    # Each evaluation batch is one forward of the model, and no training iteration runs one in eval.
+    spans = tr.iteration_spans()
+    for (a, b), phase in zip(spans, tr.iteration_phases(), strict=True):
+        roots = [e for e in tr.events[a:b] if isinstance(e, LayerEnter) and e.module == "" and e.phase == "forward"]
+        backward = [e for e in tr.events[a:b] if isinstance(e, LayerEnter) and e.phase == "backward"]
+        assert len(roots) == 1
+        assert bool(backward) == (phase == "train")
+
+
+def test_a_no_grad_forward_before_the_first_step_is_set_up_not_a_phase():
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    with rec:
+        with torch.no_grad():
+            model(torch.randn(8, 16))  # a sanity check before training: iteration 0's
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+    assert rec.trace().iteration_phases() == ["train", "train"]
+
+
+def test_stop_after_counts_training_steps_not_evaluation_batches():
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False, stop_after=3)
+    with pytest.raises(StopRecording):
+        _phased_loop(rec, model, opt, eval_batches=4)
+    assert rec.trace().iteration_phases().count("train") == 3
+
+
+def test_training_resumes_at_the_first_op_that_writes_in_train_mode_after_an_evaluation():
+    """A Lightning-style loop loads the next batch after its validation, before the
+    forward: that batch belongs to the training step, as every other step's does."""
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    rows = [torch.randn(16) for _ in range(8)]
+
+    def step():
+        x = torch.stack(rows)  # the batch, collated on the device
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with rec:
+        step()
+        step()
+        model.eval()
+        with torch.no_grad():
+            model(torch.stack(rows)).sum().item()
+        model.train()
+        step()
+        step()
+    tr = rec.trace()
+    assert tr.iteration_phases() == ["train", "train", "eval", "train", "train"]
+    starts = []
+    for a, b in tr.iteration_spans():
+        first = next(e for e in tr.events[a:b] if isinstance(e, Launch))
+        starts.append(first.op)
+    assert starts[1:] == ["aten::stack.default"] * 4, starts  # every step, after the evaluation too

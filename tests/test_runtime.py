@@ -15,8 +15,9 @@ from umrt.policy import make_policy
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime, RuntimeOptions
 from umrt.policy.runtime.planner import PAGE
-from umrt.shadow import ShadowSource
+from umrt.shadow import LiveRun, drive_live
 from umrt.sim.backend import SimBackend
+from umrt.sim.budget import needs_of_events, resolve_budget
 from umrt.sim.replay import parse_budget, peak_live_bytes, simulate
 from umrt.testing.synthetic import training_trace
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit, Trace
@@ -24,12 +25,12 @@ from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, Laye
 PROFILE = "v100-pcie3-32g"
 
 
-def drive(trace: Trace, policy, budget: str = "30%") -> ShadowSource:
-    """Feed a whole trace, event by event, as shadow mode does live."""
-    d = ShadowSource(policy, PROFILE, budget)
-    for ev in trace.events:
-        d(ev)
-    d.finish()
+def drive(trace: Trace, policy, budget: str = "30%") -> LiveRun:
+    """Feed a whole trace, event by event, as shadow mode feeds its live row; the GPU sized from
+    the footprint of set-up and the first iteration (a trace whose later steps grow keeps the
+    pressure those steps were written to put on the runtime)."""
+    first = needs_of_events(trace.events[: trace.iteration_spans()[1][0] + 1])
+    d = drive_live(trace.events, policy, load_profile(PROFILE), resolve_budget(budget, first).bytes)
     assert d.error is None, d.error
     return d
 
@@ -156,7 +157,8 @@ def test_misprediction_guard_falls_back_and_relearns(launch_free):
 
 
 @pytest.mark.parametrize("bad", [{"headroom": 0}, {"headroom": 1.5}, {"learn_iterations": 0},
-                                 {"probe_iterations": -1}, {"guard_window": -1}, {"max_variants": -1}])
+                                 {"probe_iterations": -1}, {"guard_window": -1}, {"max_variants": -1},
+                                 {"payoff_window": -1}, {"payoff_margin": -0.5}])
 def test_bad_options(bad):
     """A bad option is refused at construction, naming itself (not later, mid-run)."""
     (name,) = bad
@@ -172,7 +174,8 @@ def test_options_are_the_constructor_keywords_frozen():
     kwargs = {"op_level": False, "headroom": 0.8, "learn_iterations": 3, "probe_iterations": 1,
               "guard_window": 5, "guard_failures": 2, "guard_cooldown": 1, "max_variants": 4,
               "use_pool": False, "min_discard": 2 * PAGE, "read_mostly": True, "freeze": False,
-              "launch_free": False, "discard_on_free": True, "swap": False}
+              "launch_free": False, "discard_on_free": True, "swap": False, "payoff_window": 2,
+              "payoff_margin": 0.1}
     assert {f.name for f in fields(RuntimeOptions)} == set(kwargs)
     rt = Runtime(**kwargs)
     assert rt.options == RuntimeOptions(**kwargs)
@@ -455,11 +458,14 @@ def test_the_guard_trips_after_enough_failures_then_cools_down():
 
     guard = Guard(Runtime(), window=4, failures=3, cooldown=2)
     for ok in (False, True, False, True, True):
-        guard.outcomes.append(ok)
+        guard.outcomes().append(ok)
     assert not guard.tripped()  # the first failure left the window
-    guard.outcomes.extend([False, False, False])
-    assert guard.tripped() and not guard.outcomes
+    guard.outcomes().extend([False, False, False])
+    guard.outcomes("eval").extend([False, False])
+    assert guard.tripped() and not guard.outcomes()
+    assert not guard.tripped("eval")  # phase by phase: an evaluation's failures are its own
     assert [guard.cooling() for _ in range(3)] == [True, True, False]
+    assert not guard.cooling("eval")
 
 
 def test_the_runtime_feeds_no_layout_the_driver_does():

@@ -39,11 +39,26 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def test_reports_what_the_gpu_would_have_done(script, capsys):
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[int, str, list[str]]:
+    """One shadow run of SCRIPT (5 steps, v100-pcie3-32g, 30%), read by several tests: its exit
+    status, what the script printed, the report's lines."""
+    import contextlib
+    import io
+
+    path = tmp_path_factory.mktemp("shadow") / "train.py"
+    path.write_text(SCRIPT)
     lines: list[str] = []
-    rc = run_shadow(str(script), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lines.append)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = run_shadow(str(path), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lines.append)
+    return rc, printed.getvalue(), lines
+
+
+def test_reports_what_the_gpu_would_have_done(report):
+    rc, printed, lines = report
     assert rc == 0
-    assert "trained 5" in capsys.readouterr().out  # the script really ran
+    assert "trained 5" in printed  # the script really ran
     text = "\n".join(lines)
     assert "SIMULATED" in text and "v100-pcie3-32g" in text
     for row in ("ideal", "um", "oracle", "umrt"):
@@ -52,12 +67,11 @@ def test_reports_what_the_gpu_would_have_done(script, capsys):
     assert "prefetched" in text and "discarded" in text
 
 
-def test_the_report_explains_every_term(script):
+def test_the_report_explains_every_term(report):
     """A first-time reader understands every line without the source (issue 14): what was
     measured and what simulated, each row and column, where umrt stands in plain words,
     decision points, and that a deviation is not an error."""
-    lines: list[str] = []
-    run_shadow(str(script), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lines.append)
+    lines = report[2]
     text = " ".join("\n".join(lines).split())  # rich wraps long lines
     assert "Measured on this machine" in text and "they are not GPU times" in text
     assert "nothing ran on a GPU" in text
@@ -79,22 +93,28 @@ def test_steps_stops_the_script_early(script, capsys):
     rc = run_shadow(str(script), ["50"], profile="h100-pcie5-80g", steps=2, out=lines.append)
     assert rc == 0
     assert "trained" not in capsys.readouterr().out
-    assert re.search(r"│ umrt +│ live ", "\n".join(lines))  # the steps run were simulated live
+    text = "\n".join(lines)
+    assert "the script ran 2 training step(s)" in text
+    assert re.search(r"│ umrt +│ live, learning ", text)  # the steps run were simulated live: umrt still learned
+    assert "umrt did not act in this run" in " ".join(text.split()) and "faster than plain" not in text
 
 
 def test_no_training_step(tmp_path):
     path = tmp_path / "noop.py"
     path.write_text("print('nothing to train')\n")
     lines: list[str] = []
-    assert run_shadow(str(path), [], profile="h100-pcie5-80g", out=lines.append) == 0
-    assert "no training iteration" in "\n".join(lines)
+    with pytest.raises(ConfigError, match="the script made no optimizer step: shadow mode simulates a training"):
+        run_shadow(str(path), [], profile="h100-pcie5-80g", out=lines.append)
+    assert lines == []  # no table, no legend
 
 
 @pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"script": "does/not/exist.py"}, "not found"),
-        ({"gpu_memory": "lots"}, "invalid budget"),
+        ({"gpu_memory": "lots"}, "not a memory amount"),
+        ({"gpu_memory": "90%device"}, "a simulated GPU has no memory but its budget"),
+        ({"plot": "/proc/nowhere/p.png"}, "cannot write"),
         ({"profile": "no-such-gpu"}, "profile"),
         ({"policy": "oracle"}, "whole future"),
         ({"policy": "nope"}, "unknown policy"),
@@ -119,14 +139,16 @@ def test_the_embedded_example_runs_end_to_end(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     example = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
     lines: list[str] = []
-    rc = run_shadow(str(example), ["--steps", "5"],
+    rc = run_shadow(str(example), ["--steps", "6"],
                     profile="h100-pcie5-80g", gpu_memory="20%", out=lines.append)
     assert rc == 0
-    assert "step 4: loss" in capsys.readouterr().out
+    assert "step 5: loss" in capsys.readouterr().out
     text = "\n".join(lines)
     assert re.search(r"│ umrt +│ live ", text)
-    # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would
+    # 2 learned, 2 checked launch by launch, then the trusted plan runs as a live run would; the
+    # last iteration holds the script's teardown (its frees after the last step): it leaves the plan
     assert re.search(r"then acted on 3 \(1 of them without recording ops", " ".join(text.split())), text
+    assert re.search(r"Iterations: 2 learned \(0, 1\); 1 recovered after leaving a plan \(5\)", " ".join(text.split()))
 
 
 # A tiny GPT-2 with attention and residual dropout on (transformers' defaults, p=0.1):
@@ -181,36 +203,6 @@ def test_the_job_is_simulated_where_cuda_is_available(script, capsys, monkeypatc
     text = "\n".join(lines)
     assert "nothing to simulate" not in text
     assert re.search(r"│ umrt +│ live ", text) and re.search(r"│ oracle +│ replay ", text)
-
-
-def test_an_event_that_arrives_during_the_drivers_own_work_waits_its_turn():
-    """A storage freed by Python's garbage collector while the driver is busy (here: while
-    it replays the held first iteration) is handled after the event in hand, never before
-    the held Alloc it frees."""
-    from umrt.hardware import load_profile
-    from umrt.policy import make_policy
-    from umrt.shadow import ShadowSource
-    from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch
-
-    mib = 1 << 20
-    policy = make_policy("um")
-    driver = ShadowSource(policy, load_profile("h100-pcie5-80g"), "100%")
-    on_event = policy.on_event
-    fired = []
-
-    def busy(ev):  # the policy's first event: a finalizer runs in the middle of it
-        if not fired:
-            fired.append(ev)
-            driver(Free(1))
-        on_event(ev)
-
-    policy.on_event = busy
-    w = Launch(0, 7, "aten::fill_.Scalar", (Access(0, 0, 4 * mib, True),), 0, 4 * mib)
-    for ev in (IterationBoundary(0), Alloc(0, 4 * mib, Kind.ACTIVATION, 0), Alloc(1, 4 * mib, Kind.OTHER, -1), w,
-               IterationBoundary(1), w, IterationBoundary(2)):
-        driver(ev)
-    assert fired and driver.error is None
-    assert set(driver.driver.addresses) == {0}  # object 1 was freed, after its Alloc
 
 
 # A shadow run in a fresh interpreter whose numba cache is NUMBA_CACHE_DIR, with Python's
@@ -273,3 +265,112 @@ def test_a_cold_and_a_warm_compile_cache_give_the_same_report(script, tmp_path):
     # the compilation was announced, before the script, and only when there was one
     assert "umrt: compiling the simulator" in cold.stderr and "compiling" not in warm.stderr
     assert cold.stderr.index("compiling the simulator") < cold.stderr.index("simulator compiled in")
+
+
+# -- one footprint, defined; the memory-savings table (issue 22) -----------------------------
+
+SIZE = r"\d+\.\d (?:KiB|MiB|GiB)"
+
+
+def test_the_report_defines_the_footprint_and_shows_one_peak_live(report):
+    from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION
+
+    lines = report[2]
+    text = " ".join("\n".join(lines).split())
+    assert " ".join(FOOTPRINT_DEFINITION.split()) in text and " ".join(PEAK_LIVE_DEFINITION.split()) in text
+    assert len(set(re.findall(rf"footprint ({SIZE})", text))) == 1  # one footprint
+    assert len(set(re.findall(rf"peak live ({SIZE})", text))) == 1  # one peak live figure
+    assert re.search(rf"whose memory is {SIZE} = 30% of the footprint {SIZE} \(peak live {SIZE}\)", text)
+    # the ideal row: nothing moves, as its legend says (over the whole run: only first touches fault)
+    assert re.search(r"│ ideal +│ replay +│ +[\d.,]+ ms │ +1\.00x │ +[\d.]+ ms │ +1\.00x │ +0 B │ +0 B │ +[\d,]+ │ +0 │",
+                     "\n".join(lines))
+
+
+def test_the_memory_savings_table(report):
+    """Beside the run's own GPU memory, um's and umrt's step / ideal at 100, 75, 50, 33 and 25% of the
+    footprint, from the same recording; the run's own row repeats the main table's figures."""
+    lines = report[2]
+    text = "\n".join(lines)
+    assert "How much GPU memory can this run save, at what cost? (SIMULATED)" in text
+    rows = re.findall(rf"│ +({SIZE}) │ +(\d+)%( \(this run\))? │ +([\d.]+)x │ +([\d.]+)x │", text)
+    assert [(pct, bool(own)) for _, pct, own, _, _ in rows] == [
+        ("100", False), ("75", False), ("50", False), ("33", False), ("30", True), ("25", False)]
+    um = {pct: float(x) for _, pct, _, x, _ in rows}
+    assert um["100"] == 1.00 and um["25"] > um["100"]  # everything fits at 100%: plain UM runs at ideal
+    main_um = re.search(r"│ um +│ replay +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
+    main_umrt = re.search(r"│ umrt +│ live +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
+    own = next(r for r in rows if r[2])
+    assert (own[3], own[4]) == (main_um, main_umrt)
+
+
+def test_a_plot_when_asked(script, tmp_path):
+    plot = tmp_path / "savings.png"
+    run_shadow(str(script), ["5"], profile="v100-pcie3-32g", gpu_memory="30%", out=lambda s: None, plot=str(plot))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+
+
+def test_one_training_step_is_a_clear_error(script):
+    with pytest.raises(ConfigError, match="the script made 1 training step: .* needs at least 2"):
+        run_shadow(str(script), ["1"], profile="h100-pcie5-80g", out=lambda s: None)
+
+
+def test_a_script_with_no_training_loop_exits_2_with_one_line(tmp_path, capsys):
+    from umrt.cli import main
+
+    path = tmp_path / "noop.py"
+    path.write_text("print('nothing to train')\n")
+    assert main(["run", "--simulate", "h100-pcie5-80g", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "nothing to train\n"  # the script's own output, and no table
+    assert out.err.startswith("umrt: error: the script made no optimizer step") and out.err.count("\n") == 1
+
+
+def test_the_two_paths_give_one_footprint(script, tmp_path, capsys, monkeypatch):
+    """`umrt trace` then `umrt simulate`, and `umrt run --simulate`, on the same script and GPU memory:
+    one recording, one footprint, one budget in bytes (and the same peak live)."""
+    from umrt.cli import main
+
+    monkeypatch.delenv("UMRT_GPU_MEMORY", raising=False)
+    monkeypatch.delenv("UMRT_SIMULATE", raising=False)
+    trace = tmp_path / "t.umrt"
+    assert main(["trace", "-q", "--steps", "5", "-o", str(trace), "--", "python", str(script), "5"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(trace), "--profile", "h100-pcie5-80g", "--gpu-memory", "20%"]) == 0
+    simulated = capsys.readouterr().out
+    assert main(["run", "--simulate", "h100-pcie5-80g", "--gpu-memory", "20%", str(script), "5"]) == 0
+    shadow = " ".join(capsys.readouterr().out.split())
+    memory, share = re.search(rf"│ GPU memory +│ +({SIZE}) = (20% of the footprint) │", simulated).groups()
+    footprint = re.search(rf"│ footprint +│ +({SIZE}) │", simulated).group(1)
+    peak = re.search(rf"│ peak live +│ +({SIZE}) │", simulated).group(1)
+    assert f"whose memory is {memory} = {share} {footprint} (peak live {peak})" in shadow
+    assert set(re.findall(rf"footprint ({SIZE})", shadow)) == {footprint}
+
+
+def test_the_live_feed_is_told_what_the_optimizer_step_says(monkeypatch):
+    """As the live bridge hints parameters, gradients and optimizer state at each optimizer step,
+    drive_live hints the objects the finished trace knows better, before the next boundary, once."""
+    import umrt.shadow as shadow
+    from umrt.hardware import load_profile
+    from umrt.policy.baselines import UMPolicy
+    from umrt.trace.events import Alloc, Free, IterationBoundary, Kind
+
+    told = []
+
+    class Listening(UMPolicy):
+        def hint_kind(self, obj, kind):
+            told.append((obj, kind, len(seen)))
+
+        def on_event(self, ev):
+            seen.append(ev)
+            super().on_event(ev)
+
+    seen: list = []
+    monkeypatch.setattr(shadow, "make_policy", lambda name: Listening())
+    mib = 1 << 20
+    events = [IterationBoundary(0), Alloc(1, 4 * mib, Kind.ACTIVATION), Alloc(2, 4 * mib, Kind.TEMPORARY),
+              Alloc(3, 4 * mib, Kind.TEMPORARY), Free(3), IterationBoundary(1), IterationBoundary(2)]
+    kinds = {1: Kind.PARAMETER, 2: Kind.OPTIMIZER_STATE, 3: Kind.GRADIENT}
+    run = shadow.drive_live(events, "um", load_profile("h100-pcie5-80g"), 64 * mib, kinds)
+    assert run.error is None
+    # objects 1 and 2, before the boundary that ends the step (5 events seen); 3 died before it
+    assert told == [(1, Kind.PARAMETER, 5), (2, Kind.OPTIMIZER_STATE, 5)]

@@ -38,7 +38,7 @@ def test_memory_stats_keys_and_types():
                    "h2d_bytes": 3 << 20, "d2h_bytes": 1 << 20, "discarded_bytes": 2 << 20,
                    "populated_bytes": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "staging_bytes": 0,
                    "cuda_calls": {}, "acting": False, "stopped_reason": None,
-                   "native_steady": {}}
+                   "native_steady": {}, "phases": {}}
 
 
 def test_memory_stats_reports_the_native_steady_state(fake_gpu):
@@ -50,7 +50,7 @@ def test_memory_stats_reports_the_native_steady_state(fake_gpu):
 
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    stats.attach(pool=pool, backend=backend, steady=SteadyServer(pool, calls=BackendCalls(backend)))
+    stats.attach(pool=pool, backend=backend, steady=SteadyServer(pool, calls=BackendCalls(backend), enabled=True))
     got = umrt.memory_stats()["native_steady"]
     assert got["phase"] == "following" and got["native_front"] is False and got["arms"] == 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,10 @@ class LogTable:
 
     def wait_event(self, stream, event):
         return self._log("wait_event", stream, event)
+
+    def clear_error(self):
+        self.cleared = getattr(self, "cleared", 0) + 1
+        return 0
 
 
 # -- compiling -------------------------------------------------------------------------
@@ -726,7 +731,8 @@ def test_calls_after_the_last_event_open_the_next_iteration():
 
 # -- ownership hand-over ---------------------------------------------------------------
 def test_adopt_hands_survivors_to_the_schedule_and_disown_hands_everything_back(lib):
-    arrays, (a, b, c) = small_schedule()
+    arrays, (a, b, _) = small_schedule()
+    c = a + (4 << 20)  # allocation 2's block from an earlier iteration, outside a's discard (1 MiB from a)
     out = []
     for s in both(lib, arrays):
         table = LogTable()
@@ -930,6 +936,25 @@ def test_a_cudart_error_code_reaches_the_deviation(lib, fake_cudarts):
                                                        "failed with CUDA error 2"))
 
 
+def test_a_failed_native_call_leaves_no_last_error_for_torch(lib, fake_cudarts):
+    """Finding 3: a decision that fails through the libcudart table sets that runtime's
+    per-thread last error (the fake keeps it as CUDA does); torch checks it after its next
+    kernel launch (cudaGetLastError) and would raise "CUDA error" in an unrelated op. Both
+    twins clear it (cudaGetLastError) before falling back, on the thread that failed."""
+    fake = fake_cudarts["13"]
+    arrays, a = _every_kind_schedule()
+    for s in both(lib, arrays):
+        s.set_c_table(steady.cudart_table(fake.path))
+        s.arm(0, 0x4000)
+        fake.lib.fake_cudart_fail(2)
+        try:
+            assert s.malloc(MiB, 0, 0x4000) == a and s.deviation()[0] == Deviation.CALL
+        finally:
+            fake.lib.fake_cudart_fail(0)
+        assert fake.lib.cudaPeekAtLastError() == 0, type(s).__name__  # torch's next launch check: no error
+        assert s.malloc(MiB, 0, 0x4000) == 0  # disarmed: the next allocation goes to Python
+
+
 def test_cudart_table_errors_are_clear(lib, tmp_path):
     with pytest.raises(SteadyError, match="dlopen.*nowhere.so"):
         steady.cudart_table(str(tmp_path / "nowhere.so"))
@@ -951,6 +976,39 @@ def test_loaded_libcudart_reads_the_process_maps(tmp_path):
     assert path is None and "cannot read" in why
 
 
+def test_loaded_libcudart_takes_the_copy_torch_uses_not_the_first_by_name(tmp_path):
+    """Finding 6: with several libcudart copies loaded (CuPy's, another CUDA version's:
+    separate runtime instances), the one torch's libc10_cuda.so resolves cudaGetLastError
+    to, whatever the names sort as. A copy nobody vouches for is not guessed."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the fake libraries")
+    source = Path(__file__).with_name("fake_cudart.c")
+    other, torchs = tmp_path / "a", tmp_path / "b"  # "a/..." sorts first: not torch's
+    for d, version in ((other, "12"), (torchs, "13")):
+        d.mkdir()
+        subprocess.run([cc, "-shared", "-fPIC", f"-DFAKE_VERSION={version}000", str(source), "-o",
+                        str(d / f"libcudart.so.{version}")], check=True, capture_output=True)
+    user = tmp_path / "c" / "libc10_cuda.so"
+    user.parent.mkdir()
+    (tmp_path / "c10.c").write_text("int cudaGetLastError(void);\nint c10_check(void) { return cudaGetLastError(); }\n")
+    subprocess.run([cc, "-shared", "-fPIC", str(tmp_path / "c10.c"), "-o", str(user), "-Wl,--no-as-needed",
+                    f"-L{torchs}", "-l:libcudart.so.13", f"-Wl,-rpath,{torchs}"], check=True, capture_output=True)
+    keep = [ctypes.CDLL(str(other / "libcudart.so.12")), ctypes.CDLL(str(user))]  # both loaded now
+    path, why = steady.loaded_libcudart()
+    assert path == str(torchs / "libcudart.so.13") and "libc10_cuda.so" in why, (path, why)
+    maps = tmp_path / "maps"
+    line = "7f00-7f10 r-xp 00000000 08:01 123 {}\n"
+    maps.write_text(line.format(other / "libcudart.so.12") + line.format(tmp_path / "x" / "libcudart.so.13"))
+    path, why = steady.loaded_libcudart(str(maps))
+    assert path is None and "none is known to be torch's" in why
+    del keep
+
+
 def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
     """The CUDA 13 runtime installed here (no GPU needed: only cudaRuntimeGetVersion is
     called): every symbol the adapters look up exists under that name."""
@@ -961,7 +1019,7 @@ def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
         pytest.skip("no CUDA 13 libcudart in /usr/local/cuda/lib64")
     table = steady.cudart_table(found[0])
     assert table.version >= 13000
-    assert all(bool(getattr(table, name)) for name in steady.CALL_NAMES.values())
+    assert all(bool(getattr(table, name)) for name in (*steady.CALL_NAMES.values(), "clear_error"))
     assert not table.copy_stream and not table.discard_stream
 
 
@@ -1028,3 +1086,160 @@ def test_native_create_rejects_bad_iteration_starts_itself(lib, monkeypatch):
         with pytest.raises(SteadyError, match="rejected"):
             NativeSteadySchedule(lib, dataclasses.replace(arrays, iteration_starts=starts))
     assert NativeSteadySchedule(lib, arrays).a.iteration_starts == [0, 1]
+
+
+def test_a_decision_touching_a_block_live_now_but_dead_when_recorded_deviates_before_any_call(lib):
+    """Finding 1, both twins: the recorded window discards a and b at b's free, evicts a
+    while it is live (allowed: live there too) and populates c at its allocation. A step
+    that frees b before a must deviate (TOUCH) at b's free, with no call made there; one
+    whose discard would land on a block at an allocation declines that allocation."""
+    a, b, c = 1 << 30, (1 << 30) + 2 * MiB, (1 << 30) + 4 * MiB
+    rec = [AllocAt(MiB, a), AllocAt(MiB, b), CallAt(P, ((a, MiB),), HOST), FreeAt(a), FreeAt(b),
+           CallAt(D, ((a, 3 * MiB),)), AllocAt(MiB, c), CallAt(POP, ((c, MiB),), 0), FreeAt(c)]
+    arrays = compile_schedule(rec)
+    out = []
+    for s in both(lib, arrays):
+        table = LogTable()
+        s.set_table(table)
+        s.arm()
+        r = [s.malloc(MiB), s.malloc(MiB), s.free(a), s.free(b), s.malloc(MiB), s.free(c), list(table.calls)]
+        table.calls.clear()
+        s.arm()
+        r += [s.malloc(MiB), s.malloc(MiB), s.free(b), s.armed, s.deviation(), list(table.calls), s.free(a),
+              s.malloc(MiB)]
+        out.append(r)
+    assert out[0] == out[1]
+    r = out[0]
+    assert r[:6] == [a, b, True, True, c, True]
+    assert r[6] == [("prefetch", a, MiB, HOST, 0), ("discard", ((a, 3 * MiB),), 0), ("populate", c, MiB, 0, 0)]
+    assert r[7:10] == [a, b, True] and r[10] is False
+    assert r[11] == (Deviation.TOUCH, 1, f"free of allocation 1: its discard of ({a:#x}, {3 * MiB}) would touch live "
+                     f"block {a:#x} of allocation 0, dead at that point of the recorded window")
+    assert r[12] == [("prefetch", a, MiB, HOST, 0)] and r[13] is True and r[14] == 0  # no discard; then Python
+
+    # At an allocation: the discard is keyed to c's allocation; a still live there declines c.
+    rec = [AllocAt(MiB, a), FreeAt(a), AllocAt(MiB, c), CallAt(D, ((a, MiB),)), FreeAt(c)]
+    out = []
+    for s in both(lib, compile_schedule(rec)):
+        table = LogTable()
+        s.set_table(table)
+        s.arm()
+        out.append([s.malloc(MiB), s.malloc(MiB), s.deviation()[:2], s.state()[:3], table.calls])
+    assert out[0] == out[1] == [a, 0, (Deviation.TOUCH, 1), (1, 0, 1), []]
+
+
+def test_calls_after_a_module_boundary_replay_at_the_next_pool_event_never_before_it():
+    """Finding 5: a Mark (a module boundary: kernels may have run since the last pool
+    event) sends the calls after it to the next allocation or free, before that one's own
+    calls; calls at the window's end after a Mark would replay after the optimizer step's
+    kernels: the compiler refuses; a block living across the step is freed at its ordinal."""
+    a, b, c = 1 << 30, (1 << 30) + 2 * MiB, (1 << 30) + 4 * MiB
+    evict = CallAt(P, ((a, MiB),), HOST, stream=7, exact=True)
+    advise = CallAt(ADV, ((a, MiB),), HOST, 3, exact=True)
+    own = CallAt(POP, ((b, MiB),), 0, exact=True)
+    rec = [FreeAt(c), CallAt(D, ((c, MiB),), stream=9, exact=True),  # c: allocated in the previous step
+           AllocAt(MiB, a), steady.Mark(), evict, advise, AllocAt(MiB, b), own, FreeAt(b), steady.Mark(),
+           CallAt(P, ((a, MiB),), 0, stream=7, exact=True), FreeAt(a), AllocAt(MiB, c)]
+    arrays = compile_schedule(rec)
+    at = {name: [d[0] for d in arrays.decisions(begins[i], begins[i + 1])]
+          for name, begins, i in (("alloc a", arrays.alloc_begin, 0), ("alloc b", arrays.alloc_begin, 1),
+                                  ("free a", arrays.free_begin, 0), ("free c", arrays.free_begin, 2))}
+    assert at == {"alloc a": [], "alloc b": [P, ADV, POP], "free a": [P], "free c": [D]}
+    with pytest.raises(SteadyError, match="after the optimizer step's kernels"):
+        compile_schedule([AllocAt(MiB, a), FreeAt(a), steady.Mark(), CallAt(P, ((b, MiB),), HOST, stream=7,
+                                                                             exact=True)])
+
+
+def test_a_free_from_inside_a_decisions_call_is_deferred_not_deadlocked(lib):
+    """Finding 6: a table call that frees a block of the same schedule (Python's garbage
+    collector releasing a tensor inside a callback of a Python table) re-entered the
+    schedule on the thread that holds its lock: a non-recursive lock, a deadlock. Both
+    twins serve such a free once the decisions ran; an allocation from there is declined."""
+    a, b = 1 << 30, (1 << 30) + 2 * MiB
+    arrays = compile_schedule([AllocAt(MiB, a), AllocAt(MiB, b), CallAt(P, ((b, MiB),), 0), FreeAt(a), FreeAt(b)])
+    for s in both(lib, arrays):
+        inner = []
+
+        class GcTable(LogTable):
+            def prefetch(self, p, n, device, stream, s=s, inner=inner):
+                inner.append(s.free(a))  # the collector frees a's tensor here
+                inner.append(s.malloc(64))  # and something allocates
+                return super().prefetch(p, n, device, stream)
+
+        s.set_table(GcTable())
+        s.arm()
+        out = []
+        worker = threading.Thread(target=lambda s=s, out=out: out.append((s.malloc(MiB), s.malloc(MiB))),
+                                  daemon=True)
+        worker.start()
+        worker.join(20)
+        assert not worker.is_alive(), f"{type(s).__name__} deadlocked"
+        assert out == [(a, b)] and inner == [True, 0]
+        assert s.drain() == [(EV_ALLOC, 0, a, MiB), (EV_ALLOC, 1, b, MiB), (EV_FREE, 0, a, MiB)]
+        assert s.deviation()[0] == Deviation.REENTERED and not s.free(a) and s.free(b)
+
+
+def test_a_schedule_whose_table_lacks_a_call_says_so_before_arming(lib, fake_cudarts):
+    """Finding 6: over torch's CUDA 12 libcudart the table has no batched discard; a
+    schedule recorded with discards (umrt's own calls on CUDA 13) would disarm at its
+    first discard every time it is armed. Both twins name what is missing."""
+    a = 1 << 30
+    arrays = compile_schedule([AllocAt(MiB, a), FreeAt(a), CallAt(D, ((a, MiB),), stream=7, exact=True)])
+    for s in both(lib, arrays):
+        s.set_c_table(steady.cudart_table(fake_cudarts["12"].path))
+        assert s.missing_calls() == ["discard"]
+        s.set_c_table(steady.cudart_table(fake_cudarts["13"].path))
+        assert s.missing_calls() == []
+
+
+def test_a_server_never_arms_a_schedule_its_runtime_cannot_replay(lib, fake_cudarts, fake_gpu):
+    """Finding 6: torch built for CUDA 12 (its libcudart has no batched discard) while
+    umrt's own calls go through cuda-bindings 13, which discards: the recorded schedule
+    would be armed and disarmed at its first discard, step after step. The server does
+    not arm it; it says why and Python serves on."""
+    from umrt.allocators.front import load_front
+    from umrt.allocators.managed import ManagedPool
+    from umrt.drive.steady import BackendCalls, Phase, SteadyServer
+
+    front = load_front()
+    if front is None:
+        pytest.skip("no compiler: the native front cannot be built")
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
+    pool = ManagedPool(backend)
+    calls = BackendCalls(backend, c_table=lambda: steady.cudart_table(fake_cudarts["12"].path))
+    server = SteadyServer(pool, front=front, calls=calls, enabled=True)
+
+    class Bridge:
+        native = False
+
+        def can_go_native(self):
+            return True
+
+        def go_native(self):
+            self.native = True
+
+        def leave_native(self):
+            self.native = False
+
+        def muted(self, on):
+            pass
+
+        def replayed_step(self):
+            pass
+
+        def stop(self, exc):
+            raise AssertionError(exc)
+
+    server.attach(Bridge())
+    pool.listeners.append(lambda what, ptr, n: what == "free" and backend.discard([(ptr, n)]))
+    keep = None
+    for _ in range(12):
+        if keep:
+            server.free(keep)
+        blocks = [server.malloc(n, 0) for n in (1 << 20, 2 << 20, 1 << 20)]
+        for ptr in blocks[:-1]:
+            server.free(ptr)
+        keep = blocks[-1]
+        server.on_step()
+    assert server.report.arms == 0 and server.phase is Phase.OFF, server.report
+    assert "discard" in server.report.last_deviation and "lacks" in server.report.last_deviation

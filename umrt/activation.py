@@ -11,7 +11,12 @@ import this module and call :func:`activate_from_env`, which
 2. with ``UMRT_SIMULATE=PROFILE`` and a script path on the command line,
    runs the script in shadow mode (:func:`umrt.shadow.run_shadow`) and exits
    with its status;
-3. otherwise waits, at no cost, for the program to import ``torch`` (or
+3. in ``torchrun``'s own process (the launcher, not a rank:
+   :func:`umrt.distributed.is_launcher`) does nothing more, except, in shadow
+   mode, print the job's report once the ranks are done
+   (:mod:`umrt.shadow_ranks`); each rank is a process of its own that starts
+   under this hook;
+4. otherwise waits, at no cost, for the program to import ``torch`` (or
    ``cupy``) and calls :func:`umrt.enable` right after that import, which is
    before the program can have made a CUDA allocation. A program that never
    imports either runs untouched.
@@ -31,10 +36,12 @@ import site
 import subprocess
 import sys
 import sysconfig
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt import distributed
 from umrt.api import enable
 from umrt.config import from_env
 from umrt.errors import UmrtError
@@ -66,10 +73,20 @@ def activate_from_env() -> None:
 
     try:
         cfg = from_env()
+        cfg.budget()  # a GPU memory this kind of run cannot read fails now, before the script
     except UmrtError as exc:
         _fail(str(exc))
         return
     if not cfg.enabled:
+        return
+    if distributed.is_launcher():
+        # torchrun's own process: its workers run umrt, the launcher never touches a GPU;
+        # in shadow mode it prints the job's report when they are done.
+        if cfg.shadow:
+            # optional: shadow mode under torchrun only
+            from umrt.shadow_ranks import collect_at_exit
+
+            collect_at_exit(cfg)
         return
     if cfg.shadow:
         _run_shadow_and_exit(cfg)
@@ -95,6 +112,13 @@ def _run_shadow_and_exit(cfg: Any) -> None:
     except UmrtError as exc:
         _fail(str(exc))
         return
+    except KeyboardInterrupt:
+        rc = 130
+    except BaseException:  # noqa: BLE001 - the script's own error: as Python shows it, then its status
+        # Raised out of here it would reach `site`, which reports a failing .pth line and
+        # then runs the script a second time, unrecorded.
+        traceback.print_exc()
+        rc = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(rc or 0))

@@ -267,13 +267,17 @@ def check(machine: Machine, environ: dict[str, str] | None = None, *, build_shim
         build_shim: build the torch allocator shim when it is not cached (10-60 s once).
     """
     found: list[Finding] = []
-    cfg = _settings(environ, found)
+    settings = _settings(environ, found)
+    cfg = settings or Config()
     nvml_found: list[Finding] = []
     nvml_driver = _nvml(machine, nvml_found)  # read first: the driver line shows NVML's driver version
     gpu = _gpu(machine, cfg, nvml_driver, found)
-    torch = _torch(machine, gpu, found, build_shim)
+    torch = _torch(machine, gpu, found, build_shim, native=cfg.native)
     found.extend(nvml_found)
-    _profile(cfg, gpu, found)
+    if settings is None and "UMRT_PROFILE" in (os.environ if environ is None else environ):
+        found.append(Finding("profile", NOTE, "not chosen: the UMRT_* settings above are invalid"))
+    else:
+        _profile(cfg, gpu, found)
     hook = machine.activation()
     found.append(Finding("UMRT=1 activation", OK if hook.works else MISSING, hook.describe(),
                          "" if hook.works else INSTALL_COMMAND))
@@ -281,17 +285,28 @@ def check(machine: Machine, environ: dict[str, str] | None = None, *, build_shim
     return found
 
 
-def _settings(environ: dict[str, str] | None, found: list[Finding]) -> Config:
+def _settings(environ: dict[str, str] | None, found: list[Finding]) -> Config | None:
+    """The ``UMRT_*`` settings' finding (and notes); None when one is invalid."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             cfg = from_env(environ)
+        budget = cfg.budget()
+        notes = cfg.notes()
     except UmrtError as exc:
         found.append(Finding("settings", MISSING, str(exc), "fix or unset that variable"))
-        return Config()
+        return None
     profile = cfg.profile or "auto"
-    found.append(Finding("settings", OK, f"UMRT_* valid: GPU memory {cfg.gpu_memory} (of device memory), "
+    if cfg.gpu_memory is None and not cfg.shadow and not cfg.shares_off:
+        memory = f"unset: a fair share of the GPU ({budget} when alone, at least {cfg.share_minimum()})"
+    else:
+        default = "" if cfg.gpu_memory is not None else "the default, "
+        mode = f"; shadow mode on {cfg.simulate}" if cfg.shadow else ""
+        memory = f"{budget} ({default}{budget.describe()}{mode})"
+    found.append(Finding("settings", OK, f"UMRT_* valid: GPU memory {memory}, "
                                          f"policy {cfg.policy}, device {cfg.device}, profile {profile}"))
+    for note in notes:
+        found.append(Finding("settings", NOTE, note))
     for w in caught:
         found.append(Finding("settings", NOTE, str(w.message)))
     return cfg
@@ -418,7 +433,8 @@ def _gpu(machine: Machine, cfg: Config, nvml_driver: str | None, found: list[Fin
     return _Gpu(api, cfg.device, name, total)
 
 
-def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim: bool) -> TorchBuild | None:
+def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim: bool, *,
+           native: bool) -> TorchBuild | None:
     torch = machine.torch_build()
     if torch is None:
         found.append(Finding("torch build", MISSING, "torch is not installed", TORCH_CUDA_INSTALL))
@@ -440,8 +456,13 @@ def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim:
     found.append(_built("allocator shim", machine.build_shim(), "{path}",
                         "without it running out of managed memory stops the process instead of raising "
                         "torch.cuda.OutOfMemoryError"))
+    if not native:
+        found.append(Finding("native steady", OK, "off: every allocation goes through Python (UMRT_NATIVE=1 "
+                                                  "serves a repeating step natively; opt-in until a GPU run "
+                                                  "has checked it, see the README)"))
+        return torch
     found.append(_built("native steady", machine.build_native(),
-                        "allocations of a repeating step are served without Python ({path})",
+                        "allocations of a repeating step are served without Python ({path}; UMRT_NATIVE=1)",
                         "the steady state is served from Python (same behaviour, ~70x the CPU per allocation)"))
     return torch
 

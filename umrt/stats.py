@@ -75,7 +75,7 @@ class CountsMoves(Protocol):
         """``populated_bytes`` and ``calls`` (CUDA call name -> count), among others."""
 
 
-_sources: dict[str, Any] = {"pool": None, "backend": None, "steady": None}
+_sources: dict[str, Any] = {"pool": None, "backend": None, "steady": None, "phases": None}
 
 
 @dataclass
@@ -96,8 +96,16 @@ def attach(*, pool: ReservesMemory | None = None, backend: CountsMoves | None = 
     A new session: no runtime acts yet (and no earlier failure is reported).
     """
     _sources["pool"], _sources["backend"], _sources["steady"] = pool, backend, steady
+    _sources["phases"] = None
     with _lock:
         _status.acting, _status.stopped_reason = False, None
+
+
+def watch_phases(source: Any) -> None:
+    """Where :func:`memory_stats` reads the live policy's phases from: a callable
+    returning ``{phase: {"acting": bool, "stopped_because": str | None, ...}}``
+    (:meth:`umrt.drive.live.LiveBridge.phase_report`)."""
+    _sources["phases"] = source
 
 
 def runtime_started() -> None:
@@ -165,7 +173,12 @@ def memory_stats() -> dict[str, Any]:
     ``acting`` (bool: the runtime is live and has not failed) and
     ``stopped_reason`` (str, or None while it acts or when it never ran);
     ``native_steady`` (dict: :class:`umrt.drive.steady.SteadyReport`, the native
-    steady state's phase and counters; empty without a session). In the native
+    steady state's phase and counters; empty without a session); ``phases``
+    (dict: loop phase, ``"train"`` or ``"eval"`` -> ``acting`` (False once acting
+    was found to lose to doing nothing there: umrt then does nothing in that
+    phase), ``stopped_because``, ``baseline_ms`` and ``acting_ms`` (median
+    iteration times measured with CUDA events doing nothing and acting),
+    ``acting_vs_baseline``, ``learned``, ``plans``; empty before the runtime runs). In the native
     steady state the byte and count keys advance at hand-backs only (they are
     the same at every step boundary while the schedule repeats); the
     :func:`statistics` totals count the allocations it served at each step. Diff
@@ -174,6 +187,8 @@ def memory_stats() -> dict[str, Any]:
     pool: ReservesMemory | None = _sources["pool"]
     backend: CountsMoves | None = _sources["backend"]
     steady = _sources["steady"]
+    phases_of = _sources["phases"]
+    phases = phases_of() if phases_of is not None else {}  # outside the lock: the bridge takes its own
     h2d = d2h = resident = discarded = 0
     counters: dict = {}
     if backend is not None:
@@ -198,6 +213,7 @@ def memory_stats() -> dict[str, Any]:
             "acting": _status.acting,
             "stopped_reason": _status.stopped_reason,
             "native_steady": dataclasses.asdict(steady.report) if steady is not None else {},
+            "phases": phases,
         }
 
 

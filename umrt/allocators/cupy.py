@@ -66,16 +66,29 @@ def allocator(nbytes: int) -> Any:
     return cupy.cuda.MemoryPointer(mem, 0)
 
 
+class _FrontMemory:
+    """The owner of a block from the native front: freed through the front, on the stream
+    it was allocated on (as torch's allocator frees), when CuPy drops the array."""
+
+    def __init__(self, front: Any, ptr: int, size: int, device_id: int, stream: int) -> None:
+        self.front, self.ptr, self.size, self.device_id, self.stream = front, ptr, size, device_id, stream
+
+    def __del__(self) -> None:
+        if self.ptr:
+            self.front.free(self.ptr, self.size, self.device_id, self.stream)
+            self.ptr = 0
+
+
 def native_allocator() -> Any:
     """A ``cupy.cuda.set_allocator`` target that allocates through umrt's native front
-    (``cupy.cuda.CFunctionAllocator`` over ``umrt_front_cupy_malloc`` / ``_free``):
-    in the native steady state a CuPy allocation on the schedule's stream never
-    enters Python; otherwise it reaches the pool through umrt's callbacks, as
-    :func:`allocator` does. Without the front (no compiler) it is :func:`allocator`.
-    Running out of managed memory there is not CuPy's ``OutOfMemoryError``: with
-    torch's shim loaded CuPy gets a NULL block, without it the process stops with
-    a message (a C allocator cannot raise); use :func:`allocator` where a program
-    must catch it.
+    (``umrt_front_malloc`` / ``umrt_front_free``, with CuPy's current stream, read at
+    each allocation as :func:`allocator` reads it): in the native steady state a CuPy
+    allocation on the schedule's stream is served without entering umrt's Python
+    pool (one ctypes call); otherwise it reaches the pool through umrt's callbacks.
+    Without the front (no compiler) it is :func:`allocator`. Running out of managed
+    memory there is not CuPy's ``OutOfMemoryError``: with torch's shim loaded CuPy
+    gets a NULL block, without it the process stops with a message (a C allocator
+    cannot raise); use :func:`allocator` where a program must catch it.
 
         cupy.cuda.set_allocator(umrt.allocators.cupy.native_allocator())
     """
@@ -85,7 +98,17 @@ def native_allocator() -> Any:
         raise UmrtError("umrt is not enabled: call umrt.enable() before using umrt's CuPy allocator")
     if front is None:
         return allocator
-    return cupy.cuda.CFunctionAllocator(0, front.cupy_malloc_address, front.cupy_free_address, front).malloc
+
+    def native(nbytes: int) -> Any:
+        stream = int(cupy.cuda.get_current_stream().ptr)
+        device = cupy.cuda.runtime.getDevice()
+        ptr = front.malloc(nbytes, device, stream) if nbytes else 0
+        if nbytes and not ptr:
+            raise cupy.cuda.memory.OutOfMemoryError(nbytes, _state["pool"].reserved_bytes(), 0)
+        mem = cupy.cuda.UnownedMemory(ptr, nbytes, _FrontMemory(front, ptr, nbytes, device, stream), device)
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+    return native
 
 
 def make_hook(on_event: Callable[[str, int, int], None]) -> Any:

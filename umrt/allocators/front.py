@@ -1,8 +1,9 @@
 """The native allocation front: what torch and CuPy call for every allocation.
 
 ``kernels/steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
-(the signatures torch's pluggable allocator calls, through umrt's shim) and
-``umrt_front_cupy_malloc`` / ``umrt_front_cupy_free`` (``cupy.cuda.CFunctionAllocator``'s).
+(the signatures torch's pluggable allocator calls, through umrt's shim; umrt's CuPy
+allocator calls them too, with CuPy's current stream) and ``umrt_front_record_stream``
+(torch's ``record_stream``).
 Each asks the installed native steady schedule first
 (:class:`umrt.allocators.steady.NativeSteadySchedule`); when none is installed or
 it declines (disarmed), the call goes to the fallback, umrt's Python callbacks
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt.allocators.sources import native_source
 from umrt.allocators.steady import build_native, warn_not_built
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
@@ -37,8 +39,9 @@ class FrontCounters:
 
 
 def front_source() -> Path:
-    """``kernels/steady_front.cpp`` (found by path, like the torch shim)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "steady_front.cpp"
+    """``steady_front.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("steady_front.cpp")
 
 
 class Front:
@@ -48,12 +51,12 @@ class Front:
         self.lib, self.path = lib, path
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         for name, restype, argtypes in (
-                ("umrt_front_set_fallback", None, [vp, vp]),
-                ("umrt_front_install", None, [vp, vp, vp, vp]),
+                ("umrt_front_set_fallback", None, [vp, vp, vp]),
+                ("umrt_front_install", None, [vp, vp, vp, vp, vp]),
+                ("umrt_front_record_stream", None, [vp, vp]),
                 ("umrt_front_slot_size", i64, []),
                 ("umrt_front_malloc", vp, [ctypes.c_ssize_t, ctypes.c_int, vp]),
                 ("umrt_front_free", None, [vp, ctypes.c_ssize_t, ctypes.c_int, vp]),
-                ("umrt_front_set_cupy_stream", None, [vp]),
                 ("umrt_front_counters", None, [vp]),
                 ("umrt_front_run", i64, [i64, vp, vp, vp, i64, ctypes.c_int, vp])):
             fn = getattr(lib, name)
@@ -75,25 +78,21 @@ class Front:
         return self._address("umrt_front_free")
 
     @property
-    def cupy_malloc_address(self) -> int:
-        """``umrt_front_cupy_malloc`` for ``cupy.cuda.CFunctionAllocator``."""
-        return self._address("umrt_front_cupy_malloc")
+    def record_stream_address(self) -> int:
+        """``umrt_front_record_stream``: ``void (void* ptr, cudaStream_t stream)``."""
+        return self._address("umrt_front_record_stream")
 
-    @property
-    def cupy_free_address(self) -> int:
-        """``umrt_front_cupy_free`` for ``cupy.cuda.CFunctionAllocator``."""
-        return self._address("umrt_front_cupy_free")
-
-    def set_fallback(self, alloc_address: int, free_address: int) -> None:
-        """The Python callbacks (C function addresses) every declined call goes to."""
-        self.lib.umrt_front_set_fallback(alloc_address, free_address)
+    def set_fallback(self, alloc_address: int, free_address: int, record_address: int = 0) -> None:
+        """The Python callbacks (C function addresses) every declined call goes to, and
+        every ``record_stream`` (0: none)."""
+        self.lib.umrt_front_set_fallback(alloc_address, free_address, record_address or None)
 
     def install(self, schedule: Any) -> None:
         """Serve allocations from ``schedule`` (a :class:`~umrt.allocators.steady.NativeSteadySchedule`)
         first; ``None``: every call goes to the fallback. The schedule is kept alive for
         the life of the process (a call on another thread may still be using it)."""
         if schedule is None:
-            self.lib.umrt_front_install(None, None, None, None)
+            self.lib.umrt_front_install(None, None, None, None, None)
             self.installed = None
             return
         slot = ctypes.create_string_buffer(int(self.lib.umrt_front_slot_size()))
@@ -101,20 +100,21 @@ class Front:
         lib = schedule.lib
         malloc_fn = ctypes.cast(lib.umrt_steady_malloc, ctypes.c_void_p).value
         free_fn = ctypes.cast(lib.umrt_steady_free, ctypes.c_void_p).value
-        self.lib.umrt_front_install(slot, schedule.handle, malloc_fn, free_fn)
+        record_fn = ctypes.cast(lib.umrt_steady_record_stream, ctypes.c_void_p).value
+        self.lib.umrt_front_install(slot, schedule.handle, malloc_fn, free_fn, record_fn)
         self.installed = schedule
-
-    def set_cupy_stream(self, stream: int) -> None:
-        """The stream CuPy's allocations are served on (CuPy passes none)."""
-        self.lib.umrt_front_set_cupy_stream(stream or None)
 
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
         """``umrt_front_malloc`` from Python (tests, benches)."""
         return self.lib.umrt_front_malloc(size, device, stream or None) or 0
 
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:
-        """``umrt_front_free`` from Python (tests, benches)."""
+        """``umrt_front_free`` from Python (tests, benches, umrt's CuPy allocator)."""
         self.lib.umrt_front_free(ptr, size, device, stream or None)
+
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """``umrt_front_record_stream`` from Python (tests)."""
+        self.lib.umrt_front_record_stream(ptr, stream or None)
 
     def counters(self) -> FrontCounters:
         """What the front served natively and what it sent to Python, since the process started."""

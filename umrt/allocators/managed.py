@@ -10,7 +10,13 @@ overwritten where they are instead of being migrated.
 
 Blocks are reused only on the stream they were allocated on (one layout per
 stream), which keeps reuse stream-ordered without synchronising, like
-PyTorch's caching allocator without ``record_stream``.
+PyTorch's caching allocator. A block used on other streams too (torch's
+``Tensor.record_stream``, :meth:`ManagedPool.record_stream`) is, at its free,
+ordered after those streams' work so far, as the caching allocator does with
+an event per recorded stream: its stream waits for an event recorded on each,
+so neither its next owner nor a discard of it can run before them. Work done
+at a free (a discard) goes to the block's own stream: the backend's compute
+stream is that stream for the length of the free.
 
 The pool knows no kind at ``malloc`` (each block is announced to its layout
 as :attr:`Kind.OTHER`, which the default ``LifetimePool(live_feed=True)``
@@ -70,6 +76,8 @@ class ManagedPool:
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._layouts: dict[Any, Any] = {}  # stream -> layout
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (layout, obj, nbytes); obj 0: adopted
+        self._block_stream: dict[int, Any] = {}  # ptr -> the stream it was allocated on
+        self._used_on: dict[int, set] = {}  # ptr -> other streams it was used on (record_stream)
         self._retired: list[Any] = []  # layouts that place nothing any more (retire_layout)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()  # torch frees from the autograd thread too
@@ -115,6 +123,7 @@ class ManagedPool:
                         f"(umrt holds {self.reserved_bytes()} bytes): {exc}"
                     ) from exc
                 self._live[ptr] = (layout, obj, nbytes)
+                self._block_stream[ptr] = stream
             finally:
                 self._busy -= 1
         stats.record_alloc(nbytes)
@@ -123,8 +132,22 @@ class ManagedPool:
         self._free_deferred()
         return ptr
 
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """The live block at ``ptr`` is used on ``stream`` too (torch's ``Tensor.record_stream``):
+        at its free, its stream is ordered after ``stream``'s work so far.
+
+        Raises:
+            CudaError: no live block of this pool starts at ``ptr``.
+        """
+        with self._lock:
+            if ptr not in self._live:
+                raise CudaError(f"record_stream of {ptr:#x}, which is not a live block of umrt's pool")
+            if stream != self._block_stream.get(ptr, stream):
+                self._used_on.setdefault(ptr, set()).add(stream)
+
     def free(self, ptr: int) -> None:
-        """Return a block; it stays cached for reuse on its stream."""
+        """Return a block; it stays cached for reuse on its stream (after the work of the
+        other streams it was used on, :meth:`record_stream`)."""
         if ptr == 0:
             return
         with self._lock:
@@ -137,13 +160,26 @@ class ManagedPool:
                     layout, obj, nbytes = self._live.pop(ptr)
                 except KeyError:
                     raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
+                stream = self._block_stream.pop(ptr, self._stream)
+                users = self._used_on.pop(ptr, ())
+                follows = isinstance(self.backend, FollowsStream)
+                if follows:
+                    for other in users:  # its next owner (on its stream) and its discard wait for them
+                        self.backend.order_after(stream, other)
+                switched = follows and stream != self._stream
+                if switched:  # work done at the free (a discard) goes where the block was used
+                    self.backend.set_compute_stream(stream)
                 if obj:
                     layout.free(obj)
             finally:
                 self._busy -= 1
-        stats.record_free(nbytes)
-        for listener in self.listeners:
-            listener("free", ptr, nbytes)
+        try:
+            stats.record_free(nbytes)
+            for listener in self.listeners:
+                listener("free", ptr, nbytes)
+        finally:
+            if switched:  # back to the program's stream, ordered after the block's
+                self.backend.set_compute_stream(self._stream)
         self._free_deferred()
 
     def _free_deferred(self) -> None:

@@ -26,8 +26,9 @@ same addresses, events and CUDA calls): :class:`NativeSteadySchedule` (ctypes ov
 when it builds, else warns once and returns the Python one.
 
 ``malloc`` returns the planned address, or ``0`` after a *deviation* (a size, device or
-stream the schedule does not expect, a planned block overlapping a live one, a full
-event buffer, a failed CUDA call), which disarms the schedule: the caller falls back to
+stream the schedule does not expect, a planned block overlapping a live one, a decision
+that would touch a block live now but dead at that point of the recorded window, a
+full event buffer, a failed CUDA call), which disarms the schedule: the caller falls back to
 Python (the pool) and the reason is in :meth:`SteadySchedule.deviation`. ``free``
 returns True for a block the schedule handed out (it stays the schedule's until freed,
 even disarmed), False otherwise. Events (:data:`EV_ALLOC`, :data:`EV_FREE`,
@@ -48,10 +49,12 @@ it yet.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import enum
 import functools
 import hashlib
+import os
 import re
 import sys
 import threading
@@ -62,6 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from umrt.allocators.sources import native_source
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
 from umrt.backends.cuda import CudaApi
 from umrt.errors import CudaError, UmrtError
@@ -102,6 +106,8 @@ class Deviation(enum.IntEnum):
     STREAM = 7
     NO_TABLE = 8
     STOPPED = 9  # disown() while armed: "stopped by Python"
+    TOUCH = 10  # a decision would touch a block live now that was dead there in the recorded window
+    REENTERED = 11  # an allocation from inside a decision's CUDA call (a Python table's callback)
 
 
 # Each kind's call: its CudaTable method and its field of the C table (CTable).
@@ -157,6 +163,10 @@ class CudaTable(Protocol):
     def wait_event(self, stream: int, event: int) -> int:
         """cudaStreamWaitEvent (flags 0)."""
 
+    def clear_error(self) -> int:
+        """Called after a call that failed: reset the runtime's per-thread last error
+        (``cudaGetLastError``) so that the framework's next launch check does not see it."""
+
 
 class ApiTable:
     """A :class:`CudaTable` over a :class:`umrt.backends.cuda.CudaApi` (the adapters
@@ -202,6 +212,12 @@ class ApiTable:
     def wait_event(self, stream: int, event: int) -> int:
         return self._run(self.api.stream_wait_event, stream, event)
 
+    def clear_error(self) -> int:
+        """Nothing to reset: a failed call came back as an exception of umrt's adapter, made
+        through its own binding of the runtime (cuda-bindings links its own instance), not
+        through the libcudart whose last error torch checks."""
+        return 0
+
 
 # ---------------------------------------------------------------------------
 # Recording a steady iteration and compiling it.
@@ -246,7 +262,18 @@ class Unschedulable:
     name: str
 
 
-Recorded = AllocAt | FreeAt | CallAt | Unschedulable
+@dataclass(frozen=True)
+class Mark:
+    """A point of the recorded window where the program's kernels may have run since the
+    last allocation or free: a module boundary (the live bridge's hooks) where the policy
+    acts. A schedule cannot see it, so calls made after it replay at the *next* allocation
+    or free (after those kernels, never before them: an eviction before the kernels that
+    write the data would make them refault)."""
+
+    what: str = "module"
+
+
+Recorded = AllocAt | FreeAt | CallAt | Unschedulable | Mark
 
 
 class RecordingBackend(ForwardingBackend):
@@ -381,6 +408,10 @@ class SteadyRecorder:
         """A ``ManagedPool`` listener: ``("alloc" | "free", ptr, nbytes)``."""
         self.log.append(AllocAt(nbytes, ptr) if what == "alloc" else FreeAt(ptr))
 
+    def mark(self, what: str = "module") -> None:
+        """Kernels may have run since the last pool event (a module boundary): see :class:`Mark`."""
+        self.log.append(Mark(what))
+
     def take(self) -> list[Recorded]:
         """What was recorded since the last call (one iteration, if called at its boundaries)."""
         out, self.log[:] = list(self.log), []
@@ -407,6 +438,12 @@ class ScheduleArrays:
     range_ptr: list[int] = field(default_factory=list)
     range_len: list[int] = field(default_factory=list)
     iteration_starts: list[int] = field(default_factory=lambda: [0])  # a cycle of iterations: each first ordinal
+    # Decision d may touch, of the blocks live when it runs, only those of allocations
+    # guard_ordinal[guard_begin[d]:guard_begin[d + 1]]: the ones live and overlapping its
+    # ranges at that point of the recorded window. Any other live block it would touch was
+    # dead there (freed later than recorded): the schedule deviates (TOUCH) before any call.
+    guard_begin: list[int] = field(default_factory=lambda: [0])
+    guard_ordinal: list[int] = field(default_factory=list)
 
     def decisions(self, begin: int, end: int) -> list[Decision]:
         """Decisions ``[begin, end)`` as ``(kind, device, advice, ranges, stream, event)``."""
@@ -514,11 +551,15 @@ def compile_schedule(recorded: Sequence[Recorded],
     """Compile one recorded steady iteration into a schedule.
 
     A call is attributed to the latest allocation or free before it (``at allocation
-    i``: run before its address is returned; ``at the free of allocation i's block``);
-    calls before the iteration's first allocation or free go to allocation 0. Frees of
-    blocks the iteration did not allocate (allocated in an earlier iteration) key their
-    calls by the ordinal of the allocation now at that address if any, else the calls
-    go to the next allocation. ``bounds`` (``CudaBackend.allocation_of``) keeps
+    i``: run before its address is returned; ``at the free of allocation i's block``),
+    unless a :class:`Mark` (a module boundary: kernels may have run) came between: then
+    to the next allocation or free, before that one's own calls (calls move later past
+    kernels the schedule cannot see, never earlier). Calls before the iteration's first
+    allocation or free go to allocation 0. The free of a block an earlier iteration
+    allocated and the iteration allocates again at the same address before it ends (a
+    block that lives across the step: the cycle repeats) keys its calls by that
+    allocation's ordinal, as the schedule frees that block; the free of any other block
+    not allocated in the iteration sends its calls to the next allocation or free. ``bounds`` (``CudaBackend.allocation_of``) keeps
     coalesced ranges inside one managed allocation. Exact calls (:class:`RecordingApi`)
     are compiled verbatim, in order: no merging, coalescing or reordering. An event a
     call waits for was recorded in the iteration before (or earlier in this one): the
@@ -527,8 +568,9 @@ def compile_schedule(recorded: Sequence[Recorded],
 
     Raises:
         SteadyError: the iteration has no allocation, made an :class:`Unschedulable`
-            call, its exact calls differ from ``previous``'s, or an entry is not a
-            :class:`Recorded` one.
+            call, its exact calls differ from ``previous``'s, it made calls after its last
+            allocation or free that would replay after the optimizer step's kernels, or an
+            entry is not a :class:`Recorded` one.
     """
     if previous is not None:
         _check_repeats(recorded, previous)
@@ -593,6 +635,8 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
         starts.append(starts[-1] + previous_allocations if starts else 0)
         previous_allocations = allocations
         entries.extend(recorded)
+    lives_across = _lives_across(entries)  # address -> ordinal of a block that lives across the cycle's end
+    trailing = False  # the calls pending were made after a Mark with no pool event since
     for entry in entries:
         if isinstance(entry, AllocAt):
             if entry.size <= 0:
@@ -600,12 +644,19 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
             ordinal_at[entry.ptr] = len(sizes)
             target = at_alloc.setdefault(len(sizes), [])
             target.extend(pending)
-            pending = []
+            pending, trailing = [], False
             sizes.append(int(entry.size))
             addrs.append(int(entry.ptr))
         elif isinstance(entry, FreeAt):
-            ordinal = ordinal_at.get(entry.ptr)
-            target = pending if ordinal is None else at_free.setdefault(ordinal, [])
+            ordinal = ordinal_at.get(entry.ptr, lives_across.get(entry.ptr))
+            if ordinal is None:  # a block from before the cycle: the schedule does not free it
+                target = None
+                continue
+            target = at_free.setdefault(ordinal, [])
+            target.extend(pending)
+            pending, trailing = [], False
+        elif isinstance(entry, Mark):
+            target, trailing = None, True
         elif isinstance(entry, CallAt):
             (pending if target is None else target).append(entry)
         elif isinstance(entry, Unschedulable):
@@ -615,15 +666,21 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
             raise SteadyError(f"not a recorded allocation, free or call: {entry!r}")
     if not sizes:
         raise SteadyError("the recorded iteration has no allocation: nothing to compile")
+    if pending and trailing:
+        raise SteadyError(f"{len(pending)} call(s) made at a module boundary after the iteration's last allocation "
+                          "or free would replay after the optimizer step's kernels (at the next iteration's first "
+                          f"allocation); the first: {pending[0]}")
     # Calls after the last event open the next iteration: before those recorded at its allocation 0.
     at_alloc[0] = pending + at_alloc.get(0, [])
     arrays = ScheduleArrays(sizes, addrs, [], [], iteration_starts=starts)
     decisions_alloc = [_merge_calls(at_alloc.get(i, []), bounds) for i in range(len(sizes))]
     decisions_free = [_merge_calls(at_free.get(i, []), bounds) for i in range(len(sizes))]
-    for table, begins in ((decisions_alloc, arrays.alloc_begin), (decisions_free, arrays.free_begin)):
+    guards_alloc, guards_free = _guards(entries, sizes, decisions_alloc, decisions_free)
+    for table, guards, begins in ((decisions_alloc, guards_alloc, arrays.alloc_begin),
+                                  (decisions_free, guards_free, arrays.free_begin)):
         begins.append(len(arrays.dec_kind))
-        for decisions in table:
-            for kind, device, advice, ranges, stream, event in decisions:
+        for i, decisions in enumerate(table):
+            for k, (kind, device, advice, ranges, stream, event) in enumerate(decisions):
                 arrays.dec_kind.append(int(kind))
                 arrays.dec_device.append(device)
                 arrays.dec_advice.append(advice)
@@ -633,8 +690,87 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
                     arrays.range_ptr.append(p)
                     arrays.range_len.append(n)
                 arrays.range_begin.append(len(arrays.range_ptr))
+                arrays.guard_ordinal.extend(guards.get((i, k), ()))
+                arrays.guard_begin.append(len(arrays.guard_ordinal))
             begins.append(len(arrays.dec_kind))
     return arrays
+
+
+def _lives_across(entries: Sequence[Recorded]) -> dict[int, int]:
+    """The blocks the cycle allocates and leaves live at its end, as ``{address: ordinal}``:
+    in steady state each is freed in the next cycle, before its address is allocated again."""
+    live: dict[int, int] = {}
+    ordinal = 0
+    for entry in entries:
+        if isinstance(entry, AllocAt):
+            live[entry.ptr] = ordinal
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            live.pop(entry.ptr, None)
+    return live
+
+
+class _LiveBlocks:
+    """Blocks live at a point of a recorded window: start -> (end, allocation ordinal)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.blocks: dict[int, tuple[int, int]] = {}
+
+    def add(self, start: int, end: int, ordinal: int) -> None:
+        if start not in self.blocks:
+            bisect.insort(self.starts, start)
+        self.blocks[start] = (end, ordinal)
+
+    def pop(self, start: int) -> int | None:
+        entry = self.blocks.pop(start, None)
+        if entry is None:
+            return None
+        del self.starts[bisect.bisect_left(self.starts, start)]
+        return entry[1]
+
+    def touched(self, ranges: Sequence[Range]) -> list[int]:
+        """The ordinals of the live blocks ``ranges`` overlap, ascending."""
+        out: set[int] = set()
+        for p, n in ranges:
+            i = max(0, bisect.bisect_right(self.starts, p) - 1)
+            while i < len(self.starts) and self.starts[i] < p + n:
+                start = self.starts[i]
+                end, ordinal = self.blocks[start]
+                if end > p:
+                    out.add(ordinal)
+                i += 1
+        return sorted(out)
+
+
+def _guards(entries: Sequence[Recorded], sizes: Sequence[int], decisions_alloc: Sequence[list[Decision]],
+            decisions_free: Sequence[list[Decision]]) -> tuple[dict, dict]:
+    """For each decision, the allocations whose blocks it may touch: those live where it
+    runs in the recorded window (the cycle repeats: the blocks it left live are live at its
+    start), as ``{(ordinal, k): [ordinals]}`` for the k-th decision at allocation / free of
+    ``ordinal``. Event records and waits touch no memory and get none."""
+    live = _LiveBlocks()
+    for ptr, k in _lives_across(entries).items():
+        live.add(ptr, ptr + sizes[k], k)
+    guards_alloc: dict[tuple[int, int], list[int]] = {}
+    guards_free: dict[tuple[int, int], list[int]] = {}
+
+    def guard(into: dict, decisions: list[Decision], at: int) -> None:
+        for k, (kind, _, _, ranges, _, _) in enumerate(decisions):
+            if kind not in (DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT):
+                into[(at, k)] = live.touched(ranges)
+
+    ordinal = 0
+    for entry in entries:
+        if isinstance(entry, AllocAt):
+            live.add(entry.ptr, entry.ptr + entry.size, ordinal)
+            guard(guards_alloc, decisions_alloc[ordinal], ordinal)
+            ordinal += 1
+        elif isinstance(entry, FreeAt):
+            freed = live.pop(entry.ptr)
+            if freed is not None:
+                guard(guards_free, decisions_free[freed], freed)
+    return guards_alloc, guards_free
 
 
 # ---------------------------------------------------------------------------
@@ -659,6 +795,10 @@ class SteadySchedule(Protocol):
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         """True when the block was the schedule's (freed here)."""
 
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """A block used on ``stream`` too: True when it is the schedule's (which then
+        deviates unless ``stream`` is the one it serves)."""
+
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         """The buffered events, oldest first."""
 
@@ -670,6 +810,9 @@ class SteadySchedule(Protocol):
 
     def state(self) -> tuple[int, int, int, int]:
         """``(position, iteration, live blocks, buffered events)``."""
+
+    def missing_calls(self) -> list[str]:
+        """The calls its decisions need that its table lacks."""
 
 
 class PythonSteadySchedule:
@@ -699,6 +842,14 @@ class PythonSteadySchedule:
         self._live: dict[int, tuple[int, int]] = {}  # start -> (end, ordinal)
         self._events: list[SteadyEvent] = []
         self._deviation = (Deviation.NONE, -1, "")
+        # The thread running decisions holds the lock: what it calls again (a free by the
+        # garbage collector inside a table call) must not take it (threading.Lock is not
+        # recursive). Frees arriving so are served once the decisions ran.
+        self._inside = threading.local()
+        self._deferred: list[tuple[int, int]] = []
+
+    def _reentered(self) -> bool:
+        return self._inside.__dict__.get("active", False)  # (per thread: unset on a thread that never ran one)
 
     def set_table(self, table: CudaTable | None) -> None:
         with self._lock:
@@ -732,62 +883,151 @@ class PythonSteadySchedule:
 
     def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
         stream = stream or 0
+        if self._reentered():  # from inside one of its decisions' calls: the lock is this thread's
+            if self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.REENTERED, 0 if self._position == n else self._position,
+                              f"an allocation of {size} bytes from inside a decision's CUDA call")
+            return 0
         with self._lock:
-            if not self._armed:
-                return 0
-            a = self.a
-            n = len(a.sizes)
-            p = 0 if self._position == n else self._position
-            if device != self._device:
-                self._deviate(Deviation.DEVICE, p, f"allocation {p}: device {device}, the schedule serves "
-                              f"device {self._device}")
-                return 0
-            if stream != self._stream:
-                self._deviate(Deviation.STREAM, p, f"allocation {p}: stream {stream:#x}, the schedule serves "
-                              f"stream {self._stream:#x}")
-                return 0
-            if len(self._events) + len(self._live) + 3 > self.capacity:
-                self._deviate(Deviation.BUFFER, p, f"allocation {p}: the event buffer is full "
-                              f"({len(self._events)} events not drained, capacity {self.capacity})")
-                return 0
-            if size != a.sizes[p]:
-                self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
-                return 0
-            starts = p in self._starts_iteration
-            h = mix(0 if starts else self._hash, size)
-            if h != self._hashes[p]:
-                self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
-                              f"{self._hashes[p]}")
-                return 0
-            addr = a.addrs[p]
-            hit = self._overlapping(addr, addr + size)
-            if hit is not None:
-                self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
-                              f"block {hit:#x} of allocation {self._live[hit][1]}")
-                return 0
-            if starts and (p != 0 or self._position == n):  # not the first allocation after arming
-                self._iteration += 1
-                self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
-            self._position, self._hash = p + 1, h
-            bisect.insort(self._starts, addr)
-            self._live[addr] = (addr + size, p)
-            self._events.append((EV_ALLOC, p, addr, size))
-            self._run(a.alloc_begin[p], a.alloc_begin[p + 1], stream, "allocation", p)
-            return addr
+            try:
+                return self._malloc(size, device, stream)
+            finally:
+                self._serve_deferred()
+
+    def _malloc(self, size: int, device: int, stream: int) -> int:
+        if not self._armed:
+            return 0
+        a = self.a
+        n = len(a.sizes)
+        p = 0 if self._position == n else self._position
+        if device != self._device:
+            self._deviate(Deviation.DEVICE, p, f"allocation {p}: device {device}, the schedule serves "
+                          f"device {self._device}")
+            return 0
+        if stream != self._stream:
+            self._deviate(Deviation.STREAM, p, f"allocation {p}: stream {stream:#x}, the schedule serves "
+                          f"stream {self._stream:#x}")
+            return 0
+        if len(self._events) + len(self._live) + 3 > self.capacity:
+            self._deviate(Deviation.BUFFER, p, f"allocation {p}: the event buffer is full "
+                          f"({len(self._events)} events not drained, capacity {self.capacity})")
+            return 0
+        if size != a.sizes[p]:
+            self._deviate(Deviation.SIZE, p, f"allocation {p}: {size} bytes, the schedule expects {a.sizes[p]}")
+            return 0
+        starts = p in self._starts_iteration
+        h = mix(0 if starts else self._hash, size)
+        if h != self._hashes[p]:
+            self._deviate(Deviation.HASH, p, f"allocation {p}: running hash {h}, the schedule expects "
+                          f"{self._hashes[p]}")
+            return 0
+        addr = a.addrs[p]
+        hit = self._overlapping(addr, addr + size)
+        if hit is not None:
+            self._deviate(Deviation.LIVE, p, f"allocation {p}: its block {addr:#x} (+{size}) overlaps live "
+                          f"block {hit:#x} of allocation {self._live[hit][1]}")
+            return 0
+        bisect.insort(self._starts, addr)
+        self._live[addr] = (addr + size, p)
+        if not self._check(a.alloc_begin[p], a.alloc_begin[p + 1], "allocation", p):
+            del self._starts[bisect.bisect_left(self._starts, addr)]
+            del self._live[addr]
+            return 0
+        if starts and (p != 0 or self._position == n):  # not the first allocation after arming
+            self._iteration += 1
+            self._events.append((EV_BOUNDARY, self._iteration, 0, 0))
+        self._position, self._hash = p + 1, h
+        self._events.append((EV_ALLOC, p, addr, size))
+        self._run(a.alloc_begin[p], a.alloc_begin[p + 1], stream, "allocation", p)
+        return addr
 
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
+        if self._reentered():  # from inside one of its decisions' calls: served once they ran
+            if ptr not in self._live:
+                return False
+            self._deferred.append((ptr, stream or 0))
+            return True
         with self._lock:
-            entry = self._live.pop(ptr, None)
+            try:
+                return self._free(ptr, stream or 0)
+            finally:
+                self._serve_deferred()
+
+    def _free(self, ptr: int, stream: int) -> bool:
+        entry = self._live.pop(ptr, None)
+        if entry is None:
+            return False
+        del self._starts[bisect.bisect_left(self._starts, ptr)]
+        ordinal = entry[1]
+        self._events.append((EV_FREE, ordinal, ptr, self.a.sizes[ordinal]))
+        begin, end = self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1]
+        if self._armed and self._check(begin, end, "free", ordinal):
+            self._run(begin, end, stream, "free", ordinal)
+        return True
+
+    def _serve_deferred(self) -> None:
+        """The frees deferred while this thread ran decisions (the lock held)."""
+        while self._deferred and not self._reentered():
+            ptr, stream = self._deferred.pop(0)
+            self._free(ptr, stream)
+
+    def missing_calls(self) -> list[str]:
+        """The calls its decisions make that its table lacks (a CUDA 12 runtime has no batched
+        discard): armed, it would disarm at the first of them, every time."""
+        with self._lock:
+            t = self._table
+            kinds = {DecisionKind(k) for k in self.a.dec_kind}
+            return [CALL_NAMES[k] for k in sorted(kinds) if t is None or not t.provides(k)]
+
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """torch's ``record_stream``: the block at ``ptr`` is used on ``stream`` too. For a
+        live block of the schedule on another stream than the one it serves: deviate
+        (STREAM, if armed; the schedule orders nothing across streams) and return True.
+        False for a block not its own."""
+        stream = stream or 0
+        with contextlib.nullcontext() if self._reentered() else self._lock:
+            entry = self._live.get(ptr)
             if entry is None:
                 return False
-            del self._starts[bisect.bisect_left(self._starts, ptr)]
-            ordinal = entry[1]
-            self._events.append((EV_FREE, ordinal, ptr, self.a.sizes[ordinal]))
-            if self._armed:
-                self._run(self.a.free_begin[ordinal], self.a.free_begin[ordinal + 1], stream or 0, "free", ordinal)
+            if stream != self._stream and self._armed:
+                n = len(self.a.sizes)
+                self._deviate(Deviation.STREAM, 0 if self._position == n else self._position,
+                              f"record_stream: block {ptr:#x} of allocation {entry[1]} is used on stream "
+                              f"{stream:#x} too")
             return True
 
+    def _check(self, begin: int, end: int, where: str, ordinal: int) -> bool:
+        """Decisions ``[begin, end)`` touch no live block but those live where they ran in
+        the recorded window; else deviate (TOUCH) before any of them runs."""
+        a = self.a
+        for d in range(begin, end):
+            if a.dec_kind[d] in (DecisionKind.RECORD_EVENT, DecisionKind.WAIT_EVENT):
+                continue
+            allowed = a.guard_ordinal[a.guard_begin[d]:a.guard_begin[d + 1]]
+            for r in range(a.range_begin[d], a.range_begin[d + 1]):
+                p, n = a.range_ptr[r], a.range_len[r]
+                i = max(0, bisect.bisect_right(self._starts, p) - 1)
+                while i < len(self._starts) and self._starts[i] < p + n:
+                    start = self._starts[i]
+                    block_end, block = self._live[start]
+                    if block_end > p and block not in allowed:
+                        self._deviate(Deviation.TOUCH, ordinal, f"{where} of allocation {ordinal}: its "
+                                      f"{CALL_NAMES[DecisionKind(a.dec_kind[d])]} of ({p:#x}, {n}) would touch live "
+                                      f"block {start:#x} of allocation {block}, dead at that point of the "
+                                      "recorded window")
+                        return False
+                    i += 1
+        return True
+
     def _run(self, begin: int, end: int, stream: int, where: str, ordinal: int) -> bool:
+        self._inside.active = True
+        try:
+            return self._run_calls(begin, end, stream, where, ordinal)
+        finally:
+            self._inside.active = False
+
+    def _run_calls(self, begin: int, end: int, stream: int, where: str, ordinal: int) -> bool:
         t = self._table
         a = self.a
         for d in range(begin, end):
@@ -822,10 +1062,15 @@ class PythonSteadySchedule:
                         what = f"{name}({p:#x}, {n})"
                         break
             if rc != 0:
+                self._clear_error(t)  # as the native twin: the failed call's last error is not left for torch
                 self._deviate(Deviation.CALL, ordinal, f"{where} of allocation {ordinal}: {what} failed with "
                               f"CUDA error {rc}")
                 return False
         return True
+
+    @staticmethod
+    def _clear_error(table: CudaTable) -> None:
+        table.clear_error()
 
     def adopt(self, blocks: Iterable[tuple[int, int]]) -> None:
         """Make live blocks the schedule's: ``(address, ordinal)``, a block allocated at
@@ -903,6 +1148,11 @@ def _check(arrays: ScheduleArrays, capacity: int) -> None:
         raise SteadyError(f"inconsistent schedule arrays: {nd} decision kinds but {len(arrays.dec_device)} devices, "
                           f"{len(arrays.dec_advice)} advices, {len(arrays.dec_stream)} streams, "
                           f"{len(arrays.dec_event)} events")
+    gb = arrays.guard_begin
+    if (len(gb) != nd + 1 or gb[0] != 0 or any(b < a for a, b in zip(gb, gb[1:], strict=False))
+            or gb[-1] != len(arrays.guard_ordinal)):
+        raise SteadyError(f"inconsistent schedule arrays: {len(gb)} guard offsets for {nd} decisions (need n + 1, "
+                          f"ascending from 0 to {len(arrays.guard_ordinal)})")
     if any(not 0 <= k < len(DecisionKind) for k in arrays.dec_kind):
         raise SteadyError(f"inconsistent schedule arrays: a decision kind outside 0..{len(DecisionKind) - 1}")
     if capacity < 3:
@@ -921,16 +1171,19 @@ DISCARD_PREFETCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, ctypes.c_int6
 ADVISE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_int)
 RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p)
 WAIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64)
+CLEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
 
 
 class CTable(ctypes.Structure):
     """``struct umrt_cuda_table``: C function pointers (NULL: the call is missing) and
-    the copy / discard streams (NULL: the caller's). Made by :func:`cudart_table`,
+    the copy / discard streams (NULL: the caller's), and ``clear_error``, called after a
+    call that failed (libcudart's ``cudaGetLastError``; NULL: none). Made by :func:`cudart_table`,
     :func:`counting_table`, or :meth:`NativeSteadySchedule.set_table` from a Python table."""
 
     _fields_ = [("prefetch", PREFETCH_FN), ("discard", DISCARD_FN), ("discard_prefetch", DISCARD_PREFETCH_FN),
                 ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("record_event", RECORD_FN),
-                ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p)]
+                ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p),
+                ("clear_error", CLEAR_FN)]
 
 
 
@@ -979,6 +1232,9 @@ class CFunctionTable:
     def wait_event(self, stream: int, event: int) -> int:
         return self.c.wait_event(stream or None, event)
 
+    def clear_error(self) -> int:
+        return self.c.clear_error() if self.c.clear_error else 0
+
 
 def _guarded(fn: Callable[..., int]) -> Callable[..., int]:
     """A table function for a ctypes callback: an exception becomes error 999 (a callback cannot raise)."""
@@ -1007,6 +1263,8 @@ def _c_table_of(table: CudaTable) -> CTable:
     for kind, name in CALL_NAMES.items():
         if table.provides(kind):
             setattr(c, name, fns[name])
+    fns["clear_error"] = CLEAR_FN(_guarded(table.clear_error))
+    c.clear_error = fns["clear_error"]
     c.keep = fns  # the callbacks must outlive every call the schedule makes
     return c
 
@@ -1035,7 +1293,8 @@ class NativeSteadySchedule:
             (u64 * max(1, nd))(*arrays.dec_stream), (u64 * max(1, nd))(*arrays.dec_event),
             (i64 * (nd + 1))(*arrays.range_begin), nr, (u64 * max(1, nr))(*arrays.range_ptr),
             (u64 * max(1, nr))(*arrays.range_len), len(arrays.iteration_starts),
-            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), capacity)
+            (i64 * len(arrays.iteration_starts))(*arrays.iteration_starts), (i64 * (nd + 1))(*arrays.guard_begin),
+            len(arrays.guard_ordinal), (i64 * max(1, len(arrays.guard_ordinal)))(*arrays.guard_ordinal), capacity)
         if not self.handle:
             raise SteadyError("the native schedule rejected the arrays (inconsistent decision, range or iteration offsets)")
         self._table_keep: Any = None
@@ -1094,6 +1353,15 @@ class NativeSteadySchedule:
     def free(self, ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> bool:
         return bool(self._free(self.handle, ptr, size, device, stream or None))
 
+    def missing_calls(self) -> list[str]:
+        """See :meth:`PythonSteadySchedule.missing_calls`."""
+        mask = int(self.lib.umrt_steady_missing(self.handle))
+        return [CALL_NAMES[kind] for kind in DecisionKind if mask & (1 << kind)]
+
+    def record_stream(self, ptr: int, stream: int) -> bool:
+        """See :meth:`PythonSteadySchedule.record_stream`."""
+        return bool(self.lib.umrt_steady_record_stream(self.handle, ptr, stream or None))
+
     def drain(self, max_events: int | None = None) -> list[SteadyEvent]:
         cap = self.capacity if max_events is None else min(max_events, self.capacity)
         if self._drain_buf is None or len(self._drain_buf[0]) < cap:
@@ -1123,8 +1391,9 @@ class NativeSteadySchedule:
 # Building and loading.
 # ---------------------------------------------------------------------------
 def steady_source() -> Path:
-    """``kernels/steady_alloc.cpp`` (found by path, like the torch shim)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "steady_alloc.cpp"
+    """``steady_alloc.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("steady_alloc.cpp")
 
 
 def build_native(source: Path, stem: str, what: str, ldflags: Sequence[str] = ()) -> str:
@@ -1159,7 +1428,8 @@ def build_library() -> str:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
     sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, i64]),
+        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, i64, vp,
+                                    i64]),
         "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
         "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
         "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),
@@ -1170,8 +1440,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_set_table": (None, [vp, vp]),
         "umrt_steady_arm": (None, [vp, c_int, vp]),
         "umrt_steady_armed": (c_int, [vp]),
+        "umrt_steady_missing": (i32, [vp]),
         "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
+        "umrt_steady_record_stream": (c_int, [vp, u64, vp]),
         "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
         "umrt_steady_clear_events": (i64, [vp]),
         "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),
@@ -1179,6 +1451,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),
         "umrt_steady_noop_free": (c_int, [vp, u64, u64, c_int, vp]),
         "umrt_steady_run": (i64, [vp, i64, vp, vp, vp, i64, c_int, vp]),
+        "umrt_steady_plant_bugs": (None, [c_int]),
     }
     for fname, (restype, argtypes) in sigs.items():
         fn = getattr(lib, fname)
@@ -1244,21 +1517,58 @@ def cudart_table(path: str, copy_stream: int | None = None, discard_stream: int 
     return table
 
 
+# The libraries of torch's (and CuPy's) that call the CUDA runtime: the libcudart they
+# resolve is the runtime instance whose per-thread state (the last error, the current
+# device) torch reads.
+CUDART_USERS = ("libc10_cuda.so", "libtorch_cuda.so", "libcupy")
+
+
 def loaded_libcudart(maps: str = "/proc/self/maps") -> tuple[str | None, str]:
-    """``(path, reason)``: the libcudart shared library this process has loaded (torch's
-    or CuPy's, found in ``/proc/self/maps``), else ``(None, why not)``. cuda-bindings
-    links the runtime statically: importing it alone loads no libcudart."""
+    """``(path, reason)``: the libcudart shared library torch uses in this process (found in
+    ``/proc/self/maps``), else ``(None, why not)``. With one loaded, that one; with several
+    (torch's, CuPy's, another CUDA version's: separate runtime instances), the one torch's
+    own CUDA library (``libc10_cuda.so``) resolves ``cudaGetLastError`` to, never a guess.
+    cuda-bindings links the runtime statically: importing it alone loads no libcudart."""
     try:
         text = Path(maps).read_text()
     except OSError as exc:
         return None, f"cannot read {maps}: {exc}"
-    found = sorted({line.split(None, 5)[5] for line in text.splitlines()
-                    if len(line.split(None, 5)) == 6 and re.search(r"/libcudart\.so[.\d]*$", line)})
+    paths = {line.split(None, 5)[5] for line in text.splitlines() if len(line.split(None, 5)) == 6}
+    found = sorted(p for p in paths if re.search(r"/libcudart\.so[.\d]*$", p))
     if not found:
         return None, f"no libcudart.so in {maps} (load torch.cuda or CuPy's runtime first)"
-    if len(found) > 1:
-        return found[0], f"{len(found)} libcudart libraries loaded ({', '.join(found)}); using the first"
-    return found[0], f"loaded by this process ({maps})"
+    if len(found) == 1:
+        return found[0], f"loaded by this process ({maps})"
+    real = {os.path.realpath(p): p for p in found}
+    for user in CUDART_USERS:
+        for path in sorted(p for p in paths if Path(p).name.startswith(user)):
+            resolved = _resolves_to(path, "cudaGetLastError")
+            if resolved is not None and os.path.realpath(resolved) in real:
+                return real[os.path.realpath(resolved)], f"the copy {Path(path).name} uses, of {len(found)} loaded"
+    return None, (f"{len(found)} libcudart libraries loaded ({', '.join(found)}) and none is known to be torch's: "
+                  "the schedule's calls go through umrt's Python adapter")
+
+
+class _DlInfo(ctypes.Structure):
+    """``Dl_info`` (glibc ``dlfcn.h``)."""
+
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p),
+                ("dli_saddr", ctypes.c_void_p)]
+
+
+def _resolves_to(library: str, symbol: str) -> str | None:
+    """The file of the library that defines ``symbol`` as ``library`` (already loaded) sees it:
+    ``dlsym`` on its handle searches it and its dependencies, ``dladdr`` names the file."""
+    try:
+        handle = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        address = ctypes.cast(getattr(handle, symbol), ctypes.c_void_p).value
+        libc = ctypes.CDLL(None)
+        info = _DlInfo()
+        if not address or not libc.dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+        return info.dli_fname.decode()
+    except (OSError, AttributeError):
+        return None
 
 
 COUNTED_KINDS = tuple(DecisionKind)  # the order of umrt_steady_counted's counts

@@ -39,6 +39,10 @@ umrt does about them:
   :func:`umrt.memory_stats` / :func:`umrt.statistics`.
 * ``torch.cuda.empty_cache()`` does nothing for a pluggable allocator: umrt
   patches it to also empty umrt's pool (:func:`empty_cache`).
+* ``Tensor.record_stream`` reaches a pluggable allocator only through
+  ``set_record_stream_fn``: umrt gives it ``umrt_record_stream`` (the shim),
+  and the pool orders the block's next use and discard after that stream
+  (:meth:`umrt.allocators.managed.ManagedPool.record_stream`).
 * :func:`check_oom` builds ``torch.cuda.OutOfMemoryError`` for code that
   calls the pool directly.
 """
@@ -56,10 +60,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt.allocators.sources import native_source
 from umrt.errors import UmrtError
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+RECORD_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
 _KEEP_ALIVE: list[Any] = []  # callbacks and allocator objects, never released
 _state: dict[str, Any] = {"pool": None, "installed": False, "shim": None}
@@ -105,6 +111,23 @@ def _free(ptr: int | None, size: int, device: int, stream: int | None) -> None:
         print(f"umrt: error freeing {ptr:#x} ({size} bytes): {exc}", file=sys.stderr)
 
 
+def _record_stream(ptr: int | None, stream: int | None) -> None:
+    if not ptr:
+        return
+    try:
+        _state["pool"].record_stream(ptr, stream or 0)
+    except Exception as exc:  # noqa: BLE001 - nothing may escape a C callback
+        print(f"umrt: error recording stream {stream or 0:#x} for {ptr:#x}: {exc}", file=sys.stderr)
+
+
+def record_stream_callback() -> int:
+    """The address of a ctypes callback ``void (void* ptr, cudaStream_t stream)`` that
+    passes torch's ``record_stream`` to the pool of :func:`make_callbacks` (kept alive)."""
+    c_record = RECORD_FN(_record_stream)
+    _KEEP_ALIVE.append(c_record)
+    return int(ctypes.cast(c_record, ctypes.c_void_p).value)
+
+
 def _fatal(message: str) -> None:
     print(message, file=sys.stderr)
     print(
@@ -143,11 +166,20 @@ class Shim:
         """Why this thread's allocation failed (goes into the OutOfMemoryError message)."""
         self.lib.umrt_set_error(message.encode("utf-8", "replace"))
 
+    def set_record_stream(self, record_ptr: int) -> None:
+        """Point ``umrt_record_stream`` at umrt's record-stream callback (a C function address)."""
+        self.lib.umrt_set_record_stream(ctypes.c_void_p(record_ptr or None))
+
+    @property
+    def record_stream_address(self) -> int:
+        """``umrt_record_stream``: what torch's allocator is given for ``record_stream``."""
+        return int(ctypes.cast(self.lib.umrt_record_stream, ctypes.c_void_p).value)
+
 
 def _shim_source() -> Path:
-    """``kernels/torch_alloc_shim.cpp``: ``kernels`` ships beside ``umrt`` (found by path, not
-    by import, so an unrelated ``kernels`` package on ``sys.path`` cannot shadow it)."""
-    return Path(__file__).resolve().parents[2] / "kernels" / "torch_alloc_shim.cpp"
+    """``torch_alloc_shim.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
+    else the checkout's)."""
+    return native_source("torch_alloc_shim.cpp")
 
 
 @functools.lru_cache(maxsize=1)
@@ -180,6 +212,8 @@ def load_shim() -> Shim | None:
         lib.umrt_set_callbacks.restype = None
         lib.umrt_set_error.argtypes = [ctypes.c_char_p]
         lib.umrt_set_error.restype = None
+        lib.umrt_set_record_stream.argtypes = [ctypes.c_void_p]
+        lib.umrt_set_record_stream.restype = None
         return Shim(path=module.__file__, module=module, lib=lib)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the ctypes path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -216,18 +250,22 @@ def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
             return
         torch = _torch()
         _, _, alloc_ptr, free_ptr = make_callbacks(pool)
+        record_ptr = record_stream_callback()
         if front is not None:  # the front first; the callbacks where it declines
-            front.set_fallback(alloc_ptr, free_ptr)
-            alloc_ptr, free_ptr = front.malloc_address, front.free_address
+            front.set_fallback(alloc_ptr, free_ptr, record_ptr)
+            alloc_ptr, free_ptr, record_ptr = front.malloc_address, front.free_address, front.record_stream_address
         loaded = load_shim() if shim else None
         if loaded is not None:
             loaded.set_callbacks(alloc_ptr, free_ptr)
+            loaded.set_record_stream(record_ptr)
+            record_ptr = loaded.record_stream_address
             pluggable = torch.cuda.memory.CUDAPluggableAllocator(loaded.path, "umrt_alloc", "umrt_free")
             _KEEP_ALIVE.append(pluggable)
             allocator = pluggable.allocator()
         else:
             allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
         _KEEP_ALIVE.append(allocator)
+        _give_record_stream(torch, allocator, record_ptr)
         try:
             torch._C._cuda_changeCurrentAllocator(allocator)
         except RuntimeError as exc:
@@ -238,6 +276,21 @@ def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
         _state["shim"] = loaded
         _state["installed"] = True
         _patch_empty_cache(torch)
+
+
+def _give_record_stream(torch: Any, allocator: Any, record_ptr: int) -> None:
+    """Hand torch's ``Tensor.record_stream`` to umrt: ``CUDAPluggableAllocator::recordStream``
+    calls the function given to ``set_record_stream_fn`` (``torch/csrc/cuda/Module.cpp`` binds
+    it on ``torch._C._CUDAPluggableAllocator``); without it the call does nothing, and a
+    tensor used on a second stream must be ordered by the program (``wait_stream``)."""
+    setter = getattr(allocator, "set_record_stream_fn", None)
+    if setter is None:
+        warnings.warn(f"umrt: torch {torch.__version__} does not pass Tensor.record_stream to a pluggable "
+                      "allocator: a tensor used on a second stream must be kept alive, or its stream "
+                      "synchronized (wait_stream), until that stream's work is done", RuntimeWarning,
+                      stacklevel=3)
+        return
+    setter(record_ptr)
 
 
 def _patch_empty_cache(torch: Any) -> None:

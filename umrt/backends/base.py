@@ -155,6 +155,10 @@ class FollowsStream(Protocol):
     def set_compute_stream(self, stream: int) -> None:
         """The stream the program's kernels now run on."""
 
+    def order_after(self, waiter: int, source: int) -> None:
+        """Order the work queued on ``waiter`` from now on after the work queued on
+        ``source`` so far (an event recorded on ``source``, waited for on ``waiter``)."""
+
 
 class SwapPath:
     """Taking live ranges off a backend's GPU and back, keeping their contents (``backend.swap``).

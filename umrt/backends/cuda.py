@@ -616,6 +616,13 @@ class CudaBackend(Backend):
         if old_discards is not None and not same_stream(old_discards, old):
             self.order.stream_after(stream, old_discards)
 
+    def order_after(self, waiter: Any, source: Any) -> None:
+        """Order ``waiter``'s later work after ``source``'s work so far (one event record and
+        one ``cudaStreamWaitEvent``; nothing when they are one stream). What a block used on
+        another stream (torch's ``record_stream``) needs before its next use or discard."""
+        if not same_stream(waiter, source):
+            self.order.stream_after(waiter, source)
+
     def discard_stream(self) -> Any:
         """The stream discards and discard-and-prefetches are queued on.
 

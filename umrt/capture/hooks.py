@@ -162,6 +162,11 @@ class RecorderHooks:
             with rec._lock:  # forward after a backward without a step (gradient accumulation)
                 self.end_backward()
         name = self.paths.name(module, self.current_module())
+        if self.current_module() is None and next(module.parameters(), None) is not None:
+            with rec._lock:  # the model's forward: it may open an iteration of another phase
+                rec._flush()
+                if not rec._closed:
+                    rec.loop.model_forward(module, rec._emit_boundary)
         if rec.model is None and self.current_module() is None:
             if rec._following:
                 with rec._lock:

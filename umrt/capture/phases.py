@@ -1,8 +1,11 @@
-"""Where a training iteration is (set-up, forward, backward, optimizer step), and
-the kind an object's lifetime gives it. Shared by both captures."""
+"""Where a training iteration is (set-up, forward, backward, optimizer step), the
+kind an object's lifetime gives it (shared by both captures), and which phase of
+the training loop runs (:class:`LoopPhase`: a training step or an evaluation)."""
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -64,3 +67,62 @@ def final_kind(info: Lifetime, last_iteration: int) -> Kind:
         born_last = info.iteration == last_iteration and info.phase in (FORWARD, BACKWARD)
         return info.kind if born_last else Kind.OTHER
     return lifetime_kind(info)
+
+
+class LoopPhase:
+    """Which phase of the training loop runs (``IterationBoundary.phase``): a
+    training step, or one batch of an evaluation.
+
+    The loop is in evaluation in inference mode or with every model seen (a
+    root module with parameters) in eval mode; a forward of a model with
+    gradients off is an evaluation's too. Once training is under way (a step
+    has run), each forward of a model in another phase than the running
+    iteration's opens an iteration of its phase, and so does each forward of
+    an evaluation after the first (one iteration per batch); after an
+    evaluation, the first op that writes the device in training mode (the
+    next batch loaded) opens a training iteration again.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+        self.iteration = "train"  # the running iteration's phase
+        self.steps = 0  # optimizer steps (step boundaries) so far
+        self._forwards = 0  # forwards of a model in the running iteration
+        self._leaving_eval = False  # an evaluation ran: training resumes at the next op in train mode
+        self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def now(self) -> str:
+        """The phase the loop is in now (see the class docstring)."""
+        if torch.is_inference_mode_enabled():
+            return "eval"
+        models = list(self._models)
+        if self.model is not None:
+            models.append(self.model)
+        return "eval" if models and not any(m.training for m in models) else "train"
+
+    def opened(self, phase: str) -> None:
+        """An iteration of ``phase`` opens."""
+        self.iteration = phase
+        self._forwards = 0
+        if phase == "train":
+            self._leaving_eval = False
+
+    def model_forward(self, module: torch.nn.Module, open_iteration: Callable[[str], None]) -> None:
+        """A model starts a forward: ``open_iteration(phase)`` where it opens an
+        iteration (the capture emits the boundary, which calls :meth:`opened`)."""
+        self._models.add(module)
+        if self.steps == 0:
+            return  # before the first step: set-up and the first iteration, whatever they run
+        phase = "eval" if not torch.is_grad_enabled() else self.now()
+        if phase != self.iteration or (phase == "eval" and self._forwards):
+            open_iteration(phase)
+        self._forwards += 1
+        if phase == "eval":
+            self._leaving_eval = True
+
+    def resuming_training(self) -> bool:
+        """Whether the next op that writes the device opens a training iteration: an
+        evaluation ran and the loop is back in training (the model in train mode,
+        gradients on). The live bridge opens that iteration itself, before the op's
+        allocation."""
+        return self._leaving_eval and torch.is_grad_enabled() and self.now() == "train"

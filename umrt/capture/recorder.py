@@ -26,6 +26,17 @@ hooks give layer events and iterations (:mod:`~umrt.capture.hooks`).
   hook), so frees after the step close the iteration they belong to. Without
   marks, :meth:`Recorder.trace` finds iterations as repeats
   (:mod:`umrt.capture.detect`).
+* Phases (``IterationBoundary.phase``): once training is under way (after the
+  first step), an evaluation is iterations of its own, one per forward of the
+  model (a root module with parameters) with gradients off, in inference
+  mode or with the model in eval mode (:class:`~umrt.capture.phases.LoopPhase`,
+  :attr:`Recorder.loop`); the
+  model's next training forward, or the first op before it that writes the
+  device in training mode (the next batch loaded), opens a training
+  iteration again. A step's
+  boundary takes the phase the loop is in when it is emitted, at the first
+  launch that writes the device (one that only reads it, a copy to the host
+  such as ``loss.item()`` or a checkpoint's, ends the iteration it follows).
 * :meth:`Recorder.suspend_ops` stops recording launches (the live runtime's
   steady state) while layer events, boundaries and frees keep coming.
 """
@@ -46,7 +57,7 @@ from umrt.capture.hooks import RecorderHooks, guarded
 from umrt.capture.identity import StorageObjects, TracedObject
 from umrt.capture.modestack import ModeSwitch, OpsMode
 from umrt.capture.ops import OpInfo, OpTable, extent, launch_flops, precision_of, tensors_in, tf32_switches
-from umrt.capture.phases import BACKWARD, FORWARD, STEP, Phases, lifetime_kind
+from umrt.capture.phases import BACKWARD, FORWARD, STEP, LoopPhase, Phases, lifetime_kind
 from umrt.trace.events import (
     Access,
     Alloc,
@@ -69,6 +80,18 @@ class StopRecording(BaseException):
 
     A ``BaseException`` so that a script's ``except Exception`` does not swallow it.
     """
+
+
+def script_recorder(command: Sequence[str], *, steps: int | None = None, device: str | None = None,
+                    listeners: Sequence[Listener] = ()) -> Recorder:
+    """The recorder of a user's training script, the same for ``umrt trace -- python script.py``
+    and shadow mode (so one script gives one trace, and one footprint, either way): nothing
+    steered (the script computes exactly what it computes without umrt), each optimizer step
+    ending an iteration from the first one on (iteration 0 builds the model and the optimizer's
+    lazy state), on the device the script uses unless ``device`` says; ``steps`` stops the
+    script (:class:`StopRecording`) once that many iterations are recorded."""
+    return Recorder(listeners=listeners, device=device, mark_start=True, stop_after=steps, steer=False,
+                    model_name=" ".join(command)[:200], meta={"argv": list(command), "steps": steps})
 
 
 class EventLog:
@@ -111,7 +134,8 @@ class Recorder:
         mark_start: emit ``IterationBoundary(0)`` on entry (after set-up);
             otherwise the first step marks it and what runs before is set-up.
         stop_after: raise :class:`StopRecording` into the program once this
-            many iterations are complete (after the trace is closed).
+            many training iterations (optimizer steps) are complete (after the
+            trace is closed).
         model_name: recorded in the trace header.
         steer: where attention and dropout are routed to single fused ops
             (see :mod:`umrt.capture.steer`): default meta only, where nothing
@@ -168,6 +192,7 @@ class Recorder:
         self._occurrence: dict[int, int] = {}  # exec id -> launches so far this iteration
         self._seq = 0
         self._pending_boundary = False
+        self.loop = LoopPhase(model)  # the phase of the training loop (IterationBoundary.phase)
         self._stop_requested = False
         self._closed = False
         self._recording = False
@@ -210,7 +235,7 @@ class Recorder:
             if self._closed:
                 return
             if self._phases.iteration < 0:
-                self._emit_boundary()  # the first mark only ends set-up
+                self._emit_boundary("train")  # the first mark only ends set-up
             elif self._seq > 0:
                 self._pending_boundary = True
 
@@ -320,7 +345,7 @@ class Recorder:
         if self.optimizer is not None:
             self._mark_optimizer(self.optimizer, grads=False)
         if self.mark_start:
-            self._emit_boundary()
+            self._emit_boundary("train")
 
     def _mark(self, t: Any, kind: Kind) -> None:
         """Record a fact about a tensor's storage (announcing it if new)."""
@@ -352,15 +377,22 @@ class Recorder:
         self._on_error(exc)
 
     # ------------------------------------------------------------------ iterations
-    def _emit_boundary(self) -> None:
+    def _emit_boundary(self, phase: str | None = None) -> None:
+        """Open an iteration of ``phase``; None: the one a step left pending, of the
+        loop's phase now (``stop_after`` counts these)."""
+        step = phase is None
         self._pending_boundary = False
         self._hooks.end_backward()
         self._phases.iteration += 1
         self._occurrence.clear()
-        self._log.emit(IterationBoundary(self._phases.iteration))
-        if self.stop_after is not None and self._phases.iteration >= self.stop_after:
-            self._close()
-            self._stop_requested = True
+        phase = self.loop.now() if step else phase
+        self.loop.opened(phase)
+        self._log.emit(IterationBoundary(self._phases.iteration, phase))
+        if step:
+            self.loop.steps += 1
+            if self.stop_after is not None and self.loop.steps >= self.stop_after:
+                self._close()
+                self._stop_requested = True
 
     def _flush(self) -> None:
         """Emit a pending boundary (called before anything of the next iteration)."""
@@ -512,7 +544,12 @@ class Recorder:
             and all(t.dim() == 0 for t, _ in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
-        self._flush()
+        if not self._pending_boundary or any(on for _, on in outs) or any(w and on for _, w, on in inputs):
+            # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
+            # torch.save) belongs to the iteration it follows: it opens none.
+            self._flush()
+            if self.loop.resuming_training():
+                self._emit_boundary("train")  # the next batch after an evaluation: training's
         in_graph = torch._C._current_graph_task_id() != -1
         hooks = self._hooks
         if hooks.backward_module is not None and not in_graph:

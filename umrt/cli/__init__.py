@@ -12,6 +12,7 @@ import argparse
 import importlib
 import re
 import sys
+from typing import Any
 
 from umrt import __version__
 from umrt.errors import UmrtError
@@ -31,9 +32,38 @@ def plain_text(text: str) -> str:
     return _LITERAL_BLOCK.sub(r"\1:", text)
 
 
+#: What argparse takes for a value rather than an option: negative numbers, as it does, and negative
+#: amounts ("-20%"), so that ``--gpu-memory -20%`` gets umrt's message about the amount.
+_NEGATIVE = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d*\.?\d*%")
+
+
+class Renamed(argparse.Action):
+    """An old spelling of a flag, kept for one version: it stores into the new flag's ``dest`` and
+    prints one note saying what to write now (hidden from ``--help``). ``note`` replaces the
+    default note (``--old is now --new``) where the meaning changed too."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", note: str = "",
+                 prefix: str = "umrt", append: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("help", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.new, self.note, self.prefix, self.append = new, note, prefix, append
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        note = self.note or f"{option_string} is now {self.new} (the same meaning)"
+        print(f"{self.prefix}: note: {note}", file=sys.stderr)
+        if self.append:  # as action="append": each use adds one
+            values = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, values)
+
+
 class PlainHelpParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose help and usage print as plain text (:func:`plain_text`);
-    its subcommand parsers are of the same class."""
+    """An ``ArgumentParser`` whose help and usage print as plain text (:func:`plain_text`) and
+    that reads ``-20%`` as a value (:data:`_NEGATIVE`); its subcommand parsers are of the same class."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._negative_number_matcher = _NEGATIVE  # argparse's own test for "a value, not an option"
 
     def format_help(self) -> str:
         return plain_text(super().format_help())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from umrt.console import console as umrt_console
 from umrt.errors import ConfigError
 from umrt.hardware import save_profile
 
@@ -16,7 +17,7 @@ def register(subparsers: Any) -> None:
         "host population, fault latency and fault-driven migration, first touch, discard and the refault path, "
         "call costs by kind), the link (pinned copies), fp32 matmul and device-copy rates, names the card "
         "(SXM, PCIe, NVLink-C2C) from its name and attributes, and writes a profile file that "
-        "`umrt simulate --gpu FILE` and `UMRT_PROFILE=FILE` read. Never asks for more than half the free GPU "
+        "`umrt simulate --profile FILE` and `UMRT_PROFILE=FILE` read. Never asks for more than half the free GPU "
         "memory. Needs a GPU (exit status 2 without one).",
     )
     p.add_argument("-o", "--output", default="calibrated.json", help="profile file to write (default %(default)s)")
@@ -28,7 +29,6 @@ def register(subparsers: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.progress import Progress
 
     # optional: umrt.calibrate loads the CUDA backend (numpy); not for `umrt --help`
@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats={args.repeats} must be >= 1")
-    console = Console(stderr=True)
+    console = umrt_console(stderr=True)
     probe = calibrate.CudaProbe(args.device)
     try:
         steps = calibrate.MEASURE_STEPS - (0 if probe.has_batch else 2)

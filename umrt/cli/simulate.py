@@ -1,7 +1,7 @@
 """``umrt simulate``: replay a trace under a policy on a simulated GPU.
 
-    umrt simulate gpt2-xl.umrt --gpu v100-pcie3-32g --budget 20% --policy um
-    umrt simulate gpt2-xl.umrt --budget 8GiB --policy oracle --iterations 5 --json
+    umrt simulate gpt2-xl.umrt --profile v100-pcie3-32g --gpu-memory 20% --policy um
+    umrt simulate gpt2-xl.umrt --gpu-memory 8GiB --policy oracle --iterations 5 --json
 """
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import argparse
 import json
 import sys
 
-from umrt.config import format_bytes
+from umrt.cli import Renamed
+from umrt.config import SIMULATED_DEFAULT, format_bytes
+from umrt.console import console
 from umrt.errors import ConfigError
 from umrt.hardware import PROFILES, load_profile
 from umrt.policy import make_policy
-from umrt.sim.budget import BASES
 
-DEFAULT_GPU = "v100-pcie3-32g"
-DEFAULT_BUDGET = "50%"
-DEFAULT_POLICY = "um"
+DEFAULT_PROFILE = "v100-pcie3-32g"
+DEFAULT_POLICY = "umrt"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,33 +27,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Replay TRACE (from `umrt trace`) on the Unified Memory simulator and report the "
             "steady-state iteration: time, slowdown against unlimited memory, traffic, faults, and the "
-            "link bound no policy can beat at this budget (umrt.sim.bound)."
+            "link bound no policy can beat at this GPU memory."
         ),
     )
     p.add_argument("trace", metavar="TRACE", help="trace file written by `umrt trace`")
-    p.add_argument("--gpu", default=DEFAULT_GPU, metavar="PROFILE",
+    p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="PROFILE",
                    help=f"hardware profile: one of {', '.join(PROFILES)}, or a profile JSON file "
-                        f"(default {DEFAULT_GPU})")
-    p.add_argument("--budget", default=DEFAULT_BUDGET,
-                   help="GPU memory the run may use: a percentage of the footprint the run needs "
-                        "('20%%'; 100%% holds everything: see --budget-base), a size ('8GiB', '512MB') or bytes "
-                        f"(default {DEFAULT_BUDGET.replace('%', '%%')})")
-    p.add_argument("--budget-base", choices=BASES, default="footprint",
-                   help="what a percentage budget is of: 'footprint' (default), the managed memory the trace "
-                        "needs with nothing evicted (the larger of umrt's pool and PyTorch's caching allocator "
-                        "replayed over it), or 'peak', the trace's peak live bytes (umrt before 0.2)")
+                        f"(default {DEFAULT_PROFILE})")
+    p.add_argument("--gpu-memory", default=SIMULATED_DEFAULT, metavar="AMOUNT",
+                   help="GPU memory of the simulated GPU: a percentage of the footprint the run needs ('20%%'; "
+                        "the GPU memory its allocations take with nothing evicted, so 100%% holds everything), "
+                        "of its peak live bytes ('20%%peak'), or a size ('8GiB', '512MB', bytes) "
+                        f"(default {SIMULATED_DEFAULT.replace('%', '%%')})")
     p.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"policy name, e.g. ideal, um, um-advise, oracle, deepum, umrt (default {DEFAULT_POLICY})")
     p.add_argument("--iterations", type=int, default=None, metavar="N",
                    help="iterations to simulate; the last one is reported (default 3, or as many as the "
                         "policy needs to reach its steady state: 5 for umrt)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    # Old spellings, for one version (each prints a note).
+    p.add_argument("--gpu", dest="profile", action=Renamed, new="--profile")
+    p.add_argument("--budget", dest="gpu_memory", action=Renamed, new="--gpu-memory")
+    p.add_argument("--budget-base", dest="budget_base", action=Renamed, choices=("footprint", "peak"),
+                   default="footprint",
+                   note="--budget-base is gone: a percentage names its base, '20%' of the footprint the run "
+                        "needs, '20%peak' of its peak live bytes; '--budget-base peak' reads a bare '20%' as "
+                        "'20%peak' for this version")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
     from umrt.sim.bound import link_bound
+
+    # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
+    from umrt.sim.budget import budget_base
 
     # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
     from umrt.sim.replay import simulate
@@ -63,15 +71,17 @@ def run(args: argparse.Namespace) -> int:
 
     if args.iterations is not None and args.iterations < 1:
         raise ConfigError(f"--iterations must be at least 1, got {args.iterations}")
-    profile = load_profile(args.gpu)  # before the (slow) trace load: fail fast on a typo
+    budget_base(args.gpu_memory)  # a base a simulated run cannot read fails before the trace loads
+    profile = load_profile(args.profile)  # before the (slow) trace load: fail fast on a typo
     trace = load(args.trace)
     policy = make_policy(args.policy, trace)
     iterations = args.iterations or policy.steady_iterations()
-    result = simulate(trace, policy, profile, args.budget, iterations=iterations,
+    result = simulate(trace, policy, profile, args.gpu_memory, iterations=iterations,
                       progress=not args.json and sys.stderr.isatty(), budget_base=args.budget_base)
-    bound = link_bound(trace, profile, args.budget, iterations=iterations, budget_base=args.budget_base)
+    bound = link_bound(trace, profile, args.gpu_memory, iterations=iterations, budget_base=args.budget_base)
     if args.json:
-        json.dump(result.to_json() | {"link_bound": bound.to_json()}, sys.stdout, indent=2)
+        data = result.to_json() | {"link_bound": bound.to_json(), "layout_reserved_bytes": result.footprint_bytes}
+        json.dump(data, sys.stdout, indent=2)
         print()
     else:
         _print_table(result, bound)
@@ -83,15 +93,22 @@ def _seconds(t: float) -> str:
 
 
 def _print_table(r, bound) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    budget = r.budget.describe() if r.budget is not None else f"budget {format_bytes(r.budget_bytes)}"
-    table = Table(title=f"{r.model} · {r.policy} · {r.profile} · {budget} · "
-                        f"simulated, iteration {r.iterations} of {r.iterations}")
+    # optional: the simulator's budget module (numpy) is loaded only when a run is simulated
+    from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION
+
+    # The title on a line of its own: a table's title wraps at the table's (narrow) width.
+    title = f"{r.model} · {r.policy} · {r.profile} · simulated, iteration {r.iterations} of {r.iterations}"
+    table = Table()
     table.add_column("metric")
     table.add_column("value", justify="right")
+    b = r.budget
+    memory = f"{format_bytes(b.bytes)} = {b.share()}" if b is not None else format_bytes(r.budget_bytes)
     rows = [
+        ("GPU memory", memory),
+        ("footprint", format_bytes(b.needs.footprint_bytes) if b is not None else "-"),
+        ("peak live", format_bytes(r.peak_live_bytes)),
         ("iteration time", _seconds(r.iteration_time_s)),
         ("ideal (unlimited memory)", _seconds(r.ideal_time_s)),
         ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
@@ -109,10 +126,13 @@ def _print_table(r, bound) -> None:
         ("fault batches", f"{r.fault_batches:,}"),
         ("evictions (2 MB blocks)", f"{r.evictions:,}"),
         ("peak resident", format_bytes(r.peak_resident_bytes)),
-        ("trace peak live", format_bytes(r.peak_live_bytes)),
-        ("layout footprint", format_bytes(r.footprint_bytes)),
+        (f"reserved by {r.policy}'s layout", format_bytes(r.footprint_bytes)),
         ("simulated in", f"{r.wall_s:.1f} s ({r.page_events_per_s:,.0f} page events/s)"),
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    out = console()
+    out.print(title, soft_wrap=True, markup=False)
+    out.print(table)
+    out.print(f"{FOOTPRINT_DEFINITION}.")
+    out.print(f"{PEAK_LIVE_DEFINITION}.")

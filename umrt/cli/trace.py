@@ -10,16 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from umrt.config import format_bytes
+from umrt.console import console as umrt_console
 from umrt.errors import ConfigError, UmrtError
-from umrt.scripts import as_main
+from umrt.paths import check_writable
+from umrt.scripts import run_module, run_script
 from umrt.trace.events import IterationBoundary
 from umrt.trace.stats import summarize
 
@@ -57,14 +57,15 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--device",
         choices=("meta", "cpu", "cuda"),
-        help="where to run: zoo default meta (no memory touched); scripts default cuda if available, "
-        "else cpu",
+        help="whose memory to trace: a zoo model runs there (default meta: no memory touched); a script "
+        "runs where it chooses, and by default the device it uses is traced",
     )
     p.add_argument(
         "--steps",
         type=int,
         default=3,
-        help="iterations to record (default 3); for a script, the steps after its first one",
+        help="training steps (optimizer steps) to record (default 3); the first builds the model and the "
+        "optimizer's state, the ones after it repeat",
     )
     p.add_argument(
         "--dtype",
@@ -79,7 +80,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "rest",
         nargs=argparse.REMAINDER,
-        help="'info FILE' to inspect a trace, or '-- python script.py [args]' to trace a script",
+        metavar="info FILE | -- python SCRIPT [ARGS]",
+        help="inspect a trace file, or trace a script (everything after -- is the command that runs it)",
     )
     p.set_defaults(func=run)
 
@@ -135,11 +137,7 @@ def _trace_zoo(args: argparse.Namespace) -> int:
 
 def _check_output(path: str) -> None:
     """Fail before a long recording, not after it, when the output cannot be written."""
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise ConfigError(f"cannot write {path!r}: directory {str(parent)!r} does not exist")
-    if Path(path).is_dir():
-        raise ConfigError(f"cannot write {path!r}: it is a directory")
+    check_writable(path)
 
 
 def _default_name(model: str) -> str:
@@ -149,7 +147,10 @@ def _default_name(model: str) -> str:
 
 def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     # optional: torch: not for `umrt --help`
-    from umrt.capture import Recorder, StopRecording
+    from umrt.capture import StopRecording
+
+    # optional: torch: not for `umrt --help`
+    from umrt.capture.recorder import script_recorder
 
     # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace import fileformat
@@ -174,37 +175,22 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
         argv = cmd
     out = args.output or "trace.umrt"
     t0 = time.perf_counter()
-    # the first step ends set-up (model build, lazy optimizer state): steps counted after it
-    rec = Recorder(
-        device=args.device,
-        mark_start=False,
-        stop_after=args.steps,
-        model_name=" ".join(cmd)[:200],
-        meta={"argv": cmd, "steps": args.steps},
-    )
-    try:
-        with (
-            as_main(argv, None if module is not None else str(Path(argv[0]).resolve().parent)),
-            progress_bar(not args.quiet and sys.stderr.isatty(), "recording steps", args.steps) as advance,
-            rec,
-        ):
-            rec.listeners.append(lambda e: advance() if isinstance(e, IterationBoundary) and e.index > 0 else None)
+    rec = script_recorder(cmd, steps=args.steps, device=args.device)
+    with (
+        progress_bar(not args.quiet and sys.stderr.isatty(), "recording steps", args.steps) as advance,
+        rec,
+    ):
+        rec.listeners.append(lambda e: advance() if isinstance(e, IterationBoundary) and e.index > 0 else None)
+        try:
             if module is not None:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
+                status = run_module(module, argv[1:], passthrough=(StopRecording,))
             else:
-                runpy.run_path(argv[0], run_name="__main__")
-    except StopRecording:
-        pass  # recorded the steps asked for
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise ScriptFailed(
-                f"the script exited with status {exc.code} before the trace was complete"
-            ) from None
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:
-        traceback.print_exception(exc, file=sys.stderr)
-        raise ScriptFailed(f"the script raised {type(exc).__name__}: {exc}") from None
+                status = run_script(argv[0], argv[1:], passthrough=(StopRecording,))
+        except StopRecording:
+            status = 0  # recorded the steps asked for
+    if status:
+        raise ScriptFailed(f"the script exited with status {status} before the trace was complete; "
+                           "no trace written")
     trace = rec.trace()
     if not trace.iteration_spans():
         n = sum(isinstance(e, IterationBoundary) for e in trace.events)
@@ -257,7 +243,6 @@ def _info(argv: list[str], as_json: bool) -> int:
         except BrokenPipeError:  # e.g. piped into head
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{ns.file}", show_header=False, title_justify="left")
@@ -280,7 +265,7 @@ def _info(argv: list[str], as_json: bool) -> int:
     for k, v in s["bytes_by_kind"].items():
         if v:
             t.add_row(f"  peak {k}", f"{format_bytes(v)} ({s['objects_by_kind'][k]} objects)")
-    console = Console()
+    console = umrt_console()
     console.print(t)
     if h.notes:
         console.print("[bold]known differences from a CUDA run[/bold]")

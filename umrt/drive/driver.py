@@ -9,7 +9,8 @@ batches, and the driver keeps the event contract of :mod:`umrt.policy.base`:
   on the ranges the launch touches;
 * ``Free``   -> ``policy.on_event``, then the backend is told the range died, then ``layout.free``;
 * an iteration boundary -> the per-iteration bookkeeping below, the learning
-  layout, then ``policy.on_event``;
+  layout, ``policy.on_event``, then (a simulated backend) ``policy.iteration_time``
+  with the simulated time of the iteration it ended;
 * layer events -> the learning layout, then ``policy.on_event``; anything else -> ``policy.on_event``.
 
 A layout that learns from the stream (:class:`~umrt.memory.base.LearningLayout`,
@@ -52,6 +53,7 @@ class Driver:
     Attributes:
         addresses: ``obj -> (ptr, nbytes)`` of every live object.
         marks: the backend's counters at each iteration boundary (a simulated backend only).
+        phases: the loop phase (``IterationBoundary.phase``) of each iteration a boundary opened.
         peaks: the backend's resident peak of each completed iteration (likewise).
         ideal_s: ideal compute time of each iteration so far, the last one running.
         launches_held_back: launches not shown to the policy (``launches_on_demand``).
@@ -70,6 +72,8 @@ class Driver:
         self.launches_held_back = 0  # launches the policy did not want (launches_on_demand)
         self.addresses: dict[int, tuple[int, int]] = {}
         self.marks: list[dict] = []
+        self.phases: list[str] = []
+        self._opened: int | None = None  # the index of the iteration the last boundary opened
         self.peaks: list[int] = []
         self.ideal_s: list[float] = [0.0]
         self.events = 0
@@ -138,10 +142,14 @@ class Driver:
                             self.peaks.append(contents.peak_resident_bytes)
                         self.marks.append(contents.counters())
                         contents.reset_peak()
+                    self.phases.append(ev.phase)
                     self.ideal_s.append(0.0)
                     if learner is not None:
                         learner.observe(ev)
                     on_event(ev)
+                    ended, self._opened = self._opened, ev.index
+                    if contents is not None and ended is not None and len(self.marks) >= 2:
+                        policy.iteration_time(ended, self.marks[-1]["time_s"] - self.marks[-2]["time_s"])
                 elif t is LayerEnter or t is LayerExit:
                     if learner is not None:
                         learner.observe(ev)
@@ -164,6 +172,10 @@ class Driver:
     def iteration_times(self) -> list[float]:
         """Simulated time of each completed iteration."""
         return [b["time_s"] - a["time_s"] for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    def iteration_phases(self) -> list[str]:
+        """The loop phase of each completed iteration (as :meth:`iteration_times`)."""
+        return self.phases[: max(0, len(self.marks) - 1)]
 
     def _explain(self, exc: DataIntegrityError, ev: Launch) -> DataIntegrityError:
         objs = ", ".join(str(a.obj) for a in ev.accesses if not a.write)

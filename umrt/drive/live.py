@@ -41,7 +41,7 @@ from umrt.trace.events import (
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.api import Session
 
-__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for"]
+__all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for", "set_budget"]
 
 log = logging.getLogger("umrt")
 
@@ -262,6 +262,10 @@ class LiveBridge:
         self._born: dict[int, int] = {}  # object -> block, until the layout takes it
         self._next_boundary: int | None = None  # None until the recorder's first boundary
         self._step_ended = False
+        self._recorder_step_due = False  # a step ended: the recorder's next boundary is that step's
+        self._recorder_resume_due = False  # the bridge opened training after an evaluation: the recorder's is that
+        self._phase = "train"  # the running iteration's loop phase
+        self.clock: IterationClock | None = None  # CUDA events at boundaries (the live policy's iteration times)
         self._step_hook: Any = None
         self._device = device
         self._facts_left = _FACT_STEPS if from_allocator else 0  # optimizer steps still read for hints
@@ -297,6 +301,8 @@ class LiveBridge:
                     self._follow_wants()
                 else:
                     self.driver.feed(ev)
+                    if type(ev) is IterationBoundary and self.clock is not None:
+                        self.clock.boundary(ev.index, self.policy.iteration_time)
             except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
                 self._fail(exc)
 
@@ -336,6 +342,7 @@ class LiveBridge:
 
     def _on_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._step_ended = True  # the next alloc, layer event or launch opens an iteration
+        self._recorder_step_due = True
         if self._facts_left > 0 and self.from_allocator and self.failed is None:
             self._facts_left -= 1
             with self._lock:
@@ -388,7 +395,7 @@ class LiveBridge:
     def _before_malloc(self, nbytes: int) -> None:
         """The pool's ``before_malloc`` hook: an iteration a step ended opens before the
         block is placed, so the pool's layout counts the block in it. Never raises."""
-        if self._step_ended and self.failed is None:
+        if (self._step_ended or self._phase == "eval") and self.failed is None:
             self._in_allocator(self._boundary_if_stepped)
 
     def _hint_optimizer(self, opt: Any) -> None:
@@ -452,16 +459,32 @@ class LiveBridge:
         and boundaries give way to the allocator's and the bridge's."""
         t = type(ev)
         if t is Launch:
-            self._boundary_if_stepped()
-            self.driver.feed(self._translate(ev))
+            launch = self._translate(ev)
+            if any(a.write for a in launch.accesses):  # a read of the device (a copy to the host) opens nothing
+                self._boundary_if_stepped()
+            self.driver.feed(launch)
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
+            if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
+                self.steady.mark()
             self.driver.feed(ev)
         elif t is IterationBoundary:
             if self._next_boundary is None:  # the recorder's first: iterations start here
                 self._next_boundary = ev.index + 1
                 self._step_ended = False
+                self._recorder_step_due = False
                 self.driver.feed(ev)
+                if self.clock is not None:
+                    self.clock.boundary(ev.index, self.policy.iteration_time)
+            elif self._recorder_step_due:  # the recorder's boundary for a step: the bridge opens its own
+                self._recorder_step_due = False
+                if self._step_ended:
+                    self._boundary_if_stepped(ev.phase)
+            elif self._recorder_resume_due and ev.phase == "train":  # training resumed: opened already
+                self._recorder_resume_due = False
+            else:  # an evaluation batch, or training again after one (the model's forward): open it now
+                self._recorder_resume_due = False
+                self._boundary_if_stepped(ev.phase)
         elif t is Alloc:
             # The allocator announced the object; the recorder knows better what it holds.
             if ev.kind is not Kind.OTHER:
@@ -489,11 +512,27 @@ class LiveBridge:
                 accesses.append(Access(obj, a.offset, a.length, a.write))
         return Launch(ev.seq, ev.exec_id, ev.op, tuple(accesses), ev.flops, ev.bytes, ev.module, ev.precision)
 
-    def _boundary_if_stepped(self) -> None:
-        if self._step_ended and self._next_boundary is not None:
-            self._step_ended = False
-            index, self._next_boundary = self._next_boundary, self._next_boundary + 1
-            self.driver.feed(IterationBoundary(index))
+    def _boundary_if_stepped(self, phase: str | None = None) -> None:
+        """Open the next iteration: of ``phase`` where given (the recorder's boundary
+        for a step, or of a phase); else the one a step (or the end of an evaluation)
+        left pending, if any. The iteration clock marks it on the GPU and hands the
+        policy the times of iterations the GPU has passed (never waits)."""
+        if self._next_boundary is None:
+            return
+        if phase is None:
+            if self._step_ended:
+                phase = self.recorder.loop.now()
+            elif self._phase == "eval" and not self._recorder_resume_due and self.recorder.loop.resuming_training():
+                self._recorder_resume_due = True  # the recorder emits its own after this op: that one is ours
+                phase = "train"
+            else:
+                return
+        self._step_ended = False
+        self._phase = phase
+        index, self._next_boundary = self._next_boundary, self._next_boundary + 1
+        self.driver.feed(IterationBoundary(index, phase))
+        if self.clock is not None:
+            self.clock.boundary(index, self.policy.iteration_time)
 
     def _follow_wants(self, *, in_op: bool = False) -> None:
         """Suspend or resume the recorder's ops so that they follow the policy's
@@ -522,8 +561,16 @@ class LiveBridge:
             self._step_hook = register_optimizer_step_post_hook(self._on_step)
             self.pool.listeners.append(self.on_pool_event)
             self.pool.before_malloc.append(self._before_malloc)
+        if self.from_allocator and self.clock is None:
+            self.clock = IterationClock.for_cuda()
         self.recorder.__enter__()
         stats.runtime_started()
+
+        def phases() -> dict:  # memory_stats()'s "phases": whether the policy acts in each, and why not
+            with self._lock:
+                return dict((self.policy.report() or {}).get("phases") or {})
+
+        stats.watch_phases(phases)
         if self.strict:  # after the recorder's: its step bookkeeping is done when this raises
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -555,6 +602,61 @@ class LiveBridge:
                     except Exception as exc:  # noqa: BLE001
                         self._fail(exc)
         stats.runtime_closed()
+
+
+class IterationClock:
+    """How long each iteration took on the GPU: an event recorded on the current
+    stream at each iteration boundary, read once the GPU has passed the next one
+    (``query()``, never a wait), so times arrive an iteration or two late.
+
+    ``make_event``: a new CUDA event with timing (``torch.cuda.Event(enable_timing=True)``:
+    ``record()``, ``query()``, ``elapsed_time(end)`` in milliseconds).
+    """
+
+    def __init__(self, make_event: Callable[[], Any], keep: int = 8) -> None:
+        self._make_event = make_event
+        self._marks: list[tuple[int, Any]] = []  # (iteration opened there, its event), oldest first
+        self._keep = keep
+
+    @classmethod
+    def for_cuda(cls) -> IterationClock | None:
+        """A clock on torch's CUDA events; None where there are none (no CUDA device)."""
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            return cls(lambda: torch.cuda.Event(enable_timing=True))
+        except Exception as exc:  # noqa: BLE001 - no timing: the policy's payoff check waits for none
+            log.info("umrt: no CUDA events to time iterations with (%s)", exc)
+            return None
+
+    def boundary(self, index: int, timed: Callable[[int, float], None]) -> None:
+        """Iteration ``index`` opens now: ``timed(iteration, seconds)`` for each
+        iteration the GPU has finished since the last call, oldest first."""
+        event = self._make_event()
+        event.record()
+        self._marks.append((index, event))
+        while len(self._marks) >= 2 and self._marks[1][1].query():
+            (i, start), (_, end) = self._marks[0], self._marks[1]
+            self._marks.pop(0)
+            timed(i, start.elapsed_time(end) / 1e3)
+        del self._marks[: max(0, len(self._marks) - self._keep)]  # a GPU far behind: the oldest go untimed
+
+
+def set_budget(bridge: LiveBridge, budget_bytes: int) -> None:
+    """``bridge``'s policy plans for ``budget_bytes`` from now on (the job's share of its GPU
+    moved; called at an optimizer step's end). A native steady state hands back to Python
+    first (its schedule's calls were planned for the old budget); the policy re-learns."""
+    if bridge.native and bridge.steady is not None:
+        bridge.steady.catch_up()  # takes the server's lock, then the bridge's: never under the bridge's
+    with bridge._lock:
+        if bridge.failed is None:
+            try:
+                bridge.policy.set_budget(budget_bytes)
+                bridge._follow_wants()
+            except Exception as exc:  # noqa: BLE001 - umrt stops acting, the training goes on
+                bridge._fail(exc)
 
 
 def _live_policy(cfg: Config, *, discard_on_free: bool) -> Policy:

@@ -6,10 +6,13 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 (the live bridge calls :meth:`SteadyServer.on_step`):
 
 1. **following**: once the policy acts without launches, it starts recording
-   *windows* (one optimizer step to the next): the pool's allocations and frees
-   and every CUDA call the backend makes between them
+   *windows* (one optimizer step to the next): the pool's allocations and frees,
+   every CUDA call the backend makes between them
    (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
-   :class:`CallSource`).
+   :class:`CallSource`), and the module boundaries (:meth:`SteadyServer.mark`:
+   kernels ran there, so calls made after one replay at the next allocation or
+   free, never before those kernels; a window that would carry such calls past the
+   optimizer step's kernels does not compile).
 2. **recording**: when a cycle of up to :data:`MAX_PERIOD` windows compiles
    (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
    cycle before it, that is the steady state: the blocks of the cycle still live
@@ -21,7 +24,8 @@ program is learned it only forwards to the pool. Then, at optimizer steps
    step Python drops the step's events (counted natively: one call) and, at the
    end of a cycle, credits the backend's call counters and ``umrt.statistics()``.
 4. A **deviation** (the schedule declines an allocation: size, hash, a block
-   still live, a failed call) hands back to Python, in the allocator callback
+   still live, a decision that would touch a block freed later than recorded, a
+   failed call; or ``empty_cache()`` while it serves) hands back to Python, in the allocator callback
    that got the refusal or at the next step: the schedule gives up its live
    blocks (``disown``), the backend waits for the work the schedule queued and
    forgets its stream-ordering state (``settle``: one synchronization), and the
@@ -101,8 +105,9 @@ class CallSource(Protocol):
         entry ``compile_schedule`` rejects for a call a schedule cannot repeat);
         ``None`` stops."""
 
-    def attach(self, schedule: Any) -> None:
-        """Give ``schedule`` the table its decisions run through."""
+    def attach(self, schedule: Any) -> bool:
+        """Give ``schedule`` the table its decisions run through; True when its calls
+        never enter Python (a table of C functions)."""
 
     def count(self, calls: Counter, windows: int) -> None:
         """Add ``windows`` windows' worth of ``calls`` (CUDA name -> count) to the
@@ -143,20 +148,21 @@ class BackendCalls:
         api = self.api if log is None else RecordingApi(self.api, log)
         self.backend.api = self.backend.order.api = api
 
-    def attach(self, schedule: Any) -> None:
+    def attach(self, schedule: Any) -> bool:
         if schedule.native and self.c_table is not None:
             schedule.set_c_table(self.c_table())
             self.table_kind = "given"
-            return
+            return True
         if schedule.native and self.api.process_runtime:  # (a stand-in runtime gets its own calls)
             path, reason = loaded_libcudart()
             if path is not None:
                 schedule.set_c_table(cudart_table(path))
                 self.table_kind = "libcudart"
-                return
+                return True
             log.info("umrt: the native schedule's CUDA calls go through Python: %s", reason)
         schedule.set_table(ApiTable(self.api))
         self.table_kind = "python"
+        return False
 
     def count(self, calls: Counter, windows: int) -> None:
         counts = self.backend.calls
@@ -218,11 +224,12 @@ class SteadyServer:
         calls: the backend's CUDA calls (:class:`CallSource`); ``None``: the
             native steady state is never tried (nothing could replay decisions).
         device: the CUDA device allocations are made on.
-        enabled: ``False`` (``UMRT_NATIVE=0``) forwards everything to the pool.
+        enabled: ``True`` (``UMRT_NATIVE=1``) tries the native steady state; ``False``
+            (the default: opt-in until a GPU run has checked it) forwards everything to the pool.
     """
 
     def __init__(self, pool: ManagedPool, *, front: Any = None, calls: CallSource | None = None,
-                 device: int = 0, enabled: bool = True) -> None:
+                 device: int = 0, enabled: bool = False) -> None:
         self.pool, self.front, self.calls, self.device = pool, front, calls, device
         self.bridge: SteadyBridge | None = None
         self.phase = Phase.FOLLOWING if enabled and calls is not None else Phase.OFF
@@ -234,6 +241,7 @@ class SteadyServer:
         self._wait = 0  # steps before recording may start again
         self._stream: Any = 0
         self._tracked: set[int] = set()  # blocks the schedule owned since it was armed
+        self._in_front = False  # the schedule is installed in the native front (else served here)
         self._window_calls: Counter = Counter()  # CUDA calls per cycle, credited to the backend
         self._period, self._credited, self._steps_armed = 1, 0, 0
         self._cycle_allocations = (0, 0)
@@ -246,13 +254,14 @@ class SteadyServer:
     # -- the allocator torch and CuPy call -------------------------------------------
 
     def malloc(self, nbytes: int, stream: Any = 0) -> int:
-        """A block for ``nbytes``: from the Python schedule while it serves, else the pool
-        (after catching Python up, if the schedule just declined). Under the server's lock,
-        so a schedule is never armed between the check and the pool's placing a block."""
+        """A block for ``nbytes``: from the schedule while it serves and is not in the front,
+        else the pool (after catching Python up, if the schedule just declined). Under the
+        server's lock, so a schedule is never armed between the check and the pool's placing
+        a block."""
         with self._lock:
             if self.phase is Phase.NATIVE:
                 schedule = self.schedule
-                if not schedule.native:
+                if not self._in_front:
                     ptr = schedule.malloc(nbytes, self.device, stream or 0)
                     if ptr:
                         return ptr
@@ -260,16 +269,45 @@ class SteadyServer:
             return self.pool.malloc(nbytes, stream)
 
     def free(self, ptr: int) -> None:
-        """Return a block: the Python schedule's if it handed it out, else the pool's."""
+        """Return a block: the schedule's if it handed it out (and is not in the front),
+        else the pool's."""
         with self._lock:
             schedule = self.schedule
-            if schedule is not None and not schedule.native and schedule.free(ptr, 0, self.device, self._stream):
+            if schedule is not None and not self._in_front and schedule.free(ptr, 0, self.device, self._stream):
                 return
             self.pool.free(ptr)
 
+    def mark(self, what: str = "module") -> None:
+        """The program's kernels may have run since the last allocation or free (a module
+        boundary, where the policy acts): while a window is recorded, calls made from here
+        on replay at the next allocation or free, after those kernels
+        (:class:`~umrt.allocators.steady.Mark`)."""
+        if self.phase is Phase.RECORDING:
+            self._recorder.mark(what)
+
+    def record_stream(self, ptr: int, stream: Any) -> None:
+        """torch's ``Tensor.record_stream``: the block at ``ptr`` is used on ``stream`` too.
+        A block the schedule serves makes it deviate (it orders nothing across streams;
+        the front told the native one already): Python hands back first. Then the pool
+        orders the block's next use and discard after that stream's work."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                schedule = self.schedule
+                if not self._in_front:
+                    schedule.record_stream(ptr, stream or 0)
+                if not schedule.armed:
+                    self.catch_up()
+            self.pool.record_stream(ptr, stream)
+
     def empty_cache(self) -> None:
-        """The pool's cached, unused memory back (``torch.cuda.empty_cache()``)."""
-        self.pool.empty_cache()
+        """The pool's cached, unused memory back (``torch.cuda.empty_cache()``). While a
+        schedule serves, Python hands back first: the pool's view is the one at arming, and
+        segments that look empty to it may hold blocks the schedule serves (or will serve
+        later in the step); once caught up, the pool frees only what is really unused."""
+        with self._lock:
+            if self.phase is Phase.NATIVE:
+                self.catch_up("empty_cache() while the native schedule served: handed back first")
+            self.pool.empty_cache()
 
     def reserved_bytes(self) -> int:
         """Managed bytes the pool holds."""
@@ -291,6 +329,7 @@ class SteadyServer:
         except Exception as exc:  # noqa: BLE001 - the training goes on
             log.warning("umrt: the native steady state stopped after an error (%s: %s); Python serves "
                         "every allocation from now on", type(exc).__name__, exc)
+            self.report.last_deviation = f"stopped: {type(exc).__name__}: {exc}"
             self._stop_recording()
             if self.phase is Phase.NATIVE:
                 self.catch_up()
@@ -373,7 +412,11 @@ class SteadyServer:
         if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
             raise SteadyError("a block the window left live is not live in the pool at its size")
         schedule = load_steady(arrays, native=self.front is not None)
-        self.calls.attach(schedule)
+        without_python = self.calls.attach(schedule)
+        missing = schedule.missing_calls()
+        if missing:  # it would disarm at its first such decision, every time it is armed
+            raise SteadyError(f"the CUDA calls the schedule replays include {', '.join(missing)}, which the "
+                              f"runtime it would call lacks (torch built for CUDA 12 with umrt's calls on CUDA 13?)")
         schedule.adopt(survivors)
         self._stream = self.pool.stream
         schedule.arm(self.device, self._stream or 0)
@@ -384,15 +427,19 @@ class SteadyServer:
         self._cycle_allocations = (len(arrays.sizes), sum(arrays.sizes))  # for umrt.statistics() totals
         self.schedule = schedule
         self.bridge.go_native()
-        if schedule.native:
-            self.front.set_cupy_stream(self._stream or 0)  # CuPy's calls name no stream
+        # Into the front (torch's threads call it, the GIL held or not) only when no Python
+        # can run under the schedule's lock: a decision's Python callback would wait for the
+        # GIL held by a thread waiting for that lock. Otherwise the server serves it from
+        # its Python callbacks (ctypes drops the GIL before taking the lock).
+        self._in_front = schedule.native and (without_python or not arrays.dec_kind)
+        if self._in_front:
             self.front.install(schedule)
         self.report.arms += 1
         self.report.schedule_allocations = len(arrays.sizes)
         self.report.schedule_calls = len(arrays.dec_kind)
         self._set_phase(Phase.NATIVE)
         log.info("umrt: steady state: %d allocations per step served %s", len(arrays.sizes),
-                 "natively" if schedule.native else "by the Python schedule")
+                 "natively" if self._in_front else "by the schedule, from umrt's callbacks")
 
     def _drain(self) -> None:
         """A native step's one piece of Python: at the end of a cycle drop its events
@@ -411,20 +458,23 @@ class SteadyServer:
 
     # -- handing back ----------------------------------------------------------------
 
-    def catch_up(self) -> None:
-        """Hand the steady state back to Python (see the module docstring, 4.). Never
-        raises: a replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
+    def catch_up(self, why: str = "") -> None:
+        """Hand the steady state back to Python (see the module docstring, 4.); ``why``:
+        the reason reported when the schedule itself did not deviate. Never raises: a
+        replay that fails is handled as a view that is off (:meth:`_quarantine`)."""
         with self._lock:
             if self.phase is not Phase.NATIVE:
                 return  # another thread did it
             schedule = self.schedule
+            was_armed = schedule.armed
             blocks = schedule.disown()
-            if schedule.native:
+            if self._in_front:
                 self.front.install(None)
+            self._in_front = False
             events = schedule.drain()
             self.schedule = None
             self.report.catch_ups += 1
-            self.report.last_deviation = schedule.deviation()[2]
+            self.report.last_deviation = (why or schedule.deviation()[2]) if was_armed else schedule.deviation()[2]
             self.report.events_drained += len(events)
             self._short_lived = self._short_lived + 1 if self._steps_armed < SHORT_LIVED else 0
             self._set_phase(Phase.FOLLOWING if self._short_lived < MAX_SHORT_LIVED else Phase.OFF)
@@ -457,9 +507,9 @@ class SteadyServer:
                     tracked.discard(ptr)
                     pool.free(ptr)
             live = pool.live_blocks()
-            for ptr in sorted(tracked - native_live.keys()):
-                if ptr in live:  # freed by the schedule, live in Python: only if Python was off
-                    wrong.append(f"block {ptr:#x} is live in Python, freed natively")
+            phantoms = [ptr for ptr in sorted(tracked - native_live.keys()) if ptr in live]
+            for ptr in phantoms:  # freed by the schedule, live in Python: only if Python was off
+                wrong.append(f"block {ptr:#x} is live in Python, freed natively")
             for ptr, size in native_live.items():
                 if live.get(ptr) != size:
                     wrong.append(f"block {ptr:#x} ({size} bytes) is live natively, not in Python")
@@ -467,20 +517,28 @@ class SteadyServer:
             self.bridge.muted(False)
             self._tracked = set()
         if wrong:
-            self._quarantine(native_live, wrong)
+            self._quarantine(native_live, wrong, phantoms)
 
-    def _quarantine(self, native_live: dict[int, int], wrong: list[str]) -> None:
+    def _quarantine(self, native_live: dict[int, int], wrong: list[str], phantoms: Sequence[int] = ()) -> None:
         """Python's view of the pool is off: its layout never places a block again, the
-        schedule's blocks are the pool's, and umrt stops acting."""
+        schedule's blocks are the pool's, blocks the program freed natively that Python
+        still counts live (``phantoms``) are freed (into the retired layout), and umrt
+        stops acting."""
         pool = self.pool
         pool.retire_layout(self._stream)
         self.report.layouts_retired += 1
-        live = pool.live_blocks()
-        for ptr, size in native_live.items():
-            if live.get(ptr) != size:
-                if ptr in live:  # Python holds a block of another size there: into the retired layout
-                    pool.free(ptr)
-                pool.adopt(ptr, size)
+        self.bridge.muted(True)  # these frees are books only: no call of the policy's may touch the memory
+        try:
+            for ptr in phantoms:
+                pool.free(ptr)
+            live = pool.live_blocks()
+            for ptr, size in native_live.items():
+                if live.get(ptr) != size:
+                    if ptr in live:  # Python holds a block of another size there: into the retired layout
+                        pool.free(ptr)
+                    pool.adopt(ptr, size)
+        finally:
+            self.bridge.muted(False)
         self._set_phase(Phase.OFF)
         self.bridge.stop(SteadyError("after the native steady state, Python's view of the pool did not "
                                      f"match the schedule's ({len(wrong)} differences; first: {wrong[0]}); "

@@ -327,7 +327,8 @@ class LifetimePool(Layout):
         self._prev_records: list[_Record] = []  # the previous iteration's (indexed by key when planning)
         self._refine = False  # the plan assumed unknown-end objects alive all along
         self._clean_before = False  # the iteration before the last one had no plan miss (live feed)
-        self._recording = True  # False: this (live-feed) iteration grew too long to plan from
+        self._recording = True  # False: this (live-feed) iteration grew too long to plan from, or is no step
+        self._training = True  # the running iteration is a training step (IterationBoundary.phase)
         self._stats = _IterStats()
         self.last_iteration_stats: _IterStats | None = None
         self.totals = _IterStats()  # over the pool's life
@@ -465,8 +466,12 @@ class LifetimePool(Layout):
                 out[name].extend(ranges)
         return out
 
-    def on_iteration_boundary(self, index: int) -> None:
-        """Iteration ``index`` starts now (and the previous one, if any, is complete)."""
+    def on_iteration_boundary(self, index: int, phase: str = "train") -> None:
+        """Iteration ``index`` of loop phase ``phase`` starts now (and the previous one,
+        if any, is complete). Only training iterations are planned from: an
+        evaluation's allocations take the plan's places where their keys match
+        (the same forward, the same sizes) and overflow otherwise, and never make
+        the pool re-plan."""
         if index == self._iteration:
             return  # told twice (driver and event stream)
         if self._iteration is not None:
@@ -476,8 +481,10 @@ class LifetimePool(Layout):
         self._tick = 0
         self._context = None
         self._ordinals = {}
-        self._recording = True
-        self._prev_records = self._records
+        if self._training:  # an evaluation's (empty) records never replace a step's
+            self._prev_records = self._records
+        self._training = phase == "train"
+        self._recording = self._training
         self._records = []
         self._stats = _IterStats()
 
@@ -489,7 +496,7 @@ class LifetimePool(Layout):
         elif t is LayerEnter or t is LayerExit:
             self.observe_layer(t is LayerEnter)
         elif t is IterationBoundary:
-            self.on_iteration_boundary(event.index)
+            self.on_iteration_boundary(event.index, event.phase)
 
     def observe_launch(self, exec_id: int) -> None:
         """``observe(Launch)`` for a caller that already knows the event's type
@@ -591,7 +598,7 @@ class LifetimePool(Layout):
         self.last_iteration_stats = st
         if self.live_feed:
             self._release_empty(st)
-        if not self._records:
+        if not self._records or not self._training:
             return
         if not self.planned:
             self._make_plan()

@@ -69,6 +69,12 @@ class Policy(ABC):
     def on_event(self, event: Event) -> None:
         """Observe one event and issue backend calls if needed."""
 
+    def set_budget(self, budget_bytes: int) -> None:
+        """Plan for ``budget_bytes`` of GPU memory from now on (a live job's share of its
+        GPU moved; shadow mode sizes the GPU once the footprint is known). By default
+        the new figure is only recorded: a policy that plans with it replans."""
+        self.ctx.budget_bytes = int(budget_bytes)
+
     def make_layout(self, backend: Backend) -> Layout:
         """The address layout this policy runs with: by default a model of
         PyTorch's caching allocator (umrt's own runtime uses its pool)."""
@@ -86,6 +92,14 @@ class Policy(ABC):
         """The source stops feeding events for good (a live run's failure): put back what only
         this policy would have brought back (umrt's runtime copies back what it swapped out).
         Default: nothing."""
+        return None
+
+    def iteration_time(self, index: int, seconds: float) -> None:
+        """How long iteration ``index`` took, once known: simulated (the driver, at the
+        boundary that ends it) or measured live with CUDA events (the live bridge, an
+        iteration or two later). A policy that checks whether its acting pays keeps
+        it; by default it is not needed."""
+        return None
 
     def report(self) -> dict:
         """Policy-specific counters for reports (prefetches issued, ...)."""

@@ -52,7 +52,8 @@ The candidates (:data:`CANDIDATES`):
 
 Following the plan. The replay feeds the steady-state iteration again and
 again with fresh ids for the objects born in it, so the plan is made over
-the *template* iteration (the trace's last one) and followed by position:
+the *template* iteration (the trace's last training step,
+:func:`template_index`) and followed by position:
 the N-th Alloc/Free/Launch after an :class:`IterationBoundary` is the
 template's N-th. Ids are mapped as events arrive (an Alloc names a newborn,
 a Launch's accesses name what it touches); an object still alive at the end
@@ -127,7 +128,8 @@ class Template:
         if not spans:
             raise ConfigError("the oracle needs a trace with at least one complete iteration")
         sizes = {e.obj: e.nbytes for e in trace.events if isinstance(e, Alloc)}
-        iterations = [_ops(trace.events[a + 1 : b]) for a, b in spans]
+        last = template_index(trace)
+        iterations = [_ops(trace.events[a + 1 : b]) for a, b in spans[: last + 1]]
         ops = iterations[-1]
         born = {op[1]: i for i, op in enumerate(ops) if op[0] == "A"}
         freed = {op[1]: i for i, op in enumerate(ops) if op[0] == "F"}
@@ -312,6 +314,13 @@ def plan_cyclic(template: Template, capacity: int, *, page_bytes: int = 64 << 10
 # -- umrt's planner with the whole trace known ------------------------------------------
 
 
+def template_index(trace: Trace) -> int:
+    """The iteration the oracle plans: the trace's last training step (its last
+    iteration where the trace has no training step, or no phases)."""
+    phases = trace.iteration_phases()
+    return max((i for i, p in enumerate(phases) if p == "train"), default=len(phases) - 1)
+
+
 def iteration_record(trace: Trace, template: Template, profile: HardwareProfile) -> IterationRecord:
     """The template iteration as umrt's runtime records one, known exactly from the trace.
 
@@ -319,7 +328,7 @@ def iteration_record(trace: Trace, template: Template, profile: HardwareProfile)
     from ``profile`` as the runtime predicts them; a survivor's carried key is
     the object it plays the part of in the next iteration (``template.pair``).
     """
-    a, b = trace.iteration_spans()[-1]
+    a, b = trace.iteration_spans()[template_index(trace)]
     live: dict[int, Alloc] = {}
     for e in trace.events[:a]:
         if isinstance(e, Alloc):
@@ -485,7 +494,7 @@ class OraclePolicy(Policy):
         self.page_bytes = page_bytes
         self.discard = discard
         self.remote_access = remote_access
-        self.candidate_times: dict[str, float] = {}  # plan -> simulated steady iteration (plan="best")
+        self.candidate_times: dict[str, float] = {}  # plan -> simulated steady iteration, or whole run for a loop of several phases (plan="best")
         self.plan: OraclePlan | None = None  # the belady schedule, when it is the one followed
         self.schedule: Plan | None = None  # the planner's, when it is
         self._actions: dict[int, Action] = {}  # the planner's, by launch ordinal
@@ -568,8 +577,15 @@ class OraclePolicy(Policy):
         recorded = len(self.trace.iteration_spans())
         t = self.template
         repeatable = recorded >= 3 and not (set(t.freed) - set(t.born) - set(t.pair))
+        # A loop of several phases (training steps and evaluation batches) has no one
+        # steady iteration: each plan is ranked on the whole recorded run instead.
+        whole_run = len(set(self.trace.iteration_phases())) > 1
         for name in CANDIDATES:
             candidate = OraclePolicy(self.trace, plan=name, **self.options)
+            if whole_run:
+                result = ctx.simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=recorded)
+                self.candidate_times[name] = sum(result.iteration_times_s)
+                continue
             iterations = candidate.steady_iterations() if repeatable else min(recorded, candidate.steady_iterations())
             result = ctx.simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
             self.candidate_times[name] = result.iteration_time_s

@@ -1,10 +1,9 @@
 """What a GPU memory budget means when a run is simulated (``umrt simulate``, the bench, shadow mode).
 
 A budget is a size (``"8GiB"``, ``"512MB"``, a number of bytes) or a
-percentage. In a live run a percentage is of the device's memory
-(``UMRT_GPU_MEMORY=80%``, :func:`umrt.config.parse_amount`). In a simulated
-run it is of **the footprint the run needs** (:class:`Needs`), so that
-``100%`` holds everything and nothing has to be evicted:
+percentage of one named thing (:data:`umrt.config.PERCENT_BASES`): ``"20%"``
+is 20% of **the footprint the run needs** (:class:`Needs`), so that ``100%``
+holds everything and nothing has to be evicted (:data:`FOOTPRINT_DEFINITION`):
 
     the most managed memory the trace's allocations obtain when every
     Alloc/Free is placed, in order, by the layouts the simulator runs
@@ -14,11 +13,14 @@ run it is of **the footprint the run needs** (:class:`Needs`), so that
     (:class:`~umrt.memory.caching.CachingAllocatorLayout`, under ``ideal``,
     ``um`` and most peers) — whichever needs more.
 
+``"20%peak"`` is 20% of the trace's peak live bytes (the sum of live object
+sizes, which no layout reaches: rounding, 2 MB blocks, fragmentation). A
+percentage of the GPU's memory (``"90%device"``, a live run's) is an error
+here: a simulated GPU's memory is its budget.
+
 One pass per layout over the trace, placing objects and simulating no page:
 :func:`needs` is cheap (0.7 s for GPT-2 XL's 38k events) and cached per
-trace object. ``base="peak"`` keeps the old meaning, a percentage of the trace's peak
-live bytes (the sum of live object sizes, which no layout reaches: rounding,
-2 MB blocks, fragmentation), so that earlier figures can be reproduced.
+trace object.
 
 :func:`parse_budget` is the one parser of simulated budgets; :func:`resolve_budget`
 turns a budget into a :class:`Budget` that says what it is in every report
@@ -34,20 +36,28 @@ from dataclasses import dataclass
 from umrt.backends.base import (
     BLOCK,  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
 )
-from umrt.config import format_bytes, read_amount
+from umrt.config import (
+    FOOTPRINT_DEFINITION,
+    PEAK_LIVE_DEFINITION,
+    SIMULATED_FORMS,
+    format_bytes,
+    read_amount,
+    simulated_amount,
+)
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
 from umrt.policy.baselines import UMPolicy
 from umrt.trace.events import Alloc, Event, Free, Trace
 
 __all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "resolve_budget",
-           "peak_live_bytes"]
+           "budget_base", "peak_live_bytes", "FOOTPRINT_DEFINITION", "PEAK_LIVE_DEFINITION"]
 
 #: What a percentage budget can be of, in a simulated run.
 BASES = ("footprint", "peak")
 BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
 
-FORMS = "a percentage ('20%'), a size ('8GiB', '512MB') or a number of bytes"
+FORMS = SIMULATED_FORMS
+
 
 
 @dataclass(frozen=True)
@@ -88,13 +98,20 @@ class Budget:
         """The budget as a fraction of the trace's peak live bytes."""
         return self.bytes / self.needs.peak_live_bytes if self.needs.peak_live_bytes else math.nan
 
+    def share(self) -> str:
+        """``20% of the footprint`` (and how it was given when that was of peak live)."""
+        text = f"{_pct(self.of_footprint)} of the footprint"
+        if self.base == "peak":
+            text += f" (given as {_pct(self.of_peak)} of peak live)"
+        return text
+
     def describe(self) -> str:
         """``budget 3.3 GiB = 20% of the footprint 16.3 GiB (peak live 15.6 GiB)`` (umrt.config.format_bytes)."""
         n = self.needs
         text = (f"budget {format_bytes(self.bytes)} = {_pct(self.of_footprint)} of the footprint "
                 f"{format_bytes(n.footprint_bytes)} (peak live {format_bytes(n.peak_live_bytes)}")
         if self.base == "peak":
-            text += f"; given as {self.text} of peak live"
+            text += f"; given as {_pct(self.of_peak)} of peak live"
         return text + ")"
 
     def to_json(self) -> dict:
@@ -123,36 +140,54 @@ def _check_base(base: str) -> None:
 
 
 def parse_budget(budget: int | str, base_bytes: int, base: str = "footprint") -> int:
-    """GPU memory budget in bytes: ``20%`` (of ``base_bytes``), ``8GiB``, ``512MB`` or an int.
+    """GPU memory budget in bytes: a percentage of ``base_bytes``, a size (``8GiB``, ``512MB``) or an int.
 
     The text is read by :func:`umrt.config.read_amount`, as every memory amount
     umrt takes; a percentage may exceed 100% here. ``base`` names what
-    ``base_bytes`` is in the error message. Raises
-    :class:`~umrt.errors.ConfigError` for anything else, or for a budget
-    below one 2 MB block (the unit of GPU memory).
+    ``base_bytes`` is (:data:`BASES`); a percentage that names another base
+    (``20%peak`` when ``base`` is ``footprint``) is a :class:`~umrt.errors.ConfigError`
+    (:func:`resolve_budget` reads every base). Raises it too for anything that is
+    not a budget, or for one below one 2 MB block (the unit of GPU memory).
     """
     value: float
     if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
         raise ConfigError(f"invalid budget {budget!r}: use {FORMS}")
-    amount = None if isinstance(budget, (int, float)) else read_amount(budget)
     if isinstance(budget, (int, float)):
         value = budget
-    elif amount is not None and amount.fraction is not None and not amount.of_footprint:
-        if not 0 < amount.fraction < math.inf:
-            raise ConfigError(f"budget {budget!r} must be above 0%")
-        value = base_bytes * amount.fraction
-    elif amount is not None and amount.bytes is not None:
-        value = amount.bytes
     else:
-        raise ConfigError(f"invalid budget {budget!r}: use {FORMS.replace('percentage', f'percentage of {BASE_NAMES.get(base, base)}')}")
+        amount = read_amount(budget)
+        if amount is None:
+            raise ConfigError(f"invalid budget {budget!r}: use {FORMS}")
+        if amount.fraction is not None:
+            simulated_amount(amount)  # %device and %budget: a clear error
+            if not 0 < amount.fraction < math.inf:
+                raise ConfigError(f"budget {budget!r} must be above 0%")
+            if amount.base != base and not amount.implied:
+                raise ConfigError(f"budget {budget!r} is of {BASE_NAMES[amount.base or base]}, not of "
+                                  f"{BASE_NAMES.get(base, base)}")
+            value = base_bytes * amount.fraction
+        else:
+            value = amount.bytes or 0
     if not math.isfinite(value) or value < BLOCK:
         raise ConfigError(f"budget {budget!r} = {value:.0f} bytes is below one 2 MB block of GPU memory")
     return int(value)
 
 
-def resolve_budget(budget: int | str, source: Trace | Needs, base: str = "footprint") -> Budget:
-    """``budget`` for the run of ``source`` (a trace, or its :class:`Needs`): a :class:`Budget`."""
+def budget_base(budget: int | str, base: str = "footprint") -> str:
+    """What a percentage ``budget`` is of: the base it names (``20%peak``), else ``base``."""
     _check_base(base)
+    amount = read_amount(budget) if isinstance(budget, str) else None
+    if amount is None or amount.fraction is None or amount.implied:
+        return base
+    return simulated_amount(amount).base or base
+
+
+def resolve_budget(budget: int | str, source: Trace | Needs, base: str = "footprint") -> Budget:
+    """``budget`` for the run of ``source`` (a trace, or its :class:`Needs`): a :class:`Budget`.
+
+    A percentage is of the base it names (``20%``: the footprint; ``20%peak``: peak live
+    bytes), a bare one of ``base`` (the older ``--budget-base`` flag's value)."""
+    base = budget_base(budget, base)
     n = source if isinstance(source, Needs) else needs(source)
     return Budget(parse_budget(budget, max(n.base_bytes(base), 1), base), str(budget), base, n)
 

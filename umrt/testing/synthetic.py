@@ -63,6 +63,7 @@ def training_trace(
     seqs: Sequence[int] | None = None,
     accum: int = 1,
     eval_every: int = 0,
+    eval_batches: int = 0,
     flops_per_mb: int = 2 * 10**9,
 ) -> Trace:
     """A trace of ``steps`` training iterations (see the module docstring).
@@ -70,7 +71,9 @@ def training_trace(
     ``seqs`` gives each step's sequence length (activation size scales with
     it, and the shapes in execution ids change); ``accum`` micro-batches per
     step; with ``eval_every=k`` a forward-only eval pass runs before every
-    k-th step, inside that step's iteration.
+    k-th step, inside that step's iteration, or, with ``eval_batches=n``, as
+    ``n`` iterations of the ``"eval"`` phase of their own (one forward each),
+    as the recorder records an evaluation.
     """
     b = _Builder()
     P, A = param_mb * MIB, act_mb * MIB
@@ -79,14 +82,24 @@ def training_trace(
               for _ in range(layers)]
     grads: list[int] = []
     seqs = list(seqs) if seqs else [128] * steps
+    index = 0
     for step in range(steps):
         s = seqs[step % len(seqs)]
         a = A * s // 128
-        b.events.append(IterationBoundary(step))
+        evaluates = eval_every and step % eval_every == eval_every - 1
+        for _ in range(eval_batches if evaluates else 0):
+            b.events.append(IterationBoundary(index, "eval"))
+            index += 1
+            for g in grads:  # zero_grad(set_to_none=True)
+                b.free(g)
+            grads = []
+            _forward(b, params, a, s, flops_per_mb, P, train=False)
+        b.events.append(IterationBoundary(index))
+        index += 1
         for g in grads:  # zero_grad(set_to_none=True)
             b.free(g)
         grads = []
-        if eval_every and step % eval_every == eval_every - 1:
+        if evaluates and not eval_batches:
             _forward(b, params, a, s, flops_per_mb, P, train=False)
         for _ in range(accum):
             x, acts = _forward(b, params, a, s, flops_per_mb, P, train=True)
@@ -97,8 +110,8 @@ def training_trace(
             m1, m2 = states[i]
             b.launch("aten::_fused_adamw_.default", "", (P,),
                      [(grads[i], P)], [(params[i], P), (m1, P), (m2, P)], 10 * P // 4)
-    b.events.append(IterationBoundary(steps))
-    header = TraceHeader(1, "synthetic", "synthetic", "", "meta", steps,
+    b.events.append(IterationBoundary(index))
+    header = TraceHeader(1, "synthetic", "synthetic", "", "meta", index,
                          meta={"layers": layers, "seqs": seqs, "accum": accum})
     return Trace(header, b.events)
 

@@ -9,7 +9,10 @@ A trace is a flat sequence of events, in the order the program issued them:
 * :class:`IterationBoundary` — iteration ``index`` starts here. A trace of N
   complete iterations holds N + 1 boundaries: the last one closes iteration
   N - 1. Events before the first boundary are set-up (parameters created,
-  the model moved to the device).
+  the model moved to the device). Its ``phase`` says what the iteration is:
+  a training step (``"train"``: forward, backward, optimizer step) or one
+  batch of an evaluation (``"eval"``: a forward pass with gradients off or
+  the model in eval mode; see :data:`PHASES`).
 * :class:`LayerEnter` / :class:`LayerExit` — a module's forward or backward
   starts or ends (module boundaries; the runtime acts at these by default).
 
@@ -92,11 +95,22 @@ class Free:
     obj: int
 
 
+#: The phases of a training loop an iteration can belong to, in report order:
+#: a training step, and one batch of an evaluation (forward only).
+PHASES = ("train", "eval")
+
+
 @dataclass(frozen=True, slots=True)
 class IterationBoundary:
-    """Iteration ``index`` starts here (and iteration ``index - 1`` ends)."""
+    """Iteration ``index`` starts here (and iteration ``index - 1`` ends); it
+    belongs to ``phase`` (one of :data:`PHASES`)."""
 
     index: int
+    phase: str = "train"
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"an iteration's phase is one of {', '.join(PHASES)}, got {self.phase!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +169,10 @@ class Trace:
         """
         marks = [i for i, e in enumerate(self.events) if isinstance(e, IterationBoundary)]
         return list(zip(marks[:-1], marks[1:], strict=False))
+
+    def iteration_phases(self) -> list[str]:
+        """The phase of each complete iteration (as :meth:`iteration_spans`)."""
+        return [self.events[a].phase for a, _ in self.iteration_spans()]
 
     def launches(self) -> list[Launch]:
         return [e for e in self.events if isinstance(e, Launch)]

@@ -17,7 +17,9 @@ accesses of all launches flattened into four columns. A GPT-2 XL trace of
 three iterations loads in well under a second.
 
 Format 2 added each launch's precision (``Launch.precision``); format 1
-files still load, their launches with precision ``""``.
+files still load, their launches with precision ``""``. Format 3 added each
+iteration boundary's phase (``IterationBoundary.phase``); format 1 and 2 files
+still load, every iteration a training step.
 
 Every way a file can be bad raises :class:`~umrt.errors.TraceFormatError`
 with a message that says what is wrong: missing file, wrong magic, unknown
@@ -37,6 +39,7 @@ import numpy as np
 
 from umrt.errors import TraceFormatError
 from umrt.trace.events import (
+    PHASES,
     Access,
     Alloc,
     Event,
@@ -51,8 +54,8 @@ from umrt.trace.events import (
 )
 
 MAGIC = b"UMRTRACE"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: launches without a precision (read as "")
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: launches without a precision (read as ""); 1-2: boundaries without a phase
 _PREFIX = struct.Struct("<8sIIQ")
 _CRC = struct.Struct("<I")
 
@@ -80,6 +83,7 @@ _COLUMNS = {
     "a_launch": "<i8",
     "f_obj": "<i8",
     "b_index": "<i8",
+    "b_phase": "u1",  # index into PHASES (format 3)
     "y_mod": "<i4",
     "y_phase": "u1",
 }
@@ -152,6 +156,7 @@ def encode(trace: Trace, *, check: bool = True) -> bytes:
         elif isinstance(e, IterationBoundary):
             etype.append(_BOUNDARY)
             cols["b_index"].append(e.index)
+            cols["b_phase"].append(PHASES.index(e.phase))
         elif isinstance(e, (LayerEnter, LayerExit)):
             etype.append(_ENTER if isinstance(e, LayerEnter) else _EXIT)
             cols["y_mod"].append(mods.setdefault(e.module, len(mods)))
@@ -282,10 +287,14 @@ def _decode_body(raw: bytes) -> list[Event]:
             raise ValueError(f"column {name} runs past the end")
         c[name] = np.frombuffer(raw, dtype=dtype, count=int(count), offset=pos).tolist()
         pos += size
-    if pos != len(raw) or set(c) - set(_COLUMNS) or set(_COLUMNS) - set(c) - {"l_prec"}:
+    if pos != len(raw) or set(c) - set(_COLUMNS) or set(_COLUMNS) - set(c) - {"l_prec", "b_phase"}:
         raise ValueError("column table does not match the data")
     if "l_prec" not in c:  # format 1: no precision recorded
         c["l_prec"] = [0] * len(c["l_seq"])
+    if "b_phase" not in c:  # formats 1 and 2: every iteration a training step
+        c["b_phase"] = [0] * len(c["b_index"])
+    if len(c["b_phase"]) != len(c["b_index"]) or any(p >= len(PHASES) for p in c["b_phase"]):
+        raise ValueError("boundary phases do not match the boundaries")
     if sum(c["l_nacc"]) != len(c["x_obj"]):
         raise ValueError("access counts do not match the access columns")
     kinds = list(Kind)
@@ -318,7 +327,7 @@ def _decode_body(raw: bytes) -> list[Event]:
             append(Free(c["f_obj"][fi]))
             fi += 1
         elif t == _BOUNDARY:
-            append(IterationBoundary(c["b_index"][bi]))
+            append(IterationBoundary(c["b_index"][bi], PHASES[c["b_phase"][bi]]))
             bi += 1
         elif t in (_ENTER, _EXIT):
             cls = LayerEnter if t == _ENTER else LayerExit

@@ -1,7 +1,8 @@
 """What the runtime does when the program leaves its plan.
 
-A mismatch at a decision first looks for another learned shape that matches
-there (an eval step instead of a train step) and continues with its plan
+A mismatch at a decision first looks for another learned shape of the same
+loop phase that matches there (a short last batch instead of a full one) and
+continues with its plan
 (:meth:`Guard.switch`); otherwise it is a deviation and the runtime stops
 acting (:meth:`Guard.deviate`). If plans keep failing part-way, predictions
 are not paying: the guard trips, the runtime drops its plans, does nothing for
@@ -33,33 +34,45 @@ class Guard:
     runtime:
         The runtime it guards.
     window, failures, cooldown:
-        If ``failures`` of the last ``window`` acted iterations deviate after
-        their first decision point held (a deviation at the very first one just
-        means a new shape, learned at once), the guard trips: no acting for
-        ``cooldown`` iterations, then re-learning.
+        If ``failures`` of the last ``window`` acted iterations of a loop phase
+        deviate after their first decision point held (a deviation at the very
+        first one just means a new shape, learned at once), the guard trips for
+        that phase: no acting there for ``cooldown`` of its iterations, then
+        re-learning. The other phases' plans are kept.
     """
 
     def __init__(self, runtime: Runtime, window: int, failures: int, cooldown: int) -> None:
         self.rt = runtime
+        self.window = window
         self.failures = failures
         self.cooldown = cooldown
-        self.outcomes: deque[bool] = deque(maxlen=window)  # acted iterations: held to the end or not
-        self.cooldown_left = 0
+        self._outcomes: dict[str, deque[bool]] = {}  # phase -> acted iterations: held to the end or not
+        self._cooldown_left: dict[str, int] = {}
 
     # -- the misprediction guard -------------------------------------------------
 
-    def tripped(self) -> bool:
-        """Too many recent deviations: start a cooldown (the caller drops its plans)."""
-        if sum(1 for ok in self.outcomes if not ok) < self.failures:
+    def outcomes(self, phase: str = "train") -> deque[bool]:
+        """The last ``window`` acted iterations of ``phase``: whether each held to its end."""
+        out = self._outcomes.get(phase)
+        if out is None:
+            out = self._outcomes[phase] = deque(maxlen=self.window)
+        return out
+
+    def tripped(self, phase: str = "train") -> bool:
+        """Too many recent deviations in ``phase``: start a cooldown there (the caller
+        drops that phase's plans)."""
+        outcomes = self.outcomes(phase)
+        if sum(1 for ok in outcomes if not ok) < self.failures:
             return False
-        self.outcomes.clear()
-        self.cooldown_left = self.cooldown
+        outcomes.clear()
+        self._cooldown_left[phase] = self.cooldown
         return True
 
-    def cooling(self) -> bool:
-        """Whether this iteration is one of a cooldown's (it counts it)."""
-        if self.cooldown_left > 0:
-            self.cooldown_left -= 1
+    def cooling(self, phase: str = "train") -> bool:
+        """Whether this iteration of ``phase`` is one of a cooldown's (it counts it)."""
+        left = self._cooldown_left.get(phase, 0)
+        if left > 0:
+            self._cooldown_left[phase] = left - 1
             return True
         return False
 
@@ -75,13 +88,13 @@ class Guard:
         rt._addresses = None
 
     def switch(self, ev: Launch) -> Action | None:
-        """Another learned shape may match where this one failed (an eval
-        step instead of a train step): continue with its plan from here."""
+        """Another learned shape of this phase may match where this one failed (a
+        short last batch instead of a full one): continue with its plan from here."""
         rt = self.rt
         n = rt._n_launches - 1
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
-            if plan is rt._plan:
+            if plan is rt._plan or not rt.phases.in_phase(sig):
                 continue
             idx = plan.index_at(n)
             if idx is None:
@@ -93,14 +106,15 @@ class Guard:
         return None
 
     def switch_launch_free(self, event: int) -> bool:
-        """Another learned shape whose events so far are this iteration's (its running
-        hash after launch-free event ``event`` is ours: an eval step instead of a train
-        step, say): continue with its plan from its next decision (as :meth:`switch`)."""
+        """Another learned shape of this phase whose events so far are this iteration's
+        (its running hash after launch-free event ``event`` is ours: a short last batch
+        instead of a full one, say): continue with its plan from its next decision (as
+        :meth:`switch`)."""
         rt = self.rt
         for sig in reversed(rt.plans):
             plan = rt.plans[sig]
             plan = plan.launch_free_variant or plan
-            if plan is rt._plan or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
+            if plan is rt._plan or not rt.phases.in_phase(sig) or plan.launch_free_end is None or plan.hash_after(event) != rt._events_hash:
                 continue
             idx = plan.index_at_launch_free(event)
             self.adopt(plan, idx if idx is not None else plan.index_after_launch_free(event))
@@ -148,7 +162,7 @@ class Guard:
         rt.counters["deviations"] += 1
         self.unfreeze()
         if rt._next_action > 0:  # failed after it had started to hold: the guard counts that
-            self.outcomes.append(False)
+            self.outcomes(rt._phase).append(False)
         rt._clock.failed = rt._acting_launch_free
         rt._mode = "learn" if rt._record is not None else "off"
         rt._acting_launch_free = rt._counting_launches = False

@@ -133,7 +133,7 @@ class LaunchFreeClock:
         rt = self.rt
         end = (rt._n_events, rt._events_hash)
         if end != rt._plan.launch_free_end:
-            other = next((p for p in (q.launch_free_variant or q for q in rt.plans.values())
+            other = next((p for p in (q.launch_free_variant or q for sig, q in rt.plans.items() if rt.phases.in_phase(sig))
                           if p is not rt._plan and p.launch_free_end == end), None)
             if other is None:
                 rt._guard.launch_free_mismatch()
@@ -161,7 +161,7 @@ class LaunchFreeClock:
         if variant is None:  # not the same shape after all: as a deviation
             rt.counters["deviations"] += 1
             rt.variants.last = None
-            rt._learner.relearn = True
+            rt._learner.seek(rt._phase)
             return
         base.launch_free_variant = variant
         self.rebases[sig] = self.rebases.get(sig, 0) + 1

@@ -26,9 +26,12 @@ class Learner:
         self.correlation = CorrelationTable()
         self.data = DataTable()
         self.signature = 0  # of the iteration so far: its launches, births and deaths
-        self.learned = 0  # iterations learned
-        self.relearn = False  # learn the next iteration (its shape was unknown)
-        self.seek_left = 0  # iterations still learned to find a shape that ran without launches
+        # Per phase of the loop (IterationBoundary.phase): a training step and an
+        # evaluation batch are learned, planned and predicted apart.
+        self.learned: dict[str, int] = {}  # phase -> iterations learned
+        self.relearn: set[str] = set()  # phases whose next iteration is learned (its shape was unknown)
+        self.seek_left: dict[str, int] = {}  # phase -> iterations still learned to find a shape that ran without launches
+        self.phase_of: dict[int, str] = {}  # signature -> the phase its iterations belong to
         self.plan_runs: dict[int, int] = {}  # signature -> iterations its plan ran through
         self.planner: Planner | None = None
         self.profile: HardwareProfile | None = None
@@ -77,14 +80,27 @@ class Learner:
             return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
 
-    def learn(self, rec: IterationRecord) -> None:
-        """A learned iteration's plan (:meth:`compile`). After a shape no plan knew ran
-        without launches, the iterations after it are learned until one is new (an
-        eval pass every few steps comes back only then), at most ``seek_left`` of them."""
+    def learn(self, rec: IterationRecord, phase: str) -> bool:
+        """A learned iteration of ``phase``: its plan (:meth:`compile`); whether its shape
+        was new. After a shape no plan knew ran without launches, the iterations of its
+        phase after it are recorded until one is new (at most ``seek_left[phase]`` of
+        them, see ``Runtime._start_iteration``): a new one ends the search."""
+        self.learned[phase] = self.learned.get(phase, 0) + 1
+        self.phase_of[rec.signature] = phase
         new = self.compile(rec)
-        if self.seek_left:
-            self.seek_left = 0 if new else self.seek_left - 1
-            self.relearn = self.seek_left > 0
+        if new:  # the stranger was found: stop seeking it
+            self.seek_left.pop(phase, None)
+            self.relearn.discard(phase)
+        return new
+
+    def seek(self, phase: str) -> None:
+        """An iteration of ``phase`` left every plan: learn the next one of that phase
+        (and, if it ran without launches, the ones after it until a new shape shows)."""
+        self.relearn.add(phase)
+
+    def phase_plans(self, phase: str) -> list[int]:
+        """Signatures of the plans of ``phase``, least recently used first."""
+        return [sig for sig in self.plans if self.phase_of.get(sig, "train") == phase]
 
     def ran(self, signature: int) -> None:
         """The plan of ``signature`` ran through an iteration."""
@@ -97,7 +113,10 @@ class Learner:
         return self.plan_runs.get(signature, 0)
 
     def compile(self, rec: IterationRecord) -> bool:
-        """A plan for the learned iteration's shape; whether the shape was new."""
+        """A plan for the learned iteration's shape; whether the shape was new. Each
+        loop phase keeps its last ``max_variants`` plans (the least recently used of
+        its own go): the many shapes of variable-length training steps never push
+        out the evaluation's."""
         sig = rec.signature
         if sig in self.plans:
             self.plans.move_to_end(sig)
@@ -105,6 +124,8 @@ class Learner:
         plan = self.planner.plan(rec)
         self.counters["plans_compiled"] += 1
         self.plans[sig] = plan
-        while len(self.plans) > self.max_variants:
-            self.plans.popitem(last=False)
+        phase = self.phase_of.get(sig, "train")
+        same = self.phase_plans(phase)
+        for old in same[: max(0, len(same) - self.max_variants)]:
+            del self.plans[old]
         return True

@@ -36,8 +36,8 @@ class RuntimeOptions:
         The misprediction guard (see :class:`~umrt.policy.runtime.guard.Guard`);
         ``guard_window`` is at least 0.
     max_variants:
-        Compiled plans kept (one per iteration shape; least recently used
-        dropped), at least 0.
+        Compiled plans kept per loop phase (one per iteration shape; the
+        phase's least recently used dropped), at least 0.
     use_pool:
         Run with umrt's :class:`~umrt.memory.pool.LifetimePool` (default) or
         the caching-allocator layout.
@@ -69,6 +69,12 @@ class RuntimeOptions:
         allocation or launch: for a driver whose events arrive after the
         op's kernel was queued (a newborn's kernel may already be writing
         the range the pending discard would drop).
+    payoff_window, payoff_margin:
+        Do no harm (see :class:`~umrt.policy.runtime.payoff.Payoff`): once
+        ``payoff_window`` iterations of a phase acted on a plan, their median
+        time is compared with that of the phase's iterations that did not act;
+        acting more than ``payoff_margin`` slower stops for that phase.
+        ``payoff_window=0`` turns the check off.
     """
 
     op_level: bool = False
@@ -86,6 +92,8 @@ class RuntimeOptions:
     launch_free: bool = True
     discard_on_free: bool = False
     swap: bool = True
+    payoff_window: int = 3
+    payoff_margin: float = 0.05
 
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1:
@@ -96,6 +104,9 @@ class RuntimeOptions:
             raise ValueError("probe_iterations must be >= 0")
         if self.guard_window < 0:
             raise ValueError(f"guard_window must be >= 0, got {self.guard_window}")
+        if self.payoff_window < 0 or self.payoff_margin < 0:
+            raise ValueError(f"payoff_window and payoff_margin must be >= 0, got {self.payoff_window}, "
+                             f"{self.payoff_margin}")
         if self.max_variants < 0:
             raise ValueError(f"max_variants must be >= 0, got {self.max_variants}")
         if self.op_level and self.launch_free:

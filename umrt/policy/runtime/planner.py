@@ -72,8 +72,9 @@ class Action:
     swap_out: tuple[int, ...] = ()
     swap_in: tuple[int, ...] = ()
     ready: tuple[int, ...] = ()
-    # Keys whose data no launch reads again though they are not freed yet: discarded
-    # (their pages leave without a copy), never moved.
+    # Keys whose data no launch reads again though they are not freed yet: discarded when
+    # the program frees them (their pages leave without a copy; a free later than recorded
+    # means the data is still read), never moved.
     drop: tuple[int, ...] = ()
     # The same point on the clock of non-launch events (IterationRecord.launch_free_clock):
     # the event right before launch ``at`` and the running hash expected there;
@@ -311,11 +312,16 @@ def min_host_map_bytes(profile: HardwareProfile | None) -> int:
 def peak_live(rec: IterationRecord) -> int:
     """The most bytes the iteration holds alive at once, from what is alive at its
     start and its allocations and frees (2 MB-block rounding aside; at a launch
-    boundary, allocations are counted before frees: an upper bound)."""
+    boundary, allocations are counted before frees: an upper bound). What was
+    alive at the start and the iteration neither touches nor frees does not
+    count (an evaluation leaves the optimizer state alone: its working set is
+    the parameters and its own activations)."""
     sizes = rec.sizes
-    live = sum(sizes.get(k, 0) for k in rec.start_live)
+    involved = {k for keys in rec.uses for k in keys}
+    involved.update(k for _, k in rec.frees)
+    live = sum(sizes.get(k, 0) for k in rec.start_live if k in involved)
     peak = live
-    frees = sorted(rec.frees)
+    frees = sorted((p, k) for p, k in rec.frees if k not in rec.start_live or k in involved)
     fi = 0
     for p, k in sorted(rec.allocs):
         while fi < len(frees) and frees[fi][0] < p:
@@ -752,7 +758,6 @@ class Planner:
                         # more copies out would only delay the launches that wait for room.
                         break
                     before = len(evict)
-                    was = used
                     used = self._make_room(heap, resident, used, cap - nbytes + gone_bytes, cursor, next_use,
                                            pinned, size, evict, spare=dies_first)
                     for k in evict[before:]:

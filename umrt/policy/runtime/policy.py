@@ -11,6 +11,7 @@ launches), :class:`~umrt.policy.runtime.guard.Guard` (mispredictions),
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import replace
 from operator import itemgetter
@@ -26,8 +27,11 @@ from umrt.policy.runtime.host_map import HostMapper
 from umrt.policy.runtime.launch_free import LaunchFreeClock
 from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
 from umrt.policy.runtime.options import RuntimeOptions
+from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
+from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
-from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges
+from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DeadPages, DecisionRanges
+from umrt.policy.runtime.swapped import Swapped
 from umrt.predict.tables import ObjectKeys, VariantTable
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
@@ -37,10 +41,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Runtime"]
 
+log = logging.getLogger("umrt")
+
 _N = itemgetter(1)  # a range -> its bytes
 # Pinned staging beyond the plan's figure: objects' whole pages and the 64 KiB slots round up,
 # and an iteration may keep a little more away than the one it was planned on.
 STAGING_MARGIN = 1.25
+# Where an iteration's signature starts, by loop phase: an evaluation batch and a
+# training step never share a plan, even where their launches would agree.
+_PHASE_SEED = {"train": 0, "eval": 0x5EED_E7A1}
 
 
 def _reference_key(plan: Plan) -> tuple[int, bool]:
@@ -59,7 +68,11 @@ class Runtime(Policy):
     mode: ``learn`` (record the iteration, do nothing to memory; at the boundary
     compile a plan for its signature), ``act`` (follow the predicted shape's
     plan, see :meth:`_start_iteration`), ``rebase`` (see
-    :meth:`Guard.launch_free_mismatch`) or ``off`` (after a deviation).
+    :meth:`Guard.launch_free_mismatch`), ``off`` (after a deviation) or
+    ``none`` (acting was found to lose in this iteration's loop phase: do
+    nothing, see :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
+    (``IterationBoundary.phase``: a training step, an evaluation batch) has its
+    own plans, learned and predicted apart.
 
     Parameters
     ----------
@@ -92,13 +105,16 @@ class Runtime(Policy):
         launch_free: bool = True,
         discard_on_free: bool = False,
         swap: bool = True,
+        payoff_window: int = 3,
+        payoff_margin: float = 0.05,
     ) -> None:
         self.options = options = RuntimeOptions(
             op_level=op_level, headroom=headroom, learn_iterations=learn_iterations,
             probe_iterations=probe_iterations, guard_window=guard_window, guard_failures=guard_failures,
             guard_cooldown=guard_cooldown, max_variants=max_variants, use_pool=use_pool,
             min_discard=min_discard, read_mostly=read_mostly, freeze=freeze, launch_free=launch_free,
-            discard_on_free=discard_on_free, swap=swap)
+            discard_on_free=discard_on_free, swap=swap, payoff_window=payoff_window,
+            payoff_margin=payoff_margin)
         # The options on_event reads at every Free, copied: one attribute read, not two.
         self._min_discard = options.min_discard
         self._discard_on_free = options.discard_on_free
@@ -110,8 +126,8 @@ class Runtime(Policy):
             "plans_compiled": 0, "decisions": 0, "prefetch_calls": 0, "prefetched_bytes": 0,
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
-            "light_iterations": 0, "late_decisions": 0, "light_rebases": 0,
-            "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
+            "light_iterations": 0, "late_decisions": 0, "light_rebases": 0, "held_iterations": 0,
+            "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
         self._n_discarded = 0
@@ -131,13 +147,14 @@ class Runtime(Policy):
         # Live ranges umrt swapped out (their data is in the backend's pinned staging): each
         # comes back with swap.back before a kernel reads it, or is released when it dies.
         # (each range as swap.out was given it, ptr -> bytes: one allocation's whole pages).
-        self._swapped: dict[int, int] = {}
-        self._swap_signature: int | None = None  # the plan that swapped them (it brings them back)
+        self._swapped = Swapped(self.counters, self._off_gpu)
 
         self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
         self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
         self._clock = LaunchFreeClock(self)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
+        self._payoff = Payoff(options.payoff_window or 1, options.payoff_margin)
+        self.phases = LoopPhases(self)
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -172,13 +189,25 @@ class Runtime(Policy):
         # learning: without a plan there is no pressure to relieve, and a discarded
         # range costs a prefetch before its next owner may use it).
         self._discard_keys: frozenset[int] = frozenset()
+        self._drop_at_free: set[int] = set()  # keys the acting plan found dead: discarded when freed
         self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
         # Frozen: a trusted plan whose objects keep their addresses (checked at
         # every allocation against the last iteration of the same shape) reuses
         # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
         self._frozen = False
         self._addresses: list[int] | None = None  # this iteration's addresses, by allocation ordinal
-        self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the last full iteration's addresses
+        self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the running iteration's reference
+        # The last full iteration's addresses of each shape (a training step's survive an evaluation).
+        self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
+        self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
+        self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        self._deviations_before = 0  # deviations when this iteration started
+        self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
+        # While an evaluation runs: the whole pages its dead left free (freed, not
+        # reused since). Nothing discards them there (an evaluation that fits moves
+        # nothing), so they are discarded when training resumes: the driver would
+        # otherwise copy their dead bytes out to make room for the training step.
+        self._phase_dead: DeadPages | None = None
 
     # -- Policy -----------------------------------------------------------------
 
@@ -201,6 +230,7 @@ class Runtime(Policy):
         self.profile = ctx.profile
         self._ranges.connect(self._live_index, ctx.layout.address)
         self._host.connect(ctx.backend, ctx.layout.address, ctx.profile)
+        self._swapped.connect(ctx.backend.swap)
         self.set_budget(ctx.budget_bytes)
 
     def set_budget(self, budget_bytes: int) -> None:
@@ -231,17 +261,8 @@ class Runtime(Policy):
         self.restore_swapped()
 
     def restore_swapped(self) -> None:
-        """Copy back every range still swapped out, and make the kernels queued from now on
-        wait for it: the plan that would have brought them back is no longer followed."""
-        if not self._swapped:
-            return
-        ranges = list(self._swapped.items())
-        self._swapped.clear()
-        self.backend.swap.back(ranges)
-        self.backend.swap.wait(ranges)
-        for p, n in ranges:
-            self._off_gpu.remove(p, n)
-        self.counters["swap_restores"] += 1
+        """Copy back every range still swapped out (see :meth:`Swapped.restore`)."""
+        self._swapped.restore()
 
     def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
         """umrt's lifetime-aware pool (the caching-allocator model with
@@ -262,13 +283,16 @@ class Runtime(Policy):
         end = ptr + nbytes
         self._off_gpu.remove(ptr, nbytes)
         if self._swapped:  # only dead objects lie in a segment the pool gives back
-            self._drop_swapped(ptr, end)
+            self._swapped.forget(ptr, end, release=False)
+        if self._phase_dead is not None:
+            self._phase_dead.take(ptr, nbytes)
         if self._pending_discards:
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
         self._host.released(ptr, end)
         # Memoized decision ranges may point into it: never reuse them unchecked.
         self._guard.unfreeze()
         self._reference = None
+        self._references.clear()
         self._ranges.forget()
 
     def on_event(self, event: Event) -> None:
@@ -292,6 +316,7 @@ class Runtime(Policy):
             self._alloc_of[obj] = event  # its nbytes and kind, for as long as it lives
             addresses = self._addresses
             off_gpu = self._off_gpu_ends
+            ptr = -1  # where the layout placed it, once read
             if addresses is not None or self._frozen or off_gpu:
                 try:
                     ptr = self._live_index[obj].ptr
@@ -303,6 +328,8 @@ class Runtime(Policy):
                     ref = self._reference[1]
                     if ordinal >= len(ref) or ref[ordinal] != ptr:
                         self._guard.unfreeze()
+            if self._phase_dead is not None:
+                self._phase_dead.take(self.layout.address(obj), event.nbytes)
             if self._pending_discards and event.launch == -1:
                 # Born holding data written by the host (a batch copied in): a
                 # pending discard of the dead range it reuses must not hit it.
@@ -329,8 +356,11 @@ class Runtime(Policy):
                 self._flush()
             if self._swapped:
                 self._check_swapped(n_events, events_hash)
-            if off_gpu and self._off_gpu.overlaps(ptr, event.nbytes):
-                self._populate(ptr, event.nbytes)
+            if off_gpu:  # (the flush may have just filled it)
+                if ptr < 0:
+                    ptr = self.layout.address(obj)
+                if self._off_gpu.overlaps(ptr, event.nbytes):
+                    self._populate(ptr, event.nbytes)
             if n_events == self._due_event:
                 self._clock.on_due_event(n_events)
         elif t is Free:
@@ -350,10 +380,17 @@ class Runtime(Policy):
             # or module boundary (nothing can write them before an allocation): the same
             # events whether or not launches are seen, so a plan acts alike either way.
             nb = self._alloc_of.pop(obj, NO_ALLOC).nbytes
-            if self._swapped:
-                self._release_swapped(obj, nb)
+            if self._swapped:  # what of it is still swapped out is dropped from the staging
+                try:
+                    ptr = self._live_index[obj].ptr
+                except KeyError:
+                    pass  # never placed by the layout: nothing of it was swapped
+                else:
+                    self._swapped.forget(ptr, ptr + nb, release=True)
             if nb >= self._min_discard:
-                if key in self._discard_keys:
+                if self._phase_dead is not None:
+                    self._phase_dead.died(self.layout.address(obj), nb)
+                if key in self._discard_keys or key in self._drop_at_free:
                     try:
                         ptr = self._live_index[obj].ptr
                     except KeyError:
@@ -414,7 +451,7 @@ class Runtime(Policy):
             if self._acting_launch_free and n_events == self._due_event:
                 self._clock.on_due_event(n_events)
         elif t is IterationBoundary:
-            self._boundary(event.index)
+            self._boundary(event.index, event.phase)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What a live object holds, learned after it was announced (a live
@@ -428,6 +465,16 @@ class Runtime(Policy):
         key = self.keys.key_of.get(obj)
         if rec is not None and key is not None:
             rec.kinds[key] = kind
+
+    def iteration_time(self, index: int, seconds: float) -> None:
+        """Iteration ``index`` took ``seconds`` (simulated, or measured live): where
+        acting is found to lose in its phase, the runtime stops acting there."""
+        if not self.options.payoff_window:
+            return
+        phase = self._payoff.timed(index, seconds)
+        if phase is not None:
+            self.counters["stopped_acting"] += 1
+            log.info("umrt: stopped acting in %s iterations: %s", phase, self._payoff.stopped[phase])
 
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
@@ -443,6 +490,7 @@ class Runtime(Policy):
             correlation_rows=len(self._learner.correlation),
             correlation_accuracy=round(self._learner.correlation.accuracy, 4),
             data_rows=len(self._learner.data),
+            phases=self.phases.report(self._payoff.report()),
         )
         if self._plan is not None:
             out["plan"] = dict(self._plan.stats)
@@ -450,8 +498,9 @@ class Runtime(Policy):
 
     # -- iteration boundaries -----------------------------------------------------
 
-    def _boundary(self, index: int) -> None:
-        """One iteration ends (its plan finished, its record compiled) and the next starts."""
+    def _boundary(self, index: int, phase: str) -> None:
+        """One iteration ends (its plan finished, its record compiled) and the next,
+        of loop phase ``phase``, starts."""
         c = self.counters
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
@@ -462,6 +511,7 @@ class Runtime(Policy):
             # decision told apart (a plan with nothing to do has none): learn it.
             c["switches"] += 1
             self._mode = "learn"
+            self._left_plan = True
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
@@ -474,7 +524,9 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self._record is not None and self._mode == "learn":
             self._record.carried = moved
-            self._learner.learn(self._record)
+            if self._learner.learn(self._record, self._phase):
+                self._payoff.new_shape(self._phase)
+        self.phases.boundary(phase)
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
@@ -490,11 +542,17 @@ class Runtime(Policy):
             self.counters["light_iterations"] += 1
         if self._addresses is not None and mode in ("act", "learn"):
             key = _reference_key(self._plan) if mode == "act" else (self._learner.signature, False)
-            self._reference = (key, self._addresses)
-        elif not self._frozen:
-            self._reference = None
+            self._references[key] = self._addresses
+            self._references.move_to_end(key)
+            if len(self._references) > max(1, self.options.max_variants):
+                self._references.popitem(last=False)
+        elif not self._frozen and self._reference is not None:
+            self._references.pop(self._reference[0], None)
+        entry["phase"] = self._phase
+        if self.counters["deviations"] > self._deviations_before or self._left_plan:
+            entry["deviated"] = True
         if mode == "act":
-            self._guard.outcomes.append(True)
+            self._guard.outcomes(self._phase).append(True)
             sig = self._plan.signature
             if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
                 self._clock.confirmed.add(sig)
@@ -506,15 +564,25 @@ class Runtime(Policy):
             self._clock.rebase(entry)
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
-            self._learner.relearn = True
+            self._learner.seek(self._phase)
             if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
-                self._learner.seek_left = self.options.max_variants
+                self._learner.seek_left[self._phase] = self.options.max_variants
         elif mode == "learn" and self._record is not None:
             self._record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
             self.counters["learned"] += 1
-            self._learner.learned += 1
             entry["signature"] = self._learner.signature
+        # The payoff check's samples: an iteration that followed its plan to the end, or
+        # one that moved nothing of a plan's (not the run's first: set-up's costs).
+        role, shape = None, 0
+        if mode == "act":
+            role, shape = ACTING, self._plan.signature
+        elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
+            role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
+        self._payoff.iteration(self._iteration, self._phase, role, shape)
+        if mode == "none":
+            self.counters["held_iterations"] += 1
+        self.phases.finished(self._phase, entry.get("signature"))
         self._event_tokens = None
         self._token_objects = []
         self.log.append(entry)
@@ -539,30 +607,51 @@ class Runtime(Policy):
         self._n_frees = 0
         self._n_events = 0
         self._events_hash = 0
-        self._learner.signature = 0
+        self._moved = False
+        self._deviations_before = self.counters["deviations"]
+        self._left_plan = False
+        phase = self._phase
+        self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
+        self._drop_at_free.clear()
         self._record = None
         self._plan = None
-        # Misprediction guard: too many recent deviations -> do nothing, re-learn.
-        if self._guard.tripped():
+        # Misprediction guard: too many recent deviations in this phase -> do nothing
+        # there for a while, then re-learn its shapes (the other phases' plans stay).
+        if self._guard.tripped(phase):
             self.counters["guard_trips"] += 1
-            self.plans.clear()
+            for sig in self._learner.phase_plans(phase):
+                del self.plans[sig]
             self._clock.forget_plans()
         plan = None
-        if self._guard.cooling():
+        learner = self._learner
+        if not self._payoff.allows(phase):
+            self.restore_swapped()  # no plan runs in this phase's iterations to bring them back
+            self.phases.hold()
+            return
+        probing = False
+        if self._guard.cooling(phase):
             pass
-        elif self._learner.relearn:
-            self._learner.relearn = False
-        elif self._learner.learned >= self.options.learn_iterations:
-            for sig in self.variants.predict():
-                plan = self.plans.get(sig)
-                if plan is not None:
-                    break
+        else:
+            if phase in learner.relearn:
+                # A shape no plan knew ran (and left no record): this iteration is recorded
+                # whatever it runs. Acting on the predicted plan meanwhile costs nothing if
+                # the shape is a known one (a short last batch was the stranger): only a
+                # deviation makes it a learned iteration.
+                probing = True
+                if learner.seek_left.get(phase, 0) > 1:
+                    learner.seek_left[phase] -= 1
+                else:
+                    learner.seek_left.pop(phase, None)
+                    learner.relearn.discard(phase)
+            if learner.learned.get(phase, 0) >= self.options.learn_iterations:
+                plan = self.phases.predict(phase)
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = plan is not None and self._learner.runs(plan.signature) >= self.options.probe_iterations
+        trusted = (plan is not None and not probing
+                   and self._learner.runs(plan.signature) >= self.options.probe_iterations)
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
@@ -574,17 +663,19 @@ class Runtime(Policy):
             if plan.signature not in self._clock.confirmed:
                 self._event_tokens, self._token_objects = [], []
         self._keymap = plan.keymap if launch_free else None
-        ref = self._reference
-        self._frozen = bool(self.options.freeze and trusted and ref is not None and ref[0] == _reference_key(plan))
+        key = _reference_key(plan) if plan is not None else None
+        addresses = self._references.get(key) if key is not None else None
+        self._reference = ref = (key, addresses) if addresses is not None else None
+        self._frozen = bool(self.options.freeze and trusted and ref is not None)
         self._addresses = None if self._frozen else []
         self._counting_launches = False
         self.wants_launches = not launch_free
         self._clock.follow(plan.launch_free_resume if launch_free else {})
         if launch_free and -1 in self._clock.resume:  # a decision before the iteration's first event
             self._counting_launches = self.wants_launches = True
-        if self._swapped and (plan is None or plan.signature != self._swap_signature):
+        if self._swapped and (plan is None or plan.signature != self._swapped.signature):
             self.restore_swapped()  # another plan (or none) would not bring them back
-        self._swap_signature = plan.signature if plan is not None else None
+        self._swapped.signature = plan.signature if plan is not None else None
         if plan is not None and plan.swap:
             # pinned staging for the most the plan keeps away at once (allocated once; a host
             # without that much memory is an error naming both figures, before anything moves)
@@ -655,24 +746,16 @@ class Runtime(Policy):
         leave data only in pinned memory or nowhere: a decision taken off its place skips them)."""
         c = self.counters
         c["decisions"] += 1
+        self._moved = True
         off_gpu = self._off_gpu
         if a.swap_out and destructive:
             ranges, moved, _ = self._ranges.resolve(a.swap_out, True, self._frozen)
             if ranges:
-                self.backend.swap.out(ranges)
-                c["swap_calls"] += 1
-                c["swapped_out_bytes"] += moved
-                for p, n in ranges:
-                    off_gpu.add(p, n)
-                    self._swapped[p] = n
-        if a.drop and destructive:
-            ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
-            if ranges:  # dead data no launch reads again: its pages leave without a copy
-                self.backend.drop(ranges)
-                self._n_discard_calls += 1
-                self._n_discarded += moved
-                for p, n in ranges:
-                    off_gpu.add(p, n)
+                self._swapped.out(ranges, moved)
+        if a.drop:
+            # Dead data no launch reads again: its pages leave without a copy, once the program
+            # frees it (a free that comes later than recorded means it is still read: never before).
+            self._drop_at_free.update(a.drop)
         if a.evict:
             ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
             if ranges:
@@ -686,12 +769,7 @@ class Runtime(Policy):
             ranges, moved, unresolved = self._ranges.resolve(a.swap_in, True, self._frozen)
             c["unresolved"] += unresolved
             if ranges:
-                self.backend.swap.back(ranges)
-                c["swap_calls"] += 1
-                c["swapped_in_bytes"] += moved
-                for p, n in ranges:
-                    off_gpu.remove(p, n)
-                    self._swapped.pop(p, None)
+                self._swapped.back(ranges, moved)
         if a.ready:
             ranges, _, _ = self._ranges.resolve(a.ready, True, self._frozen)
             if ranges:
@@ -715,22 +793,6 @@ class Runtime(Policy):
         if plan is None or plan.launch_free_end is None or plan.hash_after(event) != events_hash:
             self.restore_swapped()
 
-    def _release_swapped(self, obj: int, nbytes: int) -> None:
-        """``obj`` died: the parts of it still swapped out are dropped from the staging."""
-        try:
-            ptr = self._live_index[obj].ptr
-        except KeyError:
-            return  # never placed by the layout: nothing of it was swapped
-        pieces = self._drop_swapped(ptr, ptr + nbytes)
-        if pieces:
-            self.backend.swap.release(pieces)
-
-    def _drop_swapped(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Forget the swapped-out ranges inside ``[start, end)``; return them."""
-        out = [(p, n) for p, n in self._swapped.items() if start <= p < end]
-        for p, _ in out:
-            del self._swapped[p]
-        return out
 
     def _flush(self) -> None:
         """Discard the ranges freed since the last flush in one call. Ranges

@@ -1,6 +1,7 @@
 """Where the runtime's objects are, and the page ranges a decision moves."""
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping
 from operator import attrgetter
 
@@ -129,3 +130,53 @@ def whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
     start = -(-ptr // PAGE) * PAGE
     end = (ptr + nbytes) // PAGE * PAGE
     return (start, end - start) if end > start else None
+
+
+class DeadPages:
+    """Whole pages the dead left free, object by object (never merged across
+    objects, so each range lies inside one managed allocation): added at a
+    death, taken back where a newborn lands on them."""
+
+    __slots__ = ("_starts", "_end")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # sorted
+        self._end: dict[int, int] = {}  # start -> end
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def died(self, ptr: int, nbytes: int) -> None:
+        """An object at ``[ptr, ptr + nbytes)`` died: its whole pages are free."""
+        start, end = -(-ptr // PAGE) * PAGE, (ptr + nbytes) // PAGE * PAGE
+        if end > start:
+            self.take(start, end - start)  # a stale entry there (a range reused unseen) goes
+            bisect.insort(self._starts, start)
+            self._end[start] = end
+
+    def take(self, ptr: int, nbytes: int) -> None:
+        """``[ptr, ptr + nbytes)`` is in use again (a newborn, a segment given back):
+        the pages it touches are no longer free; the rest of their ranges stay."""
+        starts, ends = self._starts, self._end
+        end = ptr + nbytes
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0 or ends[starts[i]] <= ptr:
+            i += 1
+        while i < len(starts) and starts[i] < end:
+            s = starts.pop(i)
+            e = ends.pop(s)
+            lo, hi = ptr // PAGE * PAGE, -(-end // PAGE) * PAGE
+            if s < lo:
+                starts.insert(i, s)
+                ends[s] = lo
+                i += 1
+            if hi < e:
+                starts.insert(i, hi)
+                ends[hi] = e
+                i += 1
+
+    def drain(self) -> list[tuple[int, int]]:
+        """Every free range, as ``(ptr, nbytes)``; the set is empty after."""
+        out = [(s, self._end[s] - s) for s in self._starts]
+        self._starts, self._end = [], {}
+        return out

@@ -1,0 +1,186 @@
+"""Loop phases in the runtime (issue 24): a training step and an evaluation batch
+are learned and planned apart, training resumes its plan at once after an
+evaluation, an evaluation that fits moves nothing, and acting stops in a phase
+where it is found to lose (do no harm)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from umrt.drive import Driver
+from umrt.hardware import load_profile
+from umrt.policy.base import PolicyContext
+from umrt.policy.runtime import Runtime
+from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
+from umrt.sim.backend import SimBackend
+from umrt.sim.budget import resolve_budget
+from umrt.sim.replay import iteration_stream
+from umrt.testing.synthetic import training_trace
+from umrt.trace.events import IterationBoundary, Trace
+
+PROFILE = "v100-pcie3-32g"
+
+
+def _run(trace: Trace, rt: Runtime, budget: str = "30%", gpu_profile=None) -> tuple[Driver, list[dict]]:
+    """Every recorded iteration of ``trace`` under ``rt`` on the simulated GPU, as a
+    shadow run feeds it (launches only while the runtime wants them); the
+    runtime's counters at each boundary. ``gpu_profile``: the simulated GPU's own
+    figures where they differ from the profile the runtime plans with."""
+    prof = load_profile(PROFILE)
+    budget_bytes = resolve_budget(budget, trace).bytes
+    backend = SimBackend(gpu_profile or prof, budget_bytes)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, budget_bytes, prof))
+    driver = Driver(rt, layout, backend, profile=prof, launches_on_demand=True)
+    marks = []
+    for ev in iteration_stream(trace, trace.iteration_spans(), len(trace.iteration_spans())):
+        driver.feed(ev)
+        if type(ev) is IterationBoundary:
+            marks.append(dict(rt.counters))
+    return driver, marks
+
+
+def _phased(steps: int = 14) -> Trace:
+    return training_trace(layers=8, steps=steps, eval_every=5, eval_batches=3)
+
+
+def test_training_resumes_its_plan_after_an_evaluation_without_learning_again():
+    rt = Runtime()
+    driver, _ = _run(_phased(), rt)
+    phases, times = driver.iteration_phases(), driver.iteration_times()
+    modes = [(e["phase"], e["mode"]) for e in rt.log]
+    assert [p for p, _ in modes] == phases
+    rep = rt.report()
+    assert rep["phases"]["train"]["learned"] == rt.options.learn_iterations  # never learned again
+    assert rep["deviations"] == 0
+    baseline = rep["phases"]["train"]["baseline_ms"] / 1e3  # a learning-time step: plain UM on umrt's pool
+    resumed = 0
+    for i in range(1, len(phases)):
+        if phases[i] == "train" and phases[i - 1] == "eval":
+            assert modes[i] == ("train", "act"), modes
+            before = max(j for j in range(i) if phases[j] == "train")
+            # acting from the first step after it (well under plain UM), and back within 5% of the
+            # step before the evaluation by the third. (The first step after an evaluation has the
+            # shape of the first step, which creates the optimizer's state: its own plan, and with
+            # the swap path slower than the steady step.)
+            assert times[i] <= 0.5 * baseline, (i, times[i], baseline)
+            if i + 2 < len(times):
+                assert times[i + 2] <= 1.05 * times[before], (i, times[i + 2], times[before])
+                resumed += 1
+    assert resumed >= 2
+
+
+def test_an_evaluation_that_fits_moves_nothing():
+    rt = Runtime()
+    driver, marks = _run(_phased(), rt)
+    phases = driver.iteration_phases()
+    acted_evals = 0
+    for i, phase in enumerate(phases):
+        entry = rt.log[i]
+        # (the first batch of each evaluation frees the last step's gradients here: it does not fit)
+        if phase != "eval" or entry["mode"] != "act" or not rt.plans[entry["signature"]].stats.get("fits"):
+            continue
+        acted_evals += 1
+        for counter in ("decisions", "prefetched_bytes", "evicted_bytes"):
+            assert marks[i + 1][counter] == marks[i][counter], (i, counter)
+    assert acted_evals >= 3  # the second and third evaluations run on the plan learned in the first
+    assert rt.report()["phases"]["eval"]["plans"] >= 1
+
+
+def test_acting_that_loses_stops_for_its_phase_and_says_so():
+    """The simulated GPU's prefetch and discard calls cost 30 ms each, unlike what the
+    runtime's profile says: its plans lose to doing nothing. The runtime finds
+    it from its own iteration times and stops acting in that phase; the run is then
+    faster than the same runtime without the check."""
+    slow = replace(load_profile(PROFILE), prefetch_call_overhead_s=0.03)
+    trace = training_trace(layers=8, steps=14)
+    guarded = Runtime()
+    d_guarded, _ = _run(trace, guarded, gpu_profile=slow)
+    unguarded = Runtime(payoff_window=0)
+    d_unguarded, _ = _run(trace, unguarded, gpu_profile=slow)
+    rep = guarded.report()
+    train = rep["phases"]["train"]
+    assert not train["acting"] and "acting took" in train["stopped_because"]
+    assert rep["stopped_acting"] == 1
+    modes = [e["mode"] for e in guarded.log]
+    stopped = modes.index("none")
+    assert set(modes[stopped:]) == {"none"} and rep["held_iterations"] == len(modes) - stopped
+    assert all(e["mode"] != "none" for e in unguarded.log)
+    assert train["acting_vs_baseline"] > 1.05
+    t_guarded, t_unguarded = d_guarded.iteration_times(), d_unguarded.iteration_times()
+    assert t_guarded[:stopped] == pytest.approx(t_unguarded[:stopped])  # the same run until it stops
+    assert sum(t_guarded) < sum(t_unguarded)
+    # held back, a step costs what the learning-time steps cost (plain UM on umrt's pool), once
+    # the first two held steps have faulted back what the last plan left on the host
+    base = train["baseline_ms"] / 1e3
+    assert max(t_guarded[stopped + 2:]) <= 1.05 * base
+
+
+def test_acting_that_pays_goes_on():
+    rt = Runtime()
+    _run(training_trace(layers=8, steps=10), rt)
+    train = rt.report()["phases"]["train"]
+    assert train["acting"] and train["stopped_because"] is None
+    assert train["acting_vs_baseline"] < 1
+
+
+def test_payoff_compares_each_shape_with_its_own_baseline():
+    p = Payoff(window=3, margin=0.05)
+    # two shapes of one phase: a long first batch and short others, learned doing nothing
+    p.iteration(1, "eval", BASELINE, shape=1)
+    p.timed(1, 10.0)
+    p.iteration(2, "eval", BASELINE, shape=2)
+    p.timed(2, 1.0)
+    # acting: each as fast as its own baseline; the phase median (5.5) would call the short ones wins
+    for i, (shape, t) in enumerate([(1, 10.0), (2, 1.0), (2, 1.0)], start=3):
+        p.iteration(i, "eval", ACTING, shape=shape)
+        assert p.timed(i, t) is None
+    assert p.allows("eval") and p.report()["eval"]["acting_vs_baseline"] == pytest.approx(1.0)
+    # now 20% slower than doing nothing, shape for shape: stopped once most of the last `window` are
+    p.iteration(6, "eval", ACTING, shape=2)
+    assert p.timed(6, 1.2) is None
+    p.iteration(7, "eval", ACTING, shape=1)
+    assert p.timed(7, 12.0) == "eval"
+    assert not p.allows("eval") and p.allows("train")
+    p.new_shape("eval")  # a new shape learned: another chance
+    assert p.allows("eval")
+    assert p.timed(99, 1.0) is None  # an iteration never announced is ignored
+    with pytest.raises(ValueError):
+        Payoff(window=0)
+
+
+def test_a_timing_that_arrives_late_still_counts():
+    """Live, CUDA events are read an iteration or two after the iteration ended."""
+    p = Payoff(window=1, margin=0.0)
+    p.iteration(3, "train", BASELINE, shape=7)
+    p.iteration(4, "train", ACTING, shape=7)
+    assert p.timed(3, 1.0) is None
+    assert p.timed(4, 2.0) == "train"
+    assert math.isclose(p.report()["train"]["acting_ms"], 2000.0)
+
+
+def test_a_phase_that_stops_acting_starts_with_nothing_swapped_out():
+    """Where acting stops, no plan runs to bring back what the last acting iteration
+    left in pinned memory, and (live) the runtime no longer sees the launches that
+    would read it: it comes back at the boundary, before the held iteration's first kernel."""
+    prof = load_profile("h100-sxm5-80g")  # copy engines: the plan swaps
+    slow = replace(prof, prefetch_call_overhead_s=0.03)  # ... and loses to doing nothing
+    trace = training_trace(layers=8, steps=14)
+    rt = Runtime()
+    budget_bytes = resolve_budget("15%", trace).bytes
+    backend = SimBackend(slow, budget_bytes)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, budget_bytes, prof))
+    driver = Driver(rt, layout, backend, profile=prof, launches_on_demand=True)
+    staged_at_start = []
+    for ev in iteration_stream(trace, trace.iteration_spans(), len(trace.iteration_spans())):
+        driver.feed(ev)
+        if type(ev) is IterationBoundary:
+            staged_at_start.append(backend.swap.staged_bytes)
+    modes = [e["mode"] for e in rt.log]
+    assert rt.report()["swapped_out_bytes"] > 0 and "none" in modes
+    first_held = modes.index("none")
+    assert staged_at_start[first_held - 1] > 0  # the acting iteration before it left bytes away
+    assert staged_at_start[first_held] == 0 and backend.swap.late == 0

@@ -1,0 +1,115 @@
+"""Do no harm: whether acting pays, per phase of the training loop.
+
+The runtime's plans are made from a model of the GPU (the hardware profile's
+rates); where the model is wrong for a program, acting can lose to doing
+nothing. :class:`Payoff` compares the two on what a real runtime can see,
+the time of its own iterations: simulated in a simulation, measured live
+with CUDA events (:meth:`umrt.policy.base.Policy.iteration_time`). For each
+loop phase (a training step, an evaluation batch) it keeps the times of the
+iterations in which the runtime moved nothing of its own plan (learning,
+recovering, or holding back) as the baseline, by iteration shape, and
+compares each iteration that followed a plan from start to end with the
+baseline of its shape (of its phase, where the shape has none: a phase's
+shapes differ, an evaluation's first and last batches from the others).
+Once ``window`` such ratios are in and their median is more than ``margin``
+above 1, acting loses for that phase: the runtime stops acting for it (the
+"none" plan: the driver alone, as plain Unified Memory) and says so in its
+report. A phase whose shape changes (a new plan is compiled for it) gets
+another chance.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict, deque
+
+__all__ = ["Payoff", "BASELINE", "ACTING"]
+
+BASELINE, ACTING = "baseline", "acting"  # what an iteration's time is a sample of
+_KEEP = 64  # iterations whose role is kept until their time arrives (live times come late)
+
+
+class Payoff:
+    """Per phase: the times of iterations that did not act and of those that did,
+    and the phases where acting was found to lose.
+
+    Parameters
+    ----------
+    window:
+        Acting iterations (the last ones) whose median is compared, at least 1.
+    margin:
+        How much slower than the baseline acting may be before it counts as
+        losing (0.05: 5%, within what a live clock's noise moves).
+    """
+
+    def __init__(self, window: int = 3, margin: float = 0.05) -> None:
+        if window < 1 or margin < 0:
+            raise ValueError("window must be >= 1 and margin >= 0")
+        self.window, self.margin = window, margin
+        self._roles: OrderedDict[int, tuple[str, str, int]] = OrderedDict()  # iteration -> (phase, role, shape)
+        self.baseline: dict[str, deque[float]] = {}  # phase -> seconds
+        self._shape_baseline: dict[tuple[str, int], deque[float]] = {}  # (phase, shape) -> seconds
+        self.acting: dict[str, deque[float]] = {}  # phase -> seconds
+        self.ratios: dict[str, deque[float]] = {}  # phase -> acting / the baseline of its shape
+        self.stopped: dict[str, str] = {}  # phase -> why acting stopped for it
+
+    def iteration(self, index: int, phase: str, role: str | None, shape: int = 0) -> None:
+        """Iteration ``index`` of ``phase`` ended; ``role``: what its time is a sample
+        of (:data:`BASELINE`, :data:`ACTING`), or None (it acted part-way, or is the
+        run's first, whose time is set-up's); ``shape``: its signature (0: unknown)."""
+        if role is None:
+            return
+        self._roles[index] = (phase, role, shape)
+        while len(self._roles) > _KEEP:
+            self._roles.popitem(last=False)
+
+    def timed(self, index: int, seconds: float) -> str | None:
+        """Iteration ``index`` took ``seconds``: the phase where acting now loses, if
+        this sample decided it (it is then in :attr:`stopped`)."""
+        entry = self._roles.pop(index, None)
+        if entry is None or seconds <= 0:
+            return None
+        phase, role, shape = entry
+        if role == BASELINE:
+            self.baseline.setdefault(phase, deque(maxlen=16)).append(seconds)
+            if shape:
+                self._shape_baseline.setdefault((phase, shape), deque(maxlen=4)).append(seconds)
+            return None
+        self.acting.setdefault(phase, deque(maxlen=16)).append(seconds)
+        base = self._shape_baseline.get((phase, shape)) or self.baseline.get(phase)
+        if not base:
+            return None
+        ratios = self.ratios.setdefault(phase, deque(maxlen=16))
+        ratios.append(seconds / statistics.median(base))
+        if phase in self.stopped or len(ratios) < self.window:
+            return None
+        ratio = statistics.median(list(ratios)[-self.window:])
+        if ratio <= 1 + self.margin:
+            return None
+        self.stopped[phase] = (f"its last {self.window} {phase} iterations acting took {ratio:.2f}x the time of "
+                               "the same iterations doing nothing")
+        return phase
+
+    def allows(self, phase: str) -> bool:
+        """Whether the runtime may act in ``phase``."""
+        return phase not in self.stopped
+
+    def new_shape(self, phase: str) -> None:
+        """A new shape of ``phase`` was learned: acting gets another chance there."""
+        if self.stopped.pop(phase, None) is not None:
+            self.ratios.pop(phase, None)
+
+    def report(self) -> dict:
+        """Per phase: the median times (ms) of iterations doing nothing and acting,
+        the median ratio of acting to doing nothing (shape for shape) over the last
+        ``window``, and whether acting stopped there, and why."""
+        out = {}
+        for phase in sorted(set(self.baseline) | set(self.acting) | set(self.stopped)):
+            base, act, ratios = self.baseline.get(phase), self.acting.get(phase), self.ratios.get(phase)
+            out[phase] = {
+                "baseline_ms": round(statistics.median(base) * 1e3, 4) if base else None,
+                "acting_ms": round(statistics.median(act) * 1e3, 4) if act else None,
+                "acting_vs_baseline": round(statistics.median(list(ratios)[-self.window:]), 4) if ratios else None,
+                "acting": phase not in self.stopped,
+                "stopped_because": self.stopped.get(phase),
+            }
+        return out
