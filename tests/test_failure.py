@@ -30,7 +30,7 @@ def clean(monkeypatch):
 
 
 class FailOnAlloc:
-    """A policy that raises a CUDA error at every allocation once ``armed``."""
+    """A policy that raises a CUDA error at every allocation once ``armed`` (and reports nothing)."""
 
     wants_launches = True
 
@@ -39,6 +39,9 @@ class FailOnAlloc:
 
     def attach(self, ctx):
         pass
+
+    def report(self):
+        return {}
 
     def on_event(self, ev):
         if self.armed and isinstance(ev, Alloc):

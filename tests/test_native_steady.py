@@ -527,8 +527,15 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
     assert native.report["layouts_retired"] == 0 and native.failed is None and python.failed is None
     assert native.addresses == python.addresses
     # Event handles are the same until the hand-back, whose synchronization gives every
-    # event back (which one is spare next then differs); the calls are the same throughout.
-    assert native_calls == python_calls or _events_masked(native_calls) == _events_masked(python_calls)
+    # event back (which one is spare next then differs); the calls are the same throughout,
+    # but for waits: after that synchronization the native run's backend knows every copy
+    # done and skips a wait the Python run still makes (redundant there, never missing here:
+    # the fake runtime checks the ordering of both).
+    masked_native, masked_python = _events_masked(native_calls), _events_masked(python_calls)
+    waits = [[c for c in m if c[0] == "cudaStreamWaitEvent"] for m in (masked_native, masked_python)]
+    assert [c for c in masked_native if c[0] != "cudaStreamWaitEvent"] == \
+        [c for c in masked_python if c[0] != "cudaStreamWaitEvent"]
+    assert len(waits[0]) <= len(waits[1]) <= len(waits[0]) + 2
     first = next(i for i, (a, b) in enumerate(zip(native_calls, python_calls, strict=False)) if a != b) \
         if native_calls != python_calls else len(native_calls)
     assert first > len(native_calls) * 0.5  # (the hand-back comes in the second half of the run)
