@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from umrt.backends.base import (
     BLOCK,  # the smallest budget: one 2 MB block of GPU memory (the driver's VA block)
@@ -40,100 +39,19 @@ from umrt.config import (
     FOOTPRINT_DEFINITION,
     PEAK_LIVE_DEFINITION,
     SIMULATED_FORMS,
-    format_bytes,
     read_amount,
     simulated_amount,
 )
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError
 from umrt.policy.baselines import UMPolicy
+from umrt.sim.needs import BASE_NAMES, BASES, Budget, Needs, check_base
 from umrt.trace.events import Alloc, Event, Free, Trace
 
 __all__ = ["BASES", "Needs", "Budget", "needs", "needs_of_events", "parse_budget", "resolve_budget",
            "budget_base", "peak_live_bytes", "FOOTPRINT_DEFINITION", "PEAK_LIVE_DEFINITION"]
 
-#: What a percentage budget can be of, in a simulated run.
-BASES = ("footprint", "peak")
-BASE_NAMES = {"footprint": "the footprint the run needs", "peak": "the trace's peak live bytes"}
-
 FORMS = SIMULATED_FORMS
-
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What a trace needs in GPU memory, in bytes."""
-
-    peak_live_bytes: int  # largest sum of live object sizes
-    pool_bytes: int  # most managed memory umrt's LifetimePool obtains over the trace
-    caching_bytes: int  # the same for the caching-allocator model
-
-    @property
-    def footprint_bytes(self) -> int:
-        """The footprint the run needs: the larger of the two layouts' (see the module docstring)."""
-        return max(self.pool_bytes, self.caching_bytes, self.peak_live_bytes)
-
-    def base_bytes(self, base: str) -> int:
-        """What a percentage is of, for ``base`` in :data:`BASES`."""
-        _check_base(base)
-        return self.footprint_bytes if base == "footprint" else self.peak_live_bytes
-
-
-@dataclass(frozen=True)
-class Budget:
-    """A resolved budget: its bytes, what it was given as, and what it is of."""
-
-    bytes: int
-    text: str  # as given: "20%", "8GiB", "1073741824"
-    base: str  # what a percentage is of: "footprint" or "peak"
-    needs: Needs
-
-    @property
-    def of_footprint(self) -> float:
-        """The budget as a fraction of the footprint the run needs."""
-        return self.bytes / self.needs.footprint_bytes if self.needs.footprint_bytes else math.nan
-
-    @property
-    def of_peak(self) -> float:
-        """The budget as a fraction of the trace's peak live bytes."""
-        return self.bytes / self.needs.peak_live_bytes if self.needs.peak_live_bytes else math.nan
-
-    def share(self) -> str:
-        """``20% of the footprint`` (and how it was given when that was of peak live)."""
-        text = f"{_pct(self.of_footprint)} of the footprint"
-        if self.base == "peak":
-            text += f" (given as {_pct(self.of_peak)} of peak live)"
-        return text
-
-    def describe(self) -> str:
-        """``budget 3.3 GiB = 20% of the footprint 16.3 GiB (peak live 15.6 GiB)`` (umrt.config.format_bytes)."""
-        n = self.needs
-        text = (f"budget {format_bytes(self.bytes)} = {_pct(self.of_footprint)} of the footprint "
-                f"{format_bytes(n.footprint_bytes)} (peak live {format_bytes(n.peak_live_bytes)}")
-        if self.base == "peak":
-            text += f"; given as {_pct(self.of_peak)} of peak live"
-        return text + ")"
-
-    def to_json(self) -> dict:
-        """Flat keys for result files: how the budget was given and both bases."""
-        n = self.needs
-        return {"budget_text": self.text, "budget_base": self.base,
-                "needed_footprint_bytes": n.footprint_bytes, "pool_footprint_bytes": n.pool_bytes,
-                "caching_footprint_bytes": n.caching_bytes, "budget_of_footprint": self.of_footprint,
-                "budget_of_peak": self.of_peak}
-
-
-def _pct(fraction: float) -> str:
-    """``20%``, ``73.5%``, ``3,746%`` (a size far above what the run needs: no exponent)."""
-    if not math.isfinite(fraction):
-        return "?%"
-    pct = fraction * 100
-    return f"{pct:.3g}%" if pct < 1000 else f"{pct:,.0f}%"
-
-
-def _check_base(base: str) -> None:
-    if base not in BASES:
-        raise ConfigError(f"unknown budget base {base!r}; valid: {', '.join(BASES)}")
 
 
 # ---------------------------------------------------------------- parsing
@@ -175,7 +93,7 @@ def parse_budget(budget: int | str, base_bytes: int, base: str = "footprint") ->
 
 def budget_base(budget: int | str, base: str = "footprint") -> str:
     """What a percentage ``budget`` is of: the base it names (``20%peak``), else ``base``."""
-    _check_base(base)
+    check_base(base)
     amount = read_amount(budget) if isinstance(budget, str) else None
     if amount is None or amount.fraction is None or amount.implied:
         return base

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from umrt.sim.budget import Budget
+    from umrt.sim.needs import Budget
 
 __all__ = ["SimResult", "BREAKDOWN_KEYS"]
 
