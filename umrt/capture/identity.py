@@ -11,13 +11,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from umrt.capture.phases import ALIVE, final_kind
 from umrt.trace.events import Alloc, Event, Kind
 
-if TYPE_CHECKING:
-    from umrt.capture.recorder import EventLog
+
+class EventSink(Protocol):
+    """Where announced objects' events go (the recorder's :class:`~umrt.capture.recorder.EventLog`)."""
+
+    def emit(self, ev: Event) -> None: ...
 
 
 @dataclass(slots=True)
@@ -94,7 +97,7 @@ class StorageObjects:
         storage = item[0]
         return 0 if storage.device.type == "meta" else int(storage.data_ptr())
 
-    def announce(self, accesses: dict[tuple[int, int, int], bool], seq: int, log: EventLog) -> None:
+    def announce(self, accesses: dict[tuple[int, int, int], bool], seq: int, log: EventSink) -> None:
         """Announce the unannounced objects that launch ``seq`` touches.
 
         Written whole by it: made by it (``Alloc.launch = seq``), like any op's

@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from umrt import stats
 from umrt.backends.base import Advice, Backend, Range
@@ -38,15 +38,22 @@ from umrt.trace.events import (
     LayerExit,
 )
 
-if TYPE_CHECKING:  # pragma: no cover
-    from umrt.api import Session
-
 __all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for", "set_budget"]
 
 log = logging.getLogger("umrt")
 
 
 @runtime_checkable
+class LiveSession(Protocol):
+    """What the bridge reads of an enabled session (:class:`umrt.api.Session`)."""
+
+    config: Config
+    backend: Any  # the CUDA backend on managed memory
+    pool: Any  # the managed pool (a LivePool where it announces blocks)
+    budget_bytes: int
+    steady: Any  # the allocator torch and CuPy call (umrt.drive.steady.SteadyServer)
+
+
 class LivePool(Protocol):
     """What the bridge needs of an allocator that announces its blocks (umrt's
     :class:`~umrt.allocators.managed.ManagedPool`)."""
@@ -238,7 +245,7 @@ class LiveBridge:
         ConfigError: ``from_allocator=True`` without umrt's ``ManagedPool``.
     """
 
-    def __init__(self, session: Session, device: str = "cuda", *, policy: Policy | None = None,
+    def __init__(self, session: LiveSession, device: str = "cuda", *, policy: Policy | None = None,
                  from_allocator: bool | None = None) -> None:
         cfg = session.config
         announces_blocks = isinstance(session.pool, LivePool)
