@@ -1,37 +1,43 @@
-"""``umrt bench ...``: the same as ``python -m bench ...`` (see bench/cli.py)."""
+"""``umrt bench ...``: runs ``python -m bench ...`` of a checkout of umrt's repository.
+
+umrt does not import the benchmarks (``bench/`` builds on umrt, not the other way): this
+subcommand hands its command line to the ``bench`` program where one is importable.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import runpy
+import sys
 
 from umrt.errors import UmrtError
 
 
 def register(subparsers) -> None:
-    try:
-        from bench.cli import DESCRIPTION, EPILOG, add_arguments
-    except ImportError:  # an installed umrt: the benchmarks live in the repository only
-        _register_missing(subparsers)
-        return
-
-    parser = subparsers.add_parser(
-        "bench",
-        help="simulate a grid of models x budgets x GPU profiles x policies",
-        description=DESCRIPTION,
-        epilog=EPILOG.replace("python -m bench", "umrt bench"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-
-
-def _register_missing(subparsers) -> None:
-    """``umrt bench`` where the ``bench`` package is not importable: one clear line."""
     parser = subparsers.add_parser("bench", help="simulate a grid of models x budgets x GPU profiles x policies "
-                                                 "(needs a checkout of umrt's repository)",
-                                   prefix_chars="\0", add_help=False)  # whatever follows: the one message
+                                                 "(python -m bench of a checkout of umrt's repository)",
+                                   prefix_chars="\0", add_help=False)  # everything that follows is bench's
     parser.add_argument("args", nargs=argparse.REMAINDER)
-    parser.set_defaults(func=_missing)
+    parser.set_defaults(func=_run)
 
 
-def _missing(args: argparse.Namespace) -> int:
-    raise UmrtError("`umrt bench` runs the benchmarks of a checkout of umrt's repository (bench/ is not "
-                    "installed with umrt): run it from the checkout, as `python -m bench ...`")
+def _bench_found() -> bool:
+    try:
+        return importlib.util.find_spec("bench.cli") is not None
+    except (ImportError, ValueError, AttributeError):  # a parent that is not a package, or a blocked module
+        return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    if not _bench_found():
+        raise UmrtError("`umrt bench` runs the benchmarks of a checkout of umrt's repository (bench/ is not "
+                        "installed with umrt): run it from the checkout, as `python -m bench ...`")
+    argv = sys.argv
+    sys.argv = ["python -m bench", *args.args]
+    try:
+        runpy.run_module("bench", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # bench's own exit status
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = argv
+    return 0
