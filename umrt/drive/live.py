@@ -43,7 +43,6 @@ __all__ = ["LiveBridge", "LivePool", "ManagedOnly", "LiveLayout", "profile_for",
 log = logging.getLogger("umrt")
 
 
-@runtime_checkable
 class LiveSession(Protocol):
     """What the bridge reads of an enabled session (:class:`umrt.api.Session`)."""
 
@@ -54,6 +53,7 @@ class LiveSession(Protocol):
     steady: Any  # the allocator torch and CuPy call (umrt.drive.steady.SteadyServer)
 
 
+@runtime_checkable
 class LivePool(Protocol):
     """What the bridge needs of an allocator that announces its blocks (umrt's
     :class:`~umrt.allocators.managed.ManagedPool`)."""
