@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from umrt.allocators.sources import native_source
-from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range
+from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range, SwapPath
 from umrt.backends.cuda import CudaApi
 from umrt.errors import CudaError, UmrtError
 
@@ -304,6 +304,43 @@ class RecordingBackend(ForwardingBackend):
         self.log.append(CallAt(DecisionKind.ADVISE, tuple(ranges), device, int(advice)))
         self._b.advise(ranges, advice, device)
 
+    def drop(self, ranges: Sequence[Range]) -> None:
+        """Dead ranges discarded beside the kernels: a schedule replays them as a discard."""
+        self.log.append(CallAt(DecisionKind.DISCARD, tuple(ranges)))
+        self._b.drop(ranges)
+
+    @property
+    def swap(self) -> SwapPath:
+        """The backend's swap path, its copies out and back logged as :class:`Unschedulable`."""
+        return _UnschedulableSwap(self._b.swap, self.log)
+
+
+class _UnschedulableSwap(SwapPath):
+    """A swap path whose copies a schedule cannot repeat: each is logged, then forwarded."""
+
+    def __init__(self, swap: SwapPath, log: list) -> None:
+        super().__init__(swap.backend)
+        self._swap = swap
+        self._log = log
+        self.copy_engines = swap.copy_engines
+
+    def out(self, ranges: Sequence[Range]) -> None:
+        self._log.append(Unschedulable("swap.out"))
+        self._swap.out(ranges)
+
+    def back(self, ranges: Sequence[Range]) -> None:
+        self._log.append(Unschedulable("swap.back"))
+        self._swap.back(ranges)
+
+    def wait(self, ranges: Sequence[Range]) -> None:
+        self._swap.wait(ranges)
+
+    def release(self, ranges: Sequence[Range]) -> None:
+        self._swap.release(ranges)
+
+    def reserve(self, nbytes: int) -> None:
+        self._swap.reserve(nbytes)
+
 
 def _handle(handle: Any) -> int:
     """A stream or event handle as an integer (``None``: 0; cuda-bindings handles convert with ``int``)."""
@@ -323,6 +360,7 @@ class RecordingApi(CudaApi):
         self.log = log
         self.version = api.version
         self.has_batch = api.has_batch
+        self.has_copies = api.has_copies
         self.process_runtime = api.process_runtime
 
     def device_count(self) -> int:
@@ -356,6 +394,20 @@ class RecordingApi(CudaApi):
     def stream_synchronize(self, stream: Any) -> None:
         self.log.append(Unschedulable("stream_synchronize"))
         self.api.stream_synchronize(stream)
+
+    # The swap path: a schedule has no copy calls (nor pinned memory), so a window that
+    # swapped is not repeated natively.
+    def host_alloc(self, nbytes: int) -> int:
+        self.log.append(Unschedulable("host_alloc"))
+        return self.api.host_alloc(nbytes)
+
+    def free_host(self, ptr: int) -> None:
+        self.log.append(Unschedulable("free_host"))
+        self.api.free_host(ptr)
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self.log.append(Unschedulable("memcpy"))
+        self.api.memcpy(dst, src, nbytes, stream)
 
     def record_event(self, event: Any, stream: Any) -> None:
         self.log.append(CallAt(DecisionKind.RECORD_EVENT, (), stream=_handle(stream), event=_handle(event),

@@ -133,6 +133,18 @@ def new_pool(api: Any, call: CountedCalls, streams: SwapStreams) -> StagingPool:
                        lambda p: call("cudaFreeHost", api.free_host, p), streams.hold)
 
 
+class _CurrentApi:
+    """The backend's runtime adapter at the time of each call: the native steady state wraps
+    it while it records a window (:class:`umrt.allocators.steady.RecordingApi`), and the swap
+    path's calls must be in that record as the backend's own are."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend.api, name)
+
+
 class CudaSwapPath(SwapPath):
     """The ``cuda`` backend's swap path (see the module docstring). ``call`` is the backend's
     counted calls, ``dropped`` its set of ranges discarded and not repopulated since."""
@@ -141,7 +153,7 @@ class CudaSwapPath(SwapPath):
         super().__init__(backend)
         self._call = call
         self._dropped = dropped
-        self.api = backend.api
+        self.api = _CurrentApi(backend)  # the backend's adapter as it is at each call (a native window records it)
         self.streams = SwapStreams(self.api, call)
         self.pool = new_pool(self.api, call, self.streams)
         self.out_bytes = 0  # swapped out, and in
