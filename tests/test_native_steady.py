@@ -997,3 +997,34 @@ def test_a_decision_calling_python_never_runs_under_a_lock_a_gil_holder_waits_fo
         pytest.fail("deadlocked: a GIL holder waited for the schedule's lock while a decision waited for the GIL")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RESULT done True native True" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_a_window_that_swapped_is_not_repeated_natively():
+    """The swap path's calls go through the backend's adapter as a window records it: its copies
+    (which a schedule has no call for) make the window unschedulable; a drop's discard is recorded
+    as the backend's own calls are."""
+    from fake_cuda import FakeBindingsRuntime, FakeGpu
+
+    from umrt.allocators.steady import CallAt, DecisionKind, Unschedulable
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    gpu = FakeGpu()
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+    assert backend.swap.copy_engines
+    size = 1 << 20
+    live, dead = backend.malloc(size), backend.malloc(size)
+    gpu.kernel(backend.compute_stream, reads=(), writes=((live, size), (dead, size)), name="writer")
+    calls = BackendCalls(backend)
+    log: list = []
+    calls.record(log)
+    assert backend.swap.copy_engines  # (the recording adapter keeps the swap path on)
+    backend.swap.reserve(size)
+    backend.swap.out([(live, size)])
+    backend.drop([(dead, size)])
+    backend.swap.back([(live, size)])
+    backend.swap.wait([(live, size)])
+    calls.record(None)
+    assert Unschedulable("memcpy") in log and Unschedulable("host_alloc") in log
+    assert any(isinstance(e, CallAt) and e.kind is DecisionKind.DISCARD and e.ranges == ((dead, size),)
+               for e in log), log
+    assert not gpu.violations
