@@ -531,8 +531,11 @@ SWAP_BUGS = {
     "reader before the copy back completed": ((CudaSwapPath, "wait", lambda self, ranges: None),
                                               "read-before-copy-back|discard-race|refault"),
     "slot reused before its copy back completed": ((StagingPool, "take", _slot_taken_without_waiting), "slot-reused"),
+    # (a neighbour's page goes out too: whichever of its states the fake meets first; rarer since
+    # a plan still probed drops dead ranges only when they are freed, hence more examples below)
     "copy out of bytes never written": ((cuda_swap, "whole_pages", _pages_rounded_outward),
-                                        "copy-out-unwritten|discarded-read|refault|discard-race"),
+                                        "copy-out-unwritten|discarded-read|refault|discard-race|"
+                                        "discard-before-copy-out"),
     "copy out before the last writer": ((CudaSwapPath, "out", _copy_out_not_after_the_writer), "copy-out-race"),
 }
 
@@ -541,7 +544,8 @@ SWAP_BUGS = {
 def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, capsys):
     (where, name, patched), error = SWAP_BUGS[bug]
     monkeypatch.setattr(where, name, patched)
-    found = settings(SETTINGS, max_examples=1000, phases=(Phase.generate,))
+    found = settings(SETTINGS, max_examples=4000 if bug == "copy out of bytes never written" else 1000,
+                     phases=(Phase.generate,))
     t0 = time.perf_counter()
     with pytest.raises(PageStateError, match=error) as caught:
         run_state_machine_as_test(PageStateMachine, settings=found)

@@ -753,9 +753,19 @@ class Runtime(Policy):
             if ranges:
                 self._swapped.out(ranges, moved)
         if a.drop:
-            # Dead data no launch reads again: its pages leave without a copy, once the program
-            # frees it (a free that comes later than recorded means it is still read: never before).
-            self._drop_at_free.update(a.drop)
+            # Dead data no launch reads again: its pages leave without a copy. Before the program
+            # frees it only on a plan that ran whole (trusted): a plan still probed may have been
+            # learned on steps an exception cut short, whose objects died early. Else when freed.
+            if self._record is None and destructive:
+                ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
+                if ranges:
+                    self.backend.drop(ranges)
+                    self._n_discard_calls += 1
+                    self._n_discarded += moved
+                    for p, n in ranges:
+                        off_gpu.add(p, n)
+            else:
+                self._drop_at_free.update(a.drop)
         if a.evict:
             ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
             if ranges:
