@@ -92,7 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = PlainHelpParser(prog="python -m bench", description=DESCRIPTION, epilog=EPILOG,
+    prog = "umrt bench" if sys.argv[:1] == ["umrt bench"] else "python -m bench"  # (umrt/cli/bench.py)
+    p = PlainHelpParser(prog=prog, description=DESCRIPTION, epilog=EPILOG.replace("python -m bench", prog),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return p

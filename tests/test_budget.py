@@ -127,6 +127,6 @@ def test_shadow_mode_sizes_its_gpu_from_the_footprint_of_the_whole_run():
 
 
 def test_a_budget_far_above_the_footprint_reads_without_an_exponent():
-    from umrt.sim.budget import _pct
+    from umrt.sim.needs import percent as _pct
 
     assert [_pct(f) for f in (0.2, 0.735, 37.46, float("nan"))] == ["20%", "73.5%", "3,746%", "?%"]

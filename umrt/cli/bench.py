@@ -12,6 +12,9 @@ import sys
 
 from umrt.errors import UmrtError
 
+#: ``sys.argv[0]`` while bench runs under ``umrt bench`` (its help then names this command).
+PROG = "umrt bench"
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="simulate a grid of models x budgets x GPU profiles x policies "
@@ -33,11 +36,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UmrtError("`umrt bench` runs the benchmarks of a checkout of umrt's repository (bench/ is not "
                         "installed with umrt): run it from the checkout, as `python -m bench ...`")
     argv = sys.argv
-    sys.argv = ["python -m bench", *args.args]
-    try:
-        runpy.run_module("bench", run_name="__main__", alter_sys=True)
-    except SystemExit as exc:  # bench's own exit status
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    sys.argv = [PROG, *args.args]
+    try:  # bench exits with its own status
+        runpy.run_module("bench", run_name="__main__")  # (sys.argv[0] stays PROG: bench's help names it)
     finally:
         sys.argv = argv
     return 0
