@@ -357,13 +357,13 @@ def test_a_rank_that_deviates_from_its_plan_does_so_alone(tmp_path):
                                             UMRT_SHADOW_REPORTS=str(reports), STEPS="9", ODD_RANK="1"),
                tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    learned, acted = {}, {}
+    learned, acted, texts = {}, {}, {}
     for rank in (0, 1):
-        text = " ".join((reports / f"rank-{rank}.txt").read_text().split())
+        text = texts[rank] = " ".join((reports / f"rank-{rank}.txt").read_text().split())
         found = re.search(r"learned the iteration from (\d+) iteration\(s\), then acted on (\d+)", text)
         learned[rank], acted[rank] = int(found.group(1)), int(found.group(2))
     # rank 1 learned again after its odd step; rank 0 learned once and acted on
-    assert learned[1] > learned[0] == 2 and acted[0] > acted[1], (learned, acted)
+    assert learned[1] > learned[0] == 2 and acted[0] > acted[1], (learned, acted, texts[0][-1500:])
     assert re.search(r"│ 1 +│ +9 │ .*│ +0 │", out.stdout) and re.search(r"│ 0 +│ +9 │ .*│ +0 │", out.stdout)
 
 
