@@ -513,7 +513,7 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
     from bench.grid import trace_for
     from umrt.errors import UmrtError
     from umrt.policy import make_policy
-    from umrt.sim.replay import simulate
+    from umrt.sim.replay import replayable_iterations, simulate
 
     trace = trace_for(model, batch, seq)  # the bench grid's meta trace, cached
     out: dict[str, Any] = {"profile": profile, "budget": budget, "modes": {}}
@@ -523,7 +523,8 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
         try:
             policy = make_policy(mode, trace)
             # each mode in its steady state, as the timed steps after --warmup
-            r = simulate(trace, policy, profile, budget, iterations=policy.steady_iterations())
+            r = simulate(trace, policy, profile, budget,
+                         iterations=replayable_iterations(trace, policy.steady_iterations()))
         except UmrtError as exc:  # e.g. a budget too small for the simulated GPU
             out["modes"][mode] = {"error": str(exc), "iteration_time_s": math.nan}
             continue

@@ -67,9 +67,12 @@ def test_training_resumes_its_plan_after_an_evaluation_without_learning_again():
             # the swap path slower than the steady step.)
             assert times[i] <= 0.5 * baseline, (i, times[i], baseline)
             if i + 2 < len(times):
-                assert times[i + 2] <= 1.05 * times[before], (i, times[i + 2], times[before])
+                last = (i, before)
                 resumed += 1
     assert resumed >= 2
+    # (the first resumption may come while the runtime still tries swapping against migrating: PathTrial)
+    i, before = last
+    assert times[i + 2] <= 1.05 * times[before], (i, times[i + 2], times[before])
 
 
 def test_an_evaluation_that_fits_moves_nothing():
@@ -165,14 +168,15 @@ def test_a_phase_that_stops_acting_starts_with_nothing_swapped_out():
     """Where acting stops, no plan runs to bring back what the last acting iteration
     left in pinned memory, and (live) the runtime no longer sees the launches that
     would read it: it comes back at the boundary, before the held iteration's first kernel."""
-    prof = load_profile("h100-sxm5-80g")  # copy engines: the plan swaps
-    slow = replace(prof, prefetch_call_overhead_s=0.03)  # ... and loses to doing nothing
+    prof = load_profile("h100-sxm5-80g")  # copy engines: the plan swaps (and keeps swapping: PathTrial)
     trace = training_trace(layers=8, steps=14)
     rt = Runtime()
-    budget_bytes = resolve_budget("15%", trace).bytes
-    backend = SimBackend(slow, budget_bytes)
+    budget_bytes = resolve_budget("10%", trace).bytes
+    backend = SimBackend(prof, budget_bytes)
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, budget_bytes, prof))
+    timed = rt.iteration_time  # from iteration 9 on, the GPU's times say acting loses
+    rt.iteration_time = lambda index, seconds: timed(index, seconds * (20 if index >= 9 else 1))
     driver = Driver(rt, layout, backend, profile=prof, launches_on_demand=True)
     staged_at_start = []
     for ev in iteration_stream(trace, trace.iteration_spans(), len(trace.iteration_spans())):
@@ -182,5 +186,5 @@ def test_a_phase_that_stops_acting_starts_with_nothing_swapped_out():
     modes = [e["mode"] for e in rt.log]
     assert rt.report()["swapped_out_bytes"] > 0 and "none" in modes
     first_held = modes.index("none")
-    assert staged_at_start[first_held - 1] > 0  # the acting iteration before it left bytes away
+    assert staged_at_start[first_held - 1] > 0  # the acting iterations began with bytes away (cyclic plan)
     assert staged_at_start[first_held] == 0 and backend.swap.late == 0

@@ -499,3 +499,24 @@ def test_the_runtime_feeds_no_layout_the_driver_does():
                 rt.on_event(ev)
         assert layout.fed == fed
         assert rt.report()["iterations"] == 1
+
+
+def test_each_shape_keeps_the_path_its_own_iterations_measured_faster():
+    """A plan that swaps runs beside its migration-only twin: one warm (second in a row)
+    iteration of each is timed, and the faster is kept from then on."""
+    from types import SimpleNamespace
+
+    from umrt.policy.runtime.path_trial import MIGRATE, SWAP, PathTrial
+
+    for swap_s, migrate_s, kept in ((1.0, 2.0, SWAP), (2.0, 1.0, MIGRATE)):
+        twin = SimpleNamespace(signature=7, swap=frozenset(), migration_only=None)
+        plan = SimpleNamespace(signature=7, swap=frozenset({1}), migration_only=twin)
+        trial, ran, decided = PathTrial(), [], None
+        for index in range(8):
+            chosen = trial.pick(plan)
+            ran.append(SWAP if chosen is plan else MIGRATE)
+            trial.ran(index, chosen)
+            decided = trial.timed(index, swap_s if chosen is plan else migrate_s) or decided
+        # swap, swap (timed), migrate (changing over), migrate (timed), then the faster
+        assert ran[:4] == [SWAP, SWAP, MIGRATE, MIGRATE] and decided == (7, kept)
+        assert set(ran[4:]) == {kept} and trial.report()[kept] == 1

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from umrt.sim.budget import budget_base
 
     # optional: the simulator (numpy, numba) is loaded only when a run is simulated, not for `umrt --help`
-    from umrt.sim.replay import simulate
+    from umrt.sim.replay import replayable_iterations, simulate
 
     # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace.fileformat import load
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)  # before the (slow) trace load: fail fast on a typo
     trace = load(args.trace)
     policy = make_policy(args.policy, trace)
-    iterations = args.iterations or policy.steady_iterations()
+    iterations = args.iterations or replayable_iterations(trace, policy.steady_iterations())
     result = simulate(trace, policy, profile, args.gpu_memory, iterations=iterations,
                       progress=not args.json and sys.stderr.isatty(), budget_base=args.budget_base)
     bound = link_bound(trace, profile, args.gpu_memory, iterations=iterations, budget_base=args.budget_base)

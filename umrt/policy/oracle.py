@@ -620,6 +620,11 @@ class OraclePolicy(Policy):
         t = self.template
         self._remote_persistent = {o for o in self.plan.remote if o not in t.born and o not in t.freed}
 
+    def iteration_time(self, index: int, seconds: float) -> None:
+        """The runtime followed gets the iteration times a runtime gets (its checks use them)."""
+        if self.runtime is not None:
+            self.runtime.iteration_time(index, seconds)
+
     def on_event(self, event: Event) -> None:
         if self.runtime is not None:
             self.runtime.on_event(event)
@@ -854,7 +859,7 @@ class OraclePolicy(Policy):
                 self._away.add(*r)
         ins = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.prefetch) if r is not None]
         if ins:
-            self.ctx.backend.prefetch(ins, self._device())
+            self.ctx.backend.prefetch(ins, self.ctx.backend.device)
             self.stats["prefetches"] += len(ins)
             for r in ins:
                 self._away.remove(*r)
@@ -876,7 +881,7 @@ class OraclePolicy(Policy):
         if ranges:
             backend = self.ctx.backend
             backend.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
-            backend.advise(ranges, Advice.SET_ACCESSED_BY, self._device())
+            backend.advise(ranges, Advice.SET_ACCESSED_BY, self.ctx.backend.device)
             out = [x for x in (_whole_pages(*r) for r in ranges) if x is not None]
             if out:
                 backend.prefetch(out, HOST)
@@ -885,9 +890,6 @@ class OraclePolicy(Policy):
             self.stats["host_mapped"] += len(ranges)
 
     # -- calls ----------------------------------------------------------------------
-
-    def _device(self) -> int:
-        return self.ctx.backend.device
 
     def _host_map(self, obj: int) -> None:
         nbytes = self._nbytes.get(obj, 0)
@@ -923,7 +925,7 @@ class OraclePolicy(Policy):
 
     def _flush(self) -> None:
         backend = self.ctx.backend
-        device = self._device()
+        device = self.ctx.backend.device
         if self._discards:
             # umrt's plans drop dead ranges beside the kernels, as its runtime does (a newborn
             # there is populated first); the belady plan moves their pages out right after

@@ -117,6 +117,24 @@ def iteration_stream(trace: Trace, spans: list[tuple[int, int]], iterations: int
     yield IterationBoundary(iterations)
 
 
+def replayable_iterations(trace: Trace, wanted: int) -> int:
+    """``wanted``, or the recorded iterations where the last one cannot be repeated (it
+    frees objects from before the loop that nothing it allocates stands in for: a
+    script's teardown, say)."""
+    spans = trace.iteration_spans()
+    if not spans or wanted <= len(spans):
+        return wanted
+    events = trace.events[spans[-1][0] : spans[-1][1]]
+    born = [e for e in events if isinstance(e, Alloc)]
+    born_ids = {e.obj for e in born}
+    freed = {e.obj for e in events if isinstance(e, Free)}
+    carried_out = [e for e in born if e.obj not in freed]
+    alloc_of = {e.obj: e for e in trace.events[: spans[-1][0]] if isinstance(e, Alloc)}
+    carried_in = [alloc_of[o] for o in freed - born_ids if o in alloc_of]
+    unmatched = (freed - born_ids) - set(_match(carried_in, carried_out))
+    return wanted if not unmatched else len(spans)
+
+
 def _repeat(trace: Trace, span: tuple[int, int], first_index: int, repeats: int) -> Iterator[Event]:
     """The iteration ``span`` again, ``repeats`` times, with fresh object ids.
 

@@ -156,6 +156,8 @@ class LaunchFreeClock:
         rt = self.rt
         sig = rt._plan.signature
         base = rt.plans.get(sig)
+        if base is not None and base.migration_only is not None and not rt._plan.swap:
+            base = base.migration_only  # the twin ran (see PathTrial)
         variant = rebase(base, rt._event_tokens) if base is not None else None
         entry["signature"] = sig
         if variant is None:  # not the same shape after all: as a deviation

@@ -34,6 +34,7 @@ class Learner:
         self.phase_of: dict[int, str] = {}  # signature -> the phase its iterations belong to
         self.plan_runs: dict[int, int] = {}  # signature -> iterations its plan ran through
         self.planner: Planner | None = None
+        self.migration_planner: Planner | None = None
         self.profile: HardwareProfile | None = None
 
     def new_planner(self, budget_bytes: int, profile: HardwareProfile | None, *, headroom: float,
@@ -42,6 +43,9 @@ class Learner:
         copy-engine path, see :class:`~umrt.policy.runtime.planner.Planner`)."""
         self.profile = profile
         self.planner = Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level, swap=swap)
+        # where plans may swap, each also gets a migration-only twin (see PathTrial)
+        self.migration_planner = (Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level)
+                                  if swap else None)
 
     def new_record(self, alloc_of: dict[int, Alloc]) -> IterationRecord:
         """A record of the iteration starting now, with what is alive."""
@@ -122,6 +126,8 @@ class Learner:
             self.plans.move_to_end(sig)
             return False
         plan = self.planner.plan(rec)
+        if plan.swap and self.migration_planner is not None:
+            plan.migration_only = self.migration_planner.plan(rec)
         self.counters["plans_compiled"] += 1
         self.plans[sig] = plan
         phase = self.phase_of.get(sig, "train")

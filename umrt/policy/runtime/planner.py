@@ -95,6 +95,7 @@ class Plan:
     discard: frozenset[int]  # keys whose range is discarded when they die
     stats: dict = field(default_factory=dict)
     swap: frozenset[int] = frozenset()  # keys the plan moves through the copy engines (Backend.swap: out / back)
+    migration_only: Plan | None = None  # a plan that swaps: the same shape's plan by page migration alone
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link

@@ -27,6 +27,7 @@ from umrt.policy.runtime.host_map import HostMapper
 from umrt.policy.runtime.launch_free import LaunchFreeClock
 from umrt.policy.runtime.learning import SIGNATURE_MASK, Learner
 from umrt.policy.runtime.options import RuntimeOptions
+from umrt.policy.runtime.path_trial import MIGRATE, TRIAL_ITERATIONS, PathTrial
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
@@ -148,6 +149,7 @@ class Runtime(Policy):
         # comes back with swap.back before a kernel reads it, or is released when it dies.
         # (each range as swap.out was given it, ptr -> bytes: one allocation's whole pages).
         self._swapped = Swapped(self.counters, self._off_gpu)
+        self._paths = PathTrial()  # per shape: its swapping plan or its migration-only twin, by measured times
 
         self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
         self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
@@ -214,8 +216,9 @@ class Runtime(Policy):
     @property
     def warmup_iterations(self) -> int:
         """Learned iterations, then ``probe_iterations`` acted on while still
-        recorded before the plan is trusted and runs in steady state."""
-        return self.options.warmup_iterations
+        recorded before the plan is trusted and runs in steady state (and, where the
+        plan may swap, the iterations that try it against page migration: PathTrial)."""
+        return self.options.warmup_iterations + (TRIAL_ITERATIONS if self.options.swap else 0)
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
@@ -469,6 +472,12 @@ class Runtime(Policy):
     def iteration_time(self, index: int, seconds: float) -> None:
         """Iteration ``index`` took ``seconds`` (simulated, or measured live): where
         acting is found to lose in its phase, the runtime stops acting there."""
+        decided = self._paths.timed(index, seconds)
+        if decided is not None and decided[0] in self.plans:  # the shape keeps one path from now on
+            sig, kept = decided
+            plan = self.plans[sig]
+            if plan.migration_only is not None:
+                self.plans[sig] = plan.migration_only if kept == MIGRATE else replace(plan, migration_only=None)
         if not self.options.payoff_window:
             return
         phase = self._payoff.timed(index, seconds)
@@ -491,6 +500,7 @@ class Runtime(Policy):
             correlation_accuracy=round(self._learner.correlation.accuracy, 4),
             data_rows=len(self._learner.data),
             phases=self.phases.report(self._payoff.report()),
+            paths=self._paths.report(),  # shapes settled on swapping or on page migration
         )
         if self._plan is not None:
             out["plan"] = dict(self._plan.stats)
@@ -577,6 +587,7 @@ class Runtime(Policy):
         role, shape = None, 0
         if mode == "act":
             role, shape = ACTING, self._plan.signature
+            self._paths.ran(self._iteration, self._plan)
         elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
             role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
         self._payoff.iteration(self._iteration, self._phase, role, shape)
@@ -645,6 +656,8 @@ class Runtime(Policy):
                     learner.relearn.discard(phase)
             if learner.learned.get(phase, 0) >= self.options.learn_iterations:
                 plan = self.phases.predict(phase)
+                if plan is not None:
+                    plan = self._paths.pick(plan)
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
@@ -673,9 +686,10 @@ class Runtime(Policy):
         self._clock.follow(plan.launch_free_resume if launch_free else {})
         if launch_free and -1 in self._clock.resume:  # a decision before the iteration's first event
             self._counting_launches = self.wants_launches = True
-        if self._swapped and (plan is None or plan.signature != self._swapped.signature):
-            self.restore_swapped()  # another plan (or none) would not bring them back
-        self._swapped.signature = plan.signature if plan is not None else None
+        path = (plan.signature, bool(plan.swap)) if plan is not None else None
+        if self._swapped and path != self._swapped.signature:
+            self.restore_swapped()  # another plan (or none, or its migration-only twin) would not bring them back
+        self._swapped.signature = path
         if plan is not None and plan.swap:
             # pinned staging for the most the plan keeps away at once (allocated once; a host
             # without that much memory is an error naming both figures, before anything moves)

@@ -18,13 +18,13 @@ Range = tuple[int, int]
 
 class Swapped:
     """The swapped-out ranges (``ptr -> nbytes``) and the plan that swapped them
-    (``signature``: the one that brings them back). ``counters``: the runtime's
+    (``signature``: its signature and whether it swaps; that plan brings them back). ``counters``: the runtime's
     (``swap_calls``, ``swapped_out_bytes``, ``swapped_in_bytes``, ``swap_restores``);
     ``off_gpu``: the runtime's set of ranges it took off the GPU."""
 
     def __init__(self, counters: dict, off_gpu: RangeSet) -> None:
         self.ranges: dict[int, int] = {}
-        self.signature: int | None = None
+        self.signature: tuple[int, bool] | None = None
         self._counters = counters
         self._off_gpu = off_gpu
         self._swap: SwapPath | None = None
