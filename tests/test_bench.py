@@ -263,8 +263,11 @@ def test_bench_end_to_end_on_a_tiny_model(tmp_path):
 
 
 def test_each_policy_is_measured_in_its_steady_state(monkeypatch):
-    """A runtime that learns (umrt: 2 learned + 2 probed iterations) gets enough
-    iterations that its reported one is steady; the others keep the grid's."""
+    """A runtime that learns (umrt: 2 learned + 2 probed iterations, and the iterations that
+    try swapping against migrating) gets enough iterations that its reported one is steady;
+    the others keep the grid's."""
+    from umrt.policy.runtime.path_trial import TRIAL_ITERATIONS
+
     fake_profiles(monkeypatch)
     seen = {}
 
@@ -275,7 +278,7 @@ def test_each_policy_is_measured_in_its_steady_state(monkeypatch):
     monkeypatch.setitem(SLOWDOWN, "umrt", 1.1)
     grid = Grid(models=("m1",), budgets=("20%",), profiles=("p",), policies=("ideal", "um", "umrt"), iterations=3)
     rows = run_grid(grid, progress=False, trace_fn=fake_trace, simulate=simulate)
-    assert seen == {"ideal": 3, "um": 3, "umrt": 5}
+    assert seen == {"ideal": 3, "um": 3, "umrt": 5 + TRIAL_ITERATIONS}
     assert {r["policy"]: r["iterations"] for r in rows} == seen
 
 

@@ -464,6 +464,7 @@ def test_the_simulated_prediction_is_each_modes_steady_state(monkeypatch):
     same steady state: umrt after its learned and probed iterations."""
     import bench.grid
     import umrt.sim.replay as replay
+    from umrt.policy.runtime.path_trial import TRIAL_ITERATIONS
 
     seen = {}
 
@@ -477,7 +478,7 @@ def test_the_simulated_prediction_is_each_modes_steady_state(monkeypatch):
     monkeypatch.setattr(bench.grid, "trace_for", lambda model, batch, seq: None)
     monkeypatch.setattr(replay, "simulate", fake_simulate)
     gpu.simulate_modes("gpt2", 1, 32, "50%", "h100-pcie5-80g", ["ideal", "um", "umrt"])
-    assert seen == {"ideal": 3, "um": 3, "umrt": 5}
+    assert seen == {"ideal": 3, "um": 3, "umrt": 5 + TRIAL_ITERATIONS}  # (learned, probed, the path trial)
 
 
 def test_the_checkpoint_mode_trains_with_the_models_own_checkpointing_and_sets_the_budget(tmp_path, capsys):

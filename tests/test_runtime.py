@@ -133,14 +133,17 @@ def test_misprediction_guard_falls_back_and_relearns(launch_free):
     differently (its optimizer launches are new each time, with a scratch
     buffer of a new size): the trusted plan keeps failing mid-iteration, so
     the runtime stops acting for a while (plain UM) instead of fighting the
-    driver, then re-learns. Acting without launches, the sizes give it away."""
-    base = training_trace(layers=6, steps=14)
+    driver, then re-learns. Acting without launches, the sizes give it away. (The odd steps
+    start after the path trial: PathTrial.)"""
+    from umrt.policy.runtime.path_trial import TRIAL_ITERATIONS
+
+    base = training_trace(layers=6, steps=14 + TRIAL_ITERATIONS)
     rng = random.Random(0)
     events, step, scratch = [], -1, 10**9
     for e in base.events:
         if isinstance(e, IterationBoundary):
             step = e.index
-        if step >= 6 and isinstance(e, Launch) and "adamw" in e.op:
+        if step >= 6 + TRIAL_ITERATIONS and isinstance(e, Launch) and "adamw" in e.op:
             scratch += 1
             events.append(Alloc(scratch, rng.randrange(1, 1 << 20) * PAGE, Kind.TEMPORARY, e.seq))
             events.append(replace(e, exec_id=rng.getrandbits(62)))

@@ -43,6 +43,11 @@ class PathTrial:
             return twin if kept == MIGRATE else plan
         return twin if self._samples(plan.signature, MIGRATE) < self._samples(plan.signature, SWAP) else plan
 
+    def trying(self, plan: Plan) -> bool:
+        """Whether ``plan``'s shape is still between its two paths (acting on either then
+        stays recorded, not launch-free: a change of path needs the launches)."""
+        return plan.signature not in self.kept and (plan.migration_only is not None or plan.signature in self._last)
+
     def _samples(self, sig: int, kind: str) -> int:
         """Samples of ``kind`` for ``sig``, those whose time is still to come included."""
         return len(self.times.get(sig, {}).get(kind, ())) + sum(e == (sig, kind) for e in self._pending.values())

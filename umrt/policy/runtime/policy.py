@@ -663,7 +663,7 @@ class Runtime(Policy):
         # iteration into a learned one). A plan that ran through two iterations is
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
-        trusted = (plan is not None and not probing
+        trusted = (plan is not None and not probing and not self._paths.trying(plan)
                    and self._learner.runs(plan.signature) >= self.options.probe_iterations)
         self._record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
