@@ -83,16 +83,15 @@ from bench.gpu_measure import (
 )
 from bench.gpu_watch import StepRecord, Watchdog, format_step, install_stack_dump, supervise
 from umrt.cli import PlainHelpParser, Renamed
-from umrt.policy.runtime.options import RuntimeOptions
-from umrt.policy.runtime.path_trial import TRIAL_ITERATIONS
 from umrt.config import format_bytes
+from umrt.policy.runtime import Runtime
 
 __all__ = ["BenchError", "main", "run", "steady_time"]
 
 MODES = ("ideal", "checkpoint", "um", "umrt")
 DEFAULT_MODES = ("ideal", "um", "umrt")
 #: Untimed steps: until umrt's runtime acts in its steady state (learned, probed, swap or migrate tried).
-DEFAULT_WARMUP = RuntimeOptions().warmup_iterations + TRIAL_ITERATIONS
+DEFAULT_WARMUP = Runtime().warmup_iterations
 DEFAULT_BUDGET = "50%"
 # Managed memory umrt's pool may hold beyond the ideal peak (2 MB rounding,
 # segments): the device must have this much more free than the ideal peak.
@@ -519,7 +518,6 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
     from umrt.errors import UmrtError
     from umrt.policy import make_policy
     from umrt.sim.replay import replayable_iterations, simulate
-    from umrt.trace.events import Trace
 
     trace = trace_for(model, batch, seq)  # the bench grid's meta trace, cached
     out: dict[str, Any] = {"profile": profile, "budget": budget, "modes": {}}
@@ -529,10 +527,8 @@ def simulate_modes(model: str, batch: int | None, seq: int | None, budget: int |
         try:
             policy = make_policy(mode, trace)
             # each mode in its steady state, as the timed steps after --warmup
-            iterations = policy.steady_iterations()
-            if isinstance(trace, Trace):  # (a trace whose last step cannot repeat runs what it holds)
-                iterations = replayable_iterations(trace, iterations)
-            r = simulate(trace, policy, profile, budget, iterations=iterations)
+            r = simulate(trace, policy, profile, budget,
+                         iterations=replayable_iterations(trace, policy.steady_iterations()))
         except UmrtError as exc:  # e.g. a budget too small for the simulated GPU
             out["modes"][mode] = {"error": str(exc), "iteration_time_s": math.nan}
             continue

@@ -477,6 +477,7 @@ def test_the_simulated_prediction_is_each_modes_steady_state(monkeypatch):
 
     monkeypatch.setattr(bench.grid, "trace_for", lambda model, batch, seq: None)
     monkeypatch.setattr(replay, "simulate", fake_simulate)
+    monkeypatch.setattr(replay, "replayable_iterations", lambda trace, wanted: wanted)  # (no trace here)
     gpu.simulate_modes("gpt2", 1, 32, "50%", "h100-pcie5-80g", ["ideal", "um", "umrt"])
     assert seen == {"ideal": 3, "um": 3, "umrt": 5 + TRIAL_ITERATIONS}  # (learned, probed, the path trial)
 

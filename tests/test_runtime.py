@@ -523,3 +523,17 @@ def test_each_shape_keeps_the_path_its_own_iterations_measured_faster():
         # swap, swap (timed), migrate (changing over), migrate (timed), then the faster
         assert ran[:4] == [SWAP, SWAP, MIGRATE, MIGRATE] and decided == (7, kept)
         assert set(ran[4:]) == {kept} and trial.report()[kept] == 1
+
+
+def test_a_shape_whose_times_never_come_keeps_the_planners_choice():
+    """Live without CUDA events (no iteration times): the trial does not go on for ever."""
+    from types import SimpleNamespace
+
+    from umrt.policy.runtime.path_trial import SWAP, PathTrial
+
+    twin = SimpleNamespace(signature=7, swap=frozenset(), migration_only=None)
+    plan = SimpleNamespace(signature=7, swap=frozenset({1}), migration_only=twin)
+    trial = PathTrial()
+    for index in range(20):
+        trial.ran(index, trial.pick(plan))
+    assert trial.kept == {7: SWAP} and trial.pick(plan) is plan and not trial.trying(plan)

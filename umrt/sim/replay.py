@@ -124,15 +124,23 @@ def replayable_iterations(trace: Trace, wanted: int) -> int:
     spans = trace.iteration_spans()
     if not spans or wanted <= len(spans):
         return wanted
-    events = trace.events[spans[-1][0] : spans[-1][1]]
+    events, born_ids, _, pairs = _carried(trace, spans[-1])
+    freed = {e.obj for e in events if isinstance(e, Free)}
+    return wanted if not (freed - born_ids - set(pairs)) else len(spans)
+
+
+def _carried(trace: Trace, span: tuple[int, int]) -> tuple[list[Event], set[int], list[Alloc], dict[int, int]]:
+    """Iteration ``span``'s events, the objects it allocates, its carried-out allocations (not
+    freed in it), and its carried-in objects (freed, not allocated, in it) paired with them."""
+    events = trace.events[span[0] : span[1]]
     born = [e for e in events if isinstance(e, Alloc)]
     born_ids = {e.obj for e in born}
     freed = {e.obj for e in events if isinstance(e, Free)}
     carried_out = [e for e in born if e.obj not in freed]
-    alloc_of = {e.obj: e for e in trace.events[: spans[-1][0]] if isinstance(e, Alloc)}
-    carried_in = [alloc_of[o] for o in freed - born_ids if o in alloc_of]
-    unmatched = (freed - born_ids) - set(_match(carried_in, carried_out))
-    return wanted if not unmatched else len(spans)
+    alloc_of = {e.obj: (i, e) for i, e in enumerate(trace.events[: span[0]]) if isinstance(e, Alloc)}
+    carried_in = [alloc_of[o][1] for o in sorted(freed - born_ids, key=lambda o: alloc_of.get(o, (-1,))[0])
+                  if o in alloc_of]
+    return events, born_ids, carried_out, _match(carried_in, carried_out)
 
 
 def _repeat(trace: Trace, span: tuple[int, int], first_index: int, repeats: int) -> Iterator[Event]:
@@ -142,15 +150,7 @@ def _repeat(trace: Trace, span: tuple[int, int], first_index: int, repeats: int)
     previous iteration, e.g. the last step's loss) are matched, in order, to
     the objects it allocates and does not free (carried out to the next).
     """
-    events = trace.events[span[0] : span[1]]
-    born = [e for e in events if isinstance(e, Alloc)]
-    born_ids = {e.obj for e in born}
-    freed = {e.obj for e in events if isinstance(e, Free)}
-    carried_out = [e for e in born if e.obj not in freed]
-    alloc_of = {e.obj: (i, e) for i, e in enumerate(trace.events[: span[0]]) if isinstance(e, Alloc)}
-    carried_in = [alloc_of[o][1] for o in sorted(freed - born_ids, key=lambda o: alloc_of.get(o, (-1,))[0])
-                  if o in alloc_of]
-    pairs = _match(carried_in, carried_out)
+    events, born_ids, carried_out, pairs = _carried(trace, span)
     launches = [e.seq for e in events if isinstance(e, Launch)]
     seq0 = launches[0] if launches else 0
     next_seq = max((e.seq for e in trace.events if isinstance(e, Launch)), default=-1) + 1

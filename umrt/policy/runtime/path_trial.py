@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 #: Timed iterations of each kind before the faster is kept (the gap is large where it matters).
 SAMPLES = 1
+#: Samples a shape waits for their times before it keeps the planner's choice without them.
+UNTIMED = 4 * SAMPLES
 #: Acting iterations a shape's trial takes: one of each kind to change over, one to time.
 TRIAL_ITERATIONS = 2 * (SAMPLES + 1) + 1
 SWAP, MIGRATE = "swap", "migrate"
@@ -68,6 +70,8 @@ class PathTrial:
         self._pending[index] = (sig, kind)
         while len(self._pending) > 64:
             self._pending.pop(next(iter(self._pending)))
+        if not self.times.get(sig) and self._samples(sig, SWAP) + self._samples(sig, MIGRATE) > UNTIMED:
+            self.kept[sig] = SWAP  # no times come (no CUDA events here): the planner's choice stands
 
     def timed(self, index: int, seconds: float) -> tuple[int, str] | None:
         """Iteration ``index`` took ``seconds``: ``(signature, kind kept)`` if this sample decided it."""
