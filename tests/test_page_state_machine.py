@@ -664,7 +664,10 @@ class NativeSteadyMachine(RuleBasedStateMachine):
         super().__init__()
         self.server = None
 
-    @initialize(shape=step_shapes(), alternate=st.booleans(), stream=st.sampled_from(("legacy", "created")),
+    # alternate: every other step one more block (a step of another shape), none, one the pool's
+    # planned region may hold, or one larger than any region (memory of its own, in and out)
+    @initialize(shape=step_shapes(), alternate=st.sampled_from((0, 3 * MiB, 24 * MiB)),
+                stream=st.sampled_from(("legacy", "created")),
                 twin=st.sampled_from(("python", "native")))
     def start(self, shape, alternate, stream, twin):
         from test_native_steady import DiscardingPolicy, StubBridge
@@ -703,7 +706,7 @@ class NativeSteadyMachine(RuleBasedStateMachine):
     def ops(self) -> list[tuple]:
         out = [("free", key) for key in self.survivors]
         if self.alternate and self.steps % 2:
-            out += [("alloc", "alt", 3 * MiB), ("free", "alt")]
+            out += [("alloc", "alt", self.alternate), ("free", "alt")]
         n = len(self.sizes)
         keys = [f"{self.steps}.{i}" for i in range(n)]
         for i in range(n):

@@ -107,6 +107,9 @@ def test_acting_that_loses_stops_for_its_phase_and_says_so():
     train = rep["phases"]["train"]
     assert not train["acting"] and "acting took" in train["stopped_because"]
     assert rep["stopped_acting"] == 1
+    # The pool's plan was made for the moves: held back, it places as a caching allocator does.
+    assert d_guarded.layout.stopped_planning == "umrt stopped acting in training steps"
+    assert d_unguarded.layout.planning
     modes = [e["mode"] for e in guarded.log]
     stopped = modes.index("none")
     assert set(modes[stopped:]) == {"none"} and rep["held_iterations"] == len(modes) - stopped

@@ -39,9 +39,13 @@ class BumpBackend:
         del self.live[ptr]
 
 
-def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at: int | None = None):
+def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at: int | None = None,
+                 batches: list[int] | None = None):
     """A small training loop: params at set-up; per iteration input, per-layer forward
-    (saved activation + temporaries), backward (gradients, freed at the next zero_grad)."""
+    (saved activation + temporaries), backward (gradients, freed at the next zero_grad).
+    ``batches``: each iteration's batch (``iterations`` and ``batch`` then unused)."""
+    if batches is not None:
+        iterations = len(batches)
     ids = itertools.count()
     seq = itertools.count()
     ev: list = []
@@ -52,7 +56,7 @@ def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at
         params.append(p)
     grads: list[int] = []
     for it in range(iterations):
-        b = batch * (2 if change_at is not None and it >= change_at else 1)
+        b = batches[it] if batches is not None else batch * (2 if change_at is not None and it >= change_at else 1)
         ev.append(IterationBoundary(it))
         for g in grads:  # zero_grad(set_to_none=True)
             ev.append(Free(g))
@@ -208,10 +212,11 @@ def test_misaligned_backend_still_gives_aligned_arenas():
 
 def test_unknown_allocations_are_served_then_replanned():
     pool = LifetimePool(BumpBackend())
-    addrs = drive(pool, model_events(iterations=6, change_at=3), check=check_layout)
-    assert pool.plans_made == 3  # plan, refine, and the batch change re-plans once
-    n = sum(1 for k in addrs if k[0] == 4)
-    assert [addrs[(4, i)] for i in range(n)] == [addrs[(5, i)] for i in range(n)]
+    addrs = drive(pool, model_events(iterations=7, change_at=3), check=check_layout)
+    # plan, refine, and the batch change re-plans once, after the second step of the new shape
+    assert pool.plans_made == 3
+    n = sum(1 for k in addrs if k[0] == 5)
+    assert [addrs[(5, i)] for i in range(n)] == [addrs[(6, i)] for i in range(n)]
 
 
 def test_unknown_allocations_without_replanning_use_overflow():
@@ -252,11 +257,12 @@ def test_a_replan_out_of_memory_never_serves_from_the_returned_region():
 
     iteration(0, [3 * MiB, MiB])
     iteration(1, [3 * MiB, MiB])
-    iteration(2, [5 * MiB, 7 * MiB])  # every byte missed: the next boundary re-plans
+    iteration(2, [5 * MiB, 7 * MiB])  # every byte missed: a new shape ...
+    iteration(3, [5 * MiB, 7 * MiB])  # ... for good: the next boundary re-plans
     planned_region = next(iter(pool._regions)).ptr
     backend.fail = True
     with pytest.raises(UmrtError, match="out of memory"):
-        pool.observe(IterationBoundary(3))
+        pool.observe(IterationBoundary(4))
     assert planned_region not in backend.live  # returned before the new region was asked for
     backend.fail = False
     sizes = {next(ids): n for n in (3 * MiB, MiB)}  # what the old plan knew
@@ -309,6 +315,90 @@ def test_planned_range_still_occupied_goes_to_overflow():
     drive(pool, events, check=check_layout)
     # Iteration 2's batch finds iteration 1's at its planned offset (iteration 1's was in the plan).
     assert pool.planned and pool.report()["total"]["conflicts"] >= 1
+
+
+def test_a_short_last_batch_takes_the_regions_free_memory():
+    """A batch the plan never saw (the last, short one of an epoch) misses every key: it is
+    placed where the planned region is free at that moment, as a caching allocator reuses
+    its blocks, not in memory obtained for it (which a full GPU would make room for by
+    evicting the step's own data)."""
+    pool = LifetimePool(BumpBackend())
+    drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
+    assert pool.report()["last_iteration"]["plan_misses"] > 0  # (the input of 1 MB stays where it was planned)
+    assert pool.arena_ranges()["overflow"] == [] and pool.arena_ranges()["learning"] == []
+    assert len(pool._regions) == 1
+
+
+def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
+    """Every other step another batch size (bucketed lengths): each plan is replaced after two
+    steps. After two such plans the pool serves best-fit: the regions join the overflow arena
+    with their live objects where they are, and later shapes reuse that memory."""
+    events = model_events(batches=[1, 1, 2, 2, 3, 3, 4, 4, 2, 3, 1, 4])
+    pool = LifetimePool(BumpBackend())
+    footprints: list[tuple[int, int]] = []  # (iteration, footprint) at each allocation
+    drive(pool, events, check=lambda p, sizes: (check_layout(p, sizes), footprints.append((p._iteration, p.footprint()))))
+    assert not pool.planning and "do not repeat" in pool.stopped_planning
+    assert pool.report()["stopped_planning"] == pool.stopped_planning
+    assert pool._regions == [] and pool.arena_ranges()["overflow"]
+    # Once the largest batch has run, the shapes that follow take memory the pool holds.
+    held = max(f for it, f in footprints if it is None or it <= 7)
+    assert max(f for it, f in footprints if it is not None and it > 7) == held
+
+
+def test_stop_planning_keeps_every_live_object_where_it_is():
+    events = model_events(iterations=4)
+    pool = LifetimePool(BumpBackend())
+    cut = events.index(IterationBoundary(3)) + 6  # inside iteration 3, objects live in the region
+    sizes = {}
+    for e in events[:cut]:
+        if isinstance(e, Alloc):
+            pool.alloc(e.obj, e.nbytes, e.kind)
+            sizes[e.obj] = e.nbytes
+        elif isinstance(e, Free):
+            pool.free(e.obj)
+            del sizes[e.obj]
+        else:
+            pool.observe(e)
+    where = {o: pool.address(o) for o in sizes}
+    held = pool.footprint()
+    pool.stop_planning("asked")
+    pool.stop_planning("twice")  # once is enough
+    assert pool.stopped_planning == "asked"
+    assert {o: pool.address(o) for o in sizes} == where and pool.footprint() == held
+    check_layout(pool, sizes)
+    for o in list(sizes)[:3]:
+        pool.free(o)
+        del sizes[o]
+    pool.alloc(-1, 512, Kind.TEMPORARY)  # best fit in what the region left free: nothing obtained
+    sizes[-1] = 512
+    assert pool.arena_of(-1) == "overflow" and pool.footprint() == held
+    check_layout(pool, sizes)
+
+
+def test_memory_left_idle_by_a_plan_is_reported():
+    """The learning iteration's memory that nothing lives in once the plan serves the step
+    holds dead bytes: the pool names it (the runtime discards it), never a live object's."""
+    idle: list[tuple[int, int]] = []
+    live_then: dict[int, int] = {}
+
+    def on_idle(ranges):
+        idle.extend(ranges)
+        live_then.update({pool.address(o): n for o, n in current.items()})
+
+    pool = LifetimePool(BumpBackend(), on_idle=on_idle)
+    current: dict[int, int] = {}
+    for e in model_events(iterations=3):
+        if isinstance(e, Alloc):
+            pool.alloc(e.obj, e.nbytes, e.kind)
+            current[e.obj] = e.nbytes
+        elif isinstance(e, Free):
+            pool.free(e.obj)
+            del current[e.obj]
+        else:
+            pool.observe(e)
+    assert idle  # the gradients alive across the boundary kept the learning arena
+    for lo, n in idle:
+        assert n > 0 and all(p + m <= lo or p >= lo + n for p, m in live_then.items())
 
 
 def test_bad_calls_raise_clear_errors():
@@ -497,12 +587,16 @@ def test_live_feed_set_up_inside_the_first_iteration_stays_persistent():
 
 def test_live_feed_serves_what_the_plan_does_not_know():
     events = with_optimizer_step(model_events(iterations=4))
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(BumpBackend(), replan_threshold=None, live_feed=True)
     drive_live(pool, events[:-1], check=check_layout)  # iteration 3 planned, still open
-    pool.alloc(-1, 5 * MiB + 3, Kind.OTHER)  # a size no iteration allocated
+    before = pool.footprint()
+    pool.alloc(-2, 5 * MiB + 3, Kind.OTHER)  # a size no iteration allocated: where the region is free now
+    assert pool.arena_of(-2) in ("short-lived", "long-lived") and pool.footprint() == before
+    pool.alloc(-1, 64 * MiB, Kind.OTHER)  # larger than the region: memory of its own
     assert pool.arena_of(-1) == "overflow"
-    check_layout(pool, {-1: 5 * MiB + 3})
+    check_layout(pool, {-2: 5 * MiB + 3, -1: 64 * MiB})
     pool.free(-1)
+    pool.free(-2)
     held = pool.footprint()
     pool.observe(IterationBoundary(4))  # that iteration missed: its overflow segment is kept
     assert pool.footprint() == held and pool.arena_ranges()["overflow"]

@@ -113,11 +113,13 @@ def drive_live(events: Iterable[Event], policy: str | Policy, profile: HardwareP
     ``kinds`` (object -> kind, as the finished trace knows them) stands in for what a live run
     learns at each optimizer step: before each iteration boundary, every live object that
     ``kinds`` says is a parameter, a gradient or optimizer state, and that was announced as
-    something else, is hinted to the layout and the policy, as the live bridge does.
+    something else, is hinted to the layout and the policy, as the live bridge does. The
+    policy's layout is made as a live allocator feeds it (``live_feed``: kinds guessed, no
+    launches in its keys), as umrt's pool runs behind torch.
     """
     pol = make_policy(policy) if isinstance(policy, str) else policy
     backend = SimBackend(profile, math.inf if pol.unlimited_memory else budget_bytes)
-    layout = pol.make_layout(backend)
+    layout = pol.make_layout(backend, live_feed=True)  # as a live run's allocator places them
     pol.attach(PolicyContext(backend, layout, budget_bytes, profile))
     # Closed loop, as a live run: a launch reaches the policy only while it wants launches.
     driver = Driver(pol, layout, backend, profile=profile, launches_on_demand=True)

@@ -79,6 +79,15 @@ class KindHints(Protocol):
 
 
 @runtime_checkable
+class PlanningLayout(Protocol):
+    """A layout that plans where recurring objects go (umrt's pool), and can stop."""
+
+    def stop_planning(self, why: str) -> None:
+        """Serve every allocation best-fit from now on, as a caching allocator does;
+        live objects stay where they are."""
+
+
+@runtime_checkable
 class ReleasesCache(Protocol):
     """A layout that can hand cached, unused segments back to the backend (``empty_cache``)."""
 

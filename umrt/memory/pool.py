@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from umrt.backends.base import BLOCK  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
@@ -27,7 +27,7 @@ from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-__all__ = ["LifetimePool", "BLOCK", "ARENAS"]
+__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN"]
 
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
@@ -42,6 +42,11 @@ _HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints 
 # Live feed: allocations recorded in one iteration, at most (gpt2-xl makes ~3,600 per
 # step: this covers gradient accumulation over ~70 micro-batches; ~40 MB of records).
 _MAX_RECORDS = 1 << 18
+# A plan replaced before it served this many training iterations was short-lived: the
+# program's allocations changed again right after the pool planned for them.
+SHORT_PLAN = 4
+# Two iterations have one shape where this share of each one's bytes is under keys the other has.
+SAME_SHAPE = 0.9
 
 log = logging.getLogger("umrt")
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
@@ -49,6 +54,14 @@ _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no 
 
 def _up(x: int, a: int) -> int:
     return -(-x // a) * a
+
+
+def _same_shape(a: dict[PlanKey, int], b: dict[PlanKey, int]) -> bool:
+    """Whether two iterations (plan key -> bytes) have one shape: at least
+    :data:`SAME_SHAPE` of the bytes of each are under keys the other has."""
+    ta, tb = sum(a.values()), sum(b.values())
+    return bool(ta and tb) and (sum(n for k, n in a.items() if k in b) >= SAME_SHAPE * ta
+                                and sum(n for k, n in b.items() if k in a) >= SAME_SHAPE * tb)
 
 
 def _quietest_point(records, ends, length: int) -> int:
@@ -146,6 +159,25 @@ class _Online:
                 best, waste = seg, (seg - k * size) / seg
         return best
 
+    def adopt(self, ptr: int, nbytes: int, used: list[tuple[int, int]]) -> None:
+        """Serve from the segment ``[ptr, ptr + nbytes)``, obtained elsewhere in the pool,
+        whose ``used`` blocks (``(ptr, size)``) stay live: the rest is free."""
+        self.segments.append((ptr, nbytes))
+        self._seg_starts.add(ptr)
+        self._seg_ends.add(ptr + nbytes)
+        cursor = ptr
+        for p, n in sorted(used):
+            if p > cursor:
+                self._add_free(cursor, p - cursor)
+            self.used[p] = n
+            cursor = max(cursor, p + n)
+        if cursor < ptr + nbytes:
+            self._add_free(cursor, ptr + nbytes - cursor)
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """Every free block, ``(ptr, nbytes)``."""
+        return list(self._free_at.items())
+
     def release(self) -> None:
         """Return every segment to the backend (only when nothing is live)."""
         assert not self.used
@@ -212,6 +244,32 @@ class _Region:
     live: int = 0
     retired: bool = False
 
+    def free_ranges(self, starts: list[int], ends: dict[int, int]) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` of each range of the region no live object occupies, given every
+        live planned object's start (sorted) and ``start -> end``."""
+        lo, hi = self.ptr, self.ptr + self.nbytes
+        gaps, cursor = [], lo
+        for start in starts[bisect.bisect_left(starts, lo):bisect.bisect_left(starts, hi)]:
+            if start > cursor:
+                gaps.append((cursor, start - cursor))
+            cursor = max(cursor, ends[start])
+        if cursor < hi:
+            gaps.append((cursor, hi - cursor))
+        return gaps
+
+    def best_fit(self, size: int, starts: list[int], ends: dict[int, int]) -> int | None:
+        """The start of the smallest free range of at least ``size`` bytes (see
+        :meth:`free_ranges`), never across the short-lived range's edges (no block
+        holds two lifetime classes); None if there is none."""
+        best_ptr, best_n = None, 0
+        lo, hi = self.short[0], self.short[0] + self.short[1]
+        for ptr, n in self.free_ranges(starts, ends):
+            end = ptr + n
+            for a, b in ((ptr, min(end, lo)), (max(ptr, lo), min(end, hi)), (max(ptr, hi), end)):
+                if size <= b - a and (best_ptr is None or b - a < best_n):
+                    best_ptr, best_n = a, b - a
+        return best_ptr
+
     def ranges(self) -> dict[str, list[tuple[int, int]]]:
         lo, n = self.short
         end = self.ptr + self.nbytes
@@ -266,13 +324,28 @@ class LifetimePool(Layout):
         smaller groups are placed object by object.
     replan_threshold:
         Re-plan when more than this fraction of an iteration's planned-class
-        bytes missed the plan (``None``: never re-plan).
+        bytes missed the plan and the iteration before it had the same shape
+        (:data:`SAME_SHAPE`: the shape changed for good, not for one short last
+        batch) (``None``: never re-plan).
+    max_short_plans:
+        Stop planning once this many re-plans in a row each replaced a plan
+        that served fewer than :data:`SHORT_PLAN` training iterations (the
+        program's allocations do not repeat: bucketed sequence lengths,
+        batches that change every step): the planned regions join the
+        ``overflow`` arena, which then serves every allocation best-fit, as a
+        caching allocator does (``None``: never stop).
     live_feed:
         Allocations come from a framework allocator: :attr:`Kind.OTHER` means
         unknown (hinted later with :meth:`hint_kind`, or never), launches are
         ignored and plan keys hold neither context nor kind (see "The live
         feed" in the module docstring). ``False`` (the simulator's feed):
         kinds are true at allocation and launches give the keys' context.
+    on_idle:
+        Called with ``[(ptr, nbytes), ...]``: memory the pool holds, nothing lives in,
+        and the pool leaves idle from now on (what the learning iterations left free
+        once a plan serves them; the free part of a region a new plan replaced). Its
+        pages hold dead bytes that a GPU short of memory would copy out to make room:
+        the runtime discards them.
     """
 
     def __init__(
@@ -285,7 +358,9 @@ class LifetimePool(Layout):
         short_ticks: int = 2,
         min_group_bytes: int | None = None,
         replan_threshold: float | None = 0.5,
+        max_short_plans: int | None = 2,
         live_feed: bool = False,
+        on_idle: Callable[[list[tuple[int, int]]], None] | None = None,
     ) -> None:
         if block <= 0 or alignment <= 0 or block % alignment:
             raise LayoutError(f"block ({block}) must be a positive multiple of alignment ({alignment})")
@@ -297,7 +372,9 @@ class LifetimePool(Layout):
         self.short_ticks = short_ticks
         self.min_group_bytes = 16 * block if min_group_bytes is None else min_group_bytes
         self.replan_threshold = replan_threshold
+        self.max_short_plans = max_short_plans
         self.live_feed = live_feed
+        self._on_idle = on_idle
 
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
@@ -315,6 +392,13 @@ class LifetimePool(Layout):
         self._plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         self.planned = False
         self.plans_made = 0
+        # False once the plans kept missing (see max_short_plans): every allocation is
+        # served best-fit from then on, and why is in stopped_planning.
+        self.planning = True
+        self.stopped_planning: str | None = None
+        self._plan_served = 0  # training iterations the current plan served
+        self._last_shape: dict[PlanKey, int] = {}  # the last training iteration's plan keys -> bytes
+        self._short_plans = 0  # re-plans in a row that replaced a plan serving < SHORT_PLAN of them
 
         self._clock = 0
         self._iteration: int | None = None  # None: set-up, before the first boundary
@@ -524,6 +608,7 @@ class LifetimePool(Layout):
         return {
             "planned": self.planned,
             "plans_made": self.plans_made,
+            "stopped_planning": self.stopped_planning,
             "footprint": self._footprint,
             "peak_footprint": self.peak_footprint,
             "peak_live_bytes": self.peak_live_bytes,
@@ -569,6 +654,9 @@ class LifetimePool(Layout):
                 self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
+        if not self.planning:
+            return _Live("overflow", self._online["overflow"].alloc(size), size, nbytes, record=record,
+                         iteration=self._iteration)
         hit = self._plan.get(key) if key is not None else None
         if hit is not None:
             region, offset, name = hit
@@ -590,22 +678,45 @@ class LifetimePool(Layout):
         stats.missed_bytes += size
         self.totals.misses += 1
         self.totals.missed_bytes += size
-        ptr = self._online["overflow"].alloc(size)
-        return _Live("overflow", ptr, size, nbytes, record=record, iteration=self._iteration)
+        # Memory the pool holds already before more is obtained, as a caching allocator reuses
+        # its blocks: the planned region where nothing lives now (best fit; a planned object
+        # that finds its place taken goes elsewhere in turn), what the learning iterations
+        # left free, then the overflow arena.
+        region = next((r for r in reversed(self._regions) if not r.retired), None)  # the plan's
+        ptr = region.best_fit(size, self._live_starts, self._live_ends) if region is not None else None
+        if ptr is not None:
+            bisect.insort(self._live_starts, ptr)
+            self._live_ends[ptr] = ptr + size
+            region.live += 1
+            lo, n = region.short
+            name = "short-lived" if lo <= ptr < lo + n else "long-lived"  # the memory's class, as planned
+            return _Live(name, ptr, size, nbytes, region, record, self._iteration)
+        name = "learning" if self._online["learning"].fits(size) else "overflow"
+        return _Live(name, self._online[name].alloc(size), size, nbytes, record=record, iteration=self._iteration)
 
     def _finish_iteration(self) -> None:
         st = self._stats
         self.last_iteration_stats = st
         if self.live_feed:
             self._release_empty(st)
-        if not self._records or not self._training:
+        if not self._records or not self._training or not self.planning:
             return
+        if self.planned:
+            self._plan_served += 1
+        shape = {r.key: r.size for r in self._records}
+        same_shape, self._last_shape = _same_shape(shape, self._last_shape), shape
         if not self.planned:
             self._make_plan()
         elif self._refine:
             self._make_plan()  # once: the ends of objects that outlived the learned iteration are known now
-        elif self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes:
-            self._make_plan()
+        elif (self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes
+              and same_shape):  # the shape changed for good, not for one step (a short last batch)
+            self._short_plans = self._short_plans + 1 if self._plan_served < SHORT_PLAN else 0
+            if self.max_short_plans is not None and self._short_plans >= self.max_short_plans:
+                self.stop_planning(f"{self._short_plans} plans in a row were replaced within "
+                                    f"{SHORT_PLAN} training iterations (the allocations do not repeat)")
+            else:
+                self._make_plan()
 
     def _make_plan(self) -> None:
         old_regions = list(self._regions)
@@ -703,11 +814,16 @@ class LifetimePool(Layout):
         learning = self._online["learning"]
         if learning.segments and not learning.used:
             learning.release()
+        idle = learning.free_blocks()
         for old in old_regions:  # the previous plan's region goes once its objects die
             old.retired = True
             if old.live == 0:
                 self._release(old.ptr)
                 self._regions.remove(old)
+            else:
+                idle.extend(old.free_ranges(self._live_starts, self._live_ends))
+        if idle and self._on_idle is not None:
+            self._on_idle(idle)
 
         new_plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         if units:
@@ -722,6 +838,31 @@ class LifetimePool(Layout):
         self._plan = new_plan
         self.planned = True
         self.plans_made += 1
+        self._plan_served = 0
+
+    def stop_planning(self, why: str) -> None:
+        """Serve every allocation best-fit from now on, as a caching allocator does: each
+        planned region joins the ``overflow`` arena, its live objects where they are, the
+        rest open to any size (``why`` goes to :attr:`stopped_planning` and the log)."""
+        if not self.planning:
+            return
+        self.planning = False
+        self.stopped_planning = why
+        self._plan = {}
+        for region in list(self._regions):
+            self._regions.remove(region)
+            if region.live == 0:
+                self._release(region.ptr)
+                continue
+            used = []
+            for live in self._live.values():
+                if live.region is region:
+                    used.append((live.ptr, live.size))
+                    live.region, live.arena = None, "overflow"
+                    del self._live_starts[bisect.bisect_left(self._live_starts, live.ptr)]
+                    del self._live_ends[live.ptr]
+            self._online["overflow"].adopt(region.ptr, region.nbytes, used)
+        log.info("umrt: the pool stopped planning: %s; it serves every allocation best-fit", why)
 
     def _recurring_records(self) -> list[_Record]:
         """This iteration's records without those hinted persistent, whose keys
@@ -746,9 +887,10 @@ class LifetimePool(Layout):
         # every iteration, a cudaMallocManaged and a cudaFree each time).
         online = self._online
         online["persistent"].release_empty()
-        online["learning"].release_empty()
+        if self.planned:  # (before, every step allocates there: returned, it would be obtained again)
+            online["learning"].release_empty()
         clean = self.planned and not st.misses
-        if clean and self._clean_before:
+        if clean and self._clean_before and self.planning:  # (a caching allocator's cache stays)
             online["overflow"].release_empty()
         self._clean_before = clean
 

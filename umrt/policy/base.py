@@ -75,9 +75,11 @@ class Policy(ABC):
         the new figure is only recorded: a policy that plans with it replans."""
         self.ctx.budget_bytes = int(budget_bytes)
 
-    def make_layout(self, backend: Backend) -> Layout:
+    def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
         """The address layout this policy runs with: by default a model of
-        PyTorch's caching allocator (umrt's own runtime uses its pool)."""
+        PyTorch's caching allocator (umrt's own runtime uses its pool);
+        ``live_feed``: allocations arrive as a live allocator announces them
+        (kinds guessed, see :class:`~umrt.memory.pool.LifetimePool`)."""
         # optional: the layouts need numpy; `umrt --help` imports this module (the policy names)
         from umrt.memory.caching import CachingAllocatorLayout
 

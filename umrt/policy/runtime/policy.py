@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from umrt.backends.base import HOST, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
-from umrt.memory.base import IndexedLayout
+from umrt.memory.base import IndexedLayout, PlanningLayout
 from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.runtime.guard import Guard
@@ -272,8 +272,18 @@ class Runtime(Policy):
         ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
         (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
         if self.options.use_pool:
-            return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed)
+            return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed,
+                                on_idle=self._pool_idle)
         return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
+
+    def _pool_idle(self, ranges: list[tuple[int, int]]) -> None:
+        """The pool leaves ``ranges`` idle (nothing lives there): their whole pages are
+        discarded with the next batch of dead ranges, so no eviction copies them out."""
+        for ptr, nbytes in ranges:
+            start = -(-ptr // PAGE) * PAGE
+            end = (ptr + nbytes) // PAGE * PAGE
+            if end - start >= self._min_discard:
+                self._pending_discards.append((start, end - start))
 
     def _segment_made(self, ptr: int, nbytes: int) -> None:
         """The pool made a segment: nothing has populated its pages yet, so each
@@ -638,6 +648,10 @@ class Runtime(Policy):
         if not self._payoff.allows(phase):
             self.restore_swapped()  # no plan runs in this phase's iterations to bring them back
             self.phases.hold()
+            if phase == "train" and isinstance(self.layout, PlanningLayout):
+                # The pool's plan is the training step's, made for moves that no longer come:
+                # from now on it places as a caching allocator does, as plain Unified Memory runs.
+                self.layout.stop_planning("umrt stopped acting in training steps")
             return
         probing = False
         if self._guard.cooling(phase):
