@@ -403,11 +403,12 @@ def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
     Free itself, before the allocator can hand it out again. Either way the
     newborn's range is prefetched to the GPU before its kernel: a kernel
     writing discarded memory refaults (0.8 GB/s on the H100). The first
-    newborn, on a segment nobody populated yet, is populated likewise."""
+    newborn, on a segment nobody populated yet (one larger than the budget:
+    not populated whole), is populated likewise."""
     backend = _AllCalls()
     rt = Runtime(discard_on_free=on_free, use_pool=False)
     layout = rt.make_layout(backend)
-    rt.attach(PolicyContext(backend, layout, 1 << 30, load_profile(PROFILE)))
+    rt.attach(PolicyContext(backend, layout, 8 << 20, load_profile(PROFILE)))
     size = 4 << 20
     rt.on_event(IterationBoundary(0))
     rt._discard_keys = frozenset({0})  # as an acting plan under pressure says
@@ -424,6 +425,31 @@ def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
     rt.on_event(Alloc(2, size, Kind.ACTIVATION, 0))
     assert backend.calls == [populate, ("discard", (dead,)), populate]
     assert at_free == ([populate, ("discard", (dead,))] if on_free else [populate])
+
+
+def test_a_large_segment_is_populated_whole_while_it_fits_the_budget():
+    """A segment of a plan's size is populated on the GPU when the pool makes it, in one
+    call (as the live allocator does), while the segments populated so fit the budget: the
+    objects placed there later need no call of their own. One that would not fit is left to
+    its newborns, each populated before its kernel."""
+    from umrt.policy.runtime.policy import WHOLE_SEGMENT
+
+    backend = _AllCalls()
+    rt = Runtime(use_pool=False)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 3 * WHOLE_SEGMENT, load_profile(PROFILE)))
+    rt.on_event(IterationBoundary(0))
+    layout.alloc(1, WHOLE_SEGMENT, Kind.ACTIVATION)
+    (call,) = backend.calls
+    assert call[0] == "prefetch" and len(call[1]) == 1
+    seg_ptr, seg_n = call[1][0]
+    assert seg_n >= WHOLE_SEGMENT and seg_ptr <= layout.address(1) < seg_ptr + seg_n
+    rt.on_event(Alloc(1, WHOLE_SEGMENT, Kind.ACTIVATION, 0))
+    assert backend.calls == [call]  # populated already: nothing more for the newborn
+    assert rt.report()["populated_bytes"] == seg_n
+    layout.alloc(2, 2 * WHOLE_SEGMENT, Kind.ACTIVATION)  # with the first, more than the budget
+    rt.on_event(Alloc(2, 2 * WHOLE_SEGMENT, Kind.ACTIVATION, 0))
+    assert backend.calls[1:] == [("prefetch", ((layout.address(2), 2 * WHOLE_SEGMENT),), backend.device)]
 
 
 def test_a_switch_adopts_everything_keyed_by_the_other_plan():

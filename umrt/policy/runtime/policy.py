@@ -48,6 +48,9 @@ _N = itemgetter(1)  # a range -> its bytes
 # Pinned staging beyond the plan's figure: objects' whole pages and the 64 KiB slots round up,
 # and an iteration may keep a little more away than the one it was planned on.
 STAGING_MARGIN = 1.25
+# A pool segment at least this large is populated whole when it is made (see _segment_made):
+# one call instead of one per object to come; a small one holds few.
+WHOLE_SEGMENT = 8 << 20
 # Where an iteration's signature starts, by loop phase: an evaluation batch and a
 # training step never share a plan, even where their launches would agree.
 _PHASE_SEED = {"train": 0, "eval": 0x5EED_E7A1}
@@ -134,6 +137,7 @@ class Runtime(Policy):
         self._n_discarded = 0
         self._n_populate_calls = 0
         self._n_populated = 0
+        self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
         self.keys = ObjectKeys()
@@ -284,16 +288,28 @@ class Runtime(Policy):
             end = (ptr + nbytes) // PAGE * PAGE
             if end - start >= self._min_discard:
                 self._pending_discards.append((start, end - start))
+        if self._pending_discards:
+            self._flush()  # now: before the new plan's memory is populated
 
     def _segment_made(self, ptr: int, nbytes: int) -> None:
-        """The pool made a segment: nothing has populated its pages yet, so each
-        newborn placed there is populated by a prefetch, not by first-touch faults."""
+        """The pool made a segment: nothing has populated its pages yet. A large one (a plan's
+        region: many objects to come) is populated on the GPU at once, in one call, while the
+        segments populated so fit the budget (as the live allocator populates its segments,
+        :class:`~umrt.allocators.managed.ManagedPool`); else each newborn placed there is
+        populated by a prefetch, not by first-touch faults."""
+        if nbytes >= WHOLE_SEGMENT and sum(self._populated_segments.values()) + nbytes <= self.ctx.budget_bytes:
+            self.backend.populate([(ptr, nbytes)])
+            self._populated_segments[ptr] = nbytes
+            self._n_populate_calls += 1
+            self._n_populated += nbytes
+            return
         self._off_gpu.add(ptr, nbytes)
 
     def _released(self, ptr: int, nbytes: int) -> None:
         """The pool handed a segment back: pending discards inside it are moot, and
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
+        self._populated_segments.pop(ptr, None)
         self._off_gpu.remove(ptr, nbytes)
         if self._swapped:  # only dead objects lie in a segment the pool gives back
             self._swapped.forget(ptr, end, release=False)
