@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
               file=sys.stderr)
         results[loop.name] = measure(recording, args.profile, args.gpu_memory)
+        print(f"{loop.name}: simulated at {results[loop.name]['budget_bytes'] / 2**20:.1f} MiB "
+              f"({args.gpu_memory})", file=sys.stderr)
     print(render(results, args.size))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():

@@ -323,6 +323,43 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
     assert not caching.hint_kind(ptr, Kind.PARAMETER)
 
 
+def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_gpu):
+    """When umrt stops acting in training steps, the live bridge's layout tells the pool behind
+    torch: every stream's lifetime pool places best-fit from then on, a layout made later too,
+    and the blocks already live stay where they are."""
+    from umrt.drive.live import LiveLayout
+    from umrt.memory.pool import LifetimePool
+    from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
+
+    made = []
+
+    def factory(backend):
+        made.append(LifetimePool(backend, live_feed=True))
+        return made[-1]
+
+    pool = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), factory)
+    pool.malloc(2 * MiB)  # a parameter: the default stream's layout first
+    side = pool.backend.api.create_stream()
+    pool.malloc(MiB, stream=side)
+    for it in range(3):
+        pool.observe(IterationBoundary(it))
+        pool.observe(LayerEnter("layer"))
+        act = pool.malloc(3 * MiB)
+        pool.observe(LayerExit("layer"))
+        pool.free(act)
+    live = pool.malloc(2 * MiB)
+    assert made[0].planned and made[0].planning
+    before = pool.live_blocks()
+    LiveLayout(lambda obj: 0, pool, learn=True).stop_planning("umrt stopped acting in training steps")
+    assert [m.stopped_planning for m in made] == ["umrt stopped acting in training steps"] * 2
+    assert pool.stopped_planning == "umrt stopped acting in training steps" and pool.live_blocks() == before
+    pool.retire_layout(pool.stream)  # a fresh layout for the stream: it never plans either
+    pool.malloc(MiB)
+    assert len(made) == 3 and not made[2].planning
+    pool.free(live)
+    LiveLayout(lambda obj: 0, None, learn=False).stop_planning("no pool")  # a recorder-only bridge: nothing
+
+
 def test_before_malloc_hooks_run_before_the_block_is_placed(pool):
     seen = []
     pool.before_malloc.append(lambda n: seen.append((n, pool.reserved_bytes())))

@@ -629,6 +629,9 @@ class MirrorPool:
     def reserved_bytes(self):
         return self.layout.footprint()
 
+    def stop_planning(self, why):
+        self.layout.stop_planning(why)
+
     def tell(self, what, ptr, n):
         if what == "alloc":
             for hook in self.before_malloc:

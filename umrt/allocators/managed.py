@@ -36,7 +36,7 @@ from typing import Any
 from umrt import stats
 from umrt.backends.base import FollowsStream
 from umrt.errors import CudaError
-from umrt.memory.base import KindHints, LearningLayout, ReleasesCache
+from umrt.memory.base import KindHints, LearningLayout, PlanningLayout, ReleasesCache
 from umrt.memory.caching import LayoutError
 from umrt.memory.pool import LifetimePool
 from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit
@@ -73,6 +73,7 @@ class ManagedPool:
         # no copy, ~11 ms per 2 GiB on the H100, where first-touch faults populate at
         # 3.4-8 GB/s) while the populated segments fit this many bytes (the budget).
         self.populate_limit = populate_limit
+        self.stopped_planning: str | None = None  # why the layouts stopped planning (stop_planning)
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._layouts: dict[Any, Any] = {}  # stream -> layout
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (layout, obj, nbytes); obj 0: adopted
@@ -215,7 +216,20 @@ class ManagedPool:
         if isinstance(layout, LearningLayout) and self._boundary is not None:
             for event in (self._boundary, *self._open_layers):
                 layout.observe(event)
+        if self.stopped_planning is not None and isinstance(layout, PlanningLayout):
+            layout.stop_planning(self.stopped_planning)
         return layout
+
+    def stop_planning(self, why: str) -> None:
+        """Every stream's layout that plans (umrt's pool) serves best-fit from now on, as a
+        caching allocator does, and so does each layout made later; live blocks stay where
+        they are. The live bridge calls it when umrt stops acting in training steps."""
+        with self._lock:
+            if self.stopped_planning is None:
+                self.stopped_planning = why
+            for layout in self._layouts.values():
+                if isinstance(layout, PlanningLayout):
+                    layout.stop_planning(why)
 
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
         """Tell the layout holding the live block that starts at ``ptr`` what it holds.

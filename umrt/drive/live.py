@@ -70,6 +70,9 @@ class LivePool(Protocol):
     def reserved_bytes(self) -> int:
         """Managed bytes the pool holds."""
 
+    def stop_planning(self, why: str) -> None:
+        """The pool's layouts place best-fit from now on (umrt stopped acting)."""
+
 
 class ManagedOnly(Backend):
     """The backend as the live policy sees it: ranges outside umrt's managed
@@ -163,6 +166,13 @@ class LiveLayout(Layout):
     def observe_launch(self, exec_id: int) -> None:
         """Nothing: a live pool keys its plan by layers and boundaries (steady
         iterations run without launches)."""
+
+    def stop_planning(self, why: str) -> None:
+        """The pool behind torch places best-fit from now on (a
+        :class:`~umrt.memory.base.PlanningLayout`: the runtime says so when it stops
+        acting in training steps); nothing without one."""
+        if self.pool is not None:
+            self.pool.stop_planning(why)
 
 
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)
