@@ -329,6 +329,23 @@ def test_a_short_last_batch_takes_the_regions_free_memory():
     assert len(pool._regions) == 1
 
 
+def test_a_step_that_misses_the_plan_looks_through_the_region_a_bounded_time(monkeypatch):
+    """Each miss looks through the region's live objects for room: past REGION_FITS of them in
+    an iteration, its misses take the learning arena's free space or overflow, so a step the plan
+    misses entirely costs a bounded time."""
+    from umrt.memory import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "REGION_FITS", 0)
+    pool = LifetimePool(BumpBackend())
+    drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
+    assert pool.report()["last_iteration"]["plan_misses"] > 0
+    assert pool.arena_ranges()["overflow"] or pool.arena_ranges()["learning"]  # not in the region
+    monkeypatch.setattr(pool_module, "REGION_FITS", 200_000)
+    pool = LifetimePool(BumpBackend())
+    drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
+    assert pool.arena_ranges()["overflow"] == [] and pool.arena_ranges()["learning"] == []
+
+
 def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
     """Every other step another batch size (bucketed lengths): each plan is replaced after two
     steps. After two such plans the pool serves best-fit: the regions join the overflow arena

@@ -27,7 +27,7 @@ from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN"]
+__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE", "REGION_FITS"]
 
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
@@ -47,6 +47,10 @@ _MAX_RECORDS = 1 << 18
 SHORT_PLAN = 4
 # Two iterations have one shape where this share of each one's bytes is under keys the other has.
 SAME_SHAPE = 0.9
+# Live objects an iteration's misses may look through for room in the plan's region (each miss
+# looks through all of them): past this, its misses take the learning arena's free space or
+# overflow, so a step the plan misses entirely costs a bounded time (~0.1 s of Python).
+REGION_FITS = 200_000
 
 log = logging.getLogger("umrt")
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
@@ -264,6 +268,8 @@ class _Region:
         best_ptr, best_n = None, 0
         lo, hi = self.short[0], self.short[0] + self.short[1]
         for ptr, n in self.free_ranges(starts, ends):
+            if n < size:
+                continue
             end = ptr + n
             for a, b in ((ptr, min(end, lo)), (max(ptr, lo), min(end, hi)), (max(ptr, hi), end)):
                 if size <= b - a and (best_ptr is None or b - a < best_n):
@@ -297,6 +303,7 @@ class _IterStats:
     hits: int = 0
     misses: int = 0
     conflicts: int = 0
+    region_fits: int = 0  # live objects misses looked through for room in the plan's region (REGION_FITS)
 
 
 class LifetimePool(Layout):
@@ -683,7 +690,10 @@ class LifetimePool(Layout):
         # that finds its place taken goes elsewhere in turn), what the learning iterations
         # left free, then the overflow arena.
         region = next((r for r in reversed(self._regions) if not r.retired), None)  # the plan's
-        ptr = region.best_fit(size, self._live_starts, self._live_ends) if region is not None else None
+        ptr = None
+        if region is not None and stats.region_fits < REGION_FITS:
+            stats.region_fits += region.live + 1
+            ptr = region.best_fit(size, self._live_starts, self._live_ends)
         if ptr is not None:
             bisect.insort(self._live_starts, ptr)
             self._live_ends[ptr] = ptr + size
