@@ -329,21 +329,21 @@ def test_a_short_last_batch_takes_the_regions_free_memory():
     assert len(pool._regions) == 1
 
 
-def test_a_step_that_misses_the_plan_looks_through_the_region_a_bounded_time(monkeypatch):
-    """Each miss looks through the region's live objects for room: past REGION_FITS of them in
-    an iteration, its misses take the learning arena's free space or overflow, so a step the plan
-    misses entirely costs a bounded time."""
-    from umrt.memory import pool as pool_module
+def test_a_regions_space_hands_out_planned_places_and_best_fits():
+    """The region's free list: a planned place is taken only where all of it is free, a miss
+    gets the smallest free block that holds it, and freed blocks coalesce."""
+    from umrt.memory.pool import _Online
 
-    monkeypatch.setattr(pool_module, "REGION_FITS", 0)
-    pool = LifetimePool(BumpBackend())
-    drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
-    assert pool.report()["last_iteration"]["plan_misses"] > 0
-    assert pool.arena_ranges()["overflow"] or pool.arena_ranges()["learning"]  # not in the region
-    monkeypatch.setattr(pool_module, "REGION_FITS", 200_000)
-    pool = LifetimePool(BumpBackend())
-    drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
-    assert pool.arena_ranges()["overflow"] == [] and pool.arena_ranges()["learning"] == []
+    space = _Online(None, "region")
+    space.adopt(0, 6 * MiB, [])
+    assert space.take(MiB, MiB) and not space.take(MiB + 512, 512)  # taken: in use
+    assert space.take(4 * MiB, 2 * MiB) and not space.take(3 * MiB, 2 * MiB)  # partly in use
+    assert space.fit(3 * MiB) is None  # the largest free block is 2 MiB: nothing is obtained
+    assert space.fit(MiB) == 0  # the smallest block that holds it (not [2, 4) MiB)
+    space.free(MiB)
+    space.free(0)
+    assert space.fit(2 * MiB) == 0  # the freed neighbours coalesced, and 0 comes first
+    assert sorted(space.free_blocks()) == [(2 * MiB, 2 * MiB)]
 
 
 def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():

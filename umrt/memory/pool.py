@@ -27,7 +27,7 @@ from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE", "REGION_FITS"]
+__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE"]
 
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
@@ -47,10 +47,6 @@ _MAX_RECORDS = 1 << 18
 SHORT_PLAN = 4
 # Two iterations have one shape where this share of each one's bytes is under keys the other has.
 SAME_SHAPE = 0.9
-# Live objects an iteration's misses may look through for room in the plan's region (each miss
-# looks through all of them): past this, its misses take the learning arena's free space or
-# overflow, so a step the plan misses entirely costs a bounded time (~0.1 s of Python).
-REGION_FITS = 200_000
 
 log = logging.getLogger("umrt")
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
@@ -109,26 +105,53 @@ class _Online:
         self._seg_starts: set[int] = set()
         self._seg_ends: set[int] = set()
         self._free_keys: list[tuple[int, int]] = []  # sorted (size, ptr)
+        self._free_starts: list[int] = []  # sorted ptr
         self._free_at: dict[int, int] = {}  # ptr -> size
         self._free_end: dict[int, int] = {}  # end -> ptr
         self.used: dict[int, int] = {}  # ptr -> size
 
     def alloc(self, size: int) -> int:
-        i = bisect.bisect_left(self._free_keys, (size, -1))
-        if i == len(self._free_keys):
+        ptr = self.fit(size)
+        if ptr is None:
             seg = self._segment_size(size)
             ptr = self.pool._malloc(seg)
             self.segments.append((ptr, seg))
             self._seg_starts.add(ptr)
             self._seg_ends.add(ptr + seg)
             self._add_free(ptr, seg)
-            i = bisect.bisect_left(self._free_keys, (size, -1))
+            ptr = self.fit(size)
+        return ptr
+
+    def fit(self, size: int) -> int | None:
+        """``size`` bytes at the start of the smallest free block that holds them, or None
+        (no segment is obtained)."""
+        i = bisect.bisect_left(self._free_keys, (size, -1))
+        if i == len(self._free_keys):
+            return None
         fsize, ptr = self._free_keys[i]
         self._del_free(ptr, fsize)
         if fsize > size:
             self._add_free(ptr + size, fsize - size)
         self.used[ptr] = size
         return ptr
+
+    def take(self, ptr: int, size: int) -> bool:
+        """``[ptr, ptr + size)`` if it lies inside one free block (a planned place); False,
+        doing nothing, if any of it is in use."""
+        i = bisect.bisect_right(self._free_starts, ptr) - 1
+        if i < 0:
+            return False
+        start = self._free_starts[i]
+        n = self._free_at[start]
+        if ptr + size > start + n:
+            return False
+        self._del_free(start, n)
+        if ptr > start:
+            self._add_free(start, ptr - start)
+        if start + n > ptr + size:
+            self._add_free(ptr + size, start + n - ptr - size)
+        self.used[ptr] = size
+        return True
 
     def fits(self, size: int) -> bool:
         """Whether a free block of ``size`` bytes is there (no new segment needed)."""
@@ -211,11 +234,13 @@ class _Online:
 
     def _add_free(self, ptr: int, size: int) -> None:
         bisect.insort(self._free_keys, (size, ptr))
+        bisect.insort(self._free_starts, ptr)
         self._free_at[ptr] = size
         self._free_end[ptr + size] = ptr
 
     def _del_free(self, ptr: int, size: int) -> None:
         del self._free_keys[bisect.bisect_left(self._free_keys, (size, ptr))]
+        del self._free_starts[bisect.bisect_left(self._free_starts, ptr)]
         del self._free_at[ptr]
         del self._free_end[ptr + size]
 
@@ -247,34 +272,8 @@ class _Region:
     short: tuple[int, int] = (0, 0)  # (ptr, nbytes) of the short-lived arena
     live: int = 0
     retired: bool = False
-
-    def free_ranges(self, starts: list[int], ends: dict[int, int]) -> list[tuple[int, int]]:
-        """``(ptr, nbytes)`` of each range of the region no live object occupies, given every
-        live planned object's start (sorted) and ``start -> end``."""
-        lo, hi = self.ptr, self.ptr + self.nbytes
-        gaps, cursor = [], lo
-        for start in starts[bisect.bisect_left(starts, lo):bisect.bisect_left(starts, hi)]:
-            if start > cursor:
-                gaps.append((cursor, start - cursor))
-            cursor = max(cursor, ends[start])
-        if cursor < hi:
-            gaps.append((cursor, hi - cursor))
-        return gaps
-
-    def best_fit(self, size: int, starts: list[int], ends: dict[int, int]) -> int | None:
-        """The start of the smallest free range of at least ``size`` bytes (see
-        :meth:`free_ranges`), never across the short-lived range's edges (no block
-        holds two lifetime classes); None if there is none."""
-        best_ptr, best_n = None, 0
-        lo, hi = self.short[0], self.short[0] + self.short[1]
-        for ptr, n in self.free_ranges(starts, ends):
-            if n < size:
-                continue
-            end = ptr + n
-            for a, b in ((ptr, min(end, lo)), (max(ptr, lo), min(end, hi)), (max(ptr, hi), end)):
-                if size <= b - a and (best_ptr is None or b - a < best_n):
-                    best_ptr, best_n = a, b - a
-        return best_ptr
+    # Which of its bytes are in use (planned places are taken from it, misses fit into it).
+    space: _Online | None = None
 
     def ranges(self) -> dict[str, list[tuple[int, int]]]:
         lo, n = self.short
@@ -303,7 +302,6 @@ class _IterStats:
     hits: int = 0
     misses: int = 0
     conflicts: int = 0
-    region_fits: int = 0  # live objects misses looked through for room in the plan's region (REGION_FITS)
 
 
 class LifetimePool(Layout):
@@ -394,8 +392,6 @@ class LifetimePool(Layout):
         self._regions: list[_Region] = []
         self._live: dict[int, _Live] = {}
         # Live planned objects: sorted start addresses, and start -> end.
-        self._live_starts: list[int] = []
-        self._live_ends: dict[int, int] = {}
         self._plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         self.planned = False
         self.plans_made = 0
@@ -463,8 +459,7 @@ class LifetimePool(Layout):
         elif rec is not None and rec.end is None and rec.end_next is None:
             rec.end_next, rec.end_next_tick = self._clock - self._iter_clock, self._tick
         if live.region is not None:
-            del self._live_starts[bisect.bisect_left(self._live_starts, live.ptr)]
-            del self._live_ends[live.ptr]
+            live.region.space.free(live.ptr)  # (the region is handed back whole, never by its space)
             live.region.live -= 1
             if live.region.retired and live.region.live == 0:
                 self._release(live.region.ptr)
@@ -668,13 +663,7 @@ class LifetimePool(Layout):
         if hit is not None:
             region, offset, name = hit
             ptr = region.ptr + offset
-            starts = self._live_starts
-            i = bisect.bisect_left(starts, ptr)
-            free_before = i == 0 or self._live_ends[starts[i - 1]] <= ptr
-            free_after = i == len(starts) or starts[i] >= ptr + size
-            if free_before and free_after:
-                starts.insert(i, ptr)
-                self._live_ends[ptr] = ptr + size
+            if region.space.take(ptr, size):
                 region.live += 1
                 stats.hits += 1
                 self.totals.hits += 1
@@ -690,13 +679,12 @@ class LifetimePool(Layout):
         # that finds its place taken goes elsewhere in turn), what the learning iterations
         # left free, then the overflow arena.
         region = next((r for r in reversed(self._regions) if not r.retired), None)  # the plan's
-        ptr = None
-        if region is not None and stats.region_fits < REGION_FITS:
-            stats.region_fits += region.live + 1
-            ptr = region.best_fit(size, self._live_starts, self._live_ends)
+        ptr = region.space.fit(size) if region is not None else None
+        if ptr is not None and region.short[1] and any(ptr < edge < ptr + size for edge in (
+                region.short[0], region.short[0] + region.short[1])):
+            region.space.free(ptr)  # across the short-lived range's edge: a block would hold two classes
+            ptr = None
         if ptr is not None:
-            bisect.insort(self._live_starts, ptr)
-            self._live_ends[ptr] = ptr + size
             region.live += 1
             lo, n = region.short
             name = "short-lived" if lo <= ptr < lo + n else "long-lived"  # the memory's class, as planned
@@ -831,7 +819,7 @@ class LifetimePool(Layout):
                 self._release(old.ptr)
                 self._regions.remove(old)
             else:
-                idle.extend(old.free_ranges(self._live_starts, self._live_ends))
+                idle.extend(old.space.free_blocks())
         if idle and self._on_idle is not None:
             self._on_idle(idle)
 
@@ -844,6 +832,8 @@ class LifetimePool(Layout):
                     region.short = (region.ptr + base, item.nbytes)
                 for r, off in zip(members, offsets, strict=True):
                     new_plan[r.key] = (region, base + off, name)
+            region.space = _Online(self, "region")
+            region.space.adopt(region.ptr, region.nbytes, [])
 
         self._plan = new_plan
         self.planned = True
@@ -864,14 +854,10 @@ class LifetimePool(Layout):
             if region.live == 0:
                 self._release(region.ptr)
                 continue
-            used = []
             for live in self._live.values():
                 if live.region is region:
-                    used.append((live.ptr, live.size))
                     live.region, live.arena = None, "overflow"
-                    del self._live_starts[bisect.bisect_left(self._live_starts, live.ptr)]
-                    del self._live_ends[live.ptr]
-            self._online["overflow"].adopt(region.ptr, region.nbytes, used)
+            self._online["overflow"].adopt(region.ptr, region.nbytes, list(region.space.used.items()))
         log.info("umrt: the pool stopped planning: %s; it serves every allocation best-fit", why)
 
     def _recurring_records(self) -> list[_Record]:
