@@ -362,20 +362,25 @@ def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
     assert max(f for it, f in footprints if it is not None and it > 7) == held
 
 
+def feed(pool: LifetimePool, events, live: dict[int, int]) -> None:
+    """Allocations, frees and the rest of ``events`` into ``pool``; ``live``: obj -> bytes as they go."""
+    for e in events:
+        if isinstance(e, Alloc):
+            pool.alloc(e.obj, e.nbytes, e.kind)
+            live[e.obj] = e.nbytes
+        elif isinstance(e, Free):
+            pool.free(e.obj)
+            del live[e.obj]
+        else:
+            pool.observe(e)
+
+
 def test_stop_planning_keeps_every_live_object_where_it_is():
     events = model_events(iterations=4)
     pool = LifetimePool(BumpBackend())
     cut = events.index(IterationBoundary(3)) + 6  # inside iteration 3, objects live in the region
-    sizes = {}
-    for e in events[:cut]:
-        if isinstance(e, Alloc):
-            pool.alloc(e.obj, e.nbytes, e.kind)
-            sizes[e.obj] = e.nbytes
-        elif isinstance(e, Free):
-            pool.free(e.obj)
-            del sizes[e.obj]
-        else:
-            pool.observe(e)
+    sizes: dict[int, int] = {}
+    feed(pool, events[:cut], sizes)
     where = {o: pool.address(o) for o in sizes}
     held = pool.footprint()
     pool.stop_planning("asked")
@@ -404,15 +409,7 @@ def test_memory_left_idle_by_a_plan_is_reported():
 
     pool = LifetimePool(BumpBackend(), on_idle=on_idle)
     current: dict[int, int] = {}
-    for e in model_events(iterations=3):
-        if isinstance(e, Alloc):
-            pool.alloc(e.obj, e.nbytes, e.kind)
-            current[e.obj] = e.nbytes
-        elif isinstance(e, Free):
-            pool.free(e.obj)
-            del current[e.obj]
-        else:
-            pool.observe(e)
+    feed(pool, model_events(iterations=3), current)
     assert idle  # the gradients alive across the boundary kept the learning arena
     for lo, n in idle:
         assert n > 0 and all(p + m <= lo or p >= lo + n for p, m in live_then.items())
