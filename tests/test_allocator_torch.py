@@ -308,7 +308,7 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
         pool.free(act)
         addrs.append((act, tmp))
     assert made[0].planned and made[0].plans_made == 1
-    assert addrs[1] == addrs[2] == addrs[3]
+    assert addrs[2] == addrs[3]  # planned once the second step repeated the first's shape
     assert made[1]._iteration == 3 and not made[1].planned  # saw the boundaries, nothing to plan
     pool.observe(IterationBoundary(4))
     pool.observe(LayerEnter("layer"))

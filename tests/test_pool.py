@@ -348,8 +348,8 @@ def test_a_regions_space_hands_out_planned_places_and_best_fits():
 
 def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
     """Every other step another batch size (bucketed lengths): each plan is replaced after two
-    steps. After two such plans the pool serves best-fit: the regions join the overflow arena
-    with their live objects where they are, and later shapes reuse that memory."""
+    steps. After two such plans the pool serves best-fit in the learning arena: the regions keep
+    their live objects where they are until they die, and later shapes reuse the memory held."""
     events = model_events(batches=[1, 1, 2, 2, 3, 3, 4, 4, 2, 3, 1, 4])
     pool = LifetimePool(BumpBackend())
     footprints: list[tuple[int, int]] = []  # (iteration, footprint) at each allocation
@@ -388,12 +388,17 @@ def test_stop_planning_keeps_every_live_object_where_it_is():
     assert pool.stopped_planning == "asked"
     assert {o: pool.address(o) for o in sizes} == where and pool.footprint() == held
     check_layout(pool, sizes)
-    for o in list(sizes)[:3]:
+    in_region = [o for o in sizes if pool.arena_of(o) in ("short-lived", "long-lived")]
+    assert in_region and pool._regions
+    pool.alloc(-1, 512, Kind.TEMPORARY)  # best fit where the learning iterations ran, not in the region
+    sizes[-1] = 512
+    assert pool.arena_of(-1) == "learning"
+    check_layout(pool, sizes)
+    before = pool.footprint()
+    for o in in_region:  # the region's last object dies: it is handed back
         pool.free(o)
         del sizes[o]
-    pool.alloc(-1, 512, Kind.TEMPORARY)  # best fit in what the region left free: nothing obtained
-    sizes[-1] = 512
-    assert pool.arena_of(-1) == "overflow" and pool.footprint() == held
+    assert pool._regions == [] and pool.footprint() < before
     check_layout(pool, sizes)
 
 
@@ -561,18 +566,36 @@ def test_live_feed_plans_stable_and_tight():
 
 def test_live_feed_uses_hints_given_before_planning():
     """The optimizer state (born in the first step, never freed, as big as the gradients and
-    the step's temporaries) shifts the ordinals of the first iteration's keys: hinted, it is
-    left out of the plan, and the second iteration already gets the steady addresses."""
+    the step's temporaries) shifts the ordinals of the first iteration's keys. The live feed's
+    first plan waits for a step whose shape repeats the one before (the first step, which
+    makes that state, does not), so hinted or not the plan is made once, from the second step,
+    and the third already gets the steady addresses; the hinted state is never planned."""
     events = with_optimizer_step(model_events(iterations=5), zero_grad_after_step=True)
     hinted, blind = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
     a = drive_live(hinted, events, check=check_layout)
     b = drive_live(blind, events, hinted=0, check=check_layout)
-    assert hinted.plans_made == 1 and same_from(a, 1, 4)
+    assert hinted.plans_made == 1 and not same_from(a, 1, 2) and same_from(a, 2, 4)
     assert hinted.report()["total"]["plan_misses"] == 0
-    # Without hints the never-freed state is planned as alive all along, under keys the second
-    # iteration gives to other objects; refined once after it: stable from the third on.
-    assert blind.plans_made == 2 and not same_from(b, 1, 2) and same_from(b, 2, 4)
+    assert blind.plans_made == 1 and not same_from(b, 1, 2) and same_from(b, 2, 4)
     assert hinted.footprint() == blind.footprint()
+
+
+def test_live_feed_plans_steps_whose_shapes_take_turns_by_the_fifth_step():
+    """Two batch sizes in turn never give two steps of one shape in a row: the live feed's
+    first plan then comes from the FIRST_PLAN_BY-th step, not never; one repeated shape
+    plans at once."""
+    from umrt.memory.pool import FIRST_PLAN_BY
+
+    turns = LifetimePool(BumpBackend(), live_feed=True)
+    made_at: list[int] = []
+    drive_live(turns, model_events(batches=[1, 2] * 4),
+               check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
+    assert turns.planned and made_at == [FIRST_PLAN_BY]
+    steady = LifetimePool(BumpBackend(), live_feed=True)
+    made_at.clear()
+    drive_live(steady, model_events(batches=[1, 2, 2, 2]),
+               check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
+    assert made_at == [3]  # planned at the end of step 2, the first to repeat the one before
 
 
 def test_live_feed_keys_ignore_launches():

@@ -27,7 +27,7 @@ from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE"]
+__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE", "FIRST_PLAN_BY"]
 
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
@@ -47,6 +47,12 @@ _MAX_RECORDS = 1 << 18
 SHORT_PLAN = 4
 # Two iterations have one shape where this share of each one's bytes is under keys the other has.
 SAME_SHAPE = 0.9
+# Live feed: the first plan waits for a training step of the shape of the step before it (the
+# first step, which makes the optimizer's state and runs the set-up, has a shape of its own:
+# planned from it, the pool would hold two regions, the learning iterations would run slower
+# than a caching allocator's, and the runtime would time doing nothing on them), but plans at
+# the latest from this many steps (loops whose steps take turns between shapes).
+FIRST_PLAN_BY = 5
 
 log = logging.getLogger("umrt")
 _NO_KIND = -1  # the kind code of every live-feed key: steady iterations get no hints
@@ -336,9 +342,9 @@ class LifetimePool(Layout):
         Stop planning once this many re-plans in a row each replaced a plan
         that served fewer than :data:`SHORT_PLAN` training iterations (the
         program's allocations do not repeat: bucketed sequence lengths,
-        batches that change every step): the planned regions join the
-        ``overflow`` arena, which then serves every allocation best-fit, as a
-        caching allocator does (``None``: never stop).
+        batches that change every step): the ``learning`` arena then serves
+        every allocation best-fit, as a caching allocator does, and each planned
+        region is handed back once its objects are dead (``None``: never stop).
     live_feed:
         Allocations come from a framework allocator: :attr:`Kind.OTHER` means
         unknown (hinted later with :meth:`hint_kind`, or never), launches are
@@ -401,6 +407,7 @@ class LifetimePool(Layout):
         self.stopped_planning: str | None = None
         self._plan_served = 0  # training iterations the current plan served
         self._last_shape: dict[PlanKey, int] = {}  # the last training iteration's plan keys -> bytes
+        self._unplanned_steps = 0  # training iterations learned before the first plan (live feed)
         self._short_plans = 0  # re-plans in a row that replaced a plan serving < SHORT_PLAN of them
 
         self._clock = 0
@@ -467,10 +474,10 @@ class LifetimePool(Layout):
         else:
             arena = self._online[live.arena]
             emptied = arena.free(live.ptr)
-            if live.arena == "learning" and self.planned and not arena.used:
+            if live.arena == "learning" and self.planned and self.planning and not arena.used:
                 arena.release()
             elif emptied is not None and self.live_feed and (
-                    live.arena == "learning" and self.planned
+                    live.arena == "learning" and self.planned and self.planning
                     or live.arena == "persistent" and not self.planned and self._recording
                     and self._iteration is not None):
                 # Live feed: learning is done with once planned; a persistent segment emptied
@@ -656,8 +663,8 @@ class LifetimePool(Layout):
                 self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
-        if not self.planning:
-            return _Live("overflow", self._online["overflow"].alloc(size), size, nbytes, record=record,
+        if not self.planning:  # best-fit where the learning iterations ran (what the runtime timed them on)
+            return _Live("learning", self._online["learning"].alloc(size), size, nbytes, record=record,
                          iteration=self._iteration)
         hit = self._plan.get(key) if key is not None else None
         if hit is not None:
@@ -701,10 +708,12 @@ class LifetimePool(Layout):
             return
         if self.planned:
             self._plan_served += 1
-        shape = {r.key: r.size for r in self._records}
+        shape = {r.key: r.size for r in self._recurring_records()}  # (what a plan would place)
         same_shape, self._last_shape = _same_shape(shape, self._last_shape), shape
         if not self.planned:
-            self._make_plan()
+            self._unplanned_steps += 1
+            if same_shape or not self.live_feed or self._unplanned_steps >= FIRST_PLAN_BY:
+                self._make_plan()
         elif self._refine:
             self._make_plan()  # once: the ends of objects that outlived the learned iteration are known now
         elif (self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes
@@ -841,23 +850,21 @@ class LifetimePool(Layout):
         self._plan_served = 0
 
     def stop_planning(self, why: str) -> None:
-        """Serve every allocation best-fit from now on, as a caching allocator does: each
-        planned region joins the ``overflow`` arena, its live objects where they are, the
-        rest open to any size (``why`` goes to :attr:`stopped_planning` and the log)."""
+        """Serve every allocation best-fit from now on, as a caching allocator does, in the
+        ``learning`` arena (where the iterations before the plan ran: what the runtime timed
+        doing nothing on). Each planned region keeps its live objects where they are and is
+        handed back once they are dead (``why`` goes to :attr:`stopped_planning` and the log)."""
         if not self.planning:
             return
         self.planning = False
         self.stopped_planning = why
         self._plan = {}
         for region in list(self._regions):
-            self._regions.remove(region)
             if region.live == 0:
+                self._regions.remove(region)
                 self._release(region.ptr)
-                continue
-            for live in self._live.values():
-                if live.region is region:
-                    live.region, live.arena = None, "overflow"
-            self._online["overflow"].adopt(region.ptr, region.nbytes, list(region.space.used.items()))
+            else:
+                region.retired = True
         log.info("umrt: the pool stopped planning: %s; it serves every allocation best-fit", why)
 
     def _recurring_records(self) -> list[_Record]:
@@ -883,7 +890,7 @@ class LifetimePool(Layout):
         # every iteration, a cudaMallocManaged and a cudaFree each time).
         online = self._online
         online["persistent"].release_empty()
-        if self.planned:  # (before, every step allocates there: returned, it would be obtained again)
+        if self.planned and self.planning:  # (before, every step allocates there: returned, it would be obtained again)
             online["learning"].release_empty()
         clean = self.planned and not st.misses
         if clean and self._clean_before and self.planning:  # (a caching allocator's cache stays)
