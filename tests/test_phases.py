@@ -157,6 +157,26 @@ def test_payoff_compares_each_shape_with_its_own_baseline():
         Payoff(window=0)
 
 
+def test_a_clear_loss_stops_acting_without_waiting_for_the_window():
+    """Acting that took more than 1.5x doing nothing twice in a row costs that much every
+    iteration: it stops after two samples; a mild loss (1.3x) waits for the whole window."""
+    p = Payoff(window=3, margin=0.05)
+    p.iteration(1, "train", BASELINE, shape=5)
+    p.timed(1, 10.0)
+    p.iteration(2, "train", ACTING, shape=5)
+    assert p.timed(2, 20.0) is None  # one sample is no verdict
+    p.iteration(3, "train", ACTING, shape=5)
+    assert p.timed(3, 16.0) == "train" and "last 2 train" in p.stopped["train"]
+    mild = Payoff(window=3, margin=0.05)
+    mild.iteration(1, "eval", BASELINE, shape=5)
+    mild.timed(1, 10.0)
+    for i in (2, 3):
+        mild.iteration(i, "eval", ACTING, shape=5)
+        assert mild.timed(i, 13.0) is None
+    mild.iteration(4, "eval", ACTING, shape=5)
+    assert mild.timed(4, 13.0) == "eval" and "last 3 eval" in mild.stopped["eval"]
+
+
 def test_a_timing_that_arrives_late_still_counts():
     """Live, CUDA events are read an iteration or two after the iteration ended."""
     p = Payoff(window=1, margin=0.0)

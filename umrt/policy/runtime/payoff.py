@@ -12,7 +12,8 @@ compares each iteration that followed a plan from start to end with the
 baseline of its shape (of its phase, where the shape has none: a phase's
 shapes differ, an evaluation's first and last batches from the others).
 Once ``window`` such ratios are in and their median is more than ``margin``
-above 1, acting loses for that phase: the runtime stops acting for it (the
+above 1 (or the last two are each more than 1.5: a loss that clear is not
+waited on), acting loses for that phase: the runtime stops acting for it (the
 "none" plan: the driver alone, as plain Unified Memory) and says so in its
 report. A phase whose shape changes (a new plan is compiled for it) gets
 another chance.
@@ -26,6 +27,9 @@ __all__ = ["Payoff", "BASELINE", "ACTING"]
 
 BASELINE, ACTING = "baseline", "acting"  # what an iteration's time is a sample of
 _KEEP = 64  # iterations whose role is kept until their time arrives (live times come late)
+#: Acting that took more than CLEAR_LOSS times the baseline in each of the last CLEAR_SAMPLES
+#: iterations loses without waiting for ``window`` of them (every such iteration costs that much).
+CLEAR_SAMPLES, CLEAR_LOSS = 2, 1.5
 
 
 class Payoff:
@@ -80,12 +84,17 @@ class Payoff:
             return None
         ratios = self.ratios.setdefault(phase, deque(maxlen=16))
         ratios.append(seconds / statistics.median(base))
-        if phase in self.stopped or len(ratios) < self.window:
+        if phase in self.stopped:
             return None
-        ratio = statistics.median(list(ratios)[-self.window:])
+        last = list(ratios)[-self.window:]
+        if len(last) >= CLEAR_SAMPLES and min(last[-CLEAR_SAMPLES:]) > CLEAR_LOSS:
+            last = last[-CLEAR_SAMPLES:]  # a loss this clear needs no more samples
+        elif len(last) < self.window:
+            return None
+        ratio = statistics.median(last)
         if ratio <= 1 + self.margin:
             return None
-        self.stopped[phase] = (f"its last {self.window} {phase} iterations acting took {ratio:.2f}x the time of "
+        self.stopped[phase] = (f"its last {len(last)} {phase} iterations acting took {ratio:.2f}x the time of "
                                "the same iterations doing nothing")
         return phase
 
