@@ -89,10 +89,9 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path / "pkg"
 
 
-# The circles left, counting TYPE_CHECKING imports: Runtime's and Recorder's state is still
-# shared by the files split off them (guard, launch_free, phases; hooks). No new one may come.
+# The circle left, counting TYPE_CHECKING imports: Runtime's state is still shared by the
+# files split off it (guard, launch_free, phases). No new one may come.
 KNOWN_CIRCLES = [
-    ["umrt.capture.hooks", "umrt.capture.recorder"],
     ["umrt.policy.runtime.guard", "umrt.policy.runtime.launch_free", "umrt.policy.runtime.phases",
      "umrt.policy.runtime.policy"],
 ]
