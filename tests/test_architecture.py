@@ -26,7 +26,6 @@ THIRD_PARTY_PROBES = {
                             "set_record_stream_fn"},  # torch versions without it (record_stream goes nowhere)
     "api.py": {"accelerator"},  # torch.accelerator (torch >= 2.6), whose device setter umrt follows
     "backends/cuda.py": {"cudaMemDiscardBatchAsync"},  # cuda-bindings before 13 lacks it
-    "capture/profiled.py": {"stack", "overload_name"},  # torch profiler events by version
     "capture/recorder.py": {"_schema", "_overloadpacket"},  # torch op objects (OpOverload vs packet)
     "capture/steer.py": {"find_packed_sequence_indices"},  # transformers versions
     "cli/__init__.py": {"func"},  # argparse: a sub-command was given
