@@ -2,11 +2,12 @@
 
 What a newcomer meets, counted from the source of ``umrt/`` and ``bench/`` (no import of either):
 
-* the largest classes, by methods and by the attributes their methods set on ``self``;
-* the largest files, and the lines of each package;
+* the largest classes of both packages, by methods and by the attributes their methods
+  set on ``self``;
+* the largest files of both packages, and the lines of each package;
 * the lines of the modules named on the command line (default: the facade and the runtime);
-* ``getattr(obj, "name")`` / ``hasattr`` probes (duck typing where an interface should be);
-* imports of umrt modules inside functions (hidden dependencies; a module that is
+* ``getattr(obj, "name")`` / ``hasattr`` probes in ``umrt`` (duck typing where an interface should be);
+* imports of umrt modules inside functions of ``umrt`` (hidden dependencies; a module that is
   optional or GPU-only says why with an ``# optional:`` comment on the import and is
   counted apart);
 * import cycles between the modules of both packages: those the interpreter meets (every
@@ -23,6 +24,7 @@ import argparse
 import ast
 import json
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -149,7 +151,7 @@ def _private_reaches(tree: ast.AST, rel: str, mod: str, is_package: bool, own: s
 
 def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py", "umrt/policy/runtime/policy.py"),
             packages: tuple[Path, ...] = PACKAGES) -> Shape:
-    """Every figure: classes, probes and function-level imports of ``package``; cycles,
+    """Every figure: probes and function-level imports of ``package``; classes, cycles,
     private reaches and lines across ``packages``."""
     shape = Shape()
     tops = tuple(p.name for p in packages)
@@ -182,6 +184,7 @@ def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py
                         reader_graph[mod].add(name)
                         if id(node) not in skip:
                             graph[mod].add(name)
+        shape.classes.extend(_classes(tree, mod))
         if path.is_relative_to(package):
             _measure_package_module(shape, tree, lines, rel, mod, is_package, skip)
     shape.classes.sort(key=lambda c: (-c.methods, -c.attributes))
@@ -197,17 +200,22 @@ def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py
     return shape
 
 
-def _measure_package_module(shape: Shape, tree: ast.AST, lines: list[str], rel: str, mod: str,
-                            is_package: bool, skip: set[int]) -> None:
-    """Classes, getattr probes and function-level imports of one module of the main package."""
+def _classes(tree: ast.AST, mod: str) -> Iterator[ClassShape]:
+    """Each class of a module: its methods, and the attributes they set on ``self``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
             attrs = {t.attr for m in methods for t in ast.walk(m)
                      if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
                      and isinstance(t.value, ast.Name) and t.value.id == "self"}
-            shape.classes.append(ClassShape(f"{mod}.{node.name}", len(methods), len(attrs)))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            yield ClassShape(f"{mod}.{node.name}", len(methods), len(attrs))
+
+
+def _measure_package_module(shape: Shape, tree: ast.AST, lines: list[str], rel: str, mod: str,
+                            is_package: bool, skip: set[int]) -> None:
+    """Getattr probes and function-level imports of one module of the main package."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2 \
                 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
             shape.getattr_probes.append(f"{rel}:{node.lineno} {node.func.id} {node.args[1].value}")
@@ -287,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
           + "".join(f"\n  {' <-> '.join(c)}" for c in shape.cycles_with_type_checking))
     print(f"packages importing each other: {len(shape.package_cycles)}"
           + "".join(f"\n  {c}" for c in shape.package_cycles))
-    print(f"private attributes reached across modules: {len(shape.private_reaches)}")
+    by_file = Counter(r.split(":")[0] for r in shape.private_reaches)
+    print(f"private attributes reached across modules: {len(shape.private_reaches)}"
+          + (" (" + ", ".join(f"{f} {n}" for f, n in by_file.most_common()) + ")" if by_file else ""))
     print("largest files: " + ", ".join(f"{f} {n}" for f, n in list(shape.file_lines.items())[: args.top]))
     print("lines: " + ", ".join(f"{p} {n}" for p, n in shape.package_lines.items()))
     if args.verbose:

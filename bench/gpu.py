@@ -268,7 +268,7 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
     import torch
 
     from umrt.telemetry import Sampler
-    from umrt.zoo import _forward_kwargs, _loss, _quiet_transformers, build_model, make_inputs, resolve
+    from umrt.zoo import build_model, forward_kwargs, make_inputs, quiet_transformers, resolve, training_loss
 
     dry = bool(getattr(args, "dry_run_cpu", False))
     device = "cpu" if dry else _TORCH_DEVICE
@@ -312,7 +312,7 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
     records: list[StepRecord] = []
     sampler = None
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             torch.manual_seed(0)  # the same initial weights in every mode
             model = build_model(spec, device)
             if mode == "checkpoint":
@@ -321,7 +321,7 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
                                      "(transformers' gradient_checkpointing_enable)")
                 model.gradient_checkpointing_enable()  # as ../shared/gpu-probes/alternatives.py
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-            fwd = _forward_kwargs(spec)
+            fwd = forward_kwargs(spec)
             for step in range(args.warmup + args.steps):
                 torch.manual_seed(SEED + step)  # the same batch and dropout masks in every mode
                 inputs = make_inputs(spec, batch, seq, device)  # the loader's work, outside the timing
@@ -330,7 +330,7 @@ def run_worker(mode: str, args: argparse.Namespace, emit: Any = _print_step) -> 
                 sync()
                 c0, p0 = read_counters(backend), pcie.read() if pcie is not None else None
                 t0 = time.perf_counter()
-                loss = _loss(model(**inputs, **fwd))
+                loss = training_loss(model(**inputs, **fwd))
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -321,15 +321,16 @@ def run_grid(grid: Grid, *, progress: bool = True, cache_dir: Path = CACHE_DIR,
 
 def derive(rows: list[dict]) -> None:
     """Add slowdown vs ideal and speedup vs um to every successful row."""
-    um = {_group(r): r.get("iteration_time_s") for r in rows if r["policy"] == "um" and not r.get("error")}
+    um = {cell_group(r): r.get("iteration_time_s") for r in rows if r["policy"] == "um" and not r.get("error")}
     for r in rows:
         t, ideal = r.get("iteration_time_s"), r.get("ideal_time_s")
         r["slowdown_vs_ideal"] = round(t / ideal, 4) if t and ideal else None
-        base = um.get(_group(r))
+        base = um.get(cell_group(r))
         r["speedup_vs_um"] = round(base / t, 4) if t and base else None
 
 
-def _group(row: dict) -> tuple:
+def cell_group(row: dict) -> tuple:
+    """What a row's policies are compared over: model, shape, profile, budget, precision and budget base."""
     return (row["model"], row.get("batch"), row.get("seq"), row["profile"], row["budget"], dtype_of(row),
             base_of(row))
 

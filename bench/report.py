@@ -12,8 +12,8 @@ from bench.grid import (
     PAPER_PROFILES,
     PEERS,
     TARGET_MODELS,
-    _group,
     base_of,
+    cell_group,
     derive,
     dtype_of,
     geomean,
@@ -83,7 +83,7 @@ def _policies(rows: list[dict]) -> list[str]:
 def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     out: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        out.setdefault(_group(r), {})[r["policy"]] = r
+        out.setdefault(cell_group(r), {})[r["policy"]] = r
     return out
 
 

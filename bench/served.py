@@ -1,4 +1,5 @@
-"""A recorded live run served as a live run is: ``python -m bench.served``.
+"""A recorded live run served as a live run is: the harness of the native steady state's
+end-to-end test (``tests/test_native_steady.py``).
 
 The H100's GPT-2 event streams (``bench.live_replay``'s logs, closed loop on umrt's
 runtime: :class:`bench.live_replay.ClosedLoop`) drive what a live GPU run runs on the
@@ -6,23 +7,14 @@ CPU: every allocation and free through umrt's allocator (:class:`umrt.drive.stea
 over a :class:`umrt.allocators.managed.ManagedPool` on a :class:`umrt.backends.cuda.CudaBackend`),
 and the events the live bridge would feed (allocations, frees, module boundaries,
 launches while the runtime wants them) reaching umrt's runtime through a
-:class:`umrt.drive.Driver`. Run once on the Python path (``UMRT_NATIVE=0``) and once
-with the native steady state (through the native front's C entry points where it
-builds), it reports umrt's CPU per step side by side: everything between two
-optimizer steps but the program's own work, torch's calls into the allocator (a
-ctypes callback each on the Python path: ``bench.overhead`` measures them) and the
-module hooks (``bench.overhead``). The CUDA runtime is a stand-in that does nothing
-(:class:`NullCuda`): CPU figures, no GPU. ``tests/test_native_steady.py`` runs the same
-replay on the fake CUDA runtime and holds the two paths to the same addresses and calls.
+:class:`umrt.drive.Driver`, on the Python path or with the native steady state (through
+the native front's C entry points where it builds). The test runs it on the fake CUDA
+runtime and holds the two paths to the same addresses and calls; :class:`NullCuda`, a
+runtime that does nothing, is the default.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,12 +25,9 @@ from umrt.allocators.managed import ManagedPool
 from umrt.allocators.steady import counting_table
 from umrt.backends.base import Advice, Range
 from umrt.backends.cuda import CudaApi, CudaBackend
-from umrt.cli import Renamed
-from umrt.config import parse_amount
 from umrt.drive.driver import Driver
 from umrt.drive.live import LiveLayout, ManagedOnly
 from umrt.drive.steady import BackendCalls, SteadyServer
-from umrt.errors import ConfigError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime
@@ -169,11 +158,10 @@ class ReplayBridge:
 
 @dataclass
 class Served:
-    """What a served replay did: per allocation the address it got; umrt's CPU per step
-    (from one step's end to the next); the server's report and phase after each step."""
+    """What a served replay did: per allocation the address it got; the server's report
+    and phase after each step."""
 
     addresses: list[int] = field(default_factory=list)
-    step_cpu_s: list[float] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
     report: dict = field(default_factory=dict)
     failed: BaseException | None = None
@@ -207,7 +195,7 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
     out = Served()
     where: dict[int, int] = {}  # the log's object -> its block
     source = ClosedLoop(read_live_log(LOGS / RUNS[run] if run in RUNS else Path(run)))
-    clock, mark, odd = time.perf_counter, None, None
+    stepping, odd = False, None  # (stepping: the first boundary is behind)
     try:
         for ev, seen in source.stream(iterations, lambda: bridge.policy.wants_launches):
             t = type(ev)
@@ -222,13 +210,11 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                 if odd is not None:
                     free(odd)
                     odd = None
-                if mark is not None:  # an optimizer step just ended
+                if stepping:  # an optimizer step just ended
                     bridge.stepped()
                     server.on_step()
-                    now = clock()
-                    out.step_cpu_s.append(now - mark)
                     out.phases.append(server.phase.value)
-                mark = clock()
+                stepping = True
                 if len(out.phases) in odd_steps:
                     odd = malloc(3 << 20)
                     out.addresses.append(odd)
@@ -253,91 +239,3 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
     out.report = dict(server.report.__dict__)
     out.failed = bridge.failed
     return out
-
-
-def harness_cpu_s(run: str, iterations: int, *, through_ctypes: bool) -> list[float]:
-    """The replay's own CPU per step: the closed-loop source and this loop with every
-    allocation and free a call that does nothing (Python functions, or with
-    ``through_ctypes`` empty C functions called through ctypes, as the native path's
-    replay calls the front), launches unwanted; taken off the served figures."""
-    if through_ctypes:
-        from umrt.allocators.steady import native_library  # optional: the empty C functions it holds
-
-        lib = native_library()
-        noop_malloc, noop_free = lib.umrt_steady_noop_malloc, lib.umrt_steady_noop_free
-        malloc, free = (lambda n: noop_malloc(1, n, 0, None)), (lambda p: noop_free(1, p, 0, 0, None))
-    else:
-        blocks = itertools.count(1)
-        malloc, free = (lambda n: next(blocks)), (lambda p: None)
-    where: dict[int, int] = {}
-    source = ClosedLoop(read_live_log(LOGS / RUNS[run] if run in RUNS else Path(run)))
-    out, mark = [], None
-    for ev, _ in source.stream(iterations, lambda: False):
-        t = type(ev)
-        if t is Alloc:
-            where[ev.obj] = malloc(ev.nbytes)
-        elif t is Free:
-            ptr = where.pop(ev.obj, None)
-            if ptr is not None:
-                free(ptr)
-        elif t is IterationBoundary:
-            now = time.perf_counter()
-            if mark is not None:
-                out.append(now - mark)
-            mark = now
-    return out
-
-
-def compare(run: str, budget: int, iterations: int, steady_from: int) -> dict:
-    """The Python path and the native path on ``run``; per-step CPU from ``steady_from``
-    (the native path's steps served natively), medians and minimums."""
-    from umrt.allocators.front import load_front  # optional: the native path's front, if it builds
-
-    front = load_front()
-    python = serve(run, budget, iterations, native=False)
-    native = serve(run, budget, iterations, native=True, front=front)
-    steps = [k for k in range(steady_from, len(native.phases)) if native.phases[k - 1] == "native"]
-
-    def summary(s: Served, through_ctypes: bool) -> dict:
-        harness = statistics.median(harness_cpu_s(run, iterations, through_ctypes=through_ctypes)[steady_from:])
-        times = [s.step_cpu_s[k] for k in steps] or s.step_cpu_s[steady_from:]
-        return {"cpu_s": max(0.0, statistics.median(times) - harness),
-                "cpu_s_min": max(0.0, min(times) - harness), "harness_cpu_s": harness, "report": s.report}
-
-    return {"run": run, "budget": budget, "iterations": iterations, "front": front is not None,
-            "same_addresses": python.addresses == native.addresses, "native_steps": len(steps),
-            "python": summary(python, False), "native": summary(native, front is not None)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.served", description=__doc__.splitlines()[0])
-    p.add_argument("--run", default="40GiB", help=f"a live log: {', '.join(RUNS)} or a path (default 40GiB)")
-    p.add_argument("--gpu-memory", dest="budget", default="40GiB", metavar="SIZE",
-                   help="GPU memory the runtime plans for, a size (default 40GiB)")
-    p.add_argument("--budget", dest="budget", action=Renamed, new="--gpu-memory", prefix="bench.served")
-    p.add_argument("--iterations", type=int, default=20)
-    p.add_argument("--json", metavar="FILE", help="write the result as JSON")
-    args = p.parse_args(argv)
-    try:
-        budget = parse_amount(args.budget, "--gpu-memory", allow_percent=False).bytes
-    except ConfigError as exc:
-        p.error(str(exc))
-    if args.iterations < 12:
-        p.error("--iterations must be at least 12 (the native path arms around the eighth)")
-    r = compare(args.run, budget, args.iterations, steady_from=args.iterations // 2)
-    print(f"{args.run} served at {budget / 2**30:.1f} GiB, {args.iterations} iterations (CPU on this machine, "
-          "no GPU; torch's allocator callbacks and the module hooks not included: see bench.overhead)")
-    for name in ("python", "native"):
-        s = r[name]
-        print(f"  {name:>6}: umrt's CPU per steady step {s['cpu_s'] * 1e3:8.3f} ms (min {s['cpu_s_min'] * 1e3:.3f}; "
-              f"the replay's own {s['harness_cpu_s'] * 1e3:.2f} ms taken off)  {s['report']['steps_native']} steps "
-              "served natively")
-    print(f"  same addresses on both paths: {'yes' if r['same_addresses'] else 'NO'}; {r['native_steps']} steps "
-          f"compared{'' if r['front'] else ' (no native front: the Python schedule served)'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=1, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,20 @@ def test_native_steady_state_is_opt_in():
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if line.startswith("| `UMRT_NATIVE`"))
     assert row.rstrip(" |").endswith("off"), row
+
+
+def test_every_variable_umrt_reads_is_in_the_config_table():
+    """The module's variable table names every ``UMRT_*`` variable umrt reads, and only those."""
+    import ast
+
+    import umrt.config
+
+    table = {line.split("``")[1] for line in umrt.config.__doc__.splitlines() if line.startswith("``UMRT")}
+    assert table == set(umrt.config.ENV_VARS)
+    named = {node.value for path in (ROOT / "umrt").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and re.fullmatch(r"UMRT(_[A-Z0-9]+)*", node.value)}
+    assert named <= table, named - table
 
 
 def test_unknown_variable_warns():

@@ -1,11 +1,11 @@
 """A steady loop stays converged through what real training does (issue 10, item 5).
 
-Real PyTorch training loops on the CPU, captured with the profiler (which does
-not change what a program allocates): an evaluation pass every few steps, a
-short last batch, bf16 autocast. The runtime is fed closed loop as a live run
-feeds it: launches only while it wants them. It must reach acting without
-launches and stay there: a new iteration shape is learned once (a deviation
-then), never an endless alternation.
+Real PyTorch training loops on the CPU, captured with the live path's recorder: an
+evaluation pass every few steps (iterations of their own phase, learned and planned
+apart), a short last batch, bf16 autocast. The runtime is fed closed loop as a live run
+feeds it: launches only while it wants them. Each phase must reach acting without
+launches and stay there: a new iteration shape is learned once (a deviation then),
+never an endless alternation.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.overhead import NullBackend
-from umrt.capture.profiled import ProfiledCapture
+from umrt.capture import Recorder
 from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
@@ -35,7 +35,7 @@ def _capture(steps: int, *, eval_every: int = 0, short_last: bool = False, autoc
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False)
     model = GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    cap = ProfiledCapture(model, opt, keep_events=True)
+    cap = Recorder(model, opt)
     with cap:
         for step in range(steps):
             model.train()
@@ -53,20 +53,31 @@ def _capture(steps: int, *, eval_every: int = 0, short_last: bool = False, autoc
     return cap.events
 
 
-def _drive(events: list) -> tuple[Runtime, list[bool]]:
-    """Feed the runtime as a live run would: launches only while it wants them."""
+def _drive(events: list) -> tuple[Runtime, dict[str, list[bool]]]:
+    """Feed the runtime as a live run would: launches only while it wants them. Returns,
+    for each loop phase, whether each of its iterations ran launch-free (in order)."""
     backend = NullBackend()
     rt = Runtime()
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile("h100-sxm5-80g")))
     driver = Driver(rt, layout, backend, launches_on_demand=True)
-    light: list[bool] = []
+    light: dict[str, list[bool]] = {}
+    phase = None  # of the iteration running
     for ev in events:
         before = rt.report()["light_iterations"]
         driver.feed(ev)
         if type(ev) is IterationBoundary:
-            light.append(rt.report()["light_iterations"] > before)
+            if phase is not None:  # the boundary closes the iteration of ``phase``
+                light.setdefault(phase, []).append(rt.report()["light_iterations"] > before)
+            phase = ev.phase
     return rt, light
+
+
+def _settled(flags: list[bool]) -> int:
+    """The first launch-free iteration of a phase, after which every one is launch-free."""
+    first = flags.index(True)
+    assert all(flags[first:]), flags
+    return first
 
 
 @pytest.mark.parametrize("variation", [
@@ -75,18 +86,18 @@ def _drive(events: list) -> tuple[Runtime, list[bool]]:
     {"eval_every": 2, "autocast": True},
 ])
 def test_a_real_training_loop_stays_launch_free(variation):
-    rt, light = _drive(_capture(16, **variation))
+    steps = 21 if variation.get("eval_every") == 3 else 16  # 6 or 7 evaluations closed
+    rt, light = _drive(_capture(steps, **variation))
     rep = rt.report()
-    first = light.index(True)
-    assert first <= 10, (light, rep)
-    # Once launch-free, every later iteration runs so: no learning, no alternation.
-    assert all(light[first:]), (light, rep)
+    assert _settled(light["train"]) <= 6, (light, rep)
+    if "eval_every" in variation:
+        # an evaluation's phase is learned, then planned, on its own iterations
+        assert _settled(light["eval"]) <= len(light["eval"]) - 2, (light, rep)
     assert rep["deviations"] <= 2 and rep["guard_trips"] == 0, rep
 
 
 def test_a_short_last_batch_is_one_new_shape_not_a_relapse():
     rt, light = _drive(_capture(14, short_last=True))
     rep = rt.report()
-    first = light.index(True)
-    assert all(light[first:-1]), (light, rep)  # the last, shorter iteration is a new shape
+    _settled(light["train"][:-1])  # the last, shorter iteration is a new shape
     assert rep["deviations"] <= 1 and rep["guard_trips"] == 0, rep

@@ -271,7 +271,8 @@ def make_inputs(spec: ModelSpec, batch: int, seq: int, device: str) -> dict[str,
     return inputs
 
 
-def _loss(out: Any) -> torch.Tensor:
+def training_loss(out: Any) -> torch.Tensor:
+    """The loss a model's output carries, else the mean of its first tensor (a stand-in to backpropagate)."""
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
@@ -281,7 +282,8 @@ def _loss(out: Any) -> torch.Tensor:
     return first.float().mean()
 
 
-def _forward_kwargs(spec: ModelSpec) -> dict:
+def forward_kwargs(spec: ModelSpec) -> dict:
+    """Keyword arguments a training forward of ``spec`` takes (no KV cache for causal LMs)."""
     if spec.task in ("causal-lm",) and getattr(spec.config, "use_cache", False) is not None:
         return {"use_cache": False}
     return {}
@@ -331,14 +333,14 @@ def trace_model(
     if spec.task == "image-classification" and isinstance(getattr(spec.config, "image_size", None), int):
         spec.config.image_size = seq  # ViT-style models size their position embeddings by it
     torch.manual_seed(0)
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             model = build_model(spec, device)
         except (ValueError, TypeError, AttributeError) as exc:  # a config the model rejects
             raise ConfigError(f"cannot build {name}: {exc}") from exc
     model.to(DTYPES[dtype])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    fwd = _forward_kwargs(spec)
+    fwd = forward_kwargs(spec)
     meta = {
         "batch": batch,
         "seq": seq,
@@ -350,14 +352,14 @@ def trace_model(
     }
     rec = Recorder(model, opt, device=device, model_name=name, meta=meta, steer=True)  # meta and CPU agree
     bar = progress_bar(progress, f"tracing {name}", steps)
-    with bar as advance, _quiet_transformers():
+    with bar as advance, quiet_transformers():
         with rec:
             for _ in range(steps):
                 with rec.paused():  # the batch arrives from a loader, off the trace
                     inputs = make_inputs(spec, batch, seq, device)
                     inputs = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in inputs.items()}
                 out = model(**inputs, **fwd)
-                loss = _loss(out)
+                loss = training_loss(out)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -367,7 +369,7 @@ def trace_model(
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """Silence transformers' config chatter (e.g. the loss_type notice) while tracing."""
     from transformers.utils import logging as hf_logging
 
