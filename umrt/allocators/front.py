@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from umrt.allocators.sources import native_source
-from umrt.allocators.steady import build_native, warn_not_built
+from umrt.native.build import build_native, native_source, warn_not_built
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
 
@@ -39,8 +38,7 @@ class FrontCounters:
 
 
 def front_source() -> Path:
-    """``steady_front.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
-    else the checkout's)."""
+    """``umrt/native/steady_front.cpp``."""
     return native_source("steady_front.cpp")
 
 

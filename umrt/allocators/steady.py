@@ -53,22 +53,19 @@ import contextlib
 import ctypes
 import enum
 import functools
-import hashlib
 import os
 import re
 import sys
 import threading
-import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from umrt.allocators.sources import native_source
 from umrt.backends.base import PAGE, Advice, Backend, ForwardingBackend, Range, SwapPath
 from umrt.backends.cuda import CudaApi
 from umrt.errors import CudaError, UmrtError
+from umrt.native.build import build_native, native_source, warn_not_built
 
 EV_ALLOC, EV_FREE, EV_BOUNDARY = 0, 1, 2
 SteadyEvent = tuple[int, int, int, int]  # (EV_*, ordinal (EV_BOUNDARY: the iteration), ptr, size)
@@ -1443,33 +1440,8 @@ class NativeSteadySchedule:
 # Building and loading.
 # ---------------------------------------------------------------------------
 def steady_source() -> Path:
-    """``steady_alloc.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
-    else the checkout's)."""
+    """``umrt/native/steady_alloc.cpp``."""
     return native_source("steady_alloc.cpp")
-
-
-def build_native(source: Path, stem: str, what: str, ldflags: Sequence[str] = ()) -> str:
-    """Compile one of umrt's plain C++ libraries (``kernels/*.cpp``, no Python API) with
-    torch's ``cpp_extension`` (cached in torch's extension directory, once per source and
-    torch version) and return its path; ``what`` names it in the one-time build message.
-    Raises on any build failure."""
-    import torch  # optional: the build uses torch's cpp_extension; the Python schedule needs no torch
-    from torch.utils import cpp_extension  # optional: same
-
-    if not source.exists():
-        raise FileNotFoundError(f"{source} is missing from the umrt installation")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not installed (pip install ninja)")
-    # The source's hash in the name: worktrees with different sources never rebuild over each other.
-    digest = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
-    name = stem + "_" + re.sub(r"\W", "_", torch.__version__) + "_" + digest
-    started = time.monotonic()
-    path = cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O2", "-std=c++17"],
-                              extra_ldflags=list(ldflags), with_cuda=False, is_python_module=False)
-    if time.monotonic() - started > 2:
-        print(f"umrt: compiled {what} in {time.monotonic() - started:.0f} s (cached for later runs)",
-              file=sys.stderr)
-    return str(path)
 
 
 def build_library() -> str:
@@ -1520,14 +1492,6 @@ def native_library() -> ctypes.CDLL | None:
         warn_not_built("the native steady schedule", exc,
                        "the steady state is served by the pure-Python schedule instead (same behaviour, slower)")
         return None
-
-
-def warn_not_built(what: str, exc: BaseException, instead: str) -> None:
-    """The one warning a native library that could not be built gives: ``what`` failed
-    (the error's first line), what umrt does ``instead``, and what a build needs."""
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-    warnings.warn(f"umrt: could not build {what} ({type(exc).__name__}: {first_line}); {instead}. It needs a "
-                  "C++ compiler, ninja and torch.", RuntimeWarning, stacklevel=4)
 
 
 def load_steady(arrays: ScheduleArrays, capacity: int = DEFAULT_CAPACITY, *,

@@ -16,7 +16,7 @@ would have died (freed callbacks crash, as other projects learned).
 
 torch does not check the pointer ``alloc`` returns, and a ctypes callback
 cannot raise, so by default torch is handed a small C++ shim instead
-(``kernels/torch_alloc_shim.cpp``): its ``umrt_alloc`` / ``umrt_free``
+(``umrt/native/torch_alloc_shim.cpp``): its ``umrt_alloc`` / ``umrt_free``
 forward to the callbacks, and when the pool is out of memory ``umrt_alloc``
 throws ``c10::OutOfMemoryError``, which torch turns into
 ``torch.cuda.OutOfMemoryError`` in the Python code that asked for the
@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from umrt.allocators.sources import native_source
 from umrt.errors import UmrtError
+from umrt.native.build import native_source
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -177,8 +177,7 @@ class Shim:
 
 
 def _shim_source() -> Path:
-    """``torch_alloc_shim.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
-    else the checkout's)."""
+    """``umrt/native/torch_alloc_shim.cpp``."""
     return native_source("torch_alloc_shim.cpp")
 
 

@@ -1,8 +1,8 @@
 // umrt's allocation front: the functions torch's pluggable allocator (through the
-// shim, kernels/torch_alloc_shim.cpp) and umrt's CuPy allocator call (with the stream
+// shim, torch_alloc_shim.cpp) and umrt's CuPy allocator call (with the stream
 // CuPy runs on, read in Python: umrt/allocators/cupy.py).
 //
-// Each allocation first asks the installed steady schedule (kernels/steady_alloc.cpp,
+// Each allocation first asks the installed steady schedule (steady_alloc.cpp,
 // reached through the function pointers Python installs with umrt_front_install): a
 // planned address comes back without entering Python. When no schedule is installed, or
 // it returns NULL (it disarmed: a deviation), the allocation goes to the fallback, umrt's
