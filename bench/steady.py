@@ -12,7 +12,7 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 * ``python_callback``: the same through the two ctypes callbacks torch calls
   (:func:`umrt.allocators.torch.make_callbacks`), called from Python through ctypes
   (the forward call's own cost is the empty C functions' figure below);
-* ``twin``: :class:`umrt.allocators.steady.PythonSteadySchedule` (the fallback);
+* ``twin``: :class:`umrt.native.twin.PythonSteadySchedule` (the fallback);
 * ``native``: the compiled schedule's ``umrt_steady_malloc`` / ``umrt_steady_free``
   called from Python through ctypes, one ``drain`` per iteration; beside it an empty
   C function of the same signatures called the same way (the ctypes call's own cost),
@@ -38,8 +38,10 @@ from collections.abc import Sequence
 from bench.live_replay import LOGS, RUNS, read_live_log
 from bench.pool import BumpBackend
 from umrt.allocators.managed import ManagedPool
-from umrt.allocators.steady import AllocAt, FreeAt, Recorded, compile_schedule, load_steady
 from umrt.memory.pool import LifetimePool
+from umrt.native.binding import load_steady
+from umrt.native.recorder import AllocAt, FreeAt, Recorded
+from umrt.native.schedule import compile_schedule
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind
 
 Op = tuple  # ("A", obj, size) | ("F", obj)

@@ -231,12 +231,12 @@ def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
 
     Args:
         pool: anything with ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``
-            (:class:`umrt.drive.steady.SteadyServer` over a
+            (:class:`umrt.native.server.SteadyServer` over a
             :class:`umrt.allocators.managed.ManagedPool`).
         shim: hand torch the compiled shim (:func:`load_shim`) so an
             out-of-memory raises ``torch.cuda.OutOfMemoryError``; ``False``
             (or a failed build) hands it the ctypes callbacks directly.
-        front: the native allocation front (:class:`umrt.allocators.front.Front`):
+        front: the native allocation front (:class:`umrt.native.front.Front`):
             torch's calls go to it first (a native steady schedule serves them
             without Python), and to the ctypes callbacks when it declines.
 

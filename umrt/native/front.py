@@ -1,11 +1,11 @@
 """The native allocation front: what torch and CuPy call for every allocation.
 
-``kernels/steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
+``steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
 (the signatures torch's pluggable allocator calls, through umrt's shim; umrt's CuPy
 allocator calls them too, with CuPy's current stream) and ``umrt_front_record_stream``
 (torch's ``record_stream``).
 Each asks the installed native steady schedule first
-(:class:`umrt.allocators.steady.NativeSteadySchedule`); when none is installed or
+(:class:`umrt.native.binding.NativeSteadySchedule`); when none is installed or
 it declines (disarmed), the call goes to the fallback, umrt's Python callbacks
 (:func:`umrt.allocators.torch.make_callbacks`). So in steady state an allocation
 and a free never enter Python.
@@ -86,7 +86,7 @@ class Front:
         self.lib.umrt_front_set_fallback(alloc_address, free_address, record_address or None)
 
     def install(self, schedule: Any) -> None:
-        """Serve allocations from ``schedule`` (a :class:`~umrt.allocators.steady.NativeSteadySchedule`)
+        """Serve allocations from ``schedule`` (a :class:`~umrt.native.binding.NativeSteadySchedule`)
         first; ``None``: every call goes to the fallback. The schedule is kept alive for
         the life of the process (a call on another thread may still be using it)."""
         if schedule is None:
