@@ -444,6 +444,23 @@ def test_two_threads_allocating_and_freeing(lib):
         assert s.state()[2] == 0
 
 
+def test_every_exported_c_function_is_declared_once_in_the_signature_table():
+    """umrt.native.signatures is the one declaration of the C functions ctypes calls: each row
+    names a function its source exports, and every export is there (but the shim's entry
+    points, which torch calls through the addresses it is given, never ctypes)."""
+    import re
+
+    from umrt.native.build import native_source
+    from umrt.native.signatures import SIGNATURES
+
+    called_by_torch = {"umrt_alloc", "umrt_free", "umrt_record_stream"}
+    for source, rows in SIGNATURES.items():
+        text = native_source(source).read_text()
+        exported = set(re.findall(r"^UMRT_EXPORT [^(]*?\b(umrt_\w+)\(", text, re.MULTILINE))
+        assert set(rows) <= exported, (source, set(rows) - exported)
+        assert exported - set(rows) == (called_by_torch if source == "torch_alloc_shim.cpp" else set()), source
+
+
 def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
     def no_compiler():
         raise RuntimeError("Error building extension: g++: command not found")

@@ -62,6 +62,7 @@ from typing import Any
 
 from umrt.errors import UmrtError
 from umrt.native.build import native_source
+from umrt.native.signatures import declare
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -206,13 +207,7 @@ def load_shim() -> Shim | None:
         if time.monotonic() - started > 2:
             print(f"umrt: compiled the torch allocator shim in {time.monotonic() - started:.0f} s "
                   "(cached for later runs)", file=sys.stderr)
-        lib = ctypes.CDLL(module.__file__)
-        lib.umrt_set_callbacks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.umrt_set_callbacks.restype = None
-        lib.umrt_set_error.argtypes = [ctypes.c_char_p]
-        lib.umrt_set_error.restype = None
-        lib.umrt_set_record_stream.argtypes = [ctypes.c_void_p]
-        lib.umrt_set_record_stream.restype = None
+        lib = declare(ctypes.CDLL(module.__file__), "torch_alloc_shim.cpp")
         return Shim(path=module.__file__, module=module, lib=lib)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the ctypes path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

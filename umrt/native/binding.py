@@ -1,7 +1,7 @@
 """The native steady schedule (``steady_alloc.cpp``) through ctypes, and its C tables.
 
 :func:`native_library` builds the library at first use (:mod:`umrt.native.build`) and
-declares its functions; :class:`NativeSteadySchedule` is a schedule in it (the twin of
+declares its functions (:mod:`umrt.native.signatures`); :class:`NativeSteadySchedule` is a schedule in it (the twin of
 :class:`umrt.native.twin.PythonSteadySchedule`); :func:`load_steady` picks the native one
 when it builds, else warns once and returns the Python one. :func:`cudart_table` (over the
 process's libcudart) and :func:`counting_table` (counts only, :func:`counted`) are tables of
@@ -18,6 +18,7 @@ from typing import Any
 from umrt.native.build import build_native, native_source, warn_not_built
 from umrt.native.constants import CALL_NAMES, DEFAULT_CAPACITY, DecisionKind, Deviation, SteadyEvent
 from umrt.native.schedule import ScheduleArrays, SteadyError
+from umrt.native.signatures import declare
 from umrt.native.tables import CTable, CudaTable, c_table_of
 from umrt.native.twin import PythonSteadySchedule
 
@@ -150,45 +151,11 @@ def build_library() -> str:
     return build_native(steady_source(), "umrt_steady_alloc", "the native steady schedule", ["-ldl"])
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    vp, u64, i64, i32, c_int = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int
-    sigs = {
-        "umrt_steady_create": (vp, [i64, vp, vp, vp, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp, i64, vp, vp, i64, vp,
-                                    i64]),
-        "umrt_steady_adopt": (i64, [vp, i64, vp, vp]),
-        "umrt_steady_disown": (i64, [vp, i64, vp, vp, vp]),
-        "umrt_steady_cudart_table": (c_int, [ctypes.c_char_p, vp, ctypes.c_char_p, i64]),
-        "umrt_steady_counting_table": (None, [vp]),
-        "umrt_steady_counted": (None, [vp]),
-        "umrt_steady_counted_reset": (None, []),
-        "umrt_steady_destroy": (None, [vp]),
-        "umrt_steady_set_table": (None, [vp, vp]),
-        "umrt_steady_arm": (None, [vp, c_int, vp]),
-        "umrt_steady_armed": (c_int, [vp]),
-        "umrt_steady_missing": (i32, [vp]),
-        "umrt_steady_malloc": (vp, [vp, u64, c_int, vp]),
-        "umrt_steady_free": (c_int, [vp, u64, u64, c_int, vp]),
-        "umrt_steady_record_stream": (c_int, [vp, u64, vp]),
-        "umrt_steady_drain": (i64, [vp, vp, vp, vp, vp, i64]),
-        "umrt_steady_clear_events": (i64, [vp]),
-        "umrt_steady_deviation": (i32, [vp, ctypes.c_char_p, i64, vp]),
-        "umrt_steady_state": (None, [vp, vp]),
-        "umrt_steady_noop_malloc": (vp, [vp, u64, c_int, vp]),
-        "umrt_steady_noop_free": (c_int, [vp, u64, u64, c_int, vp]),
-        "umrt_steady_run": (i64, [vp, i64, vp, vp, vp, i64, c_int, vp]),
-        "umrt_steady_plant_bugs": (None, [c_int]),
-    }
-    for fname, (restype, argtypes) in sigs.items():
-        fn = getattr(lib, fname)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
 @functools.lru_cache(maxsize=1)
 def native_library() -> ctypes.CDLL | None:
     """The built native schedule library, or ``None`` after one warning saying why."""
     try:
-        return _declare(ctypes.CDLL(build_library()))
+        return declare(ctypes.CDLL(build_library()), "steady_alloc.cpp")
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the Python schedule"
         warn_not_built("the native steady schedule", exc,
                        "the steady state is served by the pure-Python schedule instead (same behaviour, slower)")

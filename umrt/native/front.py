@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from umrt.native.build import build_native, native_source, warn_not_built
+from umrt.native.signatures import declare
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
 
@@ -43,22 +44,11 @@ def front_source() -> Path:
 
 
 class Front:
-    """The loaded front library (one per process: its state is global, as torch's allocator is)."""
+    """The loaded front library (one per process: its state is global, as torch's allocator is),
+    its functions declared (:func:`umrt.native.signatures.declare`)."""
 
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
-        self.lib, self.path = lib, path
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name, restype, argtypes in (
-                ("umrt_front_set_fallback", None, [vp, vp, vp]),
-                ("umrt_front_install", None, [vp, vp, vp, vp, vp]),
-                ("umrt_front_record_stream", None, [vp, vp]),
-                ("umrt_front_slot_size", i64, []),
-                ("umrt_front_malloc", vp, [ctypes.c_ssize_t, ctypes.c_int, vp]),
-                ("umrt_front_free", None, [vp, ctypes.c_ssize_t, ctypes.c_int, vp]),
-                ("umrt_front_counters", None, [vp]),
-                ("umrt_front_run", i64, [i64, vp, vp, vp, i64, ctypes.c_int, vp])):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        self.lib, self.path = declare(lib, "steady_front.cpp"), path
         self._slots: list[Any] = []  # every slot and schedule ever installed: never freed
         self.installed: Any = None
 
