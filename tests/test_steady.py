@@ -461,6 +461,53 @@ def test_every_exported_c_function_is_declared_once_in_the_signature_table():
         assert exported - set(rows) == (called_by_torch if source == "torch_alloc_shim.cpp" else set()), source
 
 
+def test_the_constants_python_shares_with_the_cpp_are_defined_once_in_python(lib):
+    """steady_alloc.cpp includes the header generated from umrt.native.constants and defines
+    none of them itself; the library built here holds Python's values (``lib``: the hash of
+    the sizes, the counted kinds' order and the deviation codes, through the twin tests)."""
+    from umrt.native.build import native_source
+    from umrt.native.constants import CPP_HEADER, HASH_MASK, HASH_MUL, cpp_header
+
+    source = native_source("steady_alloc.cpp").read_text()
+    assert f'#include "{CPP_HEADER}"' in source
+    for defined_in_python in (str(HASH_MUL), "enum Kind :", "enum Dev :", "enum Ev :", "kKinds =", '"prefetch"',
+                              "kHashMul =", "kHashMask ="):
+        assert defined_in_python not in source, defined_in_python
+    header = cpp_header()
+    assert f"kHashMul = {HASH_MUL}ULL" in header and f"kHashMask = {HASH_MASK}ULL" in header
+    assert all(f"{k.name} = {int(k)}" in header for k in DecisionKind)
+    assert all(f"DEV_{d.name} = {int(d)}" in header for d in Deviation)
+    # The twins agree on the running hash: a size the schedule does not expect at the
+    # same position but with the same running hash cannot exist, so HASH deviations
+    # never happen there; the native one recomputes the hashes from the sizes itself.
+    arrays = compile_schedule([AllocAt(MiB, 1 << 30), FreeAt(1 << 30), AllocAt(2 * MiB, 1 << 30)])
+    for s in both(lib, arrays):
+        s.set_table(LogTable())
+        s.arm()
+        assert s.malloc(MiB) == 1 << 30 and s.free(1 << 30) and s.malloc(2 * MiB) == 1 << 30
+        assert s.deviation()[0] == Deviation.NONE
+
+
+def test_the_build_is_keyed_by_its_generated_headers(monkeypatch, tmp_path):
+    """Other constants, another library: the generated header's text is in the build's name,
+    and the header is written where the build's include path points."""
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    from umrt.native import build
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("no ninja")
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or "built.so")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for text in ("one", "one", "two"):
+        assert build.build_native(build.native_source("steady_alloc.cpp"), "stem", "it",
+                                  headers={"generated.h": text}) == "built.so"
+    names = [kw["name"] for kw in seen]
+    assert names[0] == names[1] != names[2]
+    include = tmp_path / (names[2] + "_include")
+    assert seen[2]["extra_include_paths"] == [str(include)] and (include / "generated.h").read_text() == "two"
+
+
 def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
     def no_compiler():
         raise RuntimeError("Error building extension: g++: command not found")

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from umrt.native.build import build_native, native_source, warn_not_built
-from umrt.native.constants import CALL_NAMES, DEFAULT_CAPACITY, DecisionKind, Deviation, SteadyEvent
+from umrt.native.constants import (
+    CALL_NAMES,
+    CPP_HEADER,
+    DEFAULT_CAPACITY,
+    DecisionKind,
+    Deviation,
+    SteadyEvent,
+    cpp_header,
+)
 from umrt.native.schedule import ScheduleArrays, SteadyError
 from umrt.native.signatures import declare
 from umrt.native.tables import CTable, CudaTable, c_table_of
@@ -147,8 +155,11 @@ def steady_source() -> Path:
 
 
 def build_library() -> str:
-    """Compile the native schedule and return the library's path. Raises on any build failure."""
-    return build_native(steady_source(), "umrt_steady_alloc", "the native steady schedule", ["-ldl"])
+    """Compile the native schedule, with its constants generated from
+    :mod:`umrt.native.constants` (:func:`~umrt.native.constants.cpp_header`), and return the
+    library's path. Raises on any build failure."""
+    return build_native(steady_source(), "umrt_steady_alloc", "the native steady schedule", ["-ldl"],
+                        headers={CPP_HEADER: cpp_header()})
 
 
 @functools.lru_cache(maxsize=1)

@@ -54,3 +54,36 @@ CALL_NAMES = {DecisionKind.PREFETCH: "prefetch", DecisionKind.DISCARD: "discard"
 def mix(h: int, size: int) -> int:
     """One allocation's step of the runtime's running hash (restarts at 0 each iteration)."""
     return ((h * HASH_MUL) ^ (size << 1)) & HASH_MASK
+
+
+CPP_HEADER = "umrt_steady_constants.h"  # what steady_alloc.cpp includes
+
+
+def cpp_header() -> str:
+    """This module's constants as C++ (:data:`CPP_HEADER`, written beside the build by
+    :func:`umrt.native.binding.build_library`): ``kHashMul``, ``kHashMask``, ``enum Kind``
+    (:class:`DecisionKind`) and ``kKinds``, ``kCallNames`` (:data:`CALL_NAMES`), ``enum Ev``
+    and ``enum Dev`` (:class:`Deviation`, ``DEV_`` + the name)."""
+    kinds = list(DecisionKind)
+    if [int(k) for k in kinds] != list(range(len(kinds))) or set(CALL_NAMES) != set(kinds):
+        raise ValueError("DecisionKind must number 0..n-1, each with its call name: the C++ indexes by it")
+    events = {"EV_ALLOC": EV_ALLOC, "EV_FREE": EV_FREE, "EV_BOUNDARY": EV_BOUNDARY}
+
+    def enum_of(name: str, members: dict[str, int]) -> str:
+        return f"enum {name} : int32_t {{ " + ", ".join(f"{k} = {v}" for k, v in members.items()) + " };"
+
+    return "\n".join([
+        "// Generated from umrt/native/constants.py when the library is built: do not edit.",
+        "#pragma once",
+        "#include <cstdint>",
+        "namespace {",
+        f"constexpr uint64_t kHashMul = {HASH_MUL}ULL;",
+        f"constexpr uint64_t kHashMask = {HASH_MASK}ULL;",
+        enum_of("Kind", {k.name: int(k) for k in kinds}),
+        f"constexpr int kKinds = {len(kinds)};",
+        "constexpr const char* kCallNames[kKinds] = {" + ", ".join(f'"{CALL_NAMES[k]}"' for k in kinds) + "};",
+        enum_of("Ev", events),
+        enum_of("Dev", {f"DEV_{d.name}": int(d) for d in Deviation}),
+        "}  // namespace",
+        "",
+    ])
