@@ -22,8 +22,9 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 A *pair* is one malloc and one free: an iteration's time over its allocations (it
 frees as many as it allocates). Figures are medians over ``--iterations`` steady
 iterations (the minimum beside). CPU figures on this machine, no GPU, no decisions
-(the ``um`` policy's steady state: nothing to prefetch). The live bridge does not use
-the native schedule yet.
+(the ``um`` policy's steady state: nothing to prefetch). The schedule alone: ``python -m
+bench.served`` serves recorded runs through the live path (:class:`umrt.native.server.SteadyServer`,
+which arms such a schedule in the native front).
 """
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def callback_pair_times(stream: Sequence[list[Op]], steady: int, n_alloc: int) -
     forward call's own cost is ``ctypes_empty_pair_ns``). Restores the torch allocator's pool."""
     from umrt.allocators import torch as torch_alloc
 
-    previous = torch_alloc._state["pool"]  # make_callbacks repoints the module's callbacks at our pool
+    previous = torch_alloc.callback_pool()  # make_callbacks repoints the module's callbacks at our pool
     pool = ManagedPool(BumpBackend())
     c_alloc, c_free, _, _ = torch_alloc.make_callbacks(pool)
     try:
@@ -208,7 +209,7 @@ def callback_pair_times(stream: Sequence[list[Op]], steady: int, n_alloc: int) -
                 times.append((time.perf_counter_ns() - t0) / n_alloc)
         return times
     finally:
-        torch_alloc._state["pool"] = previous
+        torch_alloc.repoint_callbacks(previous)
 
 
 def measure(iterations: int = 30) -> dict:

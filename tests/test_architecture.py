@@ -103,6 +103,11 @@ def test_no_new_import_circle_and_no_package_loop(shape):
     assert shape.package_cycles == []  # bench builds on umrt, never the other way
 
 
+def test_the_native_steady_state_reaches_no_private_attribute_of_another_module(shape):
+    """umrt/native (and the bench that times its schedule) use the other modules' public names only."""
+    assert [r for r in shape.private_reaches if r.startswith(("umrt/native/", "bench/steady.py"))] == []
+
+
 def test_type_checking_cycles_and_private_reaches_are_found(tmp_path):
     pkg = _package(tmp_path, {
         "__init__.py": "",

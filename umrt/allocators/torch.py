@@ -141,6 +141,16 @@ def _fatal(message: str) -> None:
     os.abort()
 
 
+def callback_pool() -> Any:
+    """The pool umrt's callbacks (:func:`make_callbacks`) serve now; ``None`` before any."""
+    return _state["pool"]
+
+
+def repoint_callbacks(pool: Any) -> None:
+    """Serve umrt's callbacks (every one made so far) from ``pool`` from now on."""
+    _state["pool"] = pool
+
+
 def make_callbacks(pool: Any) -> tuple[Any, Any, int, int]:
     """The two ctypes callbacks over ``pool`` and their integer addresses (kept alive)."""
     _state["pool"] = pool

@@ -13,7 +13,7 @@
 // No CUDA, torch or Python headers: streams are opaque pointers. Lock-free: the
 // schedule has its own mutex. A schedule handle stays valid while installed (Python
 // keeps every schedule it installed alive for the life of the process).
-// Built by umrt/allocators/front.py with torch.utils.cpp_extension.load (a plain library).
+// Built by umrt/native/front.py with torch.utils.cpp_extension.load (a plain library).
 #include <sys/types.h>
 
 #include <atomic>
