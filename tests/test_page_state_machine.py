@@ -567,7 +567,7 @@ def test_the_machine_finds_a_planted_bug(monkeypatch):
 # ---------------------------------------------------------------------------
 # The native steady state, driven with drift
 # ---------------------------------------------------------------------------
-# The steady schedule (both twins: kernels/steady_alloc.cpp through ctypes, and the Python
+# The steady schedule (both twins: umrt/native/steady_alloc.cpp through ctypes, and the Python
 # one) served live by umrt's SteadyServer over a ManagedPool on the fake CUDA 13 runtime,
 # with a policy that discards every freed block at the next allocation or free and
 # populates every new one (DiscardingPolicy). Each example draws a step's shape (3-5
@@ -845,7 +845,7 @@ def _plant_no_live_check(monkeypatch):
     from umrt.native.twin import PythonSteadySchedule
 
     monkeypatch.setattr(PythonSteadySchedule, "_check", lambda self, *args: True)
-    return native_library(), 1  # kernels/steady_alloc.cpp: g_planted bit 1
+    return native_library(), 1  # umrt/native/steady_alloc.cpp: g_planted bit 1
 
 
 def _plant_empty_cache_while_native(monkeypatch):

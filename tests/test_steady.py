@@ -1,4 +1,4 @@
-"""The steady schedule: native (kernels/steady_alloc.cpp) and Python twins behave identically."""
+"""The steady schedule: native (umrt/native/steady_alloc.cpp) and Python twins behave identically."""
 from __future__ import annotations
 
 import queue
