@@ -1,5 +1,6 @@
-"""What Python and the C++ schedule share, defined once: the decision kinds, the deviation
-codes, the event kinds, the running hash's step, the event buffer's default size.
+"""What Python and the C++ schedule share, defined once: the decision kinds and their call
+names, the deviation codes, the event kinds, the running hash's step (and, Python's alone, the
+event buffer's default size: the C++ is given its capacity).
 
 Python is the source: ``steady_alloc.cpp`` includes a header generated from this module
 when it is built (:mod:`umrt.native.build`), so the two cannot drift apart.
