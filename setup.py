@@ -2,9 +2,8 @@
 
 The .pth line imports umrt's start-up hook only when UMRT is set to an
 enabling value, so `UMRT=1 python train.py` works with no code change.
-It also copies the C++ sources umrt compiles at first use (kernels/*.cpp in the
-repository) into the wheel as umrt's package data (umrt/_kernels/): only the umrt
-package is installed. Everything else about the package lives in pyproject.toml.
+Everything else about the package lives in pyproject.toml (the C++ sources umrt compiles
+at first use, umrt/native/*.cpp, are its package data there).
 
 Both install kinds get the file:
 
@@ -22,20 +21,12 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH = "umrt-activate.pth"
-# The C++ sources umrt compiles at first use (umrt/allocators/sources.py): the repository
-# keeps them in kernels/, a wheel carries them as umrt's package data, umrt/_kernels/.
-NATIVE_SOURCES = ("steady_alloc.cpp", "steady_front.cpp", "torch_alloc_shim.cpp")
 
 
 class build_py_with_pth(build_py):
     def run(self):
         super().run()
         self.copy_file(os.path.join("umrt", PTH), os.path.join(self._pth_dir(), PTH), preserve_mode=0)
-        if not getattr(self, "editable_mode", False):  # (an editable install reads the checkout's kernels/)
-            self.mkpath(os.path.join(self.build_lib, "umrt", "_kernels"))
-            for name in NATIVE_SOURCES:
-                self.copy_file(os.path.join("kernels", name), os.path.join(self.build_lib, "umrt", "_kernels", name),
-                               preserve_mode=0)
 
     def _pth_dir(self):
         if getattr(self, "editable_mode", False):
@@ -46,8 +37,7 @@ class build_py_with_pth(build_py):
         outputs = super().get_outputs(include_bytecode)
         if getattr(self, "editable_mode", False):
             return outputs  # the editable wheel holds it already; build_lib does not
-        return outputs + [os.path.join(self.build_lib, PTH)] + [
-            os.path.join(self.build_lib, "umrt", "_kernels", name) for name in NATIVE_SOURCES]
+        return outputs + [os.path.join(self.build_lib, PTH)]
 
 
 setup(cmdclass={"build_py": build_py_with_pth})

@@ -21,9 +21,9 @@ work and ``ManagedPool`` around the layout are not in it: the Python figure is a
 bound.
 
 **The native path.** One steady iteration the Python path ran is recorded
-(:class:`umrt.allocators.steady.SteadyRecorder`: the pool's allocations and frees and
+(:class:`umrt.native.recorder.SteadyRecorder`: the pool's allocations and frees and
 the backend's calls, cut at the boundaries) and compiled
-(:func:`umrt.allocators.steady.compile_schedule`); the next iteration must compile to
+(:func:`umrt.native.schedule.compile_schedule`); the next iteration must compile to
 identical arrays. Its CPU per step is that iteration's allocation stream served by the
 native schedule from a C loop through function pointers into the allocation front
 (``umrt_front_run``: ``umrt_front_malloc`` / ``umrt_front_free``, what torch's shim calls,
@@ -79,23 +79,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.pool import BumpBackend
-from umrt.allocators.front import load_front
-from umrt.allocators.steady import (
-    AllocAt,
-    FreeAt,
-    ScheduleArrays,
-    SteadyRecorder,
-    compile_schedule,
-    counted,
-    counting_table,
-    load_steady,
-    native_library,
-)
 from umrt.backends.base import Backend
 from umrt.cli import Renamed
 from umrt.drive.driver import Driver
 from umrt.errors import UmrtError
 from umrt.hardware import load_profile
+from umrt.native.binding import counted, counting_table, load_steady, native_library
+from umrt.native.front import load_front
+from umrt.native.recorder import AllocAt, FreeAt, SteadyRecorder
+from umrt.native.schedule import ScheduleArrays, compile_schedule
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime
 from umrt.sim.budget import resolve_budget
@@ -295,7 +287,7 @@ TARGET_STEP_FRACTION = 0.01  # issue 13: umrt's steady CPU per gpt2 step <= 1% o
 
 
 class CountingTable:
-    """A :class:`~umrt.allocators.steady.CudaTable` that counts its calls and does
+    """A :class:`~umrt.native.tables.CudaTable` that counts its calls and does
     nothing: each call is a ctypes callback, so it crosses into Python."""
 
     copy_stream = None
@@ -323,7 +315,7 @@ def use_counting_table(schedule, native: bool = True) -> tuple[Callable[[], int]
     """Give ``schedule`` a CUDA table that counts the decisions' calls and does nothing.
 
     Returns ``(calls made so far, whether each call crosses into Python)``: ``native``
-    the C counting table (:func:`umrt.allocators.steady.counting_table`, no Python on
+    the C counting table (:func:`umrt.native.binding.counting_table`, no Python on
     the path), else :class:`CountingTable` (ctypes callbacks into Python).
     """
     if native:
@@ -354,7 +346,7 @@ class SteadyRecording:
 def record_steady(trace, profile, budget_bytes: int, iteration: int, op_level: bool,
                   all_launches: bool = False) -> SteadyRecording:
     """Run the Python path (Driver + Runtime + pool, as :func:`measure`) to iteration
-    ``iteration + 1`` with a :class:`~umrt.allocators.steady.SteadyRecorder` watching
+    ``iteration + 1`` with a :class:`~umrt.native.recorder.SteadyRecorder` watching
     the pool (first, as a pool listener would) and the backend, cut at the boundaries;
     compile iterations ``iteration`` and ``iteration + 1``.
 

@@ -3,7 +3,7 @@ end-to-end test (``tests/test_native_steady.py``).
 
 The H100's GPT-2 event streams (``bench.live_replay``'s logs, closed loop on umrt's
 runtime: :class:`bench.live_replay.ClosedLoop`) drive what a live GPU run runs on the
-CPU: every allocation and free through umrt's allocator (:class:`umrt.drive.steady.SteadyServer`
+CPU: every allocation and free through umrt's allocator (:class:`umrt.native.server.SteadyServer`
 over a :class:`umrt.allocators.managed.ManagedPool` on a :class:`umrt.backends.cuda.CudaBackend`),
 and the events the live bridge would feed (allocations, frees, module boundaries,
 launches while the runtime wants them) reaching umrt's runtime through a
@@ -22,13 +22,13 @@ from typing import Any
 
 from bench.live_replay import LOGS, RUNS, ClosedLoop, read_live_log
 from umrt.allocators.managed import ManagedPool
-from umrt.allocators.steady import counting_table
 from umrt.backends.base import Advice, Range
 from umrt.backends.cuda import CudaApi, CudaBackend
 from umrt.drive.driver import Driver
 from umrt.drive.live import LiveLayout, ManagedOnly
-from umrt.drive.steady import BackendCalls, SteadyServer
 from umrt.hardware import load_profile
+from umrt.native.binding import counting_table
+from umrt.native.server import BackendCalls, SteadyServer
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime
 from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
@@ -95,7 +95,7 @@ class NullCuda(CudaApi):
 class ReplayBridge:
     """The live bridge's part (:class:`umrt.drive.live.LiveBridge`) in a served replay:
     the pool's blocks as the runtime's objects, boundaries opened by the first allocation
-    after a step, and :class:`umrt.drive.steady.SteadyBridge` for the server."""
+    after a step, and :class:`umrt.native.server.SteadyBridge` for the server."""
 
     def __init__(self, backend: CudaBackend, pool: ManagedPool, budget: int, profile: str) -> None:
         self.policy = Runtime(use_pool=False)  # as the live bridge makes it (umrt.drive.live._live_policy)

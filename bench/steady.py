@@ -12,7 +12,7 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 * ``python_callback``: the same through the two ctypes callbacks torch calls
   (:func:`umrt.allocators.torch.make_callbacks`), called from Python through ctypes
   (the forward call's own cost is the empty C functions' figure below);
-* ``twin``: :class:`umrt.allocators.steady.PythonSteadySchedule` (the fallback);
+* ``twin``: :class:`umrt.native.twin.PythonSteadySchedule` (the fallback);
 * ``native``: the compiled schedule's ``umrt_steady_malloc`` / ``umrt_steady_free``
   called from Python through ctypes, one ``drain`` per iteration; beside it an empty
   C function of the same signatures called the same way (the ctypes call's own cost),
@@ -22,8 +22,9 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 A *pair* is one malloc and one free: an iteration's time over its allocations (it
 frees as many as it allocates). Figures are medians over ``--iterations`` steady
 iterations (the minimum beside). CPU figures on this machine, no GPU, no decisions
-(the ``um`` policy's steady state: nothing to prefetch). The live bridge does not use
-the native schedule yet.
+(the ``um`` policy's steady state: nothing to prefetch). The schedule alone: ``python -m
+bench.served`` serves recorded runs through the live path (:class:`umrt.native.server.SteadyServer`,
+which arms such a schedule in the native front).
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ from collections.abc import Sequence
 from bench.live_replay import LOGS, RUNS, read_live_log
 from bench.pool import BumpBackend
 from umrt.allocators.managed import ManagedPool
-from umrt.allocators.steady import AllocAt, FreeAt, Recorded, compile_schedule, load_steady
 from umrt.memory.pool import LifetimePool
+from umrt.native.binding import load_steady
+from umrt.native.recorder import AllocAt, FreeAt, Recorded
+from umrt.native.schedule import compile_schedule
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind
 
 Op = tuple  # ("A", obj, size) | ("F", obj)
@@ -187,7 +190,7 @@ def callback_pair_times(stream: Sequence[list[Op]], steady: int, n_alloc: int) -
     forward call's own cost is ``ctypes_empty_pair_ns``). Restores the torch allocator's pool."""
     from umrt.allocators import torch as torch_alloc
 
-    previous = torch_alloc._state["pool"]  # make_callbacks repoints the module's callbacks at our pool
+    previous = torch_alloc.callback_pool()  # make_callbacks repoints the module's callbacks at our pool
     pool = ManagedPool(BumpBackend())
     c_alloc, c_free, _, _ = torch_alloc.make_callbacks(pool)
     try:
@@ -206,7 +209,7 @@ def callback_pair_times(stream: Sequence[list[Op]], steady: int, n_alloc: int) -
                 times.append((time.perf_counter_ns() - t0) / n_alloc)
         return times
     finally:
-        torch_alloc._state["pool"] = previous
+        torch_alloc.repoint_callbacks(previous)
 
 
 def measure(iterations: int = 30) -> dict:

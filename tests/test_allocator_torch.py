@@ -1,6 +1,6 @@
 """The torch allocator shim: C callbacks over umrt's pool, install rules, stats.
 
-The compiled shim (kernels/torch_alloc_shim.cpp) builds here against the CPU
+The compiled shim (umrt/native/torch_alloc_shim.cpp) builds here against the CPU
 torch headers; its OutOfMemoryError is checked through torch's own error
 translation (the ``_try_alloc`` hook), since no CUDA tensor can be made here.
 """

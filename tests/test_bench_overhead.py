@@ -12,8 +12,10 @@ from rich.console import Console
 
 from bench import overhead
 from bench.overhead import record_steady, schedule_ops, targets
-from umrt.allocators.steady import AllocAt, CallAt, DecisionKind, FreeAt, native_library
 from umrt.hardware import load_profile
+from umrt.native.binding import native_library
+from umrt.native.constants import DecisionKind
+from umrt.native.recorder import AllocAt, CallAt, FreeAt
 from umrt.sim.budget import resolve_budget
 from umrt.testing.synthetic import training_trace
 
@@ -98,7 +100,7 @@ def test_an_unknown_model_is_a_clean_error(capsys):
 def test_the_counting_table_says_whether_its_calls_cross_into_python(trace):
     if native_library() is None:
         pytest.skip("the native schedule did not build here")
-    from umrt.allocators.steady import load_steady
+    from umrt.native.binding import load_steady
 
     budget = resolve_budget("30%", trace).bytes
     rec = record_steady(trace, load_profile(PROFILE), budget, 6, op_level=False)

@@ -30,7 +30,7 @@ def trace():
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
         rec = Recorder(model, opt)
         with rec:
-            for _ in range(3):
+            for _ in range(4):  # the live feed plans once a step repeats the one before
                 with rec.paused():
                     tokens = torch.randint(0, VOCAB, (4, 128), device="meta")
                 logits = model(tokens)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.served import serve
-from umrt.allocators.front import load_front
+from umrt.native.front import load_front
 
 
 @pytest.mark.slow

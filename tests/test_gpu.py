@@ -126,7 +126,7 @@ def test_gpt2_training_under_a_small_budget_via_UMRT_1(tmp_path):
 NATIVE = _gpt2_script(16, """
     import json, torch
     import umrt.stats
-    from umrt.allocators import front
+    from umrt.native import front
 
     torch.use_deterministic_algorithms(True, warn_only=True)  # two runs compared (an op without a
     # deterministic kernel only warns: the comparison allows for its rounding)

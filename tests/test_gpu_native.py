@@ -92,22 +92,25 @@ def test_a_failed_native_call_leaves_the_next_kernel_launch_clean():
     does not exist), then x + 1: torch's launch check must not see umrt's error."""
     import torch
 
-    from umrt.allocators import steady
-    from umrt.allocators.steady import AllocAt, CallAt, DecisionKind, Deviation
     from umrt.backends.cuda import CudaBackend
+    from umrt.native.binding import NativeSteadySchedule, cudart_table, native_library
+    from umrt.native.constants import DecisionKind, Deviation
+    from umrt.native.recorder import AllocAt, CallAt
+    from umrt.native.schedule import compile_schedule
+    from umrt.native.tables import loaded_libcudart
 
     torch.ones(1, device="cuda")  # torch's libcudart loaded and its context made
-    lib = steady.native_library()
-    path, why = steady.loaded_libcudart()
+    lib = native_library()
+    path, why = loaded_libcudart()
     if lib is None or path is None:
         pytest.skip(f"no native schedule or no libcudart: {why}")
     backend = CudaBackend(0)
     try:
         ptr = backend.malloc(MiB)
-        arrays = steady.compile_schedule([AllocAt(MiB, ptr), CallAt(DecisionKind.POPULATE, ((ptr, MiB),), 99,
+        arrays = compile_schedule([AllocAt(MiB, ptr), CallAt(DecisionKind.POPULATE, ((ptr, MiB),), 99,
                                                                      exact=True)])
-        schedule = steady.NativeSteadySchedule(lib, arrays)
-        schedule.set_c_table(steady.cudart_table(path))
+        schedule = NativeSteadySchedule(lib, arrays)
+        schedule.set_c_table(cudart_table(path))
         schedule.arm(0, 0)
         assert schedule.malloc(MiB) == ptr and schedule.deviation()[0] == Deviation.CALL, schedule.deviation()
         x = torch.ones(4, device="cuda")

@@ -1,4 +1,4 @@
-"""The native steady state served live (umrt.drive.steady.SteadyServer over a ManagedPool
+"""The native steady state served live (umrt.native.server.SteadyServer over a ManagedPool
 on the fake CUDA runtime): recording, arming, serving without Python, handing back."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from fake_cuda import plain
 
 from umrt import stats
 from umrt.allocators.managed import ManagedPool
-from umrt.allocators.steady import EV_ALLOC
 from umrt.backends.base import Advice
-from umrt.drive.steady import MAX_SHORT_LIVED, SHORT_LIVED, BackendCalls, Phase, SteadyServer
+from umrt.native.constants import EV_ALLOC
+from umrt.native.server import MAX_SHORT_LIVED, SHORT_LIVED, BackendCalls, Phase, SteadyServer
 from umrt.trace.events import IterationBoundary
 
 SIZES = [3 << 20, 1 << 20, 512 << 10, 3 << 20, 1 << 20, 2 << 20]
@@ -125,8 +125,8 @@ def _run(server, program, steps, **kw):
 def fronted(cuda13):
     """The native front over a server (its fallback: umrt's callbacks into the server):
     ``(front, pool, server, bridge)``; skips without a compiler."""
-    from umrt.allocators.front import load_front
     from umrt.allocators.torch import make_callbacks
+    from umrt.native.front import load_front
 
     front = load_front()
     if front is None:
@@ -258,7 +258,7 @@ def test_disabled_server_only_forwards(cuda13):
 
 
 def test_front_counts_and_falls_back_without_a_schedule():
-    from umrt.allocators.front import load_front
+    from umrt.native.front import load_front
 
     front = load_front()
     if front is None:
@@ -407,7 +407,7 @@ def test_the_live_bridge_goes_native_and_hands_back(fake_gpu):
 
 
 def test_a_front_that_cannot_be_built_warns_once_and_python_serves(monkeypatch, cuda13):
-    from umrt.allocators import front as front_module
+    from umrt.native import front as front_module
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("error: c++: command not found")
@@ -511,8 +511,8 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
     from fake_cuda import FakeBindingsRuntime, FakeGpu
 
     from bench.served import serve
-    from umrt.allocators.front import load_front
     from umrt.backends.cuda import BindingsApi
+    from umrt.native.front import load_front
 
     runs = {}
     for native in (False, True):
@@ -615,8 +615,9 @@ def test_a_native_schedule_calls_libcudart_only_on_the_process_runtime(cuda13, m
     """The C table over the process's libcudart is for the process's own CUDA runtime;
     a stand-in runtime (the fake one) gets its calls through its own adapter, whatever
     libcudart some other code loaded."""
-    from umrt.allocators.steady import ScheduleArrays, counting_table, load_steady
-    from umrt.drive import steady as steady_module
+    from umrt.native import server as steady_module
+    from umrt.native.binding import counting_table, load_steady
+    from umrt.native.schedule import ScheduleArrays
 
     built = []
     monkeypatch.setattr(steady_module, "loaded_libcudart", lambda: ("/x/libcudart.so.13", ""))
@@ -712,7 +713,7 @@ def twin(request):
     if request.param == "python":
         yield None
         return
-    from umrt.allocators.front import load_front
+    from umrt.native.front import load_front
 
     front = load_front()
     if front is None:
@@ -932,9 +933,9 @@ import sys, threading, time
 sys.path.insert(0, {tests!r})
 from fake_cuda import FakeBindingsRuntime, FakeGpu
 import test_native_steady as t
-from umrt.allocators import steady
 from umrt.allocators import torch as ut
-from umrt.allocators.front import load_front
+from umrt.native.tables import ApiTable
+from umrt.native.front import load_front
 from umrt.backends.cuda import BindingsApi, CudaBackend
 
 gpu = FakeGpu()
@@ -948,7 +949,7 @@ ut._state["shim"] = shim
 shim.set_callbacks(front.malloc_address, front.free_address)
 program = t.Program(lambda n: shim.module._try_alloc(n, 0), lambda p: shim.module._try_free(p, 0, 0))
 t._learn(server, program)
-entered, run = threading.Event(), steady.ApiTable._run
+entered, run = threading.Event(), ApiTable._run
 
 def slow(self, *args):  # a decision's Python call, on the other thread: it lets the GIL go a while
     if threading.current_thread().name == "autograd":
@@ -956,7 +957,7 @@ def slow(self, *args):  # a decision's Python call, on the other thread: it lets
         time.sleep(0.5)
     return run(self, *args)
 
-steady.ApiTable._run = slow
+ApiTable._run = slow
 for ptr in program.survivors:  # the next step starts as recorded
     shim.module._try_free(ptr, 0, 0)
 # torch's autograd thread (no GIL) allocates through the front; its decision runs slowly...
@@ -982,7 +983,7 @@ def test_a_decision_calling_python_never_runs_under_a_lock_a_gil_holder_waits_fo
     import sys
     from pathlib import Path
 
-    from umrt.allocators.front import load_front
+    from umrt.native.front import load_front
 
     if load_front() is None or shutil.which("c++") is None:
         pytest.skip("no compiler: the native front and the shim cannot be built")
@@ -1005,8 +1006,9 @@ def test_a_window_that_swapped_is_not_repeated_natively():
     as the backend's own calls are."""
     from fake_cuda import FakeBindingsRuntime, FakeGpu
 
-    from umrt.allocators.steady import CallAt, DecisionKind, Unschedulable
     from umrt.backends.cuda import BindingsApi, CudaBackend
+    from umrt.native.constants import DecisionKind
+    from umrt.native.recorder import CallAt, Unschedulable
 
     gpu = FakeGpu()
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))

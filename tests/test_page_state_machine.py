@@ -567,7 +567,7 @@ def test_the_machine_finds_a_planted_bug(monkeypatch):
 # ---------------------------------------------------------------------------
 # The native steady state, driven with drift
 # ---------------------------------------------------------------------------
-# The steady schedule (both twins: kernels/steady_alloc.cpp through ctypes, and the Python
+# The steady schedule (both twins: umrt/native/steady_alloc.cpp through ctypes, and the Python
 # one) served live by umrt's SteadyServer over a ManagedPool on the fake CUDA 13 runtime,
 # with a policy that discards every freed block at the next allocation or free and
 # populates every new one (DiscardingPolicy). Each example draws a step's shape (3-5
@@ -595,7 +595,7 @@ class FlakyTable:
     until ``clear_error`` (cudaGetLastError)."""
 
     def __init__(self, api) -> None:
-        from umrt.allocators.steady import ApiTable
+        from umrt.native.tables import ApiTable
 
         self.inner = ApiTable(api)
         self.copy_stream = self.discard_stream = None
@@ -627,7 +627,7 @@ class MachineCalls:
     """The server's CallSource: the backend's, with :class:`FlakyTable` for either twin."""
 
     def __init__(self, backend: CudaBackend) -> None:
-        from umrt.drive.steady import BackendCalls
+        from umrt.native.server import BackendCalls
 
         self.calls = BackendCalls(backend)
         self.table = FlakyTable(backend.api)
@@ -673,8 +673,8 @@ class NativeSteadyMachine(RuleBasedStateMachine):
         from test_native_steady import DiscardingPolicy, StubBridge
 
         from umrt.allocators.managed import ManagedPool
-        from umrt.allocators.steady import native_library
-        from umrt.drive.steady import SteadyServer
+        from umrt.native.binding import native_library
+        from umrt.native.server import SteadyServer
 
         self.gpu = FakeGpu(strict=False)
         self.rt = FakeBindingsRuntime(self.gpu)
@@ -841,21 +841,23 @@ def test_the_native_steady_state_keeps_every_byte_under_drift(capsys):
 
 
 def _plant_no_live_check(monkeypatch):
-    from umrt.allocators.steady import PythonSteadySchedule, native_library
+    from umrt.native.binding import native_library
+    from umrt.native.twin import PythonSteadySchedule
 
     monkeypatch.setattr(PythonSteadySchedule, "_check", lambda self, *args: True)
-    return native_library(), 1  # kernels/steady_alloc.cpp: g_planted bit 1
+    return native_library(), 1  # umrt/native/steady_alloc.cpp: g_planted bit 1
 
 
 def _plant_empty_cache_while_native(monkeypatch):
-    from umrt.drive.steady import SteadyServer
+    from umrt.native.server import SteadyServer
 
     monkeypatch.setattr(SteadyServer, "empty_cache", lambda self: self.pool.empty_cache())
     return None, 0
 
 
 def _plant_no_error_clear(monkeypatch):
-    from umrt.allocators.steady import PythonSteadySchedule, native_library
+    from umrt.native.binding import native_library
+    from umrt.native.twin import PythonSteadySchedule
 
     monkeypatch.setattr(PythonSteadySchedule, "_clear_error", staticmethod(lambda table: None))
     return native_library(), 2  # g_planted bit 2
@@ -885,7 +887,7 @@ def test_the_native_machine_finds_planted_bugs(monkeypatch, capsys, bug, twin):
     import re
     import time
 
-    from umrt.allocators.steady import native_library
+    from umrt.native.binding import native_library
 
     if twin == "native" and native_library() is None:
         pytest.skip("the native schedule did not build here")

@@ -46,7 +46,7 @@ def test_memory_stats_reports_the_native_steady_state(fake_gpu):
 
     from umrt.allocators.managed import ManagedPool
     from umrt.backends.cuda import BindingsApi, CudaBackend
-    from umrt.drive.steady import BackendCalls, SteadyServer
+    from umrt.native.server import BackendCalls, SteadyServer
 
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
     pool = ManagedPool(backend)

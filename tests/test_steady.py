@@ -1,4 +1,4 @@
-"""The steady schedule: native (kernels/steady_alloc.cpp) and Python twins behave identically."""
+"""The steady schedule: native (umrt/native/steady_alloc.cpp) and Python twins behave identically."""
 from __future__ import annotations
 
 import queue
@@ -11,27 +11,39 @@ import pytest
 from bench.live_replay import LOGS, RUNS, read_live_log
 from bench.steady import gpt2_steady, log_iterations, run_plan, schedule_plan
 from tests.fake_cuda import STREAM_NON_BLOCKING, FakeBindingsRuntime, FakeCupyRuntime, FakeGpu, plain
-from umrt.allocators import steady
-from umrt.allocators.steady import (
+from umrt.backends.base import HOST, Advice
+from umrt.backends.cuda import BindingsApi, CudaBackend, CupyApi
+from umrt.native import binding
+from umrt.native.binding import (
+    NativeSteadySchedule,
+    counted,
+    counting_table,
+    cudart_table,
+    load_steady,
+    native_library,
+    reset_counted,
+)
+from umrt.native.constants import (
+    CALL_NAMES,
+    DEFAULT_CAPACITY,
     EV_ALLOC,
     EV_BOUNDARY,
     EV_FREE,
-    AllocAt,
-    ApiTable,
-    CallAt,
     DecisionKind,
     Deviation,
-    FreeAt,
-    NativeSteadySchedule,
-    PythonSteadySchedule,
-    SteadyError,
-    SteadyRecorder,
-    coalesce,
-    compile_schedule,
-    load_steady,
 )
-from umrt.backends.base import HOST, Advice
-from umrt.backends.cuda import BindingsApi, CudaBackend, CupyApi
+from umrt.native.recorder import AllocAt, CallAt, FreeAt, Mark, RecordingApi, SteadyRecorder, Unschedulable
+from umrt.native.schedule import (
+    ScheduleArrays,
+    SteadyError,
+    coalesce,
+    compile_cycle,
+    compile_schedule,
+    compile_steady,
+    repeat_period,
+)
+from umrt.native.tables import ApiTable, loaded_libcudart
+from umrt.native.twin import PythonSteadySchedule
 
 MiB = 1 << 20
 P, D, DP, POP, ADV = (DecisionKind.PREFETCH, DecisionKind.DISCARD, DecisionKind.DISCARD_PREFETCH,
@@ -40,13 +52,13 @@ P, D, DP, POP, ADV = (DecisionKind.PREFETCH, DecisionKind.DISCARD, DecisionKind.
 
 @pytest.fixture(scope="module")
 def lib():
-    library = steady.native_library()
+    library = native_library()
     if library is None:
         pytest.skip("the native schedule did not build here (no C++ compiler or ninja)")
     return library
 
 
-def both(lib, arrays, capacity=steady.DEFAULT_CAPACITY):
+def both(lib, arrays, capacity=DEFAULT_CAPACITY):
     return PythonSteadySchedule(arrays, capacity), NativeSteadySchedule(lib, arrays, capacity)
 
 
@@ -62,7 +74,7 @@ class LogTable:
         self.lacks = set(lacks)
 
     def provides(self, kind):
-        return steady.CALL_NAMES[kind] not in self.lacks
+        return CALL_NAMES[kind] not in self.lacks
 
     def _log(self, *call):
         self.calls.append(call)
@@ -136,7 +148,7 @@ def test_compile_rejects_what_it_cannot_compile():
     with pytest.raises(SteadyError, match="not a recorded"):
         compile_schedule([AllocAt(1, 1), ("alloc", 1)])
     with pytest.raises(SteadyError, match="inconsistent"):
-        PythonSteadySchedule(steady.ScheduleArrays([1], [1], [0], [0]))
+        PythonSteadySchedule(ScheduleArrays([1], [1], [0], [0]))
 
 
 def test_recorder_records_pool_events_and_backend_calls_in_order(cuda13):
@@ -432,12 +444,76 @@ def test_two_threads_allocating_and_freeing(lib):
         assert s.state()[2] == 0
 
 
+def test_every_exported_c_function_is_declared_once_in_the_signature_table():
+    """umrt.native.signatures is the one declaration of the C functions ctypes calls: each row
+    names a function its source exports, and every export is there (but the shim's entry
+    points, which torch calls through the addresses it is given, never ctypes)."""
+    import re
+
+    from umrt.native.build import native_source
+    from umrt.native.signatures import SIGNATURES
+
+    called_by_torch = {"umrt_alloc", "umrt_free", "umrt_record_stream"}
+    for source, rows in SIGNATURES.items():
+        text = native_source(source).read_text()
+        exported = set(re.findall(r"^UMRT_EXPORT [^(]*?\b(umrt_\w+)\(", text, re.MULTILINE))
+        assert set(rows) <= exported, (source, set(rows) - exported)
+        assert exported - set(rows) == (called_by_torch if source == "torch_alloc_shim.cpp" else set()), source
+
+
+def test_the_constants_python_shares_with_the_cpp_are_defined_once_in_python(lib):
+    """steady_alloc.cpp includes the header generated from umrt.native.constants and defines
+    none of them itself; the library built here holds Python's values (``lib``: the hash of
+    the sizes, the counted kinds' order and the deviation codes, through the twin tests)."""
+    from umrt.native.build import native_source
+    from umrt.native.constants import CPP_HEADER, HASH_MASK, HASH_MUL, cpp_header
+
+    source = native_source("steady_alloc.cpp").read_text()
+    assert f'#include "{CPP_HEADER}"' in source
+    for defined_in_python in (str(HASH_MUL), "enum Kind :", "enum Dev :", "enum Ev :", "kKinds =", '"prefetch"',
+                              "kHashMul =", "kHashMask ="):
+        assert defined_in_python not in source, defined_in_python
+    header = cpp_header()
+    assert f"kHashMul = {HASH_MUL}ULL" in header and f"kHashMask = {HASH_MASK}ULL" in header
+    assert all(f"{k.name} = {int(k)}" in header for k in DecisionKind)
+    assert all(f"DEV_{d.name} = {int(d)}" in header for d in Deviation)
+    # The twins agree on the running hash: a size the schedule does not expect at the
+    # same position but with the same running hash cannot exist, so HASH deviations
+    # never happen there; the native one recomputes the hashes from the sizes itself.
+    arrays = compile_schedule([AllocAt(MiB, 1 << 30), FreeAt(1 << 30), AllocAt(2 * MiB, 1 << 30)])
+    for s in both(lib, arrays):
+        s.set_table(LogTable())
+        s.arm()
+        assert s.malloc(MiB) == 1 << 30 and s.free(1 << 30) and s.malloc(2 * MiB) == 1 << 30
+        assert s.deviation()[0] == Deviation.NONE
+
+
+def test_the_build_is_keyed_by_its_generated_headers(monkeypatch, tmp_path):
+    """Other constants, another library: the generated header's text is in the build's name,
+    and the header is written where the build's include path points."""
+    cpp_extension = pytest.importorskip("torch.utils.cpp_extension")
+    from umrt.native import build
+
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("no ninja")
+    seen = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw) or "built.so")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for text in ("one", "one", "two"):
+        assert build.build_native(build.native_source("steady_alloc.cpp"), "stem", "it",
+                                  headers={"generated.h": text}) == "built.so"
+    names = [kw["name"] for kw in seen]
+    assert names[0] == names[1] != names[2]
+    include = tmp_path / (names[2] + "_include")
+    assert seen[2]["extra_include_paths"] == [str(include)] and (include / "generated.h").read_text() == "two"
+
+
 def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
     def no_compiler():
         raise RuntimeError("Error building extension: g++: command not found")
 
-    monkeypatch.setattr(steady, "build_library", no_compiler)
-    steady.native_library.cache_clear()
+    monkeypatch.setattr(binding, "build_library", no_compiler)
+    native_library.cache_clear()
     try:
         arrays, _ = small_schedule()
         with warnings.catch_warnings(record=True) as caught:
@@ -450,9 +526,9 @@ def test_a_failed_build_falls_back_to_python_with_one_warning(monkeypatch):
         got, *_ = drive(first, LogTable())
         assert got[0] == list(small_schedule()[1])
         with pytest.raises(SteadyError, match="did not build"):
-            steady.counting_table()
+            counting_table()
     finally:
-        steady.native_library.cache_clear()
+        native_library.cache_clear()
 
 
 def test_native_rejects_inconsistent_arrays(lib):
@@ -505,7 +581,7 @@ def test_exact_calls_compile_verbatim_in_order_with_their_streams_and_events():
 @pytest.mark.parametrize("name", ["malloc_managed", "free", "stream_synchronize", "create_event", "create_stream"])
 def test_compile_refuses_an_iteration_that_made_an_unschedulable_call(name):
     with pytest.raises(SteadyError, match=f"called {name} \\(after allocation 0\\)"):
-        compile_schedule([AllocAt(1, 1 << 30), steady.Unschedulable(name), FreeAt(1 << 30)])
+        compile_schedule([AllocAt(1, 1 << 30), Unschedulable(name), FreeAt(1 << 30)])
 
 
 def test_twins_replay_exact_streams_and_events(lib):
@@ -566,7 +642,7 @@ def test_a_failed_or_missing_event_call_disarms_both_alike(lib):
 def test_recording_api_logs_exact_calls_and_forwards_them(fake_gpu):
     log = []
     inner = BindingsApi(FakeBindingsRuntime(fake_gpu))
-    api = steady.RecordingApi(inner, log)
+    api = RecordingApi(inner, log)
     assert api.version == inner.version and api.has_batch
     ptr = api.malloc_managed(4 * MiB)
     stream, event = api.create_stream(False), api.create_event()
@@ -578,7 +654,7 @@ def test_recording_api_logs_exact_calls_and_forwards_them(fake_gpu):
     api.discard_and_prefetch_batch([(ptr, MiB), (ptr + 2 * MiB, MiB)], 0, stream)
     api.stream_synchronize(stream)
     api.free(ptr)
-    U = steady.Unschedulable
+    U = Unschedulable
     assert log == [U("malloc_managed"), U("create_stream"), U("create_event"),
                    CallAt(P, ((ptr, MiB),), 0, stream=stream, exact=True),
                    CallAt(ADV, ((ptr, MiB),), HOST, int(Advice.SET_READ_MOSTLY), exact=True),
@@ -640,7 +716,7 @@ def test_a_discarding_cuda_backend_repeats_its_calls_every_iteration(lib, fake_g
     recorded iteration replays race-free."""
     backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False)
     logs = [log for log, _ in iterations]
-    assert steady.repeat_period(logs) == 1
+    assert repeat_period(logs) == 1
     (previous, _), (log, recorded) = iterations[-2:]
     arrays = compile_schedule(log, previous=previous)
     expected = [tuple(plain(x) for x in c) for c in recorded]
@@ -799,15 +875,15 @@ def test_the_counting_table_counts_each_kind_from_both_twins(lib):
            FreeAt(b), CallAt(DP, ((b, MiB),), 0, stream=0x7100, exact=True)]
     arrays = compile_schedule(rec)
     for s in both(lib, arrays):
-        steady.reset_counted()
-        s.set_c_table(steady.counting_table())
+        reset_counted()
+        s.set_c_table(counting_table())
         s.arm()
         for _ in range(3):
             p, q = s.malloc(MiB), s.malloc(MiB)
             s.free(p)
             s.free(q)
         assert s.deviation()[0] == Deviation.NONE
-        assert steady.counted() == {"prefetch": 6, "discard": 3, "discard_prefetch": 3, "populate": 3,
+        assert counted() == {"prefetch": 6, "discard": 3, "discard_prefetch": 3, "populate": 3,
                                     "advise": 3, "record_event": 3, "wait_event": 3}
 
 
@@ -871,7 +947,7 @@ def test_the_cudart_table_passes_cuda13_arguments_exactly(lib, fake_cudarts):
     arrays, a = _every_kind_schedule()
     logs = []
     for s in both(lib, arrays):
-        table = steady.cudart_table(fake.path, discard_stream=0x5600)
+        table = cudart_table(fake.path, discard_stream=0x5600)
         assert table.version == 13000
         s.set_c_table(table)
         fake.take()
@@ -907,7 +983,7 @@ def test_the_cudart_table_on_cuda12_has_no_discards(lib, fake_cudarts, variant, 
     arrays, a = _every_kind_schedule()
     out = []
     for s in both(lib, arrays):
-        table = steady.cudart_table(fake.path)
+        table = cudart_table(fake.path)
         assert table.version < 13000 and not table.discard and not table.discard_prefetch
         s.set_c_table(table)
         fake.take()
@@ -925,7 +1001,7 @@ def test_a_cudart_error_code_reaches_the_deviation(lib, fake_cudarts):
     arrays, a = _every_kind_schedule()
     out = []
     for s in both(lib, arrays):
-        s.set_c_table(steady.cudart_table(fake.path))
+        s.set_c_table(cudart_table(fake.path))
         s.arm(0, 0x4000)
         fake.lib.fake_cudart_fail(2)
         try:
@@ -944,7 +1020,7 @@ def test_a_failed_native_call_leaves_no_last_error_for_torch(lib, fake_cudarts):
     fake = fake_cudarts["13"]
     arrays, a = _every_kind_schedule()
     for s in both(lib, arrays):
-        s.set_c_table(steady.cudart_table(fake.path))
+        s.set_c_table(cudart_table(fake.path))
         s.arm(0, 0x4000)
         fake.lib.fake_cudart_fail(2)
         try:
@@ -957,10 +1033,10 @@ def test_a_failed_native_call_leaves_no_last_error_for_torch(lib, fake_cudarts):
 
 def test_cudart_table_errors_are_clear(lib, tmp_path):
     with pytest.raises(SteadyError, match="dlopen.*nowhere.so"):
-        steady.cudart_table(str(tmp_path / "nowhere.so"))
+        cudart_table(str(tmp_path / "nowhere.so"))
     not_cudart = _build_fake_cudart(tmp_path, "none", "-DFAKE_VERSION=13000", "-DcudaRuntimeGetVersion=other_name")
     with pytest.raises(SteadyError, match="cudaRuntimeGetVersion is missing"):
-        steady.cudart_table(str(not_cudart))
+        cudart_table(str(not_cudart))
 
 
 def test_loaded_libcudart_reads_the_process_maps(tmp_path):
@@ -968,11 +1044,11 @@ def test_loaded_libcudart_reads_the_process_maps(tmp_path):
     line = "7f00-7f10 r-xp 00000000 08:01 123 {}\n"
     maps.write_text(line.format("/usr/lib/libc.so.6") + line.format("/opt/torch/lib/libcudart.so.13")
                     + line.format("/opt/torch/lib/libcudart.so.13"))
-    assert steady.loaded_libcudart(str(maps)) == ("/opt/torch/lib/libcudart.so.13", f"loaded by this process ({maps})")
+    assert loaded_libcudart(str(maps)) == ("/opt/torch/lib/libcudart.so.13", f"loaded by this process ({maps})")
     maps.write_text(line.format("/usr/lib/libc.so.6") + line.format("/usr/lib/libcudart_static_fake.a"))
-    path, why = steady.loaded_libcudart(str(maps))
+    path, why = loaded_libcudart(str(maps))
     assert path is None and "no libcudart.so" in why
-    path, why = steady.loaded_libcudart(str(tmp_path / "missing"))
+    path, why = loaded_libcudart(str(tmp_path / "missing"))
     assert path is None and "cannot read" in why
 
 
@@ -999,12 +1075,12 @@ def test_loaded_libcudart_takes_the_copy_torch_uses_not_the_first_by_name(tmp_pa
     subprocess.run([cc, "-shared", "-fPIC", str(tmp_path / "c10.c"), "-o", str(user), "-Wl,--no-as-needed",
                     f"-L{torchs}", "-l:libcudart.so.13", f"-Wl,-rpath,{torchs}"], check=True, capture_output=True)
     keep = [ctypes.CDLL(str(other / "libcudart.so.12")), ctypes.CDLL(str(user))]  # both loaded now
-    path, why = steady.loaded_libcudart()
+    path, why = loaded_libcudart()
     assert path == str(torchs / "libcudart.so.13") and "libc10_cuda.so" in why, (path, why)
     maps = tmp_path / "maps"
     line = "7f00-7f10 r-xp 00000000 08:01 123 {}\n"
     maps.write_text(line.format(other / "libcudart.so.12") + line.format(tmp_path / "x" / "libcudart.so.13"))
-    path, why = steady.loaded_libcudart(str(maps))
+    path, why = loaded_libcudart(str(maps))
     assert path is None and "none is known to be torch's" in why
     del keep
 
@@ -1017,9 +1093,9 @@ def test_the_real_libcudart_has_every_entry_point_the_table_names(lib):
     found = sorted(glob.glob("/usr/local/cuda/lib64/libcudart.so.1[3-9]*"))
     if not found:
         pytest.skip("no CUDA 13 libcudart in /usr/local/cuda/lib64")
-    table = steady.cudart_table(found[0])
+    table = cudart_table(found[0])
     assert table.version >= 13000
-    assert all(bool(getattr(table, name)) for name in (*steady.CALL_NAMES.values(), "clear_error"))
+    assert all(bool(getattr(table, name)) for name in (*CALL_NAMES.values(), "clear_error"))
     assert not table.copy_stream and not table.discard_stream
 
 
@@ -1031,8 +1107,8 @@ def test_a_cycle_of_iterations_replays_handles_that_repeat_every_second_iteratio
     _alternate_discard_events(monkeypatch)
     backend, iterations = _record_backend_iterations(fake_gpu, discard_and_prefetch=False, iterations=6)
     logs = [log for log, _ in iterations]
-    assert steady.repeat_period(logs[:3]) is None and steady.repeat_period(logs) == 2
-    arrays = steady.compile_steady(logs)
+    assert repeat_period(logs[:3]) is None and repeat_period(logs) == 2
+    arrays = compile_steady(logs)
     assert arrays.iteration_starts == [0, 2] and len(arrays.sizes) == 4
     expected = [[tuple(plain(x) for x in c) for c in calls] for _, calls in iterations[-2:]]
     out = []
@@ -1050,18 +1126,18 @@ def test_compile_steady_and_cycle_refuse_what_does_not_repeat():
     one = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=5, exact=True), FreeAt(a)]
     other = [AllocAt(MiB, a), CallAt(RE, (), stream=1, event=6, exact=True), FreeAt(a)]
     with pytest.raises(SteadyError, match="do not repeat with a period of at most 2"):
-        steady.compile_steady([one, other, one, one, other], max_period=2)
-    assert steady.compile_steady([one, other, one, other]).iteration_starts == [0, 1]
-    assert steady.compile_steady([other, one, one]).iteration_starts == [0]
+        compile_steady([one, other, one, one, other], max_period=2)
+    assert compile_steady([one, other, one, other]).iteration_starts == [0, 1]
+    assert compile_steady([other, one, one]).iteration_starts == [0]
     with pytest.raises(SteadyError, match="iteration 1 of the cycle has no allocation"):
-        steady.compile_cycle([one, [CallAt(RE, (), stream=1, event=5, exact=True)]])
+        compile_cycle([one, [CallAt(RE, (), stream=1, event=5, exact=True)]])
     with pytest.raises(SteadyError, match="iteration starts"):
-        PythonSteadySchedule(steady.ScheduleArrays([1, 1], [0, 8], [0, 0, 0], [0, 0, 0], iteration_starts=[0, 2]))
+        PythonSteadySchedule(ScheduleArrays([1, 1], [0, 8], [0, 0, 0], [0, 0, 0], iteration_starts=[0, 2]))
 
 
 def test_twins_restart_the_hash_at_each_iteration_of_a_cycle(lib):
     a, b = 1 << 30, (1 << 30) + MiB
-    arrays = steady.compile_cycle([[AllocAt(MiB, a), FreeAt(a)], [AllocAt(2 * MiB, b), FreeAt(b)]])
+    arrays = compile_cycle([[AllocAt(MiB, a), FreeAt(a)], [AllocAt(2 * MiB, b), FreeAt(b)]])
     out = []
     for s in both(lib, arrays):
         s.arm()
@@ -1080,8 +1156,8 @@ def test_twins_restart_the_hash_at_each_iteration_of_a_cycle(lib):
 def test_native_create_rejects_bad_iteration_starts_itself(lib, monkeypatch):
     import dataclasses
 
-    arrays = steady.compile_cycle([[AllocAt(MiB, 1 << 30)], [AllocAt(MiB, 1 << 31)]])
-    monkeypatch.setattr(steady, "_check", lambda arrays, capacity: None)  # reach the C validation
+    arrays = compile_cycle([[AllocAt(MiB, 1 << 30)], [AllocAt(MiB, 1 << 31)]])
+    monkeypatch.setattr(ScheduleArrays, "check", lambda arrays, capacity: None)  # reach the C validation
     for starts in ([0, 5], [1], [0, 1, 1]):
         with pytest.raises(SteadyError, match="rejected"):
             NativeSteadySchedule(lib, dataclasses.replace(arrays, iteration_starts=starts))
@@ -1138,7 +1214,7 @@ def test_calls_after_a_module_boundary_replay_at_the_next_pool_event_never_befor
     advise = CallAt(ADV, ((a, MiB),), HOST, 3, exact=True)
     own = CallAt(POP, ((b, MiB),), 0, exact=True)
     rec = [FreeAt(c), CallAt(D, ((c, MiB),), stream=9, exact=True),  # c: allocated in the previous step
-           AllocAt(MiB, a), steady.Mark(), evict, advise, AllocAt(MiB, b), own, FreeAt(b), steady.Mark(),
+           AllocAt(MiB, a), Mark(), evict, advise, AllocAt(MiB, b), own, FreeAt(b), Mark(),
            CallAt(P, ((a, MiB),), 0, stream=7, exact=True), FreeAt(a), AllocAt(MiB, c)]
     arrays = compile_schedule(rec)
     at = {name: [d[0] for d in arrays.decisions(begins[i], begins[i + 1])]
@@ -1146,7 +1222,7 @@ def test_calls_after_a_module_boundary_replay_at_the_next_pool_event_never_befor
                                   ("free a", arrays.free_begin, 0), ("free c", arrays.free_begin, 2))}
     assert at == {"alloc a": [], "alloc b": [P, ADV, POP], "free a": [P], "free c": [D]}
     with pytest.raises(SteadyError, match="after the optimizer step's kernels"):
-        compile_schedule([AllocAt(MiB, a), FreeAt(a), steady.Mark(), CallAt(P, ((b, MiB),), HOST, stream=7,
+        compile_schedule([AllocAt(MiB, a), FreeAt(a), Mark(), CallAt(P, ((b, MiB),), HOST, stream=7,
                                                                              exact=True)])
 
 
@@ -1186,9 +1262,9 @@ def test_a_schedule_whose_table_lacks_a_call_says_so_before_arming(lib, fake_cud
     a = 1 << 30
     arrays = compile_schedule([AllocAt(MiB, a), FreeAt(a), CallAt(D, ((a, MiB),), stream=7, exact=True)])
     for s in both(lib, arrays):
-        s.set_c_table(steady.cudart_table(fake_cudarts["12"].path))
+        s.set_c_table(cudart_table(fake_cudarts["12"].path))
         assert s.missing_calls() == ["discard"]
-        s.set_c_table(steady.cudart_table(fake_cudarts["13"].path))
+        s.set_c_table(cudart_table(fake_cudarts["13"].path))
         assert s.missing_calls() == []
 
 
@@ -1197,16 +1273,16 @@ def test_a_server_never_arms_a_schedule_its_runtime_cannot_replay(lib, fake_cuda
     umrt's own calls go through cuda-bindings 13, which discards: the recorded schedule
     would be armed and disarmed at its first discard, step after step. The server does
     not arm it; it says why and Python serves on."""
-    from umrt.allocators.front import load_front
     from umrt.allocators.managed import ManagedPool
-    from umrt.drive.steady import BackendCalls, Phase, SteadyServer
+    from umrt.native.front import load_front
+    from umrt.native.server import BackendCalls, Phase, SteadyServer
 
     front = load_front()
     if front is None:
         pytest.skip("no compiler: the native front cannot be built")
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu)))
     pool = ManagedPool(backend)
-    calls = BackendCalls(backend, c_table=lambda: steady.cudart_table(fake_cudarts["12"].path))
+    calls = BackendCalls(backend, c_table=lambda: cudart_table(fake_cudarts["12"].path))
     server = SteadyServer(pool, front=front, calls=calls, enabled=True)
 
     class Bridge:

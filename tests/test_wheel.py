@@ -40,13 +40,13 @@ def test_the_wheel_installs_only_umrt_and_its_start_up_hook(wheel):
     print(f"\nthe wheel's top-level names: {top}")
     assert [t for t in top if not t.endswith(".dist-info")] == ["umrt", "umrt-activate.pth"], top
     assert not any(n.startswith(("bench/", "kernels/")) for n in names)
-    assert all(f"umrt/_kernels/{name}" in names for name in SOURCES)
+    assert all(f"umrt/native/{name}" in names for name in SOURCES)
 
 
 def test_an_installed_umrt_finds_its_cpp_sources_in_the_package(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("from umrt.allocators.sources import native_source; import umrt; "
+    code = ("from umrt.native.build import native_source; import umrt; "
             "print(umrt.__file__); print(*(native_source(n) for n in ('steady_alloc.cpp', 'steady_front.cpp', "
             "'torch_alloc_shim.cpp')), sep='\\n')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
@@ -55,14 +55,15 @@ def test_an_installed_umrt_finds_its_cpp_sources_in_the_package(wheel, tmp_path)
     lines = out.stdout.split()
     if not lines[0].startswith(str(site)):
         pytest.skip(f"this environment's umrt ({lines[0]}) shadows the extracted wheel")
-    assert lines[1:] == [str(site / "umrt" / "_kernels" / name) for name in SOURCES]
-    assert all(Path(p).read_bytes() == (ROOT / "kernels" / Path(p).name).read_bytes() for p in lines[1:])
+    assert lines[1:] == [str(site / "umrt" / "native" / name) for name in SOURCES]
+    assert all(Path(p).read_bytes() == (ROOT / "umrt" / "native" / Path(p).name).read_bytes() for p in lines[1:])
 
 
-def test_a_checkout_finds_its_cpp_sources_in_kernels():
-    from umrt.allocators.sources import native_source
+def test_a_checkout_finds_its_cpp_sources_in_the_package():
+    from umrt.native.build import native_source
 
-    assert [native_source(name) for name in SOURCES] == [ROOT / "kernels" / name for name in SOURCES]
+    assert [native_source(name) for name in SOURCES] == [ROOT / "umrt" / "native" / name for name in SOURCES]
+    assert not list((ROOT / "kernels").glob("*.cpp"))  # kernels/ holds the numba kernels only
 
 
 def test_umrt_bench_without_the_repositorys_bench_says_so_in_one_line(monkeypatch, capsys):

@@ -52,7 +52,7 @@ class Session:
     pool: Any = None  # umrt.allocators.managed.ManagedPool
     budget_bytes: int = 0
     runtime: LiveBridge | None = None  # the live source of events, where torch is in use
-    steady: Any = None  # umrt.drive.steady.SteadyServer: the allocator torch and CuPy call
+    steady: Any = None  # umrt.native.server.SteadyServer: the allocator torch and CuPy call
     telemetry: Any = None  # umrt.telemetry.Sampler
     share: share.Share | None = None  # this job's share of the GPU (None: UMRT_SHARE_DIR=off)
     notes: list[str] = field(default_factory=list)
@@ -252,15 +252,15 @@ def move_share(session: Session) -> int | None:
 def _steady_server(cfg: Config, backend: Any, pool: Any) -> Any:
     """The allocator torch and CuPy call: the pool, plus the native steady state."""
     # optional: GPU start only (the server needs the pool and the CUDA backend, which need numpy)
-    from umrt.drive.steady import BackendCalls, SteadyServer
+    from umrt.native.server import BackendCalls, SteadyServer
 
     front = None
     if cfg.native:
-        # optional: GPU start only: building the front needs torch's cpp_extension
-        from umrt.allocators.front import load_front
+        # optional: GPU start only: building the native libraries needs torch's cpp_extension
+        from umrt.native.binding import native_library
 
         # optional: same
-        from umrt.allocators.steady import native_library
+        from umrt.native.front import load_front
 
         front = load_front()
         if front is not None and native_library() is None:  # built now, not at the first steady step

@@ -180,10 +180,10 @@ class ThisMachine:
 
     def build_native(self) -> ShimBuild:
         # optional: torch: the native libraries are built with torch's cpp_extension
-        from umrt.allocators.front import load_front
+        from umrt.native.binding import native_library
 
         # optional: same
-        from umrt.allocators.steady import native_library
+        from umrt.native.front import load_front
 
         started = time.time()
         with warnings.catch_warnings(record=True) as caught:

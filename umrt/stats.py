@@ -172,7 +172,7 @@ def memory_stats() -> dict[str, Any]:
     CUDA runtime call name -> calls umrt issued, e.g. ``cudaMemPrefetchAsync``);
     ``acting`` (bool: the runtime is live and has not failed) and
     ``stopped_reason`` (str, or None while it acts or when it never ran);
-    ``native_steady`` (dict: :class:`umrt.drive.steady.SteadyReport`, the native
+    ``native_steady`` (dict: :class:`umrt.native.server.SteadyReport`, the native
     steady state's phase and counters; empty without a session); ``phases``
     (dict: loop phase, ``"train"`` or ``"eval"`` -> ``acting`` (False once acting
     was found to lose to doing nothing there: umrt then does nothing in that

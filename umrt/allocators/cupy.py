@@ -25,7 +25,7 @@ _state: dict[str, Any] = {"pool": None, "front": None}
 
 def set_pool(pool: Any, front: Any = None) -> None:
     """Use ``pool`` (``malloc(nbytes, stream)`` / ``free(ptr)``) for :func:`allocator`, and
-    ``front`` (:class:`umrt.allocators.front.Front`, its fallback already pointing at
+    ``front`` (:class:`umrt.native.front.Front`, its fallback already pointing at
     ``pool``) for :func:`native_allocator`."""
     _state["pool"], _state["front"] = pool, front
 

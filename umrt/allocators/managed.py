@@ -279,7 +279,7 @@ class ManagedPool:
         The old layout keeps its segments and its live blocks (their frees still
         reach it) but never places a block again: what it thinks is free may be in
         use (a catch-up after the native steady state found Python's view of the
-        layout off, :class:`umrt.drive.steady.SteadyServer`). Its memory is given
+        layout off, :class:`umrt.native.server.SteadyServer`). Its memory is given
         back only when the process ends.
         """
         with self._lock:

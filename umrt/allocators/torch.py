@@ -16,7 +16,7 @@ would have died (freed callbacks crash, as other projects learned).
 
 torch does not check the pointer ``alloc`` returns, and a ctypes callback
 cannot raise, so by default torch is handed a small C++ shim instead
-(``kernels/torch_alloc_shim.cpp``): its ``umrt_alloc`` / ``umrt_free``
+(``umrt/native/torch_alloc_shim.cpp``): its ``umrt_alloc`` / ``umrt_free``
 forward to the callbacks, and when the pool is out of memory ``umrt_alloc``
 throws ``c10::OutOfMemoryError``, which torch turns into
 ``torch.cuda.OutOfMemoryError`` in the Python code that asked for the
@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from umrt.allocators.sources import native_source
 from umrt.errors import UmrtError
+from umrt.native.build import native_source
+from umrt.native.signatures import declare
 
 ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -140,6 +141,16 @@ def _fatal(message: str) -> None:
     os.abort()
 
 
+def callback_pool() -> Any:
+    """The pool umrt's callbacks (:func:`make_callbacks`) serve now; ``None`` before any."""
+    return _state["pool"]
+
+
+def repoint_callbacks(pool: Any) -> None:
+    """Serve umrt's callbacks (every one made so far) from ``pool`` from now on."""
+    _state["pool"] = pool
+
+
 def make_callbacks(pool: Any) -> tuple[Any, Any, int, int]:
     """The two ctypes callbacks over ``pool`` and their integer addresses (kept alive)."""
     _state["pool"] = pool
@@ -177,8 +188,7 @@ class Shim:
 
 
 def _shim_source() -> Path:
-    """``torch_alloc_shim.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
-    else the checkout's)."""
+    """``umrt/native/torch_alloc_shim.cpp``."""
     return native_source("torch_alloc_shim.cpp")
 
 
@@ -207,13 +217,7 @@ def load_shim() -> Shim | None:
         if time.monotonic() - started > 2:
             print(f"umrt: compiled the torch allocator shim in {time.monotonic() - started:.0f} s "
                   "(cached for later runs)", file=sys.stderr)
-        lib = ctypes.CDLL(module.__file__)
-        lib.umrt_set_callbacks.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        lib.umrt_set_callbacks.restype = None
-        lib.umrt_set_error.argtypes = [ctypes.c_char_p]
-        lib.umrt_set_error.restype = None
-        lib.umrt_set_record_stream.argtypes = [ctypes.c_void_p]
-        lib.umrt_set_record_stream.restype = None
+        lib = declare(ctypes.CDLL(module.__file__), "torch_alloc_shim.cpp")
         return Shim(path=module.__file__, module=module, lib=lib)
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the ctypes path"
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
@@ -232,12 +236,12 @@ def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
 
     Args:
         pool: anything with ``malloc(nbytes, stream) -> ptr`` and ``free(ptr)``
-            (:class:`umrt.drive.steady.SteadyServer` over a
+            (:class:`umrt.native.server.SteadyServer` over a
             :class:`umrt.allocators.managed.ManagedPool`).
         shim: hand torch the compiled shim (:func:`load_shim`) so an
             out-of-memory raises ``torch.cuda.OutOfMemoryError``; ``False``
             (or a failed build) hands it the ctypes callbacks directly.
-        front: the native allocation front (:class:`umrt.allocators.front.Front`):
+        front: the native allocation front (:class:`umrt.native.front.Front`):
             torch's calls go to it first (a native steady schedule serves them
             without Python), and to the ctypes callbacks when it declines.
 

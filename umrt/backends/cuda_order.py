@@ -82,7 +82,7 @@ class StreamOrder:
         # Spare events by handle, the lowest handed out first: which handle a call gets
         # depends only on which are spare, not on the order they were given back, so a
         # steady iteration makes the same calls with the same handles every time (a native
-        # schedule replays them, umrt.allocators.steady).
+        # schedule replays them, umrt.native).
         self._spare_events: dict[int, Any] = {}
         self._spare_order: list[int] = []  # a heap of the spare handles
         # Ranges discarded that the copy stream is not yet ordered after, and per stream that
@@ -171,7 +171,7 @@ class StreamOrder:
         same time. (Populates run on the compute stream, which evictions follow.)"""
         # The stream's event is recorded again (a wait takes an event's state when it is
         # enqueued, so earlier waits keep theirs): the same handle every time, so a steady
-        # iteration's calls repeat exactly (umrt.allocators.steady replays them).
+        # iteration's calls repeat exactly (umrt.native replays them).
         event = self._discard_events.get(stream_key(stream))
         if event is None:
             event = self._discard_events[stream_key(stream)] = self.event()

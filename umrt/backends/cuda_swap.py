@@ -135,7 +135,7 @@ def new_pool(api: Any, call: CountedCalls, streams: SwapStreams) -> StagingPool:
 
 class _CurrentApi:
     """The backend's runtime adapter at the time of each call: the native steady state wraps
-    it while it records a window (:class:`umrt.allocators.steady.RecordingApi`), and the swap
+    it while it records a window (:class:`umrt.native.recorder.RecordingApi`), and the swap
     path's calls must be in that record as the backend's own are."""
 
     def __init__(self, backend: Any) -> None:

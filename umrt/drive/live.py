@@ -50,7 +50,7 @@ class LiveSession(Protocol):
     backend: Any  # the CUDA backend on managed memory
     pool: Any  # the managed pool (a LivePool where it announces blocks)
     budget_bytes: int
-    steady: Any  # the allocator torch and CuPy call (umrt.drive.steady.SteadyServer)
+    steady: Any  # the allocator torch and CuPy call (umrt.native.server.SteadyServer)
 
 
 @runtime_checkable
@@ -292,7 +292,7 @@ class LiveBridge:
         profile = profile_for(cfg, session.backend)
         self.policy.attach(PolicyContext(self.backend, self.layout, session.budget_bytes, profile))
         self.driver = Driver(self.policy, self.layout, self.backend)
-        # The native steady state (umrt.drive.steady.SteadyServer): told of every step; while
+        # The native steady state (umrt.native.server.SteadyServer): told of every step; while
         # it serves, the bridge feeds nothing (recorder ops and module hooks off).
         self.steady: Any = session.steady if from_allocator else None
         self.native = False
@@ -373,7 +373,7 @@ class LiveBridge:
         if self.steady is not None:  # outside the bridge's lock: the server takes its own lock first
             self.steady.on_step()
 
-    # -- the native steady state (umrt.drive.steady.SteadyBridge) ---------------------
+    # -- the native steady state (umrt.native.server.SteadyBridge) ---------------------
 
     def can_go_native(self) -> bool:
         """Whether the policy acts without launches (ops suspended) and nothing failed."""

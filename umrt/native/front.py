@@ -1,11 +1,11 @@
 """The native allocation front: what torch and CuPy call for every allocation.
 
-``kernels/steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
+``steady_front.cpp`` exports ``umrt_front_malloc`` / ``umrt_front_free``
 (the signatures torch's pluggable allocator calls, through umrt's shim; umrt's CuPy
 allocator calls them too, with CuPy's current stream) and ``umrt_front_record_stream``
 (torch's ``record_stream``).
 Each asks the installed native steady schedule first
-(:class:`umrt.allocators.steady.NativeSteadySchedule`); when none is installed or
+(:class:`umrt.native.binding.NativeSteadySchedule`); when none is installed or
 it declines (disarmed), the call goes to the fallback, umrt's Python callbacks
 (:func:`umrt.allocators.torch.make_callbacks`). So in steady state an allocation
 and a free never enter Python.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from umrt.allocators.sources import native_source
-from umrt.allocators.steady import build_native, warn_not_built
+from umrt.native.build import build_native, native_source, warn_not_built
+from umrt.native.signatures import declare
 
 __all__ = ["Front", "FrontCounters", "load_front", "front_source"]
 
@@ -39,28 +39,16 @@ class FrontCounters:
 
 
 def front_source() -> Path:
-    """``steady_front.cpp`` (:func:`~umrt.allocators.sources.native_source`: a wheel's copy,
-    else the checkout's)."""
+    """``umrt/native/steady_front.cpp``."""
     return native_source("steady_front.cpp")
 
 
 class Front:
-    """The loaded front library (one per process: its state is global, as torch's allocator is)."""
+    """The loaded front library (one per process: its state is global, as torch's allocator is),
+    its functions declared (:func:`umrt.native.signatures.declare`)."""
 
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
-        self.lib, self.path = lib, path
-        vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        for name, restype, argtypes in (
-                ("umrt_front_set_fallback", None, [vp, vp, vp]),
-                ("umrt_front_install", None, [vp, vp, vp, vp, vp]),
-                ("umrt_front_record_stream", None, [vp, vp]),
-                ("umrt_front_slot_size", i64, []),
-                ("umrt_front_malloc", vp, [ctypes.c_ssize_t, ctypes.c_int, vp]),
-                ("umrt_front_free", None, [vp, ctypes.c_ssize_t, ctypes.c_int, vp]),
-                ("umrt_front_counters", None, [vp]),
-                ("umrt_front_run", i64, [i64, vp, vp, vp, i64, ctypes.c_int, vp])):
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        self.lib, self.path = declare(lib, "steady_front.cpp"), path
         self._slots: list[Any] = []  # every slot and schedule ever installed: never freed
         self.installed: Any = None
 
@@ -88,7 +76,7 @@ class Front:
         self.lib.umrt_front_set_fallback(alloc_address, free_address, record_address or None)
 
     def install(self, schedule: Any) -> None:
-        """Serve allocations from ``schedule`` (a :class:`~umrt.allocators.steady.NativeSteadySchedule`)
+        """Serve allocations from ``schedule`` (a :class:`~umrt.native.binding.NativeSteadySchedule`)
         first; ``None``: every call goes to the fallback. The schedule is kept alive for
         the life of the process (a call on another thread may still be using it)."""
         if schedule is None:

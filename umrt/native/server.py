@@ -8,16 +8,16 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 1. **following**: once the policy acts without launches, it starts recording
    *windows* (one optimizer step to the next): the pool's allocations and frees,
    every CUDA call the backend makes between them
-   (:class:`~umrt.allocators.steady.SteadyRecorder`, and the backend's
+   (:class:`~umrt.native.recorder.SteadyRecorder`, and the backend's
    :class:`CallSource`), and the module boundaries (:meth:`SteadyServer.mark`:
    kernels ran there, so calls made after one replay at the next allocation or
    free, never before those kernels; a window that would carry such calls past the
    optimizer step's kernels does not compile).
 2. **recording**: when a cycle of up to :data:`MAX_PERIOD` windows compiles
-   (:func:`~umrt.allocators.steady.compile_cycle`) to exactly the arrays of the
+   (:func:`~umrt.native.schedule.compile_cycle`) to exactly the arrays of the
    cycle before it, that is the steady state: the blocks of the cycle still live
    become the schedule's (``adopt``), the schedule is armed on the pool's stream
-   and installed in the native front (:mod:`umrt.allocators.front`), and the
+   and installed in the native front (:mod:`umrt.native.front`), and the
    bridge stops feeding Python (recorder ops and module hooks off).
 3. **native**: torch's allocations and frees are served by the schedule
    without entering Python; its CUDA calls are replayed from its table. At each
@@ -41,7 +41,7 @@ program is learned it only forwards to the pool. Then, at optimizer steps
 One lock (the server's) is held around a Python-path allocation or free, arming
 and handing back, so no allocation lands in the pool while a schedule is armed.
 Without the native front (no compiler) the same schedule runs in Python, inside
-the allocator callbacks (:class:`~umrt.allocators.steady.PythonSteadySchedule`).
+the allocator callbacks (:class:`~umrt.native.twin.PythonSteadySchedule`).
 """
 from __future__ import annotations
 
@@ -55,25 +55,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from umrt import stats
 from umrt.allocators.managed import ManagedPool
-from umrt.allocators.steady import (
-    EV_ALLOC,
-    EV_BOUNDARY,
-    EV_FREE,
-    AllocAt,
-    ApiTable,
-    CallAt,
-    DecisionKind,
-    FreeAt,
-    RecordingApi,
-    ScheduleArrays,
-    SteadyError,
-    SteadyRecorder,
-    compile_cycle,
-    cudart_table,
-    load_steady,
-    loaded_libcudart,
-)
 from umrt.backends.cuda import CudaBackend
+from umrt.native.binding import cudart_table, load_steady
+from umrt.native.constants import EV_ALLOC, EV_BOUNDARY, EV_FREE, DecisionKind
+from umrt.native.recorder import AllocAt, CallAt, FreeAt, RecordingApi, SteadyRecorder
+from umrt.native.schedule import ScheduleArrays, SteadyError, compile_cycle
+from umrt.native.tables import ApiTable, loaded_libcudart
 
 __all__ = ["SteadyServer", "Phase", "CallSource", "BackendCalls", "SteadyBridge", "SteadyReport"]
 
@@ -131,7 +118,7 @@ CUDA_NAMES = {  # a decision kind -> the CUDA call it is (CudaBackend's counter 
 
 class BackendCalls:
     """The :class:`CallSource` of a :class:`umrt.backends.cuda.CudaBackend`: its runtime
-    adapter is wrapped in a :class:`~umrt.allocators.steady.RecordingApi` while a window
+    adapter is wrapped in a :class:`~umrt.native.recorder.RecordingApi` while a window
     is recorded, so the schedule replays exactly the calls (streams, events) the backend
     made. A native schedule on this process's CUDA runtime gets the C table over the
     libcudart the process loaded (torch's), so its decisions never take the GIL; where
@@ -219,7 +206,7 @@ class SteadyServer:
 
     Args:
         pool: umrt's managed pool.
-        front: the native front (:func:`umrt.allocators.front.load_front`); ``None``
+        front: the native front (:func:`umrt.native.front.load_front`); ``None``
             serves the steady state from the Python schedule.
         calls: the backend's CUDA calls (:class:`CallSource`); ``None``: the
             native steady state is never tried (nothing could replay decisions).
@@ -281,7 +268,7 @@ class SteadyServer:
         """The program's kernels may have run since the last allocation or free (a module
         boundary, where the policy acts): while a window is recorded, calls made from here
         on replay at the next allocation or free, after those kernels
-        (:class:`~umrt.allocators.steady.Mark`)."""
+        (:class:`~umrt.native.recorder.Mark`)."""
         if self.phase is Phase.RECORDING:
             self._recorder.mark(what)
 

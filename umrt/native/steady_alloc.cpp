@@ -1,6 +1,6 @@
 // umrt's native steady state: one iteration's allocation stream, served without Python.
 //
-// A *steady schedule* is compiled in Python (umrt/allocators/steady.py) from a recorded
+// A *steady schedule* is compiled in Python (umrt/native/schedule.py) from a recorded
 // steady iteration: for allocation ordinal i its expected size and its planned address,
 // and the runtime's decisions (prefetch, discard, discard-and-prefetch, populate, advise,
 // and the stream ordering: record an event, make a stream wait for one), keyed by position: "at allocation i" (run before the address is returned)
@@ -14,18 +14,18 @@
 // Blocks live before arming can be handed to the schedule (umrt_steady_adopt), and every
 // live block handed back at once (umrt_steady_disown, which disarms).
 //
-// Decisions recorded at the CUDA API level (umrt.allocators.steady.RecordingApi) carry
+// Decisions recorded at the CUDA API level (umrt.native.recorder.RecordingApi) carry
 // their stream and event handles and replay verbatim; stream 0 means "the table's copy /
 // discard stream, else the caller's stream". Besides the schedule, this file has two C
 // tables: one over the real libcudart (umrt_steady_cudart_table, dlopen, no CUDA headers)
 // and one that only counts calls (umrt_steady_counting_table, for benches and tests).
 //
-// PythonSteadySchedule (same module) is the pure-Python twin; every rule here has its
+// PythonSteadySchedule (umrt/native/twin.py) is the pure-Python twin; every rule here has its
 // line there, and tests/test_steady.py holds both to the same addresses, events and calls.
 //
 // No CUDA headers: streams are opaque pointers. No Python API: the hot path never takes
 // the GIL. One std::mutex per schedule (autograd's backward thread allocates too).
-// Built by umrt/allocators/steady.py with torch.utils.cpp_extension.load (a plain library).
+// Built by umrt/native/binding.py with torch.utils.cpp_extension.load (a plain library).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -44,27 +44,17 @@
 
 #define UMRT_EXPORT extern "C" __attribute__((visibility("default")))
 
+// The constants Python shares with this file, generated from umrt/native/constants.py into
+// the build's include path (umrt.native.binding.build_library): kHashMul and kHashMask (the
+// running hash), enum Kind (DecisionKind) with kKinds and kCallNames (CALL_NAMES), enum Ev
+// (EV_ALLOC, EV_FREE, EV_BOUNDARY) and enum Dev (Deviation: DEV_ + the name).
+#include "umrt_steady_constants.h"
+
 namespace {
 
-// The runtime's running hash (umrt/policy/runtime/policy.py, an allocation's step):
-// h = ((h * 1000003) ^ (size << 1)) & (2^63 - 1). Restarts at 0 every iteration.
-constexpr uint64_t kHashMul = 1000003ULL;
-constexpr uint64_t kHashMask = (1ULL << 63) - 1;
-
+// One allocation's step of the runtime's running hash (umrt.native.constants.mix):
+// h = ((h * kHashMul) ^ (size << 1)) & kHashMask. Restarts at 0 every iteration.
 inline uint64_t mix(uint64_t h, uint64_t size) { return ((h * kHashMul) ^ (size << 1)) & kHashMask; }
-
-// Decision kinds (steady.py: DecisionKind).
-enum Kind : int32_t {
-  PREFETCH = 0, DISCARD = 1, DISCARD_PREFETCH = 2, POPULATE = 3, ADVISE = 4, RECORD_EVENT = 5, WAIT_EVENT = 6
-};
-constexpr int kKinds = 7;
-// Event kinds (steady.py: EV_ALLOC, EV_FREE, EV_BOUNDARY).
-enum Ev : int32_t { EV_ALLOC = 0, EV_FREE = 1, EV_BOUNDARY = 2 };
-// Deviation codes (steady.py: Deviation).
-enum Dev : int32_t {
-  DEV_NONE = 0, DEV_SIZE = 1, DEV_HASH = 2, DEV_LIVE = 3, DEV_BUFFER = 4, DEV_CALL = 5, DEV_DEVICE = 6,
-  DEV_STREAM = 7, DEV_NO_TABLE = 8, DEV_STOPPED = 9, DEV_TOUCH = 10, DEV_REENTERED = 11
-};
 
 }  // namespace
 
@@ -171,17 +161,7 @@ void deviate(Schedule* s, int32_t code, int64_t position, const char* fmt, ...) 
   s->reason = buf;
 }
 
-const char* call_name(int32_t kind) {
-  switch (kind) {
-    case PREFETCH: return "prefetch";
-    case DISCARD: return "discard";
-    case DISCARD_PREFETCH: return "discard_prefetch";
-    case POPULATE: return "populate";
-    case ADVISE: return "advise";
-    case RECORD_EVENT: return "record_event";
-    default: return "wait_event";
-  }
-}
+const char* call_name(int32_t kind) { return kCallNames[kind]; }  // kind: checked at creation
 
 void* as_stream(uint64_t handle) { return reinterpret_cast<void*>(static_cast<uintptr_t>(handle)); }
 

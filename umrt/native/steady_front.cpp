@@ -1,8 +1,8 @@
 // umrt's allocation front: the functions torch's pluggable allocator (through the
-// shim, kernels/torch_alloc_shim.cpp) and umrt's CuPy allocator call (with the stream
+// shim, torch_alloc_shim.cpp) and umrt's CuPy allocator call (with the stream
 // CuPy runs on, read in Python: umrt/allocators/cupy.py).
 //
-// Each allocation first asks the installed steady schedule (kernels/steady_alloc.cpp,
+// Each allocation first asks the installed steady schedule (steady_alloc.cpp,
 // reached through the function pointers Python installs with umrt_front_install): a
 // planned address comes back without entering Python. When no schedule is installed, or
 // it returns NULL (it disarmed: a deviation), the allocation goes to the fallback, umrt's
@@ -13,7 +13,7 @@
 // No CUDA, torch or Python headers: streams are opaque pointers. Lock-free: the
 // schedule has its own mutex. A schedule handle stays valid while installed (Python
 // keeps every schedule it installed alive for the life of the process).
-// Built by umrt/allocators/front.py with torch.utils.cpp_extension.load (a plain library).
+// Built by umrt/native/front.py with torch.utils.cpp_extension.load (a plain library).
 #include <sys/types.h>
 
 #include <atomic>
