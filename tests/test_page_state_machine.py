@@ -404,6 +404,23 @@ def test_a_plan_learned_on_steps_cut_short_never_drops_what_a_full_step_still_re
     state.teardown()
 
 
+def test_a_step_cut_short_never_discards_what_is_still_coming_back():
+    """Found by the machine (under another test order): a step cut short frees objects the
+    swap path was copying back from pinned memory before any kernel had waited for the copy;
+    their discard must wait for it (it waited only for the kernels queued so far)."""
+    state = PageStateMachine()
+    state.start(template=Template(params=(524288, 1572864), acts=(327680, 1572864), temps=(0, 65536),
+                                  input_bytes=327680, host_input=False, carry_grads=False, optimizer_state=False),
+                budget=1.0, stream="legacy", live=False, options={})
+    state.nothing_lost_refaulted_or_raced()
+    state.iteration_cut_short(cut=0)
+    state.nothing_lost_refaulted_or_raced()
+    state.iterations_of_the_template(n=1)
+    state.nothing_lost_refaulted_or_raced()
+    state.iteration_cut_short(cut=16)
+    state.teardown()
+
+
 def test_runtime_keeps_every_invariant(capsys):
     SEEN.clear()
     run_state_machine_as_test(PageStateMachine, settings=SETTINGS)

@@ -299,10 +299,14 @@ class CudaSwapPath(SwapPath):
 
     def wait_over(self, stream: Any, ranges: Sequence[Range]) -> None:
         """``stream`` (about to discard ``ranges``) waits for the discards of them still
-        running: a drop's, or a released swap's (after its copy out, which must not race it)."""
+        running (a drop's, or a released swap's, after its copy out, which must not race it)
+        and for their copies back still running (a step cut short frees what was coming back
+        before any kernel waited for it)."""
         sw = self.streams
         for i in sw.drops_over(ranges):
             sw.wait(stream, sw.drops[i][1])
+        for p in sw.coming_over(ranges):
+            sw.wait(stream, sw.coming[p][1])
 
     def wait_drops(self, stream: Any, ranges: Sequence[Range]) -> None:
         """``stream`` (about to populate ``ranges``) waits for the drops of them still running."""
