@@ -719,12 +719,12 @@ def test_the_runtime_plans_with_hinted_kinds():
     from umrt.policy.runtime import Runtime
 
     rt = Runtime()
-    rt._record = rt._learner.new_record(rt._alloc_of)
+    rt.record = rt._learner.new_record(rt._alloc_of)
     rt.on_event(Alloc(7, 1 << 20, Kind.OTHER, 0))
     rt.hint_kind(7, Kind.OPTIMIZER_STATE)
     rt.hint_kind(8, Kind.PARAMETER)  # never announced: ignored
     key = rt.keys.key_of[7]
-    assert rt._record.kinds[key] == Kind.OPTIMIZER_STATE
+    assert rt.record.kinds[key] == Kind.OPTIMIZER_STATE
     assert rt._learner.new_record(rt._alloc_of).kinds[key] == Kind.OPTIMIZER_STATE
 
 

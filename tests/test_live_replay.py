@@ -118,20 +118,20 @@ def test_a_launch_free_clock_is_re_based_a_bounded_number_of_times():
     rt = Runtime()
     rows = replay("40GiB", 40 << 30, 9, runtime=rt)
     assert rows[-1]["light"] and rows[-1]["deviations"] == 0 and rows[-1]["rebases"] >= 1
-    sig = rt._plan.signature
-    assert sig in rt._clock.confirmed and rt._event_tokens is None  # confirmed: no more recording
-    rt._guard.launch_free_mismatch()
+    sig = rt.plan.signature
+    assert sig in rt._clock.confirmed and rt.event_tokens is None  # confirmed: no more recording
+    rt._clock.mismatch()
     assert rt.report()["deviations"] == 1 and rt.wants_launches  # the next iteration is learned
 
     rt = Runtime()
     replay("40GiB", 40 << 30, 5, runtime=rt)  # the first launch-free iteration just started
-    assert rt._acting_launch_free and rt._event_tokens is not None
-    sig = rt._plan.signature
-    rt._guard.launch_free_mismatch()
+    assert rt.acting_launch_free and rt.event_tokens is not None
+    sig = rt.plan.signature
+    rt._clock.mismatch()
     assert rt._mode == "rebase" and not rt.wants_launches and rt.report()["deviations"] == 0
-    rt._mode, rt._acting_launch_free = "act", True
+    rt._mode, rt.acting_launch_free = "act", True
     rt._clock.rebases[sig] = 2
-    rt._guard.launch_free_mismatch()
+    rt._clock.mismatch()
     assert rt.report()["deviations"] == 1
 
 

@@ -411,7 +411,7 @@ def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
     rt.attach(PolicyContext(backend, layout, 8 << 20, load_profile(PROFILE)))
     size = 4 << 20
     rt.on_event(IterationBoundary(0))
-    rt._discard_keys = frozenset({0})  # as an acting plan under pressure says
+    rt.discard_keys = frozenset({0})  # as an acting plan under pressure says
     layout.alloc(1, size, Kind.ACTIVATION)
     rt.on_event(Alloc(1, size, Kind.ACTIVATION, 0))
     dead = (layout.address(1), size)
@@ -463,10 +463,10 @@ def test_a_switch_adopts_everything_keyed_by_the_other_plan():
     second = Plan(2, 4, [a], frozenset({5}), remote_at={7: (8,)}, launch_free_resume={1: (1, 1)})
     for light in (False, True):
         rt = Runtime()
-        rt._plan, rt._acting_launch_free = first, light
-        rt._discard_keys, rt._oversized, rt._clock.resume = first.discard, first.remote_at, first.launch_free_resume
-        rt._guard.adopt(second, 0)
-        assert (rt._plan, rt._discard_keys, rt._oversized) == (second, second.discard, second.remote_at)
+        rt.plan, rt.acting_launch_free = first, light
+        rt.discard_keys, rt.oversized, rt._clock.resume = first.discard, first.remote_at, first.launch_free_resume
+        (rt._clock if light else rt._guard).adopt(second, 0)  # on the launch-free clock, the clock switches
+        assert (rt.plan, rt.discard_keys, rt.oversized) == (second, second.discard, second.remote_at)
         assert rt._clock.resume == (second.launch_free_resume if light else first.launch_free_resume)
         assert rt.counters["switches"] == 1
 
@@ -485,7 +485,8 @@ def test_the_guard_trips_after_enough_failures_then_cools_down():
     trip it (its history starts afresh); then ``cooldown`` iterations do nothing."""
     from umrt.policy.runtime.guard import Guard
 
-    guard = Guard(Runtime(), window=4, failures=3, cooldown=2)
+    rt = Runtime()
+    guard = Guard(rt, rt.plans, rt.phases, window=4, failures=3, cooldown=2)
     for ok in (False, True, False, True, True):
         guard.outcomes().append(ok)
     assert not guard.tripped()  # the first failure left the window

@@ -4,19 +4,21 @@ learned, planned and predicted apart (``IterationBoundary.phase``).
 :class:`LoopPhases` keeps, per phase, the shape its last iteration had and the
 one its last run opened with (what the runtime predicts when a run of the
 phase starts, or when the variant table has lost track), switches the running
-phase (leaving an evaluation, the pages its dead left free are discarded: the
-driver would otherwise copy dead bytes out to make room for the training
-step), holds an iteration back where acting loses, and reports each phase.
+phase (leaving an evaluation, it hands over the pages its dead left free, for
+the runtime to discard: the driver would otherwise copy dead bytes out to make
+room for the training step), and reports each phase.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from umrt.policy.runtime.ranges import DeadPages
 
 if TYPE_CHECKING:  # pragma: no cover
+    from umrt.policy.runtime.learning import Learner
     from umrt.policy.runtime.planner import Plan
-    from umrt.policy.runtime.policy import Runtime
+    from umrt.predict.tables import VariantTable
 
 __all__ = ["LoopPhases"]
 
@@ -25,35 +27,45 @@ _NO_PAYOFF = {"baseline_ms": None, "acting_ms": None, "acting_vs_baseline": None
 
 
 class LoopPhases:
-    """The runtime's loop phases.
+    """The runtime's loop phases: the running one (:attr:`phase`), per phase the shapes
+    it last ran and opened a run with, and while an evaluation runs the whole pages its
+    dead left free (:attr:`dead`).
 
-    It changes the runtime's state in place (its running phase, the dead pages an
-    evaluation tracks, its acting state when an iteration is held back): it is
-    part of the runtime, split out by job.
+    Parameters
+    ----------
+    learner, plans, variants:
+        The runtime's learner (which phase each shape is of, what each phase learned),
+        its plans by signature and its variant table; read, never changed.
     """
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    def __init__(self, learner: Learner, plans: Mapping[int, Plan], variants: VariantTable) -> None:
+        self.learner = learner
+        self.plans = plans
+        self.variants = variants
+        self.phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
+        # While an evaluation runs: the whole pages its dead left free (freed, not
+        # reused since). Nothing discards them there (an evaluation that fits moves
+        # nothing), so they are discarded when training resumes: the driver would
+        # otherwise copy their dead bytes out to make room for the training step.
+        self.dead: DeadPages | None = None
         self.last: dict[str, int] = {}  # phase -> the shape of its last iteration
         self.opening: dict[str, int] = {}  # phase -> the shape its last run opened with
         self.opens_run = True  # the running iteration is the first of a run of its phase
 
     def in_phase(self, signature: int) -> bool:
         """Whether the plan of ``signature`` is one of the running iteration's phase."""
-        return self.rt._learner.phase_of.get(signature, "train") == self.rt._phase
+        return self.learner.phase_of.get(signature, "train") == self.phase
 
-    def boundary(self, phase: str) -> None:
-        """The next iteration is of ``phase``: on a change of phase, leaving an
-        evaluation discards the pages its dead left free; entering one tracks them."""
-        rt = self.rt
-        self.opens_run = phase != rt._phase
+    def boundary(self, phase: str) -> DeadPages | None:
+        """The next iteration is of ``phase``. On a change of phase, entering an
+        evaluation tracks the pages its dead leave free (:attr:`dead`); leaving one
+        returns them (the runtime discards them)."""
+        self.opens_run = phase != self.phase
         if not self.opens_run:
-            return
-        dead, rt._phase_dead = rt._phase_dead, (DeadPages() if phase == "eval" else None)
-        rt._phase = phase
-        if dead:
-            rt._pending_discards.extend(dead.drain())
-            rt._flush()
+            return None
+        dead, self.dead = self.dead, (DeadPages() if phase == "eval" else None)
+        self.phase = phase
+        return dead
 
     def finished(self, phase: str, signature: int | None) -> None:
         """An iteration of ``phase`` of shape ``signature`` (None: unknown) ended."""
@@ -69,38 +81,24 @@ class LoopPhases:
         here, the shape its last run started with (an evaluation's first batch);
         else the phase's last shape (a training step resumes its plan at once
         after an evaluation)."""
-        rt = self.rt
-        phase_of = rt._learner.phase_of
-        for sig in rt.variants.predict():
-            plan = rt.plans.get(sig)
+        phase_of = self.learner.phase_of
+        for sig in self.variants.predict():
+            plan = self.plans.get(sig)
             if plan is not None and phase_of.get(sig, "train") == phase:
                 return plan
         for sig in ((self.opening.get(phase),) if self.opens_run else ()) + (self.last.get(phase),):
-            plan = rt.plans.get(sig) if sig is not None else None
+            plan = self.plans.get(sig) if sig is not None else None
             if plan is not None:
                 return plan
         return None
-
-    def hold(self) -> None:
-        """Do nothing this iteration (the "none" plan): acting loses in its phase."""
-        rt = self.rt
-        rt._mode = "none"
-        rt._frozen = rt._acting_launch_free = rt._counting_launches = False
-        rt._addresses = rt._reference = rt._keymap = None
-        rt.wants_launches = False
-        rt._next_launch = rt._clock.next_event = -1
-        rt._discard_keys = frozenset()
-        rt._oversized = {}
-        rt._clock.follow({})
-        rt._clock.set_due(-1)
 
     def report(self, payoff: dict) -> dict:
         """Per phase: iterations learned, plans kept, and (``payoff``: the
         :class:`~umrt.policy.runtime.payoff.Payoff` report) whether the runtime acts
         there, why not, and the times it compared."""
-        learner = self.rt._learner
+        learner = self.learner
         out = {}
-        for phase in sorted(set(learner.learned) | set(payoff) | {self.rt._phase}):
+        for phase in sorted(set(learner.learned) | set(payoff) | {self.phase}):
             out[phase] = {"learned": learner.learned.get(phase, 0), "plans": len(learner.phase_plans(phase)),
                           **payoff.get(phase, _NO_PAYOFF)}
         return out

@@ -72,7 +72,7 @@ class Runtime(Policy):
     mode: ``learn`` (record the iteration, do nothing to memory; at the boundary
     compile a plan for its signature), ``act`` (follow the predicted shape's
     plan, see :meth:`_start_iteration`), ``rebase`` (see
-    :meth:`Guard.launch_free_mismatch`), ``off`` (after a deviation) or
+    :meth:`LaunchFreeClock.mismatch`), ``off`` (after a deviation) or
     ``none`` (acting was found to lose in this iteration's loop phase: do
     nothing, see :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
     (``IterationBoundary.phase``: a training step, an evaluation batch) has its
@@ -156,11 +156,13 @@ class Runtime(Policy):
         self._paths = PathTrial()  # per shape: its swapping plan or its migration-only twin, by measured times
 
         self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
-        self._guard = Guard(self, options.guard_window, options.guard_failures, options.guard_cooldown)
-        self._clock = LaunchFreeClock(self)
+        self.phases = LoopPhases(self._learner, self.plans, self.variants)
+        self._guard = Guard(self, self.plans, self.phases, options.guard_window, options.guard_failures,
+                            options.guard_cooldown)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
+        self._clock = LaunchFreeClock(self, self._guard, self._host, self.plans, self.phases, self.keys,
+                                      self.variants, self._learner)
         self._payoff = Payoff(options.payoff_window or 1, options.payoff_margin)
-        self.phases = LoopPhases(self)
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -170,31 +172,31 @@ class Runtime(Policy):
         # The iteration.
         self._mode = "learn"
         self._iteration: int | None = None
-        self._record: IterationRecord | None = None  # while learning or probing
-        self._n_launches = 0  # launches this iteration (as recorded, when acting without them)
+        self.record: IterationRecord | None = None  # while learning or probing
+        self.n_launches = 0  # launches this iteration (as recorded, when acting without them)
         self._n_frees = 0
-        self._n_events = 0  # the launch-free clock: non-launch events this iteration
-        self._events_hash = 0  # their running hash (sizes, freed sizes, module names)
+        self.n_events = 0  # the launch-free clock: non-launch events this iteration
+        self.events_hash = 0  # their running hash (sizes, freed sizes, module names)
         # Acting.
-        self._plan: Plan | None = None
-        self._actions: list[Action] = []
-        self._next_action = 0  # index in _actions
+        self.plan: Plan | None = None
+        self.actions: list[Action] = []
+        self.next_action = 0  # index in actions
         self._next_launch = -1  # the next decision's launch ordinal, when launches decide it
         self._probe_left = 0  # decisions still acted on while recording (a plan not yet trusted)
-        self._acting_launch_free = False  # acting on the launch-free clock (implies mode act)
-        self._counting_launches = False  # acting launch-free, but counting launches for decisions no event precedes
-        self._due_event = -1  # the next launch-free event something is due at (-1: none)
+        self.acting_launch_free = False  # acting on the launch-free clock (implies mode act)
+        self.counting_launches = False  # acting launch-free, but counting launches for decisions no event precedes
+        self.due_event = -1  # the next launch-free event something is due at (-1: none)
         # Acting without launches on a plan whose launch-free clock is not yet confirmed:
         # this iteration's non-launch events as tokens (see planner.rebase), and the
         # plan variant's allocation ordinal -> key map (None: ordinals are keys).
-        self._event_tokens: list[int] | None = None
-        self._token_objects: list[int] = []  # the objects those allocation tokens announced
-        self._keymap: tuple[int, ...] | None = None
-        self._oversized: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launch -> keys
+        self.event_tokens: list[int] | None = None
+        self.token_objects: list[int] = []  # the objects those allocation tokens announced
+        self.keymap: tuple[int, ...] | None = None
+        self.oversized: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launch -> keys
         # Keys whose range is discarded when they die: the acting plan's (none while
         # learning: without a plan there is no pressure to relieve, and a discarded
         # range costs a prefetch before its next owner may use it).
-        self._discard_keys: frozenset[int] = frozenset()
+        self.discard_keys: frozenset[int] = frozenset()
         self._drop_at_free: set[int] = set()  # keys the acting plan found dead: discarded when freed
         self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
         # Frozen: a trusted plan whose objects keep their addresses (checked at
@@ -205,15 +207,10 @@ class Runtime(Policy):
         self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the running iteration's reference
         # The last full iteration's addresses of each shape (a training step's survive an evaluation).
         self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
-        self._phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
         self._deviations_before = 0  # deviations when this iteration started
         self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
-        # While an evaluation runs: the whole pages its dead left free (freed, not
-        # reused since). Nothing discards them there (an evaluation that fits moves
-        # nothing), so they are discarded when training resumes: the driver would
-        # otherwise copy their dead bytes out to make room for the training step.
-        self._phase_dead: DeadPages | None = None
+        self._phase_dead: DeadPages | None = None  # the hot path's copy of LoopPhases.dead
 
     # -- Policy -----------------------------------------------------------------
 
@@ -254,14 +251,29 @@ class Runtime(Policy):
 
     def stop_acting(self, mode: str, *, wants_launches: bool) -> None:
         """Leave the acting state for ``mode`` ("off": learn again; "rebase": wait
-        for a launch-free iteration to re-base the plan on), with no decision due."""
+        for a launch-free iteration to re-base the plan on; "none": do nothing this
+        iteration, acting loses in its phase, so no decision, reference address or
+        key map either), with no decision due."""
         self._mode = mode
-        self._acting_launch_free = self._counting_launches = False
-        self._due_event = -1
+        self.acting_launch_free = self.counting_launches = False
+        self.due_event = -1
         self.wants_launches = wants_launches
-        self._discard_keys = frozenset()
-        self._oversized = {}
+        self.discard_keys = frozenset()
+        self.oversized = {}
+        if mode == "none":
+            self._frozen = False
+            self._addresses = self._reference = self.keymap = None
+            self._next_launch = self._clock.next_event = -1
+            self._clock.follow({})
         self.restore_swapped()
+
+    def unfreeze(self) -> None:
+        """Addresses can no longer be trusted this iteration: decisions resolve
+        every key again, and this iteration is no reference for the next."""
+        if self._frozen:
+            self.counters["unfreezes"] += 1
+        self._frozen = False
+        self._addresses = None
 
     def detach(self) -> None:
         """The live source stopped for good: what is swapped out comes back now."""
@@ -319,7 +331,7 @@ class Runtime(Policy):
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
         self._host.released(ptr, end)
         # Memoized decision ranges may point into it: never reuse them unchecked.
-        self._guard.unfreeze()
+        self.unfreeze()
         self._reference = None
         self._references.clear()
         self._ranges.forget()
@@ -334,7 +346,7 @@ class Runtime(Policy):
             keys = self.keys  # ObjectKeys.alloc, inlined
             ordinal = keys.ordinal
             keys.ordinal = ordinal + 1
-            km = self._keymap
+            km = self.keymap
             key = ordinal if km is None else (km[ordinal] if ordinal < len(km) else SPARE_KEY + ordinal)
             key_of = keys.key_of
             old = key_of.get(obj)
@@ -350,13 +362,13 @@ class Runtime(Policy):
                 try:
                     ptr = self._live_index[obj].ptr
                 except KeyError:
-                    ptr = self._not_live(obj)
+                    ptr = self.layout.address(obj)  # not live: the layout's error says why
                 if addresses is not None:
                     addresses.append(ptr)
                 elif self._frozen:
                     ref = self._reference[1]
                     if ordinal >= len(ref) or ref[ordinal] != ptr:
-                        self._guard.unfreeze()
+                        self.unfreeze()
             if self._phase_dead is not None:
                 self._phase_dead.take(self.layout.address(obj), event.nbytes)
             if self._pending_discards and event.launch == -1:
@@ -365,19 +377,19 @@ class Runtime(Policy):
                 ptr = self.layout.address(obj)
                 end = ptr + event.nbytes
                 self._pending_discards = [r for r in self._pending_discards if r[0] + r[1] <= ptr or r[0] >= end]
-            n_events = self._n_events  # the launch-free clock
-            self._n_events = n_events + 1
-            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
-            rec = self._record
+            n_events = self.n_events  # the launch-free clock
+            self.n_events = n_events + 1
+            events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
+            rec = self.record
             if rec is not None:
-                rec.allocs.append((self._n_launches, key))
+                rec.allocs.append((self.n_launches, key))
                 rec.sizes[key] = event.nbytes
                 rec.kinds[key] = event.kind
-                rec.launch_free_clock.append((self._n_launches, events_hash))
+                rec.launch_free_clock.append((self.n_launches, events_hash))
                 rec.tokens.append(event.nbytes << 3)  # planner.launch_free_token(nbytes << 1, ALLOC_TOKEN)
-            if self._event_tokens is not None:
-                self._event_tokens.append(event.nbytes << 3)
-                self._token_objects.append(obj)
+            if self.event_tokens is not None:
+                self.event_tokens.append(event.nbytes << 3)
+                self.token_objects.append(obj)
             # Dead ranges are discarded before the newborn that may reuse one is
             # written (a live allocation arrives before its op's kernel is queued),
             # and what of its range umrt took off the GPU comes back first.
@@ -390,7 +402,7 @@ class Runtime(Policy):
                     ptr = self.layout.address(obj)
                 if self._off_gpu.overlaps(ptr, event.nbytes):
                     self._populate(ptr, event.nbytes)
-            if n_events == self._due_event:
+            if n_events == self.due_event:
                 self._clock.on_due_event(n_events)
         elif t is Free:
             obj = event.obj
@@ -419,65 +431,65 @@ class Runtime(Policy):
             if nb >= self._min_discard:
                 if self._phase_dead is not None:
                     self._phase_dead.died(self.layout.address(obj), nb)
-                if key in self._discard_keys or key in self._drop_at_free:
+                if key in self.discard_keys or key in self._drop_at_free:
                     try:
                         ptr = self._live_index[obj].ptr
                     except KeyError:
-                        ptr = self._not_live(obj)
+                        ptr = self.layout.address(obj)  # not live: the layout's error says why
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
                     end = (ptr + nb) // PAGE * PAGE
                     if end > start:
                         self._pending_discards.append((start, end - start))
             self._n_frees += 1
-            n_events = self._n_events
-            self._n_events = n_events + 1
-            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ ((nb << 1) | 1)) & SIGNATURE_MASK
-            rec = self._record
+            n_events = self.n_events
+            self.n_events = n_events + 1
+            events_hash = self.events_hash = ((self.events_hash * 1000003) ^ ((nb << 1) | 1)) & SIGNATURE_MASK
+            rec = self.record
             if rec is not None:
                 if key is not None:
-                    rec.frees.append((self._n_launches, key))
-                rec.launch_free_clock.append((self._n_launches, events_hash))
+                    rec.frees.append((self.n_launches, key))
+                rec.launch_free_clock.append((self.n_launches, events_hash))
                 rec.tokens.append((nb << 3) | 5)  # launch_free_token((nb << 1) | 1, FREE_TOKEN)
-            if self._event_tokens is not None:
-                self._event_tokens.append((nb << 3) | 5)
+            if self.event_tokens is not None:
+                self.event_tokens.append((nb << 3) | 5)
             if self._discard_on_free and self._pending_discards:
                 self._flush()
             if self._swapped:
                 self._check_swapped(n_events, events_hash)
-            if n_events == self._due_event:
+            if n_events == self.due_event:
                 self._clock.on_due_event(n_events)
         elif t is Launch:
-            if self._acting_launch_free and not self._counting_launches:
+            if self.acting_launch_free and not self.counting_launches:
                 return  # acting on the launch-free clock: launches are not needed
-            if self._record is not None:
-                self._learner.record_launch(self._record, event, self._n_frees)
+            if self.record is not None:
+                self._learner.record_launch(self.record, event, self._n_frees)
             if self._launch_mapped:
                 self._host.unmap_launch()
-            n = self._n_launches
-            self._n_launches = n + 1
-            if self._swapped and (self._plan is None or n >= self._plan.n_launches):
+            n = self.n_launches
+            self.n_launches = n + 1
+            if self._swapped and (self.plan is None or n >= self.plan.n_launches):
                 self.restore_swapped()  # a launch the plan never saw: it may read what is away
             if n == self._next_launch and self._mode == "act":
                 self._decide(event)
-            if self._oversized and n in self._oversized and self._mode == "act":
-                self._host.map_for_launch(self._oversized[n])
+            if self.oversized and n in self.oversized and self._mode == "act":
+                self._host.map_for_launch(self.oversized[n])
         elif t is LayerEnter or t is LayerExit:
-            n_events = self._n_events
-            self._n_events = n_events + 1
+            n_events = self.n_events
+            self.n_events = n_events + 1
             v = hash(event.module) ^ (t is LayerEnter)
-            events_hash = self._events_hash = ((self._events_hash * 1000003) ^ v) & SIGNATURE_MASK
-            rec = self._record
+            events_hash = self.events_hash = ((self.events_hash * 1000003) ^ v) & SIGNATURE_MASK
+            rec = self.record
             if rec is not None:
-                rec.boundaries.append(self._n_launches)
-                rec.launch_free_clock.append((self._n_launches, events_hash))
+                rec.boundaries.append(self.n_launches)
+                rec.launch_free_clock.append((self.n_launches, events_hash))
                 rec.tokens.append((v << 2) | 2)  # launch_free_token(v, LAYER_TOKEN)
-            if self._event_tokens is not None:
-                self._event_tokens.append((v << 2) | 2)
+            if self.event_tokens is not None:
+                self.event_tokens.append((v << 2) | 2)
             if self._pending_discards:
                 self._flush()
             if self._swapped:
                 self._check_swapped(n_events, events_hash)
-            if self._acting_launch_free and n_events == self._due_event:
+            if self.acting_launch_free and n_events == self.due_event:
                 self._clock.on_due_event(n_events)
         elif t is IterationBoundary:
             self._boundary(event.index, event.phase)
@@ -490,7 +502,7 @@ class Runtime(Policy):
         if ev is None or ev.kind == kind:
             return
         self._alloc_of[obj] = replace(ev, kind=kind)
-        rec = self._record
+        rec = self.record
         key = self.keys.key_of.get(obj)
         if rec is not None and key is not None:
             rec.kinds[key] = kind
@@ -528,8 +540,8 @@ class Runtime(Policy):
             phases=self.phases.report(self._payoff.report()),
             paths=self._paths.report(),  # shapes settled on swapping or on page migration
         )
-        if self._plan is not None:
-            out["plan"] = dict(self._plan.stats)
+        if self.plan is not None:
+            out["plan"] = dict(self.plan.stats)
         return out
 
     # -- iteration boundaries -----------------------------------------------------
@@ -540,9 +552,9 @@ class Runtime(Policy):
         c = self.counters
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
-        if self._acting_launch_free:
+        if self.acting_launch_free:
             self._clock.finish_iteration()
-        if self._mode == "act" and self._record is not None and self._learner.signature != self._plan.signature:
+        if self._mode == "act" and self.record is not None and self._learner.signature != self.plan.signature:
             # A probed iteration (recorded launch by launch) of another shape that no
             # decision told apart (a plan with nothing to do has none): learn it.
             c["switches"] += 1
@@ -554,57 +566,61 @@ class Runtime(Policy):
         self._iteration = index
         # The signature of the iteration that just ended names its survivors.
         signature = self._learner.signature
-        sig = signature if self._mode == "learn" else (self._plan.signature if self._plan else 0)
+        sig = signature if self._mode == "learn" else (self.plan.signature if self.plan else 0)
         if self._mode not in ("learn", "act", "rebase"):
             sig = signature ^ 0x5A5A  # a shape we never finished; its keys must not clash
         moved = self.keys.boundary(sig)
-        if self._record is not None and self._mode == "learn":
-            self._record.carried = moved
-            if self._learner.learn(self._record, self._phase):
-                self._payoff.new_shape(self._phase)
-        self.phases.boundary(phase)
+        if self.record is not None and self._mode == "learn":
+            self.record.carried = moved
+            if self._learner.learn(self.record, self.phases.phase):
+                self._payoff.new_shape(self.phases.phase)
+        dead = self.phases.boundary(phase)
+        self._phase_dead = self.phases.dead
+        if dead:
+            self._pending_discards.extend(dead.drain())
+            self._flush()
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
         """Account for the iteration that ended: the guard's outcome, the plan's
         runs, the reference addresses, a re-based launch-free clock, the log."""
-        mode = self._mode
+        mode, phase = self._mode, self.phases.phase
         entry = {"iteration": self._iteration, "mode": mode}
         # The addresses of a complete iteration of a known shape are the reference
         # the next one of that shape is checked against (a frozen one held them).
         if self._frozen:
             self.counters["frozen_iterations"] += 1
-        if self._acting_launch_free:
+        if self.acting_launch_free:
             self.counters["light_iterations"] += 1
         if self._addresses is not None and mode in ("act", "learn"):
-            key = _reference_key(self._plan) if mode == "act" else (self._learner.signature, False)
+            key = _reference_key(self.plan) if mode == "act" else (self._learner.signature, False)
             self._references[key] = self._addresses
             self._references.move_to_end(key)
             if len(self._references) > max(1, self.options.max_variants):
                 self._references.popitem(last=False)
         elif not self._frozen and self._reference is not None:
             self._references.pop(self._reference[0], None)
-        entry["phase"] = self._phase
+        entry["phase"] = phase
         if self.counters["deviations"] > self._deviations_before or self._left_plan:
             entry["deviated"] = True
         if mode == "act":
-            self._guard.outcomes(self._phase).append(True)
-            sig = self._plan.signature
-            if self._event_tokens is not None:  # its launch-free clock held for a whole iteration
+            self._guard.outcomes(phase).append(True)
+            sig = self.plan.signature
+            if self.event_tokens is not None:  # its launch-free clock held for a whole iteration
                 self._clock.confirmed.add(sig)
             self._learner.ran(sig)
-            self.variants.observe(self._plan.signature)
+            self.variants.observe(self.plan.signature)
             self.counters["acted"] += 1
-            entry["signature"] = self._plan.signature
+            entry["signature"] = self.plan.signature
         elif mode == "rebase":
             self._clock.rebase(entry)
         elif mode == "off":
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
-            self._learner.seek(self._phase)
-            if self._clock.failed:  # unknown, and not recorded: seek it (see Learner.learn)
-                self._learner.seek_left[self._phase] = self.options.max_variants
-        elif mode == "learn" and self._record is not None:
-            self._record.signature = self._learner.signature
+            self._learner.seek(phase)
+            if self._guard.left_launch_free:  # unknown, and not recorded: seek it (see Learner.learn)
+                self._learner.seek_left[phase] = self.options.max_variants
+        elif mode == "learn" and self.record is not None:
+            self.record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
             self.counters["learned"] += 1
             entry["signature"] = self._learner.signature
@@ -612,16 +628,16 @@ class Runtime(Policy):
         # one that moved nothing of a plan's (not the run's first: set-up's costs).
         role, shape = None, 0
         if mode == "act":
-            role, shape = ACTING, self._plan.signature
-            self._paths.ran(self._iteration, self._plan)
+            role, shape = ACTING, self.plan.signature
+            self._paths.ran(self._iteration, self.plan)
         elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
             role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
-        self._payoff.iteration(self._iteration, self._phase, role, shape)
+        self._payoff.iteration(self._iteration, phase, role, shape)
         if mode == "none":
             self.counters["held_iterations"] += 1
-        self.phases.finished(self._phase, entry.get("signature"))
-        self._event_tokens = None
-        self._token_objects = []
+        self.phases.finished(phase, entry.get("signature"))
+        self.event_tokens = None
+        self.token_objects = []
         self.log.append(entry)
         if len(self.log) > 256:
             del self.log[:128]
@@ -639,19 +655,19 @@ class Runtime(Policy):
         single key, while every allocation is still checked against that
         reference (one that lands elsewhere ends freezing for the iteration).
         """
-        self._clock.failed = False
-        self._n_launches = 0
+        self._guard.left_launch_free = False
+        self.n_launches = 0
         self._n_frees = 0
-        self._n_events = 0
-        self._events_hash = 0
+        self.n_events = 0
+        self.events_hash = 0
         self._moved = False
         self._deviations_before = self.counters["deviations"]
         self._left_plan = False
-        phase = self._phase
+        phase = self.phases.phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._drop_at_free.clear()
-        self._record = None
-        self._plan = None
+        self.record = None
+        self.plan = None
         # Misprediction guard: too many recent deviations in this phase -> do nothing
         # there for a while, then re-learn its shapes (the other phases' plans stay).
         if self._guard.tripped(phase):
@@ -662,8 +678,8 @@ class Runtime(Policy):
         plan = None
         learner = self._learner
         if not self._payoff.allows(phase):
-            self.restore_swapped()  # no plan runs in this phase's iterations to bring them back
-            self.phases.hold()
+            # Do nothing (what is swapped out comes back: no plan runs in this phase's iterations).
+            self.stop_acting("none", wants_launches=False)
             if phase == "train" and isinstance(self.layout, PlanningLayout):
                 # The pool's plan is the training step's, made for moves that no longer come:
                 # from now on it places as a caching allocator does, as plain Unified Memory runs.
@@ -695,27 +711,27 @@ class Runtime(Policy):
         # one more iteration of plain UM before the new shape is learned).
         trusted = (plan is not None and not probing and not self._paths.trying(plan)
                    and self._learner.runs(plan.signature) >= self.options.probe_iterations)
-        self._record = None if trusted else self._learner.new_record(self._alloc_of)
+        self.record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
         # one, and records this iteration's events until that clock has held.
-        self._acting_launch_free = launch_free = bool(self.options.launch_free and trusted
+        self.acting_launch_free = launch_free = bool(self.options.launch_free and trusted
                                                               and plan.launch_free_end is not None)
         if launch_free:
             plan = plan.launch_free_variant or plan
             if plan.signature not in self._clock.confirmed:
-                self._event_tokens, self._token_objects = [], []
-        self._keymap = plan.keymap if launch_free else None
+                self.event_tokens, self.token_objects = [], []
+        self.keymap = plan.keymap if launch_free else None
         key = _reference_key(plan) if plan is not None else None
         addresses = self._references.get(key) if key is not None else None
         self._reference = ref = (key, addresses) if addresses is not None else None
         self._frozen = bool(self.options.freeze and trusted and ref is not None)
         self._addresses = None if self._frozen else []
-        self._counting_launches = False
+        self.counting_launches = False
         self.wants_launches = not launch_free
         self._clock.follow(plan.launch_free_resume if launch_free else {})
         if launch_free and -1 in self._clock.resume:  # a decision before the iteration's first event
-            self._counting_launches = self.wants_launches = True
+            self.counting_launches = self.wants_launches = True
         path = (plan.signature, bool(plan.swap)) if plan is not None else None
         if self._swapped and path != self._swapped.signature:
             self.restore_swapped()  # another plan (or none, or its migration-only twin) would not bring them back
@@ -726,15 +742,15 @@ class Runtime(Policy):
             self.backend.swap.reserve(int(plan.stats.get("planned_swap_peak_bytes", 0) * STAGING_MARGIN))
         if plan is not None:  # a plan with nothing to do (everything fits) is acted on too: no capture
             self._mode = "act"
-            self._plan = plan
-            self._actions = plan.actions
-            self._next_action = 0
-            self._arm()
+            self.plan = plan
+            self.actions = plan.actions
+            self.next_action = 0
+            self.arm()
             # A plan not yet confirmed twice is probed (recorded) all along,
             # so a late deviation still teaches the runtime the new shape.
             self._probe_left = 0 if trusted else len(plan.actions) + 1
-            self._discard_keys = plan.discard
-            self._oversized = plan.remote_at
+            self.discard_keys = plan.discard
+            self.oversized = plan.remote_at
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host.map(plan.remote)
@@ -743,8 +759,8 @@ class Runtime(Policy):
         else:
             self._mode = "learn"
             self._next_launch = self._clock.next_event = -1
-            self._discard_keys = frozenset()
-            self._oversized = {}
+            self.discard_keys = frozenset()
+            self.oversized = {}
         self._clock.set_due(-1)
 
     # -- acting -----------------------------------------------------------------
@@ -752,40 +768,40 @@ class Runtime(Policy):
     def _decide(self, ev: Launch) -> None:
         """The decision before launch ``ev``, if the iteration is where the plan
         expects it (the launch, the allocations and frees so far)."""
-        a = self._actions[self._next_action]
+        a = self.actions[self.next_action]
         # Acting without launches, the iteration was checked at the event the
         # count started from; a live driver may deliver launches late (its
         # capture resumes at the next hook), so the count can only lag: late.
-        if not self._acting_launch_free and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
+        if not self.acting_launch_free and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
                                              or self._n_frees != a.n_free):
-            a = self._guard.switch(ev)
+            a = self._guard.switch(ev, self.keys.ordinal, self._n_frees)
             if a is None:
                 self._guard.deviate()
                 return
         if self._probe_left:
             self._probe_left -= 1
             if not self._probe_left:
-                self._record = None  # the plan holds: stop recording
-        self._next_action += 1
-        self._arm()
-        self._act(a)
+                self.record = None  # the plan holds: stop recording
+        self.next_action += 1
+        self.arm()
+        self.act(a)
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
         """Set the trigger of the next decision: its launch ordinal, or (acting
         without launches) its launch-free event, or for a decision no event precedes
         its launch ordinal, counted from the event named in Plan.launch_free_resume."""
-        if self._next_action >= len(self._actions):
+        if self.next_action >= len(self.actions):
             self._next_launch = self._clock.next_event = -1
             return
-        a = self._actions[self._next_action]
-        if not self._acting_launch_free:
+        a = self.actions[self.next_action]
+        if not self.acting_launch_free:
             self._next_launch = a.at
         elif a.launch_free_at >= 0:
             self._next_launch, self._clock.next_event = -1, a.launch_free_at
         else:  # counted from the event before it (Plan.launch_free_resume)
             self._next_launch, self._clock.next_event = a.at, -1
 
-    def _act(self, a: Action, destructive: bool = True) -> None:
+    def act(self, a: Action, destructive: bool = True) -> None:
         """Issue one decision's moves (``destructive`` False: not its swaps out and drops, which
         leave data only in pinned memory or nowhere: a decision taken off its place skips them)."""
         c = self.counters
@@ -800,7 +816,7 @@ class Runtime(Policy):
             # Dead data no launch reads again: its pages leave without a copy. Before the program
             # frees it only on a plan that ran whole (trusted): a plan still probed may have been
             # learned on steps an exception cut short, whose objects died early. Else when freed.
-            if self._record is None and destructive:
+            if self.record is None and destructive:
                 ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
                 if ranges:
                     self.backend.drop(ranges)
@@ -843,7 +859,7 @@ class Runtime(Policy):
         """While something is swapped out, every allocation, free and module boundary must be the
         plan's (the running hash after it the recorded one): a program that leaves the plan may
         read what only the plan would have brought back, so it all comes back now."""
-        plan = self._plan
+        plan = self.plan
         if plan is None or plan.launch_free_end is None or plan.hash_after(event) != events_hash:
             self.restore_swapped()
 
@@ -871,8 +887,3 @@ class Runtime(Policy):
             self.backend.populate(pieces)
             self._n_populate_calls += 1
             self._n_populated += sum(map(_N, pieces))
-
-    def _not_live(self, obj: int) -> int:
-        """An object the runtime was told of is not in the layout's live index:
-        the layout's own error says why (a driver that skipped ``layout.alloc``)."""
-        return self.layout.address(obj)
