@@ -171,6 +171,12 @@ def test_bad_options(bad):
         RuntimeOptions(**bad)
 
 
+def test_an_unknown_option_is_refused_naming_it_and_the_options():
+    """Runtime's defaults live in RuntimeOptions alone: a misspelt keyword is refused by name."""
+    with pytest.raises(TypeError, match=r"unknown runtime option\(s\) learn_iteration; the options are op_level"):
+        Runtime(learn_iteration=3)
+
+
 def test_options_are_the_constructor_keywords_frozen():
     """Runtime's keyword arguments land, unchanged, in one frozen RuntimeOptions;
     make_policy passes them through."""

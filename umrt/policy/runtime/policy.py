@@ -15,7 +15,7 @@ import logging
 from collections import OrderedDict
 from dataclasses import replace
 from operator import itemgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from umrt.backends.base import HOST, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
@@ -93,32 +93,14 @@ class Runtime(Policy):
     def __init__(
         self,
         trace: Trace | None = None,
-        *,
-        op_level: bool = False,
-        headroom: float = 0.9,
-        learn_iterations: int = 2,
-        probe_iterations: int = 2,
-        guard_window: int = 4,
-        guard_failures: int = 3,
-        guard_cooldown: int = 2,
-        max_variants: int = 8,
-        use_pool: bool = True,
-        min_discard: int = PAGE,
-        read_mostly: bool = False,
-        freeze: bool = True,
-        launch_free: bool = True,
-        discard_on_free: bool = False,
-        swap: bool = True,
-        payoff_window: int = 3,
-        payoff_margin: float = 0.05,
+        **options: Any,
     ) -> None:
-        self.options = options = RuntimeOptions(
-            op_level=op_level, headroom=headroom, learn_iterations=learn_iterations,
-            probe_iterations=probe_iterations, guard_window=guard_window, guard_failures=guard_failures,
-            guard_cooldown=guard_cooldown, max_variants=max_variants, use_pool=use_pool,
-            min_discard=min_discard, read_mostly=read_mostly, freeze=freeze, launch_free=launch_free,
-            discard_on_free=discard_on_free, swap=swap, payoff_window=payoff_window,
-            payoff_margin=payoff_margin)
+        # The knobs and their defaults: RuntimeOptions, validated there (one place for each).
+        unknown = sorted(set(options) - set(RuntimeOptions.__dataclass_fields__))
+        if unknown:
+            raise TypeError(f"unknown runtime option(s) {', '.join(unknown)}; the options are "
+                            f"{', '.join(RuntimeOptions.__dataclass_fields__)}")
+        self.options = options = RuntimeOptions(**options)
         # The options on_event reads at every Free, copied: one attribute read, not two.
         self._min_discard = options.min_discard
         self._discard_on_free = options.discard_on_free
