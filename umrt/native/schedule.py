@@ -290,7 +290,7 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
         starts.append(starts[-1] + previous_allocations if starts else 0)
         previous_allocations = allocations
         entries.extend(recorded)
-    lives_across = _lives_across(entries)  # address -> ordinal of a block that lives across the cycle's end
+    live_at_end = lives_across(entries)  # address -> ordinal of a block that lives across the cycle's end
     trailing = False  # the calls pending were made after a Mark with no pool event since
     for entry in entries:
         if isinstance(entry, AllocAt):
@@ -303,7 +303,7 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
             sizes.append(int(entry.size))
             addrs.append(int(entry.ptr))
         elif isinstance(entry, FreeAt):
-            ordinal = ordinal_at.get(entry.ptr, lives_across.get(entry.ptr))
+            ordinal = ordinal_at.get(entry.ptr, live_at_end.get(entry.ptr))
             if ordinal is None:  # a block from before the cycle: the schedule does not free it
                 target = None
                 continue
@@ -351,7 +351,7 @@ def compile_cycle(iterations: Sequence[Sequence[Recorded]],
     return arrays
 
 
-def _lives_across(entries: Sequence[Recorded]) -> dict[int, int]:
+def lives_across(entries: Sequence[Recorded]) -> dict[int, int]:
     """The blocks the cycle allocates and leaves live at its end, as ``{address: ordinal}``:
     in steady state each is freed in the next cycle, before its address is allocated again."""
     live: dict[int, int] = {}
@@ -405,7 +405,7 @@ def _guards(entries: Sequence[Recorded], sizes: Sequence[int], decisions_alloc: 
     start), as ``{(ordinal, k): [ordinals]}`` for the k-th decision at allocation / free of
     ``ordinal``. Event records and waits touch no memory and get none."""
     live = _LiveBlocks()
-    for ptr, k in _lives_across(entries).items():
+    for ptr, k in lives_across(entries).items():
         live.add(ptr, ptr + sizes[k], k)
     guards_alloc: dict[tuple[int, int], list[int]] = {}
     guards_free: dict[tuple[int, int], list[int]] = {}

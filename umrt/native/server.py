@@ -58,8 +58,8 @@ from umrt.allocators.managed import ManagedPool
 from umrt.backends.cuda import CudaBackend
 from umrt.native.binding import cudart_table, load_steady
 from umrt.native.constants import EV_ALLOC, EV_BOUNDARY, EV_FREE, DecisionKind
-from umrt.native.recorder import AllocAt, CallAt, FreeAt, RecordingApi, SteadyRecorder
-from umrt.native.schedule import ScheduleArrays, SteadyError, compile_cycle
+from umrt.native.recorder import CallAt, RecordingApi, SteadyRecorder
+from umrt.native.schedule import ScheduleArrays, SteadyError, compile_cycle, lives_across
 from umrt.native.tables import ApiTable, loaded_libcudart
 
 __all__ = ["SteadyServer", "Phase", "CallSource", "BackendCalls", "SteadyBridge", "SteadyReport"]
@@ -394,7 +394,7 @@ class SteadyServer:
             self._arm_locked(window, arrays)
 
     def _arm_locked(self, window: Sequence[Any], arrays: ScheduleArrays) -> None:
-        survivors = _survivors(window)
+        survivors = sorted(lives_across(window).items())  # (address, allocation ordinal)
         live = self.pool.live_blocks()
         if any(live.get(ptr) != arrays.sizes[ordinal] for ptr, ordinal in survivors):
             raise SteadyError("a block the window left live is not live in the pool at its size")
@@ -534,16 +534,3 @@ class SteadyServer:
     def _set_phase(self, phase: Phase) -> None:
         self.phase = phase
         self.report.phase = phase.value
-
-
-def _survivors(window: Sequence[Any]) -> list[tuple[int, int]]:
-    """Blocks the window allocated and did not free: (address, allocation ordinal)."""
-    live: dict[int, int] = {}
-    ordinal = 0
-    for entry in window:
-        if isinstance(entry, AllocAt):
-            live[entry.ptr] = ordinal
-            ordinal += 1
-        elif isinstance(entry, FreeAt):
-            live.pop(entry.ptr, None)
-    return sorted(live.items())
