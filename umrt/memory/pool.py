@@ -708,14 +708,15 @@ class LifetimePool(Layout):
             return
         if self.planned:
             self._plan_served += 1
-        shape = {r.key: r.size for r in self._recurring_records()}  # (what a plan would place)
+        records = self._recurring_records()  # what a plan would place
+        shape = {r.key: r.size for r in records}
         same_shape, self._last_shape = _same_shape(shape, self._last_shape), shape
         if not self.planned:
             self._unplanned_steps += 1
             if same_shape or not self.live_feed or self._unplanned_steps >= FIRST_PLAN_BY:
-                self._make_plan()
+                self._make_plan(records)
         elif self._refine:
-            self._make_plan()  # once: the ends of objects that outlived the learned iteration are known now
+            self._make_plan(records)  # once: the ends of objects that outlived the learned iteration are known now
         elif (self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes
               and same_shape):  # the shape changed for good, not for one step (a short last batch)
             self._short_plans = self._short_plans + 1 if self._plan_served < SHORT_PLAN else 0
@@ -723,14 +724,14 @@ class LifetimePool(Layout):
                 self.stop_planning(f"{self._short_plans} plans in a row were replaced within "
                                     f"{SHORT_PLAN} training iterations (the allocations do not repeat)")
             else:
-                self._make_plan()
+                self._make_plan(records)
 
-    def _make_plan(self) -> None:
+    def _make_plan(self, records: list[_Record]) -> None:
+        """Plan from ``records``, this iteration's recurring records (:meth:`_recurring_records`)."""
         old_regions = list(self._regions)
         length = max(self._clock - self._iter_clock, 1)
         ticks = self._tick
         saw_layers = ticks > 0
-        records = self._recurring_records()
 
         # Cyclic lifetimes: an object still alive at the boundary ends where its counterpart
         # (same key) from the previous iteration ended, one iteration later; if that is not
