@@ -788,8 +788,18 @@ class OraclePolicy(Policy):
             if action is not None:
                 self._move(action)
             if i in plan.remote_at:
-                ranges = [r for r in (self._range(self.ids.resolve_key(k)) for k in plan.remote_at[i])
-                          if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped]
+                keyed = [(k, self._range(self.ids.resolve_key(k))) for k in plan.remote_at[i]]
+                keyed = [(k, r) for k, r in keyed
+                         if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped]
+                ranges = [r for _, r in keyed]
+                # newborns the launch writes first: their dead pages go to the host without a copy
+                born = plan.remote_fresh.get(i, ())
+                fresh = [x for x in (_whole_pages(*r) for k, r in keyed if k in born) if x is not None]
+                if fresh:
+                    self._flush()
+                    self.ctx.backend.discard_and_prefetch(fresh, HOST)
+                    for r in fresh:
+                        self._away.add(*r)
                 self._advise_set.extend(ranges)
                 self._temp_advised.extend(ranges)
                 self._flush()

@@ -38,6 +38,10 @@ class HostMapper:
     def live_ranges(self, keys: Iterable[int], skip) -> list[tuple[int, tuple[int, int]]]:
         """``(obj, (ptr, nbytes))`` for each key's live, non-empty object not
         in ``skip``, in key order."""
+        return [(obj, r) for _, obj, r in self._live(keys, skip)]
+
+    def _live(self, keys: Iterable[int], skip) -> list[tuple[int, int, tuple[int, int]]]:
+        """``(key, obj, (ptr, nbytes))``: :meth:`live_ranges` with each key."""
         out = []
         obj_of, alloc_of, address = self.keys.obj_of, self.alloc_of, self.address
         for k in keys:
@@ -46,7 +50,7 @@ class HostMapper:
                 continue
             n = alloc_of.get(obj, NO_ALLOC).nbytes
             if n > 0:
-                out.append((obj, (address(obj), n)))
+                out.append((k, obj, (address(obj), n)))
         return out
 
     def advise_read_mostly(self, keys: Iterable[int]) -> None:
@@ -92,18 +96,30 @@ class HostMapper:
         self.backend.advise([r], Advice.UNSET_ACCESSED_BY, self.backend.device)
         self.backend.advise([r], Advice.UNSET_PREFERRED_LOCATION, HOST)
 
-    def map_for_launch(self, keys: Iterable[int]) -> None:
+    def map_for_launch(self, keys: Iterable[int], fresh: frozenset[int] = frozenset()) -> None:
         """A launch larger than the budget is about to run: what of it is not
         resident is read and written over the link (PreferredLocation=host +
         AccessedBy=GPU) instead of being faulted in and evicted again within
         the launch. Undone before the next launch (:meth:`unmap_launch`). Only
         ranges large enough to pay for their four cudaMemAdvise calls (112 us
         each on the H100; see :func:`~umrt.policy.runtime.planner.min_host_map_bytes`):
-        the rest faults in as it would anyway."""
+        the rest faults in as it would anyway.
+
+        ``fresh``: keys the launch is the first to touch (``Plan.remote_fresh``). A
+        newborn may sit on GPU pages (populated at its birth, or a range reused in
+        place), where advice alone leaves it: the launch would then write it there
+        and evict its own inputs to make room. Its contents are dead, so its whole
+        pages go to the host without a copy first (a discard and prefetch)."""
         least = min_host_map_bytes(self.profile)
-        ranges = [r for _, r in self.live_ranges(keys, self.mapped) if r[1] >= least]
+        live = [(k, r) for k, _, r in self._live(keys, self.mapped) if r[1] >= least]
+        ranges = [r for _, r in live]
         if ranges:
             be = self.backend
+            dead = [w for w in (whole_pages(p, n) for k, (p, n) in live if k in fresh) if w is not None]
+            if dead:
+                be.discard_and_prefetch(dead, HOST)
+                for p, n in dead:
+                    self.off_gpu.add(p, n)
             be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
             be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
             self.launch_mapped[:] = ranges

@@ -99,6 +99,10 @@ class Plan:
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
     remote_at: dict[int, tuple[int, ...]] = field(default_factory=dict)  # oversized launch -> keys over the link
+    # Per oversized launch, the keys of remote_at that it touches first (born for it, holding nothing
+    # yet): placed on the host without a copy before it runs, so that its writes go over the
+    # link, not into GPU pages it would evict its own reads for.
+    remote_fresh: dict[int, frozenset[int]] = field(default_factory=dict)
     # Acting without launches: (events, running hash) at the iteration's end
     # (None: the record had no launch-free events), and where the runtime must
     # count launches until the next event: launch-free event -> (launches before
@@ -511,7 +515,7 @@ class Planner:
         away = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
             start_away = away
-            actions, (state, away), stats, remote_at, swapped = self._pass(rec, points, state, away)
+            actions, (state, away), stats, remote_at, swapped, fresh = self._pass(rec, points, state, away)
         # The plan runs cyclically: what it leaves swapped out at the iteration's end must be
         # what it expects away at the start. Where pass 2 ends with more away than it began
         # with, the first decision copies those back (and waits for them): never a read of data
@@ -553,7 +557,7 @@ class Planner:
         if launch_free_end is not None:
             actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
         return Plan(rec.signature, n, actions, discard, stats, swap=swapped, remote=remote, read_mostly=mostly,
-                    remote_at=remote_at, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
+                    remote_at=remote_at, remote_fresh=fresh, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""
@@ -693,6 +697,7 @@ class Planner:
                           else {k for k in start_away if k in swaps})
         oversize = self.oversize(rec) if self.remote_access else set()
         remote_at: dict[int, list[int]] = {}  # oversized launch -> keys it reaches over the link
+        fresh: dict[int, set[int]] = {}  # ... of which the launch is the first to touch
         last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
         cap = self.cap
         cursor = 0
@@ -844,6 +849,8 @@ class Planner:
                         # Larger than the budget: what is not resident is read
                         # and written over the link for this launch only.
                         remote_at.setdefault(i, []).append(k)
+                        if k not in touched:
+                            fresh.setdefault(i, set()).add(k)
                         ptr[k] = ptr.get(k, 0) + 1
                         last_pi[k] = pi
                         touched.add(k)
@@ -877,7 +884,7 @@ class Planner:
         # ... and what it leaves swapped out, under the keys the next iteration knows them by.
         end_away = {c for c in (rec.carried.get(k, k) for k in away) if c in rec.start_live}
         return (actions, (carried, end_away), stats, {i: tuple(ks) for i, ks in remote_at.items()},
-                frozenset(out))
+                frozenset(out), {i: frozenset(ks) for i, ks in fresh.items()})
 
     @staticmethod
     def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out, spare=None) -> int:

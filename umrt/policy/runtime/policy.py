@@ -454,7 +454,7 @@ class Runtime(Policy):
             if n == self._next_launch and self._mode == "act":
                 self._decide(event)
             if self.oversized and n in self.oversized and self._mode == "act":
-                self._host.map_for_launch(self.oversized[n])
+                self._host.map_for_launch(self.oversized[n], self.plan.remote_fresh.get(n, frozenset()))
         elif t is LayerEnter or t is LayerExit:
             n_events = self.n_events
             self.n_events = n_events + 1
