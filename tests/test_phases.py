@@ -211,3 +211,30 @@ def test_a_phase_that_stops_acting_starts_with_nothing_swapped_out():
     first_held = modes.index("none")
     assert staged_at_start[first_held - 1] > 0  # the acting iterations began with bytes away (cyclic plan)
     assert staged_at_start[first_held] == 0 and backend.swap.late == 0
+
+
+@pytest.mark.parametrize(("budget", "short"), [("30%", True), ("100%", False)])
+def test_leaving_an_evaluation_discards_its_dead_pages_only_where_memory_is_short(budget, short, monkeypatch):
+    """As training resumes, the pages an evaluation's dead left free are discarded where the
+    managed memory umrt's layout holds has outgrown the GPU (the driver would copy their dead
+    bytes out); where everything fits they stay, as plain Unified Memory leaves them, for the
+    step's newborns to reuse in place (discarded, each newborn there would need a population
+    first: a call the next kernel waits for, 3 ms over one step of the HF-style example,
+    SIMULATED)."""
+    from umrt.policy.runtime.phases import LoopPhases
+
+    handed: list = []  # what each return from an evaluation handed over, and whether it is left there
+    boundary = LoopPhases.boundary
+
+    def spy(self, phase):
+        dead = boundary(self, phase)
+        if dead:
+            handed.append(dead)
+        return dead
+
+    monkeypatch.setattr(LoopPhases, "boundary", spy)
+    rt = Runtime()
+    _run(_phased(), rt, budget)
+    assert handed, "no evaluation left dead pages behind"
+    # drained (discarded) where memory is short; kept (and taken back by newborns) otherwise
+    assert all(not d for d in handed) if short else any(d for d in handed)

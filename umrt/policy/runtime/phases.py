@@ -45,8 +45,8 @@ class LoopPhases:
         self.phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
         # While an evaluation runs: the whole pages its dead left free (freed, not
         # reused since). Nothing discards them there (an evaluation that fits moves
-        # nothing), so they are discarded when training resumes: the driver would
-        # otherwise copy their dead bytes out to make room for the training step.
+        # nothing); the runtime discards them when training resumes where memory is
+        # short: the driver would otherwise copy their dead bytes out to make room.
         self.dead: DeadPages | None = None
         self.last: dict[str, int] = {}  # phase -> the shape of its last iteration
         self.opening: dict[str, int] = {}  # phase -> the shape its last run opened with

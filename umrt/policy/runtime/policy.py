@@ -120,6 +120,7 @@ class Runtime(Policy):
         self._n_populate_calls = 0
         self._n_populated = 0
         self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
+        self._held = self._peak_held = 0  # managed memory the layout holds (segments), now and at most
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
         self.keys = ObjectKeys()
@@ -291,6 +292,8 @@ class Runtime(Policy):
         segments populated so fit the budget (as the live allocator populates its segments,
         :class:`~umrt.allocators.managed.ManagedPool`); else each newborn placed there is
         populated by a prefetch, not by first-touch faults."""
+        self._held += nbytes
+        self._peak_held = max(self._peak_held, self._held)
         if nbytes >= WHOLE_SEGMENT and sum(self._populated_segments.values()) + nbytes <= self.ctx.budget_bytes:
             self.backend.populate([(ptr, nbytes)])
             self._populated_segments[ptr] = nbytes
@@ -303,6 +306,7 @@ class Runtime(Policy):
         """The pool handed a segment back: pending discards inside it are moot, and
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
+        self._held -= nbytes
         self._populated_segments.pop(ptr, None)
         self._off_gpu.remove(ptr, nbytes)
         if self._swapped:  # only dead objects lie in a segment the pool gives back
@@ -558,10 +562,19 @@ class Runtime(Policy):
                 self._payoff.new_shape(self.phases.phase)
         dead = self.phases.boundary(phase)
         self._phase_dead = self.phases.dead
-        if dead:
+        if dead and self._short_of_memory():
             self._pending_discards.extend(dead.drain())
             self._flush()
         self._start_iteration()
+
+    def _short_of_memory(self) -> bool:
+        """Whether the managed memory umrt's layout holds has ever been more than the GPU has
+        for it: then the pages an evaluation's dead left free are discarded as training
+        resumes, or the driver would copy their dead bytes out to make room for the step.
+        Otherwise they stay, as plain Unified Memory leaves them: the step's newborns reuse
+        them in place, where discarded pages would each need a population first, a call the
+        next kernel waits for."""
+        return self._peak_held > self.ctx.budget_bytes
 
     def _finish_iteration(self) -> None:
         """Account for the iteration that ended: the guard's outcome, the plan's
