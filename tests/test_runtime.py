@@ -570,3 +570,45 @@ def test_a_shape_whose_times_never_come_keeps_the_planners_choice():
     for index in range(20):
         trial.ran(index, trial.pick(plan))
     assert trial.kept == {7: SWAP} and trial.pick(plan) is plan and not trial.trying(plan)
+
+
+def test_a_newborns_population_takes_in_the_free_pages_of_its_blocks_and_no_live_ones():
+    """A newborn on pages umrt took off the GPU is populated before its kernel, and the same
+    call takes in what of its 2 MB blocks lies off the GPU with nothing live there (a fresh
+    segment, dead ranges discarded): the next newborns there need no call of their own (each
+    a prefetch the next kernel waits for). A live object's pages off the GPU (evicted: its
+    data is on the host) are left for the plan to bring back."""
+    from umrt.backends.base import BLOCK
+
+    backend = _AllCalls()
+    rt = Runtime(use_pool=False, discard_on_free=True)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
+    rt.on_event(IterationBoundary(0))
+    rt.discard_keys = frozenset(range(16))  # as an acting plan under pressure says
+    size = 256 << 10
+
+    def born(obj):
+        layout.alloc(obj, size, Kind.ACTIVATION)
+        rt.on_event(Alloc(obj, size, Kind.ACTIVATION, 0))
+        return layout.address(obj)
+
+    a = born(1)
+    (call,) = backend.calls  # the fresh segment's block, in one call
+    assert call[0] == "prefetch" and sum(n for _, n in call[1]) == BLOCK
+    lo = a // BLOCK * BLOCK
+    assert all(lo <= p and p + n <= lo + BLOCK for p, n in call[1])
+    b, c, d = born(2), born(3), born(4)
+    assert backend.calls == [call]  # their pages came with the first call
+    rt._off_gpu.add(b, size)  # B evicted, as a plan's pre-eviction leaves it: live, on the host
+    for obj in (1, 3):  # A and C die: discarded (whole pages), dead
+        rt.on_event(Free(obj))
+        layout.free(obj)
+    e = born(5)  # lands on A's or C's dead range
+    populate = [x for x in backend.calls[1:] if x[0] == "prefetch"]
+    assert len(populate) == 1
+    got = sorted(populate[0][1])
+    assert got == sorted([(a, size), (c, size)]) and e in (a, c)  # the newborn's and the other dead range
+    assert all(not (p < b + size and b < p + n) for p, n in got)  # never the live, evicted B
+    assert rt._off_gpu.overlaps(b, size)
+    assert d not in {p for p, _ in got}

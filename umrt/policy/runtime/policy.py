@@ -17,7 +17,7 @@ from dataclasses import replace
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from umrt.backends.base import HOST, Backend, SegmentWatch
+from umrt.backends.base import BLOCK, HOST, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
 from umrt.memory.base import IndexedLayout, PlanningLayout
 from umrt.memory.pool import LifetimePool
@@ -132,6 +132,9 @@ class Runtime(Policy):
         # prefetched to the GPU before its kernel (see _populate).
         self._off_gpu = RangeSet()
         self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
+        # The part of it no live object holds (dead ranges discarded, segments never populated):
+        # a newborn's population takes in what of its 2 MB blocks lies there, in the same call.
+        self._free_off_gpu = RangeSet()
         # Live ranges umrt swapped out (their data is in the backend's pinned staging): each
         # comes back with swap.back before a kernel reads it, or is released when it dies.
         # (each range as swap.out was given it, ptr -> bytes: one allocation's whole pages).
@@ -301,6 +304,7 @@ class Runtime(Policy):
             self._n_populated += nbytes
             return
         self._off_gpu.add(ptr, nbytes)
+        self._free_off_gpu.add(ptr, nbytes)
 
     def _released(self, ptr: int, nbytes: int) -> None:
         """The pool handed a segment back: pending discards inside it are moot, and
@@ -309,6 +313,7 @@ class Runtime(Policy):
         self._held -= nbytes
         self._populated_segments.pop(ptr, None)
         self._off_gpu.remove(ptr, nbytes)
+        self._free_off_gpu.remove(ptr, nbytes)
         if self._swapped:  # only dead objects lie in a segment the pool gives back
             self._swapped.forget(ptr, end, release=False)
         if self._phase_dead is not None:
@@ -819,6 +824,7 @@ class Runtime(Policy):
                     self._n_discarded += moved
                     for p, n in ranges:
                         off_gpu.add(p, n)
+                        self._free_off_gpu.add(p, n)  # dead data: no launch reads it again
             else:
                 self._drop_at_free.update(a.drop)
         if a.evict:
@@ -849,6 +855,7 @@ class Runtime(Policy):
                 if off_gpu:
                     for p, n in ranges:
                         off_gpu.remove(p, n)
+                        self._free_off_gpu.remove(p, n)
 
     def _check_swapped(self, event: int, events_hash: int) -> None:
         """While something is swapped out, every allocation, free and module boundary must be the
@@ -867,17 +874,29 @@ class Runtime(Policy):
         self.backend.drop(ranges)
         self._n_discard_calls += 1
         self._n_discarded += sum(map(_N, ranges))
-        off_gpu = self._off_gpu
+        off_gpu, free = self._off_gpu, self._free_off_gpu
         for p, n in ranges:
             off_gpu.add(p, n)
+            free.add(p, n)
 
     def _populate(self, ptr: int, nbytes: int) -> None:
         """A newborn at ``[ptr, ptr + nbytes)``: the parts of it umrt took off the GPU
         (discarded, evicted, host-mapped) or that were never populated are prefetched
         to the GPU now, in one call, before its op's kernel can touch them: a kernel
         writing a discarded range refaults at 0.8 GB/s, a fresh one populates at
-        3.4-8 GB/s, where a prefetch populates 2 GiB in ~11 ms (h100-measured.md)."""
-        pieces = self._off_gpu.take(ptr, nbytes)
+        3.4-8 GB/s, where a prefetch populates 2 GiB in ~11 ms (h100-measured.md).
+
+        The same call takes in the memory of the newborn's 2 MB blocks that lies off the GPU
+        with nothing live in it (dead ranges, fresh segments): the next newborns there then
+        need no call of their own, each of which the next kernel would wait for."""
+        off_gpu, free = self._off_gpu, self._free_off_gpu
+        pieces = off_gpu.take(ptr, nbytes)
+        if free:
+            free.remove(ptr, nbytes)  # live now
+            lo = ptr // BLOCK * BLOCK
+            for p, n in free.take(lo, -(-(ptr + nbytes) // BLOCK) * BLOCK - lo):
+                pieces += off_gpu.take(p, n)
+            pieces.sort()
         if pieces:
             self.backend.populate(pieces)
             self._n_populate_calls += 1
