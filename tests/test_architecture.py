@@ -167,6 +167,25 @@ def test_protocol_implementers_are_found(tmp_path):
     assert shape.one_implementer_protocols == ["pkg.base.Lone"]
 
 
+def _map_folders() -> list[str]:
+    """The folders ARCHITECTURE.md's map names, in its order."""
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    section = text.split("\n## The map", 1)[1].split("\n## ", 1)[0]
+    return [line.strip()[3:].split("`", 1)[0] for line in section.splitlines() if line.strip().startswith("- `")]
+
+
+def test_the_map_is_the_folder_tree():
+    """Every folder of umrt/ that holds a file is in ARCHITECTURE.md's map, and every
+    folder the map names exists."""
+    named = _map_folders()
+    root = PACKAGE.parent
+    folders = {p.parent.relative_to(root).as_posix() + "/" for p in PACKAGE.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    assert sorted(folders - set(named)) == []
+    assert [f for f in named if not (root / f).is_dir()] == []
+    assert {"umrt/", "umrt/policy/runtime/", "bench/", "kernels/", "tests/"} <= set(named)
+
+
 def test_type_checking_cycles_and_private_reaches_are_found(tmp_path):
     pkg = _package(tmp_path, {
         "__init__.py": "",
