@@ -14,7 +14,11 @@ What a newcomer meets, counted from the source of ``umrt/`` and ``bench/`` (no i
   import outside ``if TYPE_CHECKING``) and those a reader meets (``TYPE_CHECKING`` imports too);
 * private attributes one module reads or writes of another's: ``obj._name`` (``obj`` not
   ``self`` or ``cls``) where ``_name`` is defined only in other modules of the two packages,
-  and ``from module import _name`` across modules.
+  and ``from module import _name`` across modules;
+* the typed ``Protocol``s of both packages and the classes that implement each: a class of
+  either package or of ``tests/`` (a test's fake) that defines every member of it, itself or
+  through its bases; a subclass of an implementer counts with it. A Protocol with at most one
+  implementer is one where the class itself would do.
 
 ``tests/test_architecture.py`` holds the package to the limits these figures show.
 """
@@ -60,6 +64,10 @@ class Shape:
     file_lines: dict[str, int] = field(default_factory=dict)
     #: lines of each package (``umrt``, ``bench``)
     package_lines: dict[str, int] = field(default_factory=dict)
+    #: ``module.Protocol`` -> the classes that implement it (``module.Class``; ``tests.*``: a test's fake)
+    protocols: dict[str, list[str]] = field(default_factory=dict)
+    #: the Protocols with at most one implementer
+    one_implementer_protocols: list[str] = field(default_factory=list)
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -197,7 +205,71 @@ def measure(package: Path = PACKAGE, line_files: tuple[str, ...] = ("umrt/api.py
     shape.cycles_with_type_checking = cycles(reader_graph)
     between = {(a.split(".")[0], b.split(".")[0]) for a, deps in reader_graph.items() for b in deps}
     shape.package_cycles = sorted(f"{a} <-> {b}" for a, b in between if a < b and (b, a) in between)
+    tests = package.parent / "tests"
+    test_trees = {f"tests.{'.'.join(p.relative_to(tests).with_suffix('').parts)}": ast.parse(p.read_text())
+                  for p in sorted(tests.rglob("*.py"))} if tests.is_dir() else {}
+    shape.protocols = protocols(trees, test_trees)
+    shape.one_implementer_protocols = sorted(p for p, imps in shape.protocols.items() if len(imps) <= 1)
     return shape
+
+
+def _members(node: ast.ClassDef) -> set[str]:
+    """What a class defines: its methods, its class-level names and what its methods set on ``self``."""
+    names = set()
+    for n in node.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(n.name)
+            names.update(t.attr for t in ast.walk(n) if isinstance(t, ast.Attribute) and isinstance(t.ctx, ast.Store)
+                         and isinstance(t.value, ast.Name) and t.value.id == "self")
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+        elif isinstance(n, ast.Assign):
+            names.update(t.id for target in n.targets for t in ast.walk(target) if isinstance(t, ast.Name))
+    return names
+
+
+def protocols(trees: dict[str, ast.AST], test_trees: dict[str, ast.AST]) -> dict[str, list[str]]:
+    """``module.Protocol`` -> its implementers, for each Protocol of ``trees``: the classes of
+    ``trees`` and ``test_trees`` that define every member of it (themselves or through bases
+    the modules name or import), a subclass of an implementer counted with it."""
+    every = {**trees, **test_trees}
+    short = {m.removeprefix("tests."): m for m in test_trees}  # tests import their siblings by name
+    classes: dict[str, ast.ClassDef] = {}
+    names: dict[str, dict[str, str | tuple[str, str]]] = {}  # module -> name -> class key or (module, name)
+    for mod, tree in every.items():
+        local = names.setdefault(mod, {})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                key = f"{mod}.{node.name}" + (f"@{node.lineno}" if f"{mod}.{node.name}" in classes else "")
+                classes[key] = node
+                local.setdefault(node.name, key)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    local.setdefault(alias.asname or alias.name, (short.get(node.module, node.module), alias.name))
+
+    def resolve(mod: str, name: str, depth: int = 0) -> str:
+        found = names.get(mod, {}).get(name, "")
+        return resolve(*found, depth + 1) if isinstance(found, tuple) and depth < 8 else str(found)
+
+    bases = {key: ["Protocol" if ast.unparse(b).split(".")[-1] == "Protocol" else resolve(key.rsplit(".", 1)[0], b.id)
+                   if isinstance(b, ast.Name) else "" for b in node.bases] for key, node in classes.items()}
+    is_protocol = {key for key, bs in bases.items() if "Protocol" in bs}
+
+    def ancestors(key: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        out: set[str] = set()
+        for b in bases[key]:
+            if b in classes and b not in seen:
+                out |= {b} | ancestors(b, seen | {key})
+        return out
+
+    members = {key: set(_members(node)).union(*(_members(classes[a]) for a in ancestors(key)))
+               for key, node in classes.items()}
+    out = {}
+    for proto in sorted(k for k in is_protocol if k.split(".")[0] in {m.split(".")[0] for m in trees}):
+        wanted = {m for m in members[proto] if not (m.startswith("__") and m.endswith("__"))}
+        matching = {k for k in classes if k not in is_protocol and wanted <= members[k]}
+        out[proto] = sorted(k for k in matching if not ancestors(k) & matching)
+    return out
 
 
 def _classes(tree: ast.AST, mod: str) -> Iterator[ClassShape]:
@@ -300,10 +372,14 @@ def main(argv: list[str] | None = None) -> int:
           + (" (" + ", ".join(f"{f} {n}" for f, n in by_file.most_common()) + ")" if by_file else ""))
     print("largest files: " + ", ".join(f"{f} {n}" for f, n in list(shape.file_lines.items())[: args.top]))
     print("lines: " + ", ".join(f"{p} {n}" for p, n in shape.package_lines.items()))
+    print(f"Protocols: {len(shape.protocols)}; with one implementer: {len(shape.one_implementer_protocols)}"
+          + "".join(f"\n  {p} ({', '.join(shape.protocols[p]) or 'none'})" for p in shape.one_implementer_protocols))
     if args.verbose:
         for title, rows in (("probes", shape.getattr_probes), ("function-level imports", shape.function_imports),
                             ("optional imports", shape.optional_imports),
-                            ("private attributes reached across modules", shape.private_reaches)):
+                            ("private attributes reached across modules", shape.private_reaches),
+                            ("Protocols and their implementers",
+                             [f"{p}: {', '.join(imps) or 'none'}" for p, imps in shape.protocols.items()])):
             print(f"\n{title}:")
             for r in rows:
                 print("  " + r)

@@ -22,9 +22,9 @@ same address in two iterations running. Then, side by side in one run, CPU time 
 A *pair* is one malloc and one free: an iteration's time over its allocations (it
 frees as many as it allocates). Figures are medians over ``--iterations`` steady
 iterations (the minimum beside). CPU figures on this machine, no GPU, no decisions
-(the ``um`` policy's steady state: nothing to prefetch). The schedule alone: ``python -m
-bench.served`` serves recorded runs through the live path (:class:`umrt.native.server.SteadyServer`,
-which arms such a schedule in the native front).
+(the ``um`` policy's steady state: nothing to prefetch). The schedule alone:
+``tests/test_native_steady.py`` serves recorded runs through the live path
+(:class:`umrt.native.server.SteadyServer`, which arms such a schedule in the native front).
 """
 from __future__ import annotations
 

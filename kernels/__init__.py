@@ -1,4 +1,5 @@
-"""numba CUDA kernels used by ``umrt calibrate`` (and checked under ``NUMBA_ENABLE_CUDASIM=1``).
+"""numba CUDA kernels for calibration probes (checked under ``NUMBA_ENABLE_CUDASIM=1``;
+``umrt calibrate`` itself runs CuPy's).
 
 * :func:`touch_pages` - one thread per page writes one element of each page
   of a (managed) array: the cheapest way to fault every page in, used to

@@ -135,13 +135,15 @@ def test_a_launch_free_clock_is_re_based_a_bounded_number_of_times():
     assert rt.report()["deviations"] == 1
 
 
-def test_without_probing_a_plan_runs_launch_free_right_after_learning(logs):
-    """probe_iterations=0 (a capture that hands over an iteration's launches at its
+def test_without_probing_a_plan_runs_launch_free_right_after_learning(logs, monkeypatch):
+    """PROBE_ITERATIONS = 0 (a capture that hands over an iteration's launches at its
     end): trusted at once, launch-free from the third iteration, and still converged."""
     from umrt.policy.runtime import Runtime
+    from umrt.policy.runtime import policy as policy_module
     from umrt.policy.runtime.path_trial import TRIAL_ITERATIONS
 
-    rt = Runtime(probe_iterations=0)
+    monkeypatch.setattr(policy_module, "PROBE_ITERATIONS", 0)
+    rt = Runtime()
     assert rt.warmup_iterations == rt.options.learn_iterations + TRIAL_ITERATIONS  # (the trial: only where it swaps)
     rows = replay("40GiB", 40 << 30, 20, runtime=rt)
     assert _converges(rows) <= 4 and rows[-1]["deviations"] == 0

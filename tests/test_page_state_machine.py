@@ -73,7 +73,8 @@ from umrt.backends.staging import StagingPool
 from umrt.errors import CudaError
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.policy.runtime import Runtime
+from umrt.policy.runtime import Runtime as UmrtRuntime
+from umrt.policy.runtime import policy as policy_module
 from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -86,6 +87,27 @@ STREAMS = ("legacy", "legacy1", "per-thread", "blocking", "non-blocking")
 
 # What the examples exercised, summed over a test run (reset by each test).
 SEEN: Counter = Counter()
+
+# The runtime's constants an example draws (no user sets them: RuntimeOptions does not hold them).
+DRAWN_CONSTANTS = {"read_mostly": "READ_MOSTLY", "freeze": "FREEZE"}
+DEFAULTS = {name: getattr(policy_module, name) for name in DRAWN_CONSTANTS.values()}
+
+
+class Runtime(UmrtRuntime):
+    """umrt's runtime with the constants an example drew (each at its default unless drawn).
+    (A subclass rather than a change to PageStateMachine: Hypothesis seeds its examples
+    from the machine's source.)"""
+
+    def __init__(self, **options) -> None:
+        for option, name in DRAWN_CONSTANTS.items():
+            setattr(policy_module, name, options.pop(option, DEFAULTS[name]))
+        super().__init__(**options)
+
+
+@pytest.fixture(autouse=True)
+def _runtime_constants_restored(monkeypatch):
+    for name in DRAWN_CONSTANTS.values():
+        monkeypatch.setattr(policy_module, name, DEFAULTS[name])
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
-from umrt.policy.runtime import Runtime
+from umrt.policy.runtime import Runtime, payoff
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import resolve_budget
@@ -92,7 +92,7 @@ def test_an_evaluation_that_fits_moves_nothing():
     assert rt.report()["phases"]["eval"]["plans"] >= 1
 
 
-def test_acting_that_loses_stops_for_its_phase_and_says_so():
+def test_acting_that_loses_stops_for_its_phase_and_says_so(monkeypatch):
     """The simulated GPU's prefetch and discard calls cost 30 ms each, unlike what the
     runtime's profile says: its plans lose to doing nothing. The runtime finds
     it from its own iteration times and stops acting in that phase; the run is then
@@ -101,7 +101,8 @@ def test_acting_that_loses_stops_for_its_phase_and_says_so():
     trace = training_trace(layers=8, steps=14)
     guarded = Runtime()
     d_guarded, _ = _run(trace, guarded, gpu_profile=slow)
-    unguarded = Runtime(payoff_window=0)
+    monkeypatch.setattr(payoff, "WINDOW", 0)  # no check
+    unguarded = Runtime()
     d_unguarded, _ = _run(trace, unguarded, gpu_profile=slow)
     rep = guarded.report()
     train = rep["phases"]["train"]

@@ -14,8 +14,8 @@ Each finding is ``ok``, ``note`` (it works, with a caveat worth knowing) or
 command that fixes it). :func:`report` prints them and returns the exit
 status: 0 when nothing is missing, 2 otherwise.
 
-Everything it reads comes through a :class:`Machine`; :class:`ThisMachine`
-reads the real one, and tests hand it the fake CUDA runtimes.
+Everything it reads comes through a :class:`ThisMachine`, which reads the real
+one; tests hand :func:`check` a subclass over the fake CUDA runtimes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from umrt.activation import INSTALL_COMMAND, HookStatus, hook_status
 from umrt.backends.cuda import CUDA13, BindingsApi, CudaApi, default_api
@@ -97,48 +97,15 @@ class ShimBuild:
     error: str = ""
 
 
-class Machine(Protocol):
-    """What ``umrt doctor`` reads about a machine."""
-
-    def cuda_api(self) -> CudaApi:
-        """The CUDA runtime adapter umrt would use; raises when there is none."""
-
-    def device_name(self, api: CudaApi, device: int) -> str:
-        """The GPU's name (``cudaGetDeviceProperties``)."""
-
-    def driver_version(self, api: CudaApi) -> int:
-        """The CUDA version the driver supports (``cudaDriverGetVersion``; 0: no driver)."""
-
-    def nvml(self) -> Any:
-        """The ``pynvml`` module; raises ImportError without it."""
-
-    def torch_build(self) -> TorchBuild | None:
-        """The installed torch, None when there is none."""
-
-    def build_shim(self) -> ShimBuild:
-        """Load the allocator shim, building it first when it is not cached."""
-
-    def build_native(self) -> ShimBuild:
-        """Load the native steady state's libraries (the allocation front and the schedule),
-        building them first when they are not cached; ``path``: the front's."""
-
-    def activation(self) -> HookStatus:
-        """Whether ``UMRT=1`` works (:func:`umrt.activation.hook_status`)."""
-
-    def version_of(self, distribution: str) -> str | None:
-        """An installed distribution's version, None when it is not installed."""
-
-    def minimum_versions(self) -> dict[str, str]:
-        """umrt's declared lower bounds, ``{distribution: version}``."""
-
-
 class ThisMachine:
     """The real machine."""
 
     def cuda_api(self) -> CudaApi:
+        """The CUDA runtime adapter umrt would use; raises when there is none."""
         return default_api()
 
     def device_name(self, api: CudaApi, device: int) -> str:
+        """The GPU's name (``cudaGetDeviceProperties``)."""
         if isinstance(api, BindingsApi):
             err, prop = api.rt.cudaGetDeviceProperties(device)
             if err != api.rt.cudaError_t.cudaSuccess:
@@ -149,16 +116,19 @@ class ThisMachine:
         return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).strip("\x00 ")
 
     def driver_version(self, api: CudaApi) -> int:
+        """The CUDA version the driver supports (``cudaDriverGetVersion``; 0: no driver)."""
         if isinstance(api, BindingsApi):
             return int(api.rt.cudaDriverGetVersion()[1])
         return int(api.rt.driverGetVersion())
 
     def nvml(self) -> Any:
+        """The ``pynvml`` module; raises ImportError without it."""
         import pynvml
 
         return pynvml
 
     def torch_build(self) -> TorchBuild | None:
+        """The installed torch, None when there is none."""
         try:
             import torch
         except ImportError:
@@ -166,6 +136,7 @@ class ThisMachine:
         return TorchBuild(torch.__version__, torch.version.cuda)
 
     def build_shim(self) -> ShimBuild:
+        """Load the allocator shim, building it first when it is not cached."""
         # optional: torch: the shim is checked only when torch is installed
         from umrt.allocators.torch import load_shim
 
@@ -179,6 +150,8 @@ class ThisMachine:
         return ShimBuild(shim.path, time.time() - started if built_now else None)
 
     def build_native(self) -> ShimBuild:
+        """Load the native steady state's libraries (the allocation front and the schedule),
+        building them first when they are not cached; ``path``: the front's."""
         # optional: torch: the native libraries are built with torch's cpp_extension
         from umrt.native.binding import native_library
 
@@ -195,15 +168,18 @@ class ThisMachine:
         return ShimBuild(front.path, time.time() - started if built_now else None)
 
     def activation(self) -> HookStatus:
+        """Whether ``UMRT=1`` works (:func:`umrt.activation.hook_status`)."""
         return hook_status()
 
     def version_of(self, distribution: str) -> str | None:
+        """An installed distribution's version, None when it is not installed."""
         try:
             return importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             return None
 
     def minimum_versions(self) -> dict[str, str]:
+        """umrt's declared lower bounds, ``{distribution: version}``."""
         try:
             return minimums(importlib.metadata.requires("umrt") or [])
         except importlib.metadata.PackageNotFoundError:
@@ -258,7 +234,7 @@ def _cuda(version: int) -> str:
 # ---------------------------------------------------------------------------
 # The checks.
 # ---------------------------------------------------------------------------
-def check(machine: Machine, environ: dict[str, str] | None = None, *, build_shim: bool = True) -> list[Finding]:
+def check(machine: ThisMachine, environ: dict[str, str] | None = None, *, build_shim: bool = True) -> list[Finding]:
     """Every finding about ``machine``, in the order a GPU user meets them.
 
     Args:
@@ -320,7 +296,7 @@ class _Gpu:
     total: int
 
 
-def _nvml(machine: Machine, found: list[Finding]) -> str | None:
+def _nvml(machine: ThisMachine, found: list[Finding]) -> str | None:
     """NVML's finding (appended to ``found``) and the driver version it reports."""
     try:
         nvml = machine.nvml()
@@ -350,7 +326,7 @@ def _nvml(machine: Machine, found: list[Finding]) -> str | None:
             pass
 
 
-def _gpu(machine: Machine, cfg: Config, nvml_driver: str | None, found: list[Finding]) -> _Gpu | None:
+def _gpu(machine: ThisMachine, cfg: Config, nvml_driver: str | None, found: list[Finding]) -> _Gpu | None:
     """CUDA runtime, driver, GPU, concurrent managed access, batched calls; the GPU if usable."""
     try:
         api = machine.cuda_api()
@@ -433,7 +409,7 @@ def _gpu(machine: Machine, cfg: Config, nvml_driver: str | None, found: list[Fin
     return _Gpu(api, cfg.device, name, total)
 
 
-def _torch(machine: Machine, gpu: _Gpu | None, found: list[Finding], build_shim: bool, *,
+def _torch(machine: ThisMachine, gpu: _Gpu | None, found: list[Finding], build_shim: bool, *,
            native: bool) -> TorchBuild | None:
     torch = machine.torch_build()
     if torch is None:
@@ -498,7 +474,7 @@ def _profile(cfg: Config, gpu: _Gpu | None, found: list[Finding]) -> None:
                              "umrt calibrate -o mygpu.json, then UMRT_PROFILE=mygpu.json"))
 
 
-def _versions(machine: Machine, torch: TorchBuild | None, found: list[Finding]) -> None:
+def _versions(machine: ThisMachine, torch: TorchBuild | None, found: list[Finding]) -> None:
     mins = machine.minimum_versions()
     python = ".".join(str(v) for v in sys.version_info[:3])
     found.append(_version_finding("python", python, None))
@@ -557,7 +533,7 @@ def report(findings: list[Finding], out: TextIO | None = None, *, as_json: bool 
     return 0
 
 
-def run(machine: Machine | None = None, *, build_shim: bool = True, as_json: bool = False,
+def run(machine: ThisMachine | None = None, *, build_shim: bool = True, as_json: bool = False,
         out: TextIO | None = None) -> int:
     """Check ``machine`` (default :class:`ThisMachine`), print the report, return the exit status."""
     return report(check(machine or ThisMachine(), build_shim=build_shim), out, as_json=as_json)

@@ -50,7 +50,7 @@ from umrt.console import text_console
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile, load_profile
-from umrt.memory.base import KindHints
+from umrt.memory.pool import LifetimePool
 from umrt.paths import check_writable
 from umrt.phase_report import (
     PHASE_PLURALS,
@@ -124,7 +124,7 @@ def drive_live(events: Iterable[Event], policy: str | Policy, profile: HardwareP
     # Closed loop, as a live run: a launch reaches the policy only while it wants launches.
     driver = Driver(pol, layout, backend, profile=profile, launches_on_demand=True)
     run = LiveRun(driver, budget_bytes)
-    hints = layout if isinstance(layout, KindHints) else None
+    hints = layout if isinstance(layout, LifetimePool) else None
     pending: dict[int, Kind] = {}  # live objects the optimizer step will name
     try:
         for ev in events:

@@ -34,9 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 from umrt import stats
-from umrt.backends.base import FollowsStream
+from umrt.backends.cuda import CudaBackend
 from umrt.errors import CudaError
-from umrt.memory.base import KindHints, LearningLayout, PlanningLayout, ReleasesCache
+from umrt.memory.base import LearningLayout, PlanningLayout
 from umrt.memory.caching import LayoutError
 from umrt.memory.pool import LifetimePool
 from umrt.trace.events import Event, IterationBoundary, Kind, LayerEnter, LayerExit
@@ -105,7 +105,7 @@ class ManagedPool:
             # The program's kernels now run on this stream (torch passes its current one):
             # work ordered with kernels (a discard of a dead range this block may reuse) goes there.
             self._stream = stream
-            if isinstance(self.backend, FollowsStream):
+            if isinstance(self.backend, CudaBackend):
                 self.backend.set_compute_stream(stream)
         for hook in self.before_malloc:
             hook(nbytes)
@@ -163,7 +163,7 @@ class ManagedPool:
                     raise CudaError(f"free of {ptr:#x}, which umrt's pool did not allocate") from None
                 stream = self._block_stream.pop(ptr, self._stream)
                 users = self._used_on.pop(ptr, ())
-                follows = isinstance(self.backend, FollowsStream)
+                follows = isinstance(self.backend, CudaBackend)
                 if follows:
                     for other in users:  # its next owner (on its stream) and its discard wait for them
                         self.backend.order_after(stream, other)
@@ -249,7 +249,7 @@ class ManagedPool:
             if entry is None:
                 return False
             layout, obj, _ = entry
-            if not obj or not isinstance(layout, KindHints):
+            if not obj or not isinstance(layout, LifetimePool):
                 return False
             layout.hint_kind(obj, kind)
             return True
@@ -305,7 +305,7 @@ class ManagedPool:
         """Give cached, unused memory back where the layout supports it (``release()``)."""
         with self._lock:
             for layout in self._layouts.values():
-                if isinstance(layout, ReleasesCache):
+                if isinstance(layout, LifetimePool):
                     layout.release()
 
 

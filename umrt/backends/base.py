@@ -148,18 +148,6 @@ class ReportsFaults(Protocol):
         """Pages that faulted since the last call."""
 
 
-@runtime_checkable
-class FollowsStream(Protocol):
-    """A backend that orders its work with the program's kernels (the CUDA backend)."""
-
-    def set_compute_stream(self, stream: int) -> None:
-        """The stream the program's kernels now run on."""
-
-    def order_after(self, waiter: int, source: int) -> None:
-        """Order the work queued on ``waiter`` from now on after the work queued on
-        ``source`` so far (an event recorded on ``source``, waited for on ``waiter``)."""
-
-
 class SwapPath:
     """Taking live ranges off a backend's GPU and back, keeping their contents (``backend.swap``).
 

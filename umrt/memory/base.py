@@ -71,25 +71,9 @@ class IndexedLayout(Protocol):
 
 
 @runtime_checkable
-class KindHints(Protocol):
-    """Takes what an object holds once it is known (later than its allocation, live)."""
-
-    def hint_kind(self, obj: int, kind: Kind) -> None:
-        """``obj`` holds ``kind`` (a parameter, a gradient, optimizer state ...)."""
-
-
-@runtime_checkable
 class PlanningLayout(Protocol):
     """A layout that plans where recurring objects go (umrt's pool), and can stop."""
 
     def stop_planning(self, why: str) -> None:
         """Serve every allocation best-fit from now on, as a caching allocator does;
         live objects stay where they are."""
-
-
-@runtime_checkable
-class ReleasesCache(Protocol):
-    """A layout that can hand cached, unused segments back to the backend (``empty_cache``)."""
-
-    def release(self) -> None:
-        """Free every segment that holds no live object."""

@@ -21,6 +21,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from umrt.policy.runtime.acting import Acting
     from umrt.policy.runtime.phases import LoopPhases
 
+#: If FAILURES of the last WINDOW acted iterations of a loop phase deviate, the guard
+#: trips for that phase for COOLDOWN of its iterations (see :class:`Guard`).
+WINDOW, FAILURES, COOLDOWN = 4, 3, 2
+
 
 class Guard:
     """The runtime's answer to mispredictions.
@@ -36,22 +40,21 @@ class Guard:
     plans, phases:
         The runtime's plans by signature, and its loop phases (which plans are the
         running phase's); read, never changed.
-    window, failures, cooldown:
-        If ``failures`` of the last ``window`` acted iterations of a loop phase
-        deviate after their first decision point held (a deviation at the very
-        first one just means a new shape, learned at once), the guard trips for
-        that phase: no acting there for ``cooldown`` of its iterations, then
-        re-learning. The other phases' plans are kept.
+
+    If :data:`FAILURES` of the last :data:`WINDOW` acted iterations of a loop phase
+    deviate after their first decision point held (a deviation at the very first
+    one just means a new shape, learned at once), the guard trips for that phase:
+    no acting there for :data:`COOLDOWN` of its iterations, then re-learning. The
+    other phases' plans are kept.
     """
 
-    def __init__(self, acting: Acting, plans: Mapping[int, Plan], phases: LoopPhases,
-                 window: int, failures: int, cooldown: int) -> None:
+    def __init__(self, acting: Acting, plans: Mapping[int, Plan], phases: LoopPhases) -> None:
         self.acting = acting
         self.plans = plans
         self.phases = phases
-        self.window = window
-        self.failures = failures
-        self.cooldown = cooldown
+        self.window = WINDOW
+        self.failures = FAILURES
+        self.cooldown = COOLDOWN
         self._outcomes: dict[str, deque[bool]] = {}  # phase -> acted iterations: held to the end or not
         self._cooldown_left: dict[str, int] = {}
         self.left_launch_free = False  # this iteration left its plan while acting without launches

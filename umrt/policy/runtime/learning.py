@@ -10,19 +10,21 @@ from umrt.predict.tables import CorrelationTable, DataTable, ObjectKeys
 from umrt.trace.events import Alloc, Launch
 
 SIGNATURE_MASK = (1 << 63) - 1  # the iteration signature's width (and the running hash's)
+#: Compiled plans kept per loop phase (one per iteration shape; the phase's least
+#: recently used dropped).
+MAX_VARIANTS = 8
 
 
 class Learner:
     """Records iterations launch by launch and compiles a :class:`Plan` per
-    iteration shape (its signature), keeping the last ``max_variants``.
+    iteration shape (its signature), keeping the last :data:`MAX_VARIANTS` per phase.
 
     The runtime's hot path appends allocations, frees and boundaries to the
     :class:`IterationRecord` itself; launches come here (:meth:`record_launch`).
     """
 
-    def __init__(self, keys: ObjectKeys, plans: OrderedDict[int, Plan], counters: dict[str, int],
-                 max_variants: int) -> None:
-        self.keys, self.plans, self.counters, self.max_variants = keys, plans, counters, max_variants
+    def __init__(self, keys: ObjectKeys, plans: OrderedDict[int, Plan], counters: dict[str, int]) -> None:
+        self.keys, self.plans, self.counters, self.max_variants = keys, plans, counters, MAX_VARIANTS
         self.correlation = CorrelationTable()
         self.data = DataTable()
         self.signature = 0  # of the iteration so far: its launches, births and deaths
@@ -37,14 +39,14 @@ class Learner:
         self.migration_planner: Planner | None = None
         self.profile: HardwareProfile | None = None
 
-    def new_planner(self, budget_bytes: int, profile: HardwareProfile | None, *, headroom: float,
+    def new_planner(self, budget_bytes: int, profile: HardwareProfile | None, *,
                     op_level: bool, swap: bool = False) -> None:
         """Plan for ``budget_bytes`` on ``profile`` from now on (``swap``: the backend has the
         copy-engine path, see :class:`~umrt.policy.runtime.planner.Planner`)."""
         self.profile = profile
-        self.planner = Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level, swap=swap)
+        self.planner = Planner(max(1, int(budget_bytes)), profile, op_level=op_level, swap=swap)
         # where plans may swap, each also gets a migration-only twin (see PathTrial)
-        self.migration_planner = (Planner(max(1, int(budget_bytes)), profile, headroom=headroom, op_level=op_level)
+        self.migration_planner = (Planner(max(1, int(budget_bytes)), profile, op_level=op_level)
                                   if swap else None)
 
     def new_record(self, alloc_of: dict[int, Alloc]) -> IterationRecord:
@@ -113,12 +115,12 @@ class Learner:
             self.plan_runs = {k: v for k, v in self.plan_runs.items() if k in self.plans}
 
     def runs(self, signature: int) -> int:
-        """Iterations the plan of ``signature`` ran through (it is trusted after ``probe_iterations``)."""
+        """Iterations the plan of ``signature`` ran through (the runtime trusts it after its ``PROBE_ITERATIONS``)."""
         return self.plan_runs.get(signature, 0)
 
     def compile(self, rec: IterationRecord) -> bool:
         """A plan for the learned iteration's shape; whether the shape was new. Each
-        loop phase keeps its last ``max_variants`` plans (the least recently used of
+        loop phase keeps its last :data:`MAX_VARIANTS` plans (the least recently used of
         its own go): the many shapes of variable-length training steps never push
         out the evaluation's."""
         sig = rec.signature

@@ -30,6 +30,9 @@ _KEEP = 64  # iterations whose role is kept until their time arrives (live times
 #: Acting that took more than CLEAR_LOSS times the baseline in each of the last CLEAR_SAMPLES
 #: iterations loses without waiting for ``window`` of them (every such iteration costs that much).
 CLEAR_SAMPLES, CLEAR_LOSS = 2, 1.5
+#: The runtime's check: the last WINDOW acting iterations of a phase against its baseline
+#: (0: the runtime does not check), losing when more than MARGIN slower.
+WINDOW, MARGIN = 3, 0.05
 
 
 class Payoff:
@@ -45,7 +48,7 @@ class Payoff:
         losing (0.05: 5%, within what a live clock's noise moves).
     """
 
-    def __init__(self, window: int = 3, margin: float = 0.05) -> None:
+    def __init__(self, window: int = WINDOW, margin: float = MARGIN) -> None:
         if window < 1 or margin < 0:
             raise ValueError("window must be >= 1 and margin >= 0")
         self.window, self.margin = window, margin

@@ -22,6 +22,7 @@ from umrt.backends.ranges import RangeSet
 from umrt.memory.base import IndexedLayout, PlanningLayout
 from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
+from umrt.policy.runtime import payoff
 from umrt.policy.runtime.guard import Guard
 from umrt.policy.runtime.host_map import HostMapper
 from umrt.policy.runtime.launch_free import LaunchFreeClock
@@ -54,6 +55,24 @@ WHOLE_SEGMENT = 8 << 20
 # Where an iteration's signature starts, by loop phase: an evaluation batch and a
 # training step never share a plan, even where their launches would agree.
 _PHASE_SEED = {"train": 0, "eval": 0x5EED_E7A1}
+# What no user sets (tests change them with monkeypatch); RuntimeOptions holds what a user does.
+#: Iterations a new plan is acted on while still recorded launch by launch (a deviation then
+#: teaches the runtime the new shape) before it is trusted and runs without launches; 0 for a
+#: capture that delivers an iteration's launches only at its end.
+PROBE_ITERATIONS = 2
+#: Freed objects at least this large have their pages discarded.
+MIN_DISCARD = PAGE
+#: Advise parameters ReadMostly while acting, so evicting them costs no copy back. Off: in the
+#: simulator it changes iteration time by under 0.3% (parameter evictions are a small share of the traffic).
+READ_MOSTLY = False
+#: Let a trusted plan whose objects keep their addresses (each allocation is checked against the
+#: last iteration of the same shape) reuse its decisions' ranges without resolving any key: the
+#: cheapest steady state. Moves are the same either way.
+FREEZE = True
+#: Where the backend has the copy-engine path (``Backend.swap.copy_engines``: CUDA 13, discard,
+#: pinned staging), let the planner take objects off the GPU and back through it where that costs
+#: less than page migration; False: page migration only.
+SWAP = True
 
 
 def _reference_key(plan: Plan) -> tuple[int, bool]:
@@ -83,7 +102,7 @@ class Runtime(Policy):
     trace:
         Ignored: the runtime learns from the events it is given, never from a
         trace's future (the argument exists for the policy registry).
-    op_level, headroom, learn_iterations, ...:
+    op_level, learn_iterations, ...:
         The fields of :class:`~umrt.policy.runtime.options.RuntimeOptions`
         (what each means, and their limits), held as ``self.options``.
     """
@@ -102,7 +121,7 @@ class Runtime(Policy):
                             f"{', '.join(RuntimeOptions.__dataclass_fields__)}")
         self.options = options = RuntimeOptions(**options)
         # The options on_event reads at every Free, copied: one attribute read, not two.
-        self._min_discard = options.min_discard
+        self._min_discard = MIN_DISCARD
         self._discard_on_free = options.discard_on_free
         # False while the runtime acts without launches (a live driver may stop capturing them).
         self.wants_launches = True
@@ -141,14 +160,14 @@ class Runtime(Policy):
         self._swapped = Swapped(self.counters, self._off_gpu)
         self._paths = PathTrial()  # per shape: its swapping plan or its migration-only twin, by measured times
 
-        self._learner = Learner(self.keys, self.plans, self.counters, options.max_variants)
+        self._learner = Learner(self.keys, self.plans, self.counters)
         self.phases = LoopPhases(self._learner, self.plans, self.variants)
-        self._guard = Guard(self, self.plans, self.phases, options.guard_window, options.guard_failures,
-                            options.guard_cooldown)
+        self._guard = Guard(self, self.plans, self.phases)
         self._host = HostMapper(self.keys, self._alloc_of, self._off_gpu, self.counters)
         self._clock = LaunchFreeClock(self, self._guard, self._host, self.plans, self.phases, self.keys,
                                       self.variants, self._learner)
-        self._payoff = Payoff(options.payoff_window or 1, options.payoff_margin)
+        self._checks_payoff = payoff.WINDOW > 0
+        self._payoff = Payoff(payoff.WINDOW or 1, payoff.MARGIN)
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -202,10 +221,10 @@ class Runtime(Policy):
 
     @property
     def warmup_iterations(self) -> int:
-        """Learned iterations, then ``probe_iterations`` acted on while still
+        """Learned iterations, then :data:`PROBE_ITERATIONS` acted on while still
         recorded before the plan is trusted and runs in steady state (and, where the
         plan may swap, the iterations that try it against page migration: PathTrial)."""
-        return self.options.warmup_iterations + (TRIAL_ITERATIONS if self.options.swap else 0)
+        return self.options.learn_iterations + PROBE_ITERATIONS + (TRIAL_ITERATIONS if SWAP else 0)
 
     def attach(self, ctx: PolicyContext) -> None:
         super().attach(ctx)
@@ -227,9 +246,8 @@ class Runtime(Policy):
         """Change the GPU memory the runtime plans for (plans are recompiled
         lazily). Shadow mode sets it once the peak is known."""
         self.ctx.budget_bytes = int(budget_bytes)
-        self._learner.new_planner(budget_bytes, self.profile, headroom=self.options.headroom,
-                                  op_level=self.options.op_level,
-                                  swap=self.options.swap and self.ctx.backend.swap.copy_engines)
+        self._learner.new_planner(budget_bytes, self.profile, op_level=self.options.op_level,
+                                  swap=SWAP and self.ctx.backend.swap.copy_engines)
         self.plans.clear()
         self._clock.forget_plans()
         if self._mode == "act":
@@ -507,7 +525,7 @@ class Runtime(Policy):
             plan = self.plans[sig]
             if plan.migration_only is not None:
                 self.plans[sig] = plan.migration_only if kept == MIGRATE else replace(plan, migration_only=None)
-        if not self.options.payoff_window:
+        if not self._checks_payoff:
             return
         phase = self._payoff.timed(index, seconds)
         if phase is not None:
@@ -596,7 +614,7 @@ class Runtime(Policy):
             key = _reference_key(self.plan) if mode == "act" else (self._learner.signature, False)
             self._references[key] = self._addresses
             self._references.move_to_end(key)
-            if len(self._references) > max(1, self.options.max_variants):
+            if len(self._references) > max(1, self._learner.max_variants):
                 self._references.popitem(last=False)
         elif not self._frozen and self._reference is not None:
             self._references.pop(self._reference[0], None)
@@ -618,7 +636,7 @@ class Runtime(Policy):
             self.variants.last = None  # an unknown shape: predict from scratch, learn next
             self._learner.seek(phase)
             if self._guard.left_launch_free:  # unknown, and not recorded: seek it (see Learner.learn)
-                self._learner.seek_left[phase] = self.options.max_variants
+                self._learner.seek_left[phase] = self._learner.max_variants
         elif mode == "learn" and self.record is not None:
             self.record.signature = self._learner.signature
             self.variants.observe(self._learner.signature)
@@ -646,7 +664,7 @@ class Runtime(Policy):
         """Choose what this iteration does: learn it, or act on the plan of the
         shape the variant table predicts.
 
-        A plan not yet confirmed by ``probe_iterations`` full iterations is acted
+        A plan not yet confirmed by :data:`PROBE_ITERATIONS` full iterations is acted
         on while the iteration is still recorded, so a deviation turns it into a
         learned one; a trusted plan runs without a record (cheapest), on the
         launch-free clock where it has one (``launch_free``), and *frozen* where
@@ -710,7 +728,7 @@ class Runtime(Policy):
         # trusted and followed without a record (an early deviation then costs
         # one more iteration of plain UM before the new shape is learned).
         trusted = (plan is not None and not probing and not self._paths.trying(plan)
-                   and self._learner.runs(plan.signature) >= self.options.probe_iterations)
+                   and self._learner.runs(plan.signature) >= PROBE_ITERATIONS)
         self.record = None if trusted else self._learner.new_record(self._alloc_of)
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
@@ -725,7 +743,7 @@ class Runtime(Policy):
         key = _reference_key(plan) if plan is not None else None
         addresses = self._references.get(key) if key is not None else None
         self._reference = ref = (key, addresses) if addresses is not None else None
-        self._frozen = bool(self.options.freeze and trusted and ref is not None)
+        self._frozen = bool(FREEZE and trusted and ref is not None)
         self._addresses = None if self._frozen else []
         self.counting_launches = False
         self.wants_launches = not launch_free
@@ -754,7 +772,7 @@ class Runtime(Policy):
             self.plans.move_to_end(plan.signature)
             if plan.remote:
                 self._host.map(plan.remote)
-            if plan.read_mostly and self.options.read_mostly:
+            if plan.read_mostly and READ_MOSTLY:
                 self._host.advise_read_mostly(plan.read_mostly)
         else:
             self._mode = "learn"
