@@ -24,7 +24,14 @@ import umrt.backends.cuda as cuda_mod
 from umrt import distributed, shadow_ranks, stats
 from umrt.backends.cuda import CupyApi
 from umrt.config import Config, from_env
-from umrt.distributed import RankInfo, check_same_settings, is_launcher, launcher_command, rank_device, rank_info
+from umrt.distributed import (
+    RankInfo,
+    check_same_settings,
+    is_launcher,
+    launcher_command,
+    rank_device,
+    rank_info,
+)
 from umrt.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

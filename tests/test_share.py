@@ -321,8 +321,9 @@ def test_the_default_registry_folder_is_memory_backed_where_there_is_one(monkeyp
 def test_a_moved_share_reaches_the_live_runtime_at_a_step(fake_gpu, tmp_path):
     """move_share (an optimizer step's hook) hands a native steady state back to Python,
     then the runtime plans for the new budget and the pool populates within it."""
-    import umrt.api as api
     from fake_cuda import FakeCupyRuntime
+
+    import umrt.api as api
     from umrt.allocators.managed import ManagedPool
     from umrt.backends.cuda import CudaBackend, CupyApi
     from umrt.config import Config

@@ -585,19 +585,15 @@ class Runtime(Policy):
                 self._payoff.new_shape(self.phases.phase)
         dead = self.phases.boundary(phase)
         self._phase_dead = self.phases.dead
-        if dead and self._short_of_memory():
+        # Leaving an evaluation: the pages its dead left free are discarded where the managed
+        # memory umrt's layout holds has ever been more than the GPU has for it (the driver would
+        # copy their dead bytes out to make room for the step). Otherwise they stay, as plain
+        # Unified Memory leaves them: the step's newborns reuse them in place, where discarded
+        # pages would each need a population first, a call the next kernel waits for.
+        if dead and self._peak_held > self.ctx.budget_bytes:
             self._pending_discards.extend(dead.drain())
             self._flush()
         self._start_iteration()
-
-    def _short_of_memory(self) -> bool:
-        """Whether the managed memory umrt's layout holds has ever been more than the GPU has
-        for it: then the pages an evaluation's dead left free are discarded as training
-        resumes, or the driver would copy their dead bytes out to make room for the step.
-        Otherwise they stay, as plain Unified Memory leaves them: the step's newborns reuse
-        them in place, where discarded pages would each need a population first, a call the
-        next kernel waits for."""
-        return self._peak_held > self.ctx.budget_bytes
 
     def _finish_iteration(self) -> None:
         """Account for the iteration that ended: the guard's outcome, the plan's
