@@ -808,7 +808,9 @@ class OraclePolicy(Policy):
         """A newborn: the parts of its range the oracle took off the GPU (discarded,
         evicted, host-mapped) or that no one populated yet (a new pool segment) are
         prefetched to the GPU before its kernel, in one call, as umrt's runtime
-        does: a kernel that first touches them faults them in far slower."""
+        does: a kernel that first touches them faults them in far slower. (The
+        runtime's call also takes in the free pages of the newborn's 2 MB blocks;
+        the oracle's own plans do not, its ``umrt-runtime`` candidate does.)"""
         rng = self._range(obj)
         if rng is None:
             return
