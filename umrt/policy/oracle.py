@@ -805,12 +805,10 @@ class OraclePolicy(Policy):
                 self._flush()
 
     def _populate(self, obj: int) -> None:
-        """A newborn: the parts of its range the oracle took off the GPU (discarded,
-        evicted, host-mapped) or that no one populated yet (a new pool segment) are
-        prefetched to the GPU before its kernel, in one call, as umrt's runtime
-        does: a kernel that first touches them faults them in far slower. (The
-        runtime's call also takes in the free pages of the newborn's 2 MB blocks;
-        the oracle's own plans do not, its ``umrt-runtime`` candidate does.)"""
+        """A newborn: the parts of its range the oracle took off the GPU (discarded, evicted,
+        host-mapped) or never populated (a new pool segment) are prefetched to the GPU before its
+        kernel, in one call (a first touch faults them in far slower); unlike the runtime's, the
+        call does not take in the free pages of the newborn's 2 MB blocks."""
         rng = self._range(obj)
         if rng is None:
             return
