@@ -78,7 +78,6 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.pool import BumpBackend
 from umrt.backends.base import Backend
 from umrt.cli import Renamed
 from umrt.drive.driver import Driver
@@ -92,11 +91,12 @@ from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime
 from umrt.sim.budget import resolve_budget
 from umrt.sim.replay import iteration_stream
+from umrt.testing.fake_backend import BumpBackend
 from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, LayerEnter, LayerExit
 
 
 class NullBackend(BumpBackend, Backend):
-    """Counts calls and does nothing (addresses from the pool bench's bump allocator)."""
+    """Counts calls and does nothing (addresses from the test fake's bump allocator)."""
 
     name = "null"
 

@@ -37,12 +37,12 @@ import time
 from collections.abc import Sequence
 
 from bench.live_replay import LOGS, RUNS, read_live_log
-from bench.pool import BumpBackend
 from umrt.allocators.managed import ManagedPool
 from umrt.memory.pool import LifetimePool
 from umrt.native.binding import load_steady
 from umrt.native.recorder import AllocAt, FreeAt, Recorded
 from umrt.native.schedule import compile_schedule
+from umrt.testing.fake_backend import BumpBackend
 from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind
 
 Op = tuple  # ("A", obj, size) | ("F", obj)

@@ -17,32 +17,22 @@ from umrt.memory.caching import (
     allocation_size,
     round_size,
 )
+from umrt.testing.fake_backend import BumpBackend
 from umrt.trace.events import Kind
 
 MiB = 1 << 20
 A = Kind.ACTIVATION
 
 
-class BumpBackend:
-    """Just enough of a Backend: a bump allocator with 2 MiB-aligned segments and a gap between them."""
-
-    def __init__(self) -> None:
-        self.next = 1 << 30
-        self.mallocs: list[tuple[int, int]] = []
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self.next
-        self.next += -(-nbytes // (2 * MiB)) * (2 * MiB) + 2 * MiB
-        self.mallocs.append((ptr, nbytes))
-        return ptr
-
-    def free(self, ptr: int) -> None:  # pragma: no cover - the layout never returns memory
-        raise AssertionError("caching allocator returned a segment")
+def spaced_segments() -> BumpBackend:
+    """Just enough of a Backend: 2 MiB-aligned segments with a gap between them, and a free
+    fails the test (the caching allocator never returns memory)."""
+    return BumpBackend(gap=2 * MiB, frees=False)
 
 
 @pytest.fixture
 def layout():
-    return CachingAllocatorLayout(BumpBackend())
+    return CachingAllocatorLayout(spaced_segments())
 
 
 def test_constants_match_pytorch():
@@ -140,7 +130,7 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_live_objects_never_overlap_and_stay_in_segments(script):
-    layout = CachingAllocatorLayout(BumpBackend())
+    layout = CachingAllocatorLayout(spaced_segments())
     live: dict[int, int] = {}
     next_obj = 0
     for is_alloc, nbytes, pick in script:
@@ -175,7 +165,7 @@ def test_matches_pytorch_caching_allocator_on_a_gpu():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
-    model = CachingAllocatorLayout(BumpBackend())
+    model = CachingAllocatorLayout(spaced_segments())
     sizes = [100, 3000, 700_000, 2 * MiB + 5, 5 * MiB, 12 * MiB + 1, 512, 1 * MiB, 9 * MiB]
     live = {}
     script = [("a", i, n) for i, n in enumerate(sizes)] + [("f", 1, 0), ("f", 3, 0), ("a", 20, 2000),

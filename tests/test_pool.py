@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from umrt.errors import UmrtError
 from umrt.memory.pool import ARENAS, BLOCK, LifetimePool
+from umrt.testing.fake_backend import BumpBackend
 from umrt.trace.events import (
     Alloc,
     Free,
@@ -22,21 +23,10 @@ from umrt.trace.events import (
 MiB = 1 << 20
 
 
-class BumpBackend:
-    """A bump allocator; ``misalign`` makes it return pointers that are not block-aligned."""
-
-    def __init__(self, misalign: int = 0) -> None:
-        self.next = (1 << 32) + misalign
-        self.live: dict[int, int] = {}
-
-    def malloc(self, nbytes: int) -> int:
-        ptr = self.next
-        self.next += nbytes + 4096
-        self.live[ptr] = nbytes
-        return ptr
-
-    def free(self, ptr: int) -> None:
-        del self.live[ptr]
+def bump(misalign: int = 0) -> BumpBackend:
+    """Segments each 4 KiB past the end of the one before: not block-aligned, so the pool
+    aligns its arenas itself; ``misalign`` shifts the first one too."""
+    return BumpBackend(align=1, gap=4096, misalign=misalign)
 
 
 def model_events(iterations: int = 4, layers: int = 4, batch: int = 1, change_at: int | None = None,
@@ -164,7 +154,7 @@ def check_layout(pool: LifetimePool, sizes: dict[int, int]) -> None:
 
 @pytest.mark.parametrize("observe", [True, False])
 def test_valid_and_stable_after_first_iteration(observe):
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     addrs = drive(pool, model_events(iterations=5), observe=observe, check=check_layout)
     # Planned after iteration 0, refined once after iteration 1: the gradients outlive the
     # iteration (freed by the next zero_grad), and only then is their end known.
@@ -180,7 +170,7 @@ def test_valid_and_stable_after_first_iteration(observe):
 
 
 def test_lifetime_classes_get_their_arenas():
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     seen: dict[Kind, set[str]] = {}
     events = model_events(iterations=3)
     kinds = {e.obj: e.kind for e in events if isinstance(e, Alloc)}
@@ -198,20 +188,20 @@ def test_lifetime_classes_get_their_arenas():
 
 
 def test_short_lived_cap_spills_to_long_lived():
-    pool = LifetimePool(BumpBackend(), short_lived_bytes=1 * MiB)
+    pool = LifetimePool(bump(), short_lived_bytes=1 * MiB)
     drive(pool, model_events(iterations=3), check=check_layout)
     assert sum(n for _, n in pool.arena_ranges()["short-lived"]) <= BLOCK
 
 
 def test_misaligned_backend_still_gives_aligned_arenas():
-    backend = BumpBackend(misalign=4096)
+    backend = bump(misalign=4096)
     pool = LifetimePool(backend)
     drive(pool, model_events(iterations=3), check=check_layout)
     assert pool.footprint() == sum(backend.live.values())
 
 
 def test_unknown_allocations_are_served_then_replanned():
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     addrs = drive(pool, model_events(iterations=7, change_at=3), check=check_layout)
     # plan, refine, and the batch change re-plans once, after the second step of the new shape
     assert pool.plans_made == 3
@@ -220,7 +210,7 @@ def test_unknown_allocations_are_served_then_replanned():
 
 
 def test_unknown_allocations_without_replanning_use_overflow():
-    pool = LifetimePool(BumpBackend(), replan_threshold=None)
+    pool = LifetimePool(bump(), replan_threshold=None)
     overflow = []
 
     def spy(pool, sizes):
@@ -243,7 +233,7 @@ def test_a_replan_out_of_memory_never_serves_from_the_returned_region():
                 raise UmrtError("out of memory")
             return super().malloc(nbytes)
 
-    backend = Failing()
+    backend = Failing(align=1, gap=4096)  # bump()'s segments
     pool = LifetimePool(backend)
     ids = itertools.count()
 
@@ -279,7 +269,7 @@ def test_an_extra_allocation_shifts_no_other_address():
     launch = next(i for i in range(at, len(events))
                   if isinstance(events[i], Launch) and events[i].exec_id == 1002)
     events[launch + 1:launch + 1] = [Alloc(10**6, 12345, Kind.TEMPORARY), Free(10**6)]
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     addrs = drive(pool, events, check=check_layout)
     n3 = sum(1 for k in addrs if k[0] == 3)
     extra = 1 + sum(1 for i in range(at, launch + 1) if isinstance(events[i], Alloc))
@@ -292,7 +282,7 @@ def test_footprint_is_tight_on_repeating_iterations():
     from umrt.memory.caching import CachingAllocatorLayout
 
     events = model_events(iterations=4, layers=12, batch=8)
-    pool, caching = LifetimePool(BumpBackend()), CachingAllocatorLayout(BumpBackend())
+    pool, caching = LifetimePool(bump()), CachingAllocatorLayout(bump())
     drive(pool, events)
     drive(caching, events, observe=False)
     assert pool.footprint() <= caching.footprint()
@@ -311,7 +301,7 @@ def test_planned_range_still_occupied_goes_to_overflow():
         prev = 100 + it
         events += [Alloc(200 + it, MiB, Kind.TEMPORARY), Free(200 + it)]
     events.append(IterationBoundary(4))
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     drive(pool, events, check=check_layout)
     # Iteration 2's batch finds iteration 1's at its planned offset (iteration 1's was in the plan).
     assert pool.planned and pool.report()["total"]["conflicts"] >= 1
@@ -322,7 +312,7 @@ def test_a_short_last_batch_takes_the_regions_free_memory():
     placed where the planned region is free at that moment, as a caching allocator reuses
     its blocks, not in memory obtained for it (which a full GPU would make room for by
     evicting the step's own data)."""
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     drive(pool, model_events(batches=[2, 2, 2, 2, 1]), check=check_layout)
     assert pool.report()["last_iteration"]["plan_misses"] > 0  # (the input of 1 MB stays where it was planned)
     assert pool.arena_ranges()["overflow"] == [] and pool.arena_ranges()["learning"] == []
@@ -351,7 +341,7 @@ def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
     steps. After two such plans the pool serves best-fit in the learning arena: the regions keep
     their live objects where they are until they die, and later shapes reuse the memory held."""
     events = model_events(batches=[1, 1, 2, 2, 3, 3, 4, 4, 2, 3, 1, 4])
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     footprints: list[tuple[int, int]] = []  # (iteration, footprint) at each allocation
     drive(pool, events, check=lambda p, sizes: (check_layout(p, sizes), footprints.append((p._iteration, p.footprint()))))
     assert not pool.planning and "do not repeat" in pool.stopped_planning
@@ -377,7 +367,7 @@ def feed(pool: LifetimePool, events, live: dict[int, int]) -> None:
 
 def test_stop_planning_keeps_every_live_object_where_it_is():
     events = model_events(iterations=4)
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     cut = events.index(IterationBoundary(3)) + 6  # inside iteration 3, objects live in the region
     sizes: dict[int, int] = {}
     feed(pool, events[:cut], sizes)
@@ -412,7 +402,7 @@ def test_memory_left_idle_by_a_plan_is_reported():
         idle.extend(ranges)
         live_then.update({pool.address(o): n for o, n in current.items()})
 
-    pool = LifetimePool(BumpBackend(), on_idle=on_idle)
+    pool = LifetimePool(bump(), on_idle=on_idle)
     current: dict[int, int] = {}
     feed(pool, model_events(iterations=3), current)
     assert idle  # the gradients alive across the boundary kept the learning arena
@@ -421,7 +411,7 @@ def test_memory_left_idle_by_a_plan_is_reported():
 
 
 def test_bad_calls_raise_clear_errors():
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     pool.alloc(1, 10, Kind.TEMPORARY)
     with pytest.raises(UmrtError, match="already live"):
         pool.alloc(1, 10, Kind.TEMPORARY)
@@ -430,7 +420,7 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(UmrtError):
         pool.arena_of(2)
     with pytest.raises(UmrtError):
-        LifetimePool(BumpBackend(), block=1000, alignment=512)
+        LifetimePool(bump(), block=1000, alignment=512)
 
 
 script = st.lists(
@@ -465,7 +455,7 @@ def test_random_repeating_iterations(objs, cross):
         for k, (_, o) in enumerate(sorted(pending)):
             (carried.append(o) if k < cross else events.append(Free(o)))
     events.append(IterationBoundary(4))
-    pool = LifetimePool(BumpBackend())
+    pool = LifetimePool(bump())
     addrs = drive(pool, events, check=check_layout)
     assert pool.planned == any(k in (Kind.GRADIENT, Kind.ACTIVATION, Kind.TEMPORARY, Kind.INPUT) for _, _, k, _ in objs)
     n = len(objs)
@@ -494,7 +484,7 @@ class _Typed:
 
 def test_typed_entry_points_plan_as_observe_does():
     events = model_events(iterations=5, layers=5)
-    plain, typed = LifetimePool(BumpBackend()), LifetimePool(BumpBackend())
+    plain, typed = LifetimePool(bump()), LifetimePool(bump())
     a = drive(plain, events)
     b = drive(_Typed(typed), events)
     assert a == b
@@ -550,7 +540,7 @@ def same_from(addrs, first: int, last: int) -> bool:
 
 def test_live_feed_plans_stable_and_tight():
     events = with_optimizer_step(model_events(iterations=6, layers=12, batch=8))
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(bump(), live_feed=True)
     addrs = drive_live(pool, events, check=check_layout)
     assert pool.planned
     assert same_from(addrs, 2, 5)
@@ -558,7 +548,7 @@ def test_live_feed_plans_stable_and_tight():
     assert pool.report()["last_iteration"]["plan_hits"] > 0
     assert pool.arena_ranges()["learning"] == [] and pool.arena_ranges()["overflow"] == []
     # As tight as the simulator's feed (true kinds, launches): the guessed placements are gone.
-    sim = LifetimePool(BumpBackend())
+    sim = LifetimePool(bump())
     drive(sim, events)
     assert pool.footprint() <= sim.footprint() <= 1.06 * pool.peak_live_bytes
     assert pool.report()["peak_footprint"] <= sim.report()["peak_footprint"]  # learning included
@@ -571,7 +561,7 @@ def test_live_feed_uses_hints_given_before_planning():
     makes that state, does not), so hinted or not the plan is made once, from the second step,
     and the third already gets the steady addresses; the hinted state is never planned."""
     events = with_optimizer_step(model_events(iterations=5), zero_grad_after_step=True)
-    hinted, blind = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
+    hinted, blind = LifetimePool(bump(), live_feed=True), LifetimePool(bump(), live_feed=True)
     a = drive_live(hinted, events, check=check_layout)
     b = drive_live(blind, events, hinted=0, check=check_layout)
     assert hinted.plans_made == 1 and not same_from(a, 1, 2) and same_from(a, 2, 4)
@@ -586,12 +576,12 @@ def test_live_feed_plans_steps_whose_shapes_take_turns_by_the_fifth_step():
     plans at once."""
     from umrt.memory.pool import FIRST_PLAN_BY
 
-    turns = LifetimePool(BumpBackend(), live_feed=True)
+    turns = LifetimePool(bump(), live_feed=True)
     made_at: list[int] = []
     drive_live(turns, model_events(batches=[1, 2] * 4),
                check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
     assert turns.planned and made_at == [FIRST_PLAN_BY]
-    steady = LifetimePool(BumpBackend(), live_feed=True)
+    steady = LifetimePool(bump(), live_feed=True)
     made_at.clear()
     drive_live(steady, model_events(batches=[1, 2, 2, 2]),
                check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
@@ -604,7 +594,7 @@ def test_live_feed_keys_ignore_launches():
     events = with_optimizer_step(model_events(iterations=5))
     stop = events.index(IterationBoundary(2))
     learning_launches = events[:stop] + [e for e in events[stop:] if not isinstance(e, Launch)]
-    with_launches, without = LifetimePool(BumpBackend(), live_feed=True), LifetimePool(BumpBackend(), live_feed=True)
+    with_launches, without = LifetimePool(bump(), live_feed=True), LifetimePool(bump(), live_feed=True)
     assert drive_live(with_launches, learning_launches, launches=True) == drive_live(without, events)
     assert with_launches.report()["last_iteration"]["plan_misses"] == 0
 
@@ -616,7 +606,7 @@ def test_live_feed_set_up_inside_the_first_iteration_stays_persistent():
     first = next(i for i, e in enumerate(events) if isinstance(e, IterationBoundary))
     events = [events[first]] + events[:first] + events[first + 1:]
     params = {e.obj for e in events if isinstance(e, Alloc) and e.kind == Kind.PARAMETER}
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(bump(), live_feed=True)
     addrs = drive_live(pool, events, check=check_layout)
     assert {pool.arena_of(p) for p in params} == {"persistent"}
     assert same_from(addrs, 2, 4) and pool.arena_ranges()["learning"] == []
@@ -624,7 +614,7 @@ def test_live_feed_set_up_inside_the_first_iteration_stays_persistent():
 
 def test_live_feed_serves_what_the_plan_does_not_know():
     events = with_optimizer_step(model_events(iterations=4))
-    pool = LifetimePool(BumpBackend(), replan_threshold=None, live_feed=True)
+    pool = LifetimePool(bump(), replan_threshold=None, live_feed=True)
     drive_live(pool, events[:-1], check=check_layout)  # iteration 3 planned, still open
     before = pool.footprint()
     pool.alloc(-2, 5 * MiB + 3, Kind.OTHER)  # a size no iteration allocated: where the region is free now
@@ -644,7 +634,7 @@ def test_live_feed_serves_what_the_plan_does_not_know():
 
 
 def test_hint_kind_errors_and_ignored_hints():
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(bump(), live_feed=True)
     pool.alloc(1, 10, Kind.OTHER)  # set-up: persistent, nothing to hint
     pool.hint_kind(1, Kind.ACTIVATION)
     assert pool.arena_of(1) == "persistent"
@@ -663,7 +653,7 @@ def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch, capl
     monkeypatch.setattr(pool_mod, "_MAX_RECORDS", 8)
     events = model_events(iterations=3)
     assert sum(isinstance(e, Alloc) for e in events[:events.index(IterationBoundary(1))]) > 8
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(bump(), live_feed=True)
     with caplog.at_level("WARNING", logger="umrt"):
         drive_live(pool, events, check=check_layout)
     assert not pool.planned
@@ -673,7 +663,7 @@ def test_live_feed_iteration_too_long_to_record_is_not_planned(monkeypatch, capl
 def test_live_feed_learning_memory_goes_back_before_the_step_needs_more():
     """While learning, what the layers freed is returned before the persistent arena (where
     top-level allocations such as the optimizer step's go) obtains a segment."""
-    pool = LifetimePool(BumpBackend(), live_feed=True)
+    pool = LifetimePool(bump(), live_feed=True)
     pool.observe(IterationBoundary(0))
     pool.observe(LayerEnter("layer"))
     pool.alloc(1, 8 * MiB, Kind.OTHER)  # an activation
@@ -687,7 +677,7 @@ def test_live_feed_learning_memory_goes_back_before_the_step_needs_more():
 def test_release_hands_back_the_empty_online_segments_only():
     """``torch.cuda.empty_cache()`` empties umrt's pool through ``release()``: segments nothing
     lives in go back to the backend at once, those holding a live object stay."""
-    backend = BumpBackend()
+    backend = bump()
     pool = LifetimePool(backend, live_feed=True)
     pool.on_iteration_boundary(0)
     pool.observe(LayerEnter("m"))

@@ -488,6 +488,44 @@ def test_the_constants_python_shares_with_the_cpp_are_defined_once_in_python(lib
         assert s.deviation()[0] == Deviation.NONE
 
 
+def test_the_cuda_table_struct_is_declared_once_in_python(lib):
+    """struct umrt_cuda_table is CTable's ctypes fields, in order, as the header generated for
+    the build declares them; steady_alloc.cpp includes it and declares no struct of its own
+    (``lib``: the library built with it fills and runs the tables, through the twin tests)."""
+    import ctypes
+    import re
+
+    from umrt.native.build import native_source
+    from umrt.native.tables import TABLE_HEADER, CTable, c_table_header
+
+    source = native_source("steady_alloc.cpp").read_text()
+    assert f'#include "{TABLE_HEADER}"' in source
+    assert not re.search(r"struct\s+umrt_cuda_table\s*\{", source)
+    header = c_table_header()
+    fields = header[header.index("struct umrt_cuda_table {\n"):header.index("\n};")].splitlines()[1:]
+    assert len(fields) == len(CTable._fields_)
+    for line, (name, ctype) in zip(fields, CTable._fields_, strict=True):  # each field, in order
+        if issubclass(ctype, ctypes._CFuncPtr):  # a function pointer: int and as many arguments
+            match = re.fullmatch(rf"  int \(\*{name}\)\((.*)\);", line)
+            assert match and len(match[1].split(", ")) == max(1, len(ctype._argtypes_)), line
+        else:
+            assert line == f"  void* {name};", line
+    assert "  int (*discard)(const uint64_t*, const uint64_t*, int64_t, void*);" in fields
+    assert "  int (*clear_error)(void);" in fields
+
+
+def test_the_steady_build_includes_both_generated_headers(monkeypatch):
+    """The schedule's build writes the constants' header and the table's, so both texts are in
+    its cache key (the build's name)."""
+    from umrt.native.constants import CPP_HEADER, cpp_header
+    from umrt.native.tables import TABLE_HEADER, c_table_header
+
+    seen = {}
+    monkeypatch.setattr(binding, "build_native", lambda *args, headers: seen.update(headers) or "built.so")
+    assert binding.build_library() == "built.so"
+    assert seen == {CPP_HEADER: cpp_header(), TABLE_HEADER: c_table_header()}
+
+
 def test_the_build_is_keyed_by_its_generated_headers(monkeypatch, tmp_path):
     """Other constants, another library: the generated header's text is in the build's name,
     and the header is written where the build's include path points."""

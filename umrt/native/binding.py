@@ -27,7 +27,7 @@ from umrt.native.constants import (
 )
 from umrt.native.schedule import ScheduleArrays, SteadyError
 from umrt.native.signatures import declare
-from umrt.native.tables import CTable, CudaTable, c_table_of
+from umrt.native.tables import TABLE_HEADER, CTable, CudaTable, c_table_header, c_table_of
 from umrt.native.twin import PythonSteadySchedule
 
 
@@ -156,10 +156,12 @@ def steady_source() -> Path:
 
 def build_library() -> str:
     """Compile the native schedule, with its constants generated from
-    :mod:`umrt.native.constants` (:func:`~umrt.native.constants.cpp_header`), and return the
-    library's path. Raises on any build failure."""
+    :mod:`umrt.native.constants` (:func:`~umrt.native.constants.cpp_header`) and its CUDA
+    table's struct from :class:`~umrt.native.tables.CTable`
+    (:func:`~umrt.native.tables.c_table_header`), and return the library's path. Raises on
+    any build failure."""
     return build_native(steady_source(), "umrt_steady_alloc", "the native steady schedule", ["-ldl"],
-                        headers={CPP_HEADER: cpp_header()})
+                        headers={CPP_HEADER: cpp_header(), TABLE_HEADER: c_table_header()})
 
 
 @functools.lru_cache(maxsize=1)

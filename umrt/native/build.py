@@ -4,8 +4,9 @@ The sources are this package's own files (``umrt/native/*.cpp``), in a checkout 
 installed wheel alike (package data): found by path beside this module, never by import.
 :func:`build_native` compiles one of the plain libraries (no Python API) with torch's
 ``cpp_extension``, cached in torch's extension directory, with the headers generated for it
-(the steady schedule's: :func:`umrt.native.constants.cpp_header`); :func:`warn_not_built` is the one
-warning a library that could not be built gives.
+(the steady schedule's: :func:`umrt.native.constants.cpp_header` and
+:func:`umrt.native.tables.c_table_header`); :func:`warn_not_built` is the one warning a library
+that could not be built gives.
 """
 from __future__ import annotations
 

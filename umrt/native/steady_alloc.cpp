@@ -49,43 +49,17 @@
 // running hash), enum Kind (DecisionKind) with kKinds and kCallNames (CALL_NAMES), enum Ev
 // (EV_ALLOC, EV_FREE, EV_BOUNDARY) and enum Dev (Deviation: DEV_ + the name).
 #include "umrt_steady_constants.h"
+// struct umrt_cuda_table, the CUDA calls decisions make (each returns the CUDA error code,
+// 0: cudaSuccess; a NULL entry with a decision due disarms the schedule) and the copy /
+// discard streams: generated from its ctypes declaration, umrt/native/tables.py's CTable
+// (what each field means is said there), into the same include path.
+#include "umrt_cuda_table.h"
 
 namespace {
 
 // One allocation's step of the runtime's running hash (umrt.native.constants.mix):
 // h = ((h * kHashMul) ^ (size << 1)) & kHashMask. Restarts at 0 every iteration.
 inline uint64_t mix(uint64_t h, uint64_t size) { return ((h * kHashMul) ^ (size << 1)) & kHashMask; }
-
-}  // namespace
-
-// The CUDA calls decisions make; each returns the CUDA error code (0: cudaSuccess).
-// A NULL entry with a decision due disarms the schedule. A decision with its own stream
-// (non-zero) runs there. Otherwise: copy_stream is where prefetches go (NULL: the
-// caller's stream); discard_stream where discards and discard-and-prefetches go (NULL:
-// the caller's stream); populates, event records and waits run on the caller's stream.
-// Prefetches, populates and advice make one call per range; a discard or discard-and-
-// prefetch one call with all its ranges (device -1: the host).
-struct umrt_cuda_table {
-  int (*prefetch)(uint64_t ptr, uint64_t nbytes, int device, void* stream);
-  int (*discard)(const uint64_t* ptrs, const uint64_t* lens, int64_t n, void* stream);
-  int (*discard_prefetch)(const uint64_t* ptrs, const uint64_t* lens, int64_t n, int device, void* stream);
-  int (*populate)(uint64_t ptr, uint64_t nbytes, int device, void* stream);
-  int (*advise)(uint64_t ptr, uint64_t nbytes, int advice, int device);
-  int (*record_event)(uint64_t event, void* stream);
-  int (*wait_event)(void* stream, uint64_t event);
-  void* copy_stream;
-  void* discard_stream;
-  // Called after any call that failed (NULL: none needed). A failed CUDA runtime call also
-  // sets the calling thread's last error (cudaGetLastError, cuda_runtime_api.h: "Returns the
-  // last error that has been produced by any of the runtime calls in the same instance of the
-  // CUDA Runtime library in the host thread ... and resets it to cudaSuccess"); torch checks
-  // it after every kernel launch (C10_CUDA_KERNEL_LAUNCH_CHECK), so a failed decision left
-  // there would raise in an unrelated op before umrt could fall back. The libcudart table
-  // points this at cudaGetLastError.
-  int (*clear_error)();
-};
-
-namespace {
 
 struct Event {
   int32_t kind;

@@ -5,7 +5,8 @@ discard-and-prefetch, populate, advise, event record, stream wait) and the strea
 prefetches and discards go to by default. :class:`ApiTable` fills it from a
 :class:`umrt.backends.cuda.CudaApi` (the adapters ``CudaBackend`` uses; tests pass the
 fake runtime). :class:`CTable` is the C struct the native schedule holds (``struct
-umrt_cuda_table`` in ``steady_alloc.cpp``): C functions keep Python off the path
+umrt_cuda_table``, declared once, here: :func:`c_table_header` generates the C declaration
+``steady_alloc.cpp`` includes): C functions keep Python off the path
 (:func:`umrt.native.binding.cudart_table` over the process's libcudart, found by
 :func:`loaded_libcudart`; :func:`umrt.native.binding.counting_table`), or
 :func:`c_table_of` wraps a Python table in ctypes callbacks. :class:`CFunctionTable`
@@ -120,7 +121,7 @@ class ApiTable:
         return 0
 
 
-# ctypes types of the table's functions (steady_alloc.cpp: struct umrt_cuda_table).
+# ctypes types of the table's functions (CTable: struct umrt_cuda_table).
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 PREFETCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p)
 DISCARD_FN = ctypes.CFUNCTYPE(ctypes.c_int, _u64p, _u64p, ctypes.c_int64, ctypes.c_void_p)
@@ -132,17 +133,71 @@ CLEAR_FN = ctypes.CFUNCTYPE(ctypes.c_int)
 
 
 class CTable(ctypes.Structure):
-    """``struct umrt_cuda_table``: C function pointers (NULL: the call is missing) and
-    the copy / discard streams (NULL: the caller's), and ``clear_error``, called after a
-    call that failed (libcudart's ``cudaGetLastError``; NULL: none). Made by
-    :func:`umrt.native.binding.cudart_table`, :func:`umrt.native.binding.counting_table`, or
-    :func:`c_table_of` from a Python table."""
+    """``struct umrt_cuda_table``, declared here alone: ``steady_alloc.cpp`` includes the
+    declaration :func:`c_table_header` generates from these fields.
+
+    The CUDA calls decisions make, C function pointers, each returning the CUDA error code
+    (0: cudaSuccess); a NULL entry with a decision due disarms the schedule. A decision with
+    its own stream (non-zero) runs there. Otherwise ``copy_stream`` is where prefetches go
+    and ``discard_stream`` where discards and discard-and-prefetches go (NULL: the caller's
+    stream); populates, event records and waits run on the caller's stream. Prefetches,
+    populates and advice make one call per range; a discard or discard-and-prefetch one
+    call with all its ranges (device -1: the host).
+
+    ``clear_error`` is called after any call that failed (NULL: none needed). A failed CUDA
+    runtime call also sets the calling thread's last error (``cudaGetLastError``,
+    cuda_runtime_api.h: "Returns the last error that has been produced by any of the runtime
+    calls in the same instance of the CUDA Runtime library in the host thread ... and resets
+    it to cudaSuccess"); torch checks it after every kernel launch
+    (``C10_CUDA_KERNEL_LAUNCH_CHECK``), so a failed decision left there would raise in an
+    unrelated op before umrt could fall back. The libcudart table points it at
+    ``cudaGetLastError``.
+
+    Made by :func:`umrt.native.binding.cudart_table`, :func:`umrt.native.binding.counting_table`,
+    or :func:`c_table_of` from a Python table."""
 
     _fields_ = [("prefetch", PREFETCH_FN), ("discard", DISCARD_FN), ("discard_prefetch", DISCARD_PREFETCH_FN),
                 ("populate", PREFETCH_FN), ("advise", ADVISE_FN), ("record_event", RECORD_FN),
                 ("wait_event", WAIT_FN), ("copy_stream", ctypes.c_void_p), ("discard_stream", ctypes.c_void_p),
                 ("clear_error", CLEAR_FN)]
 
+
+TABLE_HEADER = "umrt_cuda_table.h"  # what steady_alloc.cpp includes: struct umrt_cuda_table
+
+# The C type of each ctypes type the table's fields use. The arrays a call is given it only
+# reads: const (the C++ passes the schedule's own).
+_C_TYPES = {ctypes.c_int: "int", ctypes.c_int64: "int64_t", ctypes.c_uint64: "uint64_t",
+            ctypes.c_void_p: "void*", _u64p: "const uint64_t*"}
+
+
+def _c_type(ctype: Any) -> str:
+    if ctype not in _C_TYPES:
+        raise ValueError(f"no C type for {ctype!r}: add it to umrt.native.tables._C_TYPES")
+    return _C_TYPES[ctype]
+
+
+def _c_field(name: str, ctype: Any) -> str:
+    """One field of the C struct: a function pointer for a ctypes function type, else a value."""
+    if issubclass(ctype, ctypes._CFuncPtr):  # a CFUNCTYPE type: its result and argument types
+        args = ", ".join(_c_type(a) for a in ctype._argtypes_) or "void"
+        return f"{_c_type(ctype._restype_)} (*{name})({args});"
+    return f"{_c_type(ctype)} {name};"
+
+
+def c_table_header() -> str:
+    """:class:`CTable`'s fields, in order, as the C declaration of ``struct umrt_cuda_table``
+    (:data:`TABLE_HEADER`, written beside the build by :func:`umrt.native.binding.build_library`
+    as the constants' header is): the C ABI of the ctypes structure, field for field."""
+    return "\n".join([
+        "// Generated from umrt/native/tables.py (CTable) when the library is built: do not edit.",
+        "// What each field means: CTable's docstring there.",
+        "#pragma once",
+        "#include <cstdint>",
+        "struct umrt_cuda_table {",
+        *(f"  {_c_field(name, ctype)}" for name, ctype in CTable._fields_),
+        "};",
+        "",
+    ])
 
 
 def _c_ranges(ptrs: Any, lens: Any, n: int) -> list[Range]:
