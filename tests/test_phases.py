@@ -112,12 +112,17 @@ def test_acting_that_loses_stops_for_its_phase_and_says_so(monkeypatch):
     assert d_guarded.layout.stopped_planning == "umrt stopped acting in training steps"
     assert d_unguarded.layout.planning
     modes = [e["mode"] for e in guarded.log]
-    stopped = modes.index("none")
-    assert set(modes[stopped:]) == {"none"} and rep["held_iterations"] == len(modes) - stopped
+    # Its baseline is the learning steps': before stopping, one step is held back doing
+    # nothing, and that decides (acting goes on while the held step's time is on its way).
+    held = modes.index("none")
+    stopped = len(modes) - modes[::-1].index("act")
+    assert held < stopped and set(modes[stopped:]) == {"none"}
+    assert rep["held_iterations"] == modes.count("none") == len(modes) - stopped + 1
+    assert "held back doing nothing" in train["stopped_because"]
     assert all(e["mode"] != "none" for e in unguarded.log)
     assert train["acting_vs_baseline"] > 1.05
     t_guarded, t_unguarded = d_guarded.iteration_times(), d_unguarded.iteration_times()
-    assert t_guarded[:stopped] == pytest.approx(t_unguarded[:stopped])  # the same run until it stops
+    assert t_guarded[:held] == pytest.approx(t_unguarded[:held])  # the same run until the held step
     assert sum(t_guarded) < sum(t_unguarded)
     # held back, a step costs what the learning-time steps cost (plain UM on umrt's pool), once
     # the first two held steps have faulted back what the last plan left on the host
@@ -149,7 +154,11 @@ def test_payoff_compares_each_shape_with_its_own_baseline():
     p.iteration(6, "eval", ACTING, shape=2)
     assert p.timed(6, 1.2) is None
     p.iteration(7, "eval", ACTING, shape=1)
-    assert p.timed(7, 12.0) == "eval"
+    assert p.timed(7, 12.0) is None and p.wants_baseline("eval")  # its baseline predates acting
+    p.holding("eval")
+    assert not p.wants_baseline("eval") and p.allows("eval")
+    p.iteration(8, "eval", BASELINE, shape=1)  # held back: doing nothing, now
+    assert p.timed(8, 10.0) == "eval" and "held back" in p.stopped["eval"]
     assert not p.allows("eval") and p.allows("train")
     p.new_shape("eval")  # a new shape learned: another chance
     assert p.allows("eval")
@@ -167,15 +176,47 @@ def test_a_clear_loss_stops_acting_without_waiting_for_the_window():
     p.iteration(2, "train", ACTING, shape=5)
     assert p.timed(2, 20.0) is None  # one sample is no verdict
     p.iteration(3, "train", ACTING, shape=5)
-    assert p.timed(3, 16.0) == "train" and "last 2 train" in p.stopped["train"]
+    assert p.timed(3, 16.0) is None and p.wants_baseline("train")
+    p.iteration(4, "train", BASELINE, shape=5)  # held back
+    assert p.timed(4, 10.0) == "train" and "last 2 train" in p.stopped["train"]
     mild = Payoff(window=3, margin=0.05)
     mild.iteration(1, "eval", BASELINE, shape=5)
     mild.timed(1, 10.0)
     for i in (2, 3):
         mild.iteration(i, "eval", ACTING, shape=5)
-        assert mild.timed(i, 13.0) is None
+        assert mild.timed(i, 13.0) is None and not mild.wants_baseline("eval")
     mild.iteration(4, "eval", ACTING, shape=5)
-    assert mild.timed(4, 13.0) == "eval" and "last 3 eval" in mild.stopped["eval"]
+    assert mild.timed(4, 13.0) is None and mild.wants_baseline("eval")
+    mild.iteration(5, "eval", BASELINE, shape=5)
+    assert mild.timed(5, 10.0) == "eval" and "last 3 eval" in mild.stopped["eval"]
+
+
+def test_a_baseline_older_than_acting_is_checked_by_holding_one_iteration_back():
+    """A learning iteration ran on what set-up left resident and was fast; the steps
+    since run slower whether umrt acts or not. Acting looks like losing against the old
+    baseline: one iteration held back doing nothing shows it wins, so acting goes on and
+    that sample is the baseline from then on: a later loss against it stops acting at once."""
+    p = Payoff(window=3, margin=0.05)
+    p.iteration(1, "train", BASELINE, shape=5)
+    p.timed(1, 8.0)
+    for i, t in ((2, 12.0), (3, 12.5), (4, 12.0)):
+        p.iteration(i, "train", ACTING, shape=5)
+        assert p.timed(i, t) is None
+    assert p.wants_baseline("train") and p.allows("train")
+    p.holding("train")
+    p.iteration(5, "train", ACTING, shape=5)  # (a timing arriving while the held one runs decides nothing)
+    assert p.timed(5, 12.0) is None
+    p.iteration(6, "train", BASELINE, shape=5)
+    assert p.timed(6, 20.0) is None  # doing nothing now costs more than acting: acting goes on
+    assert p.allows("train") and not p.wants_baseline("train")
+    assert p.report()["train"]["baseline_ms"] == pytest.approx(20_000.0)
+    for i in (7, 8):
+        p.iteration(i, "train", ACTING, shape=5)
+        assert p.timed(i, 12.0) is None
+    p.iteration(9, "train", ACTING, shape=5)  # acting slower than that: stopped, no second hold
+    assert p.timed(9, 31.0) is None and not p.wants_baseline("train")
+    p.iteration(10, "train", ACTING, shape=5)
+    assert p.timed(10, 31.0) == "train" and "doing nothing" in p.stopped["train"]
 
 
 def test_a_timing_that_arrives_late_still_counts():
@@ -184,7 +225,11 @@ def test_a_timing_that_arrives_late_still_counts():
     p.iteration(3, "train", BASELINE, shape=7)
     p.iteration(4, "train", ACTING, shape=7)
     assert p.timed(3, 1.0) is None
-    assert p.timed(4, 2.0) == "train"
+    assert p.timed(4, 2.0) is None and p.wants_baseline("train")
+    p.holding("train")
+    p.iteration(5, "train", BASELINE, shape=7)
+    p.iteration(6, "train", ACTING, shape=7)
+    assert p.timed(5, 1.0) == "train"
     assert math.isclose(p.report()["train"]["acting_ms"], 2000.0)
 
 

@@ -281,6 +281,20 @@ class _Region:
     # Which of its bytes are in use (planned places are taken from it, misses fit into it).
     space: _Online | None = None
 
+    def best_fit(self, size: int, keep_classes: bool = True) -> tuple[int, str] | None:
+        """Best fit of ``size`` where nothing lives now, and the memory's class as planned;
+        None where no free range fits (with ``keep_classes``, none that does not straddle
+        the short-lived range's edge: a block would hold two classes)."""
+        ptr = self.space.fit(size)
+        if ptr is None:
+            return None
+        lo, n = self.short
+        if keep_classes and n and any(ptr < edge < ptr + size for edge in (lo, lo + n)):
+            self.space.free(ptr)
+            return None
+        self.live += 1
+        return ptr, ("short-lived" if lo <= ptr < lo + n else "long-lived")
+
     def ranges(self) -> dict[str, list[tuple[int, int]]]:
         lo, n = self.short
         end = self.ptr + self.nbytes
@@ -663,39 +677,44 @@ class LifetimePool(Layout):
                 self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
-        if not self.planning:  # best-fit where the learning iterations ran (what the runtime timed them on)
+        if not self.planning:  # best fit in what the pool holds, as a caching allocator reuses its blocks
+            for region in reversed(self._regions):
+                fit = region.best_fit(size, keep_classes=False)  # (no plan to keep them for)
+                if fit is not None:
+                    return _Live(fit[1], fit[0], size, nbytes, region, record, self._iteration)
             return _Live("learning", self._online["learning"].alloc(size), size, nbytes, record=record,
                          iteration=self._iteration)
         hit = self._plan.get(key) if key is not None else None
-        if hit is not None:
-            region, offset, name = hit
-            ptr = region.ptr + offset
-            if region.space.take(ptr, size):
-                region.live += 1
-                stats.hits += 1
-                self.totals.hits += 1
-                return _Live(name, ptr, size, nbytes, region, record, self._iteration)
-            stats.conflicts += 1
-            self.totals.conflicts += 1
-        stats.misses += 1
-        stats.missed_bytes += size
-        self.totals.misses += 1
-        self.totals.missed_bytes += size
-        # Memory the pool holds already before more is obtained, as a caching allocator reuses
-        # its blocks: the planned region where nothing lives now (best fit; a planned object
-        # that finds its place taken goes elsewhere in turn), what the learning iterations
-        # left free, then the overflow arena.
         region = next((r for r in reversed(self._regions) if not r.retired), None)  # the plan's
-        ptr = region.space.fit(size) if region is not None else None
-        if ptr is not None and region.short[1] and any(ptr < edge < ptr + size for edge in (
-                region.short[0], region.short[0] + region.short[1])):
-            region.space.free(ptr)  # across the short-lived range's edge: a block would hold two classes
-            ptr = None
-        if ptr is not None:
-            region.live += 1
-            lo, n = region.short
-            name = "short-lived" if lo <= ptr < lo + n else "long-lived"  # the memory's class, as planned
-            return _Live(name, ptr, size, nbytes, region, record, self._iteration)
+        fit = None
+        # A training step's allocation takes its planned place; one whose place is taken, or
+        # that the plan does not know, takes memory the pool holds already before more is
+        # obtained, as a caching allocator reuses its blocks: the planned region where nothing
+        # lives now (best fit), what the learning iterations left free, then the overflow
+        # arena. An evaluation's places were planned for a training step's lifetimes (a
+        # forward's activations live until the backward, each in a place of its own): its own
+        # die at once, and best fit comes first (see POOL.md).
+        for how in ("planned", "fit") if self._training else ("fit", "planned"):
+            if how == "planned" and hit is not None:
+                planned, offset, name = hit
+                ptr = planned.ptr + offset
+                if planned.space.take(ptr, size):
+                    planned.live += 1
+                    stats.hits += 1
+                    self.totals.hits += 1
+                    return _Live(name, ptr, size, nbytes, planned, record, self._iteration)
+                stats.conflicts += 1
+                self.totals.conflicts += 1
+            elif how == "fit":  # (an evaluation's allocation counts as a miss of the plan's)
+                stats.misses += 1
+                stats.missed_bytes += size
+                self.totals.misses += 1
+                self.totals.missed_bytes += size
+                fit = region.best_fit(size) if region is not None else None
+                if fit is not None:
+                    break
+        if fit is not None:
+            return _Live(fit[1], fit[0], size, nbytes, region, record, self._iteration)
         name = "learning" if self._online["learning"].fits(size) else "overflow"
         return _Live(name, self._online[name].alloc(size), size, nbytes, record=record, iteration=self._iteration)
 
@@ -851,10 +870,11 @@ class LifetimePool(Layout):
         self._plan_served = 0
 
     def stop_planning(self, why: str) -> None:
-        """Serve every allocation best-fit from now on, as a caching allocator does, in the
-        ``learning`` arena (where the iterations before the plan ran: what the runtime timed
-        doing nothing on). Each planned region keeps its live objects where they are and is
-        handed back once they are dead (``why`` goes to :attr:`stopped_planning` and the log)."""
+        """Serve every allocation best-fit from now on, as a caching allocator does: in the
+        free blocks of the planned regions first (memory the pool holds, where the plan's
+        iterations ran), then in the ``learning`` arena. Each planned region keeps its live
+        objects where they are and is handed back once nothing lives in it (``why`` goes to
+        :attr:`stopped_planning` and the log)."""
         if not self.planning:
             return
         self.planning = False

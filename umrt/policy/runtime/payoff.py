@@ -17,6 +17,13 @@ waited on), acting loses for that phase: the runtime stops acting for it (the
 "none" plan: the driver alone, as plain Unified Memory) and says so in its
 report. A phase whose shape changes (a new plan is compiled for it) gets
 another chance.
+
+A baseline taken only before acting began can flatter doing nothing: a
+learning iteration runs on what set-up left resident, which no steady
+iteration sees again. So the first time acting looks like losing in a phase
+whose baseline is that old, the verdict waits for one iteration of the phase
+held back (:meth:`Payoff.wants_baseline`): doing nothing where acting runs
+now. That sample replaces the phase's baseline and decides.
 """
 from __future__ import annotations
 
@@ -58,6 +65,9 @@ class Payoff:
         self.acting: dict[str, deque[float]] = {}  # phase -> seconds
         self.ratios: dict[str, deque[float]] = {}  # phase -> acting / the baseline of its shape
         self.stopped: dict[str, str] = {}  # phase -> why acting stopped for it
+        self._shape_acting: dict[tuple[str, int], deque[float]] = {}  # (phase, shape) -> seconds
+        self._recheck: dict[str, bool] = {}  # phase -> a held-back iteration is wanted (False: it runs)
+        self._fresh: set[str] = set()  # phases whose baseline was taken while acting went on
 
     def iteration(self, index: int, phase: str, role: str | None, shape: int = 0) -> None:
         """Iteration ``index`` of ``phase`` ended; ``role``: what its time is a sample
@@ -77,17 +87,21 @@ class Payoff:
             return None
         phase, role, shape = entry
         if role == BASELINE:
+            if phase in self._recheck:
+                return self._rechecked(phase, shape, seconds)
             self.baseline.setdefault(phase, deque(maxlen=16)).append(seconds)
             if shape:
                 self._shape_baseline.setdefault((phase, shape), deque(maxlen=4)).append(seconds)
             return None
         self.acting.setdefault(phase, deque(maxlen=16)).append(seconds)
+        if shape:
+            self._shape_acting.setdefault((phase, shape), deque(maxlen=4)).append(seconds)
         base = self._shape_baseline.get((phase, shape)) or self.baseline.get(phase)
         if not base:
             return None
         ratios = self.ratios.setdefault(phase, deque(maxlen=16))
         ratios.append(seconds / statistics.median(base))
-        if phase in self.stopped:
+        if phase in self.stopped or phase in self._recheck:
             return None
         last = list(ratios)[-self.window:]
         if len(last) >= CLEAR_SAMPLES and min(last[-CLEAR_SAMPLES:]) > CLEAR_LOSS:
@@ -97,8 +111,42 @@ class Payoff:
         ratio = statistics.median(last)
         if ratio <= 1 + self.margin:
             return None
+        if phase not in self._fresh:
+            self._recheck[phase] = True  # first, doing nothing now (see the module's docstring)
+            return None
         self.stopped[phase] = (f"its last {len(last)} {phase} iterations acting took {ratio:.2f}x the time of "
                                "the same iterations doing nothing")
+        return phase
+
+    def wants_baseline(self, phase: str) -> bool:
+        """Whether the next iteration of ``phase`` should do nothing, as a fresh
+        baseline for a verdict that waits on it; the caller that holds one back
+        says so with :meth:`holding`."""
+        return self._recheck.get(phase, False)
+
+    def holding(self, phase: str) -> None:
+        """An iteration of ``phase`` is held back for :meth:`wants_baseline`."""
+        if phase in self._recheck:
+            self._recheck[phase] = False
+
+    def _rechecked(self, phase: str, shape: int, seconds: float) -> str | None:
+        """A baseline taken while acting went on arrived: it replaces the phase's
+        baseline and decides the verdict that waited on it."""
+        del self._recheck[phase]
+        self._fresh.add(phase)
+        for key in [k for k in self._shape_baseline if k[0] == phase]:
+            del self._shape_baseline[key]
+        self.baseline[phase] = deque([seconds], maxlen=16)
+        if shape:
+            self._shape_baseline[(phase, shape)] = deque([seconds], maxlen=4)
+        acting = (self._shape_acting.get((phase, shape)) if shape else None) or self.acting[phase]
+        last = list(acting)[-self.window:]
+        ratio = statistics.median(last) / seconds
+        self.ratios[phase] = deque([ratio], maxlen=16)
+        if ratio <= 1 + self.margin:
+            return None
+        self.stopped[phase] = (f"its last {len(last)} {phase} iterations acting took {ratio:.2f}x the time of "
+                               "an iteration held back doing nothing")
         return phase
 
     def allows(self, phase: str) -> bool:

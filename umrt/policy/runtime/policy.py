@@ -92,8 +92,9 @@ class Runtime(Policy):
     compile a plan for its signature), ``act`` (follow the predicted shape's
     plan, see :meth:`_start_iteration`), ``rebase`` (see
     :meth:`LaunchFreeClock.mismatch`), ``off`` (after a deviation) or
-    ``none`` (acting was found to lose in this iteration's loop phase: do
-    nothing, see :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
+    ``none`` (acting was found to lose in this iteration's loop phase, or
+    this iteration is held back to check that it does: do nothing, see
+    :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
     (``IterationBoundary.phase``: a training step, an evaluation batch) has its
     own plans, learned and predicted apart.
 
@@ -213,6 +214,7 @@ class Runtime(Policy):
         # The last full iteration's addresses of each shape (a training step's survive an evaluation).
         self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        self._held_shape = 0  # the shape of an iteration held back for a fresh baseline (Payoff.wants_baseline)
         self._deviations_before = 0  # deviations when this iteration started
         self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
         self._phase_dead: DeadPages | None = None  # the hot path's copy of LoopPhases.dead
@@ -645,7 +647,8 @@ class Runtime(Policy):
             role, shape = ACTING, self.plan.signature
             self._paths.ran(self._iteration, self.plan)
         elif not self._moved and mode in ("learn", "none") and self.counters["iterations"] > 1:
-            role, shape = BASELINE, (self._learner.signature if mode == "learn" else 0)
+            role, shape = BASELINE, (self._learner.signature if mode == "learn" else self._held_shape)
+        self._held_shape = 0
         self._payoff.iteration(self._iteration, phase, role, shape)
         if mode == "none":
             self.counters["held_iterations"] += 1
@@ -718,6 +721,14 @@ class Runtime(Policy):
                 plan = self.phases.predict(phase)
                 if plan is not None:
                     plan = self._paths.pick(plan)
+                if plan is not None and not self.phases.opens_run and self._payoff.wants_baseline(phase):
+                    # acting looks like losing, against a baseline older than acting: do
+                    # nothing for one iteration, on the same layout, after one of the same
+                    # phase (as the acting ones ran), and let that decide
+                    self._payoff.holding(phase)
+                    self._held_shape = plan.signature
+                    self.stop_acting("none", wants_launches=False)
+                    return
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
