@@ -108,8 +108,9 @@ def test_acting_that_loses_stops_for_its_phase_and_says_so(monkeypatch):
     train = rep["phases"]["train"]
     assert not train["acting"] and "acting took" in train["stopped_because"]
     assert rep["stopped_acting"] == 1
-    # The pool's plan was made for the moves: held back, it places as a caching allocator does.
-    assert d_guarded.layout.stopped_planning == "umrt stopped acting in training steps"
+    # Doing nothing is timed on the layout it falls back to: from the held step on, the pool
+    # places as a caching allocator does.
+    assert d_guarded.layout.stopped_planning == "umrt held a training step back to time doing nothing"
     assert d_unguarded.layout.planning
     modes = [e["mode"] for e in guarded.log]
     # Its baseline is the learning steps': before stopping, one step is held back doing

@@ -22,8 +22,10 @@ A baseline taken only before acting began can flatter doing nothing: a
 learning iteration runs on what set-up left resident, which no steady
 iteration sees again. So the first time acting looks like losing in a phase
 whose baseline is that old, the verdict waits for one iteration of the phase
-held back (:meth:`Payoff.wants_baseline`): doing nothing where acting runs
-now. That sample replaces the phase's baseline and decides.
+held back (:meth:`Payoff.wants_baseline`): doing nothing now, on the layout
+doing nothing falls back to (the runtime's pool stops planning for it). That
+sample replaces the phase's baseline and decides; where acting wins, it goes
+on, on that layout.
 """
 from __future__ import annotations
 

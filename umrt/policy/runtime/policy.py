@@ -722,12 +722,14 @@ class Runtime(Policy):
                 if plan is not None:
                     plan = self._paths.pick(plan)
                 if plan is not None and not self.phases.opens_run and self._payoff.wants_baseline(phase):
-                    # acting looks like losing, against a baseline older than acting: do
-                    # nothing for one iteration, on the same layout, after one of the same
-                    # phase (as the acting ones ran), and let that decide
+                    # Acting looks like losing, against a baseline older than acting: do nothing
+                    # for one iteration, after one of the same phase (as the acting ones ran), on
+                    # the layout doing nothing falls back to, and let that decide.
                     self._payoff.holding(phase)
                     self._held_shape = plan.signature
                     self.stop_acting("none", wants_launches=False)
+                    if phase == "train" and isinstance(self.layout, PlanningLayout):
+                        self.layout.stop_planning("umrt held a training step back to time doing nothing")
                     return
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
