@@ -21,11 +21,11 @@ another chance.
 A baseline taken only before acting began can flatter doing nothing: a
 learning iteration runs on what set-up left resident, which no steady
 iteration sees again. So the first time acting looks like losing in a phase
-whose baseline is that old, the verdict waits for one iteration of the phase
-held back (:meth:`Payoff.wants_baseline`): doing nothing now, on the layout
-doing nothing falls back to (the runtime's pool stops planning for it). That
-sample replaces the phase's baseline and decides; where acting wins, it goes
-on, on that layout.
+whose baseline is that old, short of a clear loss, the verdict waits for one
+iteration of the phase held back (:meth:`Payoff.wants_baseline`): doing
+nothing now, on the layout doing nothing falls back to (the runtime's pool
+stops planning for it). That sample replaces the phase's baseline and
+decides; where acting wins, it goes on, on that layout.
 """
 from __future__ import annotations
 
@@ -106,14 +106,15 @@ class Payoff:
         if phase in self.stopped or phase in self._recheck:
             return None
         last = list(ratios)[-self.window:]
-        if len(last) >= CLEAR_SAMPLES and min(last[-CLEAR_SAMPLES:]) > CLEAR_LOSS:
-            last = last[-CLEAR_SAMPLES:]  # a loss this clear needs no more samples
+        clear = len(last) >= CLEAR_SAMPLES and min(last[-CLEAR_SAMPLES:]) > CLEAR_LOSS
+        if clear:
+            last = last[-CLEAR_SAMPLES:]  # a loss this clear needs no more samples, nor a check
         elif len(last) < self.window:
             return None
         ratio = statistics.median(last)
         if ratio <= 1 + self.margin:
             return None
-        if phase not in self._fresh:
+        if not clear and phase not in self._fresh:
             self._recheck[phase] = True  # first, doing nothing now (see the module's docstring)
             return None
         self.stopped[phase] = (f"its last {len(last)} {phase} iterations acting took {ratio:.2f}x the time of "
