@@ -629,8 +629,8 @@ class MirrorPool:
     def reserved_bytes(self):
         return self.layout.footprint()
 
-    def stop_planning(self, why):
-        self.layout.stop_planning(why)
+    def stop_planning(self, why, budget_bytes=None):
+        self.layout.stop_planning(why, budget_bytes)
 
     def tell(self, what, ptr, n):
         if what == "alloc":

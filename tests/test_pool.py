@@ -448,6 +448,28 @@ def test_stop_planning_keeps_every_live_object_where_it_is():
     check_layout(pool, sizes)
 
 
+def test_a_stopped_pool_goes_back_to_its_learning_layout_where_that_fit_the_gpu():
+    """Told the GPU's memory, a pool that stops planning serves from the learning arena
+    alone where what it held while learning fits it (those iterations ran so, and its
+    planned regions drain as their objects die); where it did not fit, from the regions'
+    free blocks first, obtaining no more memory while they have room."""
+    for budget, drains in ((1 << 40, True), (1, False)):
+        events = model_events(iterations=4)
+        pool = LifetimePool(bump())
+        cut = events.index(IterationBoundary(3)) + 6
+        sizes: dict[int, int] = {}
+        feed(pool, events[:cut], sizes)
+        held = pool.footprint()
+        pool.stop_planning("asked", budget_bytes=budget)
+        pool.alloc(-1, 512, Kind.TEMPORARY)
+        sizes[-1] = 512
+        check_layout(pool, sizes)
+        if drains:
+            assert pool.arena_of(-1) == "learning"
+        else:
+            assert pool.arena_of(-1) in ("short-lived", "long-lived") and pool.footprint() == held
+
+
 def test_memory_left_idle_by_a_plan_is_reported():
     """The learning iteration's memory that nothing lives in once the plan serves the step
     holds dead bytes: the pool names it (the runtime discards it), never a live object's."""

@@ -74,6 +74,7 @@ class ManagedPool:
         # 3.4-8 GB/s) while the populated segments fit this many bytes (the budget).
         self.populate_limit = populate_limit
         self.stopped_planning: str | None = None  # why the layouts stopped planning (stop_planning)
+        self._stopped_budget: int | None = None  # the GPU memory stop_planning was told of
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._layouts: dict[Any, Any] = {}  # stream -> layout
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (layout, obj, nbytes); obj 0: adopted
@@ -217,19 +218,20 @@ class ManagedPool:
             for event in (self._boundary, *self._open_layers):
                 layout.observe(event)
         if self.stopped_planning is not None and isinstance(layout, PlanningLayout):
-            layout.stop_planning(self.stopped_planning)
+            layout.stop_planning(self.stopped_planning, self._stopped_budget)
         return layout
 
-    def stop_planning(self, why: str) -> None:
+    def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """Every stream's layout that plans (umrt's pool) serves best-fit from now on, as a
         caching allocator does, and so does each layout made later; live blocks stay where
-        they are. The live bridge calls it when umrt stops acting in training steps."""
+        they are. The live bridge calls it when umrt stops acting in training steps
+        (``budget_bytes``: :meth:`umrt.memory.pool.LifetimePool.stop_planning`'s)."""
         with self._lock:
             if self.stopped_planning is None:
-                self.stopped_planning = why
+                self.stopped_planning, self._stopped_budget = why, budget_bytes
             for layout in self._layouts.values():
                 if isinstance(layout, PlanningLayout):
-                    layout.stop_planning(why)
+                    layout.stop_planning(why, budget_bytes)
 
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
         """Tell the layout holding the live block that starts at ``ptr`` what it holds.

@@ -70,7 +70,7 @@ class LivePool(Protocol):
     def reserved_bytes(self) -> int:
         """Managed bytes the pool holds."""
 
-    def stop_planning(self, why: str) -> None:
+    def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """The pool's layouts place best-fit from now on (umrt stopped acting)."""
 
 
@@ -167,12 +167,12 @@ class LiveLayout(Layout):
         """Nothing: a live pool keys its plan by layers and boundaries (steady
         iterations run without launches)."""
 
-    def stop_planning(self, why: str) -> None:
+    def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """The pool behind torch places best-fit from now on (a
         :class:`~umrt.memory.base.PlanningLayout`: the runtime says so when it stops
         acting in training steps); nothing without one."""
         if self.pool is not None:
-            self.pool.stop_planning(why)
+            self.pool.stop_planning(why, budget_bytes)
 
 
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)

@@ -74,6 +74,7 @@ class IndexedLayout(Protocol):
 class PlanningLayout(Protocol):
     """A layout that plans where recurring objects go (umrt's pool), and can stop."""
 
-    def stop_planning(self, why: str) -> None:
+    def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """Serve every allocation best-fit from now on, as a caching allocator does;
-        live objects stay where they are."""
+        live objects stay where they are (``budget_bytes``: the GPU memory the run has,
+        where known: see :meth:`umrt.memory.pool.LifetimePool.stop_planning`)."""

@@ -419,6 +419,8 @@ class LifetimePool(Layout):
         # served best-fit from then on, and why is in stopped_planning.
         self.planning = True
         self.stopped_planning: str | None = None
+        self._drain = False  # stopped: the planned regions get nothing new (stop_planning)
+        self._learned_footprint = 0  # the most memory the pool held before its first plan
         self._plan_served = 0  # training iterations the current plan served
         self._last_shape: dict[PlanKey, int] = {}  # the last training iteration's plan keys -> bytes
         self._unplanned_steps = 0  # training iterations learned before the first plan (live feed)
@@ -678,7 +680,7 @@ class LifetimePool(Layout):
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
         if not self.planning:  # best fit in what the pool holds, as a caching allocator reuses its blocks
-            for region in reversed(self._regions):
+            for region in () if self._drain else reversed(self._regions):
                 fit = region.best_fit(size, keep_classes=False)  # (no plan to keep them for)
                 if fit is not None:
                     return _Live(fit[1], fit[0], size, nbytes, region, record, self._iteration)
@@ -747,6 +749,8 @@ class LifetimePool(Layout):
 
     def _make_plan(self, records: list[_Record]) -> None:
         """Plan from ``records``, this iteration's recurring records (:meth:`_recurring_records`)."""
+        if not self.planned:
+            self._learned_footprint = self.peak_footprint  # (before the region: what learning held)
         old_regions = list(self._regions)
         length = max(self._clock - self._iter_clock, 1)
         ticks = self._tick
@@ -869,15 +873,18 @@ class LifetimePool(Layout):
         self.plans_made += 1
         self._plan_served = 0
 
-    def stop_planning(self, why: str) -> None:
-        """Serve every allocation best-fit from now on, as a caching allocator does: in the
-        free blocks of the planned regions first (memory the pool holds, where the plan's
-        iterations ran), then in the ``learning`` arena. Each planned region keeps its live
-        objects where they are and is handed back once nothing lives in it (``why`` goes to
-        :attr:`stopped_planning` and the log)."""
+    def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
+        """Serve every allocation best-fit from now on, as a caching allocator does. Where
+        the memory the pool held while it learned fits ``budget_bytes`` (the GPU memory the
+        run has), in the ``learning`` arena, as those iterations ran: the planned regions
+        drain. Otherwise (or with no budget) in the planned regions' free blocks first
+        (memory the pool holds), then in the ``learning`` arena. Each planned region keeps
+        its live objects where they are and is handed back once nothing lives in it
+        (``why`` goes to :attr:`stopped_planning` and the log)."""
         if not self.planning:
             return
         self.planning = False
+        self._drain = budget_bytes is not None and self._learned_footprint <= budget_bytes
         self.stopped_planning = why
         self._plan = {}
         for region in list(self._regions):

@@ -700,7 +700,7 @@ class Runtime(Policy):
             if phase == "train" and isinstance(self.layout, PlanningLayout):
                 # The pool's plan is the training step's, made for moves that no longer come:
                 # from now on it places as a caching allocator does, as plain Unified Memory runs.
-                self.layout.stop_planning("umrt stopped acting in training steps")
+                self.layout.stop_planning("umrt stopped acting in training steps", self.ctx.budget_bytes)
             return
         probing = False
         if self._guard.cooling(phase):
@@ -729,7 +729,8 @@ class Runtime(Policy):
                     self._held_shape = plan.signature
                     self.stop_acting("none", wants_launches=False)
                     if phase == "train" and isinstance(self.layout, PlanningLayout):
-                        self.layout.stop_planning("umrt held a training step back to time doing nothing")
+                        self.layout.stop_planning("umrt held a training step back to time doing nothing",
+                                                 self.ctx.budget_bytes)
                     return
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
