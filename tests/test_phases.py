@@ -233,6 +233,23 @@ def test_a_baseline_older_than_acting_is_checked_by_holding_one_iteration_back()
     assert p.timed(10, 31.0) == "train" and "doing nothing" in p.stopped["train"]
 
 
+def test_a_held_iteration_whose_time_is_lost_is_held_again():
+    """Live, a held iteration's CUDA events may give no time: the check that waits on it
+    asks for another held iteration rather than waiting for ever (which would leave the
+    phase acting with no check at all)."""
+    p = Payoff(window=1, margin=0.0)
+    p.iteration(1, "train", BASELINE, shape=7)
+    p.timed(1, 1.0)
+    p.iteration(2, "train", ACTING, shape=7)
+    assert p.timed(2, 2.0) is None and p.wants_baseline("train")
+    p.holding("train")
+    p.iteration(3, "train", BASELINE, shape=7)
+    assert p.timed(3, 0.0) is None and p.wants_baseline("train")  # lost: hold another
+    p.holding("train")
+    p.iteration(4, "train", BASELINE, shape=7)
+    assert p.timed(4, 1.0) == "train"
+
+
 def test_a_timing_that_arrives_late_still_counts():
     """Live, CUDA events are read an iteration or two after the iteration ended."""
     p = Payoff(window=1, margin=0.0)

@@ -85,9 +85,13 @@ class Payoff:
         """Iteration ``index`` took ``seconds``: the phase where acting now loses, if
         this sample decided it (it is then in :attr:`stopped`)."""
         entry = self._roles.pop(index, None)
-        if entry is None or seconds <= 0:
+        if entry is None:
             return None
         phase, role, shape = entry
+        if seconds <= 0:  # no time (a live timing lost): a held iteration's check wants another
+            if role == BASELINE and self._recheck.get(phase) is False:
+                self._recheck[phase] = True
+            return None
         if role == BASELINE:
             if phase in self._recheck:
                 return self._rechecked(phase, shape, seconds)
