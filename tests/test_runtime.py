@@ -401,17 +401,18 @@ def test_op_level_follows_every_launch():
 
 
 @pytest.mark.parametrize("on_free", [False, True])
-def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
+def test_a_dead_range_a_newborn_reuses_at_once_is_discarded_only_where_events_come_late(on_free):
     """A live allocator announces an op's outputs before its kernel is queued,
-    and may hand a newborn the range that just died with no launch between:
-    the dead range is discarded at that allocation at the latest (on the
-    compute stream, so before the newborn's writer). A driver whose events
-    come after the op's kernel (``discard_on_free``) has it discarded at the
-    Free itself, before the allocator can hand it out again. Either way the
-    newborn's range is prefetched to the GPU before its kernel: a kernel
-    writing discarded memory refaults (0.8 GB/s on the H100). The first
-    newborn, on a segment nobody populated yet (one larger than the budget:
-    not populated whole), is populated likewise."""
+    and may hand a newborn the range that just died with no launch between.
+    Dead ranges wait for the next allocation to be discarded; a newborn that
+    takes one then takes it as it is, resident: discarding it would cost the
+    call and then a population of the same pages before its kernel writes them.
+    A driver whose events come after the op's kernel (``discard_on_free``) has
+    the range discarded at the Free itself, before the allocator can hand it out
+    again: the newborn's range is then prefetched to the GPU before its kernel
+    (a kernel writing discarded memory refaults, 0.8 GB/s on the H100). The
+    first newborn, on a segment nobody populated yet (one larger than the
+    budget: not populated whole), is populated likewise."""
     backend = _AllCalls()
     rt = Runtime(discard_on_free=on_free, use_pool=False)
     layout = rt.make_layout(backend)
@@ -430,8 +431,38 @@ def test_a_dead_range_is_discarded_before_a_newborn_can_reuse_it(on_free):
     layout.alloc(2, size, Kind.ACTIVATION)
     assert layout.address(2) == dead[0]  # the caching allocator reuses the block at once
     rt.on_event(Alloc(2, size, Kind.ACTIVATION, 0))
-    assert backend.calls == [populate, ("discard", (dead,)), populate]
+    assert backend.calls == ([populate, ("discard", (dead,)), populate] if on_free else [populate])
     assert at_free == ([populate, ("discard", (dead,))] if on_free else [populate])
+
+
+def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
+    """Only the whole pages a newborn touches leave the pending discards: the rest of a
+    larger dead range it lands in is still discarded at that allocation."""
+    from umrt.policy.runtime.policy import _without
+
+    page = PAGE
+    assert _without([(0, 10 * page)], 3 * page + 5, 5 * page) == [(0, 3 * page), (5 * page, 5 * page)]
+    assert _without([(0, 2 * page), (8 * page, page)], 2 * page, 8 * page) == [(0, 2 * page), (8 * page, page)]
+    assert _without([(page, page)], 0, 3 * page) == []
+    backend = _AllCalls()
+    rt = Runtime(use_pool=False)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
+    rt.on_event(IterationBoundary(0))
+    rt.discard_keys = frozenset({0})
+    big, small = 8 << 20, 2 << 20
+    layout.alloc(1, big, Kind.ACTIVATION)
+    rt.on_event(Alloc(1, big, Kind.ACTIVATION, 0))
+    ptr = layout.address(1)
+    rt.on_event(Free(1))
+    layout.free(1)
+    layout.alloc(2, small, Kind.ACTIVATION)
+    before = len(backend.calls)
+    rt.on_event(Alloc(2, small, Kind.ACTIVATION, 0))
+    new = layout.address(2)
+    assert ptr <= new < ptr + big
+    discards = [c for c in backend.calls[before:] if c[0] == "discard"]
+    assert discards == [("discard", tuple((p, n) for p, n in _without([(ptr, big)], new, new + small)))]
 
 
 def test_a_large_segment_is_populated_whole_while_it_fits_the_budget():

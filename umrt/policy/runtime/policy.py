@@ -81,6 +81,20 @@ def _reference_key(plan: Plan) -> tuple[int, bool]:
     return plan.signature, plan.keymap is not None
 
 
+def _without(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """``ranges`` less the whole pages ``[lo, hi)`` touches: what of them lies outside."""
+    lo, hi = lo // PAGE * PAGE, -(-hi // PAGE) * PAGE
+    out: list[tuple[int, int]] = []
+    for p, n in ranges:
+        if p + n <= lo or p >= hi:
+            out.append((p, n))
+            continue
+        if p < lo:
+            out.append((p, lo - p))
+        if p + n > hi:
+            out.append((hi, p + n - hi))
+    return out
+
 class Runtime(Policy):
     """umrt's runtime policy, registered as ``"umrt"``.
 
@@ -382,12 +396,12 @@ class Runtime(Policy):
                         self.unfreeze()
             if self._phase_dead is not None:
                 self._phase_dead.take(self.layout.address(obj), event.nbytes)
-            if self._pending_discards and event.launch == -1:
-                # Born holding data written by the host (a batch copied in): a
-                # pending discard of the dead range it reuses must not hit it.
+            if self._pending_discards:
+                # A newborn on a dead range not discarded yet takes it as it is: a discard
+                # would only cost the call and then a population of the same pages before
+                # its kernel writes them (or hit the data of one born written by the host).
                 ptr = self.layout.address(obj)
-                end = ptr + event.nbytes
-                self._pending_discards = [r for r in self._pending_discards if r[0] + r[1] <= ptr or r[0] >= end]
+                self._pending_discards = _without(self._pending_discards, ptr, ptr + event.nbytes)
             n_events = self.n_events  # the launch-free clock
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
