@@ -93,11 +93,11 @@ def test_an_evaluation_that_fits_moves_nothing():
 
 
 def test_acting_that_loses_stops_for_its_phase_and_says_so(monkeypatch):
-    """The simulated GPU's prefetch and discard calls cost 30 ms each, unlike what the
+    """The simulated GPU's prefetch and discard calls cost 50 ms each, unlike what the
     runtime's profile says: its plans lose to doing nothing. The runtime finds
     it from its own iteration times and stops acting in that phase; the run is then
     faster than the same runtime without the check."""
-    slow = replace(load_profile(PROFILE), prefetch_call_overhead_s=0.03)
+    slow = replace(load_profile(PROFILE), prefetch_call_overhead_s=0.05)
     trace = training_trace(layers=8, steps=14)
     guarded = Runtime()
     d_guarded, _ = _run(trace, guarded, gpu_profile=slow)
@@ -126,11 +126,11 @@ def test_acting_that_loses_stops_for_its_phase_and_says_so(monkeypatch):
 
 
 def test_a_mild_loss_is_checked_on_a_step_held_back_before_acting_stops():
-    """Prefetch and discard calls cost 8 ms each on the simulated GPU: acting loses, but by
+    """Prefetch and discard calls cost 12 ms each on the simulated GPU: acting loses, but by
     less than 1.5x against the learning steps' baseline. Before stopping, one step is held
     back doing nothing, on the layout doing nothing falls back to (the pool stops planning
     for it), and that step's time decides (acting goes on while it is on its way)."""
-    slow = replace(load_profile(PROFILE), prefetch_call_overhead_s=0.008)
+    slow = replace(load_profile(PROFILE), prefetch_call_overhead_s=0.012)
     rt = Runtime()
     driver, _ = _run(training_trace(layers=8, steps=14), rt, gpu_profile=slow)
     rep = rt.report()

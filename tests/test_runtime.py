@@ -438,7 +438,7 @@ def test_a_dead_range_a_newborn_reuses_at_once_is_discarded_only_where_events_co
 def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
     """Only the whole pages a newborn touches leave the pending discards: the rest of a
     larger dead range it lands in is still discarded at that allocation."""
-    from umrt.policy.runtime.policy import _without
+    from umrt.policy.runtime.reuse import without as _without
 
     page = PAGE
     assert _without([(0, 10 * page)], 3 * page + 5, 5 * page) == [(0, 3 * page), (5 * page, 5 * page)]
@@ -645,3 +645,49 @@ def test_a_newborns_population_takes_in_the_free_pages_of_its_blocks_and_no_live
     assert all(not (p < b + size and b < p + n) for p, n in got)  # never the live, evicted B
     assert rt._off_gpu.overlaps(b, size)
     assert d not in {p for p, _ in got}
+
+
+def test_a_dead_range_a_newborn_took_at_once_is_kept_for_it_from_then_on():
+    """A dead range discarded, then taken by a newborn a few events later, was discarded for
+    nothing: its pages were populated again before the newborn's kernel. From then on that
+    key's range is kept as it is when it dies, for ``REUSE_EVENTS`` events: a newborn that
+    takes it needs neither call. What no newborn takes by then is discarded after all."""
+    from umrt.policy.runtime.reuse import REUSE_EVENTS
+
+    backend = _AllCalls()
+    rt = Runtime(use_pool=False)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
+    size, small = 4 << 20, 256 << 10
+    objs = iter(range(1, 1000))
+
+    def alloc(nbytes):
+        obj = next(objs)
+        layout.alloc(obj, nbytes, Kind.ACTIVATION)
+        rt.on_event(Alloc(obj, nbytes, Kind.ACTIVATION, 0))
+        return obj
+
+    def free(obj):
+        rt.on_event(Free(obj))
+        layout.free(obj)
+
+    def step(index, others):
+        """An object dies; ``others`` small allocations elsewhere; then a newborn of its size."""
+        rt.on_event(IterationBoundary(index))
+        rt.discard_keys = frozenset({0})  # the first object of each step, as a plan under pressure says
+        dead = alloc(size)
+        span = (layout.address(dead), size)
+        free(dead)
+        start = len(backend.calls)
+        for _ in range(others):
+            free(alloc(small))
+        newborn = alloc(size)
+        assert layout.address(newborn) == span[0]  # the caching allocator hands the range out again
+        free(newborn)
+        touched = [c for c in backend.calls[start:] if c[0] in ("discard", "prefetch")
+                   and any(p < span[0] + span[1] and span[0] < p + n for p, n in c[1])]
+        return [c[0] for c in touched]
+
+    assert step(0, 2) == ["discard", "prefetch"]  # discarded at the next allocation, populated again
+    assert step(1, 2) == []  # kept: the newborn takes it as it is
+    assert step(2, REUSE_EVENTS) == ["discard", "prefetch"]  # no newborn in time: discarded after all

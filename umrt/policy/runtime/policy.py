@@ -33,6 +33,7 @@ from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
 from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DeadPages, DecisionRanges
+from umrt.policy.runtime.reuse import DeadRangeReuse, without
 from umrt.policy.runtime.swapped import Swapped
 from umrt.predict.tables import ObjectKeys, VariantTable
 from umrt.trace.events import Alloc, Free, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
@@ -80,20 +81,6 @@ def _reference_key(plan: Plan) -> tuple[int, bool]:
     plan's shape, run with launches or as its launch-free variant (other ordinals)."""
     return plan.signature, plan.keymap is not None
 
-
-def _without(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """``ranges`` less the whole pages ``[lo, hi)`` touches: what of them lies outside."""
-    lo, hi = lo // PAGE * PAGE, -(-hi // PAGE) * PAGE
-    out: list[tuple[int, int]] = []
-    for p, n in ranges:
-        if p + n <= lo or p >= hi:
-            out.append((p, n))
-            continue
-        if p < lo:
-            out.append((p, lo - p))
-        if p + n > hi:
-            out.append((hi, p + n - hi))
-    return out
 
 class Runtime(Policy):
     """umrt's runtime policy, registered as ``"umrt"``.
@@ -219,6 +206,7 @@ class Runtime(Policy):
         self.discard_keys: frozenset[int] = frozenset()
         self._drop_at_free: set[int] = set()  # keys the acting plan found dead: discarded when freed
         self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
+        self._reuse = DeadRangeReuse()  # dead ranges a newborn takes at once: held for it
         # Frozen: a trusted plan whose objects keep their addresses (checked at
         # every allocation against the last iteration of the same shape) reuses
         # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
@@ -354,6 +342,7 @@ class Runtime(Policy):
             self._phase_dead.take(ptr, nbytes)
         if self._pending_discards:
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
+        self._reuse.released(ptr, end)
         self._host.released(ptr, end)
         # Memoized decision ranges may point into it: never reuse them unchecked.
         self.unfreeze()
@@ -396,12 +385,14 @@ class Runtime(Policy):
                         self.unfreeze()
             if self._phase_dead is not None:
                 self._phase_dead.take(self.layout.address(obj), event.nbytes)
+            if self._reuse:
+                self._pending_discards += self._reuse.born(self.layout.address(obj), event.nbytes, self.n_events)
             if self._pending_discards:
                 # A newborn on a dead range not discarded yet takes it as it is: a discard
                 # would only cost the call and then a population of the same pages before
                 # its kernel writes them (or hit the data of one born written by the host).
                 ptr = self.layout.address(obj)
-                self._pending_discards = _without(self._pending_discards, ptr, ptr + event.nbytes)
+                self._pending_discards = without(self._pending_discards, ptr, ptr + event.nbytes)
             n_events = self.n_events  # the launch-free clock
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
@@ -463,7 +454,7 @@ class Runtime(Policy):
                         ptr = self.layout.address(obj)  # not live: the layout's error says why
                     start = -(-ptr // PAGE) * PAGE  # whole pages only: never a neighbour's bytes
                     end = (ptr + nb) // PAGE * PAGE
-                    if end > start:
+                    if end > start and not self._reuse.died(start, end, key, self.n_events):
                         self._pending_discards.append((start, end - start))
             self._n_frees += 1
             n_events = self.n_events
@@ -575,6 +566,7 @@ class Runtime(Policy):
         """One iteration ends (its plan finished, its record compiled) and the next,
         of loop phase ``phase``, starts."""
         c = self.counters
+        self._pending_discards += self._reuse.release()
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
         if self.acting_launch_free:
@@ -913,6 +905,7 @@ class Runtime(Policy):
         of segments the pool gave back meanwhile were dropped (_released)."""
         ranges = self._pending_discards
         self._pending_discards = []
+        self._reuse.discarded(ranges, self.n_events)
         self.backend.drop(ranges)
         self._n_discard_calls += 1
         self._n_discarded += sum(map(_N, ranges))
