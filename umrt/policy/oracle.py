@@ -86,6 +86,7 @@ from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.runtime import Runtime
 from umrt.policy.runtime.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
+from umrt.policy.runtime.reuse import without
 from umrt.trace.events import (
     Alloc,
     Event,
@@ -641,8 +642,8 @@ class OraclePolicy(Policy):
             self._nbytes[event.obj] = event.nbytes
             if event.obj in self._remote_persistent:  # ids of long-lived objects never change
                 self._host_map(event.obj)
-            if self._discards and event.launch == -1:
-                self._spare(event.obj)  # born holding host data: a pending discard must not hit it
+            if self._discards or self._releases:
+                self._spare(event.obj)
             self._populate(event.obj)
         elif isinstance(event, Free):
             rng = self._advised.pop(event.obj, None)
@@ -909,10 +910,12 @@ class OraclePolicy(Policy):
             self._advise_set.append(rng)
 
     def _spare(self, obj: int) -> None:
-        """A newborn holding data written by the host: no pending discard may drop it."""
+        """A newborn on a dead range not discarded yet takes it as it is (as umrt's runtime
+        does): no pending call may drop it (a discard would only cost the call and a
+        population of the same pages, or hit the data of one the host wrote)."""
         ptr = self.ctx.layout.address(obj)
         end = ptr + self._nbytes.get(obj, 0)
-        self._discards = [r for r in self._discards if r[0] + r[1] <= ptr or r[0] >= end]
+        self._discards = without(self._discards, ptr, end)
         self._releases = [r for r in self._releases if r[0] + r[1] <= ptr or r[0] >= end]
 
     def _segment_made(self, ptr: int, nbytes: int) -> None:
