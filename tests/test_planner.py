@@ -268,3 +268,22 @@ def test_launch_free_points_place_actions_on_the_events_before_their_launch():
     assert resume == {2: (2, 13), 3: (5, 14)}
     early = launch_free_points([(1, 5)], [Action(0, 0, 0, 0, (), ())], oversized=[])
     assert early[1] == {-1: (0, 0)}  # before the iteration's first event: count from its start
+
+
+def test_a_plan_with_the_copy_engines_decides_at_finer_module_boundaries():
+    """Module boundaries 2 ms of compute apart: a plan by page migration decides at every
+    third (5 ms apart at least: finer decisions gained nothing there), one with the copy
+    engines at each (1 ms), so that each copy out starts right after its object's last use
+    and the GPU -> host engine does not idle while the compute waits for the room it frees."""
+    from umrt.policy.runtime.planner import MIN_SEGMENT_S, SWAP_MIN_SEGMENT_S
+
+    assert SWAP_MIN_SEGMENT_S < 2e-3 < MIN_SEGMENT_S
+    rec = record(layers=12, t=2e-3)
+    profile = load_profile("h100-sxm5-80g")
+    budget = 40 << 30  # (a large budget: no segment is split for its length or bytes)
+    migrate = Planner(budget, profile).decision_points(rec)
+    swap = Planner(budget, profile, swap=True).decision_points(rec)
+    forward = [p for p in swap if p < 12]
+    assert forward == list(range(12))
+    assert [p for p in migrate if p < 12] == [0, 3, 6, 9]
+    assert Planner(budget, profile, swap=True, min_segment_s=MIN_SEGMENT_S).decision_points(rec) == migrate

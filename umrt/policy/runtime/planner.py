@@ -337,6 +337,16 @@ def peak_live(rec: IterationRecord) -> int:
     return peak
 
 
+#: Decision points at least this much predicted compute apart: finer decisions cost calls and CPU
+#: and gained nothing in the simulator for plans by page migration.
+MIN_SEGMENT_S = 5e-3
+#: ... and for plans with the copy engines, where a copy out starts at the first decision
+#: after its object's last use: the GPU -> host engine bounds the forward there, and idles
+#: while the compute waits at a far decision for the room those copies free (SIMULATED: GPT-2
+#: 8x1024 fp32 at 45% of peak 2.16x -> 2.00x ideal, BERT-large 32x512 fp32 at 33% 2.21x -> 2.07x).
+SWAP_MIN_SEGMENT_S = 1e-3
+
+
 def swap_pays(profile: HardwareProfile | None, nbytes: int) -> bool:
     """Whether taking ``nbytes`` off the GPU and back costs less through the copy engines
     (a copy out, a discard, a population, a copy back: four runtime calls) than by page
@@ -375,9 +385,9 @@ class Planner:
         time to move an eighth of the budget over the link).
     min_segment_s:
         Module boundaries closer than this (in predicted compute) to the last
-        decision point are not decision points: fewer, larger moves
-        (default 5 ms: finer decisions cost calls and CPU and gained nothing
-        in the simulator).
+        decision point are not decision points: fewer, larger moves (default
+        :data:`MIN_SEGMENT_S`, or :data:`SWAP_MIN_SEGMENT_S` for a plan with the
+        copy engines).
     min_discard:
         Objects smaller than this are not discarded (a call costs more than
         it saves).
@@ -405,7 +415,7 @@ class Planner:
         headroom: float = 0.9,
         op_level: bool = False,
         max_segment_s: float | None = None,
-        min_segment_s: float = 5e-3,
+        min_segment_s: float | None = None,
         min_discard: int = PAGE,
         short_launches: int = 4,
         remote_access: bool = True,
@@ -428,6 +438,9 @@ class Planner:
         self.rate = float(profile.prefetch_h2d_rate) if profile is not None else 12e9
         self.d2h_rate = float(profile.prefetch_d2h_rate) if profile is not None else self.rate
         self.op_level = op_level
+        self.swap = bool(swap and profile is not None)
+        if min_segment_s is None:
+            min_segment_s = SWAP_MIN_SEGMENT_S if self.swap else MIN_SEGMENT_S
         self.min_segment_s = min_segment_s
         self.max_segment_s = max_segment_s if max_segment_s is not None else (self.cap / 8) / self.rate
         self.min_discard = min_discard
@@ -436,7 +449,6 @@ class Planner:
         self.early_evict = early_evict
         # The copy engines (Backend.swap: out / back): where the backend has them and the profile
         # says what they cost. Their rates, per direction.
-        self.swap = bool(swap and profile is not None)
         self.swap_d2h_rate = float(profile.copy_rate("d2h")) if profile is not None else self.d2h_rate
         self.swap_h2d_rate = float(profile.copy_rate("h2d")) if profile is not None else self.rate
 
