@@ -910,9 +910,7 @@ class OraclePolicy(Policy):
             self._advise_set.append(rng)
 
     def _spare(self, obj: int) -> None:
-        """A newborn on a dead range not discarded yet takes it as it is (as umrt's runtime
-        does): no pending call may drop it (a discard would only cost the call and a
-        population of the same pages, or hit the data of one the host wrote)."""
+        """A newborn on a dead range not discarded yet takes it as it is, as umrt's runtime does."""
         ptr = self.ctx.layout.address(obj)
         end = ptr + self._nbytes.get(obj, 0)
         self._discards = without(self._discards, ptr, end)
@@ -921,7 +919,6 @@ class OraclePolicy(Policy):
     def _segment_made(self, ptr: int, nbytes: int) -> None:
         """The pool made a segment: its pages are populated as newborns land there."""
         self._away.add(ptr, nbytes)
-
 
     def _released(self, ptr: int, nbytes: int) -> None:
         """The pool handed a segment back: pending calls inside it are moot."""
