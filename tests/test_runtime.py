@@ -438,12 +438,12 @@ def test_a_dead_range_a_newborn_reuses_at_once_is_discarded_only_where_events_co
 def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
     """Only the whole pages a newborn touches leave the pending discards: the rest of a
     larger dead range it lands in is still discarded at that allocation."""
-    from umrt.policy.runtime.reuse import without as _without
+    from umrt.policy.runtime.reuse import without
 
     page = PAGE
-    assert _without([(0, 10 * page)], 3 * page + 5, 5 * page) == [(0, 3 * page), (5 * page, 5 * page)]
-    assert _without([(0, 2 * page), (8 * page, page)], 2 * page, 8 * page) == [(0, 2 * page), (8 * page, page)]
-    assert _without([(page, page)], 0, 3 * page) == []
+    assert without([(0, 10 * page)], 3 * page + 5, 5 * page) == [(0, 3 * page), (5 * page, 5 * page)]
+    assert without([(0, 2 * page), (8 * page, page)], 2 * page, 8 * page) == [(0, 2 * page), (8 * page, page)]
+    assert without([(page, page)], 0, 3 * page) == []
     backend = _AllCalls()
     rt = Runtime(use_pool=False)
     layout = rt.make_layout(backend)
@@ -462,7 +462,7 @@ def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
     new = layout.address(2)
     assert ptr <= new < ptr + big
     discards = [c for c in backend.calls[before:] if c[0] == "discard"]
-    assert discards == [("discard", tuple((p, n) for p, n in _without([(ptr, big)], new, new + small)))]
+    assert discards == [("discard", tuple((p, n) for p, n in without([(ptr, big)], new, new + small)))]
 
 
 def test_a_large_segment_is_populated_whole_while_it_fits_the_budget():

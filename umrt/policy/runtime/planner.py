@@ -342,8 +342,9 @@ def peak_live(rec: IterationRecord) -> int:
 MIN_SEGMENT_S = 5e-3
 #: ... and for plans with the copy engines, where a copy out starts at the first decision
 #: after its object's last use: the GPU -> host engine bounds the forward there, and idles
-#: while the compute waits at a far decision for the room those copies free (SIMULATED: GPT-2
-#: 8x1024 fp32 at 45% of peak 2.16x -> 2.00x ideal, BERT-large 32x512 fp32 at 33% 2.21x -> 2.07x).
+#: while the compute waits at a far decision for the room those copies free (SIMULATED,
+#: ``python -m bench.alternatives``: GPT-2 8x1024 fp32 at 45% of peak 2.16x -> 1.99x ideal,
+#: BERT-large 32x512 fp32 at 33% 2.21x -> 2.07x).
 SWAP_MIN_SEGMENT_S = 1e-3
 
 
