@@ -434,3 +434,27 @@ def test_new_segments_are_populated_on_the_gpu_within_the_budget(fake_gpu):
     unlimited = ManagedPool(backend)  # the default: nothing populated (no budget known)
     unlimited.malloc(MiB)
     assert len([c for c in fake_gpu.calls if c[0] == "memPrefetchAsync"]) == 1
+
+
+def test_the_pools_layouts_plan_only_once_what_it_holds_passes_the_budget(fake_gpu):
+    """While all the pool has held fits its limit (the budget) nothing has to move, and a
+    plan's region would only add to what it holds: its layouts serve as they learned, as a
+    caching allocator does. Past the limit they plan, as before."""
+    from umrt.memory.pool import LifetimePool
+    from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
+
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    for limit, plans in ((1 << 30, False), (8 * MiB, True), (0, True)):
+        made: list[LifetimePool] = []
+        pool = ManagedPool(backend, lambda b, made=made: made.append(LifetimePool(b, live_feed=True)) or made[-1],
+                           populate_limit=limit)
+        for step in range(5):
+            pool.observe(IterationBoundary(step))
+            pool.observe(LayerEnter("block", "forward"))
+            blocks = [pool.malloc(4 * MiB) for _ in range(4)]
+            pool.observe(LayerExit("block", "forward"))
+            for b in blocks:
+                pool.free(b)
+        assert pool.peak_reserved_bytes() >= 16 * MiB
+        assert [layout.planned for layout in made] == [plans], (limit, pool.peak_reserved_bytes())
+        pool.empty_cache()

@@ -629,6 +629,9 @@ class MirrorPool:
     def reserved_bytes(self):
         return self.layout.footprint()
 
+    def peak_reserved_bytes(self):
+        return self.layout.peak_footprint
+
     def stop_planning(self, why, budget_bytes=None):
         self.layout.stop_planning(why, budget_bytes)
 

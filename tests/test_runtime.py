@@ -691,3 +691,53 @@ def test_a_dead_range_a_newborn_took_at_once_is_kept_for_it_from_then_on():
     assert step(0, 2) == ["discard", "prefetch"]  # discarded at the next allocation, populated again
     assert step(1, 2) == []  # kept: the newborn takes it as it is
     assert step(2, REUSE_EVENTS) == ["discard", "prefetch"]  # no newborn in time: discarded after all
+
+
+def _held_while_learning(trace: Trace) -> int:
+    """The most managed memory the runtime's pool holds over ``trace`` with room to spare."""
+    rt = Runtime()
+    drive_live(trace.events, rt, load_profile(PROFILE), 1 << 40)
+    return rt._peak_held
+
+
+def test_a_step_all_of_whose_memory_fits_the_gpu_moves_nothing_and_the_pool_does_not_plan():
+    """The live objects' peak is above what a plan may hold (the budget less its headroom),
+    but all the memory the pool holds fits the budget: plain Unified Memory never evicts there,
+    so the runtime moves nothing, and the pool does not lay out a plan's region beside it. A
+    block less, and the runtime plans moves (and the pool its layout) as before."""
+    tr = training_trace(layers=8, steps=6, act_mb=16)
+    held = _held_while_learning(tr)
+    assert peak_live_bytes(tr) > 0.9 * held  # the plan's own test alone would have it move
+
+    rt = Runtime()
+    run = drive_live(tr.events, rt, load_profile(PROFILE), held)
+    rep = rt.report()
+    assert run.error is None and rep["acted"] >= 3
+    train = [p for p in rt.plans.values() if p.stats.get("planned_peak_bytes", 0) > 0.9 * held]
+    assert train and all(p.stats.get("fits_as_held") and not p.actions for p in train)
+    assert rep["evicted_bytes"] == rep["prefetched_bytes"] == rep["discarded_bytes"] == rep["swapped_out_bytes"] == 0
+    assert not run.driver.layout.planned and rt._peak_held == held
+    assert run.driver.backend.counters()["evictions"] == 0
+
+    tight = Runtime()
+    run = drive_live(tr.events, tight, load_profile(PROFILE), held - (2 << 20))
+    assert run.error is None and run.driver.layout.planned
+    assert tight.report()["discarded_bytes"] > 0 and not any(p.stats.get("fits") for p in tight.plans.values())
+
+
+def test_plans_that_moved_nothing_because_the_memory_fitted_are_relearned_once_it_does_not():
+    """Longer sequences later in the run make the pool hold more than the GPU has: the
+    training plans learned at the short ones (nothing to move) are dropped, the longer
+    steps learned, and the runtime moves memory for them."""
+    short = training_trace(layers=8, steps=4, act_mb=16, seqs=[128] * 4)
+    held = _held_while_learning(short)
+    tr = training_trace(layers=8, steps=10, act_mb=16, seqs=[128] * 4 + [256] * 6)
+    assert _held_while_learning(tr) > held
+    rt = Runtime()
+    run = drive_live(tr.events, rt, load_profile(PROFILE), held)
+    assert run.error is None
+    assert not any(p.stats.get("fits_as_held") for p in rt.plans.values())
+    rep = rt.report()
+    assert rep["discarded_bytes"] + rep["evicted_bytes"] + rep["swapped_out_bytes"] > 0 and run.driver.layout.planned
+    modes = [e["mode"] for e in rt.log]
+    assert modes[:4].count("act") >= 1 and "learn" in modes[4:]  # acted on the short steps' plan, then learned

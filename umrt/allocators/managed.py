@@ -76,6 +76,8 @@ class ManagedPool:
         self.stopped_planning: str | None = None  # why the layouts stopped planning (stop_planning)
         self._stopped_budget: int | None = None  # the GPU memory stop_planning was told of
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
+        self._segments: dict[int, int] = {}  # segment -> bytes, of every layout
+        self._held = self._peak_held = 0  # their bytes, now and at most
         self._layouts: dict[Any, Any] = {}  # stream -> layout
         self._live: dict[int, tuple[Any, int, int]] = {}  # ptr -> (layout, obj, nbytes); obj 0: adopted
         self._block_stream: dict[int, Any] = {}  # ptr -> the stream it was allocated on
@@ -214,6 +216,8 @@ class ManagedPool:
 
     def _new_layout(self) -> Any:
         layout = self._factory(_Segments(self))
+        if isinstance(layout, LifetimePool) and layout.needs_plan is None:
+            layout.needs_plan = self.needs_plan
         if isinstance(layout, LearningLayout) and self._boundary is not None:
             for event in (self._boundary, *self._open_layers):
                 layout.observe(event)
@@ -259,6 +263,16 @@ class ManagedPool:
     def size_of(self, ptr: int) -> int:
         """Requested bytes of a live block."""
         return self._live[ptr][2]
+
+    def peak_reserved_bytes(self) -> int:
+        """The most managed bytes the layouts have held at once."""
+        return self._peak_held
+
+    def needs_plan(self, _layout_peak: int) -> bool:
+        """Whether a layout should plan where its objects go (the moves umrt makes need
+        it): not while all the pool has held fits ``populate_limit``, the GPU memory the run
+        has (nothing then has to move), nor a plan's region added to it; always without one."""
+        return self.populate_limit <= 0 or self._peak_held > self.populate_limit
 
     def reserved_bytes(self) -> int:
         """Managed bytes obtained from the backend (the layouts' footprints)."""
@@ -322,13 +336,18 @@ class _Segments:
     def malloc(self, nbytes: int) -> int:
         ptr = self._b.malloc(nbytes)
         pool = self._pool
+        pool._segments[ptr] = nbytes
+        pool._held += nbytes
+        pool._peak_held = max(pool._peak_held, pool._held)
         if sum(pool._populated.values()) + nbytes <= pool.populate_limit:
             self._b.populate([(ptr, nbytes)])
             pool._populated[ptr] = nbytes
         return ptr
 
     def free(self, ptr: int) -> None:
-        self._pool._populated.pop(ptr, None)
+        pool = self._pool
+        pool._populated.pop(ptr, None)
+        pool._held -= pool._segments.pop(ptr, 0)
         self._b.free(ptr)
 
     def __getattr__(self, name: str) -> Any:  # prefetch, device, mem_info, ...

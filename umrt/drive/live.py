@@ -70,6 +70,9 @@ class LivePool(Protocol):
     def reserved_bytes(self) -> int:
         """Managed bytes the pool holds."""
 
+    def peak_reserved_bytes(self) -> int:
+        """The most managed bytes the pool has held at once."""
+
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """The pool's layouts place best-fit from now on (umrt stopped acting)."""
 
@@ -157,6 +160,9 @@ class LiveLayout(Layout):
 
     def footprint(self) -> int:
         return self.pool.reserved_bytes() if self.pool is not None else 0
+
+    def peak_footprint_bytes(self) -> int | None:
+        return self.pool.peak_reserved_bytes() if self.pool is not None else None
 
     def observe(self, event: Event) -> None:
         """An iteration boundary or a layer event, for the pool's layouts."""

@@ -34,6 +34,11 @@ class Layout(ABC):
     def footprint(self) -> int:
         """Bytes of managed memory currently obtained from the backend."""
 
+    def peak_footprint_bytes(self) -> int | None:
+        """The most managed memory obtained at once so far, where the layout knows it
+        (``None``: it does not; a layout the runtime made is counted by the runtime)."""
+        return None
+
 
 # What a layout may offer beyond :class:`Layout`. A caller checks these with
 # ``isinstance`` once, when it is handed the layout, never per event.

@@ -365,6 +365,12 @@ class LifetimePool(Layout):
         ignored and plan keys hold neither context nor kind (see "The live
         feed" in the module docstring). ``False`` (the simulator's feed):
         kinds are true at allocation and launches give the keys' context.
+    needs_plan:
+        Asked, with the most memory the pool has held so far, before its first plan
+        (at each training boundary where it would plan): while it says no, the pool
+        serves as it learned (best-fit; a plan's region would add to what it holds).
+        umrt's runtime says no while that memory fits the GPU: nothing has to move.
+        ``None``: plan as soon as the pool can.
     on_idle:
         Called with ``[(ptr, nbytes), ...]``: memory the pool holds, nothing lives in,
         and the pool leaves idle from now on (what the learning iterations left free
@@ -386,6 +392,7 @@ class LifetimePool(Layout):
         max_short_plans: int | None = 2,
         live_feed: bool = False,
         on_idle: Callable[[list[tuple[int, int]]], None] | None = None,
+        needs_plan: Callable[[int], bool] | None = None,
     ) -> None:
         if block <= 0 or alignment <= 0 or block % alignment:
             raise LayoutError(f"block ({block}) must be a positive multiple of alignment ({alignment})")
@@ -400,6 +407,7 @@ class LifetimePool(Layout):
         self.max_short_plans = max_short_plans
         self.live_feed = live_feed
         self._on_idle = on_idle
+        self.needs_plan = needs_plan  # (public: umrt's live allocator sets it on the layouts it makes)
 
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
@@ -421,6 +429,7 @@ class LifetimePool(Layout):
         self.stopped_planning: str | None = None
         self._drain = False  # stopped: the planned regions get nothing new (stop_planning)
         self._learned_footprint = 0  # the most memory the pool held before its first plan
+        self._fits_unplanned = False  # needs_plan said no: nothing planned, nothing handed back
         self._plan_served = 0  # training iterations the current plan served
         self._last_shape: dict[PlanKey, int] = {}  # the last training iteration's plan keys -> bytes
         self._unplanned_steps = 0  # training iterations learned before the first plan (live feed)
@@ -495,7 +504,7 @@ class LifetimePool(Layout):
             elif emptied is not None and self.live_feed and (
                     live.arena == "learning" and self.planned and self.planning
                     or live.arena == "persistent" and not self.planned and self._recording
-                    and self._iteration is not None):
+                    and self._iteration is not None and not self._fits_unplanned):
                 # Live feed: learning is done with once planned; a persistent segment emptied
                 # while learning held objects wrongly guessed persistent: it goes back before
                 # persistent state is placed in it (not forever: a run with no boundaries
@@ -675,7 +684,7 @@ class LifetimePool(Layout):
         if not self.planned:
             # Live feed, kind unknown: outside any module is where persistent state is born.
             name = "persistent" if self.live_feed and self._depth == 0 and kind is Kind.OTHER else "learning"
-            if name == "persistent" and not self._online[name].fits(size):
+            if name == "persistent" and not self._online[name].fits(size) and not self._fits_unplanned:
                 self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
@@ -735,7 +744,10 @@ class LifetimePool(Layout):
         if not self.planned:
             self._unplanned_steps += 1
             if same_shape or not self.live_feed or self._unplanned_steps >= FIRST_PLAN_BY:
-                self._make_plan(records)
+                if self.needs_plan is None or self.needs_plan(self.peak_footprint):
+                    self._make_plan(records)
+                else:  # from now on a caching allocator's cache: what the layers freed is kept for them
+                    self._fits_unplanned = True
         elif self._refine:
             self._make_plan(records)  # once: the ends of objects that outlived the learned iteration are known now
         elif (self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes
@@ -916,6 +928,8 @@ class LifetimePool(Layout):
         # the plan has served every allocation two iterations in a row (not before: a
         # recurring miss, or iterations of two shapes taking turns, would re-obtain them
         # every iteration, a cudaMallocManaged and a cudaFree each time).
+        if self._fits_unplanned:  # all the pool holds fits the GPU: keep it, as a caching allocator does
+            return
         online = self._online
         online["persistent"].release_empty()
         if self.planned and self.planning:  # (before, every step allocates there: returned, it would be obtained again)

@@ -86,14 +86,14 @@ class Learner:
             return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
 
-    def learn(self, rec: IterationRecord, phase: str) -> bool:
-        """A learned iteration of ``phase``: its plan (:meth:`compile`); whether its shape
-        was new. After a shape no plan knew ran without launches, the iterations of its
+    def learn(self, rec: IterationRecord, phase: str, *, held_fits: bool = False) -> bool:
+        """A learned iteration of ``phase``: its plan (:meth:`compile`; ``held_fits``: see
+        :meth:`Planner.plan`); whether its shape was new. After a shape no plan knew ran without launches, the iterations of its
         phase after it are recorded until one is new (at most ``seek_left[phase]`` of
         them, see ``Runtime._start_iteration``): a new one ends the search."""
         self.learned[phase] = self.learned.get(phase, 0) + 1
         self.phase_of[rec.signature] = phase
-        new = self.compile(rec)
+        new = self.compile(rec, held_fits=held_fits)
         if new:  # the stranger was found: stop seeking it
             self.seek_left.pop(phase, None)
             self.relearn.discard(phase)
@@ -103,6 +103,15 @@ class Learner:
         """An iteration of ``phase`` left every plan: learn the next one of that phase
         (and, if it ran without launches, the ones after it until a new shape shows)."""
         self.relearn.add(phase)
+
+    def forget_held_fits(self) -> bool:
+        """Drop the plans that found nothing to do only because all the memory the layout
+        held fitted the GPU (it holds more now): their shapes are learned again. Whether
+        there were any."""
+        stale = [sig for sig, plan in self.plans.items() if plan.stats.get("fits_as_held")]
+        for sig in stale:
+            del self.plans[sig]
+        return bool(stale)
 
     def phase_plans(self, phase: str) -> list[int]:
         """Signatures of the plans of ``phase``, least recently used first."""
@@ -118,7 +127,7 @@ class Learner:
         """Iterations the plan of ``signature`` ran through (the runtime trusts it after its ``PROBE_ITERATIONS``)."""
         return self.plan_runs.get(signature, 0)
 
-    def compile(self, rec: IterationRecord) -> bool:
+    def compile(self, rec: IterationRecord, *, held_fits: bool = False) -> bool:
         """A plan for the learned iteration's shape; whether the shape was new. Each
         loop phase keeps its last :data:`MAX_VARIANTS` plans (the least recently used of
         its own go): the many shapes of variable-length training steps never push
@@ -127,7 +136,7 @@ class Learner:
         if sig in self.plans:
             self.plans.move_to_end(sig)
             return False
-        plan = self.planner.plan(rec)
+        plan = self.planner.plan(rec, held_fits=held_fits)
         if plan.swap and self.migration_planner is not None:
             plan.migration_only = self.migration_planner.plan(rec)
         self.counters["plans_compiled"] += 1

@@ -142,6 +142,7 @@ class Runtime(Policy):
         self._n_populated = 0
         self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
         self._held = self._peak_held = 0  # managed memory the layout holds (segments), now and at most
+        self._held_known = False  # the layout is one make_layout made: its segments are counted
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
 
         self.keys = ObjectKeys()
@@ -295,9 +296,11 @@ class Runtime(Policy):
         """umrt's lifetime-aware pool (the caching-allocator model with
         ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
         (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
+        self._held_known = True
         if self.options.use_pool:
+            # The pool plans its layout for moves: none are needed while all it holds fits the GPU.
             return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed,
-                                on_idle=self._pool_idle)
+                                on_idle=self._pool_idle, needs_plan=lambda held: held > self.ctx.budget_bytes)
         return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
 
     def _pool_idle(self, ranges: list[tuple[int, int]]) -> None:
@@ -566,6 +569,8 @@ class Runtime(Policy):
         """One iteration ends (its plan finished, its record compiled) and the next,
         of loop phase ``phase``, starts."""
         c = self.counters
+        # The most managed memory the layout has held: while it fits the GPU nothing has to move.
+        held, budget = self._peak_held if self._held_known else self.layout.peak_footprint_bytes(), self.ctx.budget_bytes
         self._pending_discards += self._reuse.release()
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
@@ -589,8 +594,10 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self.record is not None and self._mode == "learn":
             self.record.carried = moved
-            if self._learner.learn(self.record, self.phases.phase):
+            if self._learner.learn(self.record, self.phases.phase, held_fits=held is not None and held <= budget):
                 self._payoff.new_shape(self.phases.phase)
+        if held is not None and held > budget and self._learner.forget_held_fits():
+            self._clock.forget_plans()  # the layout outgrew the GPU: plans that moved nothing move now
         dead = self.phases.boundary(phase)
         self._phase_dead = self.phases.dead
         # Leaving an evaluation: the pages its dead left free are discarded where the managed
@@ -598,7 +605,7 @@ class Runtime(Policy):
         # copy their dead bytes out to make room for the step). Otherwise they stay, as plain
         # Unified Memory leaves them: the step's newborns reuse them in place, where discarded
         # pages would each need a population first, a call the next kernel waits for.
-        if dead and self._peak_held > self.ctx.budget_bytes:
+        if dead and held is not None and held > budget:
             self._pending_discards.extend(dead.drain())
             self._flush()
         self._start_iteration()
