@@ -152,13 +152,16 @@ def check(result: dict) -> list[str]:
 
 def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
     """Each training iteration that follows an evaluation, with its time over the
-    last training iteration before that evaluation."""
+    last training iteration before that evaluation, shape for shape: each time over its
+    iteration's compute alone (the same where the two steps are of one shape; a short last
+    batch before the evaluation is not held against the full step after it)."""
     out = []
     last_train = None
+    compute = run.compute if len(run.compute) == len(run.times) and all(run.compute) else [1.0] * len(run.times)
     for i, phase in enumerate(run.phases):
         if phase == "train":
             if i > 0 and run.phases[i - 1] != "train" and last_train is not None:
-                out.append((i, run.times[i] / run.times[last_train]))
+                out.append((i, (run.times[i] / compute[i]) / (run.times[last_train] / compute[last_train])))
             last_train = i
     return out
 

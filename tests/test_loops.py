@@ -17,10 +17,26 @@ from __future__ import annotations
 
 import pytest
 
-from bench.loops import LOOPS, drive, record
+from bench.loops import LOOPS, drive, record, resumed_after_evaluation
 from umrt.hardware import load_profile
+from umrt.phase_report import RunFigures
 from umrt.shadow import _print, _report
 from umrt.sim.budget import resolve_budget
+
+
+def test_a_step_after_an_evaluation_is_compared_with_the_step_before_it_shape_for_shape():
+    """A short last batch before an evaluation (half the compute) is not held against the
+    full step after it; a step of the same shape is compared time for time."""
+    phases = ["train", "train", "eval", "train", "train", "eval", "train"]
+    times = [10.0, 5.0, 1.0, 11.0, 10.0, 1.0, 10.0]
+    compute = [4.0, 2.0, 0.5, 4.0, 4.0, 0.5, 4.0]
+    marks = [{"time_s": sum(times[:i]), "compute_s": sum(compute[:i]), "h2d_bytes": 0, "d2h_bytes": 0,
+              "faults": 0, "evictions": 0} for i in range(len(times) + 1)]
+    run = RunFigures.of("umrt", "live", marks, phases, 0)
+    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 1.1), (6, 1.0)]
+    run.compute = []  # (no compute known: time for time)
+    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 2.2), (6, 1.0)]
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

@@ -66,6 +66,7 @@ class RunFigures:
     phases: list[str]
     totals: dict[str, float]
     by_phase: dict[str, PhaseFigures] = field(default_factory=dict)
+    compute: list[float] = field(default_factory=list)  # each iteration's GPU compute alone (its shape's work)
 
     @classmethod
     def of(cls, policy: str, how: str, marks: Sequence[dict], phases: Sequence[str], skip: int) -> RunFigures:
@@ -74,7 +75,8 @@ class RunFigures:
         times = [b["time_s"] - a["time_s"] for a, b in zip(marks, marks[1:], strict=False)]
         phases = list(phases[: len(times)])
         totals = {k: (marks[-1][k] - marks[0][k]) if len(marks) > 1 else 0 for k in TOTALS}
-        run = cls(policy, how, times, phases, totals)
+        compute = [b.get("compute_s", 0.0) - a.get("compute_s", 0.0) for a, b in zip(marks, marks[1:], strict=False)]
+        run = cls(policy, how, times, phases, totals, compute=compute)
         run.by_phase = phase_figures(times, phases, skip)
         return run
 

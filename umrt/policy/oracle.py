@@ -7,8 +7,7 @@ profile and budget it simulates each of a few candidate plans
 (:data:`CANDIDATES`), all made from the whole trace before the first step,
 and follows the fastest. Every candidate is a schedule of ordinary calls
 (prefetch, pre-evict, discard, advise) a runtime could issue; the choice
-among them is made offline, by the simulator (the model the figures come
-from).
+among them is made offline, by the simulator (the model the figures come from).
 
 Why a search. The previous oracle was one plan, the Belady schedule below:
 the fewest bytes moved. umrt beat it in every cell of the bench grid
@@ -561,7 +560,8 @@ class OraclePolicy(Policy):
             layout = self.runtime.make_layout(backend)
             self.runtime.attach(PolicyContext(ctx.backend, layout, ctx.budget_bytes, ctx.profile))
             return layout
-        return LifetimePool(SegmentWatch(backend, self._segment_made, self._released))
+        budget = ctx.budget_bytes  # (as the runtime's pool: no plan's region while all it holds fits)
+        return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), needs_plan=lambda n: n > budget)
 
     def _best(self, ctx: PolicyContext) -> str:
         """Simulate every candidate plan on this profile and budget; the fastest steady iteration wins."""
