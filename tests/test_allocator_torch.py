@@ -458,3 +458,25 @@ def test_the_pools_layouts_plan_only_once_what_it_holds_passes_the_budget(fake_g
         assert pool.peak_reserved_bytes() >= 16 * MiB
         assert [layout.planned for layout in made] == [plans], (limit, pool.peak_reserved_bytes())
         pool.empty_cache()
+
+
+def test_the_pools_layouts_plan_once_the_steps_grow_past_the_budget(fake_gpu):
+    """Steps that fit are served as learned; when later steps make the pool hold more than
+    its limit, its layout plans at the next training boundary where it can."""
+    from umrt.memory.pool import LifetimePool
+    from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
+
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    made: list[LifetimePool] = []
+    pool = ManagedPool(backend, lambda b: made.append(LifetimePool(b, live_feed=True)) or made[-1],
+                       populate_limit=24 * MiB)
+    planned = []
+    for step in range(8):
+        pool.observe(IterationBoundary(step))
+        pool.observe(LayerEnter("block", "forward"))
+        blocks = [pool.malloc(4 * MiB) for _ in range(4 if step < 4 else 8)]
+        pool.observe(LayerExit("block", "forward"))
+        for b in blocks:
+            pool.free(b)
+        planned.append(made[0].planned)
+    assert planned == [False] * 5 + [True] * 3 and pool.peak_reserved_bytes() > 24 * MiB

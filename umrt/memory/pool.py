@@ -745,6 +745,7 @@ class LifetimePool(Layout):
             self._unplanned_steps += 1
             if same_shape or not self.live_feed or self._unplanned_steps >= FIRST_PLAN_BY:
                 if self.needs_plan is None or self.needs_plan(self.peak_footprint):
+                    self._fits_unplanned = False  # (planned: the learning arena goes back once empty, as always)
                     self._make_plan(records)
                 else:  # from now on a caching allocator's cache: what the layers freed is kept for them
                     self._fits_unplanned = True
