@@ -101,6 +101,23 @@ def test_managed_only_keeps_managed_ranges(fake_gpu):
     assert [(c[1], c[2]) for c in calls] == [(ptr, 4096)]
 
 
+def test_managed_only_passes_on_every_call_of_the_backend_interface(fake_gpu):
+    """The live runtime calls its backend through ManagedOnly: a call the interface has and
+    the view does not pass on falls to the interface's default, or, where there is none,
+    fails live (a GPU run stopped acting on ``discard_and_prefetch`` this way)."""
+    from umrt.backends.base import Backend
+
+    calls = {name for name, f in vars(Backend).items() if callable(f) and not name.startswith("_")}
+    assert "discard_and_prefetch" in calls
+    assert calls <= set(vars(ManagedOnly)), sorted(calls - set(vars(ManagedOnly)))
+    backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
+    ptr = backend.malloc(4 << 20)
+    before = len(fake_gpu.calls)
+    ManagedOnly(backend).discard_and_prefetch([(ptr, 2 << 20), (0xDEAD0000, 4096)], 0)
+    moves = [c for c in fake_gpu.calls[before:] if c[0].startswith("mem")]  # (a prefetch on CUDA 12's cupy)
+    assert moves and all(ptr <= c[1] < ptr + (4 << 20) for c in moves), moves  # the unmanaged range dropped
+
+
 def test_the_live_runtime_plans_with_the_profile_of_its_gpu(monkeypatch, fake_gpu, caplog):
     """UMRT_PROFILE unset (auto): the shipped profile closest to the GPU; a GPU
     umrt has no profile for says so; UMRT_PROFILE wins; no GPU: no profile."""

@@ -87,6 +87,12 @@ class Backend(ABC):
         In kernel order: the kernels queued before it may still read the dead
         bytes, those queued after it may write a new owner's."""
 
+    def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        """Make dead ranges resident on ``device`` without copying their contents, in
+        kernel order as :meth:`discard`. Default: a plain prefetch (correct: it only
+        copies bytes nobody reads)."""
+        self.prefetch(ranges, device)
+
     def drop(self, ranges: Sequence[Range]) -> None:
         """Discard dead ranges *beside* the kernels: after those queued so far (which may
         still read them), on a stream of the backend's own, so that no kernel waits for
@@ -208,6 +214,9 @@ class ForwardingBackend(Backend):
 
     def discard(self, ranges: Sequence[Range]) -> None:
         self._b.discard(ranges)
+
+    def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        self._b.discard_and_prefetch(ranges, device)
 
     @property
     def swap(self) -> SwapPath:

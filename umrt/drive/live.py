@@ -117,6 +117,14 @@ class ManagedOnly(Backend):
         if not self.muted:
             self.inner.discard(self._keep(ranges))
 
+    def discard_and_prefetch(self, ranges: Sequence[Range], device: int) -> None:
+        if not self.muted:
+            self.inner.discard_and_prefetch(self._keep(ranges), device)
+
+    def drop(self, ranges: Sequence[Range]) -> None:
+        if not self.muted:
+            self.inner.drop(self._keep(ranges))
+
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         if not self.muted:
             self.inner.advise(self._keep(ranges), advice, device)
