@@ -122,8 +122,11 @@ class ManagedOnly(Backend):
             self.inner.discard_and_prefetch(self._keep(ranges), device)
 
     def drop(self, ranges: Sequence[Range]) -> None:
+        # In kernel order, as the interface's default: passed on (beside the kernels, on a
+        # stream of the backend's own), the native steady state no longer armed on the H100's
+        # served 8 GiB run (tests/test_native_steady.py); why is not known yet.
         if not self.muted:
-            self.inner.drop(self._keep(ranges))
+            self.inner.discard(self._keep(ranges))
 
     def advise(self, ranges: Sequence[Range], advice: Advice, device: int) -> None:
         if not self.muted:
