@@ -88,9 +88,10 @@ class Learner:
 
     def learn(self, rec: IterationRecord, phase: str, *, held_fits: bool = False) -> bool:
         """A learned iteration of ``phase``: its plan (:meth:`compile`; ``held_fits``: see
-        :meth:`Planner.plan`); whether its shape was new. After a shape no plan knew ran without launches, the iterations of its
-        phase after it are recorded until one is new (at most ``seek_left[phase]`` of
-        them, see ``Runtime._start_iteration``): a new one ends the search."""
+        :meth:`Planner.plan`); whether its shape was new. After a shape no plan knew ran
+        without launches, the iterations of its phase after it are recorded until one is new
+        (at most ``seek_left[phase]`` of them, see ``Runtime._start_iteration``): a new one
+        ends the search."""
         self.learned[phase] = self.learned.get(phase, 0) + 1
         self.phase_of[rec.signature] = phase
         new = self.compile(rec, held_fits=held_fits)
