@@ -37,6 +37,7 @@ from umrt.calibrate import BATCH_RANGE, GIB, MIB, Measurements, SimProbe, build_
 
 DATA = Path(__file__).parent / "data"
 MEASURED = DATA / "h100-measured.json"
+H200_MICRO4 = DATA / "h200-um-micro-4.json"  # um_micro_4.py on an H200, 2026-11-28 (bench/data/README.md)
 GPT2_TRACE = DATA / "gpt2-b8s1024-cuda.umrt"
 RESNET50_TRACE = DATA / "resnet50-b256-meta.umrt"  # hf:ResNetConfig, batch 256, 224 x 224, fp32 (meta)
 RESNET152_TRACE = DATA / "resnet152-b64-meta.umrt"  # zoo resnet-152, batch 64, 224 x 224, fp32 (meta)
@@ -237,38 +238,80 @@ class CopyProbe:
         return b.now() - t0
 
 
+    def matmuls_beside(self, what: str, n: int = 8192, k: int = 12) -> float:
+        """``k`` fp32 ``n``-cubed matmuls issued after ``what`` ("" alone, "copies": a range
+        copied out and another copied back, "discard": a discard and a discard-and-prefetch,
+        "prefetch": a prefetch to the host), as the probe issues them; their slowdown over alone."""
+        def run(beside: str) -> float:
+            b, ptr = self._resident(2 * GIB)
+            inn = b.malloc(2 * GIB)
+            b.prefetch([(inn, 2 * GIB)], 0)
+            b.launch([], [(inn, 2 * GIB)], 0, 2 * GIB)
+            b.swap.out([(inn, 2 * GIB)])
+            mats = b.malloc(3 * n * n * 4)
+            b.prefetch([(mats, 3 * n * n * 4)], 0)
+            b.launch([], [(mats, 3 * n * n * 4)], 0, 0)
+            b.synchronize()
+            t0 = b.now()
+            if beside == "copies":
+                b.swap.out([(ptr, 2 * GIB)])
+                b.swap.back([(inn, 2 * GIB)])
+            elif beside == "discard":
+                b.discard([(ptr, 2 * GIB)])
+                b.discard_and_prefetch([(ptr, 2 * GIB)], 0)
+            elif beside == "prefetch":
+                b.prefetch([(ptr, 2 * GIB)], -1)
+            for _ in range(k):
+                b.launch([(mats, 2 * n * n * 4)], [(mats + 2 * n * n * 4, n * n * 4)], 2 * n**3, 3 * n * n * 4,
+                         "fp32")
+            b.synchronize()
+            return b.now() - t0
+        return run(what) / run("")
+
+
 def swap_rows(profile: Any) -> list[Row]:
-    """The swap path (copies between pinned and managed memory, compute beside them): what
-    ``../gpu-probes/um_micro_4.py`` measures. Not measured yet: each row shows what the
-    simulator assumes (umrt/sim/MODEL.md, "The swap path")."""
+    """The swap path (copies between pinned and managed memory, compute beside them), against
+    ``../gpu-probes/um_micro_4.py`` as it ran on an H200 (``bench/data/h200-um-micro-4.json``):
+    another card than this table's, on the same kind of host link (PCIe Gen5 x16, 52 GB/s one
+    way), so each row says whether the comparison holds (umrt/sim/MODEL.md, "The swap path")."""
     probe = CopyProbe(profile)
+    m4 = json.loads(H200_MICRO4.read_text())
     G2 = 2 * GIB
-    probe4 = "um_micro_4.py (not run on a GPU yet)"
+    src = "H200 um_micro_4.py "
+    same_link = "the H200's figure: a copy is bound by the host link, the same kind as this card's"
     return [
-        Row(1, "cudaMemcpyAsync, GPU-resident managed -> pinned, 2 GiB", None, "B/s", "unmeasured",
-            "assumed: the pinned copy's rate, d2h_bandwidth (copy_d2h_rate unset)",
-            probe4 + " copy_managed_gpu_to_pinned_GBs", lambda p: _rate(G2, probe.copy(G2, False))),
-        Row(1, "cudaMemcpyAsync, pinned -> GPU-resident managed, 2 GiB", None, "B/s", "unmeasured",
-            "assumed: the pinned copy's rate, h2d_bandwidth (copy_h2d_rate unset)",
-            probe4 + " copy_pinned_to_managed_gpu_GBs", lambda p: _rate(G2, probe.copy(G2, True))),
-        Row(1, "copies both ways at once, 2 GiB each way on two streams", None, "s", "unmeasured",
-            "assumed: one copy engine per direction, each at its full rate (full duplex), each sharing "
-            "its direction of the link with migrations", probe4 + " copy_both_ways_2G_each_s",
-            lambda p: probe.both_ways(G2)),
-        Row(1, "swap round trip, 2 GiB: copy out, discard, populate, copy back", None, "s", "unmeasured",
-            "from the rates above and the measured discard and discard-then-prefetch costs",
-            probe4 + " swap_round_trip_2G_s", lambda p: probe.round_trip(G2)),
-        Row(1, "fp32 matmuls beside copies both ways, slowdown", None, "", "unmeasured",
-            "assumed: none (compute, copy engines and the driver's discards and populations do not "
-            "slow each other)", probe4 + " matmul_slowdown_with_copies_both_ways", lambda p: 1.0),
-        Row(1, "fp32 matmuls beside a discard and a population, slowdown", None, "", "unmeasured",
-            "assumed: none", probe4 + " matmul_slowdown_with_discard_and_populate", lambda p: 1.0),
-        Row(1, "cudaMemcpyAsync into a discarded range, not populated first", None, "B/s", "cannot express",
+        Row(1, "cudaMemcpyAsync, GPU-resident managed -> pinned, 2 GiB (H200)", m4["copy_managed_gpu_to_pinned_GBs"]
+            * 1e9, "B/s", "check", same_link + " (the model: the pinned copy's rate, d2h_bandwidth)",
+            src + "copy_managed_gpu_to_pinned_GBs", lambda p: _rate(G2, probe.copy(G2, False))),
+        Row(1, "cudaMemcpyAsync, pinned -> GPU-resident managed, 2 GiB (H200)", m4["copy_pinned_to_managed_gpu_GBs"]
+            * 1e9, "B/s", "check", same_link + " (the model: the pinned copy's rate, h2d_bandwidth)",
+            src + "copy_pinned_to_managed_gpu_GBs", lambda p: _rate(G2, probe.copy(G2, True))),
+        Row(1, "copies both ways at once, 2 GiB each way on two streams (H200)", m4["copy_both_ways_2G_each_s"], "s",
+            "check", "as long as one after the other: the thread waits for each copy (copy_host_wait)",
+            src + "copy_both_ways_2G_each_s", lambda p: probe.both_ways(G2)),
+        Row(1, "swap round trip, 2 GiB: copy out, discard, populate, copy back (H200)", m4["swap_round_trip_2G_s"],
+            "s", "check", "from the rates above and the H100's discard and discard-then-prefetch costs",
+            src + "swap_round_trip_2G_s", lambda p: probe.round_trip(G2)),
+        Row(1, "12 fp32 8192^3 matmuls after copies both ways, slowdown (H200)",
+            m4["matmul_slowdown_with_copies_both_ways"], "", "fitted",
+            "copy_host_wait = 1: the copies' time is added in full (nothing overlaps them)",
+            src + "matmul_slowdown_with_copies_both_ways", lambda p: probe.matmuls_beside("copies")),
+        Row(1, "12 fp32 8192^3 matmuls after a discard and a discard-and-prefetch, slowdown (H200)",
+            m4["matmul_slowdown_with_discard_and_populate"], "", "check",
+            "the calls' CPU time and the population before the matmuls; no slowdown of compute itself",
+            src + "matmul_slowdown_with_discard_and_populate", lambda p: probe.matmuls_beside("discard")),
+        Row(1, "12 fp32 8192^3 matmuls after a 2 GiB prefetch to the host, slowdown (H200)",
+            m4["matmul_slowdown_with_prefetch_to_host"], "", "not comparable",
+            f"the H200's host took {m4['prefetch_managed_to_host_GBs']:.1f} GB/s by prefetch (this card's fit: "
+            "12.8), so its slowdown says more of that host than of the model; the simulated figure is this card's",
+            src + "matmul_slowdown_with_prefetch_to_host", lambda p: probe.matmuls_beside("prefetch")),
+        Row(1, "cudaMemcpyAsync into a discarded range, not populated first (H200)",
+            m4["copy_pinned_to_discarded_GBs"] * 1e9, "B/s", "cannot express",
             "the swap path always populates first (discard-and-prefetch or prefetch), so the simulator "
-            "has no such copy", probe4 + " copy_pinned_to_discarded_GBs", None),
-        Row(1, "cudaHostAlloc, 2 GiB of pinned memory", None, "s", "not a simulator figure",
+            "has no such copy", src + "copy_pinned_to_discarded_GBs", None),
+        Row(1, "cudaHostAlloc, 2 GiB of pinned memory (H200)", m4["host_alloc_2G_s"], "s", "not a simulator figure",
             "the staging pool is allocated once, before the first step: no step pays it",
-            probe4 + " host_alloc_2G_s", None),
+            src + "host_alloc_2G_s", None),
     ]
 
 

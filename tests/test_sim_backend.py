@@ -382,3 +382,25 @@ def test_counters_read_as_attributes_are_the_engine_s():
     b.reset_peak()
     assert b.peak_resident_bytes == BLOCK
     assert "64 KB pages" in SimBackend.faults.__doc__
+
+
+@pytest.mark.parametrize("wait", [0.0, 1.0])
+def test_the_thread_waits_for_a_swap_copy_as_the_profile_says(wait):
+    """``copy_host_wait``: 1 (measured on an H200), a kernel issued after a copy out starts once the
+    copy is done; 0, it runs beside it."""
+    import dataclasses
+
+    prof = dataclasses.replace(load_profile("h100-sxm5-80g"), copy_host_wait=wait)
+    b = SimBackend(prof)
+    n = 512 * MB
+    data, other = b.malloc(n), b.malloc(BLOCK)
+    b.prefetch([(data, n), (other, BLOCK)], 0)
+    b.launch([], [(data, n), (other, BLOCK)], 0, n)
+    b.synchronize()
+    t0 = b.now()
+    b.swap.out([(data, n)])
+    b.launch([(other, BLOCK)], [(other, BLOCK)], 10**12, 0, "fp32")  # ~20 ms of compute, not on the range
+    b.synchronize()
+    copy, compute = n / prof.copy_rate("d2h"), prof.compute_time(10**12, 0, "fp32")
+    serial = b.now() - t0 >= copy + compute
+    assert serial is (wait == 1.0), (b.now() - t0, copy, compute)

@@ -91,6 +91,10 @@ class HardwareProfile:
     # copy engines (umrt's swap path). 0: the pinned copy's rate, h2d/d2h_bandwidth.
     copy_h2d_rate: float = 0.0
     copy_d2h_rate: float = 0.0
+    # The fraction of such a copy's time the calling CPU thread waits before the call returns
+    # (1: the copy is synchronous with respect to the host, as measured on an H200; 0: fully
+    # asynchronous). A profile that leaves it out takes the measured 1 (umrt/sim/MODEL.md).
+    copy_host_wait: float = 1.0
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -212,11 +216,12 @@ _NUMERIC: dict[str, tuple[type, float, float]] = {
     "batch_d2h_range_s": (float, -1, 1.0),
     "copy_h2d_rate": (float, 0, math.inf),
     "copy_d2h_rate": (float, 0, math.inf),
+    "copy_host_wait": (float, -1, 1.0),
 }
 # Fields a profile file may leave out (written before they existed): the FP32/TF32
 # peaks as peak_flops, memory_efficiency as compute_efficiency.
 _OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32", "memory_efficiency", "copy_h2d_rate",
-                       "copy_d2h_rate", "tf32_efficiency"})
+                       "copy_d2h_rate", "copy_host_wait", "tf32_efficiency"})
 # The Unified Memory cost model of umrt/sim/MODEL.md (umrt 0.2): a file written before it
 # (with the UVMSmart transfer curve) lacks these and is refused with a hint.
 _UM_MODEL = frozenset({

@@ -409,7 +409,8 @@ class SimSwap(SwapPath):
         64 KB pages (``prefetch_call_overhead_s`` plus ``discard_range_s`` per
         range), ordered after the copies. The copy of range ``r`` starts once
         issued and once its pages have arrived, at ``copy_d2h_rate`` on the D2H
-        copy engine beside compute and the other direction; the discard's work
+        copy engine beside the other direction, and the CPU waits for the copies
+        (``copy_host_wait``); the discard's work
         (bytes over ``discard_rate``) follows it on a stream of its own, and the
         pages' memory is free once that is done (umrt/sim/MODEL.md).
         Their bytes hold no data on the GPU until :meth:`back` copies them
@@ -430,6 +431,7 @@ class SimSwap(SwapPath):
         dlo, dhi = b.space.page_spans(merged, inward=True)
         nbytes = np.array([n for _, n in merged], np.float64)
         b.engine.copy_out(lo, hi, nbytes, dlo, dhi, issue)
+        self._host_waits(t0, float(b.engine.tf[E.T_CE_D2H]))
         for ptr, n in b.contents.take(merged):
             self.staged.add(ptr, n)
         self.peak_bytes = max(self.peak_bytes, self.staged.nbytes())
@@ -469,9 +471,18 @@ class SimSwap(SwapPath):
             lo, hi = b.space.page_spans(merged, inward=False)
             nbytes = np.array([n for _, n in merged], np.float64)
             b.engine.copy_in(lo, hi, nbytes, issue)
+            self._host_waits(t0, float(b.engine.tf[E.T_CE_H2D]))
             b.contents.write(merged)
         if rest:
             b.prefetch(rest, b.device)
+
+    def _host_waits(self, issued: float, done: float) -> None:
+        """The CPU returns from the copies issued by ``issued`` only ``copy_host_wait`` of the way
+        to their end ``done`` (1, measured: once they are done), so nothing it issues later,
+        kernels included, starts before (umrt/sim/MODEL.md, "The swap path")."""
+        b = self.backend
+        if done > issued:
+            b._t_action = max(b._t_action, issued + b.profile.copy_host_wait * (done - issued))
 
     def wait(self, ranges: Sequence[Range]) -> None:
         """The compute stream waits for the copies into these ranges (a ``cudaStreamWaitEvent``,

@@ -1,0 +1,101 @@
+"""Does a copy of managed memory hold the calling thread, or the GPU? ``python -m bench.copy_wait``.
+
+On an H200 (``bench/data/h200-um-micro-4.json``) matmuls issued after a 2 GiB copy each way
+between GPU-resident managed and pinned memory ran as long as both one after the other. Either
+the call returns once its copy is done (what the simulator's ``copy_host_wait`` models), or at
+once and the GPU runs the copy apart from everything else: a thread of umrt's own for the copies
+helps only in the first case. For a copy out, a copy back and a prefetch to the host:
+``*_call_s`` (the call's return) against ``*_gpu_s`` (CUDA events around it on its stream), and
+``*_kernel_overlap``: the fraction of the shorter of the two that ran beside matmuls queued on
+another stream *before* the call (0: serialized on the GPU). Asks for 3 x 2 GiB of managed and
+2 GiB of pinned memory; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+N = 2 << 30
+
+
+def _check(result):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA call failed: {result}")
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+def main() -> int:
+    try:
+        import cupy as cp
+        from cuda.bindings import runtime as rt
+    except ImportError as exc:
+        print(f"bench.copy_wait needs cupy and cuda-bindings with a GPU: {exc}", file=sys.stderr)
+        return 2
+    try:
+        assert cp.cuda.runtime.getDeviceCount() > 0, "no GPU"
+    except (AssertionError, cp.cuda.runtime.CUDARuntimeError) as exc:
+        print(f"bench.copy_wait needs a GPU: {exc}", file=sys.stderr)
+        return 2
+
+    def where(dev: int):  # a cudaMemLocation: the GPU, or the host (-1)
+        loc, kinds = rt.cudaMemLocation(), rt.cudaMemLocationType
+        loc.type, loc.id = (kinds.cudaMemLocationTypeHost, 0) if dev < 0 else (kinds.cudaMemLocationTypeDevice, dev)
+        return loc
+
+    copy_stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+    compute = cp.cuda.Stream(non_blocking=True)
+    pinned = _check(rt.cudaHostAlloc(N, 0))
+    managed = [_check(rt.cudaMallocManaged(N, rt.cudaMemAttachGlobal)) for _ in range(3)]
+    for p in managed:
+        _check(rt.cudaMemPrefetchAsync(p, N, where(0), 0, copy_stream))
+        cp.cuda.runtime.memsetAsync(p, 1, N, 0)
+    a = cp.random.rand(8192, 8192, dtype=cp.float32)
+    b = cp.random.rand(8192, 8192, dtype=cp.float32)
+    cp.cuda.runtime.deviceSynchronize()
+
+    def kernels() -> None:
+        with compute:
+            for _ in range(6):
+                a @ b
+
+    def measure(name: str, call) -> dict:
+        ev = {k: _check(rt.cudaEventCreate()) for k in ("k0", "k1", "c0", "c1")}
+        kernels(), cp.cuda.runtime.deviceSynchronize()  # warm
+        _check(rt.cudaEventRecord(ev["k0"], compute.ptr))
+        kernels()
+        _check(rt.cudaEventRecord(ev["k1"], compute.ptr))
+        _check(rt.cudaEventRecord(ev["c0"], copy_stream))
+        t = time.perf_counter()
+        call()
+        call_s = time.perf_counter() - t
+        _check(rt.cudaEventRecord(ev["c1"], copy_stream))
+        cp.cuda.runtime.deviceSynchronize()
+
+        def between(x: str, y: str) -> float:
+            return _check(rt.cudaEventElapsedTime(ev[x], ev[y])) / 1e3
+
+        k_s, c_s, start = between("k0", "k1"), between("c0", "c1"), between("k0", "c0")  # start: the copy's
+        overlap = max(0.0, min(k_s, start + c_s) - max(0.0, start))
+        return {f"{name}_call_s": call_s, f"{name}_gpu_s": c_s, f"{name}_kernels_s": k_s,
+                f"{name}_kernel_overlap": overlap / max(1e-9, min(k_s, c_s))}
+
+    res: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                 "driver": cp.cuda.runtime.driverGetVersion()}
+    default = rt.cudaMemcpyKind.cudaMemcpyDefault
+    res.update(measure("copy_out", lambda: _check(rt.cudaMemcpyAsync(pinned, managed[0], N, default, copy_stream))))
+    res.update(measure("copy_back", lambda: _check(rt.cudaMemcpyAsync(managed[1], pinned, N, default, copy_stream))))
+    res.update(measure("prefetch_to_host",
+                       lambda: _check(rt.cudaMemPrefetchAsync(managed[2], N, where(-1), 0, copy_stream))))
+    text = json.dumps(res, indent=1)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "copy_wait.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
