@@ -107,8 +107,9 @@ def test_managed_only_passes_on_every_call_of_the_backend_interface(fake_gpu):
     fails live (a GPU run stopped acting on ``discard_and_prefetch`` this way)."""
     from umrt.backends.base import Backend
 
-    calls = {name for name, f in vars(Backend).items() if callable(f) and not name.startswith("_")}
-    assert "discard_and_prefetch" in calls
+    calls = {name for name, f in vars(Backend).items()
+             if (callable(f) or isinstance(f, property)) and not name.startswith("_")}
+    assert {"discard_and_prefetch", "swap"} <= calls
     assert calls <= set(vars(ManagedOnly)), sorted(calls - set(vars(ManagedOnly)))
     backend = CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))
     ptr = backend.malloc(4 << 20)
@@ -116,6 +117,77 @@ def test_managed_only_passes_on_every_call_of_the_backend_interface(fake_gpu):
     ManagedOnly(backend).discard_and_prefetch([(ptr, 2 << 20), (0xDEAD0000, 4096)], 0)
     moves = [c for c in fake_gpu.calls[before:] if c[0].startswith("mem")]  # (a prefetch on CUDA 12's cupy)
     assert moves and all(ptr <= c[1] < ptr + (4 << 20) for c in moves), moves  # the unmanaged range dropped
+
+
+def _swapping_backend():
+    """A CudaBackend with the copy-engine swap path (CUDA 13 over the fake runtime) and a
+    managed range a kernel wrote."""
+    from fake_cuda import FakeBindingsRuntime, FakeGpu
+
+    from umrt.backends.cuda import BindingsApi
+
+    gpu = FakeGpu()
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+    size = 1 << 20
+    ptr = backend.malloc(size)
+    gpu.kernel(backend.compute_stream, reads=(), writes=((ptr, size),), name="writer")
+    return gpu, backend, ptr, size
+
+
+def test_managed_only_swaps_through_the_copy_engines_of_its_backend(fake_gpu):
+    """The live runtime plans copies through the copy engines where the backend has them: the
+    view's swap path is the backend's, ranges outside managed allocations skipped."""
+    gpu, backend, ptr, size = _swapping_backend()
+    view = ManagedOnly(backend)
+    assert backend.swap.copy_engines and view.swap.copy_engines
+    assert view.swap is view.swap
+    assert not ManagedOnly(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))).swap.copy_engines  # CUDA 12
+    unmanaged = (0xDEAD0000, 1 << 20)
+    view.swap.reserve(size)
+    view.swap.out([(ptr, size), unmanaged])
+    assert backend.swap.away and gpu.names().count("cudaMemcpyAsync") == 1
+    view.swap.back([(ptr, size), unmanaged])
+    view.swap.wait([(ptr, size), unmanaged])
+    view.swap.release([unmanaged])
+    gpu.kernel(backend.compute_stream, reads=((ptr, size),), writes=(), name="reader")
+    assert not backend.swap.away and gpu.names().count("cudaMemcpyAsync") == 2
+    assert backend.counters()["swapped_out_bytes"] == backend.counters()["swapped_in_bytes"] == size
+    assert not gpu.violations
+
+
+def test_a_muted_view_sends_nothing_out_but_brings_back_what_it_sent_out():
+    """A muted replay of a native window: an ``out`` is dropped (nothing was copied out natively),
+    but a range the view really swapped out before it was muted is still brought back (a kernel
+    then reads it: with the copy back dropped, the fake GPU would see discarded data read)."""
+    gpu, backend, ptr, size = _swapping_backend()
+    other = backend.malloc(size)
+    gpu.kernel(backend.compute_stream, reads=(), writes=((other, size),), name="writer")
+    view = ManagedOnly(backend)
+    view.swap.reserve(2 * size)
+    view.swap.out([(ptr, size)])
+    view.muted = True
+    before = len(gpu.calls)
+    view.swap.out([(other, size)])  # dropped
+    view.swap.back([(other, size)])  # never sent out: dropped, no prefetch either
+    view.swap.wait([(other, size)])
+    assert gpu.calls[before:] == [] and backend.swap.streams.away.keys() == {ptr}
+    view.swap.back([(ptr, size)])  # sent out for real: brought back
+    view.swap.wait([(ptr, size)])
+    view.muted = False
+    gpu.kernel(backend.compute_stream, reads=((ptr, size), (other, size)), writes=(), name="reader")
+    assert not backend.swap.away and backend.counters()["swapped_in_bytes"] == size
+    assert not gpu.violations
+
+
+def test_a_muted_view_releases_what_it_sent_out_when_it_dies():
+    """A range swapped out for real that dies in a muted replay: its slot goes back."""
+    _, backend, ptr, size = _swapping_backend()
+    view = ManagedOnly(backend)
+    view.swap.reserve(size)
+    view.swap.out([(ptr, size)])
+    view.muted = True
+    view.swap.release([(ptr, size)])
+    assert not backend.swap.away and not backend.swap.pool.in_use
 
 
 def test_the_live_runtime_plans_with_the_profile_of_its_gpu(monkeypatch, fake_gpu, caplog):

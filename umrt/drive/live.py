@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from umrt import stats
-from umrt.backends.base import Advice, Backend, Range
+from umrt.backends.base import Advice, Backend, Range, SwapPath
+from umrt.backends.ranges import RangeSet
 from umrt.capture import Recorder
 from umrt.config import Config
 from umrt.drive.driver import Driver
@@ -90,6 +91,7 @@ class ManagedOnly(Backend):
         self.inner = backend
         self.name, self.device = backend.name, backend.device
         self.muted = False  # drop every call (a replay of what a native schedule already did)
+        self._swap: _ManagedSwap | None = None
 
     def _keep(self, ranges: Sequence[Range]) -> list[Range]:
         out = []
@@ -137,11 +139,102 @@ class ManagedOnly(Backend):
         if not self.muted:
             self.inner.launch(self._keep(reads), self._keep(writes), flops, nbytes, precision)
 
+    @property
+    def swap(self) -> SwapPath:
+        """The backend's swap path through this view (:class:`_ManagedSwap`): the live runtime
+        plans copies through the copy engines where the backend has them."""
+        if self._swap is None:
+            self._swap = _ManagedSwap(self)
+        return self._swap
+
     def synchronize(self) -> None:
         self.inner.synchronize()
+        if self._swap is not None:
+            self._swap.synchronized()
 
     def mem_info(self) -> tuple[int, int]:
         return self.inner.mem_info()
+
+
+class _ManagedSwap(SwapPath):
+    """The backend's swap path as the live runtime sees it (:attr:`ManagedOnly.swap`): ranges
+    outside umrt's managed allocations are skipped, as by every call of the view, and a muted
+    view sends nothing out but never strands what it sent out for real.
+
+    Muted (a replay of a native window) an ``out`` is dropped: nothing was copied out natively (a
+    schedule has no copy calls: a window that swaps is not repeated natively). ``back``, ``wait``
+    and ``release`` may still concern ranges the view copied out for real before it was muted
+    (the runtime restores or forgets them while it replays); dropping those would leave their
+    data discarded on the GPU. So the view keeps two records: ``away``, what it passed on to
+    ``out`` and has not passed on to ``back`` or ``release`` since, and ``coming``, what it
+    passed on to ``back`` and has not passed on to ``wait`` since. Muted, a range is passed on
+    whole if it overlaps the record its call reads (``away`` for ``back`` and ``release``,
+    ``coming`` for ``wait``), else dropped. Passed on whole rather than cut to the overlap: the
+    runtime brings a range back as it sent it out, and for bytes of it that are not away the
+    backend's ``back`` is a prefetch to the GPU and its ``wait`` and ``release`` do nothing,
+    never a loss. A record may outlive its range being away (the backend also brings back or
+    releases swapped ranges inside its own prefetch, populate, discard and launch): the muted
+    call it then passes on is such a harmless one. Not muted, every call is passed on."""
+
+    def __init__(self, view: ManagedOnly) -> None:
+        super().__init__(view)
+        self._view = view
+        self._inner = view.inner.swap
+        self.away = RangeSet()
+        self.coming = RangeSet()
+
+    @property
+    def copy_engines(self) -> bool:  # type: ignore[override]
+        return self._inner.copy_engines
+
+    def _passed(self, ranges: Sequence[Range], record: RangeSet) -> list[Range]:
+        """``ranges`` inside managed allocations; muted, only those that overlap ``record``."""
+        kept = self._view._keep(ranges)
+        if self._view.muted:
+            kept = [r for r in kept if record.overlaps(*r)]
+        return kept
+
+    def reserve(self, nbytes: int) -> None:
+        # Passed on even muted: it moves no data and touches no managed memory (the pinned
+        # staging, allocated once for the most a plan keeps away). A plan the runtime takes up
+        # in a muted replay swaps for real once the replay ends: its staging must be there.
+        self._inner.reserve(nbytes)
+
+    def out(self, ranges: Sequence[Range]) -> None:
+        if self._view.muted:
+            return
+        kept = self._view._keep(ranges)
+        if kept:
+            self._inner.out(kept)
+            for p, n in kept:
+                self.away.add(p, n)
+
+    def back(self, ranges: Sequence[Range]) -> None:
+        passed = self._passed(ranges, self.away)
+        if passed:
+            self._inner.back(passed)
+            for p, n in passed:
+                for q, m in self.away.take(p, n):
+                    self.coming.add(q, m)
+
+    def wait(self, ranges: Sequence[Range]) -> None:
+        passed = self._passed(ranges, self.coming)
+        if passed:
+            self._inner.wait(passed)
+            for p, n in passed:
+                self.coming.remove(p, n)
+
+    def release(self, ranges: Sequence[Range]) -> None:
+        passed = self._passed(ranges, self.away)
+        if passed:
+            self._inner.release(passed)
+            for p, n in passed:
+                self.away.remove(p, n)
+                self.coming.remove(p, n)
+
+    def synchronized(self) -> None:
+        """The backend was synchronized: every copy back is done, none is waited for."""
+        self.coming.clear()
 
 
 class LiveLayout(Layout):
