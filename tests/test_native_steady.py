@@ -651,13 +651,15 @@ class Served:
 
 
 def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi | None = None, front: Any = None,
-          profile: str = "h100-sxm5-80g", odd_steps: Sequence[int] = ()) -> Served:
+          profile: str = "h100-sxm5-80g", odd_steps: Sequence[int] = (), kernels: Any = None) -> Served:
     """Replay live log ``run`` (a name of ``bench.live_replay.RUNS``) for ``iterations``
     iterations through umrt's allocator on ``api`` (default :class:`NullCuda`), with its
     native steady state on (``native``) or off; ``front``: the native front, whose C
     entry points then take every allocation and free, as torch's shim calls them.
     ``odd_steps``: steps (counted from 0) that also allocate one 3 MiB block first and
-    free it at their end (an evaluation pass, a logging tensor: a step that deviates)."""
+    free it at their end (an evaluation pass, a logging tensor: a step that deviates).
+    ``kernels``: the fake GPU behind ``api``, on which each launch of the log then runs as the
+    program's kernel, on the compute stream, after the runtime has seen it (Python path only)."""
     backend = CudaBackend(0, api=api or NullCuda())
     pool = ManagedPool(backend)
     # On NullCuda a native schedule's calls go to the C table that only counts them, as they
@@ -710,6 +712,11 @@ def serve(run: str, budget: int, iterations: int, *, native: bool, api: CudaApi 
                 bridge.open_if_stepped()
                 bridge.driver.feed(Launch(ev.seq, ev.exec_id, ev.op, accesses, ev.flops, ev.bytes, ev.module,
                                           ev.precision), shown=seen)
+                if kernels is not None:
+                    spans = [(where[a.obj] + a.offset, a.length, a.write) for a in ev.accesses
+                             if where.get(a.obj) is not None and a.length > 0]
+                    kernels.kernel(backend.compute_stream, reads=[(p, n) for p, n, w in spans if not w],
+                                   writes=[(p, n) for p, n, w in spans if w], name=ev.op)
             elif t is LayerEnter or t is LayerExit:
                 bridge.open_if_stepped()
                 server.mark()  # as the live bridge: kernels ran since the last pool event
@@ -748,7 +755,8 @@ def _events_masked(calls):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("run", "budget", "iterations"), [("40GiB", 40 << 30, 14), ("50pct", 8 << 30, 14)])
-def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addresses(run, budget, iterations):
+def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addresses(run, budget, iterations,
+                                                                                   monkeypatch):
     """The H100's GPT-2 event streams, served as a live run is (:func:`serve`: closed
     loop on umrt's runtime, allocations through the server and the pool on the fake CUDA
     runtime), with a step that deviates (an extra block: an evaluation pass): the native
@@ -756,12 +764,15 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
     runtime's ~1,700 prefetches, discards and event calls per step), hands back at the
     odd step, and every allocation gets the address the Python path gives it and the
     fake runtime the very calls the Python path makes, before and after the hand-back,
-    with no ordering violation."""
+    with no ordering violation. Page migration only: a window that swaps is not repeated
+    natively (its copies have no schedule call), so with the copy engines the 8 GiB run would
+    never arm (``test_the_h100_run_at_8_gib_swaps_live_and_loses_nothing`` runs it so)."""
     from fake_cuda import FakeBindingsRuntime, FakeGpu
 
     from umrt.backends.cuda import BindingsApi
     from umrt.native.front import load_front
 
+    monkeypatch.setattr("umrt.policy.runtime.policy.SWAP", False)
     runs = {}
     for native in (False, True):
         gpu = FakeGpu(total=80 << 30, managed_limit=512 << 30)
@@ -790,6 +801,25 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
     assert not native_violations and not python_violations
     if budget < 40 << 30:
         assert native.report["schedule_calls"] > 1000  # the steps it served made the runtime's calls
+
+
+@pytest.mark.slow
+def test_the_h100_run_at_8_gib_swaps_live_and_loses_nothing():
+    """The H100's GPT-2 event stream at 8 GiB, served on the Python path on the fake CUDA
+    runtime with its kernels run there too: the live runtime's plans copy through the copy
+    engines (its view of the backend passes the swap path on), and the fake runtime's page
+    state sees no copy out of bytes nothing wrote, no kernel before its copy back, no discard
+    before its copy out, no slot reused early."""
+    from fake_cuda import FakeBindingsRuntime, FakeGpu
+
+    from umrt.backends.cuda import BindingsApi
+
+    gpu = FakeGpu(total=80 << 30, managed_limit=512 << 30)
+    served = serve("50pct", 8 << 30, 10, native=False, api=BindingsApi(FakeBindingsRuntime(gpu)), kernels=gpu)
+    assert served.failed is None
+    copies = [c for c in gpu.calls if c[0] == "cudaMemcpyAsync"]
+    assert copies, "the live runtime planned no copy through the copy engines"
+    assert not gpu.violations, gpu.violations[:3]
 
 
 def test_an_allocation_from_another_thread_while_the_server_arms_waits_and_is_served_safely(cuda13):
@@ -1246,6 +1276,30 @@ def test_a_decision_calling_python_never_runs_under_a_lock_a_gil_holder_waits_fo
         pytest.fail("deadlocked: a GIL holder waited for the schedule's lock while a decision waited for the GIL")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "RESULT done True native True" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_a_prefetch_of_part_of_a_range_swapped_out_brings_the_whole_range_back():
+    """The runtime swaps coalesced ranges out (several objects in one copy) and may then move
+    one object of such a range alone: the backend brings the whole range back by its copy, so
+    the object's bytes are the data it held (with only a population of the discarded pages,
+    a kernel would read nothing)."""
+    from fake_cuda import FakeBindingsRuntime, FakeGpu
+
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    gpu = FakeGpu()
+    backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
+    size = 4 << 20
+    ptr = backend.malloc(size)
+    gpu.kernel(backend.compute_stream, reads=(), writes=((ptr, size),), name="writer")
+    backend.swap.reserve(size)
+    backend.swap.out([(ptr, size)])
+    second = (ptr + size // 2, size // 2)  # the second object of the range, moved alone
+    backend.prefetch([second], backend.device)
+    backend.launch([second], [], 0, 0)
+    gpu.kernel(backend.compute_stream, reads=(second,), writes=(), name="reader")
+    assert [c for c in gpu.calls if c[0] == "cudaMemcpyAsync"][-1][1] == ptr  # the whole range, copied back
+    assert not gpu.violations
 
 
 def test_a_window_that_swapped_is_not_repeated_natively():

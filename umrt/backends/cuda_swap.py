@@ -320,14 +320,16 @@ class CudaSwapPath(SwapPath):
         sw.drops = [d for i, d in enumerate(sw.drops) if i not in hit]
 
     def take_back(self, ranges: list[Range]) -> list[Range]:
-        """Swap in the parts of ``ranges`` that are away (whole ranges as they went out);
-        return the rest."""
+        """Swap in the ranges away that overlap ``ranges`` (whole, as they went out); return the
+        parts of ``ranges`` none covers."""
         b = self.backend
         sw, pool = self.streams, self.pool
         back: list[tuple[int, int, Swapped]] = []
         rest: list[Range] = []
         for ptr, n in ranges:
-            inside = sorted(p for p in sw.away if ptr <= p < ptr + n)
+            # every range away that overlaps this one, also one that starts before it (the runtime
+            # swaps coalesced ranges out, and may bring one object of such a range back alone)
+            inside = sorted(p for p, (m, _) in sw.away.items() if p < ptr + n and p + m > ptr)
             at = ptr
             for p in inside:
                 m, entry = sw.away.pop(p)
