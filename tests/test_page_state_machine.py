@@ -576,17 +576,25 @@ SWAP_BUGS = {
                                         "copy-out-unwritten|discarded-read|refault|discard-race|"
                                         "discard-before-copy-out"),
     "copy out before the last writer": ((CudaSwapPath, "out", _copy_out_not_after_the_writer), "copy-out-race"),
+    # (found on the H100's GPT-2 stream served live: one object of a coalesced range moved alone)
+    "part of a range away moved alone, its copy back missed": (
+        (cuda_swap, "away_over", lambda away, ptr, n: sorted(p for p in away if ptr <= p < ptr + n)),
+        "discarded-read|refault|read-before-copy-back|copy-into-discarded"),
 }
 
 
 # Found until fa174bd only as "discard-before-copy-out": a real race (a discard not waiting for a
 # copy back still running) that the same sequences reached; with that fixed, 12,000 examples no
 # longer reach this bug's own consequences (a neighbour's partial page read after its discard).
-UNREACHED_SWAP_BUGS = {"copy out of bytes never written"}
+# "part of a range away moved alone": 1,000 examples do not reach it (the machine's runtime never
+# swaps a coalesced range of several objects out and then moves one of them alone, as the H100's
+# GPT-2 stream served live did); tests/test_native_steady.py::test_a_prefetch_of_part_of_a_range_
+# swapped_out_brings_the_whole_range_back finds it directly.
+UNREACHED_SWAP_BUGS = {"copy out of bytes never written", "part of a range away moved alone, its copy back missed"}
 
 
 @pytest.mark.parametrize("bug", [pytest.param(b, marks=pytest.mark.skip(
-    reason="not reached by the machine since the copy-back race it was found through was fixed"))
+    reason="not reached by the machine (see UNREACHED_SWAP_BUGS)"))
     if b in UNREACHED_SWAP_BUGS else b for b in SWAP_BUGS])
 def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, capsys):
     (where, name, patched), error = SWAP_BUGS[bug]

@@ -46,6 +46,13 @@ def whole_pages(ptr: int, nbytes: int) -> Range | None:
     return (start, end - start) if end > start else None
 
 
+def away_over(away: dict[int, tuple[int, Any]], ptr: int, nbytes: int) -> list[int]:
+    """The starts of the ranges ``away`` (start -> (bytes, ...)) that overlap ``[ptr, ptr + nbytes)``,
+    in order, one that starts before it too: the runtime swaps coalesced ranges out, and may move
+    one object of such a range alone."""
+    return sorted(p for p, (m, _) in away.items() if p < ptr + nbytes and p + m > ptr)
+
+
 @dataclass
 class Swapped:
     """One range off the GPU: its slot, and the event of its discard (the copy out before it)."""
@@ -327,9 +334,7 @@ class CudaSwapPath(SwapPath):
         back: list[tuple[int, int, Swapped]] = []
         rest: list[Range] = []
         for ptr, n in ranges:
-            # every range away that overlaps this one, also one that starts before it (the runtime
-            # swaps coalesced ranges out, and may bring one object of such a range back alone)
-            inside = sorted(p for p, (m, _) in sw.away.items() if p < ptr + n and p + m > ptr)
+            inside = away_over(sw.away, ptr, n)
             at = ptr
             for p in inside:
                 m, entry = sw.away.pop(p)
