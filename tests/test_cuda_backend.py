@@ -452,3 +452,39 @@ def test_no_backend_class_is_over_25_methods():
                                     "umrt.sim.address_space"))}
     assert shapes["umrt.backends.cuda.CudaBackend"] <= 25 and shapes["umrt.sim.backend.SimBackend"] <= 25
     assert max(shapes.values()) <= 25, shapes
+
+
+def test_neighbours_swapped_out_together_come_back_and_die_one_at_a_time(cuda13, fake_gpu):
+    """Two touching ranges swapped out in one call leave as two entries: the runtime brings back
+    (or releases) one without the other, and a kernel then reads each with its data there.
+    Merged into one entry, the first back found no entry starting in its range and prefetched
+    discarded pages (the data still in pinned memory), and a release of one dropped both."""
+    base = cuda13.malloc(4 * MiB)
+    a, b, c = (base, MiB), (base + MiB, MiB), (base + 2 * MiB, MiB)
+    fake_gpu.kernel(cuda13.compute_stream, writes=(a, b, c), name="writer")
+    swap = cuda13.swap
+    swap.reserve(3 * MiB)
+    swap.out([a, b, c])
+    assert sorted(swap.streams.away) == [a[0], b[0], c[0]]
+    swap.back([b])
+    swap.wait([b])
+    fake_gpu.kernel(cuda13.compute_stream, reads=(b,), name="reads b")
+    swap.release([a])  # a died: c stays away, its copy kept
+    assert sorted(swap.streams.away) == [c[0]]
+    swap.back([c])
+    swap.wait([c])
+    fake_gpu.kernel(cuda13.compute_stream, reads=(c,), name="reads c")
+    assert not swap.away and not fake_gpu.violations
+
+
+def test_a_range_inside_one_swapped_out_comes_back_with_it(cuda13, fake_gpu):
+    """A range that starts inside a range away (a kernel on part of it, a prefetch of part of
+    it) brings the whole of it back, never a prefetch of its discarded pages."""
+    ptr = cuda13.malloc(4 * MiB)
+    fake_gpu.kernel(cuda13.compute_stream, writes=((ptr, 2 * MiB),), name="writer")
+    cuda13.swap.reserve(2 * MiB)
+    cuda13.swap.out([(ptr, 2 * MiB)])
+    cuda13.prefetch([(ptr + MiB, MiB)], 0)
+    cuda13.swap.wait([(ptr, 2 * MiB)])
+    fake_gpu.kernel(cuda13.compute_stream, reads=((ptr, 2 * MiB),), name="reader")
+    assert not cuda13.swap.away and not fake_gpu.violations

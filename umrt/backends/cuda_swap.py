@@ -194,11 +194,18 @@ class CudaSwapPath(SwapPath):
         Whole 64 KiB pages only (a partial page may hold a neighbour). The copy stream waits
         for the kernels queued so far (the ranges' last writer) and the prefetches queued so
         far, and each slot for the copy back that last read it; the discard waits for the
-        copies. What finds no slot (or no swap path: CUDA 12) leaves by a prefetch to the host."""
+        copies. What finds no slot (or no swap path: CUDA 12) leaves by a prefetch to the host.
+
+        Each range leaves as its own entry, never merged with a neighbour it touches: the runtime
+        may bring back or release one of two neighbours without the other (an entry holding both
+        would be brought back with the first, or dropped with it, the other's data lost)."""
         b = self.backend
-        checked = b.allocations.checked("cudaMemcpyAsync", ranges)
+        b.allocations.checked("cudaMemcpyAsync", ranges)  # (validated; merged, ranges would share an entry)
         sw, pool = self.streams, self.pool
-        pages = [r for r in (whole_pages(p, n) for p, n in checked) if r and r[0] not in sw.away]
+        pages: list[Range] = []
+        for r in sorted(filter(None, (whole_pages(int(p), int(n)) for p, n in ranges))):
+            if not (pages and r[0] < pages[-1][0] + pages[-1][1]) and not away_over(sw.away, *r):
+                pages.append(r)
         if not pages:
             return
         if not self.copy_engines:
@@ -334,7 +341,7 @@ class CudaSwapPath(SwapPath):
         back: list[tuple[int, int, Swapped]] = []
         rest: list[Range] = []
         for ptr, n in ranges:
-            inside = away_over(sw.away, ptr, n)
+            inside = away_over(sw.away, ptr, n)  # whole entries, one that starts before the range too
             at = ptr
             for p in inside:
                 m, entry = sw.away.pop(p)
