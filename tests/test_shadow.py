@@ -149,6 +149,8 @@ def test_the_embedded_example_runs_end_to_end(capsys, monkeypatch):
     # against page migration (PathTrial): 6 steps end before it trusts a plan and stops recording
     assert re.search(r"then acted on 4 \(0 of them without recording ops", " ".join(text.split())), text
     assert re.search(r"Iterations: 2 learned \(0, 1\); 0 recovered after leaving a plan", " ".join(text.split()))
+    # the swapping plan's trial iterations moved live tensors through the copy engines: the report says so
+    assert re.search(r"Through the copy engines it copied [\d.]+ MiB of live tensors", " ".join(text.split())), text
 
 
 # A tiny GPT-2 with attention and residual dropout on (transformers' defaults, p=0.1):

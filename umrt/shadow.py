@@ -444,6 +444,11 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             f"at {rt.get('decisions', 0)} decision points (the places in an iteration where it acts: module "
             f"boundaries, at least a few ms of compute apart), and discarded {format_bytes(rt['discarded_bytes'])} "
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
+        if rt.get("swapped_out_bytes"):
+            lines.append(
+                f"Through the copy engines it copied {format_bytes(rt['swapped_out_bytes'])} of live tensors to pinned "
+                f"host memory and {format_bytes(rt.get('swapped_in_bytes', 0))} back, in {rt.get('swap_calls', 0)} "
+                "calls (the swap path; each copy holds the thread until it is done, as measured on an H200).")
         for phase, info in (rt.get("phases") or {}).items():
             if not info.get("acting", True):
                 lines.append(f"umrt stopped acting in {PHASE_PLURALS.get(phase, phase)}: {info['stopped_because']}; "
