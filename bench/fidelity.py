@@ -302,8 +302,8 @@ def swap_rows(profile: Any) -> list[Row]:
             src + "matmul_slowdown_with_discard_and_populate", lambda p: probe.matmuls_beside("discard")),
         Row(1, "12 fp32 8192^3 matmuls after a 2 GiB prefetch to the host, slowdown (H200)",
             m4["matmul_slowdown_with_prefetch_to_host"], "", "not comparable",
-            f"the H200's host took {m4['prefetch_managed_to_host_GBs']:.1f} GB/s by prefetch (this card's fit: "
-            "12.8), so its slowdown says more of that host than of the model; the simulated figure is this card's",
+            f"the H200's host took {m4['prefetch_managed_to_host_GBs']:.1f} GB/s by prefetch (this card: "
+            f"{profile.prefetch_d2h_rate / 1e9:.1f}): its slowdown tells of that host; the simulated figure is this card's",
             src + "matmul_slowdown_with_prefetch_to_host", lambda p: probe.matmuls_beside("prefetch")),
         Row(1, "cudaMemcpyAsync into a discarded range, not populated first (H200)",
             m4["copy_pinned_to_discarded_GBs"] * 1e9, "B/s", "cannot express",
