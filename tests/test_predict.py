@@ -122,3 +122,18 @@ def test_variant_table_predicts_the_following_shape():
     assert v.predict() == [1, 2]
     v.observe(2)
     assert v.predict()[0] == 1
+
+
+def test_a_stray_shape_is_predicted_after_the_shapes_that_recur():
+    """A shape seen once (a free another thread made late shifts one iteration's
+    signature) is expected back only after the shapes that recur."""
+    v = VariantTable()
+    for s in [1, 2, 1, 1]:  # 2: a stray between steps of shape 1
+        v.observe(s)
+    assert v.predict() == [1, 2]  # after a 1 came a 1 and the stray, once each
+    v.observe(3)  # another stray, with no history: what follows 1 is the guide
+    assert v.predict() == [1, 2, 3]
+    w = VariantTable()
+    for s in [9, 1, 2, 1]:  # two shapes in turn: the only successor seen is predicted
+        w.observe(s)
+    assert w.predict() == [2, 1]

@@ -129,6 +129,23 @@ def test_relearns_after_a_changed_batch_size():
     assert modes[-1] == "act"
 
 
+def test_a_free_made_late_by_another_thread_costs_only_the_iterations_it_changed():
+    """A collective's worker thread drops the last gradient it reduced after the step's
+    boundary: one iteration ends a free short, the next starts with it. The runtime
+    learns those two and acts from the next one on (it used to predict the stray shape
+    after every step, learning again each time)."""
+    events = list(training_trace(layers=6, steps=12).events)
+    at = next(i for i, e in enumerate(events) if isinstance(e, IterationBoundary) and e.index == 4)
+    late = events.pop(max(i for i in range(at) if isinstance(events[i], Free)))
+    first_launch = next(i for i in range(at, len(events)) if isinstance(events[i], Launch))
+    events.insert(first_launch + 1, late)
+    rt = Runtime()
+    drive(Trace(training_trace(layers=6, steps=12).header, events), rt, budget="40%")
+    modes = [entry["mode"] for entry in rt.log]
+    assert modes[2] == "act" and modes[3:5] == ["learn", "learn"], modes
+    assert set(modes[5:]) == {"act"}, modes
+
+
 @pytest.mark.parametrize("launch_free", [True, False])
 def test_misprediction_guard_falls_back_and_relearns(launch_free):
     """After a few regular steps (the plan is trusted), every step ends

@@ -22,7 +22,7 @@ gradients a step leaves behind have the same key after every step.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -254,26 +254,56 @@ class VariantTable:
     signature (a digest of its launch sequence); this table predicts the
     next one from the last, the correlation idea one level up. Bounded to
     ``max_rows`` signatures.
+
+    A shape seen only once is a stray until it comes back (a free that another
+    thread made late, one odd batch): it is predicted after every shape seen
+    as often that recurs, and after a stray the table predicts from the latest
+    shape before it that recurs, so one stray costs the iterations it changed,
+    not one more each time its predecessor recurs.
     """
 
     def __init__(self, max_rows: int = 64) -> None:
         self.max_rows = max_rows
         self._rows: dict[int | None, Counter] = {}
+        self._seen: Counter = Counter()  # signature -> iterations of that shape (bounded with the rows)
         self.last: int | None = None
+        self._recent: deque[int] = deque(maxlen=8)  # the last shapes, latest last
 
     def observe(self, signature: int) -> None:
         row = self._rows.pop(self.last, None) or Counter()
         row[signature] += 1
         self._rows[self.last] = row
+        self._seen[signature] += 1
         if len(self._rows) > self.max_rows:
             for sig in list(self._rows)[: max(1, len(self._rows) // 8)]:
                 del self._rows[sig]
+            if len(self._seen) > 4 * self.max_rows:
+                self._seen = Counter(dict(self._seen.most_common(self.max_rows)))
+        self._recent.append(signature)
         self.last = signature
+
+    def _anchor(self) -> int | None:
+        """The latest shape before the last one that is no stray and has successors."""
+        return next((sig for sig in reversed(self._recent) if sig != self.last
+                     and self._seen[sig] >= 2 and self._rows.get(sig)), None)
 
     def predict(self) -> list[int]:
         """Likely next signatures, most likely first (with no history after
-        the last shape, the last shape itself: training loops repeat)."""
-        row = self._rows.get(self.last)
+        the last shape, the last shape itself: training loops repeat). Among
+        successors seen as often, the last shape comes first and strays last;
+        after a stray with no history come the successors of the latest shape
+        before it that recurs."""
+        last = self.last
+        row = self._rows.get(last)
         if row:
-            return [sig for sig, _ in row.most_common()]
-        return [self.last] if self.last is not None else []
+            ranked = sorted(row, key=lambda sig: (row[sig], sig == last), reverse=True)
+        elif last is not None and self._seen[last] < 2 and (anchor := self._anchor()) is not None:
+            before = self._rows[anchor]  # a stray with no history: what followed the last shape seen before
+            ranked = [sig for sig in sorted(before, key=before.__getitem__, reverse=True) if sig != last]
+        else:
+            return [last] if last is not None else []
+        if last is None:
+            return ranked
+        strays = [sig for sig in ranked if self._seen[sig] < 2 and sig != last]
+        kept = [sig for sig in ranked if sig not in strays]
+        return kept + strays + ([] if last in ranked else [last])
