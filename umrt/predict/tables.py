@@ -291,19 +291,20 @@ class VariantTable:
         """Likely next signatures, most likely first (with no history after
         the last shape, the last shape itself: training loops repeat). Among
         successors seen as often, the last shape comes first and strays last;
-        after a stray with no history come the successors of the latest shape
-        before it that recurs."""
+        after a stray with no history come the recurring successors of the
+        latest shape before it that recurs, then the stray itself."""
         last = self.last
         row = self._rows.get(last)
-        if row:
-            ranked = sorted(row, key=lambda sig: (row[sig], sig == last), reverse=True)
-        elif last is not None and self._seen[last] < 2 and (anchor := self._anchor()) is not None:
-            before = self._rows[anchor]  # a stray with no history: what followed the last shape seen before
-            ranked = [sig for sig in sorted(before, key=before.__getitem__, reverse=True) if sig != last]
-        else:
-            return [last] if last is not None else []
+        if not row:
+            anchor = self._anchor() if last is not None and self._seen[last] < 2 else None
+            if anchor is None:
+                return [last] if last is not None else []
+            # a stray with no history: what recurs after the latest recurring shape before it, then itself
+            before = self._rows[anchor]
+            ranked = sorted((sig for sig in before if sig != last), key=before.__getitem__, reverse=True)
+            return [sig for sig in ranked if self._seen[sig] >= 2] + [last] + [sig for sig in ranked if self._seen[sig] < 2]
+        ranked = sorted(row, key=lambda sig: (row[sig], sig == last), reverse=True)
         if last is None:
             return ranked
         strays = [sig for sig in ranked if self._seen[sig] < 2 and sig != last]
-        kept = [sig for sig in ranked if sig not in strays]
-        return kept + strays + ([] if last in ranked else [last])
+        return [sig for sig in ranked if sig not in strays] + strays + ([] if last in row else [last])
