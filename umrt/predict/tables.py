@@ -252,59 +252,67 @@ class VariantTable:
     Training loops alternate a few iteration shapes (a train step, an eval
     step, sequence-length buckets, a last short batch). Each shape has a
     signature (a digest of its launch sequence); this table predicts the
-    next one from the last, the correlation idea one level up. Bounded to
-    ``max_rows`` signatures.
+    next one from the last, the correlation idea one level up, and from the
+    last two, which tell apart the places a shape takes in a longer cycle (an
+    evaluation's batches). Bounded to ``max_rows`` rows of each.
 
-    A shape seen only once is a stray until it comes back (a free that another
-    thread made late, one odd batch): it is predicted after every shape seen
-    as often that recurs, and after a stray the table predicts from the latest
-    shape before it that recurs, so one stray costs the iterations it changed,
-    not one more each time its predecessor recurs.
+    A shape seen only once may be a stray (a free that another thread made
+    late, one odd batch): after one that has no successors yet, the table
+    predicts from the latest shape before it that recurs, then the stray
+    itself; among successors as likely, the last shape comes first (loops
+    repeat: a stray that once followed the same two shapes does not outweigh
+    the last shape's own repeats). So a stray costs the iterations it changed, not one more each
+    time its predecessor recurs.
     """
+
+    #: weight of the last two shapes' successor counts beside the last one's
+    PAIR_WEIGHT = 1.0
 
     def __init__(self, max_rows: int = 64) -> None:
         self.max_rows = max_rows
         self._rows: dict[int | None, Counter] = {}
-        self._seen: Counter = Counter()  # signature -> iterations of that shape (bounded with the rows)
-        self.last: int | None = None
+        self._pairs: dict[tuple[int | None, int | None], Counter] = {}
+        self._seen: Counter = Counter()  # signature -> iterations of that shape
         self._recent: deque[int] = deque(maxlen=8)  # the last shapes, latest last
+        self.last: int | None = None
+        self._before: int | None = None  # the shape before the last (None: none, or unknown)
 
     def observe(self, signature: int) -> None:
-        row = self._rows.pop(self.last, None) or Counter()
-        row[signature] += 1
-        self._rows[self.last] = row
+        for table, key in ((self._rows, self.last), (self._pairs, (self._before, self.last))):
+            row = table.pop(key, None) or Counter()
+            row[signature] += 1
+            table[key] = row
+            if len(table) > self.max_rows:
+                for old in list(table)[: max(1, len(table) // 8)]:
+                    del table[old]
         self._seen[signature] += 1
-        if len(self._rows) > self.max_rows:
-            for sig in list(self._rows)[: max(1, len(self._rows) // 8)]:
-                del self._rows[sig]
-            if len(self._seen) > 4 * self.max_rows:
-                self._seen = Counter(dict(self._seen.most_common(self.max_rows)))
+        if len(self._seen) > 4 * self.max_rows:
+            self._seen = Counter(dict(self._seen.most_common(self.max_rows)))
         self._recent.append(signature)
-        self.last = signature
+        self._before, self.last = self.last, signature
+
+    def forget_last(self) -> None:
+        """An iteration of unknown shape ran: predict as after the start of a run."""
+        self._before = self.last = None
 
     def _anchor(self) -> int | None:
-        """The latest shape before the last one that is no stray and has successors."""
+        """The latest shape before the last one that recurs and has successors."""
         return next((sig for sig in reversed(self._recent) if sig != self.last
                      and self._seen[sig] >= 2 and self._rows.get(sig)), None)
 
     def predict(self) -> list[int]:
         """Likely next signatures, most likely first (with no history after
-        the last shape, the last shape itself: training loops repeat). Among
-        successors seen as often, the last shape comes first and strays last;
-        after a stray with no history come the recurring successors of the
-        latest shape before it that recurs, then the stray itself."""
+        the last shape, the last shape itself: training loops repeat)."""
         last = self.last
         row = self._rows.get(last)
         if not row:
             anchor = self._anchor() if last is not None and self._seen[last] < 2 else None
             if anchor is None:
                 return [last] if last is not None else []
-            # a stray with no history: what recurs after the latest recurring shape before it, then itself
-            before = self._rows[anchor]
-            ranked = sorted((sig for sig in before if sig != last), key=before.__getitem__, reverse=True)
+            # a stray with no successors yet: what recurs after the latest recurring shape, then itself
+            after = self._rows[anchor]
+            ranked = sorted((sig for sig in after if sig != last), key=after.__getitem__, reverse=True)
             return [sig for sig in ranked if self._seen[sig] >= 2] + [last] + [sig for sig in ranked if self._seen[sig] < 2]
-        ranked = sorted(row, key=lambda sig: (row[sig], sig == last), reverse=True)
-        if last is None:
-            return ranked
-        strays = [sig for sig in ranked if self._seen[sig] < 2 and sig != last]
-        return [sig for sig in ranked if sig not in strays] + strays + ([] if last in row else [last])
+        pair = self._pairs.get((self._before, last)) or {}
+        score = {sig: n + self.PAIR_WEIGHT * pair.get(sig, 0) for sig, n in row.items()}
+        return sorted(score, key=lambda sig: (score[sig], sig == last), reverse=True)

@@ -235,7 +235,7 @@ class LaunchFreeClock:
         entry["signature"] = sig
         if variant is None:  # not the same shape after all: as a deviation
             acting.counters["deviations"] += 1
-            self.variants.last = None
+            self.variants.forget_last()
             self.learner.seek(self.phases.phase)
             return
         base.launch_free_variant = variant

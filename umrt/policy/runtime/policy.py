@@ -644,7 +644,7 @@ class Runtime(Policy):
         elif mode == "rebase":
             self._clock.rebase(entry)
         elif mode == "off":
-            self.variants.last = None  # an unknown shape: predict from scratch, learn next
+            self.variants.forget_last()  # an unknown shape: predict from scratch, learn next
             self._learner.seek(phase)
             if self._guard.left_launch_free:  # unknown, and not recorded: seek it (see Learner.learn)
                 self._learner.seek_left[phase] = self._learner.max_variants
