@@ -369,8 +369,9 @@ def test_a_rank_that_deviates_from_its_plan_does_so_alone(tmp_path):
         text = texts[rank] = " ".join((reports / f"rank-{rank}.txt").read_text().split())
         found = re.search(r"learned the iteration from (\d+) iteration\(s\), then acted on (\d+)", text)
         learned[rank], acted[rank] = int(found.group(1)), int(found.group(2))
-    # rank 1 learned again after its odd step, and both ranks acted. (Rank 0's own counts are not
-    # compared: on a loaded machine its recorded events drift too, and it may learn again.)
+    # rank 1 learned again after its odd step, and both ranks acted. (The counts are not compared
+    # exactly: gloo's worker thread may drop the last gradient it reduced after the next step has
+    # begun, which changes the shape of the two iterations around it, on either rank.)
     assert learned[1] > 2 and acted[0] > 0 and acted[1] > 0, (learned, acted, texts[0][-1500:])
     assert re.search(r"│ 1 +│ +9 │ .*│ +0 │", out.stdout) and re.search(r"│ 0 +│ +9 │ .*│ +0 │", out.stdout)
 
