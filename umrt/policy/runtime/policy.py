@@ -601,11 +601,12 @@ class Runtime(Policy):
         dead = self.phases.boundary(phase)
         self._phase_dead = self.phases.dead
         # Leaving an evaluation: the pages its dead left free are discarded where the managed
-        # memory umrt's layout holds has ever been more than the GPU has for it (the driver would
-        # copy their dead bytes out to make room for the step). Otherwise they stay, as plain
-        # Unified Memory leaves them: the step's newborns reuse them in place, where discarded
-        # pages would each need a population first, a call the next kernel waits for.
-        if dead and held is not None and held > budget:
+        # memory umrt's layout holds has ever been more than the GPU has for it and they take half
+        # of the GPU or more (the step's own memory cannot fit beside them: the driver would copy
+        # their dead bytes out to make room). Otherwise they stay, as plain Unified Memory leaves
+        # them: the step's newborns reuse them in place, where discarded pages would each need a
+        # population first, a call the next kernel waits for.
+        if dead and held is not None and held > budget and 2 * dead.nbytes() >= budget:
             self._pending_discards.extend(dead.drain())
             self._flush()
         self._start_iteration()

@@ -175,6 +175,10 @@ class DeadPages:
                 ends[hi] = e
                 i += 1
 
+    def nbytes(self) -> int:
+        """The bytes of every free range."""
+        return sum(self._end[s] - s for s in self._starts)
+
     def drain(self) -> list[tuple[int, int]]:
         """Every free range, as ``(ptr, nbytes)``; the set is empty after."""
         out = [(s, self._end[s] - s) for s in self._starts]
