@@ -287,7 +287,7 @@ def swap_rows(profile: Any) -> list[Row]:
             * 1e9, "B/s", "check", same_link + " (the model: the pinned copy's rate, h2d_bandwidth)",
             src + "copy_pinned_to_managed_gpu_GBs", lambda p: _rate(G2, probe.copy(G2, True))),
         Row(1, "copies both ways at once, 2 GiB each way on two streams (H200)", m4["copy_both_ways_2G_each_s"], "s",
-            "check", "as long as one after the other: the thread waits for each copy (copy_host_wait)",
+            "check", "as long as one after the other: nothing runs beside a copy (copy_host_wait)",
             src + "copy_both_ways_2G_each_s", lambda p: probe.both_ways(G2)),
         Row(1, "swap round trip, 2 GiB: copy out, discard, populate, copy back (H200)", m4["swap_round_trip_2G_s"],
             "s", "check", "from the rates above and the H100's discard and discard-then-prefetch costs",

@@ -92,8 +92,9 @@ class HardwareProfile:
     copy_h2d_rate: float = 0.0
     copy_d2h_rate: float = 0.0
     # The fraction of such a copy's time the calling CPU thread waits before the call returns
-    # (1: the copy is synchronous with respect to the host, as measured on an H200; 0: fully
-    # asynchronous). A profile that leaves it out takes the measured 1 (umrt/sim/MODEL.md).
+    # (1: until it is done, so nothing issued after it runs beside it, as an H200's timeline
+    # showed; whether its thread or its GPU serialized them is not measured; 0: fully
+    # asynchronous). A profile that leaves it out takes 1 (umrt/sim/MODEL.md).
     copy_host_wait: float = 1.0
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)

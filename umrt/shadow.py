@@ -448,7 +448,7 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             lines.append(
                 f"Through the copy engines it copied {format_bytes(rt['swapped_out_bytes'])} of live tensors to pinned "
                 f"host memory and {format_bytes(rt.get('swapped_in_bytes', 0))} back, in {rt.get('swap_calls', 0)} "
-                "calls (the swap path; simulated with each copy holding the thread until it is done, as measured on an H200).")
+                "calls (the swap path; simulated with nothing issued after a copy running beside it, as an H200's timeline showed).")
         for phase, info in (rt.get("phases") or {}).items():
             if not info.get("acting", True):
                 lines.append(f"umrt stopped acting in {PHASE_PLURALS.get(phase, phase)}: {info['stopped_because']}; "
