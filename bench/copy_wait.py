@@ -1,14 +1,15 @@
 """Does a copy of managed memory hold the calling thread, or the GPU? ``python -m bench.copy_wait``.
 
-On an H200 (``bench/data/h200-um-micro-4.json``) matmuls issued after a 2 GiB copy each way
-between GPU-resident managed and pinned memory ran as long as both one after the other. Either
-the call returns once its copy is done (what the simulator's ``copy_host_wait`` models), or at
-once and the GPU runs the copy apart from everything else: a thread of umrt's own for the copies
-helps only in the first case. For a copy out, a copy back and a prefetch to the host:
-``*_call_s`` (the call's return) against ``*_gpu_s`` (CUDA events around it on its stream), and
-``*_kernel_overlap``: the fraction of the shorter of the two that ran beside matmuls queued on
-another stream *before* the call (0: serialized on the GPU). Asks for 3 x 2 GiB of managed and
-2 GiB of pinned memory; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
+On an H200 (``bench/data/h200-um-micro-4.json``) matmuls issued after 2 GiB copies between
+GPU-resident managed and pinned memory ran as long as both one after the other. If the call
+returns only once its copy is done (the simulator's ``copy_host_wait``), a thread of umrt's own
+for the copies helps; if the GPU runs it apart from everything else, it does not. Per row:
+``*_call_s`` (the call's return), ``*_gpu_s`` (events around it on its stream), ``*_kernel_overlap``
+(the share of the shorter that ran beside matmuls queued on another stream *before* it; 0:
+serialized). Rows: copy out, copy back, prefetch to the host; ``device_copy_out`` (device memory
+to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (a kernel moves the
+data through mapped pinned memory: the SMs drive the link). Needs about 8.5 GiB of GPU memory and 2 GiB
+pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
 """
 from __future__ import annotations
 
@@ -32,13 +33,10 @@ def main() -> int:
     try:
         import cupy as cp
         from cuda.bindings import runtime as rt
-    except ImportError as exc:
-        print(f"bench.copy_wait needs cupy and cuda-bindings with a GPU: {exc}", file=sys.stderr)
-        return 2
-    try:
+
         assert cp.cuda.runtime.getDeviceCount() > 0, "no GPU"
-    except (AssertionError, cp.cuda.runtime.CUDARuntimeError) as exc:
-        print(f"bench.copy_wait needs a GPU: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - no cupy, no cuda-bindings, no GPU or no driver: one line
+        print(f"bench.copy_wait needs cupy and cuda-bindings with a GPU: {exc}", file=sys.stderr)
         return 2
 
     def where(dev: int):  # a cudaMemLocation: the GPU, or the host (-1)
@@ -48,13 +46,12 @@ def main() -> int:
 
     copy_stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
     compute = cp.cuda.Stream(non_blocking=True)
-    pinned = _check(rt.cudaHostAlloc(N, 0))
+    pinned = _check(rt.cudaHostAlloc(N, rt.cudaHostAllocMapped))
     managed = [_check(rt.cudaMallocManaged(N, rt.cudaMemAttachGlobal)) for _ in range(3)]
     for p in managed:
         _check(rt.cudaMemPrefetchAsync(p, N, where(0), 0, copy_stream))
         cp.cuda.runtime.memsetAsync(p, 1, N, 0)
-    a = cp.random.rand(8192, 8192, dtype=cp.float32)
-    b = cp.random.rand(8192, 8192, dtype=cp.float32)
+    a, b = (cp.random.rand(8192, 8192, dtype=cp.float32) for _ in range(2))
     cp.cuda.runtime.deviceSynchronize()
 
     def kernels() -> None:
@@ -86,10 +83,28 @@ def main() -> int:
     res: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                  "driver": cp.cuda.runtime.driverGetVersion()}
     default = rt.cudaMemcpyKind.cudaMemcpyDefault
-    res.update(measure("copy_out", lambda: _check(rt.cudaMemcpyAsync(pinned, managed[0], N, default, copy_stream))))
-    res.update(measure("copy_back", lambda: _check(rt.cudaMemcpyAsync(managed[1], pinned, N, default, copy_stream))))
-    res.update(measure("prefetch_to_host",
-                       lambda: _check(rt.cudaMemPrefetchAsync(managed[2], N, where(-1), 0, copy_stream))))
+    sm_copy, side = cp.ElementwiseKernel("T x", "T y", "y = x", "umrt_sm_copy"), cp.cuda.ExternalStream(int(copy_stream))
+
+    def memcpy(dst, src) -> None:
+        _check(rt.cudaMemcpyAsync(dst, src, N, default, copy_stream))
+
+    def kernel_copy(src, dst) -> None:  # N bytes as 8-byte words
+        words = [cp.ndarray((N // 8,), cp.uint64, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(
+            int(p), N, owner=None, device_id=0), 0)) for p in (src, dst)]
+        with side:
+            sm_copy(*words)
+
+    device = cp.full(N, 1, cp.uint8)
+    for name, call in (("copy_out", lambda: memcpy(pinned, managed[0])), ("copy_back", lambda: memcpy(managed[1], pinned)),
+                       ("prefetch_to_host", lambda: _check(rt.cudaMemPrefetchAsync(managed[2], N, where(-1), 0,
+                                                                                  copy_stream))),
+                       ("device_copy_out", lambda: memcpy(pinned, device.data.ptr)),
+                       ("sm_copy_out", lambda: kernel_copy(managed[0], pinned)),
+                       ("sm_copy_back", lambda: kernel_copy(pinned, managed[1]))):
+        try:  # a row that fails says why; the others still run
+            res.update(measure(name, call))
+        except Exception as exc:  # noqa: BLE001
+            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
     text = json.dumps(res, indent=1)
     print(text)
     if os.environ.get("OUT"):

@@ -298,7 +298,10 @@ def test_the_memory_savings_table(report):
     assert [(pct, bool(own)) for _, pct, own, _, _ in rows] == [
         ("100", False), ("75", False), ("50", False), ("33", False), ("30", True), ("25", False)]
     um = {pct: float(x) for _, pct, _, x, _ in rows}
-    assert um["100"] == 1.00 and um["25"] > um["100"]  # everything fits at 100%: plain UM runs at ideal
+    # Everything fits at 100%: nothing is evicted, and plain UM loses to ideal only the first touches
+    # of its pages (ideal's allocations are device memory, backed when made; this short run's
+    # steady steps include its first).
+    assert 1.0 < um["100"] < min(um[p] for p in um if p != "100")
     main_um = re.search(r"│ um +│ replay +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
     main_umrt = re.search(r"│ umrt +│ live +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
     own = next(r for r in rows if r[2])

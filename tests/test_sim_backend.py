@@ -37,6 +37,20 @@ def test_is_a_backend_with_a_budget():
     assert SimBackend(PROFILE, math.inf).mem_info()[1] > 1 << 50
 
 
+def test_with_unlimited_memory_allocations_are_device_memory_never_faulted_in():
+    """ideal: a GPU with enough memory backs an allocation when it is made (cudaMalloc), so
+    its first kernel runs at compute speed; managed memory of a budgeted GPU is faulted in."""
+    long_kernel = int(PROFILE.peak_flops * PROFILE.compute_efficiency * 0.001)  # 1 ms
+    times = {}
+    for name, b in (("ideal", SimBackend(PROFILE, math.inf)), ("managed", gpu())):
+        ptr = b.malloc(8 * BLOCK)
+        b.launch([], [(ptr, 8 * BLOCK)], long_kernel, 0)
+        times[name] = (b.now(), b.faults, b.calls, b.resident_bytes, b.breakdown["compute_s"])
+    assert times["ideal"][1:4] == (0, 0, 8 * BLOCK)
+    assert times["ideal"][0] == pytest.approx(times["ideal"][4])
+    assert times["managed"][1] == 8 * BLOCK // PAGE and times["managed"][0] > times["ideal"][0]
+
+
 def test_prefetch_then_launch_waits_for_the_copy_instead_of_faulting():
     b = gpu()
     ptr = host_data(b, 8 * BLOCK)

@@ -379,7 +379,8 @@ LEGEND = (
     "Each row of the first table: the whole run, simulated, under one policy; every policy runs the same "
     "recorded iterations, first to last. step: its steady training step (the mean of its training steps "
     "after the first {skip} iterations of the run), and over ideal's.",
-    "  ideal: a GPU with unlimited memory (nothing is evicted: the floor).",
+    "  ideal: a GPU with unlimited memory, its allocations device memory (backed when made: nothing is "
+    "faulted in or evicted; the floor).",
     "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
     "  oracle: the fastest of several plans made knowing the whole recorded run in advance "
     "(the reference: nothing live can beat it).",

@@ -75,7 +75,8 @@ _UNLIMITED_PAGES = 1 << 50
 
 class SimBackend(Backend):
     """The simulated GPU. ``capacity_bytes`` is the GPU memory budget
-    (``None``: the profile's memory; ``math.inf``: unlimited)."""
+    (``None``: the profile's memory; ``math.inf``: a GPU with enough memory, whose
+    allocations are device memory: backed on the GPU at allocation, never faulted in)."""
 
     name = "sim"
     device = 0
@@ -100,7 +101,8 @@ class SimBackend(Backend):
         self.profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
         if capacity_bytes is None:
             capacity_bytes = self.profile.gpu_memory_bytes
-        if capacity_bytes == math.inf:
+        self._unlimited = capacity_bytes == math.inf
+        if self._unlimited:
             cap_pages = _UNLIMITED_PAGES
         else:
             if capacity_bytes < E.BLOCK:
@@ -122,7 +124,8 @@ class SimBackend(Backend):
     # ------------------------------------------------------------ Backend API
 
     def malloc(self, nbytes: int) -> int:
-        """Managed allocation, 2 MB aligned (its pages start unpopulated)."""
+        """Managed allocation, 2 MB aligned (its pages start unpopulated; with unlimited
+        capacity, device memory: populated on the GPU)."""
         if nbytes <= 0:
             raise ValueError(f"malloc of {nbytes} bytes")
         ptr = self.space.allocate(nbytes)
@@ -130,6 +133,8 @@ class SimBackend(Backend):
         if self.space.top > engine.nblocks:
             engine.grow(max(self.space.top, 2 * engine.nblocks))
         engine.map_pages((ptr - VA_BASE) // E.PAGE, -(-nbytes // E.PAGE))
+        if self._unlimited:
+            engine.back_on_gpu((ptr - VA_BASE) // E.PAGE, -(-nbytes // E.PAGE))
         return ptr
 
     def free(self, ptr: int) -> None:

@@ -56,8 +56,7 @@ PREF_NONE, PREF_HOST, PREF_GPU = 0, 1, 2
 # Per-block columns of ``bi`` (int64, shape (blocks, NBCOLS)).
 B_RES = 0  # resident pages
 B_RESVALID = 1  # resident pages with valid content
-B_PREV = 2  # eviction-list links
-B_NEXT = 3
+B_PREV, B_NEXT = 2, 3  # eviction-list links
 B_LIST = 4  # LIST_*
 B_PIN = 5  # == G_PIN while being serviced: never the victim
 NBCOLS = 6
@@ -69,27 +68,21 @@ G_RES = 1  # resident pages
 G_PEND = 2  # pages whose D2H copy (prefetch to host) is still running: not free yet
 G_HEAD = 3  # list heads: G_HEAD + list
 G_TAIL = 5  # list tails: G_TAIL + list
-G_QHEAD = 7  # pending-free queue (ring)
-G_QTAIL = 8
-G_FAULTS = 9
-G_BATCHES = 10
-G_EVICTIONS = 11
-G_H2D = 12  # bytes
-G_D2H = 13
+G_QHEAD, G_QTAIL = 7, 8  # pending-free queue (ring)
+G_FAULTS, G_BATCHES, G_EVICTIONS = 9, 10, 11
+G_H2D, G_D2H = 12, 13  # bytes
 G_PEAK = 14  # peak resident pages
 G_EVENTS = 15  # page events: pages visited by launches, migrations, evictions
 G_FLOG = 16  # faults logged (ring index)
 G_EPOCH = 17  # launch counter, for per-page de-duplication
 G_PIN = 18  # current pin id
-G_REMOTE_R = 19  # bytes read remotely over the link
-G_REMOTE_W = 20
+G_REMOTE_R, G_REMOTE_W = 19, 20  # bytes read / written remotely over the link
 G_ERRPAGE = 21  # page of the last error
 G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced holds pinned
 G_RHEAD = 23  # copy records, per direction (+ T_H2D / T_D2H): the first that may be in flight ...
 G_RTAIL = 25  # ... and the next id
 G_REFAULTS = 27  # pages a launch lost to its own fault servicing and faulted again
-G_COPY_H2D = 28  # bytes the copy engines moved (cudaMemcpyAsync between pinned host and managed memory)
-G_COPY_D2H = 29
+G_COPY_H2D, G_COPY_D2H = 28, 29  # bytes the copy engines moved (cudaMemcpyAsync, pinned <-> managed)
 NG = 30
 
 # Copy records: every queued copy (a prefetch's block, a prefetch's evictions) is a record
@@ -112,8 +105,7 @@ T_DROP = 9  # the stream dead ranges are discarded on, beside the kernels, is bu
 NT = 10
 
 # Parameters in ``prm`` (float64), from the hardware profile (rates in bytes/s).
-P_H2D = 0  # the link per direction: remote access
-P_D2H = 1
+P_H2D, P_D2H = 0, 1  # the link per direction: remote access
 P_BATCH = 2  # fault_batch_size
 P_LAT = 3  # fault_batch_latency_s
 P_THRESH = 4  # prefetch_threshold, percent
@@ -146,8 +138,7 @@ def new_scalars(capacity_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """The scalars ``g`` and times ``tf`` of an empty GPU with ``capacity_pages``."""
     g = np.zeros(NG, np.int64)
     g[G_CAP] = capacity_pages
-    g[G_HEAD : G_HEAD + 2] = -1
-    g[G_TAIL : G_TAIL + 2] = -1
+    g[G_HEAD : G_TAIL + 2] = -1  # both lists' heads and tails
     tf = np.zeros(NT, np.float64)
     return g, tf
 
@@ -1025,6 +1016,15 @@ def release(pf, prec, bi, g, b_lo, b_hi):
             for c in range(NFLAGS):
                 pf[p, c] = 0
             prec[p] = -1
+
+
+@njit(cache=True)
+def back_on_gpu(pf, prec, bi, g, p_lo, p_hi):
+    """Pages ``[p_lo, p_hi)`` of a new allocation, populated and resident at once (device memory)."""
+    for p in range(p_lo, p_hi):
+        if pf[p, F_MAPPED] and not pf[p, F_GPU]:
+            _land(pf, prec, bi, g, p, -1, True)
+            _arrived(bi, g, p // PAGES_PER_BLOCK, 1)
 
 
 @njit(cache=True)

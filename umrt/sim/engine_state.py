@@ -108,6 +108,10 @@ class EngineState:
         """Pages of a new allocation: mapped, unpopulated."""
         self.pf[first_page : first_page + npages, E.F_MAPPED] = 1
 
+    def back_on_gpu(self, first_page: int, npages: int) -> None:
+        """Pages of a new allocation, backed on the GPU at once (device memory: no fault, no call)."""
+        E.back_on_gpu(self.pf, self.prec, self.bi, self.g, first_page, first_page + npages)
+
     def release(self, first_block: int, end_block: int) -> None:
         """cudaFree of blocks ``[first_block, end_block)``: pages dropped without copy-back."""
         E.release(self.pf, self.prec, self.bi, self.g, first_block, end_block)
