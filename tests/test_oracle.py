@@ -427,10 +427,11 @@ def test_an_oversized_launch_host_maps_only_ranges_worth_their_advice_calls():
     assert min_host_map_bytes(None) == 0
 
 
-def _loss_like_events(iterations: int, big: int = 48 * MB) -> list:
+def _loss_like_events(iterations: int, big: int = 48 * MB, *, c_from_host: bool = False) -> list:
     """Per iteration: A and B (48 MB each), then one launch that reads both and writes a
     newborn C of the same size (the loss of a language model over its logits): 144 MB in
-    one launch, more than a 128 MB budget holds."""
+    one launch, more than a 128 MB budget holds. ``c_from_host``: C is made outside every
+    launch, holding data (a gradient shard a gloo reduce-scatter wrote), and the launch reads it."""
     ev: list = []
     seq = 0
     sizes = {1: 8 * MB}
@@ -452,8 +453,12 @@ def _loss_like_events(iterations: int, big: int = 48 * MB) -> list:
         launch(1, [1], [a])
         ev.append(Alloc(b, big, Kind.ACTIVATION))
         launch(2, [a], [b])
-        ev.append(Alloc(c, big, Kind.TEMPORARY))
-        launch(3, [a, b], [c])  # the oversized launch: C is born for it
+        if c_from_host:
+            ev.append(Alloc(c, big, Kind.GRADIENT, -1))
+            launch(3, [a, b, c], [])  # the oversized launch reads C
+        else:
+            ev.append(Alloc(c, big, Kind.TEMPORARY, seq))
+            launch(3, [a, b], [c])  # the oversized launch: C is born for it (made by it)
         ev.append(Free(a))
         ev.append(Alloc(d, 8 * MB, Kind.TEMPORARY))
         launch(4, [c], [d])
@@ -495,3 +500,19 @@ def test_an_oversized_launch_writes_its_newborn_over_the_link_without_evicting_i
     # in the steady iterations the launch evicts at most a block or two; without the
     # fresh pages placed on the host it evicted 72 blocks (144 MB) each time
     assert seen and max(e for _, e in seen[-2:]) <= 4, seen
+
+
+@pytest.mark.parametrize("policy", ["oracle-planner", "umrt"])
+def test_an_oversized_launch_reads_a_newborn_that_holds_data_without_discarding_it(policy):
+    """A newborn made outside every launch holds data: read over the link by a launch larger
+    than the budget, it is never named fresh (whose pages go to the host without a copy).
+    FSDP2 under gloo lost each reduce-scattered gradient shard so before the optimizer's
+    foreach lerp read it (``examples/train_fsdp.py`` at 20%, SIMULATED: the simulator's
+    contents check stopped the run)."""
+    from umrt.sim.replay import simulate
+
+    trace = Trace(TraceHeader(1, "0", "synthetic", "-", "meta", 6), _loss_like_events(6, c_from_host=True))
+    chosen = OraclePolicy(trace, plan="planner") if policy == "oracle-planner" else make_policy("umrt", trace)
+    simulate(trace, chosen, "h100-sxm5-80g", 128 * MB, iterations=6)  # raises DataIntegrityError if C is lost
+    plan = chosen.schedule if policy == "oracle-planner" else next(iter(chosen.plans.values()))
+    assert plan.remote_at and not any(plan.remote_fresh.values())

@@ -5,7 +5,7 @@ import pytest
 
 from umrt.hardware import load_profile
 from umrt.policy.runtime.planner import PAGE, IterationRecord, Planner
-from umrt.trace.events import Kind
+from umrt.trace.events import Access, Alloc, Kind
 
 MB = 1 << 20
 
@@ -287,3 +287,21 @@ def test_a_plan_with_the_copy_engines_decides_at_finer_module_boundaries():
     assert forward == list(range(12))
     assert [p for p in migrate if p < 12] == [0, 3, 6, 9]
     assert Planner(budget, profile, swap=True, min_segment_s=MIN_SEGMENT_S).decision_points(rec) == migrate
+
+
+def test_a_key_holds_data_from_its_birth_where_a_launch_reads_it_first():
+    """A key made outside every launch (the host wrote it), or first touched by a launch that
+    reads it (a kernel umrt does not see wrote it), holds data from its birth: no plan may
+    treat it as born but unwritten."""
+    rec = IterationRecord(start_live={1})
+    for key, launch in ((2, 0), (3, 0), (4, 0), (5, -1)):
+        rec.add_alloc(0, key, Alloc(key, 100, Kind.ACTIVATION, launch))
+
+    def uses(**reads):  # obj name -> whether the launch reads it
+        return rec.add_uses([Access(int(o[1:]), 0, 100, not r) for o, r in reads.items()], {1: 1, 2: 2, 3: 3, 4: 4}.get)
+
+    assert uses(k1=True, k2=False) == (1, 2)  # 1 alive at the start; 2 written first
+    uses(k2=True, k3=True, k4=False, k9=True)  # 9: not in the record
+    uses(k4=True)
+    assert rec.born_written == {3, 5} and rec.touched == {1, 2, 3, 4}
+    assert rec.uses == [(1, 2), (2, 3, 4), (4,)] and rec.sizes[5] == 100

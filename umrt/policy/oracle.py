@@ -342,14 +342,13 @@ def iteration_record(trace: Trace, template: Template, profile: HardwareProfile)
     for e in trace.events[a + 1 : b]:
         if isinstance(e, Launch):
             rec.exec_ids.append(e.exec_id)
-            rec.uses.append(tuple(dict.fromkeys(x.obj for x in e.accesses if x.obj in rec.sizes)))
+            rec.add_uses(e.accesses, lambda obj: obj if obj in rec.sizes else None)
             rec.times.append(profile.compute_time(e.flops, e.bytes, e.precision))
             rec.alloc_counts.append(allocs)
             rec.free_counts.append(frees)
             launches += 1
         elif isinstance(e, Alloc):
-            rec.allocs.append((launches, e.obj))
-            rec.sizes[e.obj], rec.kinds[e.obj] = e.nbytes, e.kind
+            rec.add_alloc(launches, e.obj, e)
             allocs += 1
         elif isinstance(e, Free):
             if e.obj in rec.sizes:

@@ -61,15 +61,8 @@ class Learner:
     def record_launch(self, rec: IterationRecord, ev: Launch, n_frees: int) -> None:
         """Launch ``ev`` in the record: the keys it touches, its compute time, the
         allocations and frees before it; the tables and the signature learn it."""
-        key_of = self.keys.key_of
-        seen: dict[int, None] = {}
-        for a in ev.accesses:
-            k = key_of.get(a.obj)
-            if k is not None:
-                seen[k] = None
-        keys = tuple(seen)
+        keys = rec.add_uses(ev.accesses, self.keys.key_of.get)
         rec.exec_ids.append(ev.exec_id)
-        rec.uses.append(keys)
         rec.times.append(self.compute_time(ev.flops, ev.bytes, ev.precision))
         rec.alloc_counts.append(self.keys.ordinal)
         rec.free_counts.append(n_frees)

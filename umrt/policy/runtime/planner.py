@@ -14,12 +14,12 @@ from __future__ import annotations
 import bisect
 import difflib
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from umrt.backends.base import BLOCK, PAGE  # the driver's units (PAGE re-exported for the runtime)
 from umrt.hardware import HardwareProfile
-from umrt.trace.events import Kind
+from umrt.trace.events import Access, Alloc, Kind
 
 INF = float("inf")
 
@@ -51,9 +51,38 @@ class IterationRecord:
     # The same events as tokens (see launch_free_token): what rebase() aligns.
     tokens: list[int] = field(default_factory=list)
     signature: int = 0
+    # Keys that hold data from their birth in the iteration: born outside every launch (the
+    # host, or a kernel umrt does not see, wrote them: a collective's output under gloo), or
+    # first touched by a launch that reads them. No plan treats them as born but unwritten.
+    born_written: set[int] = field(default_factory=set)
+    touched: set[int] = field(default_factory=set)  # keys a launch of the iteration has touched
 
     def __len__(self) -> int:
         return len(self.exec_ids)
+
+    def add_alloc(self, at: int, key: int, ev: Alloc) -> None:
+        """``key`` born before launch ``at``, by the allocation ``ev``."""
+        self.allocs.append((at, key))
+        self.sizes[key], self.kinds[key] = ev.nbytes, ev.kind
+        if ev.launch == -1:  # made outside every launch: it may hold data already
+            self.born_written.add(key)
+
+    def add_uses(self, accesses: Iterable[Access], key: Callable[[int], int | None]) -> tuple[int, ...]:
+        """The keys one launch touches (``key(obj)``; None: not in the record), in order,
+        appended to :attr:`uses` and returned."""
+        reads: dict[int, bool] = {}  # key -> whether the launch reads it
+        for a in accesses:
+            k = key(a.obj)
+            if k is not None:
+                reads[k] = reads.get(k, False) or not a.write
+        for k, read in reads.items():
+            if k not in self.touched:
+                self.touched.add(k)
+                if read and k not in self.start_live:
+                    self.born_written.add(k)
+        keys = tuple(reads)
+        self.uses.append(keys)
+        return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -693,9 +722,9 @@ class Planner:
 
         for k in resident:
             push(k)
-        # Keys that hold data: what was alive at the start, then whatever a
-        # launch has touched. A key born but not yet written needs room, not a copy.
-        touched = set(rec.start_live)
+        # Keys that hold data: what was alive at the start or was born with data, then whatever
+        # a launch has touched. A key born but not yet written needs room, not a copy.
+        holding = set(rec.start_live) | rec.born_written
 
         frees = sorted(rec.frees)
         fi = 0
@@ -800,14 +829,14 @@ class Planner:
                             migrated = sum(out_s(k) for k in evict[before:] if k not in swaps)
                             if migrated:
                                 link_free = max(link_free, t[d]) + migrated
-                        away.update(k for k in evict[before:] if k in swaps and k in touched and next_use(k) != INF)
+                        away.update(k for k in evict[before:] if k in swaps and k in holding and next_use(k) != INF)
                     if used - gone_bytes + nbytes > cap:
                         break  # capacity-bound: the window ends here
                 for k in need:
                     resident[k] = size[k]
                     used += size[k]
                     push(k)
-                    if k in touched:  # holds data: move it; born but unwritten or unborn: room only
+                    if k in holding:  # holds data: move it; born but unwritten or unborn: room only
                         prefetch.append(k)
                         link_free += in_s(k)
                         if k in away:  # copied back: the kernels of its first reader's segment wait for it
@@ -818,7 +847,7 @@ class Planner:
                 peak = used - gone_bytes
             if away:  # the most bytes swapped out at once: the pinned staging it needs
                 away_peak = max(away_peak, sum(size[k] for k in away))
-            evict = [k for k in evict if k in touched]  # unwritten pages hold nothing to move
+            evict = [k for k in evict if k in holding]  # unwritten pages hold nothing to move
             # Pre-evict as early as it is safe: right after the victim's last
             # use, so its copy-out is long done when the room is needed and the
             # prefetch that needs the room never waits for it. A victim no launch
@@ -866,11 +895,11 @@ class Planner:
                         # Larger than the budget: what is not resident is read
                         # and written over the link for this launch only.
                         remote_at.setdefault(i, []).append(k)
-                        if k not in touched:
+                        if k not in holding:
                             fresh.setdefault(i, set()).add(k)
                         ptr[k] = ptr.get(k, 0) + 1
                         last_pi[k] = pi
-                        touched.add(k)
+                        holding.add(k)
                         push(k)
                         continue
                     if k not in resident:
@@ -881,7 +910,7 @@ class Planner:
                             used = self._make_room(heap, resident, used, cap, i, next_use, pinned, size, [])
                     ptr[k] = ptr.get(k, 0) + 1
                     last_pi[k] = pi
-                    touched.add(k)
+                    holding.add(k)
                     push(k)
         while fi < len(frees):  # deaths after the last launch (zero_grad after the step)
             resident.pop(frees[fi][1], None)

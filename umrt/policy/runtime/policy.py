@@ -401,9 +401,7 @@ class Runtime(Policy):
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
             rec = self.record
             if rec is not None:
-                rec.allocs.append((self.n_launches, key))
-                rec.sizes[key] = event.nbytes
-                rec.kinds[key] = event.kind
+                rec.add_alloc(self.n_launches, key, event)
                 rec.launch_free_clock.append((self.n_launches, events_hash))
                 rec.tokens.append(event.nbytes << 3)  # planner.launch_free_token(nbytes << 1, ALLOC_TOKEN)
             if self.event_tokens is not None:
