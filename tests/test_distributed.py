@@ -312,17 +312,20 @@ def test_ddp_under_torchrun_in_shadow_mode_keeps_the_losses_and_reports_each_ran
 @pytest.mark.slow
 def test_fsdp2_under_torchrun_in_shadow_mode_keeps_the_losses_and_reports_each_rank(tmp_path):
     """FSDP2 (fully_shard) runs on the CPU with gloo in torch 2.13: its collectives (all-gather,
-    reduce-scatter) are ops the recorder sees, into buffers from torch's allocator."""
+    reduce-scatter) are ops the recorder sees, into buffers from torch's allocator. At 30% the
+    plan reads each reduce-scattered gradient shard over the link in the optimizer's launch: until
+    318225d it discarded the shard first (made outside every op, it was taken for a newborn
+    holding nothing), and the simulator's contents check stopped a rank."""
     script = str(EXAMPLES / "train_fsdp.py")
     plain = _run(_torchrun(script, *SMALL), _env(), tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     # the form without `umrt run`: UMRT=1 and UMRT_SIMULATE in torchrun's environment
     shadow = _run(_torchrun(script, *SMALL),
-                  _env(UMRT="1", UMRT_SIMULATE="h100-pcie5-80g", UMRT_GPU_MEMORY="50%"), tmp_path)
+                  _env(UMRT="1", UMRT_SIMULATE="h100-pcie5-80g", UMRT_GPU_MEMORY="30%"), tmp_path)
     assert shadow.returncode == 0, shadow.stderr[-3000:]
     assert _losses(shadow.stdout) == _losses(plain.stdout)
     out = shadow.stdout
-    assert out.count("umrt shadow run under torchrun") == 1
+    assert out.count("umrt shadow run under torchrun") == 1 and "no report" not in out
     for rank in (0, 1):
         assert re.search(rf"│ {rank} +│ +{STEPS} │ .* ms │ .*x │", out), out
     assert "slowest rank" in out
