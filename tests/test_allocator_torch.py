@@ -462,7 +462,9 @@ def test_the_pools_layouts_plan_only_once_what_it_holds_passes_the_budget(fake_g
 
 def test_the_pools_layouts_plan_once_the_steps_grow_past_the_budget(fake_gpu):
     """Steps that fit are served as learned; when later steps make the pool hold more than
-    its limit, its layout plans at the next training boundary where it can."""
+    its limit, its layout plans at the next training boundary where it can: the end of the
+    first step that repeats the one before it (the fifth step, the first of 8 blocks, repeats
+    none before it: planned from, it would miss every step of another shape)."""
     from umrt.memory.pool import LifetimePool
     from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
 
@@ -479,4 +481,4 @@ def test_the_pools_layouts_plan_once_the_steps_grow_past_the_budget(fake_gpu):
         for b in blocks:
             pool.free(b)
         planned.append(made[0].planned)
-    assert planned == [False] * 5 + [True] * 3 and pool.peak_reserved_bytes() > 24 * MiB
+    assert planned == [False] * 6 + [True] * 2 and pool.peak_reserved_bytes() > 24 * MiB

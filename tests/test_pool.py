@@ -666,6 +666,33 @@ def test_live_feed_plans_steps_whose_shapes_take_turns_by_the_fifth_step():
     assert made_at == [3]  # planned at the end of step 2, the first to repeat the one before
 
 
+def test_live_feed_does_not_plan_steps_whose_shapes_never_repeat():
+    """Bucketed lengths in a varying order: no step repeats an earlier one by FIRST_PLAN_BY, so
+    a plan made from any of them would mostly miss (and spread the steps over more memory): the
+    pool goes on serving as a caching allocator, and plans once a shape comes again."""
+    from umrt.memory.pool import FIRST_PLAN_BY
+
+    made_at: list[int] = []
+    pool = LifetimePool(bump(), live_feed=True)
+    batches = [1, 2, 3, 4, 5, 6, 7, 3]
+    drive_live(pool, model_events(batches=batches),
+               check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
+    assert len(set(batches[:FIRST_PLAN_BY + 2])) == FIRST_PLAN_BY + 2  # nothing repeats until the last
+    assert made_at == [] and pool.planned  # planned at the end of the last step, the first that repeats
+
+
+def test_the_pool_stops_planning_when_its_plan_keeps_missing_steps_that_never_repeat():
+    """Planned from two steps of one shape, then every step another shape (none like the one
+    before it, so none to plan again from): after SHORT_PLAN such steps, each missing most of
+    the plan, the pool serves best-fit, as a caching allocator does."""
+    from umrt.memory.pool import SHORT_PLAN
+
+    pool = LifetimePool(bump())
+    drive(pool, model_events(batches=[2, 2, 2, 5, 1, 4, 6, 3, 7]), check=check_layout)
+    assert not pool.planning and "do not repeat" in pool.stopped_planning
+    assert f"{SHORT_PLAN} training iterations in a row" in pool.stopped_planning
+
+
 def test_live_feed_keys_ignore_launches():
     """A live run has launches while it learns and none once the runtime stops recording:
     the plan learned then must still serve the iterations without them."""

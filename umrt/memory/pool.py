@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -432,8 +433,10 @@ class LifetimePool(Layout):
         self._fits_unplanned = False  # needs_plan said no: nothing planned, nothing handed back
         self._plan_served = 0  # training iterations the current plan served
         self._last_shape: dict[PlanKey, int] = {}  # the last training iteration's plan keys -> bytes
+        self._recent_shapes: deque[dict[PlanKey, int]] = deque(maxlen=FIRST_PLAN_BY)  # unplanned steps'
         self._unplanned_steps = 0  # training iterations learned before the first plan (live feed)
         self._short_plans = 0  # re-plans in a row that replaced a plan serving < SHORT_PLAN of them
+        self._missed_steps = 0  # training iterations in a row the plan missed, none of the shape before it
 
         self._clock = 0
         self._iteration: int | None = None  # None: set-up, before the first boundary
@@ -743,7 +746,11 @@ class LifetimePool(Layout):
         same_shape, self._last_shape = _same_shape(shape, self._last_shape), shape
         if not self.planned:
             self._unplanned_steps += 1
-            if same_shape or not self.live_feed or self._unplanned_steps >= FIRST_PLAN_BY:
+            # By FIRST_PLAN_BY steps, shapes that take turns have repeated; a step no earlier one
+            # repeats (bucketed lengths in a varying order) would miss a plan made from it.
+            repeated = any(_same_shape(shape, s) for s in self._recent_shapes)
+            self._recent_shapes.append(shape)
+            if same_shape or not self.live_feed or (self._unplanned_steps >= FIRST_PLAN_BY and repeated):
                 if self.needs_plan is None or self.needs_plan(self.peak_footprint):
                     self._fits_unplanned = False  # (planned: the learning arena goes back once empty, as always)
                     self._make_plan(records)
@@ -751,14 +758,24 @@ class LifetimePool(Layout):
                     self._fits_unplanned = True
         elif self._refine:
             self._make_plan(records)  # once: the ends of objects that outlived the learned iteration are known now
-        elif (self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes
-              and same_shape):  # the shape changed for good, not for one step (a short last batch)
-            self._short_plans = self._short_plans + 1 if self._plan_served < SHORT_PLAN else 0
-            if self.max_short_plans is not None and self._short_plans >= self.max_short_plans:
-                self.stop_planning(f"{self._short_plans} plans in a row were replaced within "
-                                    f"{SHORT_PLAN} training iterations (the allocations do not repeat)")
-            else:
-                self._make_plan(records)
+        elif self.replan_threshold is not None and st.missed_bytes > self.replan_threshold * st.eligible_bytes:
+            if same_shape:  # the shape changed for good, not for one step (a short last batch)
+                self._short_plans = self._short_plans + 1 if self._plan_served < SHORT_PLAN else 0
+                if self.max_short_plans is not None and self._short_plans >= self.max_short_plans:
+                    self.stop_planning(f"{self._short_plans} plans in a row were replaced within "
+                                       f"{SHORT_PLAN} training iterations (the allocations do not repeat)")
+                else:
+                    self._make_plan(records)
+                return
+            # No shape to plan again from: steps whose shapes never repeat (bucketed lengths in a
+            # varying order) keep missing a plan that only spreads them over more memory.
+            self._missed_steps += 1
+            if self.max_short_plans is not None and self._missed_steps >= SHORT_PLAN:
+                self.stop_planning(f"its plan missed most of the bytes of {self._missed_steps} training "
+                                   "iterations in a row, each of a shape unlike the one before (the allocations "
+                                   "do not repeat)")
+        else:
+            self._missed_steps = 0
 
     def _make_plan(self, records: list[_Record]) -> None:
         """Plan from ``records``, this iteration's recurring records (:meth:`_recurring_records`)."""
@@ -885,6 +902,7 @@ class LifetimePool(Layout):
         self.planned = True
         self.plans_made += 1
         self._plan_served = 0
+        self._missed_steps = 0
 
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """Serve every allocation best-fit from now on, as a caching allocator does. Where
