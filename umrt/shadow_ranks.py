@@ -175,13 +175,15 @@ def render(ranks: dict[int, dict | None], cfg: Config) -> str:
         table.add_row(str(rank), str(rep.get("iterations", 0)), format_bytes(rep.get("budget_bytes") or 0),
                       f"{live['iteration_time_s'] * 1e3:.2f} ms", f"{live['vs_ideal']:.2f}x",
                       f"{vs_um:.2f}x faster" if vs_um and vs_um >= 1 else (f"{1 / vs_um:.2f}x slower" if vs_um
+                                                                           else "learned only" if rt.get("acted") == 0
                                                                            else "-"),
                       format_bytes(live["h2d_bytes"]), format_bytes(live["d2h_bytes"]),
                       str(rt.get("deviations", 0)), str(data.get("status", "")))
     lines = [
         "Each rank ran its script unchanged on the CPU (its losses are a plain run's) and drove a simulated "
         "GPU of its own; a row is that rank's steady-state training iteration under umrt.",
-        "  vs ideal: against a GPU with enough memory; vs um: against plain Unified Memory; deviations: "
+        "  vs ideal: against a GPU with enough memory; vs um: against plain Unified Memory over the whole run "
+        "(learned only: the rank learned on every iteration and acted on none); deviations: "
         "iterations that left the rank's learned plan (a rank deviates on its own, no other rank waits for "
         "its runtime).",
     ]
