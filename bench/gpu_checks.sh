@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks to run first when a GPU is at hand, in one go, from the repository root
-# (about 10 minutes on an H200): umrt doctor, the copy-engine probe, the GPU tests, an
+# (about 10 minutes on an H200): umrt doctor, the copy-engine probe, the remote-write probe, the GPU tests, an
 # example loop with evaluations under umrt against plain PyTorch (issue 24), and GPT-2 with
 # umrt beside activation checkpointing at checkpointing's peak (issue 20). Each writes its
 # output to $OUT (default gpu-out/) and one line to $OUT/summary.txt; none stops the others.
@@ -21,6 +21,7 @@ check() {  # check NAME SECONDS COMMAND...
 
 check doctor 90 "$PY" -m umrt doctor
 check copy_wait 120 env OUT="$OUT" "$PY" -m bench.copy_wait
+check remote_write 90 env OUT="$OUT" "$PY" -m bench.remote_write
 check pytest_gpu 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider
 # Issue 24: the loop that evaluates every 6 steps, plain and under umrt with a budget below
 # its footprint (umrt's own limit: the card's memory is not taken away); the losses must be

@@ -444,3 +444,17 @@ def test_the_ideal_column_is_the_same_whatever_policies_run(monkeypatch):
         return row.split("|")[6].strip()
 
     assert ideal_ms(("um",)) == ideal_ms(("ideal", "um")) == "100.0"
+
+
+def test_the_gpu_probes_say_in_one_line_that_they_need_a_gpu(capsys):
+    """Without a GPU (CI), each probe ``bench/gpu_checks.sh`` runs exits 2 with one line, never a traceback."""
+    from conftest import gpu_available
+
+    from bench import copy_wait, remote_write
+
+    if gpu_available():
+        pytest.skip("a GPU is here: the probes would run")
+    for probe in (copy_wait, remote_write):
+        assert probe.main() == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"bench.{probe.__name__.split('.')[-1]} needs ") and err.count("\n") == 1, err
