@@ -29,6 +29,25 @@ def _check(result):
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
+def run_rows(res: dict, rows, measure) -> None:
+    """Each ``(name, call)`` in turn: ``measure(name, call)``'s figures (a dict) into ``res``; a
+    row that fails gives its error as ``{name}_error`` and the others still run."""
+    for name, call in rows:
+        try:
+            res.update(measure(name, call))
+        except Exception as exc:  # noqa: BLE001 - a row that fails says why
+            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def report(res: dict, name: str) -> int:
+    """Print ``res`` as JSON, also to ``$OUT/{name}.json`` where ``OUT`` is set; 0."""
+    text = json.dumps(res, indent=1)
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{name}.json").write_text(text)
+    return 0
+
+
 def main() -> int:
     try:
         import cupy as cp
@@ -95,21 +114,13 @@ def main() -> int:
             sm_copy(*words)
 
     device = cp.full(N, 1, cp.uint8)
-    for name, call in (("copy_out", lambda: memcpy(pinned, managed[0])), ("copy_back", lambda: memcpy(managed[1], pinned)),
-                       ("prefetch_to_host", lambda: _check(rt.cudaMemPrefetchAsync(managed[2], N, where(-1), 0,
-                                                                                  copy_stream))),
-                       ("device_copy_out", lambda: memcpy(pinned, device.data.ptr)),
-                       ("sm_copy_out", lambda: kernel_copy(managed[0], pinned)),
-                       ("sm_copy_back", lambda: kernel_copy(pinned, managed[1]))):
-        try:  # a row that fails says why; the others still run
-            res.update(measure(name, call))
-        except Exception as exc:  # noqa: BLE001
-            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-    text = json.dumps(res, indent=1)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "copy_wait.json").write_text(text)
-    return 0
+    run_rows(res, (("copy_out", lambda: memcpy(pinned, managed[0])), ("copy_back", lambda: memcpy(managed[1], pinned)),
+                   ("prefetch_to_host", lambda: _check(rt.cudaMemPrefetchAsync(managed[2], N, where(-1), 0,
+                                                                              copy_stream))),
+                   ("device_copy_out", lambda: memcpy(pinned, device.data.ptr)),
+                   ("sm_copy_out", lambda: kernel_copy(managed[0], pinned)),
+                   ("sm_copy_back", lambda: kernel_copy(pinned, managed[1]))), measure)
+    return report(res, "copy_wait")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ kernel writing 1 GiB of managed memory (GB/s): ``resident`` (on the GPU), ``disc
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
-from pathlib import Path
+
+from bench.copy_wait import report, run_rows
 
 N = 1 << 30
 
@@ -42,34 +41,29 @@ def main() -> int:
         cp.cuda.runtime.deviceSynchronize()
         return N / (time.perf_counter() - t) / 1e9
 
-    def host_discarded(mapped: bool) -> float:
-        backend.discard_and_prefetch(whole, HOST)
-        if mapped:
-            backend.advise(whole, Advice.SET_PREFERRED_LOCATION, HOST)
-            backend.advise(whole, Advice.SET_ACCESSED_BY, 0)
-        rate = write()
-        if mapped:
-            backend.advise(whole, Advice.UNSET_ACCESSED_BY, 0)
-            backend.advise(whole, Advice.UNSET_PREFERRED_LOCATION, HOST)
-        backend.prefetch(whole, 0)
-        return rate
+    def advise(*pairs) -> None:
+        for advice, device in pairs:
+            backend.advise(whole, advice, device)
+
+    undo = {"host_discarded_mapped": lambda: advise((Advice.UNSET_ACCESSED_BY, 0),
+                                                    (Advice.UNSET_PREFERRED_LOCATION, HOST))}
+
+    def timed(name: str, prepare) -> dict:  # prepare the pages, time the write, put them back on the GPU
+        try:
+            prepare()
+            return {f"{name}_GBs": write()}
+        finally:
+            undo.get(name, lambda: None)()
+            backend.prefetch(whole, 0)
 
     res: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode()}
     backend.prefetch(whole, 0)
     write()  # populated on the GPU
-    for name, run in (("resident", write), ("discarded", lambda: (backend.discard(whole), write())[1]),
-                      ("host_discarded_mapped", lambda: host_discarded(True)),
-                      ("host_discarded", lambda: host_discarded(False))):
-        try:  # a row that fails says why; the others still run
-            res[f"{name}_GBs"] = run()
-        except Exception as exc:  # noqa: BLE001
-            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-            backend.prefetch(whole, 0)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "remote_write.json").write_text(text)
-    return 0
+    run_rows(res, (("resident", lambda: None), ("discarded", lambda: backend.discard(whole)),
+                   ("host_discarded_mapped", lambda: (backend.discard_and_prefetch(whole, HOST), advise(
+                       (Advice.SET_PREFERRED_LOCATION, HOST), (Advice.SET_ACCESSED_BY, 0)))),
+                   ("host_discarded", lambda: backend.discard_and_prefetch(whole, HOST))), timed)
+    return report(res, "remote_write")
 
 
 if __name__ == "__main__":

@@ -357,7 +357,9 @@ class LifetimePool(Layout):
         Stop planning once this many re-plans in a row each replaced a plan
         that served fewer than :data:`SHORT_PLAN` training iterations (the
         program's allocations do not repeat: bucketed sequence lengths,
-        batches that change every step): the ``learning`` arena then serves
+        batches that change every step), or once the plan missed most of
+        :data:`SHORT_PLAN` training iterations in a row, none of the shape
+        of the one before (none to plan again from): the ``learning`` arena then serves
         every allocation best-fit, as a caching allocator does, and each planned
         region is handed back once its objects are dead (``None``: never stop).
     live_feed:
