@@ -388,6 +388,48 @@ def test_a_regions_space_hands_out_planned_places_and_best_fits():
     assert sorted(space.free_blocks()) == [(2 * MiB, 2 * MiB)]
 
 
+def test_a_fit_on_the_gpu_takes_the_smallest_free_block_with_room_on_the_gpu():
+    """Free memory the caller took off the GPU would be populated again before its first
+    kernel: a fit on the GPU skips it while another free block has room on the GPU, and
+    takes what best fit takes where none has."""
+    from umrt.backends.ranges import RangeSet
+    from umrt.memory.pool import LifetimePool, _Online
+
+    space = _Online(LifetimePool(bump()), "region")
+    space.adopt(0, 8 * MiB, [(MiB, MiB), (3 * MiB + MiB // 2, MiB // 2)])  # free: [0,1) [2,3.5) [4,8)
+    off = RangeSet()
+    off.add(0, MiB)  # the smallest block that holds 1 MiB, discarded
+    off.add(2 * MiB, MiB // 2)
+    assert space.fit_on_gpu(MiB, off.gaps) == 2 * MiB + MiB // 2  # the room on the GPU in [2, 3.5)
+    assert space.fit_on_gpu(2 * MiB, off.gaps) == 4 * MiB
+    off.add(0, 8 * MiB)
+    assert space.fit_on_gpu(MiB, off.gaps) is None
+    assert space.fit(MiB) == 0  # best fit, the caller's fallback
+
+
+def test_an_evaluation_takes_free_memory_on_the_gpu_before_memory_taken_off_it():
+    """The region's free memory a training step's dead left is partly off the GPU (the
+    runtime discarded it). An evaluation's allocations go where the GPU still holds pages, as
+    plain Unified Memory reuses resident pages; a training step's keep their planned places."""
+    from umrt.backends.ranges import RangeSet
+
+    off = RangeSet()
+    plain = LifetimePool(bump())
+    pool = LifetimePool(bump(), on_gpu=off.gaps)
+    events = _transformer_loop(steps=3, evals=3)
+    cut = next(i for i, e in enumerate(events) if isinstance(e, IterationBoundary) and e.phase == "eval")
+    unmoved = drive(plain, events, check=check_layout)
+    before = drive(pool, events[:cut], check=check_layout)
+    region = pool._regions[0]
+    lo, n = region.short
+    off.add(lo, MiB)  # where best fit puts the evaluation's input: discarded
+    after = drive(pool, events[cut:], check=check_layout)
+    batch = {k: a for (i, k), a in after.items() if i == 3}
+    assert batch and not any(off.overlaps(a, MiB) for a in batch.values())
+    assert unmoved[(3, 0)] == plain._regions[0].short[0]  # where best fit alone puts it
+    assert {k: a for (i, k), a in before.items() if i == 2} == {k: a for (i, k), a in before.items() if i == 1}
+
+
 def test_the_pool_stops_planning_when_its_plans_keep_being_replaced():
     """Every other step another batch size (bucketed lengths): each plan is replaced after two
     steps. After two such plans the pool serves best-fit in the learning arena: the regions keep

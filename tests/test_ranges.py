@@ -59,3 +59,16 @@ def test_covers_and_first_gap_agree_with_the_bytes_held(seq, ptr, n):
     held = {b for p, k in rs for b in range(p, p + k)}
     assert rs.covers(ptr, n) == all(b in held for b in range(ptr, ptr + n))
     assert rs.first_gap(ptr, n) == next((b for b in range(ptr, ptr + n) if b not in held), ptr + n)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(0, 80), st.integers(0, 20))
+def test_gaps_are_exactly_the_bytes_not_held(seq, ptr, n):
+    rs = RangeSet()
+    for op, p, k in seq:
+        (rs.add if op == "add" else rs.take)(p, k)
+    held = {b for p, k in rs for b in range(p, p + k)}
+    gaps = rs.gaps(ptr, n)
+    assert {b for p, k in gaps for b in range(p, p + k)} == {b for b in range(ptr, ptr + n) if b not in held}
+    assert all(k > 0 for _, k in gaps)
+    assert all(p1 + n1 < p2 for (p1, n1), (p2, _) in zip(gaps, gaps[1:], strict=False))  # sorted, merged

@@ -729,3 +729,32 @@ def test_training_resumes_at_the_first_op_that_writes_in_train_mode_after_an_eva
         first = next(e for e in tr.events[a:b] if isinstance(e, Launch))
         starts.append(first.op)
     assert starts[1:] == ["aten::stack.default"] * 4, starts  # every step, after the evaluation too
+
+
+def test_an_iterations_first_factory_op_is_no_parameter_because_the_models_first_one_was():
+    """A script builds its model inside iteration 0 (``aten::empty`` for each parameter, in
+    no module). A DataLoader's iterator later draws its 8-byte seed the same way
+    (``torch.empty((), dtype=torch.int64).random_()``), the first such op of an evaluation
+    batch: same execution id, same occurrence. Its size tells it apart from the parameter."""
+    rec = Recorder(steer=False, mark_start=True)
+    with rec:
+        model, opt = _mlp("cpu")  # made while recording, as a script does
+        for _ in range(2):
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            for _ in range(2):
+                seed = int(torch.empty((), dtype=torch.int64).random_().item())
+                model(torch.full((8, 16), float(seed % 7))).sum().item()
+        model.train()
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+    tr = rec.trace()
+    assert tr.iteration_phases()[2:4] == ["eval", "eval"]
+    seeds = [e for e in rec.events if isinstance(e, Alloc) and e.nbytes == 8]
+    assert len(seeds) == 2
+    assert all(e.kind is not Kind.PARAMETER for e in seeds), seeds
+    params = {e.obj for e in tr.events if isinstance(e, Alloc) and e.kind is Kind.PARAMETER}
+    assert len(params) == 4  # the model's two weights and two biases, nothing else

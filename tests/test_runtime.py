@@ -452,6 +452,30 @@ def test_a_dead_range_a_newborn_reuses_at_once_is_discarded_only_where_events_co
     assert at_free == ([populate, ("discard", (dead,))] if on_free else [populate])
 
 
+@pytest.mark.parametrize("phase", ["train", "eval"])
+def test_dead_ranges_held_for_a_steps_newborns_stay_resident_into_an_evaluation(phase):
+    """A dead range held for a newborn that never came is discarded as the step ends, unless
+    an evaluation comes next: its newborns take the range as it is, resident (as plain
+    Unified Memory reuses resident pages), where a discarded one is populated again first."""
+    backend = _AllCalls()
+    rt = Runtime(use_pool=False)
+    layout = rt.make_layout(backend)
+    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
+    rt.on_event(IterationBoundary(0))
+    rt.discard_keys = frozenset({0})
+    rt._reuse.keys.add(0)  # learned: a newborn took this key's discarded range at once
+    size = 4 << 20
+    layout.alloc(1, size, Kind.ACTIVATION)
+    rt.on_event(Alloc(1, size, Kind.ACTIVATION, 0))
+    ptr = layout.address(1)
+    rt.on_event(Free(1))
+    layout.free(1)
+    before = len(backend.calls)
+    rt.on_event(IterationBoundary(1, phase))
+    discards = [c for c in backend.calls[before:] if c[0] == "discard"]
+    assert discards == ([("discard", ((ptr, size),))] if phase == "train" else [])
+
+
 def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
     """Only the whole pages a newborn touches leave the pending discards: the rest of a
     larger dead range it lands in is still discarded at that allocation."""

@@ -91,6 +91,22 @@ class RangeSet:
         i = bisect.bisect_right(self._starts, ptr) - 1
         return i >= 0 and self._ends[i] >= ptr + nbytes
 
+    def gaps(self, ptr: int, nbytes: int) -> list[Range]:
+        """The parts of ``[ptr, ptr + nbytes)`` not in the set, in address order."""
+        end = ptr + nbytes
+        i = bisect.bisect_right(self._ends, ptr)  # first interval ending after ptr
+        out: list[Range] = []
+        cursor = ptr
+        starts, ends = self._starts, self._ends
+        while cursor < end and i < len(starts) and starts[i] < end:
+            if starts[i] > cursor:
+                out.append((cursor, starts[i] - cursor))
+            cursor = max(cursor, ends[i])
+            i += 1
+        if cursor < end:
+            out.append((cursor, end - cursor))
+        return out
+
     def first_gap(self, ptr: int, nbytes: int) -> int:
         """The first byte of ``[ptr, ptr + nbytes)`` not in the set (``ptr + nbytes`` if none)."""
         i = bisect.bisect_right(self._starts, ptr) - 1

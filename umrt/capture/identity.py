@@ -30,7 +30,7 @@ class TracedObject:
     known: Kind | None  # kind established by a fact (parameter, gradient, ...)
     phase: int  # phase it was born in
     iteration: int  # iteration it was born in (-1: set-up)
-    key: tuple | None  # (exec_id, occurrence, output index) of the creating launch
+    key: tuple | None  # (exec_id, occurrence, output index, nbytes) of the creating launch
     event_index: int  # index of its Alloc event (-1: not announced yet)
     freed_phase: int = -1
     freed_iteration: int = ALIVE

@@ -593,7 +593,10 @@ class Recorder:
             st = t.untyped_storage()
             obj = self._objects.find(st)
             if obj is None:
-                key = (exec_id, occurrence, j)
+                # The size too: a factory op's execution id knows no size (no tensor
+                # argument), and the iteration's first 8-byte ``aten::empty`` (a DataLoader's
+                # seed) is no parameter because a model's first empty was one.
+                key = (exec_id, occurrence, j, st.nbytes())
                 kind = self._objects.learned.get(key)
                 if kind is None:
                     kind = Kind.ACTIVATION if phase == FORWARD else Kind.TEMPORARY

@@ -43,6 +43,8 @@ _HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints 
 # Live feed: allocations recorded in one iteration, at most (gpt2-xl makes ~3,600 per
 # step: this covers gradient accumulation over ~70 micro-batches; ~40 MB of records).
 _MAX_RECORDS = 1 << 18
+# Free blocks a fit on the GPU looks through (smallest first) before best fit takes any.
+_GPU_FIT_SCAN = 64
 # A plan replaced before it served this many training iterations was short-lived: the
 # program's allocations changed again right after the pool planned for them.
 SHORT_PLAN = 4
@@ -141,6 +143,20 @@ class _Online:
             self._add_free(ptr + size, fsize - size)
         self.used[ptr] = size
         return ptr
+
+    def fit_on_gpu(self, size: int, on_gpu: Callable[[int, int], list[tuple[int, int]]]) -> int | None:
+        """Like :meth:`fit`, in the smallest free block (of the first :data:`_GPU_FIT_SCAN`
+        that hold ``size``) with ``size`` aligned bytes that ``on_gpu`` (the parts of a range
+        on the GPU) says are all there; None if there is none."""
+        i = bisect.bisect_left(self._free_keys, (size, -1))
+        align = self.pool.alignment
+        for _fsize, ptr in self._free_keys[i:i + _GPU_FIT_SCAN]:
+            for p, n in on_gpu(ptr, _fsize):
+                start = _up(p, align)
+                if start + size <= p + n:
+                    self.take(start, size)
+                    return start
+        return None
 
     def take(self, ptr: int, size: int) -> bool:
         """``[ptr, ptr + size)`` if it lies inside one free block (a planned place); False,
@@ -282,14 +298,21 @@ class _Region:
     # Which of its bytes are in use (planned places are taken from it, misses fit into it).
     space: _Online | None = None
 
-    def best_fit(self, size: int, keep_classes: bool = True) -> tuple[int, str] | None:
+    def best_fit(self, size: int, keep_classes: bool = True,
+                 on_gpu: Callable[[int, int], list[tuple[int, int]]] | None = None) -> tuple[int, str] | None:
         """Best fit of ``size`` where nothing lives now, and the memory's class as planned;
         None where no free range fits (with ``keep_classes``, none that does not straddle
-        the short-lived range's edge: a block would hold two classes)."""
-        ptr = self.space.fit(size)
+        the short-lived range's edge: a block would hold two classes). With ``on_gpu``,
+        free memory on the GPU first (:meth:`_Online.fit_on_gpu`)."""
+        lo, n = self.short
+        ptr = self.space.fit_on_gpu(size, on_gpu) if on_gpu is not None else None
+        if ptr is not None and keep_classes and n and any(ptr < edge < ptr + size for edge in (lo, lo + n)):
+            self.space.free(ptr)
+            ptr = None
+        if ptr is None:
+            ptr = self.space.fit(size)
         if ptr is None:
             return None
-        lo, n = self.short
         if keep_classes and n and any(ptr < edge < ptr + size for edge in (lo, lo + n)):
             self.space.free(ptr)
             return None
@@ -380,6 +403,11 @@ class LifetimePool(Layout):
         once a plan serves them; the free part of a region a new plan replaced). Its
         pages hold dead bytes that a GPU short of memory would copy out to make room:
         the runtime discards them.
+    on_gpu:
+        ``on_gpu(ptr, nbytes)``: the parts of that range on the GPU, as far as the caller
+        knows (``[(ptr, nbytes), ...]``). An allocation the plan has no place for then takes
+        free memory there before memory the caller took off the GPU, which its first
+        kernel would wait to see populated, as plain Unified Memory reuses resident pages.
     """
 
     def __init__(
@@ -396,6 +424,7 @@ class LifetimePool(Layout):
         live_feed: bool = False,
         on_idle: Callable[[list[tuple[int, int]]], None] | None = None,
         needs_plan: Callable[[int], bool] | None = None,
+        on_gpu: Callable[[int, int], list[tuple[int, int]]] | None = None,
     ) -> None:
         if block <= 0 or alignment <= 0 or block % alignment:
             raise LayoutError(f"block ({block}) must be a positive multiple of alignment ({alignment})")
@@ -411,6 +440,7 @@ class LifetimePool(Layout):
         self.live_feed = live_feed
         self._on_idle = on_idle
         self.needs_plan = needs_plan  # (public: umrt's live allocator sets it on the layouts it makes)
+        self._on_gpu = on_gpu
 
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
@@ -726,7 +756,8 @@ class LifetimePool(Layout):
                 stats.missed_bytes += size
                 self.totals.misses += 1
                 self.totals.missed_bytes += size
-                fit = region.best_fit(size) if region is not None else None
+                on_gpu = None if self._training else self._on_gpu
+                fit = region.best_fit(size, on_gpu=on_gpu) if region is not None else None
                 if fit is not None:
                     break
         if fit is not None:

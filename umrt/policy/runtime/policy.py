@@ -300,7 +300,8 @@ class Runtime(Policy):
         if self.options.use_pool:
             # The pool plans its layout for moves: none are needed while all it holds fits the GPU.
             return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed,
-                                on_idle=self._pool_idle, needs_plan=lambda held: held > self.ctx.budget_bytes)
+                                on_idle=self._pool_idle, needs_plan=lambda held: held > self.ctx.budget_bytes,
+                                on_gpu=self._off_gpu.gaps)
         return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
 
     def _pool_idle(self, ranges: list[tuple[int, int]]) -> None:
@@ -569,7 +570,13 @@ class Runtime(Policy):
         c = self.counters
         # The most managed memory the layout has held: while it fits the GPU nothing has to move.
         held, budget = self._peak_held if self._held_known else self.layout.peak_footprint_bytes(), self.ctx.budget_bytes
-        self._pending_discards += self._reuse.release()
+        # The dead ranges held for a step's newborns are discarded as the step ends, unless
+        # an evaluation comes next: it moves nothing of its own, and its newborns take them
+        # in place (the pool gives an evaluation free memory on the GPU first) where plain
+        # Unified Memory reuses resident pages; discarded, each would be populated again.
+        held_dead = self._reuse.release()
+        if phase == "train":
+            self._pending_discards += held_dead
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
         if self.acting_launch_free:
