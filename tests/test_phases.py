@@ -317,3 +317,45 @@ def test_leaving_an_evaluation_discards_its_dead_pages_only_where_memory_is_shor
     assert handed, "no evaluation left dead pages behind"
     # drained (discarded) where memory is short; kept (and taken back by newborns) otherwise
     assert all(not d for d in handed) if short else any(d for d in handed)
+
+
+def test_predictions_that_keep_failing_are_only_checked_until_the_shapes_repeat(monkeypatch):
+    """Every step another sequence length (bucketed lengths in a varying order), then one
+    length for good. Once three of the last four predicted plans failed, umrt acts on no
+    prediction and only checks each against the step that runs (plain Unified Memory meanwhile):
+    a plan acted on there moves data for a shape that then leaves. The first check that
+    holds (the shapes repeat again) has umrt act from the next step."""
+    from umrt.policy.runtime.guard import Guard
+
+    seqs = [128, 96, 112, 80, 120, 88, 104, 72, 124, 92, 108, 76] + [100] * 6
+    trace = training_trace(layers=8, steps=len(seqs), seqs=seqs)
+    rt = Runtime()
+    driver, _ = _run(trace, rt)
+    modes = [e["mode"] for e in rt.log]
+    assert rt.counters["unsure_iterations"] >= 6
+    assert rt.counters["deviations"] <= 4  # the three that made it unsure (and one chance)
+    assert modes[-4:] == ["act"] * 4, modes
+    first_act = modes.index("act")
+    assert first_act <= len(seqs) - 6 + 2  # acting from the second step after the shapes settle
+    # Without the check, umrt acts on every prediction and leaves each plan.
+    monkeypatch.setattr(Guard, "unsure", lambda self, phase="train": False)
+    rt = Runtime()
+    _run(trace, rt)
+    assert rt.counters["unsure_iterations"] == 0 and rt.counters["deviations"] >= 9
+
+
+def test_a_prediction_checked_right_once_ends_the_doubt():
+    from umrt.policy.runtime.guard import Guard
+
+    guard = Guard(None, {}, None)
+    assert not guard.unsure("train")
+    for right in (False, True, False, False):
+        guard.predicted("train", right)
+    assert guard.unsure("train") and not guard.unsure("eval")
+    guard.predicted("train", False)
+    assert guard.unsure("train")
+    guard.predicted("train", True)
+    assert not guard.unsure("train")
+    for _ in range(2):
+        guard.predicted("train", False)
+    assert not guard.unsure("train")  # two of the last four: predictions mostly hold

@@ -779,9 +779,11 @@ class LifetimePool(Layout):
         same_shape, self._last_shape = _same_shape(shape, self._last_shape), shape
         if not self.planned:
             self._unplanned_steps += 1
-            # By FIRST_PLAN_BY steps, shapes that take turns have repeated; a step no earlier one
-            # repeats (bucketed lengths in a varying order) would miss a plan made from it.
-            repeated = any(_same_shape(shape, s) for s in self._recent_shapes)
+            # By FIRST_PLAN_BY steps, shapes that take turns have repeated; a step whose shape is
+            # not that of half the recent ones (bucketed lengths in a varying order: one of many
+            # shapes, some of which repeat by chance) would have most of the next steps miss a
+            # plan made from it.
+            repeated = sum(_same_shape(shape, s) for s in self._recent_shapes) * 2 >= len(self._recent_shapes)
             self._recent_shapes.append(shape)
             if same_shape or not self.live_feed or (self._unplanned_steps >= FIRST_PLAN_BY and repeated):
                 if self.needs_plan is None or self.needs_plan(self.peak_footprint):

@@ -56,6 +56,7 @@ class Guard:
         self.failures = FAILURES
         self.cooldown = COOLDOWN
         self._outcomes: dict[str, deque[bool]] = {}  # phase -> acted iterations: held to the end or not
+        self._predictions: dict[str, deque[bool]] = {}  # phase -> predicted iterations: the shape was right
         self._cooldown_left: dict[str, int] = {}
         self.left_launch_free = False  # this iteration left its plan while acting without launches
 
@@ -77,6 +78,26 @@ class Guard:
         outcomes.clear()
         self._cooldown_left[phase] = self.cooldown
         return True
+
+    def predicted(self, phase: str, right: bool) -> None:
+        """An iteration of ``phase`` ran with a plan predicted for it (acted on, or not):
+        whether it was of that plan's shape, all the way."""
+        out = self._predictions.get(phase)
+        if out is None:
+            out = self._predictions[phase] = deque(maxlen=self.window)
+        if right and self.unsure(phase):
+            out.clear()  # the shapes repeat again: act from the next iteration
+        out.append(right)
+
+    def unsure(self, phase: str = "train") -> bool:
+        """Whether :data:`FAILURES` of the last :data:`WINDOW` predictions in ``phase`` were
+        wrong (acted on: the program missed a decision point, the first one included; only
+        checked: the iteration was of another shape). So run steps whose shapes do not
+        repeat (bucketed lengths in a varying order): a plan acted on there moves data for a
+        shape that then leaves. Until predictions hold again the runtime only checks them,
+        acting on none, as plain Unified Memory runs."""
+        out = self._predictions.get(phase)
+        return out is not None and sum(1 for ok in out if not ok) >= self.failures
 
     def cooling(self, phase: str = "train") -> bool:
         """Whether this iteration of ``phase`` is one of a cooldown's (it counts it)."""

@@ -134,7 +134,7 @@ class Runtime(Policy):
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
             "light_iterations": 0, "late_decisions": 0, "light_rebases": 0, "held_iterations": 0,
-            "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
+            "unsure_iterations": 0, "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
         self._n_discarded = 0
@@ -144,6 +144,8 @@ class Runtime(Policy):
         self._held = self._peak_held = 0  # managed memory the layout holds (segments), now and at most
         self._held_known = False  # the layout is one make_layout made: its segments are counted
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
+        self._predicted: int | None = None  # the running iteration's predicted plan (acted on or not)
+        self._dry = False  # that plan is only checked, not acted on (Guard.unsure)
 
         self.keys = ObjectKeys()
         self.variants = VariantTable()
@@ -298,9 +300,13 @@ class Runtime(Policy):
         (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
         self._held_known = True
         if self.options.use_pool:
-            # The pool plans its layout for moves: none are needed while all it holds fits the GPU.
+            # The pool plans its layout for moves: none are needed while all it holds fits the GPU,
+            # nor while umrt only checks its training-step predictions (Guard.unsure), where a plan
+            # made from one step would spread the next over more memory.
+            def needs_plan(held: int) -> bool:
+                return held > self.ctx.budget_bytes and not self._guard.unsure("train")
             return LifetimePool(SegmentWatch(backend, self._segment_made, self._released), live_feed=live_feed,
-                                on_idle=self._pool_idle, needs_plan=lambda held: held > self.ctx.budget_bytes,
+                                on_idle=self._pool_idle, needs_plan=needs_plan,
                                 on_gpu=self._off_gpu.gaps)
         return super().make_layout(SegmentWatch(backend, self._segment_made, self._released))
 
@@ -638,6 +644,12 @@ class Runtime(Policy):
         entry["phase"] = phase
         if self.counters["deviations"] > self._deviations_before or self._left_plan:
             entry["deviated"] = True
+        if self._predicted is not None:
+            # Acted on: right unless a decision point failed (a shape that only ends otherwise
+            # is a plan that held). Only checked (unsure): right if the iteration was that shape.
+            self._guard.predicted(phase, self._learner.signature == self._predicted if self._dry
+                                  else self.counters["deviations"] == self._deviations_before)
+            self._predicted = None
         if mode == "act":
             self._guard.outcomes(phase).append(True)
             sig = self.plan.signature
@@ -751,6 +763,11 @@ class Runtime(Policy):
                         self.layout.stop_planning("umrt held a training step back to time doing nothing",
                                                  self.ctx.budget_bytes)
                     return
+        self._predicted = plan.signature if plan is not None else None
+        self._dry = plan is not None and self._guard.unsure(phase)
+        if self._dry:
+            self.counters["unsure_iterations"] += 1
+            plan = None  # learned (recorded), its prediction only checked
         # Record from the start: learning needs the whole iteration, and so
         # does acting on a plan not yet confirmed (a deviation then turns the
         # iteration into a learned one). A plan that ran through two iterations is
