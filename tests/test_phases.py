@@ -325,6 +325,7 @@ def test_predictions_that_keep_failing_are_only_checked_until_the_shapes_repeat(
     prediction and only checks each against the step that runs (plain Unified Memory meanwhile):
     a plan acted on there moves data for a shape that then leaves. The first check that
     holds (the shapes repeat again) has umrt act from the next step."""
+    from umrt.phase_report import named_iterations
     from umrt.policy.runtime.guard import Guard
 
     seqs = [128, 96, 112, 80, 120, 88, 104, 72, 124, 92, 108, 76] + [100] * 6
@@ -335,6 +336,9 @@ def test_predictions_that_keep_failing_are_only_checked_until_the_shapes_repeat(
     assert rt.counters["unsure_iterations"] >= 6
     assert rt.counters["deviations"] <= 4  # the three that made it unsure (and one chance)
     assert modes[-4:] == ["act"] * 4, modes
+    assert rt.report()["phases"]["train"]["unsure"] is False  # (settled: acting again)
+    unsure = [i for i, _ in named_iterations(rt.log)["unsure"]]
+    assert len(unsure) == rt.counters["unsure_iterations"] and all(modes[i] == "learn" for i in unsure)
     first_act = modes.index("act")
     assert first_act <= len(seqs) - 6 + 2  # acting from the second step after the shapes settle
     # Without the check, umrt acts on every prediction and leaves each plan.

@@ -143,12 +143,14 @@ def phase_table(runs: Sequence[RunFigures], title: str) -> Table:
 
 #: What each kind of iteration in the runtime's log is called, in the order reports list them.
 _NAMED = (("learned", "learned"), ("recovered", "recovered after leaving a plan"),
-          ("deviated", "deviated from their plan"), ("held", "held back (acting loses there)"))
+          ("deviated", "deviated from their plan"), ("held", "held back (acting loses there)"),
+          ("unsure", "learned with their predicted plan only checked (predictions kept failing there)"))
 
 
 def named_iterations(log: Sequence[dict]) -> dict[str, list[tuple[int, str]]]:
     """The iterations umrt's runtime learned, recovered in (ran on after leaving a
-    plan, or re-based its launch-free clock on), deviated in or held back in, each
+    plan, or re-based its launch-free clock on), deviated in, held back in, or learned
+    acting on no prediction (:meth:`~umrt.policy.runtime.guard.Guard.unsure`), each
     as ``(index, phase)``, from its log (``Runtime.log``)."""
     out: dict[str, list[tuple[int, str]]] = {name: [] for name, _ in _NAMED}
     for e in log:
@@ -162,6 +164,8 @@ def named_iterations(log: Sequence[dict]) -> dict[str, list[tuple[int, str]]]:
             out["recovered"].append(where)
         elif mode == "none":
             out["held"].append(where)
+        if e.get("unsure"):
+            out["unsure"].append(where)
     return out
 
 

@@ -564,6 +564,8 @@ class Runtime(Policy):
             phases=self.phases.report(self._payoff.report()),
             paths=self._paths.report(),  # shapes settled on swapping or on page migration
         )
+        for phase, row in out["phases"].items():
+            row["unsure"] = self._guard.unsure(phase)  # acting on no prediction, only checking them
         if self.plan is not None:
             out["plan"] = dict(self.plan.stats)
         return out
@@ -644,6 +646,8 @@ class Runtime(Policy):
         entry["phase"] = phase
         if self.counters["deviations"] > self._deviations_before or self._left_plan:
             entry["deviated"] = True
+        if self._dry:
+            entry["unsure"] = True
         if self._predicted is not None:
             # Acted on: right unless a decision point failed (a shape that only ends otherwise
             # is a plan that held). Only checked (unsure): right if the iteration was that shape.
@@ -711,6 +715,7 @@ class Runtime(Policy):
         self._moved = False
         self._deviations_before = self.counters["deviations"]
         self._left_plan = False
+        self._dry = False
         phase = self.phases.phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._drop_at_free.clear()
