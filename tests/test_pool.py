@@ -467,7 +467,7 @@ def test_stop_planning_keeps_every_live_object_where_it_is():
     feed(pool, events[:cut], sizes)
     where = {o: pool.address(o) for o in sizes}
     held = pool.footprint()
-    pool.stop_planning("asked")
+    pool.stop_planning("asked", budget_bytes=1)  # (what it learned did not fit: the regions serve first)
     pool.stop_planning("twice")  # once is enough
     assert pool.stopped_planning == "asked"
     assert {o: pool.address(o) for o in sizes} == where and pool.footprint() == held
@@ -494,8 +494,9 @@ def test_a_stopped_pool_goes_back_to_its_learning_layout_where_that_fit_the_gpu(
     """Told the GPU's memory, a pool that stops planning serves from the learning arena
     alone where what it held while learning fits it (those iterations ran so, and its
     planned regions drain as their objects die); where it did not fit, from the regions'
-    free blocks first, obtaining no more memory while they have room."""
-    for budget, drains in ((1 << 40, True), (1, False)):
+    free blocks first, obtaining no more memory while they have room. Told none (it stopped
+    itself: its plans kept missing steps that do not repeat), it drains them too."""
+    for budget, drains in ((1 << 40, True), (1, False), (None, True)):
         events = model_events(iterations=4)
         pool = LifetimePool(bump())
         cut = events.index(IterationBoundary(3)) + 6

@@ -940,17 +940,19 @@ class LifetimePool(Layout):
         self._missed_steps = 0
 
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
-        """Serve every allocation best-fit from now on, as a caching allocator does. Where
-        the memory the pool held while it learned fits ``budget_bytes`` (the GPU memory the
-        run has), in the ``learning`` arena, as those iterations ran: the planned regions
-        drain. Otherwise (or with no budget) in the planned regions' free blocks first
-        (memory the pool holds), then in the ``learning`` arena. Each planned region keeps
-        its live objects where they are and is handed back once nothing lives in it
-        (``why`` goes to :attr:`stopped_planning` and the log)."""
+        """Serve every allocation best-fit from now on, as a caching allocator does. In the
+        ``learning`` arena, as the iterations before the first plan ran (the planned regions
+        drain), where the memory the pool held while it learned fits ``budget_bytes`` (the GPU
+        memory the run has: the runtime stops it, its steps repeat), or with no budget (the
+        pool stops itself: its plans kept missing steps whose allocations do not repeat, so
+        its regions' layout fits none of them). Otherwise in the planned regions' free blocks
+        first (memory the pool holds, laid out for these steps), then in the ``learning``
+        arena. Each planned region keeps its live objects where they are and is handed back
+        once nothing lives in it (``why`` goes to :attr:`stopped_planning` and the log)."""
         if not self.planning:
             return
         self.planning = False
-        self._drain = budget_bytes is not None and self._learned_footprint <= budget_bytes
+        self._drain = budget_bytes is None or self._learned_footprint <= budget_bytes
         self.stopped_planning = why
         self._plan = {}
         for region in list(self._regions):
