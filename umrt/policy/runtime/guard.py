@@ -59,6 +59,7 @@ class Guard:
         self._predictions: dict[str, deque[bool]] = {}  # phase -> predicted iterations: the shape was right
         self._cooldown_left: dict[str, int] = {}
         self.left_launch_free = False  # this iteration left its plan while acting without launches
+        self.left_early = False  # this iteration left its plan before half its decision points
 
     # -- the misprediction guard -------------------------------------------------
 
@@ -91,7 +92,9 @@ class Guard:
 
     def unsure(self, phase: str = "train") -> bool:
         """Whether :data:`FAILURES` of the last :data:`WINDOW` predictions in ``phase`` were
-        wrong (acted on: the program missed a decision point, the first one included; only
+        wrong (acted on: the program missed one of the first half of the plan's decision
+        points, the first one included; a plan that held most of the way paid as far as it
+        went, as where another thread's frees arrive off their places late in a step; only
         checked: the iteration was of another shape). So run steps whose shapes do not
         repeat (bucketed lengths in a varying order): a plan acted on there moves data for a
         shape that then leaves. Until predictions hold again the runtime only checks them,
@@ -150,6 +153,7 @@ class Guard:
         acting = self.acting
         acting.counters["deviations"] += 1
         acting.unfreeze()
+        self.left_early = 2 * acting.next_action < len(acting.actions)
         if acting.next_action > 0:  # failed after it had started to hold: the guard counts that
             self.outcomes(self.phases.phase).append(False)
         self.left_launch_free = acting.acting_launch_free

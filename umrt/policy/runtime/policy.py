@@ -649,10 +649,11 @@ class Runtime(Policy):
         if self._dry:
             entry["unsure"] = True
         if self._predicted is not None:
-            # Acted on: right unless a decision point failed (a shape that only ends otherwise
-            # is a plan that held). Only checked (unsure): right if the iteration was that shape.
+            # Acted on: right unless the program left the plan in its first half (a plan that
+            # held most of the way, or a shape that only ends otherwise, paid as far as it went).
+            # Only checked (unsure): right if the iteration was that shape.
             self._guard.predicted(phase, self._learner.signature == self._predicted if self._dry
-                                  else self.counters["deviations"] == self._deviations_before)
+                                  else not self._guard.left_early)
             self._predicted = None
         if mode == "act":
             self._guard.outcomes(phase).append(True)
@@ -707,7 +708,7 @@ class Runtime(Policy):
         single key, while every allocation is still checked against that
         reference (one that lands elsewhere ends freezing for the iteration).
         """
-        self._guard.left_launch_free = False
+        self._guard.left_launch_free = self._guard.left_early = False
         self.n_launches = 0
         self._n_frees = 0
         self.n_events = 0
