@@ -363,3 +363,25 @@ def test_a_prediction_checked_right_once_ends_the_doubt():
     for _ in range(2):
         guard.predicted("train", False)
     assert not guard.unsure("train")  # two of the last four: predictions mostly hold
+
+
+@pytest.mark.parametrize("left_at, wrong", [(0, True), (4, True), (5, False), (9, False)])
+def test_a_plan_left_in_its_first_half_was_a_wrong_prediction(left_at, wrong):
+    """Where the program leaves a plan of ten decision points says how wrong the prediction
+    was: in the first half, the step was another shape; later, the plan held most of the way
+    and paid as far as it went (another thread's frees landing off their places late in a
+    step). Three wrong ones of the last four make the phase unsure."""
+    from types import SimpleNamespace
+
+    from umrt.policy.runtime.guard import Guard
+
+    stopped = []
+    acting = SimpleNamespace(counters={"deviations": 0}, unfreeze=lambda: None, next_action=left_at,
+                             actions=[object()] * 10, acting_launch_free=False, record=object(),
+                             stop_acting=lambda mode, wants_launches: stopped.append(mode))
+    guard = Guard(acting, {}, SimpleNamespace(phase="train"))
+    guard.deviate()
+    assert stopped == ["learn"] and guard.left_early == wrong
+    for _ in range(3):
+        guard.predicted("train", not guard.left_early)
+    assert guard.unsure("train") == wrong
