@@ -23,13 +23,24 @@ def test_rangeset_holds_exactly_the_bytes_added_and_not_taken(seq):
             assert got == want
             assert sum(k for _, k in taken) == len(want)  # taken pieces are disjoint
             model -= want
-        held = {b for p, k in rs for b in range(p, p + k)}
+        held = _held(rs)
         assert held == model
         pieces = list(rs)
         # sorted, disjoint and merged (no two intervals touch)
         assert all(p1 + n1 < p2 for (p1, n1), (p2, _) in zip(pieces, pieces[1:], strict=False))
         assert rs.nbytes() == len(model)
         assert bool(rs) == bool(model)
+
+
+def _built(seq) -> RangeSet:
+    rs = RangeSet()
+    for op, p, k in seq:
+        (rs.add if op == "add" else rs.take)(p, k)
+    return rs
+
+
+def _held(rs: RangeSet) -> set[int]:
+    return {b for p, k in rs for b in range(p, p + k)}
 
 
 def test_take_clips_to_the_asked_range():
@@ -43,9 +54,7 @@ def test_take_clips_to_the_asked_range():
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(0, 80), st.integers(1, 20))
 def test_overlaps_agrees_with_take(seq, ptr, n):
-    rs = RangeSet()
-    for op, p, k in seq:
-        (rs.add if op == "add" else rs.take)(p, k)
+    rs = _built(seq)
     assert rs.overlaps(ptr, n) == bool(rs.take(ptr, n))
     assert rs.ends == [p + k for p, k in rs]
 
@@ -53,10 +62,8 @@ def test_overlaps_agrees_with_take(seq, ptr, n):
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(0, 80), st.integers(1, 20))
 def test_covers_and_first_gap_agree_with_the_bytes_held(seq, ptr, n):
-    rs = RangeSet()
-    for op, p, k in seq:
-        (rs.add if op == "add" else rs.take)(p, k)
-    held = {b for p, k in rs for b in range(p, p + k)}
+    rs = _built(seq)
+    held = _held(rs)
     assert rs.covers(ptr, n) == all(b in held for b in range(ptr, ptr + n))
     assert rs.first_gap(ptr, n) == next((b for b in range(ptr, ptr + n) if b not in held), ptr + n)
 
@@ -64,10 +71,8 @@ def test_covers_and_first_gap_agree_with_the_bytes_held(seq, ptr, n):
 @settings(max_examples=200, deadline=None)
 @given(ops, st.integers(0, 80), st.integers(0, 20))
 def test_gaps_are_exactly_the_bytes_not_held(seq, ptr, n):
-    rs = RangeSet()
-    for op, p, k in seq:
-        (rs.add if op == "add" else rs.take)(p, k)
-    held = {b for p, k in rs for b in range(p, p + k)}
+    rs = _built(seq)
+    held = _held(rs)
     gaps = rs.gaps(ptr, n)
     assert {b for p, k in gaps for b in range(p, p + k)} == {b for b in range(ptr, ptr + n) if b not in held}
     assert all(k > 0 for _, k in gaps)

@@ -452,17 +452,24 @@ def test_a_dead_range_a_newborn_reuses_at_once_is_discarded_only_where_events_co
     assert at_free == ([populate, ("discard", (dead,))] if on_free else [populate])
 
 
-@pytest.mark.parametrize("phase", ["train", "eval"])
-def test_dead_ranges_held_for_a_steps_newborns_stay_resident_into_an_evaluation(phase):
-    """A dead range held for a newborn that never came is discarded as the step ends, unless
-    an evaluation comes next: its newborns take the range as it is, resident (as plain
-    Unified Memory reuses resident pages), where a discarded one is populated again first."""
+def _discarding_key_0() -> tuple[_AllCalls, Runtime, object]:
+    """A runtime on a 64 MiB GPU in iteration 0, told (as an acting plan under pressure
+    says) to discard key 0's range when it dies; its backend and layout."""
     backend = _AllCalls()
     rt = Runtime(use_pool=False)
     layout = rt.make_layout(backend)
     rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
     rt.on_event(IterationBoundary(0))
     rt.discard_keys = frozenset({0})
+    return backend, rt, layout
+
+
+@pytest.mark.parametrize("phase", ["train", "eval"])
+def test_dead_ranges_held_for_a_steps_newborns_stay_resident_into_an_evaluation(phase):
+    """A dead range held for a newborn that never came is discarded as the step ends, unless
+    an evaluation comes next: its newborns take the range as it is, resident (as plain
+    Unified Memory reuses resident pages), where a discarded one is populated again first."""
+    backend, rt, layout = _discarding_key_0()
     rt._reuse.keys.add(0)  # learned: a newborn took this key's discarded range at once
     size = 4 << 20
     layout.alloc(1, size, Kind.ACTIVATION)
@@ -485,12 +492,7 @@ def test_a_newborn_keeps_its_own_pages_out_of_a_pending_discard_and_no_more():
     assert without([(0, 10 * page)], 3 * page + 5, 5 * page) == [(0, 3 * page), (5 * page, 5 * page)]
     assert without([(0, 2 * page), (8 * page, page)], 2 * page, 8 * page) == [(0, 2 * page), (8 * page, page)]
     assert without([(page, page)], 0, 3 * page) == []
-    backend = _AllCalls()
-    rt = Runtime(use_pool=False)
-    layout = rt.make_layout(backend)
-    rt.attach(PolicyContext(backend, layout, 64 << 20, load_profile(PROFILE)))
-    rt.on_event(IterationBoundary(0))
-    rt.discard_keys = frozenset({0})
+    backend, rt, layout = _discarding_key_0()
     big, small = 8 << 20, 2 << 20
     layout.alloc(1, big, Kind.ACTIVATION)
     rt.on_event(Alloc(1, big, Kind.ACTIVATION, 0))

@@ -150,8 +150,8 @@ class _Online:
         on the GPU) says are all there; None if there is none."""
         i = bisect.bisect_left(self._free_keys, (size, -1))
         align = self.pool.alignment
-        for _fsize, ptr in self._free_keys[i:i + _GPU_FIT_SCAN]:
-            for p, n in on_gpu(ptr, _fsize):
+        for fsize, ptr in self._free_keys[i:i + _GPU_FIT_SCAN]:
+            for p, n in on_gpu(ptr, fsize):
                 start = _up(p, align)
                 if start + size <= p + n:
                     self.take(start, size)
@@ -305,17 +305,21 @@ class _Region:
         the short-lived range's edge: a block would hold two classes). With ``on_gpu``,
         free memory on the GPU first (:meth:`_Online.fit_on_gpu`)."""
         lo, n = self.short
+
+        def straddles(p: int) -> bool:
+            return bool(keep_classes and n) and any(p < edge < p + size for edge in (lo, lo + n))
+
         ptr = self.space.fit_on_gpu(size, on_gpu) if on_gpu is not None else None
-        if ptr is not None and keep_classes and n and any(ptr < edge < ptr + size for edge in (lo, lo + n)):
+        if ptr is not None and straddles(ptr):
             self.space.free(ptr)
             ptr = None
         if ptr is None:
             ptr = self.space.fit(size)
-        if ptr is None:
-            return None
-        if keep_classes and n and any(ptr < edge < ptr + size for edge in (lo, lo + n)):
-            self.space.free(ptr)
-            return None
+            if ptr is None:
+                return None
+            if straddles(ptr):
+                self.space.free(ptr)
+                return None
         self.live += 1
         return ptr, ("short-lived" if lo <= ptr < lo + n else "long-lived")
 

@@ -95,8 +95,8 @@ class Guard:
         wrong (acted on: the program missed one of the first half of the plan's decision
         points, the first one included; a plan that held most of the way paid as far as it
         went, as where another thread's frees arrive off their places late in a step; only
-        checked: the iteration was of another shape). So run steps whose shapes do not
-        repeat (bucketed lengths in a varying order): a plan acted on there moves data for a
+        checked: the iteration was of another shape). Steps whose shapes do not repeat
+        (bucketed lengths in a varying order) run so: a plan acted on there moves data for a
         shape that then leaves. Until predictions hold again the runtime only checks them,
         acting on none, as plain Unified Memory runs."""
         out = self._predictions.get(phase)
