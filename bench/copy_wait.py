@@ -7,8 +7,9 @@ for the copies helps; if the GPU runs it apart from everything else, it does not
 ``*_call_s`` (the call's return), ``*_gpu_s`` (events around it on its stream), ``*_kernel_overlap``
 (the share of the shorter that ran beside matmuls queued on another stream *before* it; 0:
 serialized). Rows: copy out, copy back, prefetch to the host; ``device_copy_out`` (device memory
-to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (a kernel moves the
-data through mapped pinned memory: the SMs drive the link). Needs about 8.5 GiB of GPU memory and 2 GiB
+to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (umrt's SM copy kernel,
+``umrt/backends/sm_copy.py``, moves the data through mapped pinned memory on a stream of the
+greatest priority: the SMs drive the link; umrt's default swap copy). Needs about 8.5 GiB of GPU memory and 2 GiB
 pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
 """
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> int:
         import cupy as cp
         from cuda.bindings import runtime as rt
 
+        from umrt.backends.sm_copy import SmCopyKernel
+
         assert cp.cuda.runtime.getDeviceCount() > 0, "no GPU"
     except Exception as exc:  # noqa: BLE001 - no cupy, no cuda-bindings, no GPU or no driver: one line
         print(f"bench.copy_wait needs cupy and cuda-bindings with a GPU: {exc}", file=sys.stderr)
@@ -63,7 +66,10 @@ def main() -> int:
         loc.type, loc.id = (kinds.cudaMemLocationTypeHost, 0) if dev < 0 else (kinds.cudaMemLocationTypeDevice, dev)
         return loc
 
-    copy_stream = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
+    err, _, greatest = rt.cudaDeviceGetStreamPriorityRange()
+    _check(err)
+    # as umrt's swap path makes its SM copies' streams: non-blocking, the greatest priority
+    copy_stream = _check(rt.cudaStreamCreateWithPriority(rt.cudaStreamNonBlocking, greatest))
     compute = cp.cuda.Stream(non_blocking=True)
     pinned = _check(rt.cudaHostAlloc(N, rt.cudaHostAllocMapped))
     managed = [_check(rt.cudaMallocManaged(N, rt.cudaMemAttachGlobal)) for _ in range(3)]
@@ -102,16 +108,13 @@ def main() -> int:
     res: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                  "driver": cp.cuda.runtime.driverGetVersion()}
     default = rt.cudaMemcpyKind.cudaMemcpyDefault
-    sm_copy, side = cp.ElementwiseKernel("T x", "T y", "y = x", "umrt_sm_copy"), cp.cuda.ExternalStream(int(copy_stream))
+    sm_copy = SmCopyKernel()  # umrt's own (umrt/backends/sm_copy.py)
 
     def memcpy(dst, src) -> None:
         _check(rt.cudaMemcpyAsync(dst, src, N, default, copy_stream))
 
-    def kernel_copy(src, dst) -> None:  # N bytes as 8-byte words
-        words = [cp.ndarray((N // 8,), cp.uint64, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(
-            int(p), N, owner=None, device_id=0), 0)) for p in (src, dst)]
-        with side:
-            sm_copy(*words)
+    def kernel_copy(src, dst) -> None:
+        sm_copy(int(dst), int(src), N, copy_stream)
 
     device = cp.full(N, 1, cp.uint8)
     run_rows(res, (("copy_out", lambda: memcpy(pinned, managed[0])), ("copy_back", lambda: memcpy(managed[1], pinned)),

@@ -186,13 +186,14 @@ class CopyProbe:
     each on a fresh GPU, on 2 GiB ranges of managed memory a kernel wrote on the GPU, as
     ``../gpu-probes/um_micro_4.py`` measures them on a real one."""
 
-    def __init__(self, profile: Any) -> None:
+    def __init__(self, profile: Any, swap_copy: str = "engines") -> None:
         self.profile = profile
+        self.swap_copy = swap_copy  # the probe measured cudaMemcpyAsync: the copy engines
 
     def _resident(self, nbytes: int) -> tuple[Any, int]:
         from umrt.sim.backend import SimBackend
 
-        b = SimBackend(self.profile)
+        b = SimBackend(self.profile, swap_copy=self.swap_copy)
         ptr = b.malloc(nbytes)
         b.prefetch([(ptr, nbytes)], 0)  # populated on the GPU, then written there
         b.launch([], [(ptr, nbytes)], 0, nbytes)
@@ -312,6 +313,16 @@ def swap_rows(profile: Any) -> list[Row]:
         Row(1, "cudaHostAlloc, 2 GiB of pinned memory (H200)", m4["host_alloc_2G_s"], "s", "not a simulator figure",
             "the staging pool is allocated once, before the first step: no step pays it",
             src + "host_alloc_2G_s", None),
+        Row(1, "SM copy (umrt_sm_copy), GPU-resident managed -> pinned, 2 GiB", None, "B/s", "unmeasured",
+            "umrt's default swap copy (UMRT_SWAP_COPY=sm) is taken to run at the copy engines' measured rate "
+            "(zero-copy stores over the same link)", "python -m bench.copy_wait: sm_copy_out_gpu_s", None),
+        Row(1, "SM copy, pinned -> GPU-resident managed, 2 GiB", None, "B/s", "unmeasured",
+            "taken at the copy engines' measured rate; the kernel keeps four 16-byte loads in flight per thread "
+            "to cover the link's latency", "python -m bench.copy_wait: sm_copy_back_gpu_s", None),
+        Row(1, "SM copies both ways at once, beside kernels", None, "s", "unmeasured",
+            "taken to run beside each other and beside the kernels (nothing waits for a kernel launch), the "
+            f"kernels losing sm_copy_share = {profile.sm_copy_share:.3f} of the GPU while one runs",
+            "python -m bench.copy_wait: sm_copy_*_kernel_overlap", None),
     ]
 
 

@@ -90,6 +90,7 @@ from dataclasses import dataclass, field
 
 SUCCESS, INVALID_VALUE, MEMORY_ALLOCATION, INVALID_DEVICE, INVALID_HANDLE, NOT_SUPPORTED = 0, 1, 2, 101, 400, 801
 INVALID_MEMCPY_DIRECTION = 21  # cudaErrorInvalidMemcpyDirection (driver_types.h)
+ILLEGAL_ADDRESS = 700  # cudaErrorIllegalAddress (driver_types.h): a kernel touched memory it may not
 ERROR_NAMES = {
     SUCCESS: "cudaSuccess",
     INVALID_VALUE: "cudaErrorInvalidValue",
@@ -98,6 +99,7 @@ ERROR_NAMES = {
     INVALID_DEVICE: "cudaErrorInvalidDevice",
     INVALID_HANDLE: "cudaErrorInvalidResourceHandle",
     NOT_SUPPORTED: "cudaErrorNotSupported",
+    ILLEGAL_ADDRESS: "cudaErrorIllegalAddress",
 }
 HOST = -1  # cudaCpuDeviceId
 ALIGN = 2 * 1024 * 1024  # the fake places allocations on 2 MiB boundaries
@@ -108,6 +110,7 @@ CPU_PAGE = 4096  # the driver rounds ranges to CPU pages (header lines 7096, 728
 STREAM_LEGACY = 1  # cudaStreamLegacy; handle 0 (NULL) means the same stream here
 STREAM_PER_THREAD = 2  # cudaStreamPerThread
 STREAM_DEFAULT, STREAM_NON_BLOCKING = 0x0, 0x1
+STREAM_PRIORITIES = (0, -5)  # cudaDeviceGetStreamPriorityRange: (least, greatest), an H100's
 EVENT_DEFAULT, EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 0x0, 0x1, 0x2, 0x4
 EVENT_WAIT_DEFAULT, EVENT_WAIT_EXTERNAL = 0x0, 0x1
 MEM_ATTACH_GLOBAL, MEM_ATTACH_HOST = 0x1, 0x2
@@ -356,6 +359,25 @@ class SwapPath:
             raise FakeCudaError(INVALID_MEMCPY_DIRECTION, call, f"kind {kind!r} is not a cudaMemcpyKind")
         if count == 0:
             raise FakeCudaError(INVALID_VALUE, call, "count 0")
+        return self._copy(call, dst, src, count, kind, stream)
+
+    def sm_copy(self, dst: int, src: int, count: int, stream: object) -> Op:
+        """umrt's SM copy kernel (``umrt_sm_copy``) on ``stream``: ``count`` bytes between pinned
+        and managed memory, one side each, checked and applied as a copy is. A kernel reading or
+        writing pinned memory needs it mapped into the device's address space: every
+        ``cudaHostAlloc`` allocation is, with unified addressing (CUDA Runtime API, "Unified
+        Addressing"), which the fake has. Its pointers must be 16-byte aligned and ``count`` a
+        multiple of 16 (the kernel moves 16-byte words): anything else is an illegal address."""
+        call = "umrt_sm_copy"
+        if not all(isinstance(x, int) for x in (dst, src, count)) or count <= 0:
+            raise TypeError(f"{call}: dst, src and count must be int, count > 0")
+        if (dst | src | count) % 16:
+            raise FakeCudaError(ILLEGAL_ADDRESS, call, f"({src:#x} -> {dst:#x}, {count}) is not in 16-byte words")
+        if (self.pinned_of(dst) is None) == (self.pinned_of(src) is None):
+            raise FakeCudaError(ILLEGAL_ADDRESS, call, "copies between pinned and managed memory, one side each")
+        return self._copy(call, dst, src, count, None, stream)
+
+    def _copy(self, call: str, dst: int, src: int, count: int, kind: int | None, stream: object) -> Op:
         where = {}
         for name, ptr in (("dst", dst), ("src", src)):
             managed, pinned = self.allocation_of(ptr), self.pinned_of(ptr)
@@ -367,7 +389,7 @@ class SwapPath:
         if dst < src + count and src < dst + count:
             raise FakeCudaError(INVALID_VALUE, call, "the memory areas overlap")
         expected = {MEMCPY_H2H: ("host", "host"), MEMCPY_H2D: ("host", "device"), MEMCPY_D2H: ("device", "host"),
-                    MEMCPY_D2D: ("device", "device")}.get(kind)
+                    MEMCPY_D2D: ("device", "device")}.get(kind)  # type: ignore[arg-type]
         if expected is not None and expected != (where["src"], where["dst"]):
             raise FakeCudaError(INVALID_MEMCPY_DIRECTION, call, f"kind {kind} does not match a copy from "
                                                                 f"{where['src']} to {where['dst']} memory")
@@ -558,6 +580,7 @@ class FakeGpu(SwapPath):
     calls: list[tuple] = field(default_factory=list)
     violations: list[Violation] = field(default_factory=list)
     faults: Counter = field(default_factory=Counter)  # GPU faults by cause: first-touch, host, discarded
+    priorities: dict = field(default_factory=dict)  # stream handle -> priority (created with one)
     ops: list[Op] = field(default_factory=list)  # everything queued, in the order it was issued
     current: int = 0
     _next: int = 0x7F00_0000_0000
@@ -1227,6 +1250,19 @@ class FakeBindingsRuntime:
         return self._run("cudaStreamCreateWithFlags",
                          lambda f: self.gpu.create_stream("cudaStreamCreateWithFlags", f), flags)
 
+    def cudaDeviceGetStreamPriorityRange(self):
+        return self._run("cudaDeviceGetStreamPriorityRange", lambda: STREAM_PRIORITIES)
+
+    def cudaStreamCreateWithPriority(self, flags, priority):
+        def op(f, p):
+            if not isinstance(p, int):
+                raise TypeError("priority must be int")
+            # outside the range: "clamped to the lowest or the highest number in the range" (header)
+            stream = self.gpu.create_stream("cudaStreamCreateWithPriority", f)
+            self.gpu.priorities[stream] = min(max(p, STREAM_PRIORITIES[1]), STREAM_PRIORITIES[0])
+            return stream
+        return self._run("cudaStreamCreateWithPriority", op, flags, priority)
+
     def cudaEventCreateWithFlags(self, flags):
         return self._run("cudaEventCreateWithFlags",
                          lambda f: self.gpu.create_event("cudaEventCreateWithFlags", f), flags)
@@ -1281,6 +1317,17 @@ class FakeBindingsRuntime:
                 raise TypeError("kind must be a cudaMemcpyKind")
             self.gpu.memcpy("cudaMemcpyAsync", d, s_, n, int(k), st)
         return self._run("cudaMemcpyAsync", op, dst, src, count, kind, stream)
+
+    def sm_copy_kernel(self, dst: int, src: int, count: int, stream) -> None:
+        """umrt's SM copy kernel, as :class:`umrt.backends.sm_copy.SmCopyKernel` launches it (not a
+        runtime call: the adapter takes it as its launcher); a failed launch raises CudaError."""
+        from umrt.errors import CudaError
+
+        self.gpu.log("umrt_sm_copy", dst, src, count, stream)
+        try:
+            self.gpu.sm_copy(dst, src, count, stream)
+        except FakeCudaError as exc:
+            raise CudaError(f"umrt_sm_copy failed: {exc}") from None
 
     def cudaMemPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                   numPrefetchLocs, flags, stream):

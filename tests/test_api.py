@@ -139,9 +139,9 @@ def test_managed_only_swaps_through_the_copy_engines_of_its_backend(fake_gpu):
     view's swap path is the backend's, ranges outside managed allocations skipped."""
     gpu, backend, ptr, size = _swapping_backend()
     view = ManagedOnly(backend)
-    assert backend.swap.copy_engines and view.swap.copy_engines
+    assert backend.swap.pinned_copies and view.swap.pinned_copies
     assert view.swap is view.swap
-    assert not ManagedOnly(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))).swap.copy_engines  # CUDA 12
+    assert not ManagedOnly(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu)))).swap.pinned_copies  # CUDA 12
     unmanaged = (0xDEAD0000, 1 << 20)
     view.swap.reserve(size)
     view.swap.out([(ptr, size), unmanaged])

@@ -488,3 +488,95 @@ def test_a_range_inside_one_swapped_out_comes_back_with_it(cuda13, fake_gpu):
     cuda13.swap.wait([(ptr, 2 * MiB)])
     fake_gpu.kernel(cuda13.compute_stream, reads=((ptr, 2 * MiB),), name="reader")
     assert not cuda13.swap.away and not fake_gpu.violations
+
+
+def _sm_backend(fake_gpu, swap_copy="sm", launcher=True):
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    rt = FakeBindingsRuntime(fake_gpu)
+    return CudaBackend(0, api=BindingsApi(rt, sm_copy=rt.sm_copy_kernel if launcher else None), swap_copy=swap_copy)
+
+
+@pytest.mark.parametrize(("swap_copy", "launcher", "copy"), [("sm", True, "umrt_sm_copy"),
+                                                             ("engines", True, "cudaMemcpyAsync"),
+                                                             ("sm", False, "cudaMemcpyAsync")])
+def test_a_swap_copies_with_the_sm_kernel_where_it_can_and_the_copy_engines_otherwise(fake_gpu, swap_copy, launcher,
+                                                                                      copy):
+    """``UMRT_SWAP_COPY=sm`` (the default): the copies out and back are umrt's SM copy kernel, on
+    streams of the device's greatest priority (so its blocks start before the compute kernels'
+    queued ones); ``engines``, or an adapter that launches no kernel: ``cudaMemcpyAsync``. Either
+    way the round trip is ordered as the fake runtime requires, and a reader after it is clean."""
+    b = _sm_backend(fake_gpu, swap_copy, launcher)
+    ptr = b.malloc(4 * MiB)
+    fake_gpu.kernel(b.compute_stream, writes=((ptr, 4 * MiB),), name="writer")
+    b.swap.reserve(4 * MiB)
+    b.swap.out([(ptr, 4 * MiB)])
+    b.swap.back([(ptr, 4 * MiB)])
+    b.swap.wait([(ptr, 4 * MiB)])
+    fake_gpu.kernel(b.compute_stream, reads=((ptr, 4 * MiB),), name="reader")
+    names = fake_gpu.names()
+    other = ({"umrt_sm_copy", "cudaMemcpyAsync"} - {copy}).pop()
+    assert names.count(copy) == 2 and other not in names
+    urgent = [int(b.swap.streams.streams[k]) for k in ("out", "in")]
+    assert [fake_gpu.priorities.get(s, 0) for s in urgent] == ([-5, -5] if copy == "umrt_sm_copy" else [0, 0])
+    assert b.calls[copy] == 2 and b.swap.out_bytes == b.swap.in_bytes == 4 * MiB
+    assert not fake_gpu.violations
+
+
+@pytest.mark.parametrize("skip", ["writer", "population"])
+def test_the_fake_runtime_catches_an_sm_copy_out_of_order(fake_gpu, skip):
+    """The SM copy kernel is checked as a copy is: one out before the range's last writer is a
+    race; one back into discarded pages with no population before it takes the refault path."""
+    from fake_cuda import PageStateError
+
+    rt = FakeBindingsRuntime(fake_gpu)
+    _, ptr = rt.cudaMallocManaged(MiB, 1)
+    _, slot = rt.cudaHostAlloc(MiB, rt.cudaHostAllocMapped)
+    compute, copy = (rt.cudaStreamCreateWithFlags(1)[1] for _ in range(2))
+    fake_gpu.strict = True
+    fake_gpu.kernel(compute, writes=((ptr, MiB),), name="writer")
+    with pytest.raises(PageStateError, match="copy-out-race" if skip == "writer" else "copy-into-discarded"):
+        if skip == "population":
+            _, ev = rt.cudaEventCreateWithFlags(2)
+            rt.cudaEventRecord(ev, compute)
+            rt.cudaStreamWaitEvent(copy, ev, 0)
+            rt.sm_copy_kernel(slot, ptr, MiB, copy)
+            _, ev = rt.cudaEventCreateWithFlags(2)
+            rt.cudaEventRecord(ev, copy)
+            rt.cudaStreamWaitEvent(compute, ev, 0)
+            rt.cudaMemDiscardBatchAsync([ptr], [MiB], 1, 0, compute)
+        rt.sm_copy_kernel(ptr if skip == "population" else slot, slot if skip == "population" else ptr, MiB,
+                          compute if skip == "population" else copy)
+
+
+def test_the_sm_copy_kernel_refuses_what_it_cannot_copy_with_a_way_around():
+    """Pointers and sizes not in 16-byte words, and any failure to build or launch the kernel,
+    are a CudaError naming ``UMRT_SWAP_COPY=engines``."""
+    from umrt.backends.sm_copy import SmCopyKernel
+
+    with pytest.raises(CudaError, match="16-byte words"):
+        SmCopyKernel()(0x1000, 0x2008, 64, 0)
+    if SmCopyKernel.available():  # CuPy imports; with no GPU here, building or launching fails
+        with pytest.raises(CudaError, match="UMRT_SWAP_COPY=engines"):
+            SmCopyKernel()(0x1000, 0x2000, 64, 0)
+
+
+def test_an_sm_copy_kernel_that_cannot_run_is_said_once_and_the_copy_engines_take_over(fake_gpu):
+    """A kernel CuPy cannot build (no NVRTC, say) fails at the first copy: umrt warns once,
+    naming why, and copies with cudaMemcpyAsync from then on, losing nothing."""
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    def broken(dst, src, nbytes, stream):
+        raise CudaError("umrt_sm_copy failed: CompileException: nvrtc not found")
+
+    b = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu), sm_copy=broken), swap_copy="sm")
+    ptr = b.malloc(4 * MiB)
+    fake_gpu.kernel(b.compute_stream, writes=((ptr, 4 * MiB),), name="writer")
+    b.swap.reserve(4 * MiB)
+    with pytest.warns(RuntimeWarning, match="nvrtc not found; copying with cudaMemcpyAsync"):
+        b.swap.out([(ptr, 2 * MiB), (ptr + 2 * MiB, 2 * MiB)])
+    b.swap.back([(ptr, 4 * MiB)])
+    b.swap.wait([(ptr, 4 * MiB)])
+    fake_gpu.kernel(b.compute_stream, reads=((ptr, 4 * MiB),), name="reader")
+    assert fake_gpu.names().count("cudaMemcpyAsync") == 4 and not b.swap.sm and "nvrtc" in b.swap.sm_failed
+    assert not fake_gpu.violations

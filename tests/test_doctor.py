@@ -312,3 +312,16 @@ def test_settings_say_what_the_gpu_memory_is_of_and_every_check_agrees():
     assert rc == 2 and status_of(text, "settings") == "missing" and status_of(text, "profile") == "note"
     assert "nope" not in next(line for line in text.splitlines() if line[9:].startswith("profile "))
     assert "ok       settings" not in text
+
+
+@pytest.mark.parametrize(("launcher", "environ", "status", "says"), [
+    (True, {}, "ok", "by umrt's SM copy kernel"),
+    (False, {}, "note", "by the copy engines (CuPy, which builds umrt's SM copy kernel, does not import)"),
+    (True, {"UMRT_SWAP_COPY": "engines"}, "ok", "by the copy engines (UMRT_SWAP_COPY=engines)"),
+])
+def test_the_swap_path_line_says_what_copies_live_data(launcher, environ, status, says):
+    rt = BindingsRuntime(FakeGpu(total=80 * 2**30))
+    api = BindingsApi(rt, sm_copy=rt.sm_copy_kernel if launcher else None)
+    rc, text = doctor(FakeMachine(api, nvml=fake_nvml()), environ)
+    assert rc == 0, text
+    assert status_of(text, "swap path") == status and says in text, text

@@ -804,21 +804,24 @@ def test_the_h100_live_runs_served_natively_make_the_same_calls_at_the_same_addr
 
 
 @pytest.mark.slow
-def test_the_h100_run_at_8_gib_swaps_live_and_loses_nothing():
+@pytest.mark.parametrize("swap_copy", ["sm", "engines"])
+def test_the_h100_run_at_8_gib_swaps_live_and_loses_nothing(monkeypatch, swap_copy):
     """The H100's GPT-2 event stream at 8 GiB, served on the Python path on the fake CUDA
-    runtime with its kernels run there too: the live runtime's plans copy through the copy
-    engines (its view of the backend passes the swap path on), and the fake runtime's page
-    state sees no copy out of bytes nothing wrote, no kernel before its copy back, no discard
-    before its copy out, no slot reused early."""
+    runtime with its kernels run there too: the live runtime's plans copy to pinned memory
+    (SM copies, or the copy engines; its view of the backend passes the swap path on), and
+    the fake runtime's page state sees no copy out of bytes nothing wrote, no kernel before
+    its copy back, no discard before its copy out, no slot reused early."""
     from fake_cuda import FakeBindingsRuntime, FakeGpu
 
     from umrt.backends.cuda import BindingsApi
 
+    monkeypatch.setenv("UMRT_SWAP_COPY", swap_copy)
     gpu = FakeGpu(total=80 << 30, managed_limit=512 << 30)
-    served = serve("50pct", 8 << 30, 10, native=False, api=BindingsApi(FakeBindingsRuntime(gpu)), kernels=gpu)
+    rt = FakeBindingsRuntime(gpu)
+    served = serve("50pct", 8 << 30, 10, native=False, api=BindingsApi(rt, sm_copy=rt.sm_copy_kernel), kernels=gpu)
     assert served.failed is None
-    copies = [c for c in gpu.calls if c[0] == "cudaMemcpyAsync"]
-    assert copies, "the live runtime planned no copy through the copy engines"
+    copies = [c for c in gpu.calls if c[0] == {"sm": "umrt_sm_copy", "engines": "cudaMemcpyAsync"}[swap_copy]]
+    assert copies, f"the live runtime planned no copy ({swap_copy})"
     assert not gpu.violations, gpu.violations[:3]
 
 
@@ -1314,14 +1317,14 @@ def test_a_window_that_swapped_is_not_repeated_natively():
 
     gpu = FakeGpu()
     backend = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(gpu)))
-    assert backend.swap.copy_engines
+    assert backend.swap.pinned_copies
     size = 1 << 20
     live, dead = backend.malloc(size), backend.malloc(size)
     gpu.kernel(backend.compute_stream, reads=(), writes=((live, size), (dead, size)), name="writer")
     calls = BackendCalls(backend)
     log: list = []
     calls.record(log)
-    assert backend.swap.copy_engines  # (the recording adapter keeps the swap path on)
+    assert backend.swap.pinned_copies  # (the recording adapter keeps the swap path on)
     backend.swap.reserve(size)
     backend.swap.out([(live, size)])
     backend.drop([(dead, size)])

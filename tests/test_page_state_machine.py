@@ -66,6 +66,7 @@ from hypothesis.stateful import (
 )
 
 from umrt.backends import cuda_swap
+from umrt.backends.base import SWAP_COPIES
 from umrt.backends.cuda import BindingsApi, CudaBackend
 from umrt.backends.cuda_order import StreamOrder
 from umrt.backends.cuda_swap import PAGE_ALIGN, CudaSwapPath
@@ -210,14 +211,15 @@ class PageStateMachine(RuleBasedStateMachine):
 
     # -- set-up ------------------------------------------------------------------
     @initialize(template=templates(), budget=st.floats(0.3, 1.3), stream=st.sampled_from(STREAMS),
-                live=st.booleans(), options=st.fixed_dictionaries(
+                live=st.booleans(), swap_copy=st.sampled_from(SWAP_COPIES), options=st.fixed_dictionaries(
                     {}, optional={"discard_on_free": st.booleans(), "op_level": st.booleans(),
                                   "read_mostly": st.booleans(), "freeze": st.booleans()}))
-    def start(self, template: Template, budget: float, stream: str, live: bool, options: dict) -> None:
+    def start(self, template: Template, budget: float, stream: str, live: bool, swap_copy: str,
+              options: dict) -> None:
         self.t = template
         self.gpu = FakeGpu()
         self.rt = FakeBindingsRuntime(self.gpu)
-        self.backend = CudaBackend(0, api=BindingsApi(self.rt))
+        self.backend = CudaBackend(0, api=BindingsApi(self.rt, sm_copy=self.rt.sm_copy_kernel), swap_copy=swap_copy)
         self.backend.set_compute_stream(self.make_stream(stream))
         self.runtime = Runtime(**options)
         layout = self.runtime.make_layout(self.backend)
@@ -415,8 +417,9 @@ class PageStateMachine(RuleBasedStateMachine):
         SEEN["examples with evictions"] += rep["evicted_bytes"] > 0
         SEEN["examples with populates"] += rep["populate_calls"] > 0
         SEEN["examples with launches read over the link"] += rep["launch_host_mapped_bytes"] > 0
-        SEEN["examples with swaps"] += "cudaMemcpyAsync" in names
-        SEEN["copies"] += names.count("cudaMemcpyAsync")
+        SEEN["examples with swaps"] += "cudaMemcpyAsync" in names or "umrt_sm_copy" in names
+        SEEN["examples with SM copies"] += "umrt_sm_copy" in names
+        SEEN["copies"] += names.count("cudaMemcpyAsync") + names.count("umrt_sm_copy")
         SEEN["examples with deviations"] += rep["deviations"] > 0
         SEEN["discard calls"] += names.count("cudaMemDiscardBatchAsync")
         SEEN["prefetch calls"] += names.count("cudaMemPrefetchAsync")
@@ -428,14 +431,15 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=10, deadline=None
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def test_a_plan_learned_on_steps_cut_short_never_drops_what_a_full_step_still_reads():
+@pytest.mark.parametrize("swap_copy", SWAP_COPIES)
+def test_a_plan_learned_on_steps_cut_short_never_drops_what_a_full_step_still_reads(swap_copy):
     """Found by the machine: learned on steps an exception cut short (their objects freed
     early), the plan took the batch for dead; a full step frees it later and reads it
     meanwhile. What a plan finds dead is discarded when the program frees it, never before."""
     state = PageStateMachine()
     state.start(template=Template(params=(49152, 1572864), acts=(65536, 49152), temps=(0, 102400),
                                   input_bytes=262144, host_input=False, carry_grads=False, optimizer_state=False),
-                budget=0.3, stream="legacy", live=True, options={})
+                budget=0.3, stream="legacy", live=True, swap_copy=swap_copy, options={})
     state.iteration_cut_short(cut=0)
     state.iteration_cut_short(cut=16)
     state.iterations_of_the_template(n=2)
@@ -443,14 +447,15 @@ def test_a_plan_learned_on_steps_cut_short_never_drops_what_a_full_step_still_re
     state.teardown()
 
 
-def test_a_step_cut_short_never_discards_what_is_still_coming_back():
+@pytest.mark.parametrize("swap_copy", SWAP_COPIES)
+def test_a_step_cut_short_never_discards_what_is_still_coming_back(swap_copy):
     """Found by the machine (under another test order): a step cut short frees objects the
     swap path was copying back from pinned memory before any kernel had waited for the copy;
     their discard must wait for it (it waited only for the kernels queued so far)."""
     state = PageStateMachine()
     state.start(template=Template(params=(524288, 1572864), acts=(327680, 1572864), temps=(0, 65536),
                                   input_bytes=327680, host_input=False, carry_grads=False, optimizer_state=False),
-                budget=1.0, stream="legacy", live=False, options={})
+                budget=1.0, stream="legacy", live=False, swap_copy=swap_copy, options={})
     state.nothing_lost_refaulted_or_raced()
     state.iteration_cut_short(cut=0)
     state.nothing_lost_refaulted_or_raced()
@@ -615,16 +620,20 @@ UNREACHED_SWAP_BUGS = {"copy out of bytes never written", "part of a range away 
 @pytest.mark.parametrize("bug", [pytest.param(b, marks=pytest.mark.skip(
     reason="not reached by the machine (see UNREACHED_SWAP_BUGS)"))
     if b in UNREACHED_SWAP_BUGS else b for b in SWAP_BUGS])
-def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, capsys):
+@pytest.mark.parametrize("copies", SWAP_COPIES)
+def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, copies, capsys):
+    """Each bug planted in the swap path, its copies made by the SM copy kernel or by the copy
+    engines (whichever the machine draws, it copies with ``copies`` here)."""
     (where, name, patched), error = SWAP_BUGS[bug]
     monkeypatch.setattr(where, name, patched)
+    monkeypatch.setattr(CudaSwapPath, "sm", property(lambda self: copies == "sm"))
     found = settings(SETTINGS, max_examples=4000 if bug == "copy out of bytes never written" else 1000,
                      phases=(Phase.generate,))
     t0 = time.perf_counter()
     with pytest.raises(PageStateError, match=error) as caught:
         run_state_machine_as_test(PageStateMachine, settings=found)
     with capsys.disabled():
-        print(f"\nplanted swap bug {bug!r}: found in {time.perf_counter() - t0:.1f} s "
+        print(f"\nplanted swap bug {bug!r} ({copies} copies): found in {time.perf_counter() - t0:.1f} s "
               f"({str(caught.value).split(':')[0]})")
 
 

@@ -405,7 +405,7 @@ def test_the_thread_waits_for_a_swap_copy_as_the_profile_says(wait):
     import dataclasses
 
     prof = dataclasses.replace(load_profile("h100-sxm5-80g"), copy_host_wait=wait)
-    b = SimBackend(prof)
+    b = SimBackend(prof, swap_copy="engines")
     n = 512 * MB
     data, other = b.malloc(n), b.malloc(BLOCK)
     b.prefetch([(data, n), (other, BLOCK)], 0)
@@ -418,3 +418,44 @@ def test_the_thread_waits_for_a_swap_copy_as_the_profile_says(wait):
     copy, compute = n / prof.copy_rate("d2h"), prof.compute_time(10**12, 0, "fp32")
     serial = b.now() - t0 >= copy + compute
     assert serial is (wait == 1.0), (b.now() - t0, copy, compute)
+
+
+@pytest.mark.parametrize("share", [0.1, 0.5])
+def test_an_sm_copy_holds_nothing_back_and_slows_the_kernels_beside_it_by_its_share(share):
+    """``swap_copy="sm"``: the copy is a kernel of umrt's own, so a kernel issued after it starts at
+    once (the thread waits for nothing), and computes at ``1 - sm_copy_share`` of the GPU for as
+    long as the copy runs beside it; a kernel after the copy is done runs at full speed."""
+    import dataclasses
+
+    prof = dataclasses.replace(load_profile("h100-sxm5-80g"), copy_host_wait=1.0, sm_copy_share=share)
+    b = SimBackend(prof, swap_copy="sm")
+    n = 512 * MB
+    data, other = b.malloc(n), b.malloc(BLOCK)
+    b.prefetch([(data, n), (other, BLOCK)], 0)
+    b.launch([], [(data, n), (other, BLOCK)], 0, n)
+    b.synchronize()
+    t0 = b.now()
+    b.swap.out([(data, n)])
+    flops = 10**12  # ~20 ms of fp32 compute, longer than the copy (~10 ms)
+    b.launch([(other, BLOCK)], [(other, BLOCK)], flops, 0, "fp32")
+    t1 = b.now()
+    copy, compute = n / prof.copy_rate("d2h"), prof.compute_time(flops, 0, "fp32")
+    assert copy < compute
+    beside = t1 - t0 - 2 * prof.prefetch_call_overhead_s  # the copy's and the discard's calls
+    assert beside == pytest.approx(compute + copy * share / (1 - share), rel=1e-3)
+    b.synchronize()
+    t2 = b.now()
+    b.launch([(other, BLOCK)], [(other, BLOCK)], flops, 0, "fp32")
+    assert b.now() - t2 == pytest.approx(compute)
+
+
+def test_the_swap_copy_follows_umrt_swap_copy_and_refuses_a_word_it_does_not_know(monkeypatch):
+    from umrt.errors import ConfigError
+
+    monkeypatch.setenv("UMRT_SWAP_COPY", "engines")
+    assert SimBackend("h100-sxm5-80g").swap.swap_copy == "engines"
+    monkeypatch.delenv("UMRT_SWAP_COPY")
+    assert SimBackend("h100-sxm5-80g").swap.swap_copy == "sm"
+    monkeypatch.setenv("UMRT_SWAP_COPY", "dma")
+    with pytest.raises(ConfigError, match="UMRT_SWAP_COPY='dma'.*sm, engines"):
+        SimBackend("h100-sxm5-80g")

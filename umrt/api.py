@@ -160,7 +160,7 @@ def _start(cfg: Config) -> Session:
     # optional: GPU start only, as above
     from umrt.backends.cuda import CudaBackend
 
-    backend = CudaBackend(cfg.device)
+    backend = CudaBackend(cfg.device, swap_copy=cfg.swap_copy)
     _, total = backend.mem_info()
     held = _join_share(cfg, total)
     budget = held.held if held is not None else cfg.budget().resolve(total)

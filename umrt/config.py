@@ -36,6 +36,10 @@ Variable                    Meaning                                    Default
                             cannot give now (``forever``: no limit)
 ``UMRT_SHADOW_REPORTS``     folder where each torchrun rank of a        unset
                             shadow run leaves its report
+``UMRT_SWAP_COPY``          what copies swapped memory to pinned        ``sm``
+                            memory and back: ``sm`` (a kernel of
+                            umrt's own) or ``engines``
+                            (``cudaMemcpyAsync``)
 ==========================  =========================================  =============
 
 A percentage is of one named thing, written after it (:data:`PERCENT_BASES`):
@@ -71,6 +75,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from umrt.backends.base import SWAP_COPIES, SWAP_COPY_DEFAULT
 from umrt.errors import ConfigError
 from umrt.hardware import load_profile
 from umrt.registry import POLICY_NAMES
@@ -315,6 +320,7 @@ class Config:
     share_min: Amount | None = None  # the least a fair share shrinks to (None: SHARE_MIN_DEFAULT)
     share_wait: float = 0.0  # seconds to wait for a share the device cannot give now (inf: no limit)
     shadow_reports: str | None = None  # torchrun shadow runs: where each rank leaves its report
+    swap_copy: str = SWAP_COPY_DEFAULT  # what copies swapped ranges: "sm" (a kernel) or "engines"
 
     @property
     def shares_off(self) -> bool:
@@ -382,6 +388,7 @@ _ENV = {  # field -> environment variable
     "share_min": "UMRT_SHARE_MIN",
     "share_wait": "UMRT_SHARE_WAIT",
     "shadow_reports": "UMRT_SHADOW_REPORTS",
+    "swap_copy": "UMRT_SWAP_COPY",
 }
 ENV_VARS: tuple[str, ...] = tuple(_ENV.values())
 
@@ -417,6 +424,11 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
         word = str(value).strip().lower()
         if word not in GRANULARITIES:
             raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(GRANULARITIES)}")
+        return word
+    if field == "swap_copy":
+        word = str(value).strip().lower()
+        if word not in SWAP_COPIES:
+            raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(SWAP_COPIES)}")
         return word
     if field == "log_level":
         word = str(value).strip().lower()
@@ -512,6 +524,14 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
                                                 "shadow_reports"):
                 values[field] = coerced
     return dataclasses.replace(Config(), **values)
+
+
+def swap_copy_in_env(environ: Mapping[str, str] | None = None) -> str:
+    """``UMRT_SWAP_COPY`` alone, checked (a backend made outside :func:`from_env`'s config, such
+    as the simulator a bench builds, still follows it)."""
+    env = os.environ if environ is None else environ
+    var = _ENV["swap_copy"]
+    return str(_coerce("swap_copy", env[var], var)) if var in env else SWAP_COPY_DEFAULT
 
 
 def enabled_in_env(environ: Mapping[str, str] | None = None) -> bool:

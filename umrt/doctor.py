@@ -397,9 +397,18 @@ def _gpu(machine: ThisMachine, cfg: Config, nvml_driver: str | None, found: list
                              f"none on CUDA {_cuda(api.version)}: one cudaMemPrefetchAsync per range, and no "
                              "discard (umrt's pool reuses dead ranges in place instead)",
                              "with a CUDA 13 driver: pip install 'umrt[cuda13]'"))
-    if "cudaMemDiscardBatchAsync" in calls:
+    if "cudaMemDiscardBatchAsync" in calls and cfg.swap_copy == "sm" and api.has_sm_copy:
         found.append(Finding("swap path", OK, "live data umrt takes off the GPU is copied to pinned host memory "
-                                              "by the copy engines and discarded, then copied back before use"))
+                                              "by umrt's SM copy kernel (beside the kernels, on a stream of the "
+                                              "greatest priority) and discarded, then copied back before use"))
+    elif "cudaMemDiscardBatchAsync" in calls:
+        why = ("UMRT_SWAP_COPY=engines" if cfg.swap_copy == "engines"
+               else "CuPy, which builds umrt's SM copy kernel, does not import")
+        found.append(Finding("swap path", OK if cfg.swap_copy == "engines" else NOTE,
+                             "live data umrt takes off the GPU is copied to pinned host memory by the copy engines "
+                             f"({why}) and discarded, then copied back before use; on an H200 nothing issued after "
+                             "such a copy ran beside it",
+                             "" if cfg.swap_copy == "engines" else "pip install 'umrt[cuda13]' (CuPy)"))
     else:
         found.append(Finding("swap path", NOTE,
                              f"CUDA {_cuda(api.version)} has no discard: umrt moves live data off the GPU by page "

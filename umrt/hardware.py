@@ -96,6 +96,11 @@ class HardwareProfile:
     # showed; whether its thread or its GPU serialized them is not measured; 0: fully
     # asynchronous). A profile that leaves it out takes 1 (umrt/sim/MODEL.md).
     copy_host_wait: float = 1.0
+    # The fraction of the GPU's compute a kernel of umrt's own that copies between managed
+    # and pinned memory (an *SM copy*: its grid of SM_COPY_BLOCKS blocks drives the link
+    # through mapped pinned memory) takes from the kernels beside it while it runs. Assumed,
+    # not measured: its blocks over the card's SMs (umrt/sim/MODEL.md, "SM copies").
+    sm_copy_share: float = 0.125
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -218,11 +223,12 @@ _NUMERIC: dict[str, tuple[type, float, float]] = {
     "copy_h2d_rate": (float, 0, math.inf),
     "copy_d2h_rate": (float, 0, math.inf),
     "copy_host_wait": (float, -1, 1.0),
+    "sm_copy_share": (float, -1, 0.99),
 }
 # Fields a profile file may leave out (written before they existed): the FP32/TF32
 # peaks as peak_flops, memory_efficiency as compute_efficiency.
 _OPTIONAL = frozenset({"peak_flops_fp32", "peak_flops_tf32", "memory_efficiency", "copy_h2d_rate",
-                       "copy_d2h_rate", "copy_host_wait", "tf32_efficiency"})
+                       "copy_d2h_rate", "copy_host_wait", "tf32_efficiency", "sm_copy_share"})
 # The Unified Memory cost model of umrt/sim/MODEL.md (umrt 0.2): a file written before it
 # (with the UVMSmart transfer curve) lacks these and is refused with a hint.
 _UM_MODEL = frozenset({

@@ -154,19 +154,28 @@ class ReportsFaults(Protocol):
         """Pages that faulted since the last call."""
 
 
+#: What copies a swapped range to pinned memory and back (``UMRT_SWAP_COPY``): ``"sm"``, a kernel
+#: of umrt's own on a stream of its own (the SMs drive the link through mapped pinned memory;
+#: nothing waits for it), or ``"engines"``, ``cudaMemcpyAsync`` on the copy engines (an H200
+#: ran nothing issued after such a copy of managed memory beside it).
+SWAP_COPIES = ("sm", "engines")
+SWAP_COPY_DEFAULT = "sm"
+
+
 class SwapPath:
     """Taking live ranges off a backend's GPU and back, keeping their contents (``backend.swap``).
 
     This default is page migration: :meth:`out` prefetches to the host, :meth:`back` to the
-    GPU. A backend with copy engines (``copy_engines``) copies each range out to pinned host
+    GPU. A backend with pinned copies (``pinned_copies``) copies each range out to pinned host
     memory after the kernels queued so far and discards its pages once the copy is done;
     :meth:`back` populates the pages and copies the range back, and the kernels that read it
     must come after :meth:`wait`. Addresses never change, and every byte swapped out must come
     back (or be :meth:`release`'d when its object dies) before a kernel uses it.
     """
 
-    #: Whether ranges go through the copy engines (pinned staging, a discard after the copy).
-    copy_engines: bool = False
+    #: Whether ranges are copied to pinned staging and back (by SM copies or the copy engines;
+    #: a discard after the copy out).
+    pinned_copies: bool = False
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend

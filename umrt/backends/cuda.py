@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from umrt.backends.allocations import Allocations
-from umrt.backends.base import HOST, PAGE, Advice, Backend, Range
+from umrt.backends.base import HOST, PAGE, SWAP_COPIES, Advice, Backend, Range
 from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDING: re-exported)
     LEGACY_STREAMS,
     MAX_PENDING,
@@ -72,7 +72,9 @@ from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDIN
 )
 from umrt.backends.cuda_swap import CudaSwapPath
 from umrt.backends.ranges import RangeSet
-from umrt.errors import CudaError
+from umrt.backends.sm_copy import SmCopyKernel
+from umrt.config import swap_copy_in_env
+from umrt.errors import ConfigError, CudaError
 
 #: Discards are shrunk inward to this alignment: the driver drops whole pages,
 #: and a partial page may hold a live neighbour (64 KiB = GPU UVM page size).
@@ -144,6 +146,18 @@ class CudaApi(ABC):
 
     def discard_and_prefetch_batch(self, ranges: Sequence[Range], device: int, stream: Any) -> None:
         raise NotImplementedError("cudaMemDiscardAndPrefetchBatchAsync needs CUDA 13")
+
+    #: True when the adapter can launch umrt's SM copy kernel (:mod:`umrt.backends.sm_copy`).
+    has_sm_copy: bool = False
+
+    def sm_copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """umrt's SM copy kernel on ``stream``: ``nbytes`` between pinned and managed memory."""
+        raise NotImplementedError("umrt_sm_copy: this adapter launches no kernel")
+
+    def create_urgent_stream(self) -> Any:
+        """A non-blocking stream whose kernels' blocks start before those of other streams
+        (cudaStreamCreateWithPriority at the device's greatest priority); here, a plain one."""
+        return self.create_stream(False)
 
 
 class CupyApi(CudaApi):
@@ -222,11 +236,20 @@ class BindingsApi(CudaApi):
     has_batch = True
     has_copies = True
 
-    def __init__(self, runtime: Any = None) -> None:
+    def __init__(self, runtime: Any = None, sm_copy: Any = None) -> None:
+        """``runtime``: ``cuda.bindings.runtime`` (None: this process's); ``sm_copy``: what
+        launches umrt's SM copy kernel, ``(dst, src, nbytes, stream)`` (None: for this
+        process's runtime, :class:`~umrt.backends.sm_copy.SmCopyKernel` where CuPy imports;
+        for a given runtime, none: its swap path copies on the copy engines)."""
         self.process_runtime = runtime is None
         if runtime is None:
             from cuda.bindings import runtime  # noqa: PLC0415 (GPU-only import)
+
+            if sm_copy is None and SmCopyKernel.available():
+                sm_copy = SmCopyKernel()
         self.rt = runtime
+        self._sm_copy = sm_copy
+        self.has_sm_copy = sm_copy is not None
         (self.version,) = self._call("cudaRuntimeGetVersion")
 
     def _call(self, name: str, *args: Any) -> tuple:
@@ -302,8 +325,10 @@ class BindingsApi(CudaApi):
                    [self._location(device)], [0], 1, 0, stream)
 
     def host_alloc(self, nbytes: int) -> int:
-        # cudaHostAlloc(size, flags) -> (err, ptr); cudaHostAllocDefault is 0 (driver_types.h).
-        return int(self._call("cudaHostAlloc", nbytes, 0)[0])
+        # cudaHostAlloc(size, flags) -> (err, ptr); cudaHostAllocMapped (driver_types.h): mapped into
+        # the device's address space (the SM copy kernel reads and writes it; with unified
+        # addressing it is mapped at the same address either way).
+        return int(self._call("cudaHostAlloc", nbytes, self.rt.cudaHostAllocMapped)[0])
 
     def free_host(self, ptr: int) -> None:
         self._call("cudaFreeHost", ptr)
@@ -311,6 +336,16 @@ class BindingsApi(CudaApi):
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         # cudaMemcpyDefault: the direction comes from the pointers (unified virtual addressing).
         self._call("cudaMemcpyAsync", dst, src, nbytes, self.rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+
+    def sm_copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if self._sm_copy is None:
+            super().sm_copy(dst, src, nbytes, stream)
+        self._sm_copy(dst, src, nbytes, stream)
+
+    def create_urgent_stream(self) -> Any:
+        # (err, least, greatest): the greatest priority is the lowest number.
+        _, greatest = self._call("cudaDeviceGetStreamPriorityRange")
+        return self._call("cudaStreamCreateWithPriority", self.rt.cudaStreamNonBlocking, greatest)[0]
 
 
 def default_api() -> CudaApi:
@@ -365,6 +400,9 @@ class CudaBackend(Backend):
             Off by default: the UVM kernel driver migrates across contiguous
             managed ranges (``uvm_migrate_ranges`` fails only on a gap), but
             no GPU run has shown that the CUDA runtime accepts such a range.
+        swap_copy: what copies swapped ranges (:data:`~umrt.backends.base.SWAP_COPIES`;
+            None: as ``UMRT_SWAP_COPY`` says, SM copies by default). SM copies need an
+            adapter that launches the kernel (``has_sm_copy``); without one, the copy engines.
 
     Counters, for ``umrt.memory_stats()`` and ``bench.gpu`` (take a
     :meth:`counters` snapshot per training step and diff two with
@@ -390,8 +428,11 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0,
-                 merge_across_allocations: bool = False) -> None:
+                 merge_across_allocations: bool = False, swap_copy: str | None = None) -> None:
         self.api = api or default_api()
+        self.swap_copy = swap_copy_in_env() if swap_copy is None else swap_copy
+        if self.swap_copy not in SWAP_COPIES:
+            raise ConfigError(f"swap_copy={self.swap_copy!r}: use one of {', '.join(SWAP_COPIES)}")
         self._call = CountedCalls()
         self.calls: Counter[str] = self._call.counts
         count = self._call("cudaGetDeviceCount", self.api.device_count)

@@ -1,14 +1,17 @@
-"""The ``cuda`` backend's swap path: copies through the copy engines, their streams, events and slots.
+"""The ``cuda`` backend's swap path: copies to pinned slots and back, their streams and events.
 
 :class:`CudaSwapPath` is :attr:`umrt.backends.cuda.CudaBackend.swap` (and does its
-``drop``). On CUDA 13 with concurrent managed access it swaps through the copy
-engines; elsewhere (CUDA 12 has no discard) it migrates, as the default
+``drop``). On CUDA 13 with concurrent managed access it copies each range to a pinned
+slot and back, with umrt's SM copy kernel (:mod:`umrt.backends.sm_copy`;
+``UMRT_SWAP_COPY=engines``: ``cudaMemcpyAsync`` on the copy engines); elsewhere (CUDA 12
+has no discard) it migrates, as the default
 :class:`~umrt.backends.base.SwapPath`. :class:`SwapStreams` keeps its streams and
 what is in flight on them. Each kind of work has a non-blocking stream of its
 own, so none waits behind another's queue (a stream runs its work in order, and
 a discard queued after a copy waits for it):
 
-* ``out``: the copies to pinned memory, each after the kernels queued before it
+* ``out``: the copies to pinned memory (SM copies: a stream of the greatest priority),
+  each after the kernels queued before it
   (an event on the compute stream: the range's last writer) and after the copy
   back that last read its slot;
 * ``discard``: the swap path's discards, each after its copy out (an event);
@@ -25,6 +28,7 @@ range out and back in.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +37,7 @@ from umrt.backends.base import HOST, Range, SwapPath
 from umrt.backends.cuda_order import CountedCalls, overlaps
 from umrt.backends.ranges import RangeSet
 from umrt.backends.staging import Slot, StagingPool, host_available_bytes
+from umrt.errors import CudaError
 
 __all__ = ["CudaSwapPath", "SwapStreams", "Swapped", "whole_pages"]
 
@@ -74,11 +79,16 @@ class SwapStreams:
     spare: list[Any] = field(default_factory=list)
     held: dict[int, list] = field(default_factory=dict)  # event handle -> [event, references]
 
-    def stream(self, kind: str) -> Any:
-        """The stream for ``kind`` of work (created non-blocking on first use)."""
+    def stream(self, kind: str, urgent: bool = False) -> Any:
+        """The stream for ``kind`` of work (created non-blocking on first use; ``urgent``: at the
+        device's greatest priority, for SM copies, whose blocks then start before the kernels')."""
         s = self.streams.get(kind)
         if s is None:
-            s = self.streams[kind] = self.call("cudaStreamCreateWithFlags", self.api.create_stream, False)
+            if urgent:
+                s = self.call("cudaStreamCreateWithPriority", self.api.create_urgent_stream)
+            else:
+                s = self.call("cudaStreamCreateWithFlags", self.api.create_stream, False)
+            self.streams[kind] = s
         return s
 
     def event(self) -> Any:
@@ -166,13 +176,34 @@ class CudaSwapPath(SwapPath):
         self.out_bytes = 0  # swapped out, and in
         self.in_bytes = 0
         self.late = 0  # announced kernels that touched a range still away (brought back first)
+        self.sm_failed = ""  # why the SM copy kernel failed, if it did (the copy engines copy since)
 
     @property
-    def copy_engines(self) -> bool:  # type: ignore[override]
+    def pinned_copies(self) -> bool:  # type: ignore[override]
         """CUDA 13 (discard) through an adapter with pinned memory and copies, on a GPU with
         concurrent managed access. CUDA 12 has no discard: ranges leave by page migration."""
         b = self.backend
         return bool(self.api.has_batch and self.api.has_copies and b.concurrent)
+
+    @property
+    def sm(self) -> bool:
+        """Whether the copies are umrt's SM copy kernel (``UMRT_SWAP_COPY=sm``, an adapter that
+        launches it, and no launch of it failed), not ``cudaMemcpyAsync`` on the copy engines."""
+        return self.backend.swap_copy == "sm" and bool(self.api.has_sm_copy) and not self.sm_failed
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """One copy between a slot and a managed range on ``stream``: the SM copy kernel, or
+        ``cudaMemcpyAsync``. A kernel that cannot be built or launched is said once, and the copy
+        engines copy from then on (a failure of the GPU itself fails their copy too)."""
+        if self.sm:
+            try:
+                self._call("umrt_sm_copy", self.api.sm_copy, dst, src, nbytes, stream)
+                return
+            except CudaError as exc:
+                self.sm_failed = str(exc)
+                warnings.warn(f"umrt: {exc}; copying with cudaMemcpyAsync from now on", RuntimeWarning,
+                              stacklevel=2)
+        self._call("cudaMemcpyAsync", self.api.memcpy, dst, src, nbytes, stream)
 
     @property
     def away(self) -> bool:
@@ -183,7 +214,7 @@ class CudaSwapPath(SwapPath):
         """Size the pinned staging for ``nbytes`` away at once (the plan's most), before the
         first step that swaps: one ``cudaHostAlloc``, checked against the host's available
         memory (a clear error naming both figures), reused from then on."""
-        if self.copy_engines and nbytes > 0:
+        if self.pinned_copies and nbytes > 0:
             if self.pool.base and self.pool.grows(nbytes) and not self.pool.in_use:
                 self.synchronized()  # the old pinned memory goes: no copy may still use it
             self.pool.reserve(nbytes, host_available_bytes())
@@ -208,10 +239,10 @@ class CudaSwapPath(SwapPath):
                 pages.append(r)
         if not pages:
             return
-        if not self.copy_engines:
+        if not self.pinned_copies:
             b.prefetch(pages, HOST)
             return
-        out, disc = sw.stream("out"), sw.stream("discard")
+        out, disc = sw.stream("out", self.sm), sw.stream("discard")
         written = sw.mark(b.compute_stream)
         sw.wait(out, written)
         sw.let_go(written)
@@ -226,7 +257,7 @@ class CudaSwapPath(SwapPath):
             for ev in waits:
                 sw.wait(out, ev)
                 sw.let_go(ev)
-            self._call("cudaMemcpyAsync", self.api.memcpy, pool.ptr(slot), ptr, n, out)
+            self.copy(pool.ptr(slot), ptr, n, out)
             moved.append((ptr, n, slot))
         if moved:
             copied = sw.mark(out)
@@ -353,7 +384,7 @@ class CudaSwapPath(SwapPath):
                 rest.append((at, ptr + n - at))
         if not back:
             return ranges
-        pop, inn = sw.stream("populate"), sw.stream("in")
+        pop, inn = sw.stream("populate"), sw.stream("in", self.sm)
         waited: set[int] = set()
         for _, _, entry in back:
             if int(entry.discarded) not in waited:
@@ -366,7 +397,7 @@ class CudaSwapPath(SwapPath):
         sw.wait(inn, populated)
         sw.let_go(populated)
         for p, m, entry in back:
-            self._call("cudaMemcpyAsync", self.api.memcpy, p, pool.ptr(entry.slot), m, inn)
+            self.copy(p, pool.ptr(entry.slot), m, inn)
         copied = sw.hold(sw.mark(inn), 2 * len(back))
         for p, m, entry in back:
             sw.coming[p] = (m, copied)

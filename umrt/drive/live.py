@@ -184,8 +184,8 @@ class _ManagedSwap(SwapPath):
         self.coming = RangeSet()
 
     @property
-    def copy_engines(self) -> bool:  # type: ignore[override]
-        return self._inner.copy_engines
+    def pinned_copies(self) -> bool:  # type: ignore[override]
+        return self._inner.pinned_copies
 
     def _passed(self, ranges: Sequence[Range], record: RangeSet) -> list[Range]:
         """``ranges`` inside managed allocations; muted, only those that overlap ``record``."""

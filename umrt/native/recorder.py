@@ -119,7 +119,7 @@ class _UnschedulableSwap(SwapPath):
         super().__init__(swap.backend)
         self._swap = swap
         self._log = log
-        self.copy_engines = swap.copy_engines
+        self.pinned_copies = swap.pinned_copies
 
     def out(self, ranges: Sequence[Range]) -> None:
         self._log.append(Unschedulable("swap.out"))
@@ -158,6 +158,7 @@ class RecordingApi(CudaApi):
         self.version = api.version
         self.has_batch = api.has_batch
         self.has_copies = api.has_copies
+        self.has_sm_copy = api.has_sm_copy
         self.process_runtime = api.process_runtime
 
     def device_count(self) -> int:
@@ -184,6 +185,10 @@ class RecordingApi(CudaApi):
         self.log.append(Unschedulable("create_stream"))
         return self.api.create_stream(blocking)
 
+    def create_urgent_stream(self) -> Any:
+        self.log.append(Unschedulable("create_stream"))
+        return self.api.create_urgent_stream()
+
     def create_event(self) -> Any:
         self.log.append(Unschedulable("create_event"))
         return self.api.create_event()
@@ -205,6 +210,10 @@ class RecordingApi(CudaApi):
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         self.log.append(Unschedulable("memcpy"))
         self.api.memcpy(dst, src, nbytes, stream)
+
+    def sm_copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self.log.append(Unschedulable("sm_copy"))
+        self.api.sm_copy(dst, src, nbytes, stream)
 
     def record_event(self, event: Any, stream: Any) -> None:
         self.log.append(CallAt(DecisionKind.RECORD_EVENT, (), stream=_handle(stream), event=_handle(event),

@@ -543,7 +543,7 @@ class OraclePolicy(Policy):
         elif self.choice not in ("none", RUNTIME):
             options = dict(CANDIDATES[self.choice])
             keep_dead = not options.pop("discard", True)
-            swap = options.pop("swap", True) and ctx.backend.swap.copy_engines
+            swap = options.pop("swap", True) and ctx.backend.swap.pinned_copies
             rec = iteration_record(self.trace, self.template, ctx.profile)
             planner = Planner(max(1, int(ctx.budget_bytes)), ctx.profile, swap=swap, **options)
             self.schedule = planner.plan(rec)

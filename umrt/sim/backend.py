@@ -60,8 +60,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umrt.backends.base import HOST, Advice, Backend, Range, SwapPath
+from umrt.backends.base import HOST, SWAP_COPIES, SWAP_COPY_DEFAULT, Advice, Backend, Range, SwapPath
 from umrt.backends.ranges import RangeSet
+from umrt.config import swap_copy_in_env
 from umrt.errors import ConfigError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.sim import engine as E
@@ -76,7 +77,9 @@ _UNLIMITED_PAGES = 1 << 50
 class SimBackend(Backend):
     """The simulated GPU. ``capacity_bytes`` is the GPU memory budget
     (``None``: the profile's memory; ``math.inf``: a GPU with enough memory, whose
-    allocations are device memory: backed on the GPU at allocation, never faulted in)."""
+    allocations are device memory: backed on the GPU at allocation, never faulted in).
+    ``swap_copy``: what copies swapped ranges (:data:`umrt.backends.base.SWAP_COPIES`; None:
+    as ``UMRT_SWAP_COPY`` says, SM copies by default)."""
 
     name = "sim"
     device = 0
@@ -97,7 +100,8 @@ class SimBackend(Backend):
     swapped_out_bytes = EngineCount(E.G_COPY_D2H, doc="Bytes the GPU -> host copy engine copied out (swap.out).")
     swapped_in_bytes = EngineCount(E.G_COPY_H2D, doc="Bytes the host -> GPU copy engine copied back (swap.back).")
 
-    def __init__(self, profile: HardwareProfile | str, capacity_bytes: int | float | None = None) -> None:
+    def __init__(self, profile: HardwareProfile | str, capacity_bytes: int | float | None = None,
+                 swap_copy: str | None = None) -> None:
         self.profile = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
         if capacity_bytes is None:
             capacity_bytes = self.profile.gpu_memory_bytes
@@ -119,7 +123,8 @@ class SimBackend(Backend):
                       "remote_access_s": 0.0}
         self.launches = 0
         self.calls = 0  # prefetch/discard/advise/copy calls
-        self._swap = SimSwap(self)  # the swap path (copy engines)
+        # the swap path: SM copies or the copy engines (None: as UMRT_SWAP_COPY says)
+        self._swap = SimSwap(self, swap_copy_in_env() if swap_copy is None else swap_copy)
 
     # ------------------------------------------------------------ Backend API
 
@@ -298,7 +303,7 @@ class SimBackend(Backend):
             wait = tf[E.T_WAIT]
             self._time["transfer_wait_s"] += float(wait)
             self._time["fault_stall_s"] += float(t_ready - t0 - wait)
-        compute = self.profile.compute_time(flops, nbytes, precision)
+        compute = self._swap.beside(t_ready, self.profile.compute_time(flops, nbytes, precision))
         remote = t_remote - t_ready  # the remote accesses' share of the link, concurrent with compute
         self._time["compute_s"] += compute
         self._time["remote_access_s"] += max(0.0, remote - compute)
@@ -391,19 +396,29 @@ class SimBackend(Backend):
 
 
 class SimSwap(SwapPath):
-    """The simulated GPU's swap path (:attr:`SimBackend.swap`): copies through the copy
-    engines, a discard after each copy out, a population before each copy back
-    (umrt/sim/MODEL.md, "The swap path"). ``staged``: the bytes whose data is in pinned
-    memory now; ``peak_bytes``: the most at once (the staging a live run needs)."""
+    """The simulated GPU's swap path (:attr:`SimBackend.swap`): copies to and from pinned
+    memory, a discard after each copy out, a population before each copy back
+    (umrt/sim/MODEL.md, "The swap path"). ``copies``: what moves the bytes, ``"sm"`` (a
+    kernel of umrt's own: nothing waits for it, the kernels beside it lose
+    ``sm_copy_share`` of the GPU while it runs) or ``"engines"`` (``cudaMemcpyAsync`` on the
+    copy engines: the thread waits ``copy_host_wait`` of it). ``staged``: the bytes whose
+    data is in pinned memory now; ``peak_bytes``: the most at once (the staging a live run
+    needs)."""
 
-    copy_engines = True
+    pinned_copies = True
 
-    def __init__(self, backend: SimBackend) -> None:
+    def __init__(self, backend: SimBackend, swap_copy: str = SWAP_COPY_DEFAULT) -> None:
         super().__init__(backend)
+        if swap_copy not in SWAP_COPIES:
+            raise ConfigError(f"swap copies {swap_copy!r}: expected one of {', '.join(SWAP_COPIES)}")
         self.backend: SimBackend = backend
+        self.swap_copy = swap_copy
         self.staged = RangeSet()
         self.peak_bytes = 0
         self.late = 0  # launches that touched swapped-out bytes no plan had brought back
+        # SM copies: per direction (the engine's queue index), the busy period of the copy
+        # kernels queued there, (start, end): one after the other on their stream
+        self._busy: dict[int, tuple[float, float]] = {}
 
     def out(self, ranges: Sequence[Range]) -> None:
         """Copy live ranges to pinned host memory on the GPU -> host copy engine, then discard them.
@@ -435,8 +450,9 @@ class SimSwap(SwapPath):
         lo, hi = b.space.page_spans(merged, inward=False)
         dlo, dhi = b.space.page_spans(merged, inward=True)
         nbytes = np.array([n for _, n in merged], np.float64)
+        before = float(b.engine.tf[E.T_CE_D2H])
         b.engine.copy_out(lo, hi, nbytes, dlo, dhi, issue)
-        self._host_waits(t0, float(b.engine.tf[E.T_CE_D2H]))
+        self._copied(E.T_CE_D2H, t0, float(issue[0]), before)
         for ptr, n in b.contents.take(merged):
             self.staged.add(ptr, n)
         self.peak_bytes = max(self.peak_bytes, self.staged.nbytes())
@@ -475,19 +491,44 @@ class SimSwap(SwapPath):
             issue = t0 - (k - 1 - np.arange(k)) * 2 * call
             lo, hi = b.space.page_spans(merged, inward=False)
             nbytes = np.array([n for _, n in merged], np.float64)
+            before = float(b.engine.tf[E.T_CE_H2D])
             b.engine.copy_in(lo, hi, nbytes, issue)
-            self._host_waits(t0, float(b.engine.tf[E.T_CE_H2D]))
+            self._copied(E.T_CE_H2D, t0, float(issue[0]), before)
             b.contents.write(merged)
         if rest:
             b.prefetch(rest, b.device)
 
-    def _host_waits(self, issued: float, done: float) -> None:
-        """The CPU returns from the copies issued by ``issued`` only ``copy_host_wait`` of the way
-        to their end ``done`` (1, measured: once they are done), so nothing it issues later,
-        kernels included, starts before (umrt/sim/MODEL.md, "The swap path")."""
+    def _copied(self, queue: int, issued: float, first: float, before: float) -> None:
+        """Copies were queued on ``queue`` (``E.T_CE_*``), the first issued at ``first``, the
+        last by ``issued``; the queue was busy until ``before``. On the copy engines the CPU
+        returns from them only ``copy_host_wait`` of the way to their end (1, measured: once
+        they are done), so nothing it issues later, kernels included, starts before. SM copies
+        are kernels: the CPU goes on, and the queue's busy period grows (:meth:`beside`)."""
         b = self.backend
-        if done > issued:
-            b._t_action = max(b._t_action, issued + b.profile.copy_host_wait * (done - issued))
+        done = float(b.engine.tf[queue])
+        if self.swap_copy == "engines":
+            if done > issued:
+                b._t_action = max(b._t_action, issued + b.profile.copy_host_wait * (done - issued))
+            return
+        start, end = self._busy.get(queue, (0.0, 0.0))
+        if before < first or end < first:  # the queue had gone idle: a new busy period
+            start = first
+        self._busy[queue] = (start, max(end, done))
+
+    def beside(self, start: float, compute: float) -> float:
+        """A kernel computing ``compute`` seconds from ``start``: how long it takes beside the SM
+        copies running then. While one runs, the kernel has ``1 - sm_copy_share`` of the GPU
+        (umrt/sim/MODEL.md, "SM copies"): each second of overlap costs ``share / (1 - share)``
+        more."""
+        if not self._busy or compute <= 0.0:
+            return compute
+        share = self.backend.profile.sm_copy_share
+        extra = 0.0
+        for lo, hi in self._busy.values():
+            overlap = min(start + compute, hi) - max(start, lo)
+            if overlap > 0.0:
+                extra += overlap * share / (1.0 - share)
+        return compute + extra
 
     def wait(self, ranges: Sequence[Range]) -> None:
         """The compute stream waits for the copies into these ranges (a ``cudaStreamWaitEvent``,

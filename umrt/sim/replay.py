@@ -36,6 +36,7 @@ def simulate(
     iterations: int = 3,
     progress: bool = False,
     budget_base: str = "footprint",
+    swap_copy: str | None = None,
 ) -> SimResult:
     """Simulate ``iterations`` training iterations of ``trace`` under ``policy``.
 
@@ -46,6 +47,7 @@ def simulate(
     trace's peak live bytes (``"peak"``); a policy with
     ``unlimited_memory = True`` runs with unbounded GPU memory. A policy
     given by name is built with ``umrt.policy.make_policy(name, trace)``.
+    ``swap_copy``: what copies swapped ranges (None: as ``UMRT_SWAP_COPY`` says).
     """
     t_wall = time.perf_counter()
     if not isinstance(profile, HardwareProfile):
@@ -59,7 +61,7 @@ def simulate(
         raise TraceFormatError("the trace holds no complete iteration (it needs two IterationBoundary events)")
     resolved = resolve_budget(budget, trace, budget_base)
     budget_bytes = resolved.bytes
-    backend = SimBackend(profile, math.inf if policy.unlimited_memory else budget_bytes)
+    backend = SimBackend(profile, math.inf if policy.unlimited_memory else budget_bytes, swap_copy)
     layout = policy.make_layout(backend)
     policy.attach(PolicyContext(backend=backend, layout=layout, budget_bytes=budget_bytes, profile=profile,
                                 simulate=simulate))

@@ -70,7 +70,7 @@ READ_MOSTLY = False
 #: last iteration of the same shape) reuse its decisions' ranges without resolving any key: the
 #: cheapest steady state. Moves are the same either way.
 FREEZE = True
-#: Where the backend has the copy-engine path (``Backend.swap.copy_engines``: CUDA 13, discard,
+#: Where the backend has the copy-engine path (``Backend.swap.pinned_copies``: CUDA 13, discard,
 #: pinned staging), let the planner take objects off the GPU and back through it where that costs
 #: less than page migration; False: page migration only.
 SWAP = True
@@ -254,7 +254,7 @@ class Runtime(Policy):
         lazily). Shadow mode sets it once the peak is known."""
         self.ctx.budget_bytes = int(budget_bytes)
         self._learner.new_planner(budget_bytes, self.profile, op_level=self.options.op_level,
-                                  swap=SWAP and self.ctx.backend.swap.copy_engines)
+                                  swap=SWAP and self.ctx.backend.swap.pinned_copies)
         self.plans.clear()
         self._clock.forget_plans()
         if self._mode == "act":
