@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks to run first when a GPU is at hand, in one go, from the repository root
-# (about 10 minutes on an H200): umrt doctor, the copy-engine probe, the remote-write probe, the GPU tests, an
+# (about 12 minutes on an H200): umrt doctor, the copy probe (copy engines and umrt's SM copy kernel), the remote-write probe, the GPU tests, an
 # example loop with evaluations under umrt against plain PyTorch (issue 24), and GPT-2 with
 # umrt beside activation checkpointing at checkpointing's peak (issue 20). Each writes its
 # output to $OUT (default gpu-out/) and one line to $OUT/summary.txt; none stops the others.
@@ -34,6 +34,9 @@ if diff <(grep -o 'loss [0-9.]*' "$OUT/loop_plain.txt") <(grep -o 'loss [0-9.]*'
 else
     echo "loop losses: DIFFER (see loop_losses.diff)" | tee -a "$OUT/summary.txt"
 fi
-# Issue 20: umrt at activation checkpointing's peak, beside checkpointing, in one run.
+# Issue 20: umrt at activation checkpointing's peak, beside checkpointing, in one run (umrt
+# copying with its SM copy kernel, the default), then umrt on the copy engines at the same peak.
 check bench_gpu 300 "$PY" -m bench.gpu --model gpt2 --batch 8 --seq 1024 --modes ideal,checkpoint,umrt \
     --gpu-memory checkpoint --steps 5 --json "$OUT/bench_gpu.json"
+check bench_gpu_engines 200 env UMRT_SWAP_COPY=engines "$PY" -m bench.gpu --model gpt2 --batch 8 --seq 1024 \
+    --modes checkpoint,umrt --gpu-memory checkpoint --steps 5 --json "$OUT/bench_gpu_engines.json"

@@ -9,16 +9,18 @@ from bench.alternatives import CHECKPOINTING, TIGHT, Row, main, table
 EVIDENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "gpu-evidence" / "alternatives.jsonl"
 
 
-def _row(model="gpt2", dtype="float32", budget="45%", umrt=2.0, bound=1.2, ckpt=1.27):
-    return Row(model, 8, 1024, dtype, budget, 1.0, umrt, bound, ckpt)
+def _row(model="gpt2", dtype="float32", budget="45%", umrt=2.0, bound=1.2, ckpt=1.27, engines=3.5):
+    return Row(model, 8, 1024, dtype, budget, 1.0, umrt, bound, ckpt, engines_s=engines)
 
 
 def test_ratios_and_labels():
     r = _row()
     assert r.umrt_ratio == 2.0 and r.bound_ratio == 1.2 and r.to_bound == pytest.approx(2.0 / 1.2)
+    assert r.engines_ratio == 3.5 and r.to_json()["engines_over_ideal"] == 3.5
     text = table([r, _row(budget=TIGHT, ckpt=None)])
     assert "SIMULATED" in text and "MEASURED" in text
-    assert "| 2.00x | 1.20x | 1.67 | 1.27x |" in text
+    assert "| 2.00x | 3.50x | 1.20x | 1.67 | 1.27x |" in text
+    assert "copy engines" in text and "assumed, not measured" in text  # the SM copies' column says what it rests on
     assert "below checkpointing's own peak" in text  # the tight budget: checkpointing cannot go there
 
 
