@@ -273,6 +273,7 @@ def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: Hardwa
     rep["iteration_times_s"] = mine.times
     rep["iteration_phases"] = mine.phases
     rep["runtime"] = rt
+    rep["swap_copy"] = live.driver.backend.swap.swap_copy  # what the simulated swap path copied with
     if isinstance(live.driver.policy, Runtime):
         rep["named_iterations"] = named_iterations(live.driver.policy.log)
     if live.error is not None:
@@ -446,10 +447,14 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
             f"boundaries, at least a few ms of compute apart), and discarded {format_bytes(rt['discarded_bytes'])} "
             f"of dead tensors' memory in {rt.get('discard_calls', 0)} calls (dead bytes are then never copied back).")
         if rt.get("swapped_out_bytes"):
+            how = ("With its SM copy kernel it copied", "simulated beside the kernels, at rates assumed, not yet "
+                   "measured; UMRT_SWAP_COPY=engines copies on the copy engines") if rep.get("swap_copy") == "sm" else \
+                ("Through the copy engines it copied", "simulated with nothing issued after a copy running beside it, "
+                 "as an H200's timeline showed")
             lines.append(
-                f"Through the copy engines it copied {format_bytes(rt['swapped_out_bytes'])} of live tensors to pinned "
+                f"{how[0]} {format_bytes(rt['swapped_out_bytes'])} of live tensors to pinned "
                 f"host memory and {format_bytes(rt.get('swapped_in_bytes', 0))} back, in {rt.get('swap_calls', 0)} "
-                "calls (the swap path; simulated with nothing issued after a copy running beside it, as an H200's timeline showed).")
+                f"calls (the swap path; {how[1]}).")
         for phase, info in (rt.get("phases") or {}).items():
             if not info.get("acting", True):
                 lines.append(f"umrt stopped acting in {PHASE_PLURALS.get(phase, phase)}: {info['stopped_because']}; "
