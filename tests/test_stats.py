@@ -37,7 +37,7 @@ def test_memory_stats_keys_and_types():
     assert got == {"reserved_bytes": 8 << 20, "resident_bytes": 5 << 20, "migrated_bytes": 4 << 20,
                    "h2d_bytes": 3 << 20, "d2h_bytes": 1 << 20, "discarded_bytes": 2 << 20,
                    "populated_bytes": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "staging_bytes": 0,
-                   "cuda_calls": {}, "acting": False, "stopped_reason": None,
+                   "swap_copy": "", "cuda_calls": {}, "acting": False, "stopped_reason": None,
                    "native_steady": {}, "phases": {}}
 
 

@@ -166,9 +166,11 @@ def memory_stats() -> dict[str, Any]:
     ``migrated_bytes`` (= ``h2d_bytes + d2h_bytes`` moved by umrt's prefetches),
     ``h2d_bytes``, ``d2h_bytes``, ``discarded_bytes``, ``populated_bytes``
     (pages umrt discarded, made resident again for a newborn without a copy),
-    ``swapped_out_bytes`` / ``swapped_in_bytes`` (copied to pinned host memory and back
-    through the copy engines: umrt's swap path, counted in ``d2h_bytes`` / ``h2d_bytes``
-    too) and ``staging_bytes`` (the pinned host memory the swap path holds) (ints); ``cuda_calls`` (dict:
+    ``swapped_out_bytes`` / ``swapped_in_bytes`` (copied to pinned host memory and back:
+    umrt's swap path, counted in ``d2h_bytes`` / ``h2d_bytes``
+    too) and ``staging_bytes`` (the pinned host memory the swap path holds) (ints); ``swap_copy``
+    (str: what copies swapped ranges, ``"sm"`` for umrt's SM copy kernel, ``"engines"`` for
+    ``cudaMemcpyAsync``, ``""`` where ranges leave by migration: CUDA 12); ``cuda_calls`` (dict:
     CUDA runtime call name -> calls umrt issued, e.g. ``cudaMemPrefetchAsync``);
     ``acting`` (bool: the runtime is live and has not failed) and
     ``stopped_reason`` (str, or None while it acts or when it never ran);
@@ -210,6 +212,7 @@ def memory_stats() -> dict[str, Any]:
             "swapped_out_bytes": int(counters.get("swapped_out_bytes", 0)),
             "swapped_in_bytes": int(counters.get("swapped_in_bytes", 0)),
             "staging_bytes": int(counters.get("staging_bytes", 0)),
+            "swap_copy": str(counters.get("swap_copy", "")),
             "cuda_calls": dict(counters.get("calls", {})),
             "acting": _status.acting,
             "stopped_reason": _status.stopped_reason,

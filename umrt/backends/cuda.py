@@ -499,7 +499,7 @@ class CudaBackend(Backend):
         return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.d2h_bytes, "populated_bytes": self.populated_bytes,
                 "discarded_bytes": self.discarded_bytes, "swapped_out_bytes": self._swap.out_bytes,
                 "swapped_in_bytes": self._swap.in_bytes, "staging_bytes": self._swap.pool.nbytes,
-                "late_swap_ins": self._swap.late,
+                "late_swap_ins": self._swap.late, "swap_copy": self._swap.copies_with,
                 "calls": dict(self.calls)}
 
     # -- migration -------------------------------------------------------------
@@ -763,7 +763,7 @@ def _take_parts(taken_from: RangeSet, ranges: list[Range]) -> tuple[list[Range],
 
 def counters_delta(before: dict, after: dict) -> dict:
     """``after - before`` for two :meth:`CudaBackend.counters` snapshots (what one step issued)."""
-    out = {k: v - before.get(k, 0) for k, v in after.items() if k != "calls"}
+    out = {k: v - before.get(k, 0) if isinstance(v, int) else v for k, v in after.items() if k != "calls"}
     was = before.get("calls", {})
     out["calls"] = {name: n - was.get(name, 0) for name, n in after.get("calls", {}).items() if n != was.get(name, 0)}
     return out

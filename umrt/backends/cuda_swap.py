@@ -191,6 +191,14 @@ class CudaSwapPath(SwapPath):
         launches it, and no launch of it failed), not ``cudaMemcpyAsync`` on the copy engines."""
         return self.backend.swap_copy == "sm" and bool(self.api.has_sm_copy) and not self.sm_failed
 
+    @property
+    def copies_with(self) -> str:
+        """What copies swapped ranges now: ``"sm"`` (the SM copy kernel), ``"engines"``
+        (``cudaMemcpyAsync``), or ``""`` (no pinned copies here: ranges leave by migration)."""
+        if not self.pinned_copies:
+            return ""
+        return "sm" if self.sm else "engines"
+
     def copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """One copy between a slot and a managed range on ``stream``: the SM copy kernel, or
         ``cudaMemcpyAsync``. A kernel that cannot be built or launched is said once, and the copy
