@@ -1318,16 +1318,14 @@ class FakeBindingsRuntime:
             self.gpu.memcpy("cudaMemcpyAsync", d, s_, n, int(k), st)
         return self._run("cudaMemcpyAsync", op, dst, src, count, kind, stream)
 
-    def sm_copy_kernel(self, dst: int, src: int, count: int, stream) -> None:
-        """umrt's SM copy kernel, as :class:`umrt.backends.sm_copy.SmCopyKernel` launches it (not a
-        runtime call: the adapter takes it as its launcher); a failed launch raises CudaError."""
-        from umrt.errors import CudaError
-
-        self.gpu.log("umrt_sm_copy", dst, src, count, stream)
-        try:
-            self.gpu.sm_copy(dst, src, count, stream)
-        except FakeCudaError as exc:
-            raise CudaError(f"umrt_sm_copy failed: {exc}") from None
+    @property
+    def sm_copy_kernel(self) -> FakeSmCopy:
+        """umrt's SM copy kernel on this fake GPU (not a runtime call: the adapter takes it as
+        its launcher, :class:`umrt.backends.sm_copy.SmCopy`)."""
+        kernel = self.__dict__.get("_sm_copy")
+        if kernel is None:
+            kernel = self.__dict__["_sm_copy"] = FakeSmCopy(self.gpu)
+        return kernel
 
     def cudaMemPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                   numPrefetchLocs, flags, stream):
@@ -1368,3 +1366,25 @@ def plain(x):
     if isinstance(x, (list, tuple)):
         return tuple(plain(y) for y in x)
     return (type(x).__name__, *(plain(v) for v in vars(x).values()))
+
+
+class FakeSmCopy:
+    """umrt's SM copy kernel, as :class:`umrt.backends.sm_copy.SmCopyKernel` launches it, on a
+    :class:`FakeGpu`: ``build`` counts its builds, a launch is :meth:`FakeGpu.sm_copy`; a failed
+    one raises CudaError."""
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.builds = 0
+
+    def build(self) -> None:
+        self.builds += 1
+
+    def __call__(self, dst: int, src: int, count: int, stream) -> None:
+        from umrt.errors import CudaError
+
+        self.gpu.log("umrt_sm_copy", dst, src, count, stream)
+        try:
+            self.gpu.sm_copy(dst, src, count, stream)
+        except FakeCudaError as exc:
+            raise CudaError(f"umrt_sm_copy failed: {exc}") from None

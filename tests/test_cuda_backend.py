@@ -522,6 +522,8 @@ def test_a_swap_copies_with_the_sm_kernel_where_it_can_and_the_copy_engines_othe
     urgent = [int(b.swap.streams.streams[k]) for k in ("out", "in")]
     assert [fake_gpu.priorities.get(s, 0) for s in urgent] == ([-5, -5] if copy == "umrt_sm_copy" else [0, 0])
     assert b.calls[copy] == 2 and b.swap.out_bytes == b.swap.in_bytes == 4 * MiB
+    if launcher:  # built once, when the staging was reserved (before any step copies), only for SM copies
+        assert b.api.rt.sm_copy_kernel.builds == (copy == "umrt_sm_copy")
     assert b.counters()["swap_copy"] == {"umrt_sm_copy": "sm", "cudaMemcpyAsync": "engines"}[copy]
     assert not fake_gpu.violations
 
@@ -562,22 +564,38 @@ def test_the_sm_copy_kernel_refuses_what_it_cannot_copy_with_a_way_around():
     if SmCopyKernel.available():  # CuPy imports; with no GPU here, building or launching fails
         with pytest.raises(CudaError, match="UMRT_SWAP_COPY=engines"):
             SmCopyKernel()(0x1000, 0x2000, 64, 0)
+        with pytest.raises(CudaError, match="umrt_sm_copy failed: .*UMRT_SWAP_COPY=engines"):
+            SmCopyKernel().build()
 
 
-def test_an_sm_copy_kernel_that_cannot_run_is_said_once_and_the_copy_engines_take_over(fake_gpu):
-    """A kernel CuPy cannot build (no NVRTC, say) fails at the first copy: umrt warns once,
-    naming why, and copies with cudaMemcpyAsync from then on, losing nothing."""
-    from umrt.backends.cuda import BindingsApi, CudaBackend
+class _Broken:
+    """An SM copy kernel that cannot be built (``at="build"``) or launched (``at="launch"``)."""
 
-    def broken(dst, src, nbytes, stream):
+    def __init__(self, at):
+        self.at = at
+
+    def build(self):
+        if self.at == "build":
+            raise CudaError("umrt_sm_copy failed: CompileException: nvrtc not found")
+
+    def __call__(self, dst, src, nbytes, stream):
         raise CudaError("umrt_sm_copy failed: CompileException: nvrtc not found")
 
-    b = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu), sm_copy=broken), swap_copy="sm")
+
+@pytest.mark.parametrize("at", ["build", "launch"])
+def test_an_sm_copy_kernel_that_cannot_run_is_said_once_and_the_copy_engines_take_over(fake_gpu, at):
+    """A kernel CuPy cannot build (no NVRTC, say) fails when the staging is reserved, before any
+    step, or, failing later, at the first copy: umrt warns once, naming why, and copies with
+    cudaMemcpyAsync from then on, losing nothing."""
+    from umrt.backends.cuda import BindingsApi, CudaBackend
+
+    b = CudaBackend(0, api=BindingsApi(FakeBindingsRuntime(fake_gpu), sm_copy=_Broken(at)), swap_copy="sm")
     ptr = b.malloc(4 * MiB)
     fake_gpu.kernel(b.compute_stream, writes=((ptr, 4 * MiB),), name="writer")
-    b.swap.reserve(4 * MiB)
     with pytest.warns(RuntimeWarning, match="nvrtc not found; copying with cudaMemcpyAsync"):
+        b.swap.reserve(4 * MiB)
         b.swap.out([(ptr, 2 * MiB), (ptr + 2 * MiB, 2 * MiB)])
+    assert b.swap.copies_with == "engines"
     b.swap.back([(ptr, 4 * MiB)])
     b.swap.wait([(ptr, 4 * MiB)])
     fake_gpu.kernel(b.compute_stream, reads=((ptr, 4 * MiB),), name="reader")

@@ -72,7 +72,7 @@ from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDIN
 )
 from umrt.backends.cuda_swap import CudaSwapPath
 from umrt.backends.ranges import RangeSet
-from umrt.backends.sm_copy import SmCopyKernel
+from umrt.backends.sm_copy import SmCopy, SmCopyKernel
 from umrt.config import swap_copy_in_env
 from umrt.errors import ConfigError, CudaError
 
@@ -152,6 +152,10 @@ class CudaApi(ABC):
 
     def sm_copy(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         """umrt's SM copy kernel on ``stream``: ``nbytes`` between pinned and managed memory."""
+        raise NotImplementedError("umrt_sm_copy: this adapter launches no kernel")
+
+    def build_sm_copy(self) -> None:
+        """Make the SM copy kernel ready (compiled) before a step needs it."""
         raise NotImplementedError("umrt_sm_copy: this adapter launches no kernel")
 
     def create_urgent_stream(self) -> Any:
@@ -236,9 +240,9 @@ class BindingsApi(CudaApi):
     has_batch = True
     has_copies = True
 
-    def __init__(self, runtime: Any = None, sm_copy: Any = None) -> None:
+    def __init__(self, runtime: Any = None, sm_copy: SmCopy | None = None) -> None:
         """``runtime``: ``cuda.bindings.runtime`` (None: this process's); ``sm_copy``: what
-        launches umrt's SM copy kernel, ``(dst, src, nbytes, stream)`` (None: for this
+        launches umrt's SM copy kernel (:class:`~umrt.backends.sm_copy.SmCopy`; None: for this
         process's runtime, :class:`~umrt.backends.sm_copy.SmCopyKernel` where CuPy imports;
         for a given runtime, none: its swap path copies on the copy engines)."""
         self.process_runtime = runtime is None
@@ -341,6 +345,11 @@ class BindingsApi(CudaApi):
         if self._sm_copy is None:
             super().sm_copy(dst, src, nbytes, stream)
         self._sm_copy(dst, src, nbytes, stream)
+
+    def build_sm_copy(self) -> None:
+        if self._sm_copy is None:
+            super().build_sm_copy()
+        self._sm_copy.build()
 
     def create_urgent_stream(self) -> Any:
         # (err, least, greatest): the greatest priority is the lowest number.

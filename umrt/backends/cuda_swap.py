@@ -208,10 +208,13 @@ class CudaSwapPath(SwapPath):
                 self._call("umrt_sm_copy", self.api.sm_copy, dst, src, nbytes, stream)
                 return
             except CudaError as exc:
-                self.sm_failed = str(exc)
-                warnings.warn(f"umrt: {exc}; copying with cudaMemcpyAsync from now on", RuntimeWarning,
-                              stacklevel=2)
+                self.sm_broke(exc)
         self._call("cudaMemcpyAsync", self.api.memcpy, dst, src, nbytes, stream)
+
+    def sm_broke(self, exc: CudaError) -> None:
+        """The SM copy kernel failed: say so once; the copy engines copy from now on."""
+        self.sm_failed = str(exc)
+        warnings.warn(f"umrt: {exc}; copying with cudaMemcpyAsync from now on", RuntimeWarning, stacklevel=3)
 
     @property
     def away(self) -> bool:
@@ -226,6 +229,16 @@ class CudaSwapPath(SwapPath):
             if self.pool.base and self.pool.grows(nbytes) and not self.pool.in_use:
                 self.synchronized()  # the old pinned memory goes: no copy may still use it
             self.pool.reserve(nbytes, host_available_bytes())
+            self.build_copies()
+
+    def build_copies(self) -> None:
+        """The SM copy kernel is compiled before the first step that copies; one that cannot be
+        built is said once, and the copy engines copy instead."""
+        if self.sm:
+            try:
+                self._call("umrt_sm_copy (build)", self.api.build_sm_copy)
+            except CudaError as exc:
+                self.sm_broke(exc)
 
     def out(self, ranges: Sequence[Range]) -> None:
         """Copy ranges out to pinned slots, then discard them.

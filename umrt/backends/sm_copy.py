@@ -17,11 +17,11 @@ lose, are not measured: ``python -m bench.copy_wait`` measures them on a GPU (it
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from umrt.errors import CudaError
 
-__all__ = ["SM_COPY_BLOCKS", "SM_COPY_THREADS", "WORD", "SmCopyKernel"]
+__all__ = ["SM_COPY_BLOCKS", "SM_COPY_THREADS", "WORD", "SmCopy", "SmCopyKernel"]
 
 SM_COPY_BLOCKS = 16  # the grid: 16 blocks (the simulator's sm_copy_share is this over the card's SMs)
 SM_COPY_THREADS = 1024
@@ -39,6 +39,16 @@ extern "C" __global__ void umrt_sm_copy(const uint4* __restrict__ src, uint4* __
     for (; i < words; i += step) dst[i] = src[i];
 }
 """
+
+
+class SmCopy(Protocol):
+    """What launches the SM copy (:class:`SmCopyKernel`; the tests' fake runtime has its own)."""
+
+    def build(self) -> None:
+        """Make the kernel ready before the first step that copies (compiling takes a while)."""
+
+    def __call__(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        """``nbytes`` from ``src`` to ``dst`` after the work queued on ``stream``."""
 
 
 class SmCopyKernel:
@@ -62,6 +72,25 @@ class SmCopyKernel:
             return False
         return int(cupy.__version__.split(".")[0]) >= 14
 
+    def build(self) -> None:
+        """Compile the kernel now (NVRTC; CuPy caches it on disk for later runs), so that no
+        step waits for it; a failure raises CudaError."""
+        try:
+            self._compiled()
+        except CudaError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or CuPy: one clear error
+            raise _failed(exc) from exc
+
+    def _compiled(self) -> Any:
+        if self._kernel is None:
+            import cupy  # noqa: PLC0415 (GPU-only import)
+
+            kernel = cupy.RawKernel(_SOURCE, "umrt_sm_copy")
+            kernel.compile()
+            self._kernel = kernel
+        return self._kernel
+
     def __call__(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         if (dst | src | nbytes) % WORD:
             raise CudaError(f"umrt_sm_copy: ({src:#x} -> {dst:#x}, {nbytes}) is not in {WORD}-byte words")
@@ -69,19 +98,22 @@ class SmCopyKernel:
             import cupy  # noqa: PLC0415 (GPU-only import)
             import numpy  # noqa: PLC0415
 
-            if self._kernel is None:
-                self._kernel = cupy.RawKernel(_SOURCE, "umrt_sm_copy")
+            kernel = self._compiled()
             handle = int(stream)
             side = self._streams.get(handle)
             if side is None:
                 side = self._streams[handle] = _cupy_stream(cupy, handle)
-            self._kernel((SM_COPY_BLOCKS,), (SM_COPY_THREADS,),
-                         (numpy.uint64(src), numpy.uint64(dst), numpy.uint64(nbytes // WORD)), stream=side)
+            kernel((SM_COPY_BLOCKS,), (SM_COPY_THREADS,),
+                   (numpy.uint64(src), numpy.uint64(dst), numpy.uint64(nbytes // WORD)), stream=side)
         except CudaError:
             raise
         except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or CuPy: one clear error
-            raise CudaError(f"umrt_sm_copy failed: {type(exc).__name__}: {exc} (UMRT_SWAP_COPY=engines copies with "
-                            "cudaMemcpyAsync instead)") from exc
+            raise _failed(exc) from exc
+
+
+def _failed(exc: Exception) -> CudaError:
+    return CudaError(f"umrt_sm_copy failed: {type(exc).__name__}: {exc} (UMRT_SWAP_COPY=engines copies with "
+                     "cudaMemcpyAsync instead)")
 
 
 class _StreamHandle:

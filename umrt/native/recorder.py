@@ -215,6 +215,9 @@ class RecordingApi(CudaApi):
         self.log.append(Unschedulable("sm_copy"))
         self.api.sm_copy(dst, src, nbytes, stream)
 
+    def build_sm_copy(self) -> None:
+        self.api.build_sm_copy()
+
     def record_event(self, event: Any, stream: Any) -> None:
         self.log.append(CallAt(DecisionKind.RECORD_EVENT, (), stream=_handle(stream), event=_handle(event),
                                exact=True))
