@@ -9,7 +9,9 @@ for the copies helps; if the GPU runs it apart from everything else, it does not
 serialized). Rows: copy out, copy back, prefetch to the host; ``device_copy_out`` (device memory
 to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (umrt's SM copy kernel,
 ``umrt/backends/sm_copy.py``, moves the data through mapped pinned memory on a stream of the
-greatest priority: the SMs drive the link; umrt's default swap copy). Needs about 8.5 GiB of GPU memory and 2 GiB
+greatest priority: the SMs drive the link; umrt's default swap copy); ``revalidate_2M_per_range_s`` /
+``populate_2M_per_range_s`` (a prefetch to the GPU of one discarded 2 MiB range, its pages kept or
+sent to the host: the simulator charges a migration's set-up, 81 us, unmeasured). Needs about 8.5 GiB of GPU memory and 2 GiB
 pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
 """
 from __future__ import annotations
@@ -123,6 +125,24 @@ def main() -> int:
                    ("device_copy_out", lambda: memcpy(pinned, device.data.ptr)),
                    ("sm_copy_out", lambda: kernel_copy(managed[0], pinned)),
                    ("sm_copy_back", lambda: kernel_copy(pinned, managed[1]))), measure)
+
+    def populations(name: str, to_host: bool) -> dict:
+        """64 ranges of 2 MiB discarded (pages kept, or sent to the host with no copy), then each
+        brought back by its own prefetch to the GPU: the cost per range of a population."""
+        k, size, p = 64, 2 << 20, managed[1]
+        if to_host:
+            _check(rt.cudaMemDiscardAndPrefetchBatchAsync([p], [k * size], 1, [where(-1)], [0], 1, 0, copy_stream))
+        else:
+            _check(rt.cudaMemDiscardBatchAsync([p], [k * size], 1, 0, copy_stream))
+        ev = [_check(rt.cudaEventCreate()) for _ in range(2)]
+        _check(rt.cudaEventRecord(ev[0], copy_stream))
+        for i in range(k):
+            _check(rt.cudaMemPrefetchAsync(p + i * size, size, where(0), 0, copy_stream))
+        _check(rt.cudaEventRecord(ev[1], copy_stream))
+        cp.cuda.runtime.deviceSynchronize()
+        return {f"{name}_2M_per_range_s": _check(rt.cudaEventElapsedTime(ev[0], ev[1])) / 1e3 / k}
+
+    run_rows(res, (("revalidate", False), ("populate", True)), lambda name, host: populations(name, host))
     return report(res, "copy_wait")
 
 

@@ -496,6 +496,10 @@ def micro_rows(data: dict[str, Any]) -> list[Row]:
             "(uvm_pmm_gpu.c); copy-back at the measured prefetch-to-host rate plus host population the first time "
             "(um-micro-1); fault-driven migration at the measured rate with the measured per-batch latency",
             "not measured", None),
+        Row(1, "population of one 2 MiB range by prefetch (discarded or fresh pages, no copy)", None, "s", "unmeasured",
+            "the model charges the migration's set-up, prefetch_h2d_setup_s (81 us), plus the bytes at "
+            "prefetch_populate_rate: 92 us, most of the first evaluation batch's excess over plain UM in "
+            "bench.loops' gpt-eval; only 2 GiB populations were measured", "not measured", None),
     ]
     return rows
 

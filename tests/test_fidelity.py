@@ -47,6 +47,9 @@ def test_no_row_is_dropped(rows):
             assert r.sim is not None and r.real is not None, r.what
     unmeasured = [r for r in rows if r.role == "unmeasured"]
     assert unmeasured and "eviction" in unmeasured[0].what and "LRU" in unmeasured[0].note
+    # what umrt's default swap copy and a small population rest on: listed, not hidden
+    assert sum("SM cop" in r.what for r in unmeasured) == 3 and any("population of one 2 MiB" in r.what
+                                                                     for r in unmeasured)
     assert any("discard" in r.what and r.role == "check" for r in rows)
     data = fidelity.load_data()
     assert sum(r.section == 1 for r in rows) >= len(data["um-micro-1"]) + 10  # every measurement has its row
