@@ -177,6 +177,7 @@ class CudaSwapPath(SwapPath):
         self.in_bytes = 0
         self.late = 0  # announced kernels that touched a range still away (brought back first)
         self.sm_failed = ""  # why the SM copy kernel failed, if it did (the copy engines copy since)
+        self.sm_built = False  # the SM copy kernel was compiled (build_copies)
 
     @property
     def pinned_copies(self) -> bool:  # type: ignore[override]
@@ -232,11 +233,12 @@ class CudaSwapPath(SwapPath):
             self.build_copies()
 
     def build_copies(self) -> None:
-        """The SM copy kernel is compiled before the first step that copies; one that cannot be
-        built is said once, and the copy engines copy instead."""
-        if self.sm:
+        """The SM copy kernel is compiled once, before the first step that copies; one that cannot
+        be built is said once, and the copy engines copy instead."""
+        if self.sm and not self.sm_built:
             try:
                 self._call("umrt_sm_copy (build)", self.api.build_sm_copy)
+                self.sm_built = True
             except CudaError as exc:
                 self.sm_broke(exc)
 
