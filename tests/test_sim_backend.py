@@ -459,3 +459,31 @@ def test_the_swap_copy_follows_umrt_swap_copy_and_refuses_a_word_it_does_not_kno
     monkeypatch.setenv("UMRT_SWAP_COPY", "dma")
     with pytest.raises(ConfigError, match="UMRT_SWAP_COPY='dma'.*sm, engines"):
         SimBackend("h100-sxm5-80g")
+
+
+def test_sm_copies_both_ways_each_take_their_share_of_the_kernels_beside_them():
+    """A copy out and a copy back running at once beside one long kernel: each direction's copy
+    kernel holds its own SMs, so the kernel loses ``sm_copy_share`` for each one's overlap."""
+    import dataclasses
+
+    share = 0.2
+    prof = dataclasses.replace(load_profile("h100-sxm5-80g"), sm_copy_share=share)
+    b = SimBackend(prof, swap_copy="sm")
+    n = 256 * MB
+    out, back, other = b.malloc(n), b.malloc(n), b.malloc(BLOCK)
+    b.prefetch([(out, n), (back, n), (other, BLOCK)], 0)
+    b.launch([], [(out, n), (back, n), (other, BLOCK)], 0, 2 * n)
+    b.synchronize()
+    b.swap.out([(back, n)])  # away first, so that it can come back below
+    b.synchronize()
+    t0 = b.now()
+    b.swap.out([(out, n)])
+    b.swap.back([(back, n)])
+    t1 = b.now()
+    flops = 10**12  # ~20 ms of fp32 compute: longer than either copy
+    b.launch([(other, BLOCK)], [(other, BLOCK)], flops, 0, "fp32")
+    compute = prof.compute_time(flops, 0, "fp32")
+    took = b.now() - t1
+    one = n / prof.copy_rate("d2h") * share / (1 - share)
+    assert compute + 1.8 * one < took <= compute + 2.2 * one, (took, compute, one)  # both, not one
+    assert t1 - t0 < 1e-3  # the thread held nothing back: the calls' own cost only
