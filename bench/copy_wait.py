@@ -9,7 +9,8 @@ for the copies helps; if the GPU runs it apart from everything else, it does not
 serialized). Rows: copy out, copy back, prefetch to the host; ``device_copy_out`` (device memory
 to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (umrt's SM copy kernel,
 ``umrt/backends/sm_copy.py``, moves the data through mapped pinned memory on a stream of the
-greatest priority: the SMs drive the link; umrt's default swap copy); ``revalidate_2M_per_range_s`` /
+greatest priority: the SMs drive the link; umrt's default swap copy; ``sm_copy_*_{4,8,32}_blocks``: the
+same with other grids than umrt's 16, for how many blocks the link needs); ``revalidate_2M_per_range_s`` /
 ``populate_2M_per_range_s`` (a prefetch to the GPU of one discarded 2 MiB range, its pages kept or
 sent to the host: the simulator charges a migration's set-up, 81 us, unmeasured). Needs about 8.5 GiB of GPU memory and 2 GiB
 pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
@@ -115,8 +116,10 @@ def main() -> int:
     def memcpy(dst, src) -> None:
         _check(rt.cudaMemcpyAsync(dst, src, N, default, copy_stream))
 
-    def kernel_copy(src, dst) -> None:
-        sm_copy(int(dst), int(src), N, copy_stream)
+    def kernel_copy(src, dst, kernel=sm_copy) -> None:
+        kernel(int(dst), int(src), N, copy_stream)
+
+    grids = {b: SmCopyKernel(blocks=b) for b in (4, 8, 32)}  # beside umrt's 16: how many blocks the link needs
 
     device = cp.full(N, 1, cp.uint8)
     run_rows(res, (("copy_out", lambda: memcpy(pinned, managed[0])), ("copy_back", lambda: memcpy(managed[1], pinned)),
@@ -124,7 +127,10 @@ def main() -> int:
                                                                               copy_stream))),
                    ("device_copy_out", lambda: memcpy(pinned, device.data.ptr)),
                    ("sm_copy_out", lambda: kernel_copy(managed[0], pinned)),
-                   ("sm_copy_back", lambda: kernel_copy(pinned, managed[1]))), measure)
+                   ("sm_copy_back", lambda: kernel_copy(pinned, managed[1])),
+                   *((f"sm_copy_out_{b}_blocks", lambda k=k: kernel_copy(managed[0], pinned, k)) for b, k in grids.items()),
+                   *((f"sm_copy_back_{b}_blocks", lambda k=k: kernel_copy(pinned, managed[1], k))
+                     for b, k in grids.items())), measure)
 
     def populations(name: str, to_host: bool) -> dict:
         """64 ranges of 2 MiB discarded (pages kept, or sent to the host with no copy), then each

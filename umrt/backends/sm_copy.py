@@ -58,7 +58,8 @@ class SmCopyKernel:
     queued on ``stream``; both 16-byte aligned, ``nbytes`` a multiple of 16. A failure raises
     :class:`~umrt.errors.CudaError` naming ``UMRT_SWAP_COPY=engines`` as the way around it."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = SM_COPY_BLOCKS) -> None:
+        self.blocks = blocks  # the grid (bench.copy_wait times others: what the link needs is not measured)
         self._kernel: Any = None
         self._streams: dict[int, Any] = {}
 
@@ -103,7 +104,7 @@ class SmCopyKernel:
             side = self._streams.get(handle)
             if side is None:
                 side = self._streams[handle] = _cupy_stream(cupy, handle)
-            kernel((SM_COPY_BLOCKS,), (SM_COPY_THREADS,),
+            kernel((self.blocks,), (SM_COPY_THREADS,),
                    (numpy.uint64(src), numpy.uint64(dst), numpy.uint64(nbytes // WORD)), stream=side)
         except CudaError:
             raise
