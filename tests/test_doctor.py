@@ -314,14 +314,30 @@ def test_settings_say_what_the_gpu_memory_is_of_and_every_check_agrees():
     assert "ok       settings" not in text
 
 
+class _Unbuildable:
+    def build(self):
+        from umrt.errors import CudaError
+
+        raise CudaError("umrt_sm_copy failed: CompileException: nvrtc64 not found")
+
+    def __call__(self, dst, src, nbytes, stream):
+        raise AssertionError("never launched")
+
+
 @pytest.mark.parametrize(("launcher", "environ", "status", "says"), [
-    (True, {}, "ok", "by umrt's SM copy kernel"),
-    (False, {}, "note", "by the copy engines (CuPy, which builds umrt's SM copy kernel, does not import)"),
-    (True, {"UMRT_SWAP_COPY": "engines"}, "ok", "by the copy engines (UMRT_SWAP_COPY=engines)"),
+    ("fake", {}, "ok", "by umrt's SM copy kernel"),
+    (None, {}, "note", "by the copy engines (CuPy, which builds umrt's SM copy kernel, does not import)"),
+    ("fake", {"UMRT_SWAP_COPY": "engines"}, "ok", "by the copy engines (UMRT_SWAP_COPY=engines)"),
+    ("unbuildable", {}, "note", "by the copy engines (umrt's SM copy kernel does not build: umrt_sm_copy failed: "
+                                "CompileException: nvrtc64 not found)"),
 ])
 def test_the_swap_path_line_says_what_copies_live_data(launcher, environ, status, says):
     rt = BindingsRuntime(FakeGpu(total=80 * 2**30))
-    api = BindingsApi(rt, sm_copy=rt.sm_copy_kernel if launcher else None)
+    api = BindingsApi(rt, sm_copy={"fake": rt.sm_copy_kernel, "unbuildable": _Unbuildable(), None: None}[launcher])
     rc, text = doctor(FakeMachine(api, nvml=fake_nvml()), environ)
     assert rc == 0, text
     assert status_of(text, "swap path") == status and says in text, text
+    if launcher == "fake":  # built now, as umrt builds it before its first swap, where it copies with it
+        assert rt.sm_copy_kernel.builds == (0 if environ else 1)
+    if status == "note":
+        assert "UMRT_SWAP_COPY=engines to choose the copy engines" in text

@@ -397,18 +397,26 @@ def _gpu(machine: ThisMachine, cfg: Config, nvml_driver: str | None, found: list
                              f"none on CUDA {_cuda(api.version)}: one cudaMemPrefetchAsync per range, and no "
                              "discard (umrt's pool reuses dead ranges in place instead)",
                              "with a CUDA 13 driver: pip install 'umrt[cuda13]'"))
-    if "cudaMemDiscardBatchAsync" in calls and cfg.swap_copy == "sm" and api.has_sm_copy:
+    built = ""  # why umrt's SM copy kernel cannot be used here, if it cannot
+    if cfg.swap_copy == "sm" and api.has_sm_copy:
+        try:
+            api.build_sm_copy()  # compiled now, as umrt does before its first swap (cached by CuPy)
+        except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or CuPy: said, not raised
+            built = f"umrt's SM copy kernel does not build: {exc}"
+    if "cudaMemDiscardBatchAsync" in calls and cfg.swap_copy == "sm" and api.has_sm_copy and not built:
         found.append(Finding("swap path", OK, "live data umrt takes off the GPU is copied to pinned host memory "
                                               "by umrt's SM copy kernel (beside the kernels, on a stream of the "
                                               "greatest priority) and discarded, then copied back before use"))
     elif "cudaMemDiscardBatchAsync" in calls:
         why = ("UMRT_SWAP_COPY=engines" if cfg.swap_copy == "engines"
-               else "CuPy, which builds umrt's SM copy kernel, does not import")
+               else built or "CuPy, which builds umrt's SM copy kernel, does not import")
         found.append(Finding("swap path", OK if cfg.swap_copy == "engines" else NOTE,
                              "live data umrt takes off the GPU is copied to pinned host memory by the copy engines "
                              f"({why}) and discarded, then copied back before use; on an H200 nothing issued after "
                              "such a copy ran beside it",
-                             "" if cfg.swap_copy == "engines" else "pip install 'umrt[cuda13]' (CuPy)"))
+                             "" if cfg.swap_copy == "engines" else
+                             "pip install 'umrt[cuda13]' (CuPy and its NVRTC), or UMRT_SWAP_COPY=engines to choose "
+                             "the copy engines"))
     else:
         found.append(Finding("swap path", NOTE,
                              f"CUDA {_cuda(api.version)} has no discard: umrt moves live data off the GPU by page "
