@@ -1153,6 +1153,9 @@ class FakeBindingsRuntime:
     def __init__(self, gpu: FakeGpu, version: int = 13000) -> None:
         self.gpu = gpu
         self._version = version
+        # umrt's SM copy kernel on this GPU (not a runtime call: the adapter takes it as its
+        # launcher, umrt.backends.sm_copy.SmCopy)
+        self.sm_copy_kernel = FakeSmCopy(gpu)
 
     def _run(self, call: str, fn, *args) -> tuple:
         self.gpu.log(call, *args)
@@ -1317,15 +1320,6 @@ class FakeBindingsRuntime:
                 raise TypeError("kind must be a cudaMemcpyKind")
             self.gpu.memcpy("cudaMemcpyAsync", d, s_, n, int(k), st)
         return self._run("cudaMemcpyAsync", op, dst, src, count, kind, stream)
-
-    @property
-    def sm_copy_kernel(self) -> FakeSmCopy:
-        """umrt's SM copy kernel on this fake GPU (not a runtime call: the adapter takes it as
-        its launcher, :class:`umrt.backends.sm_copy.SmCopy`)."""
-        kernel = self.__dict__.get("_sm_copy")
-        if kernel is None:
-            kernel = self.__dict__["_sm_copy"] = FakeSmCopy(self.gpu)
-        return kernel
 
     def cudaMemPrefetchBatchAsync(self, dptrs, sizes, count, prefetchLocs, prefetchLocIdxs,
                                   numPrefetchLocs, flags, stream):

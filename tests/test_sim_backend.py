@@ -398,6 +398,18 @@ def test_counters_read_as_attributes_are_the_engine_s():
     assert "64 KB pages" in SimBackend.faults.__doc__
 
 
+def _written_on_the_gpu(prof, swap_copy):
+    """A simulated GPU with 512 MB a kernel wrote on it (to swap) and one more block (for a kernel
+    beside the copies): ``(backend, bytes, data, other)``."""
+    b = SimBackend(prof, swap_copy=swap_copy)
+    n = 512 * MB
+    data, other = b.malloc(n), b.malloc(BLOCK)
+    b.prefetch([(data, n), (other, BLOCK)], 0)
+    b.launch([], [(data, n), (other, BLOCK)], 0, n)
+    b.synchronize()
+    return b, n, data, other
+
+
 @pytest.mark.parametrize("wait", [0.0, 1.0])
 def test_the_thread_waits_for_a_swap_copy_as_the_profile_says(wait):
     """``copy_host_wait``: 1 (measured on an H200), a kernel issued after a copy out starts once the
@@ -405,12 +417,7 @@ def test_the_thread_waits_for_a_swap_copy_as_the_profile_says(wait):
     import dataclasses
 
     prof = dataclasses.replace(load_profile("h100-sxm5-80g"), copy_host_wait=wait)
-    b = SimBackend(prof, swap_copy="engines")
-    n = 512 * MB
-    data, other = b.malloc(n), b.malloc(BLOCK)
-    b.prefetch([(data, n), (other, BLOCK)], 0)
-    b.launch([], [(data, n), (other, BLOCK)], 0, n)
-    b.synchronize()
+    b, n, data, other = _written_on_the_gpu(prof, "engines")
     t0 = b.now()
     b.swap.out([(data, n)])
     b.launch([(other, BLOCK)], [(other, BLOCK)], 10**12, 0, "fp32")  # ~20 ms of compute, not on the range
@@ -428,12 +435,7 @@ def test_an_sm_copy_holds_nothing_back_and_slows_the_kernels_beside_it_by_its_sh
     import dataclasses
 
     prof = dataclasses.replace(load_profile("h100-sxm5-80g"), copy_host_wait=1.0, sm_copy_share=share)
-    b = SimBackend(prof, swap_copy="sm")
-    n = 512 * MB
-    data, other = b.malloc(n), b.malloc(BLOCK)
-    b.prefetch([(data, n), (other, BLOCK)], 0)
-    b.launch([], [(data, n), (other, BLOCK)], 0, n)
-    b.synchronize()
+    b, n, data, other = _written_on_the_gpu(prof, "sm")
     t0 = b.now()
     b.swap.out([(data, n)])
     flops = 10**12  # ~20 ms of fp32 compute, longer than the copy (~10 ms)

@@ -426,10 +426,7 @@ def _coerce(field: str, value: object, name: str | None = None) -> object:
             raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(GRANULARITIES)}")
         return word
     if field == "swap_copy":
-        word = str(value).strip().lower()
-        if word not in SWAP_COPIES:
-            raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(SWAP_COPIES)}")
-        return word
+        return checked_swap_copy(value, name or "swap_copy")
     if field == "log_level":
         word = str(value).strip().lower()
         if word not in LOG_LEVELS:
@@ -526,12 +523,20 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
     return dataclasses.replace(Config(), **values)
 
 
+def checked_swap_copy(value: object, name: str = "swap_copy") -> str:
+    """``value`` as one of :data:`~umrt.backends.base.SWAP_COPIES`, or a ConfigError naming ``name``."""
+    word = str(value).strip().lower()
+    if word not in SWAP_COPIES:
+        raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(SWAP_COPIES)}")
+    return word
+
+
 def swap_copy_in_env(environ: Mapping[str, str] | None = None) -> str:
     """``UMRT_SWAP_COPY`` alone, checked (a backend made outside :func:`from_env`'s config, such
     as the simulator a bench builds, still follows it)."""
     env = os.environ if environ is None else environ
     var = _ENV["swap_copy"]
-    return str(_coerce("swap_copy", env[var], var)) if var in env else SWAP_COPY_DEFAULT
+    return checked_swap_copy(env[var], var) if var in env else SWAP_COPY_DEFAULT
 
 
 def enabled_in_env(environ: Mapping[str, str] | None = None) -> bool:

@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from umrt.backends.allocations import Allocations
-from umrt.backends.base import HOST, PAGE, SWAP_COPIES, Advice, Backend, Range
+from umrt.backends.base import HOST, PAGE, Advice, Backend, Range
 from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDING: re-exported)
     LEGACY_STREAMS,
     MAX_PENDING,
@@ -73,8 +73,8 @@ from umrt.backends.cuda_order import (  # noqa: F401 (LEGACY_STREAMS, MAX_PENDIN
 from umrt.backends.cuda_swap import CudaSwapPath
 from umrt.backends.ranges import RangeSet
 from umrt.backends.sm_copy import SmCopy, SmCopyKernel
-from umrt.config import swap_copy_in_env
-from umrt.errors import ConfigError, CudaError
+from umrt.config import checked_swap_copy, swap_copy_in_env
+from umrt.errors import CudaError
 
 #: Discards are shrunk inward to this alignment: the driver drops whole pages,
 #: and a partial page may hold a live neighbour (64 KiB = GPU UVM page size).
@@ -439,9 +439,7 @@ class CudaBackend(Backend):
     def __init__(self, device: int = 0, *, api: CudaApi | None = None, compute_stream: Any = 0,
                  merge_across_allocations: bool = False, swap_copy: str | None = None) -> None:
         self.api = api or default_api()
-        self.swap_copy = swap_copy_in_env() if swap_copy is None else swap_copy
-        if self.swap_copy not in SWAP_COPIES:
-            raise ConfigError(f"swap_copy={self.swap_copy!r}: use one of {', '.join(SWAP_COPIES)}")
+        self.swap_copy = swap_copy_in_env() if swap_copy is None else checked_swap_copy(swap_copy)
         self._call = CountedCalls()
         self.calls: Counter[str] = self._call.counts
         count = self._call("cudaGetDeviceCount", self.api.device_count)

@@ -60,9 +60,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from umrt.backends.base import HOST, SWAP_COPIES, SWAP_COPY_DEFAULT, Advice, Backend, Range, SwapPath
+from umrt.backends.base import HOST, SWAP_COPY_DEFAULT, Advice, Backend, Range, SwapPath
 from umrt.backends.ranges import RangeSet
-from umrt.config import swap_copy_in_env
+from umrt.config import checked_swap_copy, swap_copy_in_env
 from umrt.errors import ConfigError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.sim import engine as E
@@ -97,8 +97,8 @@ class SimBackend(Backend):
                             doc="Bytes moved device-to-host: migrations, remote writes and copies (swap.out).")
     peak_resident_bytes = EngineCount(E.G_PEAK, unit=E.PAGE, doc="Most bytes on the GPU since :meth:`reset_peak`.")
     page_events = EngineCount(E.G_EVENTS, doc="Pages visited by launches, migrations and evictions (simulator work).")
-    swapped_out_bytes = EngineCount(E.G_COPY_D2H, doc="Bytes the GPU -> host copy engine copied out (swap.out).")
-    swapped_in_bytes = EngineCount(E.G_COPY_H2D, doc="Bytes the host -> GPU copy engine copied back (swap.back).")
+    swapped_out_bytes = EngineCount(E.G_COPY_D2H, doc="Bytes the swap path copied out to pinned memory (swap.out).")
+    swapped_in_bytes = EngineCount(E.G_COPY_H2D, doc="Bytes the swap path copied back from pinned memory (swap.back).")
 
     def __init__(self, profile: HardwareProfile | str, capacity_bytes: int | float | None = None,
                  swap_copy: str | None = None) -> None:
@@ -124,7 +124,7 @@ class SimBackend(Backend):
         self.launches = 0
         self.calls = 0  # prefetch/discard/advise/copy calls
         # the swap path: SM copies or the copy engines (None: as UMRT_SWAP_COPY says)
-        self._swap = SimSwap(self, swap_copy_in_env() if swap_copy is None else swap_copy)
+        self._swap = SimSwap(self, swap_copy_in_env() if swap_copy is None else checked_swap_copy(swap_copy))
 
     # ------------------------------------------------------------ Backend API
 
@@ -398,7 +398,7 @@ class SimBackend(Backend):
 class SimSwap(SwapPath):
     """The simulated GPU's swap path (:attr:`SimBackend.swap`): copies to and from pinned
     memory, a discard after each copy out, a population before each copy back
-    (umrt/sim/MODEL.md, "The swap path"). ``copies``: what moves the bytes, ``"sm"`` (a
+    (umrt/sim/MODEL.md, "The swap path"). ``swap_copy``: what moves the bytes, ``"sm"`` (a
     kernel of umrt's own: nothing waits for it, the kernels beside it lose
     ``sm_copy_share`` of the GPU while it runs) or ``"engines"`` (``cudaMemcpyAsync`` on the
     copy engines: the thread waits ``copy_host_wait`` of it). ``staged``: the bytes whose
@@ -409,8 +409,6 @@ class SimSwap(SwapPath):
 
     def __init__(self, backend: SimBackend, swap_copy: str = SWAP_COPY_DEFAULT) -> None:
         super().__init__(backend)
-        if swap_copy not in SWAP_COPIES:
-            raise ConfigError(f"swap copies {swap_copy!r}: expected one of {', '.join(SWAP_COPIES)}")
         self.backend: SimBackend = backend
         self.swap_copy = swap_copy
         self.staged = RangeSet()
@@ -421,16 +419,17 @@ class SimSwap(SwapPath):
         self._busy: dict[int, tuple[float, float]] = {}
 
     def out(self, ranges: Sequence[Range]) -> None:
-        """Copy live ranges to pinned host memory on the GPU -> host copy engine, then discard them.
+        """Copy live ranges to pinned host memory on the GPU -> host copy queue, then discard them.
 
-        As the ``cuda`` backend issues it: one ``cudaMemcpyAsync`` per coalesced
-        range (``prefetch_call_overhead_s`` of CPU time each, the measured cost
-        of a runtime call), then one ``cudaMemDiscardBatchAsync`` of their whole
-        64 KB pages (``prefetch_call_overhead_s`` plus ``discard_range_s`` per
-        range), ordered after the copies. The copy of range ``r`` starts once
+        As the ``cuda`` backend issues it: one copy per coalesced range (an SM copy
+        kernel or a ``cudaMemcpyAsync``, ``prefetch_call_overhead_s`` of CPU time each,
+        the measured cost of a runtime call), then one ``cudaMemDiscardBatchAsync`` of
+        their whole 64 KB pages (``prefetch_call_overhead_s`` plus ``discard_range_s``
+        per range), ordered after the copies. The copy of range ``r`` starts once
         issued and once its pages have arrived, at ``copy_d2h_rate`` on the D2H
-        copy engine beside the other direction, and the CPU waits for the copies
-        (``copy_host_wait``); the discard's work
+        queue beside the other direction; on the copy engines the CPU waits for the
+        copies (``copy_host_wait``), SM copies slow the kernels beside them instead
+        (:meth:`beside`); the discard's work
         (bytes over ``discard_rate``) follows it on a stream of its own, and the
         pages' memory is free once that is done (umrt/sim/MODEL.md).
         Their bytes hold no data on the GPU until :meth:`back` copies them
@@ -462,9 +461,9 @@ class SimSwap(SwapPath):
 
         As the ``cuda`` backend issues it, per coalesced range that holds swapped
         bytes: a ``cudaMemPrefetchAsync`` to the GPU (population: discarded pages
-        still there revalidate, others populate, no copy) and a ``cudaMemcpyAsync``
-        from pinned memory after it on the host -> GPU copy engine at
-        ``copy_h2d_rate``, ``prefetch_call_overhead_s`` of CPU time each. A launch
+        still there revalidate, others populate, no copy) and a copy (an SM copy kernel
+        or a ``cudaMemcpyAsync``) from pinned memory after it on the host -> GPU copy
+        queue at ``copy_h2d_rate``, ``prefetch_call_overhead_s`` of CPU time each. A launch
         that reads the range waits for its copy (transfer wait). Ranges (or
         parts) that were never swapped out are prefetched (:meth:`SimBackend.prefetch`).
         """
