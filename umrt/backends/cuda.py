@@ -159,7 +159,7 @@ class CudaApi(ABC):
         raise NotImplementedError("umrt_sm_copy: this adapter launches no kernel")
 
     def create_urgent_stream(self) -> Any:
-        """A non-blocking stream whose kernels' blocks start before those of other streams
+        """A non-blocking stream whose kernels' blocks the scheduler prefers to those of other streams
         (cudaStreamCreateWithPriority at the device's greatest priority); here, a plain one."""
         return self.create_stream(False)
 

@@ -81,7 +81,7 @@ class SwapStreams:
 
     def stream(self, kind: str, urgent: bool = False) -> Any:
         """The stream for ``kind`` of work (created non-blocking on first use; ``urgent``: at the
-        device's greatest priority, for SM copies, whose blocks then start before the kernels')."""
+        device's greatest priority, for SM copies, whose blocks the scheduler then prefers)."""
         s = self.streams.get(kind)
         if s is None:
             if urgent:

@@ -9,7 +9,8 @@ mapped at the same address: CUDA Runtime API, "Unified Addressing"), as NCCL's k
 data over a link and as cuDF proposes for copies stuck behind a busy copy engine
 (rapidsai/cudf#15620). Its grid is small (:data:`SM_COPY_BLOCKS` blocks), so it takes a few
 SMs from the kernels beside it (the simulator's ``sm_copy_share``); it runs on a stream of
-the device's greatest priority, so its blocks start as soon as an SM frees up.
+the device's greatest priority, so the scheduler prefers its blocks as SMs free up (a hint: the
+CUDA 13 header says priorities never preempt running work; not measured).
 
 Whether it reaches the link's rate, both directions at once, and what the kernels beside it
 lose, are not measured: ``python -m bench.copy_wait`` measures them on a GPU (its
