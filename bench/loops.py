@@ -166,14 +166,16 @@ def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
     return out
 
 
-def render(results: dict[str, dict], size: str) -> str:
-    """The per-loop table: for each loop and policy, the whole run and each phase's steady time."""
+def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%") -> str:
+    """The per-loop table: for each loop and policy, the whole run and each phase's steady time,
+    titled with the GPU and the memory they were simulated at."""
     from io import StringIO
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Example loops, {size} size: simulated (h100-pcie5-80g, 50% of the footprint; SIMULATED)")
+    of = "of the footprint" if gpu_memory.strip().endswith("%") else "of GPU memory"
+    table = Table(title=f"Example loops, {size} size: simulated ({profile}, {gpu_memory} {of}; SIMULATED)")
     for col in ("loop", "policy", "whole run", "vs um", "training step", "evaluation batch", "iterations"):
         table.add_column(col, justify="left" if col in ("loop", "policy") else "right")
     for name, result in results.items():
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         results[loop.name] = measure(recording, args.profile, args.gpu_memory)
         print(f"{loop.name}: simulated at {results[loop.name]['budget_bytes'] / 2**20:.1f} MiB "
               f"({args.gpu_memory})", file=sys.stderr)
-    print(render(results, args.size))
+    print(render(results, args.size, args.profile, args.gpu_memory))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():
         print(f"{name}: " + ("every target met (SIMULATED)" if not problems else "; ".join(problems)))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.loops import LOOPS, drive, record, resumed_after_evaluation
+from bench.loops import LOOPS, drive, record, render, resumed_after_evaluation
 from umrt.hardware import load_profile
 from umrt.phase_report import RunFigures
 from umrt.shadow import _print, _report
@@ -36,6 +36,16 @@ def test_a_step_after_an_evaluation_is_compared_with_the_step_before_it_shape_fo
     assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 1.1), (6, 1.0)]
     run.compute = []  # (no compute known: time for time)
     assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 2.2), (6, 1.0)]
+
+
+def test_the_table_names_the_gpu_and_the_memory_it_was_simulated_at():
+    times, phases = [10.0, 1.0], ["train", "eval"]
+    marks = [{"time_s": sum(times[:i]), "compute_s": 0.0, "h2d_bytes": 0, "d2h_bytes": 0, "faults": 0,
+              "evictions": 0} for i in range(3)]
+    results = {"gpt-eval": {"runs": [RunFigures.of(p, "replay", marks, phases, 0) for p in ("um", "umrt")]}}
+    title = " ".join(render(results, "bench", "a100-sxm4-80g", "25%").split())
+    assert "a100-sxm4-80g, 25% of the footprint" in title
+    assert "8 GiB of GPU memory" in " ".join(render(results, "ci", "h100-pcie5-80g", "8 GiB").split())
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
