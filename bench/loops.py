@@ -24,6 +24,9 @@ learned no slower than plain UM's same iteration. Every figure is simulated.
 
 ``--size ci`` runs the loops small (what ``tests/test_loops.py`` drives);
 ``--size bench`` (the default) larger, so that memory pressure is realistic.
+``--layout caching`` runs umrt over PyTorch's caching allocator's layout instead
+of its own pool (what a live run has), to weigh what the pool's layout gains or
+loses on each loop.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from umrt.capture import StopRecording
 from umrt.capture.recorder import script_recorder
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.phase_report import PHASE_LABELS, RunFigures, live_run, replay_run
+from umrt.policy import make_policy
 from umrt.scripts import run_script
 from umrt.shadow import LiveRun, drive_live, refined_kinds
 from umrt.sim.budget import resolve_budget
@@ -44,6 +48,8 @@ from umrt.sim.warmup import warm_up
 from umrt.trace.events import Event, Trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+#: Where umrt's run places the loop's tensors (``--layout``, :func:`drive`).
+LAYOUTS = ("pool", "caching")
 
 
 @dataclass(frozen=True)
@@ -104,21 +110,31 @@ def record(loop: Loop, size: str = "bench") -> Recording:
 
 
 def drive(recording: Recording, profile: str | HardwareProfile = "h100-pcie5-80g", gpu_memory: str = "50%",
-          policy: str = "umrt") -> LiveRun:
+          policy: str = "umrt", layout: str = "pool") -> LiveRun:
     """``policy`` driving the simulated GPU closed loop over the run's events, as in shadow mode,
-    with ``gpu_memory`` of the run's footprint."""
+    with ``gpu_memory`` of the run's footprint. ``layout``: where the run's tensors are placed,
+    umrt's lifetime-aware pool (``"pool"``, what a live run has) or, for ``umrt``, PyTorch's
+    caching allocator (``"caching"``: what the pool's layout gains or loses, loop for loop)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    if layout == "caching" and policy != "umrt":
+        raise ValueError(f"layout 'caching' is umrt's option; {policy!r} places tensors as it does")
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     budget = resolve_budget(gpu_memory, recording.trace)
+    if layout == "caching":
+        policy = make_policy("umrt", use_pool=False)
     run = drive_live(recording.events, policy, prof, budget.bytes, refined_kinds(recording.trace))
     if run.error is not None:
         raise run.error
     return run
 
 
-def measure(recording: Recording, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%") -> dict:
-    """umrt live (closed loop) and ideal / um / oracle replayed over the same iterations."""
+def measure(recording: Recording, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%",
+            layout: str = "pool") -> dict:
+    """umrt live (closed loop, on ``layout``: see :func:`drive`) and ideal / um / oracle
+    replayed over the same iterations."""
     prof = load_profile(profile)
-    run = drive(recording, prof, gpu_memory)
+    run = drive(recording, prof, gpu_memory, layout=layout)
     policy = run.driver.policy
     skip = max(1, policy.warmup_iterations)
     runs = [replay_run(recording.trace, name, prof, run.budget_bytes, skip) for name in ("ideal", "um", "oracle")]
@@ -166,16 +182,19 @@ def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
     return out
 
 
-def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%") -> str:
+def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%",
+           layout: str = "pool") -> str:
     """The per-loop table: for each loop and policy, the whole run and each phase's steady time,
-    titled with the GPU and the memory they were simulated at."""
+    titled with the GPU and the memory they were simulated at (and umrt's layout, where it is
+    not its pool)."""
     from io import StringIO
 
     from rich.console import Console
     from rich.table import Table
 
     of = "of the footprint" if gpu_memory.strip().endswith("%") else "of GPU memory"
-    table = Table(title=f"Example loops, {size} size: simulated ({profile}, {gpu_memory} {of}; SIMULATED)")
+    placed = "" if layout == "pool" else "; umrt over PyTorch's caching allocator's layout"
+    table = Table(title=f"Example loops, {size} size: simulated ({profile}, {gpu_memory} {of}{placed}; SIMULATED)")
     for col in ("loop", "policy", "whole run", "vs um", "training step", "evaluation batch", "iterations"):
         table.add_column(col, justify="left" if col in ("loop", "policy") else "right")
     for name, result in results.items():
@@ -201,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("ci", "bench"), default="bench")
     parser.add_argument("--profile", default="h100-pcie5-80g")
     parser.add_argument("--gpu-memory", default="50%")
+    parser.add_argument("--layout", choices=LAYOUTS, default="pool",
+                        help="where umrt's run places tensors: its lifetime-aware pool (default, as a live run) "
+                             "or PyTorch's caching allocator (what the pool's layout gains or loses)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--check-targets", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
@@ -218,16 +240,16 @@ def main(argv: list[str] | None = None) -> int:
         recording = record(loop, args.size)
         print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
               file=sys.stderr)
-        results[loop.name] = measure(recording, args.profile, args.gpu_memory)
+        results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
         print(f"{loop.name}: simulated at {results[loop.name]['budget_bytes'] / 2**20:.1f} MiB "
               f"({args.gpu_memory})", file=sys.stderr)
-    print(render(results, args.size, args.profile, args.gpu_memory))
+    print(render(results, args.size, args.profile, args.gpu_memory, args.layout))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():
         print(f"{name}: " + ("every target met (SIMULATED)" if not problems else "; ".join(problems)))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {name: {"runs": [r.to_json() for r in res["runs"]], "missed": missed[name],
+            {name: {"layout": args.layout, "runs": [r.to_json() for r in res["runs"]], "missed": missed[name],
                     "runtime_phases": res["runtime"].get("phases")} for name, res in results.items()}, indent=1))
     return 1 if args.check_targets and any(missed.values()) else 0
 

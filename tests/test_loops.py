@@ -19,6 +19,8 @@ import pytest
 
 from bench.loops import LOOPS, drive, record, render, resumed_after_evaluation
 from umrt.hardware import load_profile
+from umrt.memory.caching import CachingAllocatorLayout
+from umrt.memory.pool import LifetimePool
 from umrt.phase_report import RunFigures
 from umrt.shadow import _print, _report
 from umrt.sim.budget import resolve_budget
@@ -46,6 +48,13 @@ def test_the_table_names_the_gpu_and_the_memory_it_was_simulated_at():
     title = " ".join(render(results, "bench", "a100-sxm4-80g", "25%").split())
     assert "a100-sxm4-80g, 25% of the footprint" in title
     assert "8 GiB of GPU memory" in " ".join(render(results, "ci", "h100-pcie5-80g", "8 GiB").split())
+
+
+def test_a_layout_is_one_of_the_two_and_caching_is_umrts_option():
+    with pytest.raises(ValueError, match="one of pool, caching"):
+        drive(None, layout="buddy")
+    with pytest.raises(ValueError, match="umrt's option"):
+        drive(None, policy="um", layout="caching")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -105,3 +114,13 @@ def test_the_report_compares_every_policy_over_the_same_iterations_by_phase():
     assert "whole run (total)" in text and "over the whole run" in text
     assert "Training steps (steady): umrt" in text and "Evaluation batches (steady): umrt" in text
     assert f"Iterations: {len(named['learned'])} learned" in text
+
+
+def test_umrt_runs_a_loop_over_either_layout():
+    """``--layout caching``: the same closed loop with PyTorch's caching allocator placing the
+    tensors, so the pool's layout can be weighed loop for loop."""
+    recording = _trace("gpt-eval")
+    pooled, cached = (drive(recording, gpu_memory="30%", layout=lay).driver.policy for lay in ("pool", "caching"))
+    assert isinstance(pooled.layout, LifetimePool) and pooled.options.use_pool
+    assert isinstance(cached.layout, CachingAllocatorLayout) and not cached.options.use_pool
+    assert [e["phase"] for e in cached.log] == recording.trace.iteration_phases()
