@@ -505,8 +505,8 @@ def _sm_backend(fake_gpu, swap_copy="sm", launcher=True):
 def test_a_swap_copies_with_the_sm_kernel_where_it_can_and_the_copy_engines_otherwise(fake_gpu, swap_copy, launcher,
                                                                                       copy):
     """``UMRT_SWAP_COPY=sm`` (the default): the copies out and back are umrt's SM copy kernel, on
-    streams of the device's greatest priority (so its blocks start before the compute kernels'
-    queued ones); ``engines``, or an adapter that launches no kernel: ``cudaMemcpyAsync``. Either
+    streams of the device's greatest priority (a scheduling hint: that its blocks start early is
+    not measured); ``engines``, or an adapter that launches no kernel: ``cudaMemcpyAsync``. Either
     way the round trip is ordered as the fake runtime requires, and a reader after it is clean."""
     b = _sm_backend(fake_gpu, swap_copy, launcher)
     ptr = b.malloc(4 * MiB)

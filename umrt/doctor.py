@@ -405,8 +405,9 @@ def _gpu(machine: ThisMachine, cfg: Config, nvml_driver: str | None, found: list
             built = f"umrt's SM copy kernel does not build: {exc}"
     if "cudaMemDiscardBatchAsync" in calls and cfg.swap_copy == "sm" and api.has_sm_copy and not built:
         found.append(Finding("swap path", OK, "live data umrt takes off the GPU is copied to pinned host memory "
-                                              "by umrt's SM copy kernel (beside the kernels, on a stream of the "
-                                              "greatest priority) and discarded, then copied back before use"))
+                                              "by umrt's SM copy kernel (on a stream of the greatest priority, meant to "
+                                              "run beside the kernels: not measured yet) and discarded, then copied "
+                                              "back before use"))
     elif "cudaMemDiscardBatchAsync" in calls:
         why = ("UMRT_SWAP_COPY=engines" if cfg.swap_copy == "engines"
                else built or "CuPy, which builds umrt's SM copy kernel, does not import")

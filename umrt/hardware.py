@@ -99,7 +99,8 @@ class HardwareProfile:
     # The fraction of the GPU's compute a kernel of umrt's own that copies between managed
     # and pinned memory (an *SM copy*: its grid of SM_COPY_BLOCKS blocks drives the link
     # through mapped pinned memory) takes from the kernels beside it while it runs. Assumed,
-    # not measured: its blocks over the card's SMs (umrt/sim/MODEL.md, "SM copies").
+    # not measured: its blocks over the card's SMs (umrt/sim/MODEL.md, "SM copies"); a profile that
+    # leaves it out takes 16 blocks over 128 SMs.
     sm_copy_share: float = 0.125
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False, repr=False)

@@ -156,7 +156,7 @@ class ReportsFaults(Protocol):
 
 #: What copies a swapped range to pinned memory and back (``UMRT_SWAP_COPY``): ``"sm"``, a kernel
 #: of umrt's own on a stream of its own (the SMs drive the link through mapped pinned memory;
-#: nothing waits for it), or ``"engines"``, ``cudaMemcpyAsync`` on the copy engines (an H200
+#: meant to run beside the kernels, not measured yet), or ``"engines"``, ``cudaMemcpyAsync`` on the copy engines (an H200
 #: ran nothing issued after such a copy of managed memory beside it).
 SWAP_COPIES = ("sm", "engines")
 SWAP_COPY_DEFAULT = "sm"

@@ -79,8 +79,6 @@ class SmCopyKernel:
         step waits for it; a failure raises CudaError."""
         try:
             self._compiled()
-        except CudaError:
-            raise
         except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or CuPy: one clear error
             raise _failed(exc) from exc
 
@@ -107,8 +105,6 @@ class SmCopyKernel:
                 side = self._streams[handle] = _cupy_stream(cupy, handle)
             kernel((self.blocks,), (SM_COPY_THREADS,),
                    (numpy.uint64(src), numpy.uint64(dst), numpy.uint64(nbytes // WORD)), stream=side)
-        except CudaError:
-            raise
         except Exception as exc:  # noqa: BLE001 - NVRTC, the driver or CuPy: one clear error
             raise _failed(exc) from exc
 

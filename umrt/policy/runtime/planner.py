@@ -428,7 +428,7 @@ class Planner:
         Issue each pre-eviction right after the victim's last use instead of
         when its room is needed.
     swap:
-        The backend has the copy-engine path (``Backend.swap.pinned_copies``): an object
+        The backend has the pinned-copy path (``Backend.swap.pinned_copies``: SM copies or the copy engines): an object
         the plan takes off the GPU and needs again goes by ``swap.out`` /
         ``swap.back`` where :func:`swap_pays` says that is cheaper than page
         migration for its size, by migration otherwise.

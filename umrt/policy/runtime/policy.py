@@ -70,7 +70,7 @@ READ_MOSTLY = False
 #: last iteration of the same shape) reuse its decisions' ranges without resolving any key: the
 #: cheapest steady state. Moves are the same either way.
 FREEZE = True
-#: Where the backend has the copy-engine path (``Backend.swap.pinned_copies``: CUDA 13, discard,
+#: Where the backend has the pinned-copy path (``Backend.swap.pinned_copies``: CUDA 13, discard,
 #: pinned staging), let the planner take objects off the GPU and back through it where that costs
 #: less than page migration; False: page migration only.
 SWAP = True
