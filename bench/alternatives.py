@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["CHECKPOINTING", "Row", "main", "rows", "table"]
+__all__ = ["CHECKPOINTING", "Row", "budget_percent", "main", "rows", "table"]
 
 PROFILE = "h100-sxm5-80g"
 MODELS = (("gpt2", 8, 1024), ("bert-large", 32, 512))
@@ -90,8 +90,21 @@ class Row:
                                "bound_above_checkpointing": self.bound_above_checkpointing}
 
 
-def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = True) -> list[Row]:
-    """Every cell, simulated (each umrt run to its steady state, as ``umrt simulate`` reports it)."""
+def budget_percent(text: str) -> float:
+    """A budget as ``N%`` of the trace's peak live bytes, 0 < N <= 100; ValueError otherwise."""
+    try:
+        value = float(text[:-1]) if text.endswith("%") else float("nan")
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 100:
+        raise ValueError(f"a budget here is a percentage of the trace's peak live bytes, such as 45%: got {text!r}")
+    return value
+
+
+def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = True,
+         budgets: tuple[str, ...] | None = None) -> list[Row]:
+    """Every cell, simulated (each umrt run to its steady state, as ``umrt simulate`` reports it);
+    ``budgets``: percentages of the trace's peak (default: checkpointing's own peak and 25%)."""
     from bench.grid import trace_for
     from umrt.errors import UmrtError
     from umrt.policy import make_policy
@@ -104,7 +117,7 @@ def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = 
             trace = trace_for(model, batch, seq, dtype=dtype)
             ideal = simulate(trace, "ideal", profile, "100%", budget_base="peak").iteration_time_s
             ckpt = CHECKPOINTING[model]
-            for budget in (ckpt["budget"], TIGHT):
+            for budget in budgets or (ckpt["budget"], TIGHT):
                 t0 = time.perf_counter()
                 measured = ckpt["step_ratio"] if dtype == "float32" and budget == ckpt["budget"] else None
                 try:
@@ -138,7 +151,7 @@ def table(cells: list[Row]) -> str:
         if r.bound_above_checkpointing:
             note = (f"the bound is above checkpointing: moving data cannot match recomputation here "
                     f"(by {r.bound_ratio / r.checkpointing:.2f}x at best)")
-        elif r.checkpointing is None and r.budget == TIGHT:
+        elif budget_percent(r.budget) < budget_percent(CHECKPOINTING[r.model]["budget"]):
             note = "below checkpointing's own peak"
         else:
             note = ""
@@ -155,9 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--models", nargs="+", choices=[m for m, _, _ in MODELS], help="a subset of the models")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, help="a subset of the precisions")
+    parser.add_argument("--budgets", nargs="+", metavar="N%",
+                        help="budgets as %% of the trace's peak live bytes (default: checkpointing's own peak "
+                             f"for each model, and {TIGHT})")
     args = parser.parse_args(argv)
+    for b in args.budgets or ():
+        try:
+            budget_percent(b)
+        except ValueError as exc:
+            parser.error(str(exc))
     models = [m for m in MODELS if not args.models or m[0] in args.models]
-    cells = rows(models, tuple(args.dtype or DTYPES))
+    cells = rows(models, tuple(args.dtype or DTYPES), budgets=tuple(args.budgets) if args.budgets else None)
     print(table(cells))
     if args.json:
         args.json.write_text(json.dumps([r.to_json() for r in cells], indent=1))

@@ -12,7 +12,9 @@ to the same pinned buffer: the control); ``sm_copy_out`` / ``sm_copy_back`` (umr
 greatest priority: the SMs drive the link; umrt's default swap copy; ``sm_copy_*_{4,8,32}_blocks``: the
 same with other grids than umrt's 16, for how many blocks the link needs); ``revalidate_{2M,256K}_per_range_s`` /
 ``populate_{2M,256K}_per_range_s`` (a prefetch to the GPU of one discarded 2 MiB or 256 KiB range, its pages
-kept or sent to the host: the simulator charges a migration's set-up, 81 us, unmeasured). Needs about 8.5 GiB of GPU memory and 2 GiB
+kept or sent to the host: the simulator charges a migration's set-up, 81 us, unmeasured);
+``small_prefetch_{alone,behind_memcpy,behind_sm_copy}_s`` (a 128 KiB prefetch to the GPU issued right after a
+2 GiB copy back starts: the simulator has it wait for the copy). Needs about 8.5 GiB of GPU memory and 2 GiB
 pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
 """
 from __future__ import annotations
@@ -153,6 +155,25 @@ def main() -> int:
     run_rows(res, ((f"{kind}_{label}", (host, size)) for kind, host in (("revalidate", False), ("populate", True))
                    for label, size in (("2M", 2 << 20), ("256K", 256 << 10))),
              lambda name, arg: populations(name, *arg))
+
+    def small_prefetch(name: str, copy) -> dict:
+        """A 128 KiB prefetch of host-resident managed memory to the GPU on a stream of its own, right
+        after ``copy`` (None: alone) starts on the copy stream: does it wait for the copy on the link?"""
+        side, p, size = _check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)), managed[2], 128 << 10
+        _check(rt.cudaMemPrefetchAsync(p, size, where(-1), 0, side))
+        ev = [_check(rt.cudaEventCreate()) for _ in range(2)]
+        cp.cuda.runtime.deviceSynchronize()
+        if copy is not None:
+            copy()
+        _check(rt.cudaEventRecord(ev[0], side))
+        _check(rt.cudaMemPrefetchAsync(p, size, where(0), 0, side))
+        _check(rt.cudaEventRecord(ev[1], side))
+        cp.cuda.runtime.deviceSynchronize()
+        return {f"{name}_s": _check(rt.cudaEventElapsedTime(ev[0], ev[1])) / 1e3}
+
+    # the simulator queues a migration behind the swap path's copies on its link (engine.py _queue)
+    run_rows(res, (("small_prefetch_alone", None), ("small_prefetch_behind_memcpy", lambda: memcpy(managed[1], pinned)),
+                   ("small_prefetch_behind_sm_copy", lambda: kernel_copy(pinned, managed[1]))), small_prefetch)
     return report(res, "copy_wait")
 
 

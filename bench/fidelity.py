@@ -500,6 +500,10 @@ def micro_rows(data: dict[str, Any]) -> list[Row]:
             "the model charges the migration's set-up, prefetch_h2d_setup_s (81 us), plus the bytes at "
             "prefetch_populate_rate: 92 us, most of the first evaluation batch's excess over plain UM in "
             "bench.loops' gpt-eval; only 2 GiB populations were measured", "not measured", None),
+        Row(1, "a 128 KiB prefetch to the GPU issued while a 2 GiB swap copy runs on its link", None, "s", "unmeasured",
+            "the model queues a migration behind the copies already on its link, and the migrations and "
+            "populations after it behind it (umrt/sim/engine.py _queue): about 40 ms here; sharing the link "
+            "would add about 5 us to its set-up", "python -m bench.copy_wait: small_prefetch_behind_*_s", None),
     ]
     return rows
 

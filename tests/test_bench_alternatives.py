@@ -52,3 +52,24 @@ def test_bad_arguments_are_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["--models", "resnet"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_budgets_are_percentages_of_the_peak_and_a_bad_one_is_one_line(capsys, monkeypatch):
+    from bench import alternatives
+
+    assert alternatives.budget_percent("45%") == 45.0
+    for bad in ("45", "0%", "120%", "x%", ""):
+        with pytest.raises(ValueError, match="percentage of the trace's peak"):
+            alternatives.budget_percent(bad)
+    with pytest.raises(SystemExit):
+        main(["--budgets", "45"])
+    assert "such as 45%" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(alternatives, "rows", lambda models, dtypes, budgets=None: seen.update(budgets=budgets) or [])
+    assert main(["--models", "gpt2", "--budgets", "40%", "50%"]) == 0
+    assert seen["budgets"] == ("40%", "50%")
+
+
+def test_a_budget_under_checkpointings_peak_says_checkpointing_cannot_go_there():
+    assert "below checkpointing's own peak" in table([_row(budget="40%", ckpt=None)])  # gpt2's peak: 45%
+    assert "below checkpointing's own peak" not in table([_row(budget="50%", ckpt=None)])
