@@ -307,16 +307,18 @@ def test_a_key_holds_data_from_its_birth_where_a_launch_reads_it_first():
     assert rec.uses == [(1, 2), (2, 3, 4), (4,)] and rec.sizes[5] == 100
 
 
-def _with_small_keys(rec: IterationRecord, nbytes: int = 4 << 10) -> set[int]:
+def _with_small_keys(rec: IterationRecord) -> set[int]:
     """Give each launch that reads a parameter a small persistent key beside it (a bias, a
-    norm's weight): read where the parameter is, from the iteration's start."""
+    norm's weight): read where the parameter is, from the iteration's start; 1 KiB for the
+    first parameter's, 2 KiB for the second's, and so on."""
     small: dict[int, int] = {}
     for i, keys in enumerate(rec.uses):
         params = [k for k in keys if rec.kinds.get(k) == Kind.PARAMETER]
         for p in params:
-            k = small.setdefault(p, -(1000 - p))
-            rec.sizes[k], rec.kinds[k] = nbytes, Kind.PARAMETER
-            rec.start_live.add(k)
+            if p not in small:
+                small[p] = k = -(1000 - p)
+                rec.sizes[k], rec.kinds[k] = len(small) << 10, Kind.PARAMETER
+                rec.start_live.add(k)
         rec.uses[i] = keys + tuple(small[p] for p in params)
     return set(small.values())
 
@@ -328,8 +330,8 @@ def _moved(plan) -> set[int]:
 def test_a_plan_that_swaps_keeps_objects_too_small_to_swap_resident(monkeypatch):
     """An object under two pages cannot be swapped (its discard frees whole 64 KB pages): it
     would move by page migration, a prefetch's set-up each, queued on the link behind the
-    swap path's copies. While such objects together are a sliver of the capacity, a plan that
-    swaps leaves them resident; a plan by migration alone moves them as it moves the rest."""
+    swap path's copies. A plan that swaps leaves them resident, the smallest first, within a
+    sliver of its capacity; a plan by migration alone moves them as it moves the rest."""
     from umrt.policy.runtime import planner as planner_module
 
     rec = record(layers=8)
@@ -342,5 +344,6 @@ def test_a_plan_that_swaps_keeps_objects_too_small_to_swap_resident(monkeypatch)
     assert plan.stats["planned_swap_out_bytes"] > 0
     assert not _moved(plan) & small
     assert _moved(Planner(budget, profile).plan(rec)) & small  # by migration: they move
-    monkeypatch.setattr(planner_module, "SMALL_SHARE", 0.001)  # more of them than a sliver
-    assert _moved(Planner(budget, profile, swap=True).plan(rec)) & small
+    monkeypatch.setattr(planner_module, "SMALL_SHARE", 4 * PAGE / swapping.cap)  # room for four of eight
+    moved = _moved(Planner(budget, profile, swap=True).plan(rec)) & small
+    assert moved and not moved & set(sorted(small, key=rec.sizes.get)[:4])
