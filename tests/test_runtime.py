@@ -129,6 +129,26 @@ def test_relearns_after_a_changed_batch_size():
     assert modes[-1] == "act"
 
 
+def test_a_short_batch_of_the_same_kernels_is_not_taken_for_a_full_step():
+    """A short last batch runs the very kernels of a full step, at other sizes. A runtime
+    following a full step's plan with launches in view tells them apart by the sizes allocated
+    so far (the running hash of its non-launch events), at its first decision: it acts on none
+    of the full step's decisions there and learns the short one."""
+    full = training_trace(layers=6, steps=7, seqs=[128] * 7)
+    short = training_trace(layers=6, steps=7, seqs=[128] * 6 + [64])
+    exec_ids = iter(e.exec_id for e in full.events if isinstance(e, Launch))
+    events = [replace(e, exec_id=next(exec_ids)) if isinstance(e, Launch) else e for e in short.events]
+    assert any(a.nbytes != b.nbytes for a, b in zip(
+        (e for e in full.events if isinstance(e, Alloc)), (e for e in events if isinstance(e, Alloc)), strict=True))
+    rt = Runtime(launch_free=False)
+    drive(Trace(short.header, events), rt, budget="20%")
+    last = rt.log[-1]
+    assert last["iteration"] == 6 and last["mode"] == "learn" and last.get("deviated")
+    ref = Runtime(launch_free=False)  # the same run without its short step
+    drive(training_trace(layers=6, steps=6, seqs=[128] * 6), ref, budget="20%")
+    assert rt.report()["deviations"] == 1 and rt.report()["decisions"] == ref.report()["decisions"] > 0
+
+
 def test_a_free_made_late_by_another_thread_costs_only_the_iterations_it_changed():
     """A collective's worker thread drops the last gradient it reduced after the step's
     boundary: one iteration ends a free short, the next starts with it. The runtime

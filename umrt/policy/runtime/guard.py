@@ -126,7 +126,8 @@ class Guard:
             if idx is None:
                 continue
             a = plan.actions[idx]
-            if ev.exec_id == a.exec_id and n_alloc == a.n_alloc and n_frees == a.n_free:
+            if (ev.exec_id == a.exec_id and n_alloc == a.n_alloc and n_frees == a.n_free
+                    and plan.events_match(a, acting.n_events, acting.events_hash)):
                 self.adopt(plan, idx)
                 return a
         return None

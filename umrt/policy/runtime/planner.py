@@ -166,6 +166,18 @@ class Plan:
             h = self._hashes = _running_hashes(self.tokens)
         return h[event] if 0 <= event < len(h) else None
 
+    def events_match(self, a: Action, n_events: int, events_hash: int) -> bool:
+        """Whether an iteration that has seen ``n_events`` launch-free events, with running hash
+        ``events_hash``, is where this shape is at its decision ``a``: yes unless it has seen as
+        many events as the shape has there and their hash differs (the sizes allocated and
+        freed, the modules entered: a short last batch runs the same kernels at other sizes).
+        Fewer or more events: a live driver may deliver the launch late; the counts decide."""
+        e = a.launch_free_at if a.launch_free_at >= 0 else a.launch_free_from
+        if n_events != e + 1:
+            return True
+        expected = self.hash_after(e) if e >= 0 else 0
+        return expected is None or expected == events_hash
+
     def index_after_launch_free(self, event: int) -> int:
         """Index of the first action still to come once launch-free event ``event`` has
         been seen: placed after it, or counted from it."""

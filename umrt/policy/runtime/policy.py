@@ -837,13 +837,14 @@ class Runtime(Policy):
 
     def _decide(self, ev: Launch) -> None:
         """The decision before launch ``ev``, if the iteration is where the plan
-        expects it (the launch, the allocations and frees so far)."""
+        expects it (the launch, the allocations and frees so far, their sizes)."""
         a = self.actions[self.next_action]
         # Acting without launches, the iteration was checked at the event the
         # count started from; a live driver may deliver launches late (its
         # capture resumes at the next hook), so the count can only lag: late.
         if not self.acting_launch_free and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
-                                             or self._n_frees != a.n_free):
+                                             or self._n_frees != a.n_free
+                                             or not self.plan.events_match(a, self.n_events, self.events_hash)):
             a = self._guard.switch(ev, self.keys.ordinal, self._n_frees)
             if a is None:
                 self._guard.deviate()
