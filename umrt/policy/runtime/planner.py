@@ -389,7 +389,7 @@ MIN_SEGMENT_S = 5e-3
 SWAP_MIN_SEGMENT_S = 1e-3
 #: Objects too small to swap stay resident in a plan that swaps, the smallest first, within this
 #: share of its capacity (BERT-large's 1,341 biases, norms and their gradients and moments take
-#: 88 MB, 1% of its plan at 25% of peak; ResNet-152's at 20% of its footprint more than 5%).
+#: 88 MB, 1% of its plan at 25% of peak; ResNet-152's more than 5% of its plan at 20% of its footprint).
 #: SIMULATED, ``python -m bench.alternatives``: BERT-large 32x512 at 33% of peak 2.10x -> 1.61x
 #: ideal in fp32, 9.97x -> 7.24x in bf16; GPT-2 8x1024 fp32 at 25% 4.37x -> 4.04x, at 45% 2.02x ->
 #: 2.18x, a budget where the old plans happened to run fast (43%: 2.24x before and after, 47%:
@@ -554,7 +554,8 @@ class Planner:
         * **Discard** long-lived objects when they die, where the plan evicts,
           instead of letting the driver copy dead bytes back; when everything fits
           nothing is discarded (a dead range is reused in place). Short-lived
-          temporaries are never evicted (they stay resident).
+          temporaries are never evicted (they stay resident), nor, in a plan that
+          swaps, objects too small to swap (``SMALL_SHARE`` of the capacity at most).
 
         The schedule is cyclic: it is planned twice over the iteration and the
         second pass, which starts from the residency the first one ends with, is the
