@@ -101,6 +101,14 @@ def budget_percent(text: str) -> float:
     return value
 
 
+def _budget_arg(text: str) -> str:
+    """``--budgets``' type: the text itself, once :func:`budget_percent` accepts it."""
+    try:
+        return budget_percent(text) and text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = True,
          budgets: tuple[str, ...] | None = None) -> list[Row]:
     """Every cell, simulated (each umrt run to its steady state, as ``umrt simulate`` reports it);
@@ -119,7 +127,8 @@ def rows(models=MODELS, dtypes=DTYPES, profile: str = PROFILE, progress: bool = 
             ckpt = CHECKPOINTING[model]
             for budget in budgets or (ckpt["budget"], TIGHT):
                 t0 = time.perf_counter()
-                measured = ckpt["step_ratio"] if dtype == "float32" and budget == ckpt["budget"] else None
+                at_peak = dtype == "float32" and budget_percent(budget) == budget_percent(ckpt["budget"])
+                measured = ckpt["step_ratio"] if at_peak else None
                 try:
                     steps = make_policy("umrt", trace).steady_iterations()
                     r, engines = (simulate(trace, make_policy("umrt", trace), profile, budget, iterations=steps,
@@ -168,15 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--models", nargs="+", choices=[m for m, _, _ in MODELS], help="a subset of the models")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, help="a subset of the precisions")
-    parser.add_argument("--budgets", nargs="+", metavar="N%",
+    parser.add_argument("--budgets", nargs="+", metavar="N%", type=_budget_arg,
                         help="budgets as %% of the trace's peak live bytes (default: checkpointing's own peak "
                              f"for each model, and {TIGHT})")
     args = parser.parse_args(argv)
-    for b in args.budgets or ():
-        try:
-            budget_percent(b)
-        except ValueError as exc:
-            parser.error(str(exc))
     models = [m for m in MODELS if not args.models or m[0] in args.models]
     cells = rows(models, tuple(args.dtype or DTYPES), budgets=tuple(args.budgets) if args.budgets else None)
     print(table(cells))

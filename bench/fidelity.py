@@ -502,8 +502,8 @@ def micro_rows(data: dict[str, Any]) -> list[Row]:
             "bench.loops' gpt-eval; only 2 GiB populations were measured", "not measured", None),
         Row(1, "a 128 KiB prefetch to the GPU issued while a 2 GiB swap copy runs on its link", None, "s", "unmeasured",
             "the model queues a migration behind the copies already on its link, and the migrations and "
-            "populations after it behind it (umrt/sim/engine.py _queue): about 40 ms here; sharing the link "
-            "would add about 5 us to its set-up", "python -m bench.copy_wait: small_prefetch_behind_*_s", None),
+            "populations after it behind it (umrt/sim/engine.py _queue): about 40 ms here at the model's rates; "
+            "sharing the link would add about 5 us to its set-up", "python -m bench.copy_wait: small_prefetch_behind_*_s", None),
     ]
     return rows
 

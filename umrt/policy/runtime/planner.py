@@ -389,12 +389,8 @@ MIN_SEGMENT_S = 5e-3
 SWAP_MIN_SEGMENT_S = 1e-3
 #: Objects too small to swap stay resident in a plan that swaps, the smallest first, within this
 #: share of its capacity (BERT-large's 1,341 biases, norms and their gradients and moments take
-#: 88 MB, 1% of its plan at 25% of peak; ResNet-152's more than 5% of its plan at 20% of its footprint).
-#: SIMULATED, ``python -m bench.alternatives``: BERT-large 32x512 at 33% of peak 2.10x -> 1.61x
-#: ideal in fp32, 9.97x -> 7.24x in bf16; GPT-2 8x1024 fp32 at 25% 4.37x -> 4.04x, at 45% 2.02x ->
-#: 2.18x, a budget where the old plans happened to run fast (43%: 2.24x before and after, 47%:
-#: 2.12x -> 2.13x; ``--budgets``). ``python -m bench --preset targets``: ResNet-152 5.24x -> 4.63x
-#: on h100-pcie5-80g, 2.50x -> 2.43x on v100-pcie3-32g, the other cells unchanged.
+#: 88 MB, 1% of its plan at 25% of peak; ResNet-152's more than 5% of its plan at 20% of its
+#: footprint). What it changed, SIMULATED: README, "umrt against what users pick instead".
 SMALL_SHARE = 0.05
 
 
