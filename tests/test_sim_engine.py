@@ -328,3 +328,22 @@ def test_pages_a_launch_loses_to_its_own_faults_fault_again():
     assert b.faults == 4 * 32 and b.refaults == 32  # `out` faults again: thrashing, at its price
     assert b.d2h_bytes == 2 * BLOCK  # `out` copied back, then `other`
     assert b.h2d_bytes == 3 * BLOCK  # `other`, `inp`, and `out` once more
+
+
+def test_work_on_the_gpu_alone_is_not_slowed_by_copies_sharing_the_link():
+    """A discard after a copy out runs on the GPU, not over the link: a second copy out that
+    starts while it runs shares the link with migrations, not with the discard, so the first
+    range's pages are free when its discard is done, as the discard's rate says."""
+    prof = load_profile("h100-sxm5-80g")
+    b = SimBackend(prof, swap_copy="engines")
+    n = 256 * MB
+    first, second = b.malloc(n), b.malloc(n)
+    b.prefetch([(first, n), (second, n)], 0)
+    b.launch([], [(first, n), (second, n)], 0, 2 * n)
+    b.synchronize()
+    b.swap.out([(first, n)])
+    copied = float(b.engine.tf[E.T_CE_D2H])  # the first copy's end: its discard starts here
+    b.swap.out([(second, n)])  # its copy starts there too, while the first discard runs
+    assert float(b.engine.tf[E.T_CE_D2H]) > copied + n / prof.copy_rate("d2h") * 0.99
+    lo, hi = b.space.page_spans([(first, n)], inward=False)
+    assert b.engine.ready_time(lo, hi) == pytest.approx(copied + n / prof.discard_rate, rel=1e-9)

@@ -79,16 +79,18 @@ G_PIN = 18  # current pin id
 G_REMOTE_R, G_REMOTE_W = 19, 20  # bytes read / written remotely over the link
 G_ERRPAGE = 21  # page of the last error
 G_ERRBLOCKS = 22  # ERR_NO_VICTIM: blocks the batch (or prefetch) being serviced holds pinned
-G_RHEAD = 23  # copy records, per direction (+ T_H2D / T_D2H): the first that may be in flight ...
-G_RTAIL = 25  # ... and the next id
-G_REFAULTS = 27  # pages a launch lost to its own fault servicing and faulted again
-G_COPY_H2D, G_COPY_D2H = 28, 29  # bytes the copy engines moved (cudaMemcpyAsync, pinned <-> managed)
-NG = 30
+G_RHEAD = 23  # copy records over the link (+ T_H2D / T_D2H): the first that may be in flight ...
+G_RTAIL = 25  # ... and the next id, per ring (+ T_H2D / T_D2H / R_GPU)
+G_REFAULTS = 28  # pages a launch lost to its own fault servicing and faulted again
+G_COPY_H2D, G_COPY_D2H = 29, 30  # bytes the copy engines moved (cudaMemcpyAsync, pinned <-> managed)
+NG = 31
 
-# Copy records: every queued copy (a prefetch's block, a prefetch's evictions) is a record
-# whose completion time lives in ``rec_t[direction, id % RING]``; a page in flight holds
-# ``id * 2 + direction`` in ``prec`` (-1: no copy pending). Sharing the link moves the
-# records, so every page of a queued copy arrives later together.
+# Records: each queued piece of work a page waits on (a prefetch's block, an eviction, a discard)
+# completes at ``rec_t[ring, id % RING]``; a page in flight holds ``id * 4 + ring`` in ``prec``
+# (-1: none). A copy sharing the link moves the records of the copies there (rings ``T_H2D``,
+# ``T_D2H``), whose pages arrive later together; work on the GPU alone never moves (``R_GPU``:
+# discards, populations, evictions that copy nothing).
+R_GPU, NRINGS = 2, 3
 RING = 1 << 18
 
 # Scalars in ``tf`` (float64).
@@ -148,24 +150,24 @@ def new_scalars(capacity_pages: int) -> tuple[np.ndarray, np.ndarray]:
 
 @njit(cache=True)
 def _ready(prec, rec_t, g, p):
-    """When page ``p``'s last migration completes (0: none pending)."""
+    """When page ``p``'s last migration completes (0: none pending); ``prec``: any record codes."""
     r = prec[p]
     if r < 0:
         return 0.0
-    d = r & 1
-    i = r >> 1
-    if g[G_RTAIL + d] - i > RING:  # overwritten: RING copies ago, long done
+    d = r & 3
+    i = r >> 2
+    if g[G_RTAIL + d] - i > RING:  # overwritten: RING records ago, long done
         return 0.0
     return rec_t[d, i % RING]
 
 
 @njit(cache=True)
 def _new_record(rec_t, g, d, t_done):
-    """A copy record in direction ``d`` completing at ``t_done``; returns its ``prec`` code."""
+    """A record in ring ``d`` (``T_H2D``, ``T_D2H``, ``R_GPU``) completing at ``t_done``; returns its ``prec`` code."""
     i = g[G_RTAIL + d]
     g[G_RTAIL + d] = i + 1
     rec_t[d, i % RING] = t_done
-    return i * 2 + d
+    return i * 4 + d
 
 
 @njit(cache=True)
@@ -349,8 +351,7 @@ def _refresh_block(bi, g, b):
 @njit(cache=True)
 def _pending_done(g, q_r, rec_t):
     """When the oldest pending D2H copy completes."""
-    r = q_r[g[G_QHEAD] % q_r.shape[0]]
-    return rec_t[T_D2H, (r >> 1) % RING]
+    return _ready(q_r, rec_t, g, g[G_QHEAD] % q_r.shape[0])
 
 
 @njit(cache=True)
@@ -431,9 +432,8 @@ def _victim(bi, g):
 def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
     """Free capacity for ``n`` more pages at time ``t``.
 
-    Evicts only when an allocation fails (driver behaviour), LRU by
-    migration. Returns ``(t, evict_seconds, arrived)``; ``t < 0`` means no
-    victim exists (every resident block is pinned).
+    Evicts only when an allocation fails (driver behaviour), LRU by migration. Returns
+    ``(t, evict_seconds, arrived)``; ``t < 0``: no victim exists (every resident block is pinned).
 
     * Fault path: ``evict_seconds`` is the copy-back time of the evictions,
       which the caller charges synchronously from ``arrived`` (the victims'
@@ -461,13 +461,13 @@ def _make_room(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, n, t, prefetch):
                 continue
             return -1.0, secs, arrived
         if prefetch:
-            rec = g[G_RTAIL + T_D2H] * 2 + T_D2H  # the copy record this eviction's pages take
+            rec = g[G_RTAIL + T_D2H] * 4 + T_D2H  # the copy record this eviction's pages take
             nres = bi[b, B_RES]
             s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, rec)
-            # nothing to copy (discarded or never written): free once its own copies are done,
-            # without waiting for the migration path or the link
-            done = _queue(tf, T_D2H, max(t, a), s) if s > 0.0 else max(t, a)
-            _new_record(rec_t, g, T_D2H, done)
+            if s > 0.0:
+                _new_record(rec_t, g, T_D2H, _queue(tf, T_D2H, max(t, a), s))
+            else:  # nothing copied (no page took ``rec``): free once its own copies are done
+                rec = _new_record(rec_t, g, R_GPU, max(t, a))
             _push_pending(g, q_r, q_n, rec, nres)
         else:
             s, a = _evict_block(pf, prec, rec_t, bi, g, prm, b, -1)
@@ -797,7 +797,7 @@ def prefetch_gpu(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue)
                                            prm[P_POPULATE])
                 done = _queue(tf, T_H2D, start, setup + copy + fill + nrev * PAGE / prm[P_REVALIDATE], copy > 0.0)
                 setup = 0.0
-                rec = _new_record(rec_t, g, T_H2D, done)
+                rec = _new_record(rec_t, g, T_H2D if copy > 0.0 else R_GPU, done)
                 for q in range(p, stop):
                     if pf[q, F_MAPPED] and not pf[q, F_GPU]:
                         _land(pf, prec, bi, g, q, rec, False)
@@ -846,7 +846,7 @@ def prefetch_host(pf, prec, rec_t, bi, g, tf, prm, q_r, q_n, p_lo, p_hi, t_issue
                 copy, hostpop = _migrate_runs(pf, prec, p, stop, True, None, prm, g, rec, prm[P_PF_D2H], 0.0)
                 done = _queue(tf, T_D2H, start, setup + copy + hostpop)
                 setup = 0.0
-                rec_t[T_D2H, (rec >> 1) % RING] = done
+                rec_t[T_D2H, (rec >> 2) % RING] = done
                 bi[b, B_RES] -= n
                 bi[b, B_RESVALID] -= nvalid
                 g[G_RES] -= n
@@ -867,7 +867,7 @@ def _discard_after(pf, prec, rec_t, bi, g, tf, prm, lo, hi, start, stream):
     dbegin = max(start, tf[stream])
     dend = dbegin + (hi - lo) * PAGE / prm[P_DISCARD]
     tf[stream] = dend
-    rec = _new_record(rec_t, g, T_D2H, dend)
+    rec = _new_record(rec_t, g, R_GPU, dend)
     for q in range(lo, hi):
         g[G_EVENTS] += 1
         pf[q, F_DISC] = 1

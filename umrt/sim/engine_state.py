@@ -69,7 +69,7 @@ class EngineState:
         self.g, self.tf = E.new_scalars(capacity_pages)  # counters, and the engines' times
         self.q_r = np.zeros(_QUEUE, np.int64)  # pending D2H copies (copy records) ...
         self.q_n = np.zeros(_QUEUE, np.int64)  # ... and the pages each frees once done
-        self.rec_t = np.zeros((2, E.RING), np.float64)  # every copy record's completion time
+        self.rec_t = np.zeros((E.NRINGS, E.RING), np.float64)  # every record's completion time
         self.flog = np.zeros(_FAULT_LOG, np.int64)  # faulted blocks (a ring)
         self.flog_read = 0  # faults logged up to here were drained
         # per page: flags, copy record in flight, and a launch's marks (epoch, written, class)
