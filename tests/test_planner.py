@@ -347,3 +347,50 @@ def test_a_plan_that_swaps_keeps_objects_too_small_to_swap_resident(monkeypatch)
     monkeypatch.setattr(planner_module, "SMALL_SHARE", 4 * PAGE / swapping.cap)  # room for four of eight
     moved = _moved(Planner(budget, profile, swap=True).plan(rec)) & small
     assert moved and not moved & set(sorted(small, key=rec.sizes.get)[:4])
+
+
+def test_newborns_the_plan_holds_room_for_are_populated_before_their_birth():
+    """A decision names the keys born before the decision after next, holding nothing yet, whose
+    room the plan holds from there: the runtime populates their memory then, so that their
+    first kernel does not wait for it. Counted resident from that decision, the plan still fits."""
+    rec = record(layers=8)
+    budget = 40 * MB
+    planner = Planner(budget, load_profile("v100-pcie3-32g"))
+    plan = planner.plan(rec)
+    born_at = {k: p for p, k in rec.allocs}
+    points = [a.at for a in plan.actions]
+    populated = [(a, k) for a in plan.actions for k in a.populate]
+    assert populated
+    for a, k in populated:
+        assert a.at < born_at[k] and k not in rec.born_written
+        later = [p for p in points if p > a.at]
+        assert len(later) < 2 or born_at[k] < later[1]  # before the decision after next
+    size = {k: max(PAGE, -(-b // PAGE) * PAGE) for k, b in rec.sizes.items()}
+    resident, peak = set(), 0
+    frees = sorted(rec.frees)
+    acts = plan.action_at()
+    for i, keys in enumerate(rec.uses):
+        resident -= {k for p, k in frees if p <= i}
+        a = acts.get(i)
+        if a is not None:
+            resident = (resident - set(a.evict)) | set(a.prefetch) | set(a.populate)
+        resident |= set(keys)
+        peak = max(peak, sum(size[k] for k in resident))
+    assert peak <= budget
+
+
+def test_a_key_the_host_writes_later_is_moved_once_born():
+    """A key born with data from the host (an input batch) after the decision whose window reaches
+    its first reader is brought to the GPU at the first decision after its birth: before it,
+    there is nothing to move (the runtime would find no object and the reader would fault)."""
+    rec = record(layers=8)
+    reader = 12  # a backward launch
+    host = 99
+    rec.allocs.append((reader - 1, host))
+    rec.allocs.sort()
+    rec.sizes[host], rec.kinds[host] = 4 * MB, Kind.INPUT
+    rec.born_written.add(host)
+    rec.uses[reader] = rec.uses[reader] + (host,)
+    plan = Planner(48 * MB, load_profile("v100-pcie3-32g")).plan(rec)  # a window reaches the reader early
+    moved_at = [a.at for a in plan.actions if host in (*a.prefetch, *a.swap_in)]
+    assert moved_at and all(reader - 1 <= at <= reader for at in moved_at), moved_at

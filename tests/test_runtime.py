@@ -403,9 +403,14 @@ def test_launches_delivered_late_make_late_decisions_not_deviations():
 def test_an_object_at_another_address_unfreezes(monkeypatch):
     """An allocation that lands anywhere but where the reference iteration had
     it ends freezing for the iteration: decisions resolve every key again."""
+    from umrt.policy.runtime.planner import Plan
+
     def tamper(rt):
         ptrs = rt._reference[1]
         ptrs[len(ptrs) // 2] = ptrs[len(ptrs) // 2] + 4096  # "the pool moved it"
+    # (newborns are populated ahead only after an iteration whose addresses all repeated, which
+    # the tampered one is not: the decisions' own moves are what must not change)
+    monkeypatch.setattr(Plan, "newborns", lambda self, keys: [])
     calls, rt = _calls(steps=8, tamper=tamper)
     rep = rt.report()
     assert rep["unfreezes"] >= 1
@@ -804,3 +809,38 @@ def test_plans_that_moved_nothing_because_the_memory_fitted_are_relearned_once_i
     assert rep["discarded_bytes"] + rep["evicted_bytes"] + rep["swapped_out_bytes"] > 0 and run.driver.layout.planned
     modes = [e["mode"] for e in rt.log]
     assert modes[:4].count("act") >= 1 and "learn" in modes[4:]  # acted on the short steps' plan, then learned
+
+
+def test_newborns_are_populated_at_a_decision_before_their_birth(monkeypatch):
+    """The newborns a decision names (``Action.populate``) have their memory populated then, at
+    the addresses the last iteration of the shape gave them, where it lies off the GPU with
+    nothing live in it: their kernels find it there, where a population at birth would make
+    the kernel wait. Without the names, every such newborn is populated at birth."""
+    from umrt.policy.runtime.planner import Plan
+
+    def run() -> tuple[int, int, float, float]:
+        at_birth, ahead = [], []
+        populate, free_pieces = Runtime._populate, policy_module._free_pieces
+
+        def counted_populate(self, ptr, nbytes):
+            if self._mode == "act":
+                at_birth.append(nbytes)
+            return populate(self, ptr, nbytes)
+
+        def counted_pieces(*args):
+            pieces = free_pieces(*args)
+            ahead.extend(n for _, n in pieces)
+            return pieces
+
+        with monkeypatch.context() as m:
+            m.setattr(Runtime, "_populate", counted_populate)
+            m.setattr(policy_module, "_free_pieces", counted_pieces)
+            res = simulate(training_trace(layers=8, steps=3), Runtime(), PROFILE, "30%", iterations=10)
+        return sum(at_birth), sum(ahead), res.breakdown["transfer_wait_s"], res.iteration_time_s
+
+    born, ahead, wait, took = run()
+    monkeypatch.setattr(Plan, "newborns", lambda self, keys: [])
+    born_without, ahead_without, wait_without, took_without = run()
+    assert ahead > 0 and ahead_without == 0
+    assert born < born_without
+    assert wait < wait_without and took < took_without

@@ -105,6 +105,10 @@ class Action:
     # the program frees them (their pages leave without a copy; a free later than recorded
     # means the data is still read), never moved.
     drop: tuple[int, ...] = ()
+    # Keys born before the decision after next, holding nothing yet, that the plan holds room for
+    # from here: their memory is populated on the GPU now (where the last iteration of the shape
+    # placed them), not at birth, where their first kernel would wait for it.
+    populate: tuple[int, ...] = ()
     # The same point on the clock of non-launch events (IterationRecord.launch_free_clock):
     # the event right before launch ``at`` and the running hash expected there;
     # -1 where no event falls between launches at - 1 and at: the runtime then
@@ -149,6 +153,23 @@ class Plan:
     keymap: tuple[int, ...] | None = None
     _launch_free_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
+    _alloc_sizes: list[int] | None = field(default=None, repr=False, compare=False)
+    _ordinal_of: dict[int, int] | None = field(default=None, repr=False, compare=False)
+
+    def newborns(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """``(ordinal, nbytes)`` of the allocations ``keys`` name in an iteration of this shape."""
+        sizes = self._alloc_sizes
+        if sizes is None:
+            sizes = self._alloc_sizes = [tok >> 3 for tok in self.tokens if tok & 3 == ALLOC_TOKEN]
+            if self.keymap is not None:
+                self._ordinal_of = {k: o for o, k in enumerate(self.keymap)}
+        of = self._ordinal_of
+        out = []
+        for k in keys:
+            o = k if of is None else of.get(k, -1)
+            if 0 <= o < len(sizes):
+                out.append((o, sizes[o]))
+        return out
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
@@ -275,7 +296,7 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
                                       prefetch=_union(prev.prefetch, a.prefetch),
                                       swap_out=_union(prev.swap_out, a.swap_out),
                                       swap_in=_union(prev.swap_in, a.swap_in), ready=_union(prev.ready, a.ready),
-                                      drop=_union(prev.drop, a.drop))
+                                      drop=_union(prev.drop, a.drop), populate=_union(prev.populate, a.populate))
                 continue
             if prev is not None and prev.launch_free_at > e:
                 return None
@@ -288,7 +309,7 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
         resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
     return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
                    tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
-                   _hashes=hashes)
+                   _hashes=hashes, _alloc_sizes=None, _ordinal_of=None)
 
 
 def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:
@@ -766,6 +787,9 @@ class Planner:
         moves: list[tuple[list[int], list[int]]] = [([], []) for _ in points]  # per point: evict, prefetch
         ready: list[list[int]] = [[] for _ in points]  # per point: keys copied back that launches from it read
         drops: list[list[int]] = [[] for _ in points]  # per point: keys whose data is dead, discarded
+        births: list[list[int]] = [[] for _ in points]  # per point: keys not born yet that it makes room for
+        births_at = sorted(rec.allocs)
+        bi = 0
         dropped = 0
         # Keys swapped out (their data is in pinned memory, not on the GPU): at the start, what
         # the cyclic plan may have left away at the end of the last iteration.
@@ -867,7 +891,14 @@ class Planner:
                     used += size[k]
                     push(k)
                     if k in holding:  # holds data: move it; born but unwritten or unborn: room only
-                        prefetch.append(k)
+                        # born later with data (written by the host): moved at the first decision
+                        # after its birth (before it, the runtime finds nothing to move)
+                        pj = bisect.bisect_left(points, born[k]) if born.get(k, -1) > d else pi
+                        if pi < pj < len(points) and points[pj] <= cursor:
+                            moves[pj][1].append(k)
+                            h2d += size[k]
+                        else:
+                            prefetch.append(k)
                         link_free += in_s(k)
                         if k in away:  # copied back: the kernels of its first reader's segment wait for it
                             away.discard(k)
@@ -875,6 +906,15 @@ class Planner:
                 cursor += 1
             if used - gone_bytes > peak:
                 peak = used - gone_bytes
+            # Newborns due before the decision after next that the plan holds room for by now
+            # (holding nothing yet): their memory is populated from here, ahead of their kernels.
+            while bi < len(births_at) and births_at[bi][0] <= d:
+                bi += 1
+            j = bi
+            while j < len(births_at) and births_at[j][0] < nxt2:
+                if births_at[j][1] in resident and births_at[j][1] not in rec.born_written:
+                    births[pi].append(births_at[j][1])
+                j += 1
             if away:  # the most bytes swapped out at once: the pinned staging it needs
                 away_peak = max(away_peak, sum(size[k] for k in away))
             evict = [k for k in evict if k in holding]  # unwritten pages hold nothing to move
@@ -955,8 +995,10 @@ class Planner:
                  "planned_drop_bytes": dropped, "planned_swap_peak_bytes": away_peak}
         actions = [Action(d, rec.exec_ids[d], ac[d], fc[d],
                           tuple(k for k in ev if k not in swaps), tuple(k for k in pf if k not in swaps),
-                          tuple(k for k in ev if k in swaps), tuple(k for k in pf if k in swaps), tuple(rd), tuple(dr))
-                   for d, (ev, pf), rd, dr in zip(points, moves, ready, drops, strict=True) if ev or pf or rd or dr]
+                          tuple(k for k in ev if k in swaps), tuple(k for k in pf if k in swaps), tuple(rd), tuple(dr),
+                          tuple(po))
+                   for d, (ev, pf), rd, dr, po in zip(points, moves, ready, drops, births, strict=True)
+                   if ev or pf or rd or dr or po]
         # ... and what it leaves swapped out, under the keys the next iteration knows them by.
         end_away = {c for c in (rec.carried.get(k, k) for k in away) if c in rec.start_live}
         return (actions, (carried, end_away), stats, {i: tuple(ks) for i, ks in remote_at.items()},

@@ -76,6 +76,19 @@ FREEZE = True
 SWAP = True
 
 
+def _free_pieces(off_gpu: RangeSet, free: RangeSet, addresses: list[int],
+                 newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the allocations ``(ordinal, nbytes)`` at ``addresses[ordinal]`` that lie off
+    the GPU with nothing live in them, taken out of ``off_gpu`` and ``free``."""
+    pieces: list[tuple[int, int]] = []
+    for o, nbytes in newborns:
+        if o < len(addresses):
+            for p, n in free.take(addresses[o], nbytes):
+                pieces += off_gpu.take(p, n)
+    pieces.sort()
+    return pieces
+
+
 def _reference_key(plan: Plan) -> tuple[int, bool]:
     """What an iteration's addresses (by allocation ordinal) are a reference for: the
     plan's shape, run with launches or as its launch-free variant (other ordinals)."""
@@ -214,6 +227,9 @@ class Runtime(Policy):
         # every allocation against the last iteration of the same shape) reuses
         # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
         self._frozen = False
+        # The shape whose last iteration, just before this one, put every object where the one
+        # before it had: where the newborns of this one will be (Action.populate), before their birth.
+        self._steady_shape: int | None = None
         self._addresses: list[int] | None = None  # this iteration's addresses, by allocation ordinal
         self._reference: tuple[tuple[int, bool], list[int]] | None = None  # the running iteration's reference
         # The last full iteration's addresses of each shape (a training step's survive an evaluation).
@@ -633,6 +649,10 @@ class Runtime(Policy):
         # the next one of that shape is checked against (a frozen one held them).
         if self._frozen:
             self.counters["frozen_iterations"] += 1
+        ref = self._reference
+        steady = mode == "act" and ref is not None and ref[0] == _reference_key(self.plan) and (
+            self._frozen or self._addresses == ref[1])  # (frozen to its end: every address checked)
+        self._steady_shape = self.plan.signature if steady else None
         if self.acting_launch_free:
             self.counters["light_iterations"] += 1
         if self._addresses is not None and mode in ("act", "learn"):
@@ -927,6 +947,18 @@ class Runtime(Policy):
                     for p, n in ranges:
                         off_gpu.remove(p, n)
                         self._free_off_gpu.remove(p, n)
+        if a.populate and self._steady_shape == self.plan.signature and self._free_off_gpu and self._reference:
+            # The newborns the plan makes room for from here: where the last iteration placed them
+            # (steady: this one's will be there too), memory off the GPU with nothing live in it
+            # is populated now, in one call, so that their kernels find it there instead of
+            # waiting for it at birth.
+            born = self.keys.ordinal
+            pieces = _free_pieces(self._off_gpu, self._free_off_gpu, self._reference[1],
+                                  [(o, n) for o, n in self.plan.newborns(a.populate) if o >= born])
+            if pieces:
+                self.backend.populate(pieces)
+                self._n_populate_calls += 1
+                self._n_populated += sum(map(_N, pieces))
 
     def _check_swapped(self, event: int, events_hash: int) -> None:
         """While something is swapped out, every allocation, free and module boundary must be the
