@@ -416,6 +416,7 @@ class PageStateMachine(RuleBasedStateMachine):
         SEEN["examples with discards"] += "cudaMemDiscardBatchAsync" in names
         SEEN["examples with evictions"] += rep["evicted_bytes"] > 0
         SEEN["examples with populates"] += rep["populate_calls"] > 0
+        SEEN["examples with newborns populated ahead"] += rep["populated_ahead_bytes"] > 0
         SEEN["examples with launches read over the link"] += rep["launch_host_mapped_bytes"] > 0
         SEEN["examples with swaps"] += "cudaMemcpyAsync" in names or "umrt_sm_copy" in names
         SEEN["examples with SM copies"] += "umrt_sm_copy" in names
@@ -474,7 +475,7 @@ def test_runtime_keeps_every_invariant(capsys):
     assert SEEN["examples"] >= EXAMPLES
     # Not vacuous: the runtime learned, acted, discarded, evicted and repopulated in many of them.
     for what in ("acted iterations", "light iterations", "discards", "evictions", "populates", "deviations",
-                 "swaps"):
+                 "swaps", "newborns populated ahead"):
         assert SEEN[f"examples with {what}"] >= EXAMPLES // 20, (what, SEEN)
 
 

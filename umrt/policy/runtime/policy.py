@@ -148,6 +148,7 @@ class Runtime(Policy):
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
             "light_iterations": 0, "late_decisions": 0, "light_rebases": 0, "held_iterations": 0,
             "unsure_iterations": 0, "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
+            "populated_ahead_bytes": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
         self._n_discarded = 0
@@ -958,7 +959,9 @@ class Runtime(Policy):
             if pieces:
                 self.backend.populate(pieces)
                 self._n_populate_calls += 1
-                self._n_populated += sum(map(_N, pieces))
+                n = sum(map(_N, pieces))
+                self._n_populated += n
+                c["populated_ahead_bytes"] += n
 
     def _check_swapped(self, event: int, events_hash: int) -> None:
         """While something is swapped out, every allocation, free and module boundary must be the
