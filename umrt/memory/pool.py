@@ -20,7 +20,7 @@ import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from umrt.backends.base import BLOCK  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
 from umrt.memory.base import Layout
@@ -34,6 +34,11 @@ ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 
 PlanKey = tuple  # (context exec id | None, nbytes, kind code (-1: live feed), ordinal)
+
+
+def _twin(key: PlanKey) -> PlanKey:
+    """The key of ``key``'s second planned place (see :meth:`LifetimePool._make_plan`)."""
+    return (*key[:3], -1 - key[3])
 # Never freed in training: served online, never planned. Gradients are Kind.persistent but
 # PyTorch re-creates them every iteration (zero_grad(set_to_none=True), the default since 2.0),
 # so they are planned with the transients, by their observed lifetimes.
@@ -746,13 +751,14 @@ class LifetimePool(Layout):
         # die at once, and best fit comes first (see POOL.md).
         for how in ("planned", "fit") if self._training else ("fit", "planned"):
             if how == "planned" and hit is not None:
-                planned, offset, name = hit
-                ptr = planned.ptr + offset
-                if planned.space.take(ptr, size):
-                    planned.live += 1
-                    stats.hits += 1
-                    self.totals.hits += 1
-                    return _Live(name, ptr, size, nbytes, planned, record, self._iteration)
+                for place in filter(None, (hit, self._plan.get(_twin(key)))):  # (second place: _make_plan)
+                    planned, offset, name = place
+                    ptr = planned.ptr + offset
+                    if planned.space.take(ptr, size):
+                        planned.live += 1
+                        stats.hits += 1
+                        self.totals.hits += 1
+                        return _Live(name, ptr, size, nbytes, planned, record, self._iteration)
                 stats.conflicts += 1
                 self.totals.conflicts += 1
             elif how == "fit":  # (an evaluation's allocation counts as a miss of the plan's)
@@ -842,6 +848,12 @@ class LifetimePool(Layout):
                 ends[id(r)] = None
                 unknown += 1
         self._refine = unknown > 0 and not self.planned
+        # An object still alive at its next counterpart's birth (a loop holds a step's tensor until
+        # the next step's replaces it) gets a second place: one would send every other one elsewhere.
+        twins = [replace(r, key=_twin(r.key)) for r in records if ends[id(r)] is None and (
+            (p := prev_records.get(r.key)) is not None and p.end_next is not None and p.end_next >= r.start)]
+        ends.update((id(r), None) for r in twins)
+        records = records + twins
         cut = _quietest_point(records, ends, length)
 
         def lifetime(r: _Record) -> Lifetime:
