@@ -34,11 +34,6 @@ ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
 
 PlanKey = tuple  # (context exec id | None, nbytes, kind code (-1: live feed), ordinal)
-
-
-def _twin(key: PlanKey) -> PlanKey:
-    """The key of ``key``'s second planned place (see :meth:`LifetimePool._make_plan`)."""
-    return (*key[:3], -1 - key[3])
 # Never freed in training: served online, never planned. Gradients are Kind.persistent but
 # PyTorch re-creates them every iteration (zero_grad(set_to_none=True), the default since 2.0),
 # so they are planned with the transients, by their observed lifetimes.
@@ -271,6 +266,11 @@ class _Online:
         del self._free_starts[bisect.bisect_left(self._free_starts, ptr)]
         del self._free_at[ptr]
         del self._free_end[ptr + size]
+
+
+def _twin(key: PlanKey) -> PlanKey:
+    """The key of ``key``'s second planned place (see :meth:`LifetimePool._make_plan`)."""
+    return (*key[:3], -1 - key[3])
 
 
 @dataclass(slots=True)

@@ -908,6 +908,7 @@ class Planner:
                 peak = used - gone_bytes
             # Newborns due before the decision after next that the plan holds room for by now
             # (holding nothing yet): their memory is populated from here, ahead of their kernels.
+            # Each is named at both decisions before it: its pages may come free between them.
             while bi < len(births_at) and births_at[bi][0] <= d:
                 bi += 1
             j = bi
