@@ -357,7 +357,18 @@ def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_
     pool.malloc(MiB)
     assert len(made) == 3 and not made[2].planning
     pool.free(live)
+    LiveLayout(lambda obj: 0, pool, learn=True).resume_planning()  # acting won over a held step
+    assert pool.stopped_planning is None
+    pool.retire_layout(pool.stream)
+    pool.malloc(MiB)
+    assert len(made) == 4 and made[3].planning  # a layout made later plans
+    pool.observe(IterationBoundary(3))  # the side stream's layout plans again from its next step
+    act = pool.malloc(3 * MiB, stream=side)
+    pool.free(act)
+    pool.observe(IterationBoundary(4))
+    assert made[1].planning and made[1].stopped_planning is None
     LiveLayout(lambda obj: 0, None, learn=False).stop_planning("no pool")  # a recorder-only bridge: nothing
+    LiveLayout(lambda obj: 0, None, learn=False).resume_planning()
 
 
 def test_before_malloc_hooks_run_before_the_block_is_placed(pool):

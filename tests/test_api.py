@@ -724,6 +724,9 @@ class MirrorPool:
     def stop_planning(self, why, budget_bytes=None):
         self.layout.stop_planning(why, budget_bytes)
 
+    def resume_planning(self):
+        self.layout.resume_planning()
+
     def tell(self, what, ptr, n):
         if what == "alloc":
             for hook in self.before_malloc:

@@ -13,6 +13,7 @@ from umrt.drive import Driver
 from umrt.hardware import load_profile
 from umrt.policy.base import PolicyContext
 from umrt.policy.runtime import Runtime, payoff
+from umrt.policy.runtime import policy as policy_module
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import resolve_budget
@@ -143,6 +144,43 @@ def test_a_mild_loss_is_checked_on_a_step_held_back_before_acting_stops():
     assert held < stopped and set(modes[stopped:]) == {"none"} and modes[held - 1] == "act"
     assert rep["held_iterations"] == modes.count("none") == len(modes) - stopped + 1
     assert rep["stopped_acting"] == 1
+
+
+class _FlatteringBaseline(Payoff):
+    """The learning steps' times, reported at ``factor`` of what they took: a baseline that
+    flatters doing nothing (as one taken on what set-up left resident does)."""
+
+    factor = 0.18
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._acted, self._early = False, set()
+
+    def iteration(self, index, phase, role, shape=0):
+        self._acted |= role == ACTING
+        if role == BASELINE and not self._acted:
+            self._early.add(index)
+        super().iteration(index, phase, role, shape)
+
+    def timed(self, index, seconds):
+        return super().timed(index, seconds * (self.factor if index in self._early else 1))
+
+
+def test_acting_that_wins_over_a_held_step_gets_the_pools_plan_back(monkeypatch):
+    """Against a baseline that flatters doing nothing, acting looks like a mild loss: one
+    step is held back, on the pool's best-fit layout, and acting wins. The pool then plans
+    again, and the steps after run as fast as the fastest before the hold (best fit alone
+    gave every step another layout: 25-33 ms against 17.5)."""
+    monkeypatch.setattr(policy_module, "Payoff", _FlatteringBaseline)
+    rt = Runtime()
+    driver, _ = _run(training_trace(layers=8, steps=14), rt)
+    modes = [e["mode"] for e in rt.log]
+    assert modes.count("none") == 1 and set(modes[modes.index("none") + 1:]) == {"act"}
+    assert rt.report()["phases"]["train"]["acting"]
+    assert driver.layout.planning and driver.layout.stopped_planning is None
+    times = driver.iteration_times()
+    held = modes.index("none")
+    assert max(times[-3:]) <= min(t for t, m in zip(times[:held], modes, strict=False) if m == "act")
 
 
 def test_acting_that_pays_goes_on():

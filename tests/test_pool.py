@@ -523,6 +523,35 @@ def test_a_stopped_pool_goes_back_to_its_learning_layout_where_that_fit_the_gpu(
             assert pool.arena_of(-1) in ("short-lived", "long-lived") and pool.footprint() == held
 
 
+def test_a_pool_told_to_plan_again_plans_from_the_step_under_way():
+    """Stopped to time a held step, then told acting won: the step under way runs to its
+    end best-fit, the pool plans from its records (kept whatever served it), and the step
+    after it takes its planned places. A stop before that step ends cancels the resumption."""
+    for stop_again in (False, True):
+        events = model_events(iterations=6)
+        pool = LifetimePool(bump())
+        cut = events.index(IterationBoundary(3)) + 6
+        sizes: dict[int, int] = {}
+        feed(pool, events[:cut], sizes)
+        made = pool.plans_made
+        pool.stop_planning("held")
+        pool.resume_planning()
+        assert not pool.planning and pool.stopped_planning == "held"
+        if stop_again:
+            pool.stop_planning("held again")
+        at4 = events.index(IterationBoundary(4))
+        feed(pool, events[cut:at4 + 1], sizes)  # step 3 ends
+        check_layout(pool, sizes)
+        if stop_again:
+            assert not pool.planning and pool.plans_made == made and pool.stopped_planning == "held"
+            continue
+        assert pool.planning and pool.stopped_planning is None and pool.plans_made == made + 1
+        at5 = events.index(IterationBoundary(5))
+        feed(pool, events[at4 + 1:at5 + 1], sizes)
+        st = pool.last_iteration_stats
+        assert st.hits > 0 and st.misses == 0 and st.conflicts == 0
+        check_layout(pool, sizes)
+
 def test_memory_left_idle_by_a_plan_is_reported():
     """The learning iteration's memory that nothing lives in once the plan serves the step
     holds dead bytes: the pool names it (the runtime discards it), never a live object's."""

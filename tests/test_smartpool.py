@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umrt.memory.smartpool import Lifetime, max_live_bytes, plan
+from umrt.memory.smartpool import Lifetime, max_live_bytes, plan, quietest_point
 
 item = st.builds(
     lambda s, d, z: Lifetime(s, s + d, z),
@@ -94,3 +94,12 @@ def test_bad_alignment_raises():
         plan([Lifetime(0, 1, 1)], alignment=0)
     with pytest.raises(ValueError):
         plan([Lifetime(0, 1, 1)], alignments=[1, 2])
+
+
+def test_the_quietest_point_counts_objects_that_die_in_the_next_iteration():
+    # A lives [1, 4); B from 6 to 2 of the next iteration (12 on a 10-long clock), so it is
+    # alive at 0 and 1 too; C is alive all along and counts nowhere. Bytes alive:
+    # 0 -> 100, 1 -> 110, 2 -> 10, 4 -> 0, 6 -> 100: the quietest point is 4, not 0.
+    spans = [(1, 4, 10), (6, 12, 100), (3, None, 1000)]
+    assert quietest_point(spans, 10) == 4
+    assert quietest_point([(6, 10, 100)], 10) == 0  # (a tie goes to the earliest point)

@@ -237,6 +237,15 @@ class ManagedPool:
                 if isinstance(layout, PlanningLayout):
                     layout.stop_planning(why, budget_bytes)
 
+    def resume_planning(self) -> None:
+        """Every stream's layout that stopped planning for :meth:`stop_planning` plans
+        again from its next training step, and so does each layout made later."""
+        with self._lock:
+            self.stopped_planning = self._stopped_budget = None
+            for layout in self._layouts.values():
+                if isinstance(layout, PlanningLayout):
+                    layout.resume_planning()
+
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
         """Tell the layout holding the live block that starts at ``ptr`` what it holds.
 

@@ -77,6 +77,9 @@ class LivePool(Protocol):
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """The pool's layouts place best-fit from now on (umrt stopped acting)."""
 
+    def resume_planning(self) -> None:
+        """The pool's layouts plan again (acting won over a step held back)."""
+
 
 class ManagedOnly(Backend):
     """The backend as the live policy sees it: ranges outside umrt's managed
@@ -283,6 +286,12 @@ class LiveLayout(Layout):
         acting in training steps); nothing without one."""
         if self.pool is not None:
             self.pool.stop_planning(why, budget_bytes)
+
+    def resume_planning(self) -> None:
+        """The pool behind torch plans again (the runtime held a training step back
+        doing nothing, and acting won); nothing without one."""
+        if self.pool is not None:
+            self.pool.resume_planning()
 
 
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)

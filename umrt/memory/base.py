@@ -83,3 +83,6 @@ class PlanningLayout(Protocol):
         """Serve every allocation best-fit from now on, as a caching allocator does;
         live objects stay where they are (``budget_bytes``: the GPU memory the run has,
         where known: see :meth:`umrt.memory.pool.LifetimePool.stop_planning`)."""
+
+    def resume_planning(self) -> None:
+        """Plan again after :meth:`stop_planning`, from the next training step's objects."""

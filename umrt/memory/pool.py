@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from umrt.backends.base import BLOCK  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
 from umrt.memory.base import Layout
 from umrt.memory.caching import LayoutError
-from umrt.memory.smartpool import Lifetime, plan
+from umrt.memory.smartpool import Lifetime, plan, quietest_point
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
 __all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE", "FIRST_PLAN_BY"]
@@ -71,30 +71,6 @@ def _same_shape(a: dict[PlanKey, int], b: dict[PlanKey, int]) -> bool:
     ta, tb = sum(a.values()), sum(b.values())
     return bool(ta and tb) and (sum(n for k, n in a.items() if k in b) >= SAME_SHAPE * ta
                                 and sum(n for k, n in b.items() if k in a) >= SAME_SHAPE * tb)
-
-
-def _quietest_point(records, ends, length: int) -> int:
-    """The clock point of the cycle where the fewest bytes are alive.
-
-    Planning cuts the (periodic) iteration there, so that few objects cross
-    the cut; an object crossing it must be planned as alive all along.
-    """
-    deltas: dict[int, int] = {0: 0}
-    for r in records:
-        e = ends[id(r)]
-        if e is None:
-            continue  # alive everywhere: the same at every point
-        a, b = r.start % length, r.start % length + (e[0] - r.start)
-        pieces = [(a, min(b, length))] + ([(0, min(b - length, length))] if b > length else [])
-        for lo, hi in pieces:
-            deltas[lo] = deltas.get(lo, 0) + r.size
-            deltas[hi] = deltas.get(hi, 0) - r.size
-    best_t, best, live = 0, None, 0
-    for t in sorted(deltas):
-        live += deltas[t]
-        if t < length and (best is None or live < best):
-            best_t, best = t, live
-    return best_t
 
 
 class _Online:
@@ -290,6 +266,15 @@ class _Record:
     end_next_tick: int | None = None
 
 
+def _is_short(r: _Record, end_tick: int, saw_layers: bool, short_ticks: int) -> bool:
+    """Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
+    within ``short_ticks`` layer events. Big temporaries of the optimizer step or top-level
+    code are not: they join the long-lived groups, whose placement lets them reuse the
+    memory of activations that are dead by then."""
+    if not saw_layers:
+        return r.kind == Kind.TEMPORARY
+    return r.in_layer and end_tick - r.tick <= short_ticks
+
 @dataclass(slots=True)
 class _Region:
     """The planned region: one aligned backend allocation holding the short-lived
@@ -470,6 +455,7 @@ class LifetimePool(Layout):
         self.planning = True
         self.stopped_planning: str | None = None
         self._drain = False  # stopped: the planned regions get nothing new (stop_planning)
+        self._resume = False  # stopped, told to plan again: from the next training step's records
         self._learned_footprint = 0  # the most memory the pool held before its first plan
         self._fits_unplanned = False  # needs_plan said no: nothing planned, nothing handed back
         self._plan_served = 0  # training iterations the current plan served
@@ -780,6 +766,10 @@ class LifetimePool(Layout):
         self.last_iteration_stats = st
         if self.live_feed:
             self._release_empty(st)
+        if self._resume and self._records and self._training and self._recording:
+            self._resume, self.planning, self.stopped_planning = False, True, None
+            self._make_plan(self._recurring_records())  # (a step served best-fit: its own layout)
+            return
         if not self._records or not self._training or not self.planning:
             return
         if self.planned:
@@ -854,7 +844,8 @@ class LifetimePool(Layout):
             (p := prev_records.get(r.key)) is not None and p.end_next is not None and p.end_next >= r.start)]
         ends.update((id(r), None) for r in twins)
         records = records + twins
-        cut = _quietest_point(records, ends, length)
+        cut = quietest_point([(r.start, None if ends[id(r)] is None else ends[id(r)][0], r.size) for r in records],
+                             length)
 
         def lifetime(r: _Record) -> Lifetime:
             e = ends[id(r)]
@@ -874,7 +865,7 @@ class LifetimePool(Layout):
         groups: dict[tuple, list[_Record]] = {}
         for r in records:
             e = ends[id(r)]
-            if e is not None and e[0] <= length and self._is_short(r, e[1], saw_layers):
+            if e is not None and e[0] <= length and _is_short(r, e[1], saw_layers, self.short_ticks):
                 short.append(r)
             else:
                 groups.setdefault(span(r), []).append(r)
@@ -965,6 +956,7 @@ class LifetimePool(Layout):
         first (memory the pool holds, laid out for these steps), then in the ``learning``
         arena. Each planned region keeps its live objects where they are and is handed back
         once nothing lives in it (``why`` goes to :attr:`stopped_planning` and the log)."""
+        self._resume = False
         if not self.planning:
             return
         self.planning = False
@@ -978,6 +970,14 @@ class LifetimePool(Layout):
             else:
                 region.retired = True
         log.info("umrt: the pool stopped planning: %s; it serves every allocation best-fit", why)
+
+    def resume_planning(self) -> None:
+        """Plan again after :meth:`stop_planning`: from the records of the next training
+        step that runs to its end, served best-fit as the steps since the stop were (the
+        runtime stopped the plan to time a step doing nothing, and acting won). Live
+        objects stay where they are; the regions the stop retired drain as before."""
+        if not self.planning:
+            self._resume = True
 
     def _recurring_records(self) -> list[_Record]:
         """This iteration's records without those hinted persistent, whose keys
@@ -1010,15 +1010,6 @@ class LifetimePool(Layout):
         if clean and self._clean_before and self.planning:  # (a caching allocator's cache stays)
             online["overflow"].release_empty()
         self._clean_before = clean
-
-    def _is_short(self, r: _Record, end_tick: int, saw_layers: bool) -> bool:
-        # Sentinel's short-lived tensors are a layer's temporaries: born inside a module, dead
-        # within ``short_ticks`` layer events. Big temporaries of the optimizer step or top-level
-        # code are not: they join the long-lived groups, whose placement lets them reuse the
-        # memory of activations that are dead by then.
-        if not saw_layers:
-            return r.kind == Kind.TEMPORARY
-        return r.in_layer and end_tick - r.tick <= self.short_ticks
 
     def _new_region(self, nbytes: int) -> _Region:
         nbytes = _up(max(nbytes, 1), self.block)

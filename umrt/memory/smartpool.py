@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Lifetime", "Placement", "plan", "max_live_bytes"]
+__all__ = ["Lifetime", "Placement", "plan", "max_live_bytes", "quietest_point"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +128,28 @@ def max_live_bytes(items: Sequence[Lifetime | tuple[int, int, int]]) -> int:
         live += deltas[t]
         peak = max(peak, live)
     return peak
+
+
+def quietest_point(spans: Sequence[tuple[int, int | None, int]], length: int) -> int:
+    """The point of a periodic iteration ``length`` long where the fewest bytes are alive.
+
+    ``spans``: ``(start, end, nbytes)`` per object on the iteration's clock, ``end``
+    past ``length`` for one that dies in the next iteration, None for one alive all
+    along (the same at every point). A plan cuts the cycle there, so that few objects
+    cross the cut: one that crosses it must be planned as alive all along.
+    """
+    deltas: dict[int, int] = {0: 0}
+    for start, end, nbytes in spans:
+        if end is None:
+            continue
+        a, b = start % length, start % length + (end - start)
+        pieces = [(a, min(b, length))] + ([(0, min(b - length, length))] if b > length else [])
+        for lo, hi in pieces:
+            deltas[lo] = deltas.get(lo, 0) + nbytes
+            deltas[hi] = deltas.get(hi, 0) - nbytes
+    best_t, best, live = 0, None, 0
+    for t in sorted(deltas):
+        live += deltas[t]
+        if t < length and (best is None or live < best):
+            best_t, best = t, live
+    return best_t

@@ -25,7 +25,7 @@ whose baseline is that old, short of a clear loss, the verdict waits for one
 iteration of the phase held back (:meth:`Payoff.wants_baseline`): doing
 nothing now, on the layout doing nothing falls back to (the runtime's pool
 stops planning for it). That sample replaces the phase's baseline and
-decides; where acting wins, it goes on, on that layout.
+decides; where acting wins, it goes on, and the pool plans again.
 """
 from __future__ import annotations
 
@@ -130,6 +130,11 @@ class Payoff:
         baseline for a verdict that waits on it; the caller that holds one back
         says so with :meth:`holding`."""
         return self._recheck.get(phase, False)
+
+    def checking(self, phase: str) -> bool:
+        """Whether a verdict on ``phase`` waits on an iteration held back (wanted, or
+        held and not timed yet)."""
+        return phase in self._recheck
 
     def holding(self, phase: str) -> None:
         """An iteration of ``phase`` is held back for :meth:`wants_baseline`."""

@@ -236,6 +236,7 @@ class Runtime(Policy):
         # The last full iteration's addresses of each shape (a training step's survive an evaluation).
         self._references: OrderedDict[tuple[int, bool], list[int]] = OrderedDict()
         self._moved = False  # this iteration issued a move of a plan's (what the payoff check counts)
+        self._pool_held = False  # the pool stopped planning for a held training step, not timed yet
         self._held_shape = 0  # the shape of an iteration held back for a fresh baseline (Payoff.wants_baseline)
         self._deviations_before = 0  # deviations when this iteration started
         self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
@@ -563,6 +564,10 @@ class Runtime(Policy):
         if phase is not None:
             self.counters["stopped_acting"] += 1
             log.info("umrt: stopped acting in %s iterations: %s", phase, self._payoff.stopped[phase])
+        if self._pool_held and not self._payoff.checking("train"):  # the held step decided
+            self._pool_held = False
+            if self._payoff.allows("train"):  # acting won: its steps get the pool's planned layout back
+                self.layout.resume_planning()
 
     def report(self) -> dict:
         """Counters: iterations learned / acted, deviations, moves, table sizes."""
@@ -789,6 +794,7 @@ class Runtime(Policy):
                     if phase == "train" and isinstance(self.layout, PlanningLayout):
                         self.layout.stop_planning("umrt held a training step back to time doing nothing",
                                                  self.ctx.budget_bytes)
+                        self._pool_held = True
                     return
         self._predicted = plan.signature if plan is not None else None
         self._dry = plan is not None and self._guard.unsure(phase)
