@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, help="a subset of the precisions")
     parser.add_argument("--budgets", nargs="+", metavar="N%", type=_budget_arg,
                         help="budgets as %% of the trace's peak live bytes (default: checkpointing's own peak "
-                             f"for each model, and {TIGHT})")
+                             f"for each model, and {TIGHT.replace('%', '%%')})")
     args = parser.parse_args(argv)
     models = [m for m in MODELS if not args.models or m[0] in args.models]
     cells = rows(models, tuple(args.dtype or DTYPES), budgets=tuple(args.budgets) if args.budgets else None)

@@ -19,6 +19,7 @@ pinned; prints JSON (also to ``$OUT/copy_wait.json`` where ``OUT`` is set).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -54,7 +55,9 @@ def report(res: dict, name: str) -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.copy_wait", description=__doc__.split("\n\n")[0],
+                            epilog="Needs a GPU; takes no options.").parse_args(argv)
     try:
         import cupy as cp
         from cuda.bindings import runtime as rt

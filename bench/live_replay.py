@@ -384,7 +384,7 @@ def replay(run: str | Path, budget_bytes: int, iterations: int = 24, *, profile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.live_replay", description=__doc__.splitlines()[0])
     p.add_argument("--run", default="40GiB", help=f"a live log: {', '.join(RUNS)} or a path (default 40GiB)")
     p.add_argument("--gpu-memory", dest="budget", default="40GiB", metavar="SIZE",
                    help="GPU memory the runtime plans for, a size (default 40GiB)")

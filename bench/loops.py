@@ -214,7 +214,7 @@ def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.loops", description=__doc__.splitlines()[0])
     parser.add_argument("--loops", default=",".join(loop.name for loop in LOOPS),
                         help="comma-separated loop names (default: all)")
     parser.add_argument("--size", choices=("ci", "bench"), default="bench")

@@ -11,6 +11,7 @@ kernel writing 1 GiB of managed memory (GB/s): ``resident`` (on the GPU), ``disc
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -19,7 +20,9 @@ from bench.copy_wait import report, run_rows
 N = 1 << 30
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bench.remote_write", description=__doc__.split("\n\n")[0],
+                            epilog="Needs a GPU; takes no options.").parse_args(argv)
     try:
         import cupy as cp
 

@@ -303,7 +303,7 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.steady", description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=30, help="steady iterations timed (default 30)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)

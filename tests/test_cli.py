@@ -211,3 +211,19 @@ def test_one_default_in_code_help_readme_and_doctor():
     row = next(line for line in readme.splitlines() if line.startswith("| `UMRT_GPU_MEMORY` |"))
     assert row.endswith(f"| live: unset, a fair share (`{LIVE_DEFAULT}` when alone); `{SIMULATED_DEFAULT}` in "
                         "shadow mode |")
+
+
+BENCH_MODULES = ["bench", "bench.alternatives", "bench.architecture", "bench.copy_wait", "bench.fidelity",
+                 "bench.gpu", "bench.live_replay", "bench.loops", "bench.overhead", "bench.remote_write",
+                 "bench.steady"]
+
+
+@pytest.mark.parametrize("module", BENCH_MODULES)
+def test_every_bench_commands_help_renders(module, capsys):
+    """``python -m bench.X --help`` (a budget's % in a help string once crashed it)."""
+    import importlib
+    mod = importlib.import_module(module if module != "bench" else "bench.cli")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m " + module)
