@@ -56,8 +56,7 @@ def report(res: dict, name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m bench.copy_wait", description=__doc__.split("\n\n")[0],
-                            epilog="Needs a GPU; takes no options.").parse_args(argv)
+    argparse.ArgumentParser(prog="python -m bench.copy_wait", description=__doc__).parse_args(argv)  # (--help)
     try:
         import cupy as cp
         from cuda.bindings import runtime as rt

@@ -227,22 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-targets", action="store_true", help="exit 1 if a target is missed")
     args = parser.parse_args(argv)
     wanted = args.loops.split(",")
-    unknown = set(wanted) - {loop.name for loop in LOOPS}
-    if unknown:
+    if unknown := set(wanted) - {loop.name for loop in LOOPS}:
         parser.error(f"unknown loop(s): {', '.join(sorted(unknown))}")
     warm_up()
     results = {}
-    for loop in LOOPS:
-        if loop.name not in wanted:
-            continue
+    for loop in (lp for lp in LOOPS if lp.name in wanted):
         print(f"{loop.name}: recording {loop.script} {' '.join(loop.ci if args.size == 'ci' else loop.bench)}",
               file=sys.stderr)
         recording = record(loop, args.size)
         print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
               file=sys.stderr)
-        results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
-        print(f"{loop.name}: simulated at {results[loop.name]['budget_bytes'] / 2**20:.1f} MiB "
-              f"({args.gpu_memory})", file=sys.stderr)
+        res = results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
+        print(f"{loop.name}: simulated at {res['budget_bytes'] / 2**20:.1f} MiB ({args.gpu_memory})", file=sys.stderr)
     print(render(results, args.size, args.profile, args.gpu_memory, args.layout))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():

@@ -21,8 +21,7 @@ N = 1 << 30
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m bench.remote_write", description=__doc__.split("\n\n")[0],
-                            epilog="Needs a GPU; takes no options.").parse_args(argv)
+    argparse.ArgumentParser(prog="python -m bench.remote_write", description=__doc__).parse_args(argv)  # (--help)
     try:
         import cupy as cp
 
