@@ -758,3 +758,30 @@ def test_an_iterations_first_factory_op_is_no_parameter_because_the_models_first
     assert all(e.kind is not Kind.PARAMETER for e in seeds), seeds
     params = {e.obj for e in tr.events if isinstance(e, Alloc) and e.kind is Kind.PARAMETER}
     assert len(params) == 4  # the model's two weights and two biases, nothing else
+
+
+def test_a_data_loaders_host_side_work_stays_off_the_trace():
+    """On a GPU a DataLoader's seed (8 bytes, each time an iterator is made) and its
+    sampler's permutation stay in host memory; traced on the CPU they would be ops on the
+    traced device at every epoch's start. Its batch is born written by the collating op,
+    as a GPU run's is by its copy to the device. After the recorder closes, DataLoader is
+    as torch made it."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import dataloader as dl
+
+    originals = (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index)
+    loader = DataLoader(TensorDataset(torch.randn(30, 16)), batch_size=5, shuffle=True)
+    rec = Recorder(steer=False)
+    with rec:
+        model, opt = _mlp("cpu")
+        for _ in range(2):  # two epochs: two iterators, two seeds
+            for (x,) in loader:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    assert (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index) == originals
+    tr = rec.trace()
+    assert not [e for e in tr.events if isinstance(e, Alloc) and e.nbytes in (8, 30 * 8)]  # seed, permutation
+    assert not [e for e in tr.events if isinstance(e, Launch) and e.op.startswith(("aten::random", "aten::randperm"))]
+    stacks = [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]
+    assert len(stacks) == 12  # a batch each, born written

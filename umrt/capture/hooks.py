@@ -1,13 +1,16 @@
 """Plumbing for torch's module, backward and optimizer hooks: dotted module paths,
-global hook registration, backward pre-hooks claimed once per output, and the guard
-that hands a hook's own failure to its capture (the recorder's hooks,
-:class:`~umrt.capture.recorder.RecorderHooks`, are built on them).
+global hook registration, backward pre-hooks claimed once per output, a data loader's
+host-side work kept off the trace, and the guard that hands a hook's own failure to
+its capture (the recorder's hooks, :class:`~umrt.capture.recorder.RecorderHooks`, are
+built on them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -64,6 +67,56 @@ def install_hooks(forward_pre: Callable, forward_post: Callable, step_pre: Calla
         register_optimizer_step_pre_hook(step_pre),
         register_optimizer_step_post_hook(step_post),
     ]
+
+
+_loader_pauses: list[Callable[[], AbstractContextManager]] = []  # one per recorder that keeps loaders off
+_loader_originals: dict[tuple[type, str], Callable] = {}
+
+
+def _under_pauses(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for paused in list(_loader_pauses):
+                stack.enter_context(paused())
+            return fn(*args, **kwargs)
+    return call
+
+
+class _LoaderPause:
+    """The handle :func:`pause_data_loaders` returns."""
+
+    def __init__(self, paused: Callable[[], AbstractContextManager]) -> None:
+        self._paused: Callable[[], AbstractContextManager] | None = paused
+
+    def remove(self) -> None:
+        if self._paused is None:
+            return
+        _loader_pauses.remove(self._paused)
+        self._paused = None
+        if not _loader_pauses:
+            for (cls, name), fn in _loader_originals.items():
+                setattr(cls, name, fn)
+            _loader_originals.clear()
+
+
+def pause_data_loaders(paused: Callable[[], AbstractContextManager]) -> _LoaderPause:
+    """Run a ``torch.utils.data.DataLoader``'s iterator creation and its sampler under
+    ``paused()`` until the returned handle's ``remove()``.
+
+    Traced on the CPU (shadow mode), everything is on the traced device; on a GPU the
+    loader's seed (an 8-byte tensor each time an iterator is made, at every epoch) and
+    its sampler's permutation (at an epoch's first batch) stay in host memory, so they
+    are kept off. Collating a batch stays on: its output is born written by an op,
+    where a GPU run's batch is born written by its copy to the device."""
+    from torch.utils.data import dataloader
+
+    if not _loader_originals:
+        for cls, name in ((dataloader.DataLoader, "__iter__"), (dataloader._BaseDataLoaderIter, "_next_index")):
+            _loader_originals[(cls, name)] = fn = cls.__dict__[name]
+            setattr(cls, name, _under_pauses(fn))
+    _loader_pauses.append(paused)
+    return _LoaderPause(paused)
 
 
 class ModulePaths:

@@ -53,7 +53,7 @@ import torch
 from umrt import __version__
 from umrt.capture import steer as steer_mod
 from umrt.capture.detect import insert_boundaries
-from umrt.capture.hooks import ModulePaths, claim_backward, guarded, install_hooks
+from umrt.capture.hooks import ModulePaths, claim_backward, guarded, install_hooks, pause_data_loaders
 from umrt.capture.identity import StorageObjects, TracedObject
 from umrt.capture.modestack import ModeSwitch, OpsMode
 from umrt.capture.ops import OpInfo, OpTable, extent, launch_flops, precision_of, tensors_in, tf32_switches
@@ -649,6 +649,7 @@ class RecorderHooks:
     def install(self) -> None:
         """Register the hooks; module paths are relative to the recorder's model."""
         self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post)
+        self._handles.append(pause_data_loaders(self.rec.paused))
         self.paths = ModulePaths(self.rec.model)
 
     def remove(self) -> None:
