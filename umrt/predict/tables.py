@@ -291,6 +291,10 @@ class VariantTable:
         self._recent.append(signature)
         self._before, self.last = self.last, signature
 
+    def seen(self, signature: int) -> int:
+        """Iterations of shape ``signature`` observed (0: none, or forgotten)."""
+        return self._seen[signature]
+
     def forget_last(self) -> None:
         """An iteration of unknown shape ran: predict as after the start of a run."""
         self._before = self.last = None

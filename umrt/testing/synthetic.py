@@ -65,6 +65,7 @@ def training_trace(
     eval_every: int = 0,
     eval_batches: int = 0,
     flops_per_mb: int = 2 * 10**9,
+    hold_batch: bool = False,
 ) -> Trace:
     """A trace of ``steps`` training iterations (see the module docstring).
 
@@ -73,7 +74,9 @@ def training_trace(
     step; with ``eval_every=k`` a forward-only eval pass runs before every
     k-th step, inside that step's iteration, or, with ``eval_batches=n``, as
     ``n`` iterations of the ``"eval"`` phase of their own (one forward each),
-    as the recorder records an evaluation.
+    as the recorder records an evaluation. With ``hold_batch`` a step's input lives on
+    until the next step's has arrived, as in a loop that rebinds ``batch``: a step frees
+    the one before it's input first (of that step's length).
     """
     b = _Builder()
     P, A = param_mb * MIB, act_mb * MIB
@@ -83,6 +86,7 @@ def training_trace(
     grads: list[int] = []
     seqs = list(seqs) if seqs else [128] * steps
     index = 0
+    held = None  # hold_batch: the last step's input
     for step in range(steps):
         s = seqs[step % len(seqs)]
         a = A * s // 128
@@ -102,8 +106,9 @@ def training_trace(
         if evaluates and not eval_batches:
             _forward(b, params, a, s, flops_per_mb, P, train=False)
         for _ in range(accum):
-            x, acts = _forward(b, params, a, s, flops_per_mb, P, train=True)
-            new = _backward(b, params, acts, x, a, s, flops_per_mb, grads, P)
+            x, acts = _forward(b, params, a, s, flops_per_mb, P, train=True, release=held)
+            new = _backward(b, params, acts, x, a, s, flops_per_mb, grads, P, keep_input=hold_batch)
+            held = x if hold_batch else None
             if not grads:
                 grads = new
         for i in range(layers):
@@ -116,9 +121,11 @@ def training_trace(
     return Trace(header, b.events)
 
 
-def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
+def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool, release: int | None = None):
     x = b.alloc(a, Kind.INPUT)
     b.launch("aten::copy_.default", "", (s,), [], [(x, a)], 0)
+    if release is not None:
+        b.free(release)
     acts = []
     prev = x
     for i, p in enumerate(params):
@@ -142,7 +149,7 @@ def _forward(b: _Builder, params, a, s, fpm, P, *, train: bool):
     return x, acts
 
 
-def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P):
+def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P, *, keep_input: bool = False):
     new = []
     for i in reversed(range(len(params))):
         mod = f"layers.{i}"
@@ -154,6 +161,7 @@ def _backward(b: _Builder, params, acts, x, a, s, fpm, grads, P):
         b.free(acts[i])
         b.events.append(LayerExit(mod, "backward"))
         new.append(g)
-    b.free(x)
+    if not keep_input:
+        b.free(x)
     new.reverse()
     return new

@@ -812,8 +812,18 @@ class Runtime(Policy):
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
         # one, and records this iteration's events until that clock has held.
-        self.acting_launch_free = launch_free = bool(self.options.launch_free and trusted
-                                                              and plan.launch_free_end is not None)
+        # Its clock hashes the sizes the iteration frees, its first frees of the iteration before
+        # it: an unconfirmed clock is tried (and re-based on a mismatch) only after an iteration of
+        # its own shape or of one as usual (half as many seen, or more). After a rare one (a short
+        # last batch) it would re-base on the step that frees that batch's tensors, then again on
+        # the step after it, acting on neither.
+        before = self.phases.last.get(phase)
+        usual = before is None or before == plan.signature if plan is not None else False
+        if plan is not None and not usual:
+            usual = 2 * self.variants.seen(before) >= self.variants.seen(plan.signature)
+        self.acting_launch_free = launch_free = bool(
+            self.options.launch_free and trusted and plan.launch_free_end is not None
+            and (plan.signature in self._clock.confirmed or usual))
         if launch_free:
             plan = plan.launch_free_variant or plan
             if plan.signature not in self._clock.confirmed:
