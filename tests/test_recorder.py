@@ -785,3 +785,17 @@ def test_a_data_loaders_host_side_work_stays_off_the_trace():
     assert not [e for e in tr.events if isinstance(e, Launch) and e.op.startswith(("aten::random", "aten::randperm"))]
     stacks = [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]
     assert len(stacks) == 12  # a batch each, born written
+
+
+def test_a_data_loader_laid_out_otherwise_is_recorded_as_before(monkeypatch):
+    """A torch whose loader has no ``_next_index``: the recorder installs what it finds and runs."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import dataloader as dl
+
+    monkeypatch.delattr(dl._BaseDataLoaderIter, "_next_index")
+    monkeypatch.setattr(dl._SingleProcessDataLoaderIter, "_next_data",
+                        lambda self: self._dataset_fetcher.fetch(next(self._sampler_iter)))
+    rec = Recorder(steer=False)
+    with rec:
+        batches = list(DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=3))
+    assert len(batches) == 2 and "_next_index" not in dl._BaseDataLoaderIter.__dict__

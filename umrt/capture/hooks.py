@@ -113,8 +113,10 @@ def pause_data_loaders(paused: Callable[[], AbstractContextManager]) -> _LoaderP
 
     if not _loader_originals:
         for cls, name in ((dataloader.DataLoader, "__iter__"), (dataloader._BaseDataLoaderIter, "_next_index")):
-            _loader_originals[(cls, name)] = fn = cls.__dict__[name]
-            setattr(cls, name, _under_pauses(fn))
+            fn = cls.__dict__.get(name)
+            if fn is not None:  # (a torch whose loader is laid out otherwise: recorded as before)
+                _loader_originals[(cls, name)] = fn
+                setattr(cls, name, _under_pauses(fn))
     _loader_pauses.append(paused)
     return _LoaderPause(paused)
 
