@@ -566,7 +566,8 @@ class Runtime(Policy):
             log.info("umrt: stopped acting in %s iterations: %s", phase, self._payoff.stopped[phase])
         if self._pool_held and not self._payoff.checking("train"):  # the held step decided
             self._pool_held = False
-            if self._payoff.allows("train"):  # acting won: its steps get the pool's planned layout back
+            # acting won: its steps get the pool's planned layout back
+            if self._payoff.allows("train") and isinstance(self.layout, PlanningLayout):
                 self.layout.resume_planning()
 
     def report(self) -> dict:
