@@ -109,17 +109,16 @@ def test_a_short_step_does_not_rebase_the_clock_of_the_steps_after_it():
     """A loop that holds each step's batch until the next one arrives frees it first thing
     in the next step, at the last step's length. First tried on the step after a short one,
     the launch-free clock re-based on it, then again on the step after (both acting on
-    nothing). It is tried only after a step of its plan's shape or of one as usual; after a
-    short step the plan follows launches (that step deviates), and the next ones run
-    without them."""
+    nothing); once confirmed, that step deviated. The clock is followed only after a step of
+    its plan's shape or of one as usual; after a short step the plan follows launches,
+    checked without freed sizes, and every step after learning acts."""
     tr = training_trace(layers=8, steps=24, seqs=[128] * 4 + [64], hold_batch=True)
     rt = Runtime()
     drive(tr, rt, budget="30%")
     modes = [entry["mode"] for entry in rt.log]
     rep = rt.report()
-    assert "rebase" not in modes and rep["light_rebases"] == 0, modes
-    assert rep["light_iterations"] >= 4 and modes[-3:] == ["act"] * 3
-
+    assert rep["light_rebases"] == 0 and set(modes[5:]) == {"act"}, modes
+    assert rep["light_iterations"] >= 8 and rep["deviations"] <= 1
 
 def test_relearns_after_a_changed_batch_size():
     first = training_trace(layers=6, steps=4, seqs=[128])

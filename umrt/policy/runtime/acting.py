@@ -35,6 +35,8 @@ class Acting(Protocol):
     n_launches: int
     n_events: int
     events_hash: int
+    shape_hash: int  # events_hash without freed sizes (Plan.events_match)
+    after_rare: bool  # the iteration follows a rare shape of its phase (its first frees are that one's)
     event_tokens: list[int] | None
     token_objects: list[int]
     # Acting without launches: counting them for a stretch, the next event something is due at.

@@ -127,7 +127,8 @@ class Guard:
                 continue
             a = plan.actions[idx]
             if (ev.exec_id == a.exec_id and n_alloc == a.n_alloc and n_frees == a.n_free
-                    and plan.events_match(a, acting.n_events, acting.events_hash)):
+                    and plan.events_match(a, acting.n_events, acting.shape_hash if acting.after_rare
+                                          else acting.events_hash, not acting.after_rare)):
                 self.adopt(plan, idx)
                 return a
         return None

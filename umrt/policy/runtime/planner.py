@@ -153,6 +153,7 @@ class Plan:
     keymap: tuple[int, ...] | None = None
     _launch_free_index: dict[int, int] | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
+    _shape_hashes: list[int] | None = field(default=None, repr=False, compare=False)
     _alloc_sizes: list[int] | None = field(default=None, repr=False, compare=False)
     _ordinal_of: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
@@ -187,16 +188,25 @@ class Plan:
             h = self._hashes = _running_hashes(self.tokens)
         return h[event] if 0 <= event < len(h) else None
 
-    def events_match(self, a: Action, n_events: int, events_hash: int) -> bool:
+    def events_match(self, a: Action, n_events: int, events_hash: int, freed_sizes: bool = True) -> bool:
         """Whether an iteration that has seen ``n_events`` launch-free events, with running hash
         ``events_hash``, is where this shape is at its decision ``a``: yes unless it has seen as
         many events as the shape has there and their hash differs (the sizes allocated and
         freed, the modules entered: a short last batch runs the same kernels at other sizes).
-        Fewer or more events: a live driver may deliver the launch late; the counts decide."""
+        Without ``freed_sizes`` the hash counts a free without its size (the runtime's
+        ``shape_hash``: the step after a short one frees that one's batch first). Fewer or more
+        events: a live driver may deliver the launch late; the counts decide."""
         e = a.launch_free_at if a.launch_free_at >= 0 else a.launch_free_from
         if n_events != e + 1:
             return True
-        expected = self.hash_after(e) if e >= 0 else 0
+        if freed_sizes:
+            expected = self.hash_after(e) if e >= 0 else 0
+            return expected is None or expected == events_hash
+        h = self._shape_hashes
+        if h is None:
+            free = launch_free_token(1, FREE_TOKEN)  # (a free of any size: as the runtime mixes it)
+            h = self._shape_hashes = _running_hashes([free if tok & 3 == FREE_TOKEN else tok for tok in self.tokens])
+        expected = h[e] if 0 <= e < len(h) else (0 if e < 0 else None)
         return expected is None or expected == events_hash
 
     def index_after_launch_free(self, event: int) -> int:
@@ -309,7 +319,7 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
         resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
     return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
                    tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
-                   _hashes=hashes, _alloc_sizes=None, _ordinal_of=None)
+                   _hashes=hashes, _shape_hashes=None, _alloc_sizes=None, _ordinal_of=None)
 
 
 def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:

@@ -201,6 +201,8 @@ class Runtime(Policy):
         self._n_frees = 0
         self.n_events = 0  # the launch-free clock: non-launch events this iteration
         self.events_hash = 0  # their running hash (sizes, freed sizes, module names)
+        self.shape_hash = 0  # the same without freed sizes (Plan.events_match)
+        self.after_rare = False  # the iteration follows a rare shape of its phase: freed sizes do not count
         # Acting.
         self.plan: Plan | None = None
         self.actions: list[Action] = []
@@ -424,6 +426,7 @@ class Runtime(Policy):
             n_events = self.n_events  # the launch-free clock
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
+            self.shape_hash = ((self.shape_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
             rec = self.record
             if rec is not None:
                 rec.add_alloc(self.n_launches, key, event)
@@ -486,6 +489,7 @@ class Runtime(Policy):
             n_events = self.n_events
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ ((nb << 1) | 1)) & SIGNATURE_MASK
+            self.shape_hash = ((self.shape_hash * 1000003) ^ 1) & SIGNATURE_MASK  # (FREED, any size)
             rec = self.record
             if rec is not None:
                 if key is not None:
@@ -520,6 +524,7 @@ class Runtime(Policy):
             self.n_events = n_events + 1
             v = hash(event.module) ^ (t is LayerEnter)
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ v) & SIGNATURE_MASK
+            self.shape_hash = ((self.shape_hash * 1000003) ^ v) & SIGNATURE_MASK
             rec = self.record
             if rec is not None:
                 rec.boundaries.append(self.n_launches)
@@ -739,7 +744,7 @@ class Runtime(Policy):
         self.n_launches = 0
         self._n_frees = 0
         self.n_events = 0
-        self.events_hash = 0
+        self.events_hash = self.shape_hash = 0
         self._moved = False
         self._deviations_before = self.counters["deviations"]
         self._left_plan = False
@@ -814,17 +819,19 @@ class Runtime(Policy):
         # variant re-based on an iteration that ran without them, once there is
         # one, and records this iteration's events until that clock has held.
         # Its clock hashes the sizes the iteration frees, its first frees of the iteration before
-        # it: an unconfirmed clock is tried (and re-based on a mismatch) only after an iteration of
-        # its own shape or of one as usual (half as many seen, or more). After a rare one (a short
-        # last batch) it would re-base on the step that frees that batch's tensors, then again on
-        # the step after it, acting on neither.
+        # it: the clock is followed only after an iteration of its own shape or of one as usual
+        # (half as many seen, or more). After a rare one (a short last batch) the step that frees
+        # that batch's tensors first would leave it: unconfirmed, the clock re-based on that step,
+        # then again on the next one, acting on neither; confirmed, the step deviated. It follows
+        # launches instead, checked without freed sizes (Plan.events_match).
         before = self.phases.last.get(phase)
         usual = before is None or before == plan.signature if plan is not None else False
         if plan is not None and not usual:
             usual = 2 * self.variants.seen(before) >= self.variants.seen(plan.signature)
         self.acting_launch_free = launch_free = bool(
             self.options.launch_free and trusted and plan.launch_free_end is not None
-            and (plan.signature in self._clock.confirmed or usual))
+            and usual)
+        self.after_rare = not usual
         if launch_free:
             plan = plan.launch_free_variant or plan
             if plan.signature not in self._clock.confirmed:
@@ -880,9 +887,11 @@ class Runtime(Policy):
         # Acting without launches, the iteration was checked at the event the
         # count started from; a live driver may deliver launches late (its
         # capture resumes at the next hook), so the count can only lag: late.
+        rare = self.after_rare
         if not self.acting_launch_free and (ev.exec_id != a.exec_id or self.keys.ordinal != a.n_alloc
                                              or self._n_frees != a.n_free
-                                             or not self.plan.events_match(a, self.n_events, self.events_hash)):
+                                             or not self.plan.events_match(a, self.n_events, self.shape_hash if rare
+                                                                           else self.events_hash, not rare)):
             a = self._guard.switch(ev, self.keys.ordinal, self._n_frees)
             if a is None:
                 self._guard.deviate()
