@@ -35,7 +35,7 @@ class Acting(Protocol):
     n_launches: int
     n_events: int
     events_hash: int
-    shape_hash: int  # events_hash without freed sizes (Plan.events_match)
+    shape_hash: int  # after a rare shape only: events_hash without freed sizes (Plan.events_match)
     after_rare: bool  # the iteration follows a rare shape of its phase (its first frees are that one's)
     event_tokens: list[int] | None
     token_objects: list[int]

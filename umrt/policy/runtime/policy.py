@@ -201,8 +201,8 @@ class Runtime(Policy):
         self._n_frees = 0
         self.n_events = 0  # the launch-free clock: non-launch events this iteration
         self.events_hash = 0  # their running hash (sizes, freed sizes, module names)
-        self.shape_hash = 0  # the same without freed sizes (Plan.events_match)
         self.after_rare = False  # the iteration follows a rare shape of its phase: freed sizes do not count
+        self.shape_hash = 0  # after a rare shape only: events_hash without freed sizes (Plan.events_match)
         # Acting.
         self.plan: Plan | None = None
         self.actions: list[Action] = []
@@ -426,7 +426,8 @@ class Runtime(Policy):
             n_events = self.n_events  # the launch-free clock
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
-            self.shape_hash = ((self.shape_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
+            if self.after_rare:
+                self.shape_hash = ((self.shape_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
             rec = self.record
             if rec is not None:
                 rec.add_alloc(self.n_launches, key, event)
@@ -489,7 +490,8 @@ class Runtime(Policy):
             n_events = self.n_events
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ ((nb << 1) | 1)) & SIGNATURE_MASK
-            self.shape_hash = ((self.shape_hash * 1000003) ^ 1) & SIGNATURE_MASK  # (FREED, any size)
+            if self.after_rare:
+                self.shape_hash = ((self.shape_hash * 1000003) ^ 1) & SIGNATURE_MASK  # (FREED, any size)
             rec = self.record
             if rec is not None:
                 if key is not None:
@@ -524,7 +526,8 @@ class Runtime(Policy):
             self.n_events = n_events + 1
             v = hash(event.module) ^ (t is LayerEnter)
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ v) & SIGNATURE_MASK
-            self.shape_hash = ((self.shape_hash * 1000003) ^ v) & SIGNATURE_MASK
+            if self.after_rare:
+                self.shape_hash = ((self.shape_hash * 1000003) ^ v) & SIGNATURE_MASK
             rec = self.record
             if rec is not None:
                 rec.boundaries.append(self.n_launches)
@@ -745,6 +748,7 @@ class Runtime(Policy):
         self._n_frees = 0
         self.n_events = 0
         self.events_hash = self.shape_hash = 0
+        self.after_rare = False
         self._moved = False
         self._deviations_before = self.counters["deviations"]
         self._left_plan = False
@@ -825,13 +829,11 @@ class Runtime(Policy):
         # then again on the next one, acting on neither; confirmed, the step deviated. It follows
         # launches instead, checked without freed sizes (Plan.events_match).
         before = self.phases.last.get(phase)
-        usual = before is None or before == plan.signature if plan is not None else False
-        if plan is not None and not usual:
-            usual = 2 * self.variants.seen(before) >= self.variants.seen(plan.signature)
+        usual = plan is not None and (before is None or before == plan.signature
+                                      or 2 * self.variants.seen(before) >= self.variants.seen(plan.signature))
         self.acting_launch_free = launch_free = bool(
-            self.options.launch_free and trusted and plan.launch_free_end is not None
-            and usual)
-        self.after_rare = not usual
+            self.options.launch_free and trusted and plan.launch_free_end is not None and usual)
+        self.after_rare = plan is not None and not usual
         if launch_free:
             plan = plan.launch_free_variant or plan
             if plan.signature not in self._clock.confirmed:
