@@ -28,7 +28,7 @@ from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan, quietest_point
 from umrt.trace.events import Event, IterationBoundary, Kind, Launch, LayerEnter, LayerExit
 
-__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "SAME_SHAPE", "FIRST_PLAN_BY"]
+__all__ = ["LifetimePool", "BLOCK", "ARENAS", "SHORT_PLAN", "MISSED_STEPS", "SAME_SHAPE", "FIRST_PLAN_BY"]
 
 ALIGN = 512  # object alignment inside arenas, as PyTorch's kMinBlockSize
 ARENAS = ("persistent", "short-lived", "long-lived", "learning", "overflow")
@@ -48,6 +48,10 @@ _GPU_FIT_SCAN = 64
 # A plan replaced before it served this many training iterations was short-lived: the
 # program's allocations changed again right after the pool planned for them.
 SHORT_PLAN = 4
+# A plan that missed most of the bytes of this many training iterations in a row, each of a
+# shape unlike the one before, serves steps whose allocations do not repeat (one such step
+# is a short last batch).
+MISSED_STEPS = 2
 # Two iterations have one shape where this share of each one's bytes is under keys the other has.
 SAME_SHAPE = 0.9
 # Live feed: the first plan waits for a training step of the shape of the step before it (the
@@ -375,7 +379,7 @@ class LifetimePool(Layout):
         that served fewer than :data:`SHORT_PLAN` training iterations (the
         program's allocations do not repeat: bucketed sequence lengths,
         batches that change every step), or once the plan missed most of
-        :data:`SHORT_PLAN` training iterations in a row, none of the shape
+        :data:`MISSED_STEPS` training iterations in a row, none of the shape
         of the one before (none to plan again from): the ``learning`` arena then serves
         every allocation best-fit, as a caching allocator does, and each planned
         region is handed back once its objects are dead (``None``: never stop).
@@ -805,7 +809,7 @@ class LifetimePool(Layout):
             # No shape to plan again from: steps whose shapes never repeat (bucketed lengths in a
             # varying order) keep missing a plan that only spreads them over more memory.
             self._missed_steps += 1
-            if self.max_short_plans is not None and self._missed_steps >= SHORT_PLAN:
+            if self.max_short_plans is not None and self._missed_steps >= MISSED_STEPS:
                 self.stop_planning(f"its plan missed most of the bytes of {self._missed_steps} training "
                                    "iterations in a row, each of a shape unlike the one before (the allocations "
                                    "do not repeat)")
