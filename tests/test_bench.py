@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -446,6 +448,26 @@ def test_the_ideal_column_is_the_same_whatever_policies_run(monkeypatch):
     assert ideal_ms(("um",)) == ideal_ms(("ideal", "um")) == "100.0"
 
 
+def test_the_gpu_checks_keep_to_their_deadline_and_name_what_they_skipped(tmp_path):
+    """``bench/gpu_checks.sh`` must fit a lent GPU's command limit: with no time left it runs
+    nothing and says, per check in its order, that it skipped it; a wrong stage is refused."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECKS_SECONDS": "0", "PYTHON": "false"}
+    done = subprocess.run(["bash", "bench/gpu_checks.sh", "all"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    names = [line.split(":")[0] for line in lines]
+    assert names == ["doctor", "um_micro_4", "loop_plain", "loop_umrt", "bench_gpu", "pytest_gpu", "copy_wait",
+                     "remote_write", "bench_gpu_engines"]
+    assert all("skipped" in line for line in lines), lines
+    bad = subprocess.run(["bash", "bench/gpu_checks.sh", "everything"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
 def test_the_gpu_probes_say_in_one_line_that_they_need_a_gpu(capsys):
     """Without a GPU (CI), each probe ``bench/gpu_checks.sh`` runs exits 2 with one line, never a traceback."""
     from conftest import gpu_available
@@ -455,6 +477,6 @@ def test_the_gpu_probes_say_in_one_line_that_they_need_a_gpu(capsys):
     if gpu_available():
         pytest.skip("a GPU is here: the probes would run")
     for probe in (copy_wait, remote_write):
-        assert probe.main() == 2
+        assert probe.main([]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"bench.{probe.__name__.split('.')[-1]} needs ") and err.count("\n") == 1, err
