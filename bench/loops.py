@@ -23,7 +23,8 @@ after an evaluation within 5% of the step before it; every iteration umrt
 learned no slower than plain UM's same iteration. Every figure is simulated.
 
 ``--size ci`` runs the loops small (what ``tests/test_loops.py`` drives);
-``--size bench`` (the default) larger, so that memory pressure is realistic.
+``--size bench`` (the default) larger, so that memory pressure is realistic;
+``--size long`` runs hf-style for 47 steps, its shapes never repeating (the others as bench).
 ``--layout caching`` runs umrt over PyTorch's caching allocator's layout instead
 of its own pool (what a live run has), to weigh what the pool's layout gains or
 loses on each loop.
@@ -61,6 +62,7 @@ class Loop:
     ci: tuple[str, ...]
     bench: tuple[str, ...]
     what: str
+    long: tuple[str, ...] = ()  # (empty: as bench; each size is the field of its name)
 
 
 LOOPS = (
@@ -76,7 +78,9 @@ LOOPS = (
          bench=("--epochs", "3", "--layers", "4", "--hidden", "128", "--train-size", "60", "--eval-size", "12",
                 "--batch-size", "4", "--buckets", "64,128", "--min-delta", "0.5"),
          what="gradient accumulation over 4 micro-batches, length-bucketed batches, linear warm-up, "
-              "short last batch, evaluation each epoch, early stopping"),
+              "short last batch, evaluation each epoch, early stopping",
+         long=("--epochs", "4", "--layers", "4", "--hidden", "128", "--train-size", "120", "--eval-size", "12",
+               "--batch-size", "4", "--buckets", "64,128", "--min-delta", "-100", "--patience", "10")),
     Loop("lightning-style", "train_lightning_style.py",
          ci=("--max-epochs", "2", "--train-size", "200", "--val-size", "64", "--batch-size", "32",
              "--image-size", "16", "--width", "8", "--val-check-interval", "5"),
@@ -98,7 +102,7 @@ class Recording:
 
 def record(loop: Loop, size: str = "bench") -> Recording:
     """The loop run once on the CPU under the recorder shadow mode uses, unsteered."""
-    argv = list(loop.ci if size == "ci" else loop.bench)
+    argv = list(getattr(loop, size) or loop.bench)
     script = str(EXAMPLES / loop.script)
     rec = script_recorder([script, *argv])
     with rec:
@@ -185,8 +189,7 @@ def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
 def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g", gpu_memory: str = "50%",
            layout: str = "pool") -> str:
     """The per-loop table: for each loop and policy, the whole run and each phase's steady time,
-    titled with the GPU and the memory they were simulated at (and umrt's layout, where it is
-    not its pool)."""
+    titled with the GPU and memory they were simulated at (and umrt's layout, if not its pool)."""
     from io import StringIO
 
     from rich.console import Console
@@ -201,10 +204,8 @@ def render(results: dict[str, dict], size: str, profile: str = "h100-pcie5-80g",
         by = {r.policy: r for r in result["runs"]}
         um_total = by["um"].totals["time_s"]
         for r in result["runs"]:
-            cells = []
-            for phase in ("train", "eval"):
-                f = r.by_phase.get(phase)
-                cells.append(f"{f.steady_s * 1e3:,.2f} ms" if f else "-")
+            steady = [r.by_phase.get(phase) for phase in ("train", "eval")]
+            cells = [f"{f.steady_s * 1e3:,.2f} ms" if f else "-" for f in steady]
             counts = ", ".join(f"{f.iterations} {p}" for p, f in r.by_phase.items())
             table.add_row(name, r.policy, f"{r.totals['time_s'] * 1e3:,.2f} ms", f"{r.totals['time_s'] / um_total:.3f}",
                           *cells, counts)
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.loops", description=__doc__.splitlines()[0])
     parser.add_argument("--loops", default=",".join(loop.name for loop in LOOPS),
                         help="comma-separated loop names (default: all)")
-    parser.add_argument("--size", choices=("ci", "bench"), default="bench")
+    parser.add_argument("--size", choices=("ci", "bench", "long"), default="bench")
     parser.add_argument("--profile", default="h100-pcie5-80g")
     parser.add_argument("--gpu-memory", default="50%")
     parser.add_argument("--layout", choices=LAYOUTS, default="pool",
@@ -232,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_up()
     results = {}
     for loop in (lp for lp in LOOPS if lp.name in wanted):
-        print(f"{loop.name}: recording {loop.script} {' '.join(loop.ci if args.size == 'ci' else loop.bench)}",
-              file=sys.stderr)
+        print(f"{loop.name}: recording {loop.script} {' '.join(getattr(loop, args.size) or loop.bench)}", file=sys.stderr)
         recording = record(loop, args.size)
         print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
               file=sys.stderr)
