@@ -463,6 +463,11 @@ def test_the_gpu_checks_keep_to_their_deadline_and_name_what_they_skipped(tmp_pa
     assert names == ["doctor", "um_micro_4", "loop_plain", "loop_umrt", "bench_gpu", "pytest_gpu", "copy_wait",
                      "remote_write", "bench_gpu_engines"]
     assert all("skipped" in line for line in lines), lines
+    failing = subprocess.run(["bash", "bench/gpu_checks.sh"], cwd=root, env={**env, "GPU_CHECKS_SECONDS": "120"},
+                             capture_output=True, text=True, timeout=60)  # (every command fails at once)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert failing.returncode == 0 and "loop_plain: rc=1" in summary, summary
+    assert "loop losses: none from the plain run" in summary  # never "equal" with no losses to compare
     bad = subprocess.run(["bash", "bench/gpu_checks.sh", "everything"], cwd=root, env=env, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
