@@ -102,7 +102,7 @@ class Recording:
 
 def record(loop: Loop, size: str = "bench") -> Recording:
     """The loop run once on the CPU under the recorder shadow mode uses, unsteered."""
-    argv = list(getattr(loop, size) or loop.bench)
+    argv = list(getattr(loop, size, ()) or loop.bench)
     script = str(EXAMPLES / loop.script)
     rec = script_recorder([script, *argv])
     with rec:
