@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ from umrt.trace.events import Event, Trace
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 #: Where umrt's run places the loop's tensors (``--layout``, :func:`drive`).
 LAYOUTS = ("pool", "caching")
+SIZES = ("ci", "bench", "long")  #: ``--size``: each names the :class:`Loop` field of the loop's arguments
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,10 @@ class Loop:
     ci: tuple[str, ...]
     bench: tuple[str, ...]
     what: str
-    long: tuple[str, ...] = ()  # (empty: as bench; each size is the field of its name)
+    long: tuple[str, ...] = ()  # (empty: as bench)
+
+    def args(self, size: str) -> tuple[str, ...]:
+        return (getattr(self, size) if size in SIZES else ()) or self.bench
 
 
 LOOPS = (
@@ -102,14 +107,10 @@ class Recording:
 
 def record(loop: Loop, size: str = "bench") -> Recording:
     """The loop run once on the CPU under the recorder shadow mode uses, unsteered."""
-    argv = list(getattr(loop, size, ()) or loop.bench)
-    script = str(EXAMPLES / loop.script)
+    argv, script = list(loop.args(size)), str(EXAMPLES / loop.script)
     rec = script_recorder([script, *argv])
-    with rec:
-        try:
-            run_script(script, argv, passthrough=(StopRecording,))
-        except StopRecording:
-            pass
+    with rec, suppress(StopRecording):
+        run_script(script, argv, passthrough=(StopRecording,))
     return Recording(rec.trace(), list(rec.events))
 
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.loops", description=__doc__.splitlines()[0])
     parser.add_argument("--loops", default=",".join(loop.name for loop in LOOPS),
                         help="comma-separated loop names (default: all)")
-    parser.add_argument("--size", choices=("ci", "bench", "long"), default="bench")
+    parser.add_argument("--size", choices=SIZES, default="bench")
     parser.add_argument("--profile", default="h100-pcie5-80g")
     parser.add_argument("--gpu-memory", default="50%")
     parser.add_argument("--layout", choices=LAYOUTS, default="pool",
@@ -233,10 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_up()
     results = {}
     for loop in (lp for lp in LOOPS if lp.name in wanted):
-        print(f"{loop.name}: recording {loop.script} {' '.join(getattr(loop, args.size) or loop.bench)}", file=sys.stderr)
+        print(f"{loop.name}: recording {loop.script} {' '.join(loop.args(args.size))}", file=sys.stderr)
         recording = record(loop, args.size)
-        print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations recorded; simulating",
-              file=sys.stderr)
+        print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations; simulating", file=sys.stderr)
         res = results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
         print(f"{loop.name}: simulated at {res['budget_bytes'] / 2**20:.1f} MiB ({args.gpu_memory})", file=sys.stderr)
     print(render(results, args.size, args.profile, args.gpu_memory, args.layout))
