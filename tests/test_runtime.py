@@ -120,6 +120,7 @@ def test_a_short_step_does_not_rebase_the_clock_of_the_steps_after_it():
     assert rep["light_rebases"] == 0 and set(modes[5:]) == {"act"}, modes
     assert rep["light_iterations"] >= 8 and rep["deviations"] <= 1
 
+
 def test_relearns_after_a_changed_batch_size():
     first = training_trace(layers=6, steps=4, seqs=[128])
     second = training_trace(layers=6, steps=4, seqs=[192])

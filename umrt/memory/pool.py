@@ -279,6 +279,7 @@ def _is_short(r: _Record, end_tick: int, saw_layers: bool, short_ticks: int) -> 
         return r.kind == Kind.TEMPORARY
     return r.in_layer and end_tick - r.tick <= short_ticks
 
+
 @dataclass(slots=True)
 class _Region:
     """The planned region: one aligned backend allocation holding the short-lived
