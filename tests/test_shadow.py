@@ -303,14 +303,37 @@ def test_the_memory_savings_table(report):
     assert [(pct, bool(own)) for _, pct, own, _, _ in rows] == [
         ("100", False), ("75", False), ("50", False), ("33", False), ("30", True), ("25", False)]
     um = {pct: float(x) for _, pct, _, x, _ in rows}
-    # Everything fits at 100%: nothing is evicted, and plain UM loses to ideal only the first touches
-    # of its pages (ideal's allocations are device memory, backed when made; this short run's
-    # steady steps include its first).
-    assert 1.0 < um["100"] < min(um[p] for p in um if p != "100")
+    # Everything fits at 100%: once the first steps have touched every page, plain UM runs as ideal
+    # (the steady steps leave out the run's first, where the first touches fault, even in a run
+    # shorter than umrt's warm-up: steady_skip).
+    assert um["100"] == 1.0 < min(um[p] for p in um if p != "100")
     main_um = re.search(r"│ um +│ replay +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
     main_umrt = re.search(r"│ umrt +│ live +│ +[\d.,]+ ms │ +[\d.]+x │ +[\d.]+ ms │ +([\d.]+)x", text).group(1)
     own = next(r for r in rows if r[2])
     assert (own[3], own[4]) == (main_um, main_umrt)
+
+
+def test_a_run_shorter_than_the_warm_up_is_steady_after_the_learning():
+    """The steady figures leave out the live policy's warm-up; a run no longer than that leaves
+    out the iterations it learned in (and always the run's first), and the report says so."""
+    from umrt.phase_report import steady_skip
+
+    assert steady_skip(20, 9, [0, 1]) == (9, "")
+    skip, note = steady_skip(6, 9, [0, 1])
+    assert skip == 2 and "not longer than the live policy's warm-up of 9 iterations" in note
+    assert steady_skip(6, 9, [0, 1, 2, 5])[0] == 3  # its first learning only: 5 came later
+    assert steady_skip(6, 0, [])[0] == 1  # the run's first is set-up's: every first touch
+    skip, note = steady_skip(2, 9, [0, 1])
+    assert skip == 2 and "No iteration came after" in note
+
+
+def test_a_short_run_reports_the_iterations_after_its_learning(report):
+    """The 5-step script: umrt learns from 2 iterations, so the steady figures are those of
+    the 3 after them, not of every iteration (the learning ones included)."""
+    text = " ".join("\n".join(report[2]).split())
+    assert re.search(r"training step \(steady\) │ 3 of 5 │", text), text
+    assert "after the run's first 2 iterations" in text
+    assert "not longer than the live policy's warm-up" in text
 
 
 def test_a_plot_when_asked(script, tmp_path):

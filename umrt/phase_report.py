@@ -7,8 +7,9 @@ replays a recorded run under each policy from its first iteration to its last
 (:func:`replay_run`), takes the live run's own iterations (:func:`live_run`),
 and reduces each to :class:`RunFigures`: the whole run's time and traffic,
 and per phase its *steady* time, the mean over the phase's iterations after
-the first ``skip`` of the run (the runtime's learning and probing; the same
-iterations for every policy). :func:`phase_table` renders them, one row per
+the first ``skip`` of the run (the runtime's learning and probing, or its learning
+alone in a run no longer than that: :func:`steady_skip`; the same iterations for
+every policy). :func:`phase_table` renders them, one row per
 phase and the whole run, one column per policy; :func:`named_iterations`
 names the iterations umrt's runtime learned, recovered in, deviated in or
 held back in (from its log).
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from umrt.trace.events import Trace
 
 __all__ = ["RunFigures", "PhaseFigures", "replay_run", "live_run", "phase_table", "named_iterations",
-           "describe_iterations", "PHASE_LABELS", "PHASE_PLURALS", "TOTALS"]
+           "describe_iterations", "steady_skip", "PHASE_LABELS", "PHASE_PLURALS", "TOTALS"]
 
 #: How a phase is named in reports: one iteration of it, and several.
 PHASE_LABELS = {"train": "training step", "eval": "evaluation batch"}
@@ -84,6 +85,30 @@ class RunFigures:
         return {"policy": self.policy, "how": self.how, "iterations": len(self.times), **self.totals,
                 "iteration_times_s": self.times, "phases": self.phases,
                 "by_phase": {p: vars(f) for p, f in self.by_phase.items()}}
+
+
+def steady_skip(iterations: int, warmup: int, learned: Sequence[int] = ()) -> tuple[int, str]:
+    """How many of a run's first iterations its steady figures leave out, and a note for
+    the report where that is not the live policy's whole warm-up ("" where it is).
+
+    ``iterations``: the run's; ``warmup``: the live policy's warm-up (learning, then probing
+    its plan: ``Policy.warmup_iterations``); ``learned``: the iterations it learned in. The
+    run's first iteration (set-up: every first touch) is always left out. A run no longer
+    than the warm-up leaves out the learning iterations the policy started with instead,
+    so its steady figures are those of iterations that acted, not its learning's."""
+    skip = max(1, warmup)
+    if iterations > skip:
+        return skip, ""
+    done = set(learned)
+    first = 1
+    while first in done:
+        first += 1
+    if iterations > first:
+        return first, (f"The run is not longer than the live policy's warm-up of {skip} iterations: its steady figures "
+                       f"are those after its learning (the first {first}), some of them still probing its plan; a run "
+                       f"of more than {skip} iterations gives steady-state figures.")
+    return first, ("No iteration came after the live policy's learning: the steady figures are every iteration's, "
+                   "learning included.")
 
 
 def phase_figures(times: Sequence[float], phases: Sequence[str], skip: int) -> dict[str, PhaseFigures]:

@@ -60,6 +60,7 @@ from umrt.phase_report import (
     named_iterations,
     phase_table,
     replay_run,
+    steady_skip,
 )
 from umrt.policy import make_policy
 from umrt.policy.base import Policy, PolicyContext
@@ -237,8 +238,11 @@ def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: Hardwa
     kinds = refined_kinds(trace)
     live = drive_live(live_events, policy, prof, budget.bytes, kinds)
     # Every policy over the same iterations: the recorded run, first to last; the steady
-    # figures of each phase leave out the live policy's warm-up (and the run's first).
-    skip = max(1, live.driver.policy.warmup_iterations)
+    # figures of each phase leave out the live policy's warm-up (and the run's first), or
+    # its learning where the run is no longer than that (steady_skip).
+    named = named_iterations(live.driver.policy.log) if isinstance(live.driver.policy, Runtime) else None
+    learned = [i for i, _ in named["learned"]] if named is not None else []
+    skip, steady_note = steady_skip(len(trace.iteration_spans()), live.driver.policy.warmup_iterations, learned)
     runs: list[RunFigures] = []
     for name in ("ideal", "um", "oracle"):
         try:
@@ -250,6 +254,7 @@ def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: Hardwa
         runs.append(mine)
     rep["runs"] = [r.to_json() for r in runs]
     rep["skip"] = skip
+    rep["steady_note"] = steady_note
     ideal = next((r for r in runs if r.policy == "ideal"), None)
     ideal_t = _step_s(ideal) if ideal is not None else 0.0
     ideal_total = ideal.totals["time_s"] if ideal is not None else 0.0
@@ -274,8 +279,8 @@ def _report(trace: Trace, live_events: list[Event], budget: Budget, prof: Hardwa
     rep["iteration_phases"] = mine.phases
     rep["runtime"] = rt
     rep["swap_copy"] = live.driver.backend.swap.swap_copy  # what the simulated swap path copied with
-    if isinstance(live.driver.policy, Runtime):
-        rep["named_iterations"] = named_iterations(live.driver.policy.log)
+    if named is not None:
+        rep["named_iterations"] = named
     if live.error is not None:
         rep["notes"].append(f"the simulated run stopped: {live.error}")
         rep["error"] = str(live.error)
@@ -379,7 +384,7 @@ def plot_savings(rows: list[dict], path: str, title: str) -> None:
 LEGEND = (
     "Each row of the first table: the whole run, simulated, under one policy; every policy runs the same "
     "recorded iterations, first to last. step: its steady training step (the mean of its training steps "
-    "after the first {skip} iterations of the run), and over ideal's.",
+    "after the run's first {skip} iterations), and over ideal's.",
     "  ideal: a GPU with unlimited memory, its allocations device memory (backed when made: nothing is "
     "faulted in or evicted; the floor).",
     "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
@@ -390,8 +395,8 @@ LEGEND = (
     "  H2D / D2H: bytes moved host to GPU / GPU to host over the run; faults: GPU page faults "
     "(64 KiB pages) over the run; evictions: 2 MiB blocks the driver pushed out to make room, over the run.",
     "The second table: per phase of the loop (a training step; one batch of an evaluation), its steady time "
-    "per iteration under each policy: the mean over that phase's iterations after the first {skip} of the "
-    "run (umrt's learning; the same iterations for every policy); and the whole run's total.",
+    "per iteration under each policy: the mean over that phase's iterations after the run's first {skip} "
+    "(the same iterations for every policy); and the whole run's total.",
 )
 
 
@@ -424,6 +429,8 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
         f"  {PEAK_LIVE_DEFINITION}.",
     ]
     lines = [line.format(skip=rep.get("skip", 1)) for line in LEGEND]
+    if rep.get("steady_note"):
+        lines.append(rep["steady_note"])
     live = next((r for r in rep["rows"] if r["how"] == "live"), None)
     rt = rep.get("runtime") or {}
     if "speedup_vs_um" in rep and live is not None:
