@@ -24,7 +24,7 @@ from umrt.trace.events import IterationBoundary, Trace
 PROFILE = "v100-pcie3-32g"
 
 
-def _run(trace: Trace, rt: Runtime, budget: str = "30%", gpu_profile=None) -> tuple[Driver, list[dict]]:
+def _run(trace: Trace, rt: Runtime, budget: str = "37%", gpu_profile=None) -> tuple[Driver, list[dict]]:
     """Every recorded iteration of ``trace`` under ``rt`` on the simulated GPU, as a
     shadow run feeds it (launches only while the runtime wants them); the
     runtime's counters at each boundary. ``gpu_profile``: the simulated GPU's own
@@ -328,15 +328,15 @@ def test_a_phase_that_stops_acting_starts_with_nothing_swapped_out():
     assert staged_at_start[first_held] == 0 and backend.swap.late == 0
 
 
-@pytest.mark.parametrize(("budget", "short"), [("30%", True), ("40%", False), ("100%", False)])
+@pytest.mark.parametrize(("budget", "short"), [("37%", True), ("50%", False), ("100%", False)])
 def test_leaving_an_evaluation_discards_its_dead_pages_only_where_memory_is_short(budget, short, monkeypatch):
     """As training resumes, the pages an evaluation's dead left free are discarded where the
     managed memory umrt's layout holds has outgrown the GPU and they take half of it or more
-    (at 30% of this trace's footprint: 75 of 125 MB; the driver would copy their dead bytes
-    out). Where everything fits (100%), or they leave the step room (40%: 75 of 166 MB), they
+    (at 37% of this trace's footprint: 75 of 124 MB; the driver would copy their dead bytes
+    out). Where everything fits (100%), or they leave the step room (50%: 75 of 168 MB), they
     stay, as plain Unified Memory leaves them, for the step's newborns to reuse in place
     (discarded, each newborn there would need a population first: a call the next kernel waits
-    for; this trace's whole run at 40% 429.5 -> 426.7 ms kept, the GPT example's at 50% 144.7
+    for; this trace's whole run at 166 MB 429.5 -> 426.7 ms kept, the GPT example's at 50% 144.7
     -> 144.2 ms, SIMULATED)."""
     from umrt.policy.runtime.phases import LoopPhases
 

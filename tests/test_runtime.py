@@ -99,7 +99,7 @@ def test_acting_without_launches_follows_alternating_shapes(variation):
     every launch seen."""
     tr = training_trace(layers=6, **variation)
     light, full = Runtime(), Runtime(launch_free=False)
-    a, b = drive(tr, light, budget="40%"), drive(tr, full, budget="40%")
+    a, b = drive(tr, light, budget="50%"), drive(tr, full, budget="50%")
     rep = light.report()
     assert rep["light_iterations"] >= 6 and rep["guard_trips"] == 0 and rep["late_decisions"] == 0
     assert a.iteration_times()[-4:] == pytest.approx(b.iteration_times()[-4:], rel=2e-3)
@@ -851,7 +851,7 @@ def test_newborns_are_populated_at_a_decision_before_their_birth(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(Runtime, "_populate", counted_populate)
             m.setattr(policy_module, "_free_pieces", counted_pieces)
-            res = simulate(training_trace(layers=8, steps=3), Runtime(), PROFILE, "30%", iterations=10)
+            res = simulate(training_trace(layers=8, steps=3), Runtime(), PROFILE, "37%", iterations=10)
         return sum(at_birth), sum(ahead), res.breakdown["transfer_wait_s"], res.iteration_time_s
 
     born, ahead, wait, took = run()

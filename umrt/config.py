@@ -117,7 +117,8 @@ AMOUNT_FORMS = ("a size ('12GiB', '500MB', a byte count) or a percentage: '50%' 
                 "needs, '50%peak' of its peak live bytes, '90%device' of the GPU's memory")
 #: What "the footprint" means, printed beside every figure that uses it (one definition for every report).
 FOOTPRINT_DEFINITION = ("footprint: the GPU memory the run needs with nothing evicted - the most managed memory "
-                        "its allocations take, placed by umrt's pool and by PyTorch's caching allocator over the "
+                        "its allocations take, placed by umrt's pool (as a run with that memory has it: no planned "
+                        "layout, nothing having to move) and by PyTorch's caching allocator over the "
                         "whole recorded run, whichever needs more (2 MB blocks, rounding and fragmentation "
                         "included); at 100% everything fits")
 #: What "peak live" means.

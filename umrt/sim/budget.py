@@ -8,7 +8,8 @@ holds everything and nothing has to be evicted (:data:`FOOTPRINT_DEFINITION`):
     the most managed memory the trace's allocations obtain when every
     Alloc/Free is placed, in order, by the layouts the simulator runs
     policies with — umrt's :class:`~umrt.memory.pool.LifetimePool` (fed the
-    launches, layer events and boundaries, as the runtime feeds it) and the
+    launches, layer events and boundaries, as the runtime feeds it, and laying
+    out no plan, as the runtime has it where nothing has to move) and the
     model of PyTorch's caching allocator
     (:class:`~umrt.memory.caching.CachingAllocatorLayout`, under ``ideal``,
     ``um`` and most peers) — whichever needs more.
@@ -162,6 +163,12 @@ def _layout_peak(events: list[Event], make_layout) -> int:
     return -(-backend.peak // BLOCK) * BLOCK
 
 
+def _fits(held: int) -> bool:
+    """The runtime's answer, at the footprint, to whether its pool must plan: what it
+    holds always fits (see :func:`needs_of_events`)."""
+    return False
+
+
 def needs_of_events(events: Iterable[Event]) -> Needs:
     """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
     # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
@@ -170,9 +177,15 @@ def needs_of_events(events: Iterable[Event]) -> Needs:
     # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
     from umrt.memory.pool import LifetimePool
 
+    # With nothing evicted the runtime lets its pool plan no layout (a plan's region would only
+    # add to what the pool holds: ``needs_plan`` says no while that fits the GPU), so the pool
+    # the footprint is taken with is the one such a run has: its learning layout, best fit.
+    def unplanned(backend: _Segments) -> LifetimePool:
+        return LifetimePool(backend, needs_plan=_fits)
+
     events = list(events)
     return Needs(peak_live_bytes=peak_live_bytes(events),
-                 pool_bytes=_layout_peak(events, LifetimePool),
+                 pool_bytes=_layout_peak(events, unplanned),
                  caching_bytes=_layout_peak(events, CachingAllocatorLayout))
 
 
