@@ -23,7 +23,7 @@ class Needs:
     """What a trace needs in GPU memory, in bytes."""
 
     peak_live_bytes: int  # largest sum of live object sizes
-    pool_bytes: int  # most managed memory umrt's LifetimePool obtains over the trace
+    pool_bytes: int  # most managed memory umrt's LifetimePool obtains over the trace, laying out no plan
     caching_bytes: int  # the same for the caching-allocator model
 
     @property
