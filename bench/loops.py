@@ -1,42 +1,39 @@
 """Real training loops side by side: ``python -m bench.loops``.
 
-The example loops in ``examples/`` are written as people write them: a GPT
-script that evaluates every few iterations and saves a checkpoint, a
-Hugging Face-style fine-tuning loop (gradient accumulation, length-bucketed
-batches, warm-up schedule, a short last batch, early stopping), a
-Lightning-style fit loop (validation every few steps, checkpoints, early
-stopping). Each is run once on the CPU under umrt's recorder, as shadow mode
-runs it (its losses are a plain run's), then:
+The example loops in ``examples/`` are written as people write them: a GPT script that evaluates every
+few iterations and saves a checkpoint, a Hugging Face-style fine-tuning loop (gradient accumulation,
+length-bucketed batches, warm-up schedule, a short last batch, early stopping), a Lightning-style fit
+loop (validation every few steps, checkpoints, early stopping). Each is run once on the CPU under
+umrt's recorder, as shadow mode runs it (its losses are a plain run's), then:
 
-* umrt's runtime drives the simulated GPU closed loop, fed the run's events as
-  they were emitted, as in shadow mode (:func:`umrt.shadow.drive_live`:
-  launches shown only while the runtime wants them), at a share of the run's
-  footprint;
-* ``ideal``, ``um`` (plain Unified Memory) and ``oracle`` replay the same
-  recorded iterations, first to last (:func:`umrt.phase_report.replay_run`).
+* umrt's runtime drives the simulated GPU closed loop, fed the run's events as they were emitted, as
+  in shadow mode (:func:`umrt.shadow.drive_live`: launches shown only while the runtime wants them),
+  at a share of the run's footprint;
+* ``ideal``, ``um`` (plain Unified Memory) and ``oracle`` replay the same recorded iterations, first
+  to last (:func:`umrt.phase_report.replay_run`).
 
-The table gives, per loop and policy, the whole run's simulated time and each
-phase's steady time (:mod:`umrt.phase_report`); ``--check-targets`` holds
-umrt to issue 24's targets (SIMULATED): whole run <= plain UM's; each
-phase's steady time within 1.15x of the oracle's; the first training step
-after an evaluation within 5% of the step before it; every iteration umrt
-learned no slower than plain UM's same iteration. Every figure is simulated.
+The table gives, per loop and policy, the whole run's simulated time and each phase's steady time
+(:mod:`umrt.phase_report`); ``--check-targets`` holds umrt to issue 24's targets (SIMULATED): whole
+run <= plain UM's; each phase's steady time within 1.15x of the oracle's; the first training step
+after an evaluation within 5% of the step before it; every iteration umrt learned no slower than
+plain UM's same iteration. Every figure is simulated.
 
-``--size ci`` runs the loops small (what ``tests/test_loops.py`` drives);
-``--size bench`` (the default) larger, so that memory pressure is realistic;
-``--size long`` runs hf-style for 47 steps, its shapes never repeating (the others as bench).
-``--layout caching`` runs umrt over PyTorch's caching allocator's layout instead
-of its own pool (what a live run has), to weigh what the pool's layout gains or
-loses on each loop.
+``--size ci`` runs the loops small (what ``tests/test_loops.py`` drives); ``--size bench`` (the
+default) larger, so that memory pressure is realistic; ``--size long`` runs hf-style for 47 steps,
+its shapes never repeating (the others as bench). ``--layout caching`` runs umrt over PyTorch's
+caching allocator's layout instead of its own pool (what a live run has), to weigh what the pool's
+layout gains or loses on each loop.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 from umrt.capture import StopRecording
 from umrt.capture.recorder import script_recorder
@@ -106,11 +103,13 @@ class Recording:
 
 
 def record(loop: Loop, size: str = "bench") -> Recording:
-    """The loop run once on the CPU under the recorder shadow mode uses, unsteered."""
+    """The loop run once on the CPU under the recorder shadow mode uses, unsteered; the
+    checkpoints it saves (in folders it makes in the temporary directory) are removed after."""
     argv, script = list(loop.args(size)), str(EXAMPLES / loop.script)
     rec = script_recorder([script, *argv])
-    with rec, suppress(StopRecording):
-        run_script(script, argv, passthrough=(StopRecording,))
+    with tempfile.TemporaryDirectory(prefix="umrt-loop-") as scratch, mock.patch.object(tempfile, "tempdir", scratch):
+        with rec, suppress(StopRecording):
+            run_script(script, argv, passthrough=(StopRecording,))
     return Recording(rec.trace(), list(rec.events))
 
 
