@@ -38,7 +38,7 @@ from unittest import mock
 from umrt.capture import StopRecording
 from umrt.capture.recorder import script_recorder
 from umrt.hardware import HardwareProfile, load_profile
-from umrt.phase_report import PHASE_LABELS, RunFigures, live_run, replay_run
+from umrt.phase_report import PHASE_LABELS, RunFigures, live_run, named_iterations, replay_run, steady_skip
 from umrt.policy import make_policy
 from umrt.scripts import run_script
 from umrt.shadow import LiveRun, drive_live, refined_kinds
@@ -140,7 +140,8 @@ def measure(recording: Recording, profile: str = "h100-pcie5-80g", gpu_memory: s
     prof = load_profile(profile)
     run = drive(recording, prof, gpu_memory, layout=layout)
     policy = run.driver.policy
-    skip = max(1, policy.warmup_iterations)
+    learned = [i for i, _ in named_iterations(policy.log)["learned"]]  # (shadow mode's rule: steady_skip)
+    skip, _ = steady_skip(len(recording.trace.iteration_spans()), policy.warmup_iterations, learned)
     runs = [replay_run(recording.trace, name, prof, run.budget_bytes, skip) for name in ("ideal", "um", "oracle")]
     runs.append(live_run("umrt", run.driver, skip))
     return {"runs": runs, "runtime": policy.report(), "log": list(policy.log), "budget_bytes": run.budget_bytes,

@@ -163,12 +163,6 @@ def _layout_peak(events: list[Event], make_layout) -> int:
     return -(-backend.peak // BLOCK) * BLOCK
 
 
-def _fits(held: int) -> bool:
-    """The runtime's answer, at the footprint, to whether its pool must plan: what it
-    holds always fits (see :func:`needs_of_events`)."""
-    return False
-
-
 def needs_of_events(events: Iterable[Event]) -> Needs:
     """:class:`Needs` of an event list (shadow mode sizes its GPU from the first iteration's)."""
     # optional: the layouts need numpy; `umrt --help` imports this module (BASES)
@@ -181,7 +175,7 @@ def needs_of_events(events: Iterable[Event]) -> Needs:
     # add to what the pool holds: ``needs_plan`` says no while that fits the GPU), so the pool
     # the footprint is taken with is the one such a run has: its learning layout, best fit.
     def unplanned(backend: _Segments) -> LifetimePool:
-        return LifetimePool(backend, needs_plan=_fits)
+        return LifetimePool(backend, needs_plan=lambda held: False)  # what it holds fits: no plan
 
     events = list(events)
     return Needs(peak_live_bytes=peak_live_bytes(events),
