@@ -172,18 +172,18 @@ def check(result: dict) -> list[str]:
 
 
 def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
-    """Each training iteration that follows an evaluation, with its time over the
-    last training iteration before that evaluation, shape for shape: each time over its
-    iteration's compute alone (the same where the two steps are of one shape; a short last
-    batch before the evaluation is not held against the full step after it)."""
-    out = []
-    last_train = None
-    compute = run.compute if len(run.compute) == len(run.times) and all(run.compute) else [1.0] * len(run.times)
+    """Each training iteration that follows an evaluation, with its time over that of the last
+    training iteration of its shape (its compute) before: a short last batch moves less than its
+    share of a full step. With none, over the last training step, each over its compute alone."""
+    out, trains = [], []
+    c = run.compute if len(run.compute) == len(run.times) and all(run.compute) else [1.0] * len(run.times)
     for i, phase in enumerate(run.phases):
         if phase == "train":
-            if i > 0 and run.phases[i - 1] != "train" and last_train is not None:
-                out.append((i, (run.times[i] / compute[i]) / (run.times[last_train] / compute[last_train])))
-            last_train = i
+            if trains and run.phases[i - 1] != "train":
+                j = next((j for j in reversed(trains) if abs(c[j] - c[i]) <= 1e-6 * c[i]), None)
+                out.append((i, run.times[i] / run.times[j] if j is not None else
+                            run.times[i] / c[i] / (run.times[trains[-1]] / c[trains[-1]])))
+            trains.append(i)
     return out
 
 

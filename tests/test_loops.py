@@ -26,18 +26,20 @@ from umrt.shadow import _print, _report
 from umrt.sim.budget import resolve_budget
 
 
-def test_a_step_after_an_evaluation_is_compared_with_the_step_before_it_shape_for_shape():
-    """A short last batch before an evaluation (half the compute) is not held against the
-    full step after it; a step of the same shape is compared time for time."""
-    phases = ["train", "train", "eval", "train", "train", "eval", "train"]
-    times = [10.0, 5.0, 1.0, 11.0, 10.0, 1.0, 10.0]
-    compute = [4.0, 2.0, 0.5, 4.0, 4.0, 0.5, 4.0]
+def test_a_step_after_an_evaluation_is_compared_with_the_last_step_of_its_shape():
+    """A short last batch before an evaluation (half the compute, and it moves less than its
+    share: a fifth of the full step's time) is not held against the full step after it: that
+    one is compared with the last full step; a step of a shape not seen before the evaluation,
+    each over its compute."""
+    phases = ["train", "train", "eval", "train", "train", "eval", "train", "eval", "train"]
+    times = [10.0, 2.0, 1.0, 11.0, 10.0, 1.0, 10.0, 1.0, 6.0]
+    compute = [4.0, 2.0, 0.5, 4.0, 4.0, 0.5, 4.0, 0.5, 3.0]
     marks = [{"time_s": sum(times[:i]), "compute_s": sum(compute[:i]), "h2d_bytes": 0, "d2h_bytes": 0,
               "faults": 0, "evictions": 0} for i in range(len(times) + 1)]
     run = RunFigures.of("umrt", "live", marks, phases, 0)
-    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 1.1), (6, 1.0)]
-    run.compute = []  # (no compute known: time for time)
-    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 2.2), (6, 1.0)]
+    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 1.1), (6, 1.0), (8, 0.8)]
+    run.compute = []  # (no compute known: every step one shape, time for time)
+    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 5.5), (6, 1.0), (8, 0.6)]
 
 
 def test_the_table_names_the_gpu_and_the_memory_it_was_simulated_at():
