@@ -180,12 +180,19 @@ class Plan:
         i = bisect.bisect_left(self.actions, launch, key=lambda a: a.at)
         return i if i < len(self.actions) and self.actions[i].at == launch else None
 
-    def hash_after(self, event: int) -> int | None:
+    def hash_after(self, event: int, freed_sizes: bool = True) -> int | None:
         """The runtime's running hash after this shape's launch-free event ``event``
-        (None past its last event): what an iteration of this shape shows there."""
-        h = self._hashes
-        if h is None:
-            h = self._hashes = _running_hashes(self.tokens)
+        (None past its last event): what an iteration of this shape shows there.
+        Without ``freed_sizes``, a free of any size counts as one (the runtime's ``shape_hash``)."""
+        if freed_sizes:
+            h = self._hashes
+            if h is None:
+                h = self._hashes = _running_hashes(self.tokens)
+        else:
+            h = self._shape_hashes
+            if h is None:
+                free = launch_free_token(1, FREE_TOKEN)  # (a free of any size: as the runtime mixes it)
+                h = self._shape_hashes = _running_hashes([free if tok & 3 == FREE_TOKEN else tok for tok in self.tokens])
         return h[event] if 0 <= event < len(h) else None
 
     def events_match(self, a: Action, n_events: int, events_hash: int, freed_sizes: bool = True) -> bool:
@@ -199,14 +206,7 @@ class Plan:
         e = a.launch_free_at if a.launch_free_at >= 0 else a.launch_free_from
         if n_events != e + 1:
             return True
-        if freed_sizes:
-            expected = self.hash_after(e) if e >= 0 else 0
-            return expected is None or expected == events_hash
-        h = self._shape_hashes
-        if h is None:
-            free = launch_free_token(1, FREE_TOKEN)  # (a free of any size: as the runtime mixes it)
-            h = self._shape_hashes = _running_hashes([free if tok & 3 == FREE_TOKEN else tok for tok in self.tokens])
-        expected = h[e] if 0 <= e < len(h) else (0 if e < 0 else None)
+        expected = self.hash_after(e, freed_sizes) if e >= 0 else 0
         return expected is None or expected == events_hash
 
     def index_after_launch_free(self, event: int) -> int:

@@ -994,9 +994,12 @@ class Runtime(Policy):
     def _check_swapped(self, event: int, events_hash: int) -> None:
         """While something is swapped out, every allocation, free and module boundary must be the
         plan's (the running hash after it the recorded one): a program that leaves the plan may
-        read what only the plan would have brought back, so it all comes back now."""
+        read what only the plan would have brought back, so it all comes back now. After a rare
+        shape (a short last batch), freed sizes do not count, as at a decision (:meth:`_decide`)."""
         plan = self.plan
-        if plan is None or plan.launch_free_end is None or plan.hash_after(event) != events_hash:
+        if self.after_rare:
+            events_hash = self.shape_hash
+        if plan is None or plan.launch_free_end is None or plan.hash_after(event, not self.after_rare) != events_hash:
             self.restore_swapped()
 
 
