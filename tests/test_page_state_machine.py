@@ -648,6 +648,18 @@ def test_the_machine_finds_a_planted_bug(monkeypatch):
         run_state_machine_as_test(PageStateMachine, settings=found)
 
 
+def test_the_machine_finds_live_blocks_discarded_as_training_resumes(monkeypatch):
+    """As training resumes after iterations no training plan acted on, the runtime discards the
+    blocks of its layout no live object touches (``free_blocks``). Taking no live object into
+    account there discards live data: the machine must report the read."""
+    free_blocks = policy_module.free_blocks
+    monkeypatch.setattr(policy_module, "free_blocks", lambda segments, live, off_gpu, block: free_blocks(
+        segments, (), off_gpu, block))
+    found = settings(SETTINGS, max_examples=300, phases=(Phase.generate,))
+    with pytest.raises(PageStateError, match="discarded-read|refault"):
+        run_state_machine_as_test(PageStateMachine, settings=found)
+
+
 @pytest.mark.skip(reason="not reached: the machine's programs never run a launch larger than the budget over "
                          "the link (see the test's docstring)")
 def test_the_machine_finds_data_named_fresh(monkeypatch):

@@ -133,6 +133,18 @@ def test_the_step_after_a_short_one_keeps_what_it_swapped_out_away():
     assert rep["swapped_out_bytes"] > 0 and rep["swap_restores"] == 0
 
 
+def test_free_blocks_are_whole_blocks_no_live_object_touches_inside_one_segment():
+    from umrt.backends.ranges import RangeSet
+    from umrt.policy.runtime.ranges import Where, free_blocks
+
+    mib = 1 << 20
+    segments = {0: 8 * mib, 8 * mib: 4 * mib}  # two segments, side by side
+    live = [Where(100, 10), Where(4 * mib - 1, 2)]  # in block 0, and in blocks 1 and 2 (across their edge)
+    off_gpu = RangeSet()
+    off_gpu.add(10 * mib, mib)  # half of the second segment's last block is off the GPU already
+    assert free_blocks(segments, live, off_gpu, 2 * mib) == [(6 * mib, 2 * mib), (8 * mib, 2 * mib), (11 * mib, mib)]
+
+
 def test_relearns_after_a_changed_batch_size():
     first = training_trace(layers=6, steps=4, seqs=[128])
     second = training_trace(layers=6, steps=4, seqs=[192])

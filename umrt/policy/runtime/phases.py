@@ -4,16 +4,12 @@ learned, planned and predicted apart (``IterationBoundary.phase``).
 :class:`LoopPhases` keeps, per phase, the shape its last iteration had and the
 one its last run opened with (what the runtime predicts when a run of the
 phase starts, or when the variant table has lost track), switches the running
-phase (leaving an evaluation, it hands over the pages its dead left free, for
-the runtime to discard: the driver would otherwise copy dead bytes out to make
-room for the training step), and reports each phase.
+phase, and reports each phase.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
-
-from umrt.policy.runtime.ranges import DeadPages
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.policy.runtime.learning import Learner
@@ -27,9 +23,8 @@ _NO_PAYOFF = {"baseline_ms": None, "acting_ms": None, "acting_vs_baseline": None
 
 
 class LoopPhases:
-    """The runtime's loop phases: the running one (:attr:`phase`), per phase the shapes
-    it last ran and opened a run with, and while an evaluation runs the whole pages its
-    dead left free (:attr:`dead`).
+    """The runtime's loop phases: the running one (:attr:`phase`), and per phase the
+    shapes it last ran and opened a run with.
 
     Parameters
     ----------
@@ -43,11 +38,6 @@ class LoopPhases:
         self.plans = plans
         self.variants = variants
         self.phase = "train"  # the running iteration's loop phase (IterationBoundary.phase)
-        # While an evaluation runs: the whole pages its dead left free (freed, not
-        # reused since). Nothing discards them there (an evaluation that fits moves
-        # nothing); the runtime discards them when training resumes where memory is
-        # short: the driver would otherwise copy their dead bytes out to make room.
-        self.dead: DeadPages | None = None
         self.last: dict[str, int] = {}  # phase -> the shape of its last iteration
         self.opening: dict[str, int] = {}  # phase -> the shape its last run opened with
         self.opens_run = True  # the running iteration is the first of a run of its phase
@@ -56,16 +46,10 @@ class LoopPhases:
         """Whether the plan of ``signature`` is one of the running iteration's phase."""
         return self.learner.phase_of.get(signature, "train") == self.phase
 
-    def boundary(self, phase: str) -> DeadPages | None:
-        """The next iteration is of ``phase``. On a change of phase, entering an
-        evaluation tracks the pages its dead leave free (:attr:`dead`); leaving one
-        returns them (the runtime discards them)."""
+    def boundary(self, phase: str) -> None:
+        """The next iteration is of ``phase``."""
         self.opens_run = phase != self.phase
-        if not self.opens_run:
-            return None
-        dead, self.dead = self.dead, (DeadPages() if phase == "eval" else None)
         self.phase = phase
-        return dead
 
     def finished(self, phase: str, signature: int | None) -> None:
         """An iteration of ``phase`` of shape ``signature`` (None: unknown) ended."""

@@ -32,7 +32,7 @@ from umrt.policy.runtime.path_trial import MIGRATE, TRIAL_ITERATIONS, PathTrial
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
-from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DeadPages, DecisionRanges
+from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges, free_blocks
 from umrt.policy.runtime.reuse import DeadRangeReuse, without
 from umrt.policy.runtime.swapped import Swapped
 from umrt.predict.tables import ObjectKeys, VariantTable
@@ -156,6 +156,7 @@ class Runtime(Policy):
         self._n_populated = 0
         self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
         self._held = self._peak_held = 0  # managed memory the layout holds (segments), now and at most
+        self._segments: dict[int, int] = {}  # ... its segments: ptr -> nbytes
         self._held_known = False  # the layout is one make_layout made: its segments are counted
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
         self._predicted: int | None = None  # the running iteration's predicted plan (acted on or not)
@@ -242,7 +243,6 @@ class Runtime(Policy):
         self._held_shape = 0  # the shape of an iteration held back for a fresh baseline (Payoff.wants_baseline)
         self._deviations_before = 0  # deviations when this iteration started
         self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
-        self._phase_dead: DeadPages | None = None  # the hot path's copy of LoopPhases.dead
 
     # -- Policy -----------------------------------------------------------------
 
@@ -348,6 +348,7 @@ class Runtime(Policy):
         :class:`~umrt.allocators.managed.ManagedPool`); else each newborn placed there is
         populated by a prefetch, not by first-touch faults."""
         self._held += nbytes
+        self._segments[ptr] = nbytes
         self._peak_held = max(self._peak_held, self._held)
         if nbytes >= WHOLE_SEGMENT and sum(self._populated_segments.values()) + nbytes <= self.ctx.budget_bytes:
             self.backend.populate([(ptr, nbytes)])
@@ -363,13 +364,12 @@ class Runtime(Policy):
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
         self._held -= nbytes
+        self._segments.pop(ptr, None)
         self._populated_segments.pop(ptr, None)
         self._off_gpu.remove(ptr, nbytes)
         self._free_off_gpu.remove(ptr, nbytes)
         if self._swapped:  # only dead objects lie in a segment the pool gives back
             self._swapped.forget(ptr, end, release=False)
-        if self._phase_dead is not None:
-            self._phase_dead.take(ptr, nbytes)
         if self._pending_discards:
             self._pending_discards = [r for r in self._pending_discards if not ptr <= r[0] < end]
         self._reuse.released(ptr, end)
@@ -413,8 +413,6 @@ class Runtime(Policy):
                     ref = self._reference[1]
                     if ordinal >= len(ref) or ref[ordinal] != ptr:
                         self.unfreeze()
-            if self._phase_dead is not None:
-                self._phase_dead.take(self.layout.address(obj), event.nbytes)
             if self._reuse:
                 self._pending_discards += self._reuse.born(self.layout.address(obj), event.nbytes, self.n_events)
             if self._pending_discards:
@@ -475,8 +473,6 @@ class Runtime(Policy):
                 else:
                     self._swapped.forget(ptr, ptr + nb, release=True)
             if nb >= self._min_discard:
-                if self._phase_dead is not None:
-                    self._phase_dead.died(self.layout.address(obj), nb)
                 if key in self.discard_keys or key in self._drop_at_free:
                     try:
                         ptr = self._live_index[obj].ptr
@@ -616,6 +612,15 @@ class Runtime(Policy):
         held_dead = self._reuse.release()
         if phase == "train":
             self._pending_discards += held_dead
+            # Training resumes after iterations no training plan acted on (learned, or an
+            # evaluation): meanwhile the driver left the dead where it chose, evicted with their
+            # bytes or resident, where the plan assumes dead memory holds nothing. Where memory
+            # is short, every 2 MB block of the layout no live object touches is discarded: else
+            # the driver copies dead bytes out to make room, or back where a newborn lands.
+            # (Whole blocks: pages discarded among live ones scatter the next kernels' faults.)
+            resumes = self._iteration is not None and not (self._mode == "act" and self.phases.phase == "train")
+            if resumes and held is not None and held > budget and isinstance(self.layout, IndexedLayout):
+                self._pending_discards += free_blocks(self._segments, self._live_index.values(), self._free_off_gpu, BLOCK)
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
         if self.acting_launch_free:
@@ -642,17 +647,7 @@ class Runtime(Policy):
                 self._payoff.new_shape(self.phases.phase)
         if held is not None and held > budget and self._learner.forget_held_fits():
             self._clock.forget_plans()  # the layout outgrew the GPU: plans that moved nothing move now
-        dead = self.phases.boundary(phase)
-        self._phase_dead = self.phases.dead
-        # Leaving an evaluation: the pages its dead left free are discarded where the managed
-        # memory umrt's layout holds has ever been more than the GPU has for it and they take half
-        # of the GPU or more (the step's own memory cannot fit beside them: the driver would copy
-        # their dead bytes out to make room). Otherwise they stay, as plain Unified Memory leaves
-        # them: the step's newborns reuse them in place, where discarded pages would each need a
-        # population first, a call the next kernel waits for.
-        if dead and held is not None and held > budget and 2 * dead.nbytes() >= budget:
-            self._pending_discards.extend(dead.drain())
-            self._flush()
+        self.phases.boundary(phase)
         self._start_iteration()
 
     def _finish_iteration(self) -> None:

@@ -1,10 +1,10 @@
 """Where the runtime's objects are, and the page ranges a decision moves."""
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
 
+from umrt.backends.ranges import RangeSet
 from umrt.memory.base import LiveRecord
 from umrt.policy.runtime.planner import PAGE
 from umrt.predict.tables import ObjectKeys
@@ -132,55 +132,16 @@ def whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
     return (start, end - start) if end > start else None
 
 
-class DeadPages:
-    """Whole pages the dead left free, object by object (never merged across
-    objects, so each range lies inside one managed allocation): added at a
-    death, taken back where a newborn lands on them."""
-
-    __slots__ = ("_starts", "_end")
-
-    def __init__(self) -> None:
-        self._starts: list[int] = []  # sorted
-        self._end: dict[int, int] = {}  # start -> end
-
-    def __bool__(self) -> bool:
-        return bool(self._starts)
-
-    def died(self, ptr: int, nbytes: int) -> None:
-        """An object at ``[ptr, ptr + nbytes)`` died: its whole pages are free."""
-        start, end = -(-ptr // PAGE) * PAGE, (ptr + nbytes) // PAGE * PAGE
-        if end > start:
-            self.take(start, end - start)  # a stale entry there (a range reused unseen) goes
-            bisect.insort(self._starts, start)
-            self._end[start] = end
-
-    def take(self, ptr: int, nbytes: int) -> None:
-        """``[ptr, ptr + nbytes)`` is in use again (a newborn, a segment given back):
-        the pages it touches are no longer free; the rest of their ranges stay."""
-        starts, ends = self._starts, self._end
-        end = ptr + nbytes
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i < 0 or ends[starts[i]] <= ptr:
-            i += 1
-        while i < len(starts) and starts[i] < end:
-            s = starts.pop(i)
-            e = ends.pop(s)
-            lo, hi = ptr // PAGE * PAGE, -(-end // PAGE) * PAGE
-            if s < lo:
-                starts.insert(i, s)
-                ends[s] = lo
-                i += 1
-            if hi < e:
-                starts.insert(i, hi)
-                ends[hi] = e
-                i += 1
-
-    def nbytes(self) -> int:
-        """The bytes of every free range."""
-        return sum(self._end[s] - s for s in self._starts)
-
-    def drain(self) -> list[tuple[int, int]]:
-        """Every free range, as ``(ptr, nbytes)``; the set is empty after."""
-        out = [(s, self._end[s] - s) for s in self._starts]
-        self._starts, self._end = [], {}
-        return out
+def free_blocks(segments: Mapping[int, int], live: Iterable[LiveRecord], off_gpu: RangeSet,
+                block: int) -> list[tuple[int, int]]:
+    """The ``block``-aligned blocks of ``segments`` (``ptr -> nbytes``) that no ``live`` object
+    touches, less what of them is in ``off_gpu``; each range inside one segment (a discard's must)."""
+    free = RangeSet()
+    for ptr, nbytes in segments.items():
+        free.add(ptr, nbytes)
+    for rec in live:
+        lo = rec.ptr // block * block
+        free.remove(lo, -(-(rec.ptr + rec.nbytes) // block) * block - lo)
+    for ptr, nbytes in off_gpu:
+        free.remove(ptr, nbytes)
+    return [r for ptr, nbytes in sorted(segments.items()) for r in free.take(ptr, nbytes)]
