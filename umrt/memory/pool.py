@@ -124,6 +124,15 @@ class _Online:
         self.used[ptr] = size
         return ptr
 
+    def first_fit(self, size: int, edges: tuple[int, ...] = ()) -> int | None:
+        """``size`` bytes at the lowest address free, never across one of ``edges``; None if none."""
+        for start, end in ((s, s + self._free_at[s]) for s in self._free_starts):
+            for p in (start, *(e for e in edges if start < e < end)):
+                if p + size <= end and not any(p < e < p + size for e in edges):
+                    self.take(p, size)
+                    return p
+        return None
+
     def fit_on_gpu(self, size: int, on_gpu: Callable[[int, int], list[tuple[int, int]]]) -> int | None:
         """Like :meth:`fit`, in the smallest free block (of the first :data:`_GPU_FIT_SCAN`
         that hold ``size``) with ``size`` aligned bytes that ``on_gpu`` (the parts of a range
@@ -293,26 +302,24 @@ class _Region:
     # Which of its bytes are in use (planned places are taken from it, misses fit into it).
     space: _Online | None = None
 
-    def best_fit(self, size: int, keep_classes: bool = True,
-                 on_gpu: Callable[[int, int], list[tuple[int, int]]] | None = None) -> tuple[int, str] | None:
+    def best_fit(self, size: int, keep_classes: bool = True, on_gpu: Callable[[int, int], list[tuple[int, int]]]
+                 | None = None, lowest: bool = False) -> tuple[int, str] | None:
         """Best fit of ``size`` where nothing lives now, and the memory's class as planned;
         None where no free range fits (with ``keep_classes``, none that does not straddle
         the short-lived range's edge: a block would hold two classes). With ``on_gpu``,
-        free memory on the GPU first (:meth:`_Online.fit_on_gpu`)."""
+        free memory on the GPU first (:meth:`_Online.fit_on_gpu`); with ``lowest``, then the
+        lowest free range that holds it, not the smallest (an evaluation's batch in few blocks)."""
         lo, n = self.short
-
-        def straddles(p: int) -> bool:
-            return bool(keep_classes and n) and any(p < edge < p + size for edge in (lo, lo + n))
-
+        edges = (lo, lo + n) if keep_classes and n else ()
         ptr = self.space.fit_on_gpu(size, on_gpu) if on_gpu is not None else None
-        if ptr is not None and straddles(ptr):
+        if ptr is not None and any(ptr < e < ptr + size for e in edges):
             self.space.free(ptr)
             ptr = None
         if ptr is None:
-            ptr = self.space.fit(size)
+            ptr = self.space.first_fit(size, edges) if lowest else self.space.fit(size)
             if ptr is None:
                 return None
-            if straddles(ptr):
+            if any(ptr < e < ptr + size for e in edges):
                 self.space.free(ptr)
                 return None
         self.live += 1
@@ -404,9 +411,8 @@ class LifetimePool(Layout):
         the runtime discards them.
     on_gpu:
         ``on_gpu(ptr, nbytes)``: the parts of that range on the GPU, as far as the caller
-        knows (``[(ptr, nbytes), ...]``). An allocation the plan has no place for then takes
-        free memory there before memory the caller took off the GPU, which its first
-        kernel would wait to see populated, as plain Unified Memory reuses resident pages.
+        knows (``[(ptr, nbytes), ...]``). An evaluation's allocation then takes free memory
+        there first, as plain Unified Memory reuses resident pages, else the lowest there is.
     """
 
     def __init__(
@@ -736,10 +742,9 @@ class LifetimePool(Layout):
         # A training step's allocation takes its planned place; one whose place is taken, or
         # that the plan does not know, takes memory the pool holds already before more is
         # obtained, as a caching allocator reuses its blocks: the planned region where nothing
-        # lives now (best fit), what the learning iterations left free, then the overflow
-        # arena. An evaluation's places were planned for a training step's lifetimes (a
-        # forward's activations live until the backward, each in a place of its own): its own
-        # die at once, and best fit comes first (see POOL.md).
+        # lives now (best fit), what the learning iterations left free, then the overflow arena.
+        # An evaluation's die at once, where its places were planned for a step's lifetimes:
+        # the region's free memory comes first, on the GPU, else the lowest (see POOL.md).
         for how in ("planned", "fit") if self._training else ("fit", "planned"):
             if how == "planned" and hit is not None:
                 for place in filter(None, (hit, self._plan.get(_twin(key)))):  # (second place: _make_plan)
@@ -758,7 +763,7 @@ class LifetimePool(Layout):
                 self.totals.misses += 1
                 self.totals.missed_bytes += size
                 on_gpu = None if self._training else self._on_gpu
-                fit = region.best_fit(size, on_gpu=on_gpu) if region is not None else None
+                fit = region.best_fit(size, on_gpu=on_gpu, lowest=not self._training) if region is not None else None
                 if fit is not None:
                     break
         if fit is not None:
