@@ -79,15 +79,15 @@ class Learner:
             return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
 
-    def learn(self, rec: IterationRecord, phase: str, *, held_fits: bool = False) -> bool:
-        """A learned iteration of ``phase``: its plan (:meth:`compile`; ``held_fits``: see
+    def learn(self, rec: IterationRecord, phase: str, *, fits: str | None = None) -> bool:
+        """A learned iteration of ``phase``: its plan (:meth:`compile`; ``fits``: see
         :meth:`Planner.plan`); whether its shape was new. After a shape no plan knew ran
         without launches, the iterations of its phase after it are recorded until one is new
         (at most ``seek_left[phase]`` of them, see ``Runtime._start_iteration``): a new one
         ends the search."""
         self.learned[phase] = self.learned.get(phase, 0) + 1
         self.phase_of[rec.signature] = phase
-        new = self.compile(rec, held_fits=held_fits)
+        new = self.compile(rec, fits=fits)
         if new:  # the stranger was found: stop seeking it
             self.seek_left.pop(phase, None)
             self.relearn.discard(phase)
@@ -121,7 +121,7 @@ class Learner:
         """Iterations the plan of ``signature`` ran through (the runtime trusts it after its ``PROBE_ITERATIONS``)."""
         return self.plan_runs.get(signature, 0)
 
-    def compile(self, rec: IterationRecord, *, held_fits: bool = False) -> bool:
+    def compile(self, rec: IterationRecord, *, fits: str | None = None) -> bool:
         """A plan for the learned iteration's shape; whether the shape was new. Each
         loop phase keeps its last :data:`MAX_VARIANTS` plans (the least recently used of
         its own go): the many shapes of variable-length training steps never push
@@ -130,7 +130,7 @@ class Learner:
         if sig in self.plans:
             self.plans.move_to_end(sig)
             return False
-        plan = self.planner.plan(rec, held_fits=held_fits)
+        plan = self.planner.plan(rec, fits=fits)
         if plan.swap and self.migration_planner is not None:
             plan.migration_only = self.migration_planner.plan(rec)
         self.counters["plans_compiled"] += 1

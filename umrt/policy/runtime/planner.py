@@ -554,10 +554,11 @@ class Planner:
                 seg_t, seg_b = 0.0, 0
         return points
 
-    def plan(self, rec: IterationRecord, *, held_fits: bool = False) -> Plan:
+    def plan(self, rec: IterationRecord, *, fits: str | None = None) -> Plan:
         """The plan for ``rec``'s shape: a Belady schedule with prefetch; one with nothing
-        to do where everything fits (the live objects at their peak, or, ``held_fits``,
-        all the memory the layout has held: then no page, touched or not, is ever evicted).
+        to do where everything fits: the live objects at their peak, or what ``fits`` names,
+        ``"held"`` (all the memory the layout has held: then no page, touched or not, is ever
+        evicted) or ``"touched"`` (the 2 MB blocks the learned iteration touched).
 
         * **Window in time.** Walk the coming launches. Every launch up to the next
           decision point must be covered (we cannot act again before it), and the
@@ -593,13 +594,13 @@ class Planner:
             return Plan(rec.signature, 0, [], frozenset(), {"empty": True})
         launch_free_end = (len(rec.launch_free_clock), rec.launch_free_clock[-1][1]) if rec.launch_free_clock else None
         peak = peak_live(rec)
-        if peak <= self.cap or held_fits:
+        if peak <= self.cap or fits:
             # Everything fits: once touched, every object stays resident and a dead
             # range is reused in place. Nothing to move, advise or discard.
             stats = {"fits": True, "planned_peak_bytes": peak, "capacity_bytes": self.cap,
                      "planned_h2d_bytes": 0, "planned_d2h_bytes": 0, "decision_points": 0}
             if peak > self.cap:
-                stats["fits_as_held"] = True
+                stats[f"fits_as_{fits}"] = True  # (fits_as_held: dropped once the layout outgrows the GPU)
             return Plan(rec.signature, n, [], frozenset(), stats, launch_free_end=launch_free_end, tokens=tuple(rec.tokens))
         remote = self.remote_keys(rec) if self.remote_access else frozenset()
         if remote:

@@ -32,7 +32,7 @@ from umrt.policy.runtime.path_trial import MIGRATE, TRIAL_ITERATIONS, PathTrial
 from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
-from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges, free_blocks
+from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges, free_blocks, touch_blocks
 from umrt.policy.runtime.reuse import DeadRangeReuse, without
 from umrt.policy.runtime.swapped import Swapped
 from umrt.predict.tables import ObjectKeys, VariantTable
@@ -243,6 +243,7 @@ class Runtime(Policy):
         self._held_shape = 0  # the shape of an iteration held back for a fresh baseline (Payoff.wants_baseline)
         self._deviations_before = 0  # deviations when this iteration started
         self._left_plan = False  # this iteration left the plan it was given (a deviation, or a probe's other shape)
+        self._touched: set[int] | None = None  # the 2 MB blocks a recorded evaluation's launches touched
 
     # -- Policy -----------------------------------------------------------------
 
@@ -507,6 +508,8 @@ class Runtime(Policy):
                 return  # acting on the launch-free clock: launches are not needed
             if self.record is not None:
                 self._learner.record_launch(self.record, event, self._n_frees)
+                if self._touched is not None:
+                    touch_blocks(self._touched, event.accesses, self._live_index)
             if self._launch_mapped:
                 self._host.unmap_launch()
             n = self.n_launches
@@ -643,7 +646,12 @@ class Runtime(Policy):
         moved = self.keys.boundary(sig)
         if self.record is not None and self._mode == "learn":
             self.record.carried = moved
-            if self._learner.learn(self.record, self.phases.phase, held_fits=held is not None and held <= budget):
+            # Nothing to move where all the layout has held fits the GPU, or (an evaluation)
+            # where the 2 MB blocks the learned iteration touched do: doing nothing, once they are
+            # in, nothing of it is evicted (issue 24: an evaluation that fits runs with nothing moved).
+            fits = ("held" if held is not None and held <= budget else
+                    "touched" if self._touched is not None and len(self._touched) * BLOCK <= budget else None)
+            if self._learner.learn(self.record, self.phases.phase, fits=fits):
                 self._payoff.new_shape(self.phases.phase)
         if held is not None and held > budget and self._learner.forget_held_fits():
             self._clock.forget_plans()  # the layout outgrew the GPU: plans that moved nothing move now
@@ -751,7 +759,7 @@ class Runtime(Policy):
         phase = self.phases.phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._drop_at_free.clear()
-        self.record = None
+        self.record = self._touched = None
         self.plan = None
         # Misprediction guard: too many recent deviations in this phase -> do nothing
         # there for a while, then re-learn its shapes (the other phases' plans stay).
@@ -814,6 +822,7 @@ class Runtime(Policy):
         trusted = (plan is not None and not probing and not self._paths.trying(plan)
                    and self._learner.runs(plan.signature) >= PROBE_ITERATIONS)
         self.record = None if trusted else self._learner.new_record(self._alloc_of)
+        self._touched = set() if self.record is not None and phase == "eval" else None
         # A trusted plan with a launch-free clock needs no launches; it acts on its
         # variant re-based on an iteration that ran without them, once there is
         # one, and records this iteration's events until that clock has held.

@@ -4,11 +4,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
 
+from umrt.backends.base import BLOCK
 from umrt.backends.ranges import RangeSet
+from umrt.errors import UmrtError
 from umrt.memory.base import LiveRecord
 from umrt.policy.runtime.planner import PAGE
 from umrt.predict.tables import ObjectKeys
-from umrt.trace.events import Alloc
+from umrt.trace.events import Access, Alloc
 
 _PTR_N = attrgetter("ptr", "nbytes")  # a live record -> (ptr, nbytes), at C speed
 _MEMO_MAX = 4096  # memoized decision ranges kept (cleared beyond; 8 shapes x ~300 decisions fit)
@@ -145,3 +147,13 @@ def free_blocks(segments: Mapping[int, int], live: Iterable[LiveRecord], off_gpu
     for ptr, nbytes in off_gpu:
         free.remove(ptr, nbytes)
     return [r for ptr, nbytes in sorted(segments.items()) for r in free.take(ptr, nbytes)]
+
+
+def touch_blocks(blocks: set[int], accesses: Iterable[Access], live: Mapping[int, LiveRecord] | AddressIndex) -> None:
+    """Add to ``blocks`` the 2 MB blocks the ``accesses`` reach (of ``live`` objects; others: none)."""
+    for a in accesses:
+        try:
+            ptr = live[a.obj].ptr + a.offset
+        except (KeyError, UmrtError):  # (not live: the layout's error)
+            continue
+        blocks.update(range(ptr // BLOCK, (ptr + max(a.length, 1) - 1) // BLOCK + 1))
