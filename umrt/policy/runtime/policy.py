@@ -609,21 +609,22 @@ class Runtime(Policy):
         # The most managed memory the layout has held: while it fits the GPU nothing has to move.
         held, budget = self._peak_held if self._held_known else self.layout.peak_footprint_bytes(), self.ctx.budget_bytes
         # The dead ranges held for a step's newborns are discarded as the step ends, unless
-        # an evaluation comes next: it moves nothing of its own, and its newborns take them
-        # in place (the pool gives an evaluation free memory on the GPU first) where plain
-        # Unified Memory reuses resident pages; discarded, each would be populated again.
+        # an evaluation comes next: its newborns take them in place (the pool gives an
+        # evaluation free memory on the GPU first), as plain Unified Memory reuses resident pages.
         held_dead = self._reuse.release()
         if phase == "train":
             self._pending_discards += held_dead
-            # Training resumes after iterations no training plan acted on (learned, or an
-            # evaluation): meanwhile the driver left the dead where it chose, evicted with their
-            # bytes or resident, where the plan assumes dead memory holds nothing. Where memory
-            # is short, every 2 MB block of the layout no live object touches is discarded: else
-            # the driver copies dead bytes out to make room, or back where a newborn lands.
-            # (Whole blocks: pages discarded among live ones scatter the next kernels' faults.)
-            resumes = self._iteration is not None and not (self._mode == "act" and self.phases.phase == "train")
-            if resumes and held is not None and held > budget and isinstance(self.layout, IndexedLayout):
-                self._pending_discards += free_blocks(self._segments, self._live_index.values(), self._free_off_gpu, BLOCK)
+        # Training resumes after iterations no training plan acted on (learned, or an evaluation),
+        # or an evaluation opens after training: the driver has left the dead where it chose,
+        # evicted with their bytes or resident, where a training plan assumes dead memory holds
+        # nothing and an evaluation takes free memory umrt did not take off the GPU for resident.
+        # Where memory is short, every 2 MB block of the layout no live object touches is discarded:
+        # else the driver copies dead bytes out to make room, or back where a newborn lands.
+        # (Whole blocks: pages discarded among live ones scatter the next kernels' faults.)
+        resumes = phase == "train" and not (self._mode == "act" and self.phases.phase == "train")
+        if (resumes or (phase == "eval" and self.phases.phase == "train")) and self._iteration is not None and (
+                held is not None and held > budget and isinstance(self.layout, IndexedLayout)):
+            self._pending_discards += free_blocks(self._segments, self._live_index.values(), self._free_off_gpu, BLOCK)
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
         if self.acting_launch_free:
