@@ -155,8 +155,8 @@ class Runtime(Policy):
         self._n_populate_calls = 0
         self._n_populated = 0
         self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
-        self._held = self._peak_held = 0  # managed memory the layout holds (segments), now and at most
-        self._segments: dict[int, int] = {}  # ... its segments: ptr -> nbytes
+        self._segments: dict[int, int] = {}  # the layout's managed segments: ptr -> nbytes
+        self._peak_held = 0  # the most bytes they held at once
         self._held_known = False  # the layout is one make_layout made: its segments are counted
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
         self._predicted: int | None = None  # the running iteration's predicted plan (acted on or not)
@@ -348,9 +348,8 @@ class Runtime(Policy):
         segments populated so fit the budget (as the live allocator populates its segments,
         :class:`~umrt.allocators.managed.ManagedPool`); else each newborn placed there is
         populated by a prefetch, not by first-touch faults."""
-        self._held += nbytes
         self._segments[ptr] = nbytes
-        self._peak_held = max(self._peak_held, self._held)
+        self._peak_held = max(self._peak_held, sum(self._segments.values()))
         if nbytes >= WHOLE_SEGMENT and sum(self._populated_segments.values()) + nbytes <= self.ctx.budget_bytes:
             self.backend.populate([(ptr, nbytes)])
             self._populated_segments[ptr] = nbytes
@@ -364,7 +363,6 @@ class Runtime(Policy):
         """The pool handed a segment back: pending discards inside it are moot, and
         advice held for the launch that just ran must not be undone on freed memory."""
         end = ptr + nbytes
-        self._held -= nbytes
         self._segments.pop(ptr, None)
         self._populated_segments.pop(ptr, None)
         self._off_gpu.remove(ptr, nbytes)
@@ -623,7 +621,7 @@ class Runtime(Policy):
         # (Whole blocks: pages discarded among live ones scatter the next kernels' faults.)
         resumes = phase == "train" and not (self._mode == "act" and self.phases.phase == "train")
         if (resumes or (phase == "eval" and self.phases.phase == "train")) and self._iteration is not None and (
-                held is not None and held > budget and isinstance(self.layout, IndexedLayout)):
+                held is not None and held > budget and not isinstance(self._live_index, AddressIndex)):
             self._pending_discards += free_blocks(self._segments, self._live_index.values(), self._free_off_gpu, BLOCK)
         if self._pending_discards:  # as at any other event: whether or not launches are seen
             self._flush()
