@@ -8,7 +8,8 @@ and the run alternated. The replay answers the runtime as the GPU run would.
 import pytest
 
 from bench.live_replay import LOGS, RUNS, ClosedLoop, parse_event, read_live_log, replay
-from umrt.policy.runtime.planner import Action, Plan, launch_free_token, rebase
+from umrt.policy.runtime.launch_free import rebase
+from umrt.policy.runtime.planner import Action, Plan, launch_free_token
 from umrt.trace.events import Access, Alloc, IterationBoundary, Kind, Launch, LayerEnter
 
 

@@ -394,3 +394,58 @@ def test_a_key_the_host_writes_later_is_moved_once_born():
     plan = Planner(48 * MB, load_profile("v100-pcie3-32g")).plan(rec)  # a window reaches the reader early
     moved_at = [a.at for a in plan.actions if host in (*a.prefetch, *a.swap_in)]
     assert moved_at and all(reader - 1 <= at <= reader for at in moved_at), moved_at
+
+
+def _loss_record(read_over_link: bool = False, read_by_an_oversized_launch: bool = False) -> IterationRecord:
+    """A (48 MB), B (48 MB), then a launch reading both that writes a newborn C (48 MB): more
+    than a 128 MB budget's plan holds (115.2 MB). Then a launch reading C. Options: the launch
+    also reads a 40 MB parameter that is off the GPU (read over the link); C's reader writes
+    another newborn of 48 MB besides reading B and C (a second oversized launch)."""
+    rec = IterationRecord()
+
+    def launch(keys):
+        rec.boundaries.append(len(rec.exec_ids))
+        rec.exec_ids.append(len(rec.exec_ids) + 1000)
+        rec.uses.append(tuple(keys))
+        rec.times.append(1e-3)
+        rec.alloc_counts.append(len(rec.allocs))
+        rec.free_counts.append(len(rec.frees))
+
+    if read_over_link:
+        rec.sizes[-1], rec.kinds[-1] = 40 * MB, Kind.PARAMETER
+        rec.start_live.add(-1)
+    for k in (1, 2, 3, 4):
+        rec.sizes[k], rec.kinds[k] = 48 * MB, Kind.ACTIVATION
+    rec.allocs.append((0, 1))
+    launch([1])
+    rec.allocs.append((1, 2))
+    launch([1, 2])
+    rec.allocs.append((2, 3))
+    launch([1, 2, 3] + ([-1] if read_over_link else []))
+    rec.frees.append((3, 1))
+    if read_by_an_oversized_launch:
+        rec.allocs.append((3, 4))
+        launch([2, 3, 4])
+        rec.frees.append((4, 4))
+    else:
+        launch([3])
+    rec.frees.extend([(len(rec.exec_ids), 2), (len(rec.exec_ids), 3)])
+    if read_over_link:
+        launch([-1])
+    rec.signature = 1
+    return rec
+
+
+def test_an_oversized_launch_writes_the_blocks_of_its_newborn_that_fit_on_the_gpu():
+    """Only what the room lacks goes over the link: C's first whole 2 MB blocks that fit beside
+    A and B (115.2 - 96 MB: 18 MB) are written on the GPU (``remote_head``). Not where the launch
+    reads data over the link (its pages come and go on the GPU as it runs), nor where C's next
+    reader is itself larger than the budget (it reads C over the link, where it lies)."""
+    profile = load_profile("h100-sxm5-80g")
+    planner = Planner(128 * MB, profile, swap=True)
+    plan = planner.plan(_loss_record())
+    assert planner.oversize(_loss_record()) == {2}
+    assert plan.remote_fresh == {2: frozenset({3})} and plan.remote_head == {2: {3: 18 * MB}}
+    for kw in ({"read_over_link": True}, {"read_by_an_oversized_launch": True}):
+        plan = planner.plan(_loss_record(**kw))
+        assert 3 in plan.remote_fresh[2] and not plan.remote_head, kw

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from umrt.backends.base import HOST, PAGE, Advice, Backend, SegmentWatch
+from umrt.backends.base import HOST, Advice, Backend, SegmentWatch
 from umrt.backends.ranges import RangeSet
 from umrt.errors import ConfigError, UmrtError
 from umrt.hardware import HardwareProfile
@@ -85,6 +85,7 @@ from umrt.memory.pool import LifetimePool
 from umrt.policy.base import Policy, PolicyContext
 from umrt.policy.runtime import Runtime
 from umrt.policy.runtime.planner import Action, IterationRecord, Plan, Planner, min_host_map_bytes
+from umrt.policy.runtime.ranges import whole_pages
 from umrt.policy.runtime.reuse import without
 from umrt.trace.events import (
     Alloc,
@@ -788,13 +789,21 @@ class OraclePolicy(Policy):
             if action is not None:
                 self._move(action)
             if i in plan.remote_at:
-                keyed = [(k, self._range(self.ids.resolve_key(k))) for k in plan.remote_at[i]]
-                keyed = [(k, r) for k, r in keyed
-                         if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped]
+                born, heads = plan.remote_fresh.get(i, ()), plan.remote_head.get(i, {})
+                keyed, on_gpu = [], []
+                for k in plan.remote_at[i]:
+                    r = self._range(self.ids.resolve_key(k))
+                    if r is not None and k in born and 0 < heads.get(k, 0) < r[1]:  # its head fits the GPU
+                        on_gpu.append((r[0], heads[k]))
+                        r = (r[0] + heads[k], r[1] - heads[k])
+                    if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped:
+                        keyed.append((k, r))
                 ranges = [r for _, r in keyed]
+                if on_gpu:
+                    self._flush()
+                    self.ctx.backend.prefetch(on_gpu, self.ctx.backend.device)
                 # newborns the launch writes first: their dead pages go to the host without a copy
-                born = plan.remote_fresh.get(i, ())
-                fresh = [x for x in (_whole_pages(*r) for k, r in keyed if k in born) if x is not None]
+                fresh = [x for x in (whole_pages(*r) for k, r in keyed if k in born) if x is not None]
                 if fresh:
                     self._flush()
                     self.ctx.backend.discard_and_prefetch(fresh, HOST)
@@ -824,7 +833,7 @@ class OraclePolicy(Policy):
 
     def _discard_dead(self, obj: int) -> None:
         rng = self._range(obj)
-        if rng is not None and (inner := _whole_pages(*rng)) is not None:
+        if rng is not None and (inner := whole_pages(*rng)) is not None:
             self._discards.append(inner)
 
     def _move(self, action: Action) -> None:
@@ -833,7 +842,7 @@ class OraclePolicy(Policy):
         def pages(keys: tuple[int, ...]) -> list[tuple[int, int]]:
             """The whole pages of the planner's ``keys`` alive now (as the runtime resolves a swap)."""
             ranges = (self._range(self.ids.resolve_key(k)) for k in keys)
-            return [x for x in (_whole_pages(*r) for r in ranges if r is not None) if x is not None]
+            return [x for x in (whole_pages(*r) for r in ranges if r is not None) if x is not None]
 
         if action.swap_out:
             out = pages(action.swap_out)
@@ -861,7 +870,7 @@ class OraclePolicy(Policy):
                 for r in dead:
                     self._away.add(*r)
         evicts = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.evict) if r is not None]
-        out = [x for x in (_whole_pages(*r) for r in evicts) if x is not None]
+        out = [x for x in (whole_pages(*r) for r in evicts) if x is not None]
         if out:
             self.ctx.backend.prefetch(out, HOST)
             self.stats["evictions"] += len(out)
@@ -892,7 +901,7 @@ class OraclePolicy(Policy):
             backend = self.ctx.backend
             backend.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
             backend.advise(ranges, Advice.SET_ACCESSED_BY, self.ctx.backend.device)
-            out = [x for x in (_whole_pages(*r) for r in ranges) if x is not None]
+            out = [x for x in (whole_pages(*r) for r in ranges) if x is not None]
             if out:
                 backend.prefetch(out, HOST)
                 for r in out:
@@ -962,14 +971,6 @@ class OraclePolicy(Policy):
         self._discards, self._releases, self._evicts, self._prefetches = [], [], [], []
         self._advise_set, self._advise_unset = [], []
         self._pending_objs = set()
-
-
-def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
-    """The whole 64 KB pages inside ``[ptr, ptr + nbytes)``: moving a page out or
-    discarding it must never touch a neighbour's bytes."""
-    start = -(-ptr // PAGE) * PAGE
-    end = (ptr + nbytes) // PAGE * PAGE
-    return (start, end - start) if end > start else None
 
 
 def _runtime() -> Policy:

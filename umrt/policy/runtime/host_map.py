@@ -96,7 +96,8 @@ class HostMapper:
         self.backend.advise([r], Advice.UNSET_ACCESSED_BY, self.backend.device)
         self.backend.advise([r], Advice.UNSET_PREFERRED_LOCATION, HOST)
 
-    def map_for_launch(self, keys: Iterable[int], fresh: frozenset[int] = frozenset()) -> None:
+    def map_for_launch(self, keys: Iterable[int], fresh: frozenset[int] = frozenset(),
+                       heads: dict[int, int] | None = None) -> None:
         """A launch larger than the budget is about to run: what of it is not
         resident is read and written over the link (PreferredLocation=host +
         AccessedBy=GPU) instead of being faulted in and evicted again within
@@ -109,9 +110,21 @@ class HostMapper:
         newborn may sit on GPU pages (populated at its birth, or a range reused in
         place), where advice alone leaves it: the launch would then write it there
         and evict its own inputs to make room. Its contents are dead, so its whole
-        pages go to the host without a copy first (a discard and prefetch)."""
+        pages go to the host without a copy first (a discard and prefetch).
+
+        ``heads``: fresh keys whose first bytes fit the room the GPU has
+        (``Plan.remote_head``): those are populated on the GPU instead, and only the
+        rest of the object is written over the link."""
         least = min_host_map_bytes(self.profile)
-        live = [(k, r) for k, _, r in self._live(keys, self.mapped) if r[1] >= least]
+        heads = heads or {}
+        live, on_gpu = [], []
+        for k, _, (p, n) in self._live(keys, self.mapped):
+            head = heads.get(k, 0) if k in fresh else 0
+            if 0 < head < n:
+                on_gpu.append((p, head))
+                p, n = p + head, n - head
+            if n >= least:
+                live.append((k, (p, n)))
         ranges = [r for _, r in live]
         if ranges:
             be = self.backend
@@ -120,6 +133,10 @@ class HostMapper:
                 be.discard_and_prefetch(dead, HOST)
                 for p, n in dead:
                     self.off_gpu.add(p, n)
+            if on_gpu:
+                be.prefetch(on_gpu, be.device)
+                for p, n in on_gpu:
+                    self.off_gpu.remove(p, n)
             be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
             be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
             self.launch_mapped[:] = ranges

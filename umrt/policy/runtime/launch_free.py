@@ -13,10 +13,12 @@ the event before it to the next event (``Plan.launch_free_resume``):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from umrt.policy.runtime.planner import Plan, rebase
+from umrt.policy.runtime.planner import ALLOC_TOKEN, SPARE_KEY, Action, Plan, ordered_union, running_hashes
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.policy.runtime.acting import Acting
@@ -223,7 +225,7 @@ class LaunchFreeClock:
         """An iteration acted on without launches left its plan's launch-free clock and
         ran on without acting: its events are the clock of iterations that run the way
         acting ones do (a capture can change what a program allocates). The plan's
-        decisions are placed on them (:func:`~umrt.policy.runtime.planner.rebase`) for
+        decisions are placed on them (:func:`rebase`) for
         the next iteration of its shape, and the survivors born in it take the keys the
         plan knows them by."""
         acting = self.acting
@@ -251,3 +253,83 @@ class LaunchFreeClock:
             del keys.obj_of[old]
             keys.obj_of[new] = obj
             keys.key_of[obj] = new
+
+
+def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | None:
+    """``plan`` moved onto an iteration that ran without launches, whose non-launch
+    events were ``tokens``: the same decisions, placed on that iteration's events,
+    with its running hashes and a ``keymap`` from its allocation ordinals to the
+    plan's keys. None where the two iterations are not the same shape (less than
+    ``min_match`` of their events align) or the decisions cannot keep their order.
+
+    The two are aligned as sequences (difflib, no junk heuristic): an event the
+    recorded iteration had and this one lacks (a temporary the capture caused)
+    moves its decision to the last aligned event before it, so decisions come
+    early, never late.
+    """
+    rec = plan.tokens
+    if not rec or not tokens or plan.launch_free_end is None:
+        return None
+    sm = difflib.SequenceMatcher(None, rec, tokens, autojunk=False)
+    to_launch_free = [-1] * len(rec)  # recorded event -> this iteration's event (or the last aligned before)
+    matched = 0
+    for a, b, n in sm.get_matching_blocks():
+        for k in range(n):
+            to_launch_free[a + k] = b + k
+        matched += n
+    if matched < min_match * max(len(rec), len(tokens)):
+        return None
+    last = -1
+    for i, j in enumerate(to_launch_free):
+        if j < 0:
+            to_launch_free[i] = last
+        else:
+            last = j
+    # Allocation ordinals: this iteration's -> the recorded key (an unmatched one a spare key).
+    rec_ordinal = _alloc_ordinals(rec)
+    launch_free_ordinal = _alloc_ordinals(tokens)
+    keymap = [SPARE_KEY + o for o in range(len(launch_free_ordinal))]
+    for a, b, n in sm.get_matching_blocks():
+        for k in range(n):
+            if (rec[a + k] & 3) == ALLOC_TOKEN:
+                keymap[launch_free_ordinal[b + k]] = rec_ordinal[a + k]
+    hashes = running_hashes(tokens)
+
+    def moved(e: int) -> int:
+        return to_launch_free[e] if e >= 0 else -1
+
+    actions: list[Action] = []
+    for a in plan.actions:
+        if a.launch_free_at >= 0:
+            e = moved(a.launch_free_at)
+            if e < 0:
+                return None  # a decision before this iteration's first event: keep the old clock
+            prev = actions[-1] if actions else None
+            if prev is not None and prev.launch_free_at == e:  # two decisions now on one event: one
+                actions[-1] = replace(prev, evict=ordered_union(prev.evict, a.evict),
+                                      prefetch=ordered_union(prev.prefetch, a.prefetch),
+                                      swap_out=ordered_union(prev.swap_out, a.swap_out),
+                                      swap_in=ordered_union(prev.swap_in, a.swap_in), ready=ordered_union(prev.ready, a.ready),
+                                      drop=ordered_union(prev.drop, a.drop), populate=ordered_union(prev.populate, a.populate))
+                continue
+            if prev is not None and prev.launch_free_at > e:
+                return None
+            actions.append(replace(a, launch_free_at=e, launch_free_hash=hashes[e]))
+        else:
+            actions.append(replace(a, launch_free_from=moved(a.launch_free_from)))
+    resume = {}
+    for e, (launches, _) in plan.launch_free_resume.items():
+        f = moved(e)
+        resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
+    return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
+                   tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
+                   _hashes=hashes, _shape_hashes=None, _alloc_sizes=None, _ordinal_of=None)
+
+
+def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:
+    """Event index -> allocation ordinal, for the allocation tokens."""
+    out: dict[int, int] = {}
+    for i, tok in enumerate(tokens):
+        if (tok & 3) == ALLOC_TOKEN:
+            out[i] = len(out)
+    return out

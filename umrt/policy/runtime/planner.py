@@ -12,7 +12,6 @@ which objects to discard when they die (see :meth:`Planner.plan`).
 from __future__ import annotations
 
 import bisect
-import difflib
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -136,6 +135,12 @@ class Plan:
     # yet): placed on the host without a copy before it runs, so that its writes go over the
     # link, not into GPU pages it would evict its own reads for.
     remote_fresh: dict[int, frozenset[int]] = field(default_factory=dict)
+    # Per oversized launch, fresh keys whose first bytes it writes on the GPU (key -> bytes, whole
+    # 2 MB blocks that fit the room left): only the rest crosses the link, out and back for the next
+    # reader (a loss's 1.6 GB gradient, for 0.5 GB missing). Not where the launch reads data over
+    # the link (its pages come and go as it runs), nor where the next launch to touch the key is
+    # itself oversized (it reads the key over the link where it lies: a head would take its room).
+    remote_head: dict[int, dict[int, int]] = field(default_factory=dict)
     # Acting without launches: (events, running hash) at the iteration's end
     # (None: the record had no launch-free events), and where the runtime must
     # count launches until the next event: launch-free event -> (launches before
@@ -187,12 +192,12 @@ class Plan:
         if freed_sizes:
             h = self._hashes
             if h is None:
-                h = self._hashes = _running_hashes(self.tokens)
+                h = self._hashes = running_hashes(self.tokens)
         else:
             h = self._shape_hashes
             if h is None:
                 free = launch_free_token(1, FREE_TOKEN)  # (a free of any size: as the runtime mixes it)
-                h = self._shape_hashes = _running_hashes([free if tok & 3 == FREE_TOKEN else tok for tok in self.tokens])
+                h = self._shape_hashes = running_hashes([free if tok & 3 == FREE_TOKEN else tok for tok in self.tokens])
         return h[event] if 0 <= event < len(h) else None
 
     def events_match(self, a: Action, n_events: int, events_hash: int, freed_sizes: bool = True) -> bool:
@@ -238,7 +243,7 @@ def launch_free_token(value: int, kind: int) -> int:
     return (value << 2) | kind
 
 
-def _running_hashes(tokens: Sequence[int]) -> list[int]:
+def running_hashes(tokens: Sequence[int]) -> list[int]:
     """The runtime's running hash after each token (as Runtime.on_event mixes them)."""
     out = []
     h = 0
@@ -251,87 +256,7 @@ def _running_hashes(tokens: Sequence[int]) -> list[int]:
 HASH_MASK = (1 << 63) - 1  # the running hash's and the iteration signature's width
 
 
-def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | None:
-    """``plan`` moved onto an iteration that ran without launches, whose non-launch
-    events were ``tokens``: the same decisions, placed on that iteration's events,
-    with its running hashes and a ``keymap`` from its allocation ordinals to the
-    plan's keys. None where the two iterations are not the same shape (less than
-    ``min_match`` of their events align) or the decisions cannot keep their order.
-
-    The two are aligned as sequences (difflib, no junk heuristic): an event the
-    recorded iteration had and this one lacks (a temporary the capture caused)
-    moves its decision to the last aligned event before it, so decisions come
-    early, never late.
-    """
-    rec = plan.tokens
-    if not rec or not tokens or plan.launch_free_end is None:
-        return None
-    sm = difflib.SequenceMatcher(None, rec, tokens, autojunk=False)
-    to_launch_free = [-1] * len(rec)  # recorded event -> this iteration's event (or the last aligned before)
-    matched = 0
-    for a, b, n in sm.get_matching_blocks():
-        for k in range(n):
-            to_launch_free[a + k] = b + k
-        matched += n
-    if matched < min_match * max(len(rec), len(tokens)):
-        return None
-    last = -1
-    for i, j in enumerate(to_launch_free):
-        if j < 0:
-            to_launch_free[i] = last
-        else:
-            last = j
-    # Allocation ordinals: this iteration's -> the recorded key (an unmatched one a spare key).
-    rec_ordinal = _alloc_ordinals(rec)
-    launch_free_ordinal = _alloc_ordinals(tokens)
-    keymap = [SPARE_KEY + o for o in range(len(launch_free_ordinal))]
-    for a, b, n in sm.get_matching_blocks():
-        for k in range(n):
-            if (rec[a + k] & 3) == ALLOC_TOKEN:
-                keymap[launch_free_ordinal[b + k]] = rec_ordinal[a + k]
-    hashes = _running_hashes(tokens)
-
-    def moved(e: int) -> int:
-        return to_launch_free[e] if e >= 0 else -1
-
-    actions: list[Action] = []
-    for a in plan.actions:
-        if a.launch_free_at >= 0:
-            e = moved(a.launch_free_at)
-            if e < 0:
-                return None  # a decision before this iteration's first event: keep the old clock
-            prev = actions[-1] if actions else None
-            if prev is not None and prev.launch_free_at == e:  # two decisions now on one event: one
-                actions[-1] = replace(prev, evict=_union(prev.evict, a.evict),
-                                      prefetch=_union(prev.prefetch, a.prefetch),
-                                      swap_out=_union(prev.swap_out, a.swap_out),
-                                      swap_in=_union(prev.swap_in, a.swap_in), ready=_union(prev.ready, a.ready),
-                                      drop=_union(prev.drop, a.drop), populate=_union(prev.populate, a.populate))
-                continue
-            if prev is not None and prev.launch_free_at > e:
-                return None
-            actions.append(replace(a, launch_free_at=e, launch_free_hash=hashes[e]))
-        else:
-            actions.append(replace(a, launch_free_from=moved(a.launch_free_from)))
-    resume = {}
-    for e, (launches, _) in plan.launch_free_resume.items():
-        f = moved(e)
-        resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
-    return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
-                   tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
-                   _hashes=hashes, _shape_hashes=None, _alloc_sizes=None, _ordinal_of=None)
-
-
-def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:
-    """Event index -> allocation ordinal, for the allocation tokens."""
-    out: dict[int, int] = {}
-    for i, tok in enumerate(tokens):
-        if (tok & 3) == ALLOC_TOKEN:
-            out[i] = len(out)
-    return out
-
-
-def _union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+def ordered_union(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     """``a``, then what of ``b`` is not in it, in order."""
     seen = set(a)
     return a + tuple(k for k in b if k not in seen)
@@ -611,7 +536,7 @@ class Planner:
         away = None
         for _ in range(2):  # pass 1 warms the cyclic state; pass 2 is the plan
             start_away = away
-            actions, (state, away), stats, remote_at, swapped, fresh = self._pass(rec, points, state, away)
+            actions, (state, away), stats, remote_at, swapped, fresh, heads = self._pass(rec, points, state, away)
         # The plan runs cyclically: what it leaves swapped out at the iteration's end must be
         # what it expects away at the start. Where pass 2 ends with more away than it began
         # with, the first decision copies those back (and waits for them): never a read of data
@@ -620,7 +545,8 @@ class Planner:
         if missing and actions:
             first = actions[0]
             if first.at == 0:
-                actions[0] = replace(first, swap_in=_union(missing, first.swap_in), ready=_union(missing, first.ready))
+                actions[0] = replace(first, swap_in=ordered_union(missing, first.swap_in),
+                                     ready=ordered_union(missing, first.ready))
             else:
                 actions.insert(0, Action(0, rec.exec_ids[0], (rec.alloc_counts or [0])[0], (rec.free_counts or [0])[0],
                                          (), (), (), missing, missing))
@@ -653,7 +579,7 @@ class Planner:
         if launch_free_end is not None:
             actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
         return Plan(rec.signature, n, actions, discard, stats, swap=swapped, remote=remote, read_mostly=mostly,
-                    remote_at=remote_at, remote_fresh=fresh, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
+                    remote_at=remote_at, remote_fresh=fresh, remote_head=heads, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
         """Launches whose own working set exceeds the plan's capacity."""
@@ -809,6 +735,7 @@ class Planner:
         oversize = self.oversize(rec) if self.remote_access else set()
         remote_at: dict[int, list[int]] = {}  # oversized launch -> keys it reaches over the link
         fresh: dict[int, set[int]] = {}  # ... of which the launch is the first to touch
+        heads: dict[int, dict[int, int]] = {}  # ... and of those, the bytes it writes on the GPU
         last_pi: dict[int, int] = {}  # key -> decision point of its last use so far
         cap = self.cap
         cursor = 0
@@ -957,6 +884,7 @@ class Planner:
                         gone_bytes -= size[k]
                     away.discard(k)
                 big = i in oversize
+                headless = big and any(k in size and k not in resident and k in holding for k in rec.uses[i])
                 for k in rec.uses[i]:
                     if k not in size:
                         continue
@@ -979,6 +907,11 @@ class Planner:
                         remote_at.setdefault(i, []).append(k)
                         if k not in holding:
                             fresh.setdefault(i, set()).add(k)
+                            # its first whole blocks that fit the room left stay on the GPU (Plan.remote_head)
+                            later = uses_of[k][ptr.get(k, 0) + 1] if ptr.get(k, 0) + 1 < len(uses_of[k]) else n
+                            head = min(size[k] - PAGE, (cap - used - sum(heads.get(i, {}).values())) // BLOCK * BLOCK)
+                            if head > 0 and later not in oversize and not headless:
+                                heads.setdefault(i, {})[k] = head
                         ptr[k] = ptr.get(k, 0) + 1
                         last_pi[k] = pi
                         holding.add(k)
@@ -1014,7 +947,7 @@ class Planner:
         # ... and what it leaves swapped out, under the keys the next iteration knows them by.
         end_away = {c for c in (rec.carried.get(k, k) for k in away) if c in rec.start_live}
         return (actions, (carried, end_away), stats, {i: tuple(ks) for i, ks in remote_at.items()},
-                frozenset(out), {i: frozenset(ks) for i, ks in fresh.items()})
+                frozenset(out), {i: frozenset(ks) for i, ks in fresh.items()}, heads)
 
     @staticmethod
     def _make_room(heap, resident, used, target, cursor, next_use, pinned, size, out, spare=None) -> int:

@@ -214,7 +214,7 @@ class Runtime(Policy):
         self.counting_launches = False  # acting launch-free, but counting launches for decisions no event precedes
         self.due_event = -1  # the next launch-free event something is due at (-1: none)
         # Acting without launches on a plan whose launch-free clock is not yet confirmed:
-        # this iteration's non-launch events as tokens (see planner.rebase), and the
+        # this iteration's non-launch events as tokens (see launch_free.rebase), and the
         # plan variant's allocation ordinal -> key map (None: ordinals are keys).
         self.event_tokens: list[int] | None = None
         self.token_objects: list[int] = []  # the objects those allocation tokens announced
@@ -517,7 +517,8 @@ class Runtime(Policy):
             if n == self._next_launch and self._mode == "act":
                 self._decide(event)
             if self.oversized and n in self.oversized and self._mode == "act":
-                self._host.map_for_launch(self.oversized[n], self.plan.remote_fresh.get(n, frozenset()))
+                self._host.map_for_launch(self.oversized[n], self.plan.remote_fresh.get(n, frozenset()),
+                                          self.plan.remote_head.get(n))
         elif t is LayerEnter or t is LayerExit:
             n_events = self.n_events
             self.n_events = n_events + 1
