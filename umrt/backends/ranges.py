@@ -8,7 +8,7 @@ them out by overlap in ``O(log n + k)`` for ``k`` intervals touched.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 Range = tuple[int, int]  # (ptr, nbytes), as umrt.backends.base.Range
 
@@ -116,6 +116,16 @@ class RangeSet:
     def remove(self, ptr: int, nbytes: int) -> None:
         """Remove ``[ptr, ptr + nbytes)`` from the set."""
         self.take(ptr, nbytes)
+
+    def add_all(self, ranges: Iterable[Range]) -> None:
+        """Add each ``(ptr, nbytes)`` of ``ranges``."""
+        for ptr, nbytes in ranges:
+            self.add(ptr, nbytes)
+
+    def remove_all(self, ranges: Iterable[Range]) -> None:
+        """Remove each ``(ptr, nbytes)`` of ``ranges``."""
+        for ptr, nbytes in ranges:
+            self.take(ptr, nbytes)
 
     def clear(self) -> None:
         self._starts.clear()

@@ -13,12 +13,12 @@ Why a search. The previous oracle was one plan, the Belady schedule below:
 the fewest bytes moved. umrt beat it in every cell of the bench grid
 (1.14-1.43x its throughput) because time, not traffic, is what counts: that
 plan hoists every prefetch as early as room allows, so the copy queue holds
-far-future objects ahead of the next launch's and compute waits; its
-newborns fault their first pages in; it placed objects with PyTorch's
-caching allocator, whose 2 MB blocks mix lifetimes. umrt's planner moves
-more bytes (104 GB vs 71 GB per GPT-2 XL step on the H100 profile at 20%,
-on the model before the H100 recalibration) but moves each in time for its launch, populates newborns by prefetch, and
-runs on umrt's lifetime-aware pool. The oracle now runs on that pool and
+far-future objects ahead of the next launch's and compute waits; its newborns
+fault their first pages in; it placed objects with PyTorch's caching allocator,
+whose 2 MB blocks mix lifetimes. umrt's planner moves more bytes (104 GB vs 71
+GB per GPT-2 XL step on the H100 profile at 20%, before the H100 recalibration)
+but each in time for its launch, populates newborns, on umrt's lifetime-aware
+pool. The oracle now runs on that pool and
 includes umrt's planner, handed the exact steady iteration from the first
 step (no learning, compute times from the profile), under several settings
 of what the planner leaves open, next to the Belady schedule, which still
@@ -799,16 +799,16 @@ class OraclePolicy(Policy):
                     if r is not None and r not in self._advised.values() and r[1] >= self._least_mapped:
                         keyed.append((k, r))
                 ranges = [r for _, r in keyed]
-                if on_gpu:
-                    self._flush()
-                    self.ctx.backend.prefetch(on_gpu, self.ctx.backend.device)
                 # newborns the launch writes first: their dead pages go to the host without a copy
                 fresh = [x for x in (whole_pages(*r) for k, r in keyed if k in born) if x is not None]
-                if fresh:
+                if fresh or on_gpu:
                     self._flush()
+                if fresh:
                     self.ctx.backend.discard_and_prefetch(fresh, HOST)
-                    for r in fresh:
-                        self._away.add(*r)
+                    self._away.add_all(fresh)
+                if on_gpu:
+                    self.ctx.backend.prefetch(on_gpu, self.ctx.backend.device)
+                    self._away.remove_all(on_gpu)
                 self._advise_set.extend(ranges)
                 self._temp_advised.extend(ranges)
                 self._flush()
@@ -867,21 +867,18 @@ class OraclePolicy(Policy):
             if dead:
                 backend.drop(dead)
                 self.stats["discards"] += len(dead)
-                for r in dead:
-                    self._away.add(*r)
+                self._away.add_all(dead)
         evicts = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.evict) if r is not None]
         out = [x for x in (whole_pages(*r) for r in evicts) if x is not None]
         if out:
             self.ctx.backend.prefetch(out, HOST)
             self.stats["evictions"] += len(out)
-            for r in out:
-                self._away.add(*r)
+            self._away.add_all(out)
         ins = [r for r in (self._range(self.ids.resolve_key(k)) for k in action.prefetch) if r is not None]
         if ins:
             self.ctx.backend.prefetch(ins, self.ctx.backend.device)
             self.stats["prefetches"] += len(ins)
-            for r in ins:
-                self._away.remove(*r)
+            self._away.remove_all(ins)
 
     def _host_map_keys(self, keys) -> None:
         """Keep long-lived objects on the host, read over the link, and move them out now."""
@@ -904,8 +901,7 @@ class OraclePolicy(Policy):
             out = [x for x in (whole_pages(*r) for r in ranges) if x is not None]
             if out:
                 backend.prefetch(out, HOST)
-                for r in out:
-                    self._away.add(*r)
+                self._away.add_all(out)
             self.stats["host_mapped"] += len(ranges)
 
     # -- calls ----------------------------------------------------------------------
@@ -949,8 +945,7 @@ class OraclePolicy(Policy):
             # there is populated first); the belady plan moves their pages out right after
             (backend.drop if self.schedule is not None else backend.discard)(self._discards)
             self.stats["discards"] += len(self._discards)
-            for r in self._discards:
-                self._away.add(*r)
+            self._away.add_all(self._discards)
         if self._advise_unset:
             backend.advise(self._advise_unset, Advice.UNSET_PREFERRED_LOCATION, HOST)
             backend.advise(self._advise_unset, Advice.UNSET_ACCESSED_BY, device)
@@ -961,13 +956,11 @@ class OraclePolicy(Policy):
         if self._evicts or self._releases:
             backend.prefetch(self._releases + self._evicts, HOST)
             self.stats["evictions"] += len(self._evicts)
-            for r in self._releases + self._evicts:
-                self._away.add(*r)
+            self._away.add_all(self._releases + self._evicts)
         if self._prefetches:
             backend.prefetch(self._prefetches, device)
             self.stats["prefetches"] += len(self._prefetches)
-            for r in self._prefetches:
-                self._away.remove(*r)
+            self._away.remove_all(self._prefetches)
         self._discards, self._releases, self._evicts, self._prefetches = [], [], [], []
         self._advise_set, self._advise_unset = [], []
         self._pending_objs = set()

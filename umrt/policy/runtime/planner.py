@@ -135,11 +135,12 @@ class Plan:
     # yet): placed on the host without a copy before it runs, so that its writes go over the
     # link, not into GPU pages it would evict its own reads for.
     remote_fresh: dict[int, frozenset[int]] = field(default_factory=dict)
-    # Per oversized launch, fresh keys whose first bytes it writes on the GPU (key -> bytes, whole
+    # Per oversized launch, the fresh key whose first bytes it writes on the GPU (key -> bytes, whole
     # 2 MB blocks that fit the room left): only the rest crosses the link, out and back for the next
-    # reader (a loss's 1.6 GB gradient, for 0.5 GB missing). Not where the launch reads data over
-    # the link (its pages come and go as it runs), nor where the next launch to touch the key is
-    # itself oversized (it reads the key over the link where it lies: a head would take its room).
+    # reader (a loss's 1.6 GB gradient, for 0.5 GB missing). Only where that key is all the launch
+    # reaches over the link (one that reads data there, or an optimizer's foreach writing many
+    # temporaries, has pages come and go as it runs), and not where the next launch to touch the
+    # key is itself oversized (it reads the key over the link where it lies: a head takes its room).
     remote_head: dict[int, dict[int, int]] = field(default_factory=dict)
     # Acting without launches: (events, running hash) at the iteration's end
     # (None: the record had no launch-free events), and where the runtime must
@@ -884,7 +885,6 @@ class Planner:
                         gone_bytes -= size[k]
                     away.discard(k)
                 big = i in oversize
-                headless = big and any(k in size and k not in resident and k in holding for k in rec.uses[i])
                 for k in rec.uses[i]:
                     if k not in size:
                         continue
@@ -910,7 +910,7 @@ class Planner:
                             # its first whole blocks that fit the room left stay on the GPU (Plan.remote_head)
                             later = uses_of[k][ptr.get(k, 0) + 1] if ptr.get(k, 0) + 1 < len(uses_of[k]) else n
                             head = min(size[k] - PAGE, (cap - used - sum(heads.get(i, {}).values())) // BLOCK * BLOCK)
-                            if head > 0 and later not in oversize and not headless:
+                            if head > 0 and later not in oversize:
                                 heads.setdefault(i, {})[k] = head
                         ptr[k] = ptr.get(k, 0) + 1
                         last_pi[k] = pi
@@ -946,6 +946,7 @@ class Planner:
                    if ev or pf or rd or dr or po]
         # ... and what it leaves swapped out, under the keys the next iteration knows them by.
         end_away = {c for c in (rec.carried.get(k, k) for k in away) if c in rec.start_live}
+        heads = {i: h for i, h in heads.items() if len(remote_at[i]) == 1}  # (see Plan.remote_head)
         return (actions, (carried, end_away), stats, {i: tuple(ks) for i, ks in remote_at.items()},
                 frozenset(out), {i: frozenset(ks) for i, ks in fresh.items()}, heads)
 
