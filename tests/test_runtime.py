@@ -884,3 +884,37 @@ def test_newborns_are_populated_at_a_decision_before_their_birth(monkeypatch):
     assert ahead > 0 and ahead_without == 0
     assert born < born_without
     assert wait < wait_without and took < took_without
+
+
+@pytest.mark.parametrize("rest_mib", [16, 2])
+def test_an_oversized_launch_populates_a_newborns_head_and_maps_only_a_rest_worth_its_advice(rest_mib):
+    """``HostMapper.map_for_launch`` with a head (``Plan.remote_head``): the head is populated on the
+    GPU and only the rest is discarded to the host and host-mapped. A rest under what its advice
+    calls cost (3.2 MiB on the H100) is not mapped, but the head is populated all the same, as the
+    oracle places it."""
+    from umrt.backends.base import HOST, Advice
+    from umrt.backends.ranges import RangeSet
+    from umrt.policy.runtime.host_map import HostMapper
+    from umrt.predict.tables import ObjectKeys
+    from umrt.trace.events import Alloc as AllocEvent
+
+    mib, base = 1 << 20, 1 << 30
+    keys = ObjectKeys()
+    keys.obj_of[5] = 7
+    size = (12 + rest_mib) * mib
+    mapper = HostMapper(keys, {7: AllocEvent(7, size, Kind.ACTIVATION)}, RangeSet(), {"launch_host_mapped_bytes": 0})
+    class Calls(_AllCalls):
+        def discard_and_prefetch(self, ranges, device) -> None:
+            self.calls.append(("discard_and_prefetch", tuple(ranges), device))
+
+    backend = Calls()
+    mapper.connect(backend, lambda obj: base, load_profile("h100-sxm5-80g"))
+    mapper.map_for_launch([5], frozenset({5}), {5: 12 * mib})
+    rest = (base + 12 * mib, rest_mib * mib)
+    expected = [("prefetch", ((base, 12 * mib),), backend.device)]
+    if rest_mib == 16:
+        expected = [("discard_and_prefetch", (rest,), HOST), *expected,
+                    ("advise", (rest,), Advice.SET_PREFERRED_LOCATION, HOST),
+                    ("advise", (rest,), Advice.SET_ACCESSED_BY, backend.device)]
+    assert backend.calls == expected
+    assert mapper.launch_mapped == ([rest] if rest_mib == 16 else [])

@@ -126,17 +126,15 @@ class HostMapper:
             if n >= least:
                 live.append((k, (p, n)))
         ranges = [r for _, r in live]
+        be = self.backend
+        dead = [w for w in (whole_pages(p, n) for k, (p, n) in live if k in fresh) if w is not None]
+        if dead:
+            be.discard_and_prefetch(dead, HOST)
+            self.off_gpu.add_all(dead)
+        if on_gpu:  # (populated whether or not the rest is worth mapping, as the oracle does)
+            be.prefetch(on_gpu, be.device)
+            self.off_gpu.remove_all(on_gpu)
         if ranges:
-            be = self.backend
-            dead = [w for w in (whole_pages(p, n) for k, (p, n) in live if k in fresh) if w is not None]
-            if dead:
-                be.discard_and_prefetch(dead, HOST)
-                for p, n in dead:
-                    self.off_gpu.add(p, n)
-            if on_gpu:
-                be.prefetch(on_gpu, be.device)
-                for p, n in on_gpu:
-                    self.off_gpu.remove(p, n)
             be.advise(ranges, Advice.SET_PREFERRED_LOCATION, HOST)
             be.advise(ranges, Advice.SET_ACCESSED_BY, be.device)
             self.launch_mapped[:] = ranges

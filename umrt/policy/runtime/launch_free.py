@@ -306,11 +306,8 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
                 return None  # a decision before this iteration's first event: keep the old clock
             prev = actions[-1] if actions else None
             if prev is not None and prev.launch_free_at == e:  # two decisions now on one event: one
-                actions[-1] = replace(prev, evict=ordered_union(prev.evict, a.evict),
-                                      prefetch=ordered_union(prev.prefetch, a.prefetch),
-                                      swap_out=ordered_union(prev.swap_out, a.swap_out),
-                                      swap_in=ordered_union(prev.swap_in, a.swap_in), ready=ordered_union(prev.ready, a.ready),
-                                      drop=ordered_union(prev.drop, a.drop), populate=ordered_union(prev.populate, a.populate))
+                merged = ("evict", "prefetch", "swap_out", "swap_in", "ready", "drop", "populate")
+                actions[-1] = replace(prev, **{f: ordered_union(getattr(prev, f), getattr(a, f)) for f in merged})
                 continue
             if prev is not None and prev.launch_free_at > e:
                 return None

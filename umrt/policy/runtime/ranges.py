@@ -139,13 +139,11 @@ def free_blocks(segments: Mapping[int, int], live: Iterable[LiveRecord], off_gpu
     """The ``block``-aligned blocks of ``segments`` (``ptr -> nbytes``) that no ``live`` object
     touches, less what of them is in ``off_gpu``; each range inside one segment (a discard's must)."""
     free = RangeSet()
-    for ptr, nbytes in segments.items():
-        free.add(ptr, nbytes)
+    free.add_all(segments.items())
     for rec in live:
         lo = rec.ptr // block * block
         free.remove(lo, -(-(rec.ptr + rec.nbytes) // block) * block - lo)
-    for ptr, nbytes in off_gpu:
-        free.remove(ptr, nbytes)
+    free.remove_all(off_gpu)
     return [r for ptr, nbytes in sorted(segments.items()) for r in free.take(ptr, nbytes)]
 
 
