@@ -14,7 +14,7 @@ from umrt.policy import POLICY_NAMES, make_policy
 from umrt.sim.bound import LinkBound, link_bound
 from umrt.sim.replay import peak_live_bytes, simulate
 from umrt.testing.synthetic import training_trace
-from umrt.trace.events import Access, Alloc, IterationBoundary, Kind, Launch, Trace, TraceHeader
+from umrt.trace.events import Access, Alloc, Free, IterationBoundary, Kind, Launch, Trace, TraceHeader
 
 MB = 1 << 20
 # Round numbers: migrations at most 8 GiB/s (prefetch and fault path), remote access at 10 GB/s,
@@ -48,6 +48,9 @@ def _assert_no_policy_beats(trace: Trace, profile, budget: str) -> LinkBound:
         result = simulate(trace, policy, profile, budget)
         ref = unlimited if getattr(policy, "unlimited_memory", False) else bound
         assert ref.time_s <= result.iteration_time_s * (1 + 1e-9), (name, budget, ref, result.iteration_time_s)
+        before, last = result.iteration_times_s[-2:]
+        if before <= last * (1 + 1e-9):  # an iteration no shorter than the one before it
+            assert ref.steady_s <= last * (1 + 1e-9), (name, budget, ref, result.iteration_times_s)
         assert ref.ideal_s == pytest.approx(result.ideal_time_s, rel=1e-9)
     return bound
 
@@ -137,6 +140,46 @@ def test_a_value_nobody_reads_costs_nothing():
     assert bound.time_s == bound.ideal_s and bound.h2d_min_bytes == 0
 
 
+def test_an_in_place_update_reads_what_it_writes():
+    # x.mul_(2) on 64 MiB with a 4 MiB budget: the old value is read, 60 MiB come in as for a read
+    update = link_bound(_one_object(Kind.OPTIMIZER_STATE, "aten::mul_.Scalar", Access(0, 0, 64 * MB, True)),
+                        PROFILE, 4 * MB)
+    assert update.h2d_min_bytes == 60 * MB
+    assert update.time_s == pytest.approx(60 * MB / LINK)
+    overwrite = link_bound(_one_object(Kind.OPTIMIZER_STATE, "aten::fill_.Scalar", Access(0, 0, 64 * MB, True)),
+                           PROFILE, 4 * MB)
+    assert overwrite.time_s == overwrite.ideal_s and overwrite.h2d_min_bytes == 0
+
+
+def test_what_the_iteration_before_wrote_must_leave_before_the_room_is_needed():
+    # 32 MiB of state updated in place by an iteration's last launch (3); its first launch writes a
+    # 32 MiB activation that launch 1 reads; launch 2 computes long enough to bring the state back
+    # under it. Budget 40 MiB: 24 MiB of the state have left before launch 1 starts, from the start
+    # of the update in the iteration before at the earliest. That one lasted T' <= T and reached its
+    # update no earlier than c0 + c1 + c2 after it began, so T >= T' - c3 + X + c1 + c2 + c3, with
+    # X the 24 MiB at the fastest rate out: T >= ideal + (X - c0 - c3) / 2. One iteration alone
+    # could start with the state gone: its own bound is the ideal time.
+    events: list = [Alloc(0, 32 * MB, Kind.OPTIMIZER_STATE)]
+    flops = (10**8, 10**8, 10**10, 10**8)
+    for it in range(3):
+        s0 = 4 * it
+        events += [IterationBoundary(it), Alloc(1 + it, 32 * MB, Kind.ACTIVATION, launch=s0),
+                   Launch(s0, 1, "aten::gelu.default", (Access(1 + it, 0, 32 * MB, True),), flops[0], 0),
+                   Launch(s0 + 1, 2, "aten::sum.default", (Access(1 + it, 0, 32 * MB, False),), flops[1], 0),
+                   Free(1 + it),
+                   Launch(s0 + 2, 3, "aten::mm.default", (), flops[2], 0),
+                   Launch(s0 + 3, 4, "aten::mul_.Scalar", (Access(0, 0, 32 * MB, True),), flops[3], 0)]
+    events.append(IterationBoundary(3))
+    trace = Trace(_header(3), events)
+    c = [PROFILE.compute_time(f, 0, "") for f in flops]
+    bound = _assert_no_policy_beats(trace, PROFILE, 40 * MB)
+    assert bound.ideal_s == pytest.approx(sum(c)) and bound.time_s == pytest.approx(bound.ideal_s)
+    assert bound.carried_bytes == 32 * MB
+    x = 24 * MB / PROFILE.fastest_rate("d2h")
+    assert bound.steady_s == pytest.approx(bound.ideal_s + (x - c[0] - c[3]) / 2)
+    assert bound.steady_s > bound.ideal_s + x / 3
+
+
 def test_partial_reads_count_only_the_bytes_read():
     # only the first 16 MiB of a 64 MiB object are read: 12 MiB cannot stay
     bound = link_bound(_one_object(Kind.PARAMETER, "sum", Access(0, 0, 16 * MB, False)), PROFILE, 4 * MB)
@@ -170,6 +213,7 @@ def test_no_registered_policy_beats_the_bound(budget):
     bound = _assert_no_policy_beats(trace, "v100-pcie3-32g", budget)
     if budget == "30%":
         assert bound.time_s > bound.ideal_s  # the case is link-bound: the check is not vacuous
+        assert bound.steady_s > bound.time_s  # and the optimizer's state must leave each step
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -113,6 +113,7 @@ def _print_table(r, bound) -> None:
         ("ideal (unlimited memory)", _seconds(r.ideal_time_s)),
         ("slowdown vs ideal", f"{r.slowdown:.3f}x"),
         ("link bound (no policy is faster)", f"{_seconds(bound.time_s)} ({bound.slowdown:.3f}x ideal)"),
+        ("  in a steady state", f"{_seconds(bound.steady_s)} ({bound.steady_s / bound.ideal_s:.3f}x ideal)"),
         ("  counting copy-back (estimate)", f"{_seconds(bound.conserving_s)} "
                                       f"({bound.conserving_s / bound.ideal_s:.3f}x ideal)"),
         ("  compute", _seconds(r.breakdown['compute_s'])),

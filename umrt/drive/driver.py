@@ -105,6 +105,7 @@ class Driver:
                         self.launches_held_back += 1
                     reads: list[tuple[int, int]] = []
                     writes: list[tuple[int, int]] = []
+                    in_place = ev.updates_in_place  # what it writes it reads first
                     for a in ev.accesses:
                         where = addresses.get(a.obj)
                         if where is None:
@@ -113,6 +114,8 @@ class Driver:
                                                        "which is not live (no Alloc before it)")
                             continue
                         (writes if a.write else reads).append((where[0] + a.offset, a.length))
+                        if in_place and a.write:
+                            reads.append((where[0] + a.offset, a.length))
                     try:
                         backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
                     except DataIntegrityError as exc:

@@ -13,8 +13,9 @@ and its launches ``0 .. n-1``, ``c_i`` each one's roofline compute time
 ``k`` (``0 <= k <= n``) is the instant right after launch ``k-1`` has run,
 before any later event. Follow every *value* (a byte range of an object,
 from the event that gave it data to its next overwrite, free or the end of
-the iteration; read/write ranges are exact, and a launch reads before it
-writes). Take two cuts ``k1 < k2``, a *window*:
+the iteration; read/write ranges are exact, a launch reads before it writes,
+and an in-place update, :attr:`~umrt.trace.events.Launch.updates_in_place`,
+reads what it writes). Take two cuts ``k1 < k2``, a *window*:
 
 * ``A``: bytes of values that exist at cut ``k1`` (written by a launch before
   it, made on the host before it, or carried in from before the iteration)
@@ -84,6 +85,21 @@ durations). Host-to-device bytes move at the fastest rate any path has too
 (a copy-engine copy back, a prefetch, the fault path): what comes back must
 have left first only adds.
 
+Values the iteration *before* wrote (the optimizer's state and parameters,
+updated at the end of a step) must leave too: ``time_s`` does not count them,
+since a policy may have taken them off the GPU before this iteration began,
+at that iteration's cost. :attr:`LinkBound.steady_s` counts them for an
+iteration of length ``T`` that follows one of length ``T' <= T`` (a steady
+state): a value written by launch ``w`` of the one before started to leave no
+earlier than ``R_w - T'`` >= ``R_w - T`` (``R_w``: that iteration's own
+bound on reaching launch ``w``, from its start), and the bytes due by launch
+``i``'s start are now those values still read at or after ``i`` plus this
+iteration's. One queue at the fastest rate, taking the values carried in
+first, gives ``F'_i = G_i - T``; the chains of windows above, started from
+``F'_i + c_i`` instead of ``F_i + c_i``, give ``T >= Q - T`` for their
+longest ``Q`` (max-plus: a chain's length is linear in where it starts). So
+``steady_s = max(time_s, Q / 2, R_n)``.
+
 :attr:`LinkBound.conserving_s` is an older estimate kept for comparison: the
 shared-link windows plus, per window, the bytes written in it and needed after
 it beyond the budget over the link rate (not a bound: a value may still be
@@ -99,7 +115,8 @@ from umrt import hardware
 from umrt.errors import ConfigError, TraceFormatError
 from umrt.hardware import HardwareProfile
 from umrt.sim.budget import resolve_budget
-from umrt.trace.events import Alloc, Free, Launch, Trace
+from umrt.sim.replay import iteration_stream
+from umrt.trace.events import Alloc, Free, IterationBoundary, Launch, Trace
 
 __all__ = ["LinkBound", "link_bound"]
 
@@ -127,6 +144,8 @@ class LinkBound:
     conserving_s: float  # the older estimate with a per-window copy-back term (not a bound)
     leave_launch: int = 0  # the launch whose start the bytes that must leave bound most ...
     leave_s: float = 0.0  # ... at this time: when they can all have left (F_i)
+    steady_s: float = 0.0  # no iteration at least as long as the one before it is shorter (see module docstring)
+    carried_bytes: int = 0  # bytes the iteration before wrote and this one reads
 
     @property
     def slowdown(self) -> float:
@@ -158,10 +177,37 @@ def link_bound(trace: Trace, profile: HardwareProfile | str, budget: int | str, 
     budget_bytes = resolve_budget(budget, trace, budget_base).bytes
     a, b = spans[min(iterations, len(spans)) - 1]
     flow = _value_flow(trace.events[a + 1 : b], profile)
-    return _bound(flow, profile, budget_bytes)
+    return _bound(flow, _carried(trace, spans, iterations, profile, budget_bytes), profile, budget_bytes)[0]
+
+
+def _carried(trace: Trace, spans, iterations: int, profile: HardwareProfile, budget: int) -> _Carried | None:
+    """The values the iteration before the reported one writes and the reported one reads
+    (None when the reported iteration is the first), from the events the simulator replays."""
+    if iterations < 2:
+        return None
+    stream = list(iteration_stream(trace, spans, iterations))
+    marks = [i for i, ev in enumerate(stream) if isinstance(ev, IterationBoundary)]
+    events = stream[marks[-3] + 1 : marks[-1]]
+    n_prev = sum(isinstance(ev, Launch) for ev in stream[marks[-3] + 1 : marks[-2]])
+    both = _value_flow(events, profile)
+    rows = both.wrote[(both.wrote[:, 0] < n_prev) & (both.wrote[:, 1] >= n_prev)]
+    # when the iteration before can reach each launch at the earliest, from its start
+    prev = _value_flow(events[: next(i for i, ev in enumerate(events) if isinstance(ev, IterationBoundary))], profile)
+    reach = _bound(prev, None, profile, budget)[1]
+    return _Carried(rows - np.array([0, n_prev, 0]), reach)
 
 
 # ---------------------------------------------------------------- values
+
+
+@dataclass
+class _Carried:
+    """Values the iteration before wrote and this one reads: rows ``(w, r, bytes)``, launch ``w``
+    of the iteration before wrote a value last read by launch ``r`` of this one; ``before``:
+    the ideal compute before each launch of the iteration before (and its total, last)."""
+
+    wrote: np.ndarray
+    before: np.ndarray
 
 
 @dataclass
@@ -249,8 +295,9 @@ def _value_flow(events, profile: HardwareProfile) -> _Flow:
     i = 0
     for ev in events:
         if isinstance(ev, Launch):
+            in_place = ev.updates_in_place  # its writes are reads first
             for acc in ev.accesses:  # reads first: a launch reads its in-place operands before writing
-                if not acc.write and acc.length > 0:
+                if (in_place or not acc.write) and acc.length > 0:
                     read(acc.obj, acc.offset, acc.offset + acc.length, i)
             for acc in ev.accesses:
                 if acc.write and acc.length > 0:
@@ -283,8 +330,10 @@ def _pieces(s0: int, s1: int, lo: int, hi: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------- the bound
 
 
-def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
-    """The longest chain of windows (a dynamic programme over pairs of cuts), row by row."""
+def _bound(flow: _Flow, carried: _Carried | None, profile: HardwareProfile, budget: int
+           ) -> tuple[LinkBound, np.ndarray]:
+    """The longest chain of windows (a dynamic programme over pairs of cuts), row by row; and
+    per cut, the earliest time from the iteration's start any policy can pass it."""
     c = flow.compute
     n = c.shape[0]
     before = np.concatenate([[0.0], np.cumsum(c)])  # compute before cut k
@@ -294,12 +343,17 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     leave, leave_at, leave_bytes = _leave_times(flow.wrote, before, budget, rate_d)
     ready = np.zeros(n + 1)  # no chain passes cut k earlier: launch k-1 starts after F_{k-1}
     ready[1:] = leave + c
+    # the same for the values the iteration before wrote, from its start (add -T for this one's)
+    ready_carried = np.full(n + 1, -np.inf)
+    if carried is not None and carried.wrote.size:
+        ready_carried[1:] = _carried_leave(carried, flow.wrote, n, budget, rate_d) + c
     link_h, link_d = profile.h2d_bandwidth, profile.d2h_bandwidth  # remote access runs at the link rate
     cap = link_h * c  # remote bytes launch i carries for free under its compute
 
     need, host, wrote, reads = flow.need, flow.host, flow.wrote, flow.reads
     best = np.full(n + 1, -np.inf)  # the bound on the time up to cut k
     best[0] = 0.0
+    best_carried = best.copy()  # the same from ready_carried (max-plus: the bound is linear in it)
     came = np.zeros(n + 1, np.int64)
     shared = np.full(n + 1, -np.inf)  # the same with a shared link
     shared[0] = 0.0
@@ -336,6 +390,7 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         win_excess[k1 + 1 :] = np.where(better, span - comp, win_excess[k1 + 1 :])
         win_free[k1 + 1 :] = np.where(better, free, win_free[k1 + 1 :])
         shared[k1 + 1 :] = np.maximum(shared[k1 + 1 :], max(shared[k1], ready[k1]) + span_s)
+        best_carried[k1 + 1 :] = np.maximum(best_carried[k1 + 1 :], max(best_carried[k1], ready_carried[k1]) + span)
 
     cuts = [n]
     while cuts[-1] > 0:
@@ -344,8 +399,15 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
     windows = list(zip(cuts[:-1], cuts[1:], strict=False))
     excess = [float(win_excess[b]) for _, b in windows]
     a, b = windows[int(np.argmax(excess))] if windows else (0, 0)
+    time_s = max(float(best[n]), float(ready[n]), ideal)
+    # An iteration of length T after one no longer than T: the values carried in may leave from
+    # before[w] - T, so T >= max(time_s, Q - T), Q the bound with ready_carried; at least the
+    # iteration before's compute too (the queue's order above assumes it).
+    q = max(float(best_carried[n]), float(ready_carried[n]))
+    steady = max(time_s, q / 2, float(carried.before[-1])) if carried is not None else time_s
+    reach = np.maximum(np.maximum(best, ready), before)
     return LinkBound(
-        time_s=max(float(best[n]), float(ready[n]), ideal),
+        time_s=time_s,
         ideal_s=ideal,
         at_launch=a,
         window_end=b,
@@ -362,7 +424,9 @@ def _bound(flow: _Flow, profile: HardwareProfile, budget: int) -> LinkBound:
         conserving_s=max(float(shared[n]), float(ready[n]), ideal),
         leave_launch=leave_at,
         leave_s=float(leave[leave_at]) if n else 0.0,
-    )
+        steady_s=steady,
+        carried_bytes=int(carried.wrote[:, 2].sum()) if carried is not None else 0,
+    ), reach
 
 
 def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: float
@@ -391,6 +455,29 @@ def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: flo
         use = (released > 0) & (earlier < due)
         leave[i] = float(np.max(before[:i][use] + (due - earlier[use]) / rate_d))
     return leave, most_at, int(most)
+
+
+def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, rate_d: float) -> np.ndarray:
+    """Per launch ``i``, the earliest time, from the start of the iteration before, by which the
+    bytes due to have left by its start can have (``-inf`` where none need to), taking first the
+    values that iteration wrote (``carried.wrote``), from the start of the launch that wrote
+    each, then this iteration's (``wrote``), which only add once those are all out."""
+    out = np.full(n, -np.inf)
+    cw, cr, cb = carried.wrote[:, 0], carried.wrote[:, 1], carried.wrote[:, 2].astype(np.float64)
+    w, r, nb = wrote[:, 0], wrote[:, 1], wrote[:, 2].astype(np.float64)
+    n_prev = carried.before.shape[0] - 1
+    for i in range(n):
+        live = i <= cr
+        if not live.any():
+            continue
+        released = np.bincount(cw[live], cb[live], minlength=n_prev)
+        due = released.sum() + nb[(w < i) & (i <= r)].sum() - budget
+        if due <= 0:
+            continue
+        earlier = np.cumsum(released) - released
+        use = (released > 0) & (earlier < due)
+        out[i] = float(np.max(carried.before[:-1][use] + (due - earlier[use]) / rate_d))
+    return out
 
 
 def _window(h2d, comp, free, extra, rate_h: float, link_h: float) -> np.ndarray:

@@ -77,6 +77,41 @@ class Launch:
     def writes(self) -> tuple[Access, ...]:
         return tuple(a for a in self.accesses if a.write)
 
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether the launch reads every range it writes before writing it (see :func:`updates_in_place`)."""
+        return updates_in_place(self.op)
+
+
+# In-place elementwise updates: ``x.mul_(y)``, ``torch._foreach_lerp_(xs, ys, w)``. The recorder
+# marks an operand the schema says is mutated as written only; these ops read it too.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "addcdiv", "addcmul", "ceil", "clamp", "clamp_max", "clamp_min", "cos", "div", "elu", "erf",
+    "exp", "expm1", "floor", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "lerp", "log",
+    "log1p", "maximum", "minimum", "mul", "nan_to_num", "neg", "pow", "reciprocal", "relu", "round", "rsqrt",
+    "sigmoid", "sign", "silu", "sin", "sqrt", "square", "sub", "tanh", "threshold", "trunc",
+})
+# Fused optimizer steps and mixed precision's unscaling: every operand they mutate they read.
+_FUSED_UPDATES = frozenset({
+    "_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_",
+    "_amp_foreach_non_finite_check_and_unscale_", "_amp_update_scale_",
+})
+
+
+def updates_in_place(op: str) -> bool:
+    """Whether a launch of aten op ``op`` reads every range it writes before writing it.
+
+    True for in-place elementwise updates (``aten::mul_.Tensor``,
+    ``aten::_foreach_lerp_.Scalar``) and fused optimizer steps: the data they
+    write over is live. False for everything else, which may overwrite what it
+    writes (``copy_``, ``fill_``, ``zero_``, a new output), write part of the
+    span it touches (``index_put_``), or ignore it (``addmm_`` with ``beta=0``).
+    """
+    base = op.rpartition("::")[2].partition(".")[0]
+    if base in _FUSED_UPDATES:
+        return True
+    return base.endswith("_") and base[:-1].removeprefix("_foreach_") in _ELEMENTWISE
+
 
 @dataclass(frozen=True, slots=True)
 class Alloc:
