@@ -93,8 +93,10 @@ def test_input_made_on_the_host_every_iteration_crosses_even_with_memory_to_spar
 
 def test_overwritten_bytes_are_not_needed_and_written_ones_are():
     # launch 0 (1 ms) overwrites [0, 48) MiB of a 64 MiB host object; launch 1 (1 ms) reads [32, 64).
-    # Before launch 0 only [48, 64) is needed (16 MiB, hidden under 2 ms of compute); before
-    # launch 1, [32, 64) is (32 MiB, 28 MiB over the budget): the bound is 1 ms + 28 MiB / 10 GB/s.
+    # Before launch 0 only [48, 64) is needed (16 MiB, hidden under 2 ms of compute); while it
+    # runs, 12 MiB of the [32, 48) it writes do not fit and leave (written over the link or
+    # evicted), 1.26 ms at the fastest rate out; before launch 1, [32, 64) is needed (32 MiB, 28
+    # MiB over the budget): the bound is 12 MiB / 10 GB/s + 28 MiB / 10 GB/s.
     events: list = [Alloc(0, 64 * MB, Kind.ACTIVATION)]
     for it in range(3):
         events += [IterationBoundary(it),
@@ -104,7 +106,8 @@ def test_overwritten_bytes_are_not_needed_and_written_ones_are():
     bound = link_bound(Trace(_header(3), events), PROFILE, 4 * MB)
     assert bound.at_launch == 1 and bound.h2d_min_bytes == 28 * MB
     assert bound.d2h_min_bytes == 16 * MB - 4 * MB  # written and still needed: [32, 48) MiB
-    assert bound.time_s == pytest.approx(1e-3 + 28 * MB / LINK)
+    assert bound.time_s == pytest.approx(12 * MB / PROFILE.fastest_rate("d2h") + 28 * MB / LINK)
+    assert PROFILE.fastest_rate("d2h") == LINK and 12 * MB / LINK > 1e-3  # the leaving, not launch 0, ends it
     assert bound.cuts == (0, 1, 2) and bound.window_end == 2
     # with the copy-back term: 12 MiB must leave in the first window, 28 MiB come in during the second
     assert bound.conserving_s == pytest.approx(12 * MB / LINK + 28 * MB / LINK)

@@ -81,7 +81,12 @@ earliest ``before[w]``, its ideal compute before it), finishes ``D_i`` bytes
 taking the earliest first. Cut ``i + 1`` comes at least ``c_i`` after launch
 ``i`` starts, so every chain of windows passes cut ``k`` no earlier than
 ``F_{k-1} + c_{k-1}``, and the windows after it add to that (they bound
-durations). Host-to-device bytes move at the fastest rate any path has too
+durations). While launch ``i`` runs, what it writes and a later launch reads
+needs room as well as what it reads (a kernel's pages are not freed under
+it): with ``V_i`` those bytes and ``W_i``'s, ``max(0, V_i - B)`` have crossed
+(left before, evicted or written over the link) by the time it ends, ``E_i``
+by the same queue, so chains pass cut ``i + 1`` no earlier than ``E_i``
+either. Host-to-device bytes move at the fastest rate any path has too
 (a copy-engine copy back, a prefetch, the fault path): what comes back must
 have left first only adds.
 
@@ -95,9 +100,10 @@ earlier than ``R_w - T'`` >= ``R_w - T`` (``R_w``: that iteration's own
 bound on reaching launch ``w``, from its start), and the bytes due by launch
 ``i``'s start are now those values still read at or after ``i`` plus this
 iteration's. One queue at the fastest rate, taking the values carried in
-first, gives ``F'_i = G_i - T``; the chains of windows above, started from
-``F'_i + c_i`` instead of ``F_i + c_i``, give ``T >= Q - T`` for their
-longest ``Q`` (max-plus: a chain's length is linear in where it starts). So
+first, gives ``F'_i = G_i - T`` (and ``E'_i`` alike); the chains of
+windows above, started from ``max(F'_i + c_i, E'_i)`` instead, give
+``T >= Q - T`` for their longest ``Q`` (max-plus: a chain's length is linear
+in where it starts). So
 ``steady_s = max(time_s, Q / 2, R_n)``.
 
 :attr:`LinkBound.conserving_s` is an older estimate kept for comparison: the
@@ -342,11 +348,12 @@ def _bound(flow: _Flow, carried: _Carried | None, profile: HardwareProfile, budg
     rate_d = profile.fastest_rate("d2h")
     leave, leave_at, leave_bytes = _leave_times(flow.wrote, before, budget, rate_d)
     ready = np.zeros(n + 1)  # no chain passes cut k earlier: launch k-1 starts after F_{k-1}
-    ready[1:] = leave + c
+    ready[1:] = np.maximum(leave + c, _leave_times(flow.wrote, before, budget, rate_d, during=True)[0])
     # the same for the values the iteration before wrote, from its start (add -T for this one's)
     ready_carried = np.full(n + 1, -np.inf)
     if carried is not None and carried.wrote.size:
-        ready_carried[1:] = _carried_leave(carried, flow.wrote, n, budget, rate_d) + c
+        ready_carried[1:] = np.maximum(_carried_leave(carried, flow.wrote, n, budget, rate_d) + c,
+                                       _carried_leave(carried, flow.wrote, n, budget, rate_d, during=True))
     link_h, link_d = profile.h2d_bandwidth, profile.d2h_bandwidth  # remote access runs at the link rate
     cap = link_h * c  # remote bytes launch i carries for free under its compute
 
@@ -429,11 +436,12 @@ def _bound(flow: _Flow, carried: _Carried | None, profile: HardwareProfile, budg
     ), reach
 
 
-def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: float
+def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: float, during: bool = False
                  ) -> tuple[np.ndarray, int, int]:
     """``F_i`` for each launch ``i`` (module docstring): the earliest time by which the bytes
     written before launch ``i``, read by it or later and over the budget can all have left
     the GPU; then the launch where the most bytes must have left, and how many.
+    ``during``: ``E_i`` instead, the same with what launch ``i`` writes and a later launch reads.
 
     ``wrote`` rows are ``(w, r, bytes)``: launch ``w`` wrote a value last read by launch ``r``.
     """
@@ -441,11 +449,11 @@ def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: flo
     leave = np.zeros(n)
     most, most_at = 0.0, 0
     w, r, nb = wrote[:, 0], wrote[:, 1], wrote[:, 2].astype(np.float64)
-    for i in range(1, n):
-        live = (w < i) & (i <= r)
+    for i in range(n):
+        live = ((w <= i) if during else (w < i)) & (i <= r)
         if not live.any():
             continue
-        released = np.bincount(w[live], nb[live], minlength=n)[:i]  # bytes that may leave from before[w]
+        released = np.bincount(w[live], nb[live], minlength=n)[: i + 1]  # bytes that may leave from before[w]
         due = released.sum() - budget
         if due <= 0:
             continue
@@ -453,15 +461,16 @@ def _leave_times(wrote: np.ndarray, before: np.ndarray, budget: int, rate_d: flo
             most, most_at = due, i
         earlier = np.cumsum(released) - released  # released before launch w's
         use = (released > 0) & (earlier < due)
-        leave[i] = float(np.max(before[:i][use] + (due - earlier[use]) / rate_d))
+        leave[i] = float(np.max(before[: i + 1][use] + (due - earlier[use]) / rate_d))
     return leave, most_at, int(most)
 
 
-def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, rate_d: float) -> np.ndarray:
+def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, rate_d: float,
+                   during: bool = False) -> np.ndarray:
     """Per launch ``i``, the earliest time, from the start of the iteration before, by which the
-    bytes due to have left by its start can have (``-inf`` where none need to), taking first the
-    values that iteration wrote (``carried.wrote``), from the start of the launch that wrote
-    each, then this iteration's (``wrote``), which only add once those are all out."""
+    bytes due to have left by its start (``during``: its end) can have (``-inf`` where none need
+    to), taking first the values that iteration wrote (``carried.wrote``), from the start of the
+    launch that wrote each, then this iteration's (``wrote``), which only add once those are out."""
     out = np.full(n, -np.inf)
     cw, cr, cb = carried.wrote[:, 0], carried.wrote[:, 1], carried.wrote[:, 2].astype(np.float64)
     w, r, nb = wrote[:, 0], wrote[:, 1], wrote[:, 2].astype(np.float64)
@@ -471,7 +480,7 @@ def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, ra
         if not live.any():
             continue
         released = np.bincount(cw[live], cb[live], minlength=n_prev)
-        due = released.sum() + nb[(w < i) & (i <= r)].sum() - budget
+        due = released.sum() + nb[((w <= i) if during else (w < i)) & (i <= r)].sum() - budget
         if due <= 0:
             continue
         earlier = np.cumsum(released) - released
