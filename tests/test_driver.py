@@ -103,6 +103,9 @@ class ContentsBackend(LoggingBackend):
     def mark_dead(self, ranges):
         self.log.append(("backend.dead", tuple(ranges)))
 
+    def check_defined(self, ranges):
+        self.log.append(("backend.check_defined", tuple(ranges)))
+
     def counters(self):
         self.log.append(("backend.counters",))
         return {"time_s": 0.0}
@@ -218,6 +221,26 @@ def test_a_lost_write_names_the_launch_and_the_policy():
     with pytest.raises(DataIntegrityError, match=r"launch #0 aten::mm.default in m reading object\(s\) 1, "
                                                  r"under policy 'logging'"):
         driver.feed_all(EVENTS)
+
+
+@pytest.mark.parametrize("op, lost", [("aten::mul_.Scalar", True), ("aten::_foreach_lerp_.Scalar", True),
+                                      ("aten::fill_.Scalar", False), ("aten::mul.Tensor", False)])
+def test_an_in_place_update_of_memory_that_holds_nothing_is_a_lost_read(op, lost):
+    """A kernel's newborn, never written, then updated in place (x.mul_(2) reads x): the simulator
+    says which launch read nothing. An overwrite (fill_) or an out-of-place op reads nothing there."""
+    profile = load_profile("h100-pcie5-80g")
+    policy = make_policy("um")
+    backend = SimBackend(profile, 1 << 30)
+    layout = policy.make_layout(backend)
+    policy.attach(PolicyContext(backend, layout, 1 << 30, profile))
+    driver = Driver(policy, layout, backend, profile=profile, strict=True)
+    events = [IterationBoundary(0), Alloc(1, 1 << 20, Kind.OPTIMIZER_STATE, launch=0),
+              Launch(0, 1, op, (Access(1, 0, 1 << 20, True),), 10**6, 0), IterationBoundary(1)]
+    if not lost:
+        driver.feed_all(events)
+        return
+    with pytest.raises(DataIntegrityError, match=rf"launch #0 {op} in top level reading object\(s\) 1, "):
+        driver.feed_all(events)
 
 
 def test_iteration_figures_of_a_simulated_run():

@@ -139,6 +139,10 @@ class SimulatedContents(Protocol):
     def mark_dead(self, ranges: Sequence[Range]) -> None:
         """``ranges`` were freed: their contents need not be kept."""
 
+    def check_defined(self, ranges: Sequence[Range]) -> None:
+        """A kernel is about to read ``ranges`` (an in-place update, which the ranges a launch
+        reads do not name): raise :class:`~umrt.errors.DataIntegrityError` where one holds no data."""
+
     def counters(self) -> dict:
         """Cumulative counters (simulated time, bytes moved, faults ...)."""
 

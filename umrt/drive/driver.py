@@ -114,9 +114,9 @@ class Driver:
                                                        "which is not live (no Alloc before it)")
                             continue
                         (writes if a.write else reads).append((where[0] + a.offset, a.length))
-                        if in_place and a.write:
-                            reads.append((where[0] + a.offset, a.length))
                     try:
+                        if in_place and contents is not None:
+                            contents.check_defined(writes)
                         backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
                     except DataIntegrityError as exc:
                         raise self._explain(exc, ev) from None
@@ -181,6 +181,6 @@ class Driver:
         return self.phases[: max(0, len(self.marks) - 1)]
 
     def _explain(self, exc: DataIntegrityError, ev: Launch) -> DataIntegrityError:
-        objs = ", ".join(str(a.obj) for a in ev.accesses if not a.write)
+        objs = ", ".join(str(a.obj) for a in ev.accesses if not a.write or ev.updates_in_place)
         return DataIntegrityError(f"{exc}; launch #{ev.seq} {ev.op} in {ev.module or 'top level'} reading "
                                   f"object(s) {objs}, under policy {self.policy.name!r}")

@@ -332,6 +332,10 @@ class SimBackend(Backend):
         self.engine.host_write(lo, hi)
         self.contents.write(ranges)
 
+    def check_defined(self, ranges: Sequence[Range]) -> None:
+        """A kernel is about to read ``ranges``: each must hold data."""
+        self.contents.launch(ranges, ())
+
     def mark_dead(self, ranges: Sequence[Range]) -> None:
         """A freed object: its bytes are undefined until written again.
 
