@@ -223,17 +223,22 @@ def test_a_lost_write_names_the_launch_and_the_policy():
         driver.feed_all(EVENTS)
 
 
+def _simulated_driver(budget: int) -> Driver:
+    """Plain Unified Memory on the simulator (h100-pcie5-80g) with ``budget`` bytes, strict."""
+    profile = load_profile("h100-pcie5-80g")
+    policy = make_policy("um")
+    backend = SimBackend(profile, budget)
+    layout = policy.make_layout(backend)
+    policy.attach(PolicyContext(backend, layout, budget, profile))
+    return Driver(policy, layout, backend, profile=profile, strict=True)
+
+
 @pytest.mark.parametrize("op, lost", [("aten::mul_.Scalar", True), ("aten::_foreach_lerp_.Scalar", True),
                                       ("aten::fill_.Scalar", False), ("aten::mul.Tensor", False)])
 def test_an_in_place_update_of_memory_that_holds_nothing_is_a_lost_read(op, lost):
     """A kernel's newborn, never written, then updated in place (x.mul_(2) reads x): the simulator
     says which launch read nothing. An overwrite (fill_) or an out-of-place op reads nothing there."""
-    profile = load_profile("h100-pcie5-80g")
-    policy = make_policy("um")
-    backend = SimBackend(profile, 1 << 30)
-    layout = policy.make_layout(backend)
-    policy.attach(PolicyContext(backend, layout, 1 << 30, profile))
-    driver = Driver(policy, layout, backend, profile=profile, strict=True)
+    driver = _simulated_driver(1 << 30)
     events = [IterationBoundary(0), Alloc(1, 1 << 20, Kind.OPTIMIZER_STATE, launch=0),
               Launch(0, 1, op, (Access(1, 0, 1 << 20, True),), 10**6, 0), IterationBoundary(1)]
     if not lost:
@@ -246,12 +251,7 @@ def test_an_in_place_update_of_memory_that_holds_nothing_is_a_lost_read(op, lost
 def test_iteration_figures_of_a_simulated_run():
     """Marks, peaks and the ideal time per iteration: what simulate() and shadow mode report."""
     trace = training_trace(layers=4, steps=3)
-    profile = load_profile("h100-pcie5-80g")
-    policy = make_policy("um")
-    backend = SimBackend(profile, 1 << 34)
-    layout = policy.make_layout(backend)
-    policy.attach(PolicyContext(backend, layout, 1 << 34, profile))
-    driver = Driver(policy, layout, backend, profile=profile, strict=True)
+    driver = _simulated_driver(1 << 34)
     driver.feed_all(trace.events)
     boundaries = sum(isinstance(e, IterationBoundary) for e in trace.events)
     assert len(driver.marks) == boundaries and len(driver.peaks) == boundaries - 1
