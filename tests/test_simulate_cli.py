@@ -52,9 +52,11 @@ def test_the_link_bound_comes_with_the_result(capsys, trace_file):
     bound = data["link_bound"]
     assert bound["ideal_s"] == pytest.approx(data["ideal_time_s"])
     assert data["ideal_time_s"] <= bound["time_s"] <= data["iteration_time_s"]
+    assert bound["time_s"] <= bound["steady_s"] <= data["iteration_time_s"]
     assert bound["budget_bytes"] == data["budget_bytes"] and bound["launches"] == 6
     assert main(["simulate", str(trace_file), "--budget", "50%"]) == 0
-    assert "link bound" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "link bound" in out and "in a steady state" in out
 
 
 def test_budget_and_iterations_change_the_result(capsys, trace_file):
