@@ -318,9 +318,7 @@ def rebase(plan: Plan, tokens: Sequence[int], min_match: float = 0.8) -> Plan | 
     for e, (launches, _) in plan.launch_free_resume.items():
         f = moved(e)
         resume[f] = (launches, hashes[f]) if f >= 0 else (0, 0)
-    return replace(plan, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
-                   tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
-                   _hashes=hashes, _shape_hashes=None, _alloc_sizes=None, _ordinal_of=None)
+    return plan.on_events(actions, resume, tokens, keymap, hashes)
 
 
 def _alloc_ordinals(tokens: Sequence[int]) -> dict[int, int]:

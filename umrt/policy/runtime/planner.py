@@ -163,6 +163,15 @@ class Plan:
     _alloc_sizes: list[int] | None = field(default=None, repr=False, compare=False)
     _ordinal_of: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
+    def on_events(self, actions: list[Action], resume: dict[int, tuple[int, int]], tokens: Sequence[int],
+                  keymap: Sequence[int], hashes: list[int]) -> Plan:
+        """These decisions placed on another iteration's non-launch events ``tokens`` (whose
+        running hashes are ``hashes``; see ``launch_free.rebase``): what is derived from the
+        events starts afresh."""
+        return replace(self, actions=actions, launch_free_end=(len(tokens), hashes[-1]), launch_free_resume=resume,
+                       tokens=tuple(tokens), keymap=tuple(keymap), launch_free_variant=None, _launch_free_index=None,
+                       _hashes=hashes, _shape_hashes=None, _alloc_sizes=None, _ordinal_of=None)
+
     def newborns(self, keys: Sequence[int]) -> list[tuple[int, int]]:
         """``(ordinal, nbytes)`` of the allocations ``keys`` name in an iteration of this shape."""
         sizes = self._alloc_sizes
