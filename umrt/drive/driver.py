@@ -105,7 +105,6 @@ class Driver:
                         self.launches_held_back += 1
                     reads: list[tuple[int, int]] = []
                     writes: list[tuple[int, int]] = []
-                    in_place = ev.updates_in_place  # what it writes it reads first
                     for a in ev.accesses:
                         where = addresses.get(a.obj)
                         if where is None:
@@ -115,7 +114,7 @@ class Driver:
                             continue
                         (writes if a.write else reads).append((where[0] + a.offset, a.length))
                     try:
-                        if in_place and contents is not None:
+                        if contents is not None and writes and ev.updates_in_place:  # it reads them first
                             contents.check_defined(writes)
                         backend.launch(reads, writes, ev.flops, ev.bytes, ev.precision)
                     except DataIntegrityError as exc:

@@ -22,6 +22,7 @@ appear: the recorder resolves them to their storage plus a byte offset.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ _FUSED_UPDATES = frozenset({
 })
 
 
+@functools.lru_cache(maxsize=4096)
 def updates_in_place(op: str) -> bool:
     """Whether a launch of aten op ``op`` reads every range it writes before writing it.
 
