@@ -82,8 +82,8 @@ taking the earliest first. Cut ``i + 1`` comes at least ``c_i`` after launch
 ``i`` starts, so every chain of windows passes cut ``k`` no earlier than
 ``F_{k-1} + c_{k-1}``, and the windows after it add to that (they bound
 durations). While launch ``i`` runs, what it writes and a later launch reads
-needs room as well as what it reads (a kernel's pages are not freed under
-it): with ``V_i`` those bytes and ``W_i``'s, ``max(0, V_i - B)`` have crossed
+needs room as well as what it reads (the simulator frees none of a kernel's
+pages under it; one it evicts to fault another in crosses the link): with ``V_i`` those bytes and ``W_i``'s, ``max(0, V_i - B)`` have crossed
 (left before, evicted or written over the link) by the time it ends, ``E_i``
 by the same queue, so chains pass cut ``i + 1`` no earlier than ``E_i``
 either. Host-to-device bytes move at the fastest rate any path has too
@@ -209,11 +209,12 @@ def _carried(trace: Trace, spans, iterations: int, profile: HardwareProfile, bud
 @dataclass
 class _Carried:
     """Values the iteration before wrote and this one reads: rows ``(w, r, bytes)``, launch ``w``
-    of the iteration before wrote a value last read by launch ``r`` of this one; ``before``:
-    the ideal compute before each launch of the iteration before (and its total, last)."""
+    of the iteration before wrote a value last read by launch ``r`` of this one; ``reach``:
+    per cut of the iteration before, the earliest any policy passes it, from that iteration's
+    start (its own bound; the last, its length at least)."""
 
     wrote: np.ndarray
-    before: np.ndarray
+    reach: np.ndarray
 
 
 @dataclass
@@ -407,11 +408,11 @@ def _bound(flow: _Flow, carried: _Carried | None, profile: HardwareProfile, budg
     excess = [float(win_excess[b]) for _, b in windows]
     a, b = windows[int(np.argmax(excess))] if windows else (0, 0)
     time_s = max(float(best[n]), float(ready[n]), ideal)
-    # An iteration of length T after one no longer than T: the values carried in may leave from
-    # before[w] - T, so T >= max(time_s, Q - T), Q the bound with ready_carried; at least the
-    # iteration before's compute too (the queue's order above assumes it).
+    # An iteration of length T after one of length T' <= T: the values carried in may leave from
+    # reach[w] - T' >= reach[w] - T, so T >= max(time_s, Q - T), Q the bound with ready_carried;
+    # and T >= T' >= reach[n], which the queue's order above assumes (those values leave first).
     q = max(float(best_carried[n]), float(ready_carried[n]))
-    steady = max(time_s, q / 2, float(carried.before[-1])) if carried is not None else time_s
+    steady = max(time_s, q / 2, float(carried.reach[-1])) if carried is not None else time_s
     reach = np.maximum(np.maximum(best, ready), before)
     return LinkBound(
         time_s=time_s,
@@ -469,12 +470,13 @@ def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, ra
                    during: bool = False) -> np.ndarray:
     """Per launch ``i``, the earliest time, from the start of the iteration before, by which the
     bytes due to have left by its start (``during``: its end) can have (``-inf`` where none need
-    to), taking first the values that iteration wrote (``carried.wrote``), from the start of the
-    launch that wrote each, then this iteration's (``wrote``), which only add once those are out."""
+    to), taking first the values that iteration wrote (``carried.wrote``), each from when that
+    iteration can reach the launch that wrote it (``carried.reach``), then this iteration's
+    (``wrote``), which only add once those are out."""
     out = np.full(n, -np.inf)
     cw, cr, cb = carried.wrote[:, 0], carried.wrote[:, 1], carried.wrote[:, 2].astype(np.float64)
     w, r, nb = wrote[:, 0], wrote[:, 1], wrote[:, 2].astype(np.float64)
-    n_prev = carried.before.shape[0] - 1
+    n_prev = carried.reach.shape[0] - 1
     for i in range(n):
         live = i <= cr
         if not live.any():
@@ -485,7 +487,7 @@ def _carried_leave(carried: _Carried, wrote: np.ndarray, n: int, budget: int, ra
             continue
         earlier = np.cumsum(released) - released
         use = (released > 0) & (earlier < due)
-        out[i] = float(np.max(carried.before[:-1][use] + (due - earlier[use]) / rate_d))
+        out[i] = float(np.max(carried.reach[:-1][use] + (due - earlier[use]) / rate_d))
     return out
 
 
