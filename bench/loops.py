@@ -22,7 +22,8 @@ plain UM's same iteration. Every figure is simulated.
 default) larger, so that memory pressure is realistic; ``--size long`` runs hf-style for 47 steps,
 its shapes never repeating (the others as bench). ``--layout caching`` runs umrt over PyTorch's
 caching allocator's layout instead of its own pool (what a live run has), to weigh what the pool's
-layout gains or loses on each loop.
+layout gains or loses on each loop. A loop the simulator cannot take at that memory (less than one
+fault batch needs) is named with the reason and skipped; the exit status is then 2.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from unittest import mock
 
 from umrt.capture import StopRecording
 from umrt.capture.recorder import script_recorder
+from umrt.errors import ConfigError
 from umrt.hardware import HardwareProfile, load_profile
 from umrt.phase_report import PHASE_LABELS, RunFigures, live_run, named_iterations, replay_run, steady_skip
 from umrt.policy import make_policy
@@ -232,13 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(wanted) - {loop.name for loop in LOOPS}:
         parser.error(f"unknown loop(s): {', '.join(sorted(unknown))}")
     warm_up()
-    results = {}
+    results, failed = {}, []
     for loop in (lp for lp in LOOPS if lp.name in wanted):
         print(f"{loop.name}: recording {loop.script} {' '.join(loop.args(args.size))}", file=sys.stderr)
         recording = record(loop, args.size)
         print(f"{loop.name}: {len(recording.trace.iteration_spans())} iterations; simulating", file=sys.stderr)
-        res = results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
+        try:
+            res = results[loop.name] = measure(recording, args.profile, args.gpu_memory, args.layout)
+        except ConfigError as exc:  # e.g. less GPU memory than one fault batch takes
+            print(f"{loop.name}: not simulated at {args.gpu_memory}: {exc}", file=sys.stderr)
+            failed.append(loop.name)
+            continue
         print(f"{loop.name}: simulated at {res['budget_bytes'] / 2**20:.1f} MiB ({args.gpu_memory})", file=sys.stderr)
+    if not results:
+        return 2
     print(render(results, args.size, args.profile, args.gpu_memory, args.layout))
     missed = {name: check(r) for name, r in results.items()}
     for name, problems in missed.items():
@@ -247,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(
             {name: {"layout": args.layout, "runs": [r.to_json() for r in res["runs"]], "missed": missed[name],
                     "runtime_phases": res["runtime"].get("phases")} for name, res in results.items()}, indent=1))
+    if failed:
+        return 2
     return 1 if args.check_targets and any(missed.values()) else 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench import loops
 from bench.loops import LOOPS, drive, record, render, resumed_after_evaluation
 from umrt.hardware import load_profile
 from umrt.memory.caching import CachingAllocatorLayout
@@ -72,6 +73,14 @@ def _trace(name: str):
     if name not in _traces:
         _traces[name] = record(next(loop for loop in LOOPS if loop.name == name), "ci")
     return _traces[name]
+
+
+def test_memory_too_small_to_simulate_is_named_not_a_traceback(monkeypatch, capsys):
+    """At 50% of its small footprint (2 MiB) lightning-style's ci size cannot hold one fault batch."""
+    monkeypatch.setattr(loops, "record", lambda loop, size: _trace(loop.name))
+    assert loops.main(["--loops", "lightning-style", "--size", "ci", "--gpu-memory", "50%"]) == 2
+    err = capsys.readouterr().err
+    assert "lightning-style: not simulated at 50%: GPU memory budget" in err and "one fault batch" in err
 
 
 @pytest.mark.parametrize("name", [loop.name for loop in LOOPS])
