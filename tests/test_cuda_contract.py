@@ -511,6 +511,17 @@ def test_reading_discarded_bytes_is_lost_data(rt):
     assert gpu.dead_bytes() == 0
 
 
+def test_a_kernel_touches_each_page_once_however_its_ranges_overlap(rt):
+    """Overlapping and repeated ranges of one kernel fault each page in once (its pages are
+    walked once, in address order), and a later kernel faults none of them again."""
+    gpu = rt.gpu
+    ptr, _ = _setup(rt)
+    gpu.kernel(0, reads=[(ptr + 2 * PAGE, PAGE), (ptr, 2 * PAGE), (ptr, 10)], writes=[(ptr + PAGE, 2 * PAGE)])
+    assert gpu.faults["first-touch"] == 3
+    gpu.kernel(0, reads=[(ptr + 5 * PAGE, PAGE)], writes=[(ptr, 3 * PAGE), (ptr + 4 * PAGE, 2 * PAGE)])
+    assert gpu.faults["first-touch"] == 5
+
+
 def test_a_discarded_page_needs_a_prefetch_ordered_before_its_kernel(rt):
     gpu = rt.gpu
     ptr, side = _setup(rt)
