@@ -486,9 +486,7 @@ class SwapPath:
     # -- hooks into the rest of the fake -----------------------------------------------
     def swap_check_move(self, op: Op, index: int, discard: bool) -> None:
         """A migration or discard of page ``index``: a discard must come after the page's copy out."""
-        if not discard:
-            return
-        out = self.swap.copied_out.get(index)
+        out = self.swap.copied_out.get(index) if discard else None
         if out is not None and op.vc.get(out.stream, 0) < out.seq:
             self._violate("discard-before-copy-out", f"{op} discards page {index * PAGE:#x} while {out}, which "
                                                      "copies it out, is not ordered before it")
@@ -823,16 +821,38 @@ class FakeGpu(SwapPath):
                        discard=discard)
 
     def _move(self, op: Op, ranges: list[tuple[int, int]], dest: str | None, discard: bool) -> None:
+        """Check, then apply, one migration or discard of every 64 KiB page of ``ranges``
+        (``ordered`` inlined: this loop runs per page)."""
+        vc, pages = op.vc, self._pages
+        mine = "discarded" if dest is None else dest
+        # A prefetch *to* the GPU cannot take a page from a GPU kernel (accesses stay coherent
+        # during a migration, header line 7127), so only evictions and discards must wait.
+        evicts = discard or dest == "host"
         for ptr, n in ranges:
             if discard:
                 # The driver may drop whole CPU pages around the range's ends.
                 start, end = ptr // CPU_PAGE * CPU_PAGE, -(-(ptr + n) // CPU_PAGE) * CPU_PAGE
                 self._dead.add(start, end)
             for i in range(ptr // PAGE, -(-(ptr + n) // PAGE)):
-                page = self._pages.get(i)
+                page = pages.get(i)
                 if page is None:
-                    page = self._pages[i] = _Page()
-                self._check_move(op, i, page, dest, discard)
+                    page = pages[i] = _Page()
+                if discard:
+                    self.swap_check_move(op, i, discard)
+                if evicts:
+                    for k in page.uses.values():
+                        if vc.get(k.stream, 0) < k.seq:
+                            self._violate("migrated-in-use", f"{op} moves page {i * PAGE:#x} while {k}, which "
+                                                             "touches it, is queued and not ordered before it")
+                done = page.discard_op
+                if done is not None and vc.get(done.stream, 0) < done.seq:
+                    self._violate("discard-race", f"{op} touches page {i * PAGE:#x} while {done} may still run")
+                last = page.last_move
+                if last is not None and last[0] is not done:  # (checked just above)
+                    prev = last[0]
+                    if (discard or last[1] != mine) and vc.get(prev.stream, 0) < prev.seq:
+                        self._violate("migration-race" if not discard else "discard-race",
+                                      f"{op} and {prev} both move page {i * PAGE:#x} and are not ordered")
                 if discard:
                     page.discard_op, page.revive_op = op, None
                     page.discarded, page.loc = True, None
@@ -842,26 +862,7 @@ class FakeGpu(SwapPath):
                     page.loc = "gpu"
                 elif dest == "host":
                     page.loc = "host"
-                page.last_move = (op, "discarded" if dest is None else dest)
-
-    def _check_move(self, op: Op, index: int, page: _Page, dest: str | None, discard: bool) -> None:
-        self.swap_check_move(op, index, discard)
-        vc = op.vc  # (``ordered`` inlined: this runs per 64 KiB page)
-        # A prefetch *to* the GPU cannot take a page from a GPU kernel (accesses stay coherent
-        # during a migration, header line 7127), so only evictions and discards must wait.
-        for k in (page.uses.values() if discard or dest == "host" else ()):
-            if vc.get(k.stream, 0) < k.seq:
-                self._violate("migrated-in-use", f"{op} moves page {index * PAGE:#x} while {k}, which touches it, "
-                                                 "is queued and not ordered before it")
-        done = page.discard_op
-        if done is not None and vc.get(done.stream, 0) < done.seq:
-            self._violate("discard-race", f"{op} touches page {index * PAGE:#x} while {done} may still run")
-        if page.last_move is not None and page.last_move[0] is not done:  # (checked just above)
-            prev, prev_dest = page.last_move
-            mine = "discarded" if dest is None else dest
-            if (discard or prev_dest != mine) and vc.get(prev.stream, 0) < prev.seq:
-                self._violate("migration-race" if not discard else "discard-race",
-                              f"{op} and {prev} both move page {index * PAGE:#x} and are not ordered")
+                page.last_move = (op, mine)
 
     # -- kernels -----------------------------------------------------------------
     def kernel(self, stream: object, reads=(), writes=(), name: str = "kernel") -> Op:
