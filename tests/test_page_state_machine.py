@@ -466,6 +466,27 @@ def test_a_step_cut_short_never_discards_what_is_still_coming_back(swap_copy):
     state.teardown()
 
 
+@pytest.mark.parametrize("swap_copy", SWAP_COPIES)
+def test_a_plan_left_between_a_copy_back_and_its_wait_still_waits_for_it(swap_copy):
+    """Found by the machine (1,000 examples): a plan copies a parameter back at one decision and
+    makes the kernels wait for that copy at a later one, before its reader. An allocation off the
+    plan between the two (the runtime following its plan without launches) made it bring back
+    what was still away, but the copy already coming back had no wait: the next kernel read the
+    parameter before its copy back and its discard were done. Such copies are waited for too."""
+    state = PageStateMachine()
+    state.start(template=Template(params=(196608, 196608), acts=(49152, 49152), temps=(0, 0), input_bytes=49152,
+                                  host_input=False, carry_grads=False, optimizer_state=False),
+                budget=1.25, stream="legacy", live=True, swap_copy=swap_copy, options={})
+    for n in (1, 1, 8, 1, 1):
+        state.iterations_of_the_template(n=n)
+        state.nothing_lost_refaulted_or_raced()
+    state.stray_alloc(host=False, kind=Kind.OTHER, nbytes=49152)
+    state.iterations_of_the_template(n=1)
+    state.nothing_lost_refaulted_or_raced()
+    assert state.runtime.counters["swap_restores"] >= 1
+    state.teardown()
+
+
 def test_runtime_keeps_every_invariant(capsys):
     SEEN.clear()
     run_state_machine_as_test(PageStateMachine, settings=SETTINGS)

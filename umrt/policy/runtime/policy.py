@@ -968,7 +968,7 @@ class Runtime(Policy):
         if a.ready:
             ranges, _, _ = self._ranges.resolve(a.ready, True, self._frozen)
             if ranges:
-                self.backend.swap.wait(ranges)
+                self._swapped.ready(ranges)
         if a.prefetch:
             ranges, moved, unresolved = self._ranges.resolve(a.prefetch, False, self._frozen)
             c["unresolved"] += unresolved

@@ -1,9 +1,11 @@
 """What the runtime has swapped out: ranges whose data is only in pinned memory.
 
 The runtime's plan copies a range out through the copy engines (``Backend.swap.out``)
-and brings it back before its next reader (``swap.back``). Until then, nothing but
-that plan brings the data back, so the runtime restores every range here wherever it
-stops following the plan that swapped it (:meth:`Swapped.restore`).
+and brings it back before its next reader (``swap.back``), at one decision; the kernels
+wait for that copy (``swap.wait``) at the decision before the reader, often a later one.
+Until then, nothing but that plan brings the data back or makes the kernels wait for it,
+so wherever the runtime stops following the plan that swapped it, it restores every range
+still away and waits for every copy back still unwaited (:meth:`Swapped.restore`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class Swapped:
 
     def __init__(self, counters: dict, off_gpu: RangeSet) -> None:
         self.ranges: dict[int, int] = {}
+        self.arriving: dict[int, int] = {}  # copied back, ptr -> nbytes; the kernels do not wait for them yet
         self.signature: tuple[int, bool] | None = None
         self._counters = counters
         self._off_gpu = off_gpu
@@ -34,7 +37,7 @@ class Swapped:
         self._swap = swap
 
     def __bool__(self) -> bool:
-        return bool(self.ranges)
+        return bool(self.ranges) or bool(self.arriving)
 
     def out(self, ranges: list[Range], nbytes: int) -> None:
         """Copy ``ranges`` (``nbytes`` of objects) to pinned memory, then discard them on the GPU."""
@@ -55,18 +58,31 @@ class Swapped:
         for p, n in ranges:
             self._off_gpu.remove(p, n)
             self.ranges.pop(p, None)
+            self.arriving[p] = n
+
+    def ready(self, ranges: list[Range]) -> None:
+        """The kernels queued from now on wait for the copies back into ``ranges``."""
+        self._swap.wait(ranges)
+        if self.arriving:
+            waited = [p for p, n in self.arriving.items() if any(q < p + n and p < q + m for q, m in ranges)]
+            for p in waited:
+                del self.arriving[p]
 
     def restore(self) -> None:
         """Copy back every range still swapped out, and make the kernels queued from now on
-        wait for it: the plan that would have brought them back is no longer followed."""
-        if not self.ranges:
+        wait for it and for every copy back not waited for yet: the plan that would have
+        brought them back, or made its readers wait, is no longer followed."""
+        if not self.ranges and not self.arriving:
             return
         ranges = list(self.ranges.items())
         self.ranges.clear()
-        self._swap.back(ranges)
-        self._swap.wait(ranges)
-        for p, n in ranges:
-            self._off_gpu.remove(p, n)
+        if ranges:
+            self._swap.back(ranges)
+            for p, n in ranges:
+                self._off_gpu.remove(p, n)
+        waits = sorted([*ranges, *self.arriving.items()])
+        self.arriving.clear()
+        self._swap.wait(waits)
         self._counters["swap_restores"] += 1
 
     def forget(self, start: int, end: int, *, release: bool) -> None:
@@ -75,5 +91,7 @@ class Swapped:
         gone = [(p, n) for p, n in self.ranges.items() if start <= p < end]
         for p, _ in gone:
             del self.ranges[p]
+        for p in [p for p in self.arriving if start <= p < end]:
+            del self.arriving[p]
         if gone and release:
             self._swap.release(gone)
