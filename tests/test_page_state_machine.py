@@ -487,6 +487,28 @@ def test_a_plan_left_between_a_copy_back_and_its_wait_still_waits_for_it(swap_co
     state.teardown()
 
 
+@pytest.mark.xfail(raises=PageStateError, strict=True,
+                   reason="a known limit (README, 'What a plan without launches cannot see'): a kernel the "
+                          "runtime does not see, with no event before it, reads what the plan keeps away")
+def test_a_kernel_with_no_event_before_it_reads_what_the_plan_keeps_away():
+    """Found by the machine (1,000 examples): this plan keeps a parameter swapped out across the
+    step's end and copies it back at the next step's first allocation. The program allocates a
+    block of that allocation's size between steps (the plan, seeing no launches, takes it for the
+    step's), then runs a kernel reading the parameter: no event comes between the copy back and
+    that kernel, so nothing makes it wait. Ops that allocate their output are checked at that
+    allocation; in-place ops with no allocation between steps (an EMA update) are not."""
+    state = PageStateMachine()
+    state.start(template=Template(params=(196608, 196608), acts=(49152, 49152), temps=(0, 0), input_bytes=49152,
+                                  host_input=False, carry_grads=False, optimizer_state=False),
+                budget=1.25, stream="legacy", live=True, swap_copy="sm", options={})
+    for n in (1, 1, 8, 1, 1):
+        state.iterations_of_the_template(n=n)
+        state.nothing_lost_refaulted_or_raced()
+    state.stray_alloc(host=False, kind=Kind.OTHER, nbytes=49152)
+    state.program.launch(71, (state.params[0],), (state.strays[0],))
+    state.nothing_lost_refaulted_or_raced()
+
+
 def test_runtime_keeps_every_invariant(capsys):
     SEEN.clear()
     run_state_machine_as_test(PageStateMachine, settings=SETTINGS)
