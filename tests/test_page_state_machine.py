@@ -487,6 +487,27 @@ def test_a_plan_left_between_a_copy_back_and_its_wait_still_waits_for_it(swap_co
     state.teardown()
 
 
+@pytest.mark.parametrize("swap_copy", SWAP_COPIES)
+def test_a_plan_switched_to_mid_step_drops_nothing_before_it_is_freed(swap_copy):
+    """Found by the machine (3,000 examples, the launches seen): a step an exception cut short
+    freed its batch early and was learned as a shape of its own. The next step, cut later, ran the
+    same events as far as that shape's first decision, where the guard switched to its plan: the
+    plan, never run whole, took the batch for dead and dropped it before the program freed it,
+    and the backward read it. A plan drops data before its free only once it has run whole
+    (as the plan a step starts on); one switched to mid-step drops at the free."""
+    state = PageStateMachine()
+    state.start(template=Template(params=(49152, 49152, 49152), acts=(49152, 49152, 49152), temps=(0, 0, 0),
+                                  input_bytes=196608, host_input=False, carry_grads=True, optimizer_state=False),
+                budget=1.0, stream="legacy", live=False, swap_copy=swap_copy, options={})
+    state.iterations_of_the_template(n=1)
+    state.iterations_of_the_template(n=3)
+    for cut in (1, 17, 30):
+        state.iteration_cut_short(cut=cut)
+        state.nothing_lost_refaulted_or_raced()
+    assert state.runtime.counters["switches"] >= 1
+    state.teardown()
+
+
 @pytest.mark.xfail(raises=PageStateError, strict=True,
                    reason="a known limit (README, 'What a plan without launches cannot see'): a kernel the "
                           "runtime does not see, with no event before it, reads what the plan keeps away")

@@ -938,9 +938,11 @@ class Runtime(Policy):
                 self._swapped.out(ranges, moved)
         if a.drop:
             # Dead data no launch reads again: its pages leave without a copy. Before the program
-            # frees it only on a plan that ran whole (trusted): a plan still probed may have been
-            # learned on steps an exception cut short, whose objects died early. Else when freed.
-            if self.record is None and destructive:
+            # frees it only on a plan that ran whole (trusted): a plan still probed, or one the
+            # guard switched to mid-iteration that has not run whole, may have been learned on
+            # steps an exception cut short, whose objects died early. Else when freed.
+            if (self.record is None and destructive
+                    and self._learner.runs(self.plan.signature) >= PROBE_ITERATIONS):
                 ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
                 if ranges:
                     self.backend.drop(ranges)
