@@ -484,9 +484,9 @@ class SwapPath:
         st.slot_reads.append((src, src + count, op))
 
     # -- hooks into the rest of the fake -----------------------------------------------
-    def swap_check_move(self, op: Op, index: int, discard: bool) -> None:
-        """A migration or discard of page ``index``: a discard must come after the page's copy out."""
-        out = self.swap.copied_out.get(index) if discard else None
+    def swap_check_discard(self, op: Op, index: int) -> None:
+        """A discard of page ``index`` must come after the page's copy out."""
+        out = self.swap.copied_out.get(index)
         if out is not None and op.vc.get(out.stream, 0) < out.seq:
             self._violate("discard-before-copy-out", f"{op} discards page {index * PAGE:#x} while {out}, which "
                                                      "copies it out, is not ordered before it")
@@ -838,7 +838,7 @@ class FakeGpu(SwapPath):
                 if page is None:
                     page = pages[i] = _Page()
                 if discard:
-                    self.swap_check_move(op, i, discard)
+                    self.swap_check_discard(op, i)
                 if evicts:
                     for k in page.uses.values():
                         if vc.get(k.stream, 0) < k.seq:

@@ -512,8 +512,8 @@ def test_reading_discarded_bytes_is_lost_data(rt):
 
 
 def test_a_kernel_touches_each_page_once_however_its_ranges_overlap(rt):
-    """Overlapping and repeated ranges of one kernel fault each page in once (its pages are
-    walked once, in address order), and a later kernel faults none of them again."""
+    """Overlapping and repeated ranges of one kernel reach every page they cover, none skipped
+    where spans merge, and a later kernel faults none of them again."""
     gpu = rt.gpu
     ptr, _ = _setup(rt)
     gpu.kernel(0, reads=[(ptr + 2 * PAGE, PAGE), (ptr, 2 * PAGE), (ptr, 10)], writes=[(ptr + PAGE, 2 * PAGE)])
