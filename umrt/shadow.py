@@ -388,8 +388,9 @@ LEGEND = (
     "  ideal: a GPU with unlimited memory, its allocations device memory (backed when made: nothing is "
     "faulted in or evicted; the floor).",
     "  um: plain Unified Memory (the driver migrates pages when a kernel faults on them).",
-    "  oracle: the fastest of several plans made knowing the whole recorded run in advance "
-    "(the reference: nothing live can beat it).",
+    "  oracle: the fastest of several plans made knowing the whole recorded run in advance, plain "
+    "Unified Memory among them (the reference; its plans follow the last training step, so a live "
+    "run can beat it in a loop whose iterations differ).",
     "  run: replay = simulated from the recorded run; live = fed each event as the script emitted it, "
     "as the runtime sees a program on a GPU.",
     "  H2D / D2H: bytes moved host to GPU / GPU to host over the run; faults: GPU page faults "

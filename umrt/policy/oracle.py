@@ -30,6 +30,9 @@ The candidates (:data:`CANDIDATES`):
 
 * ``none``: no call at all, the driver alone (plain ``um`` on umrt's pool):
   where everything fits, doing nothing is best.
+* ``um``: the same on PyTorch's caching allocator, plain ``um`` itself: where
+  tensors are small, the driver's batched faults cost less than a plan's
+  calls, and the oracle is never slower than plain Unified Memory.
 * ``belady`` (:func:`plan_cyclic`): Belady eviction done early (the resident
   object needed farthest in the future leaves right after its last use);
   prefetch as early as capacity allows (at most one iteration ahead);
@@ -375,10 +378,12 @@ RUNTIME = "umrt-runtime"
 #: span what the planner leaves open: how full the GPU may get, whether
 #: short-lived objects stay pinned, when evictions are issued, how often it
 #: decides, whether anything stays on the host. ``none`` is the empty plan
-#: (the driver alone, as plain ``um``): where everything fits, doing nothing
-#: is best.
+#: (the driver alone) on umrt's pool: where everything fits, doing nothing
+#: is best; ``um`` the same on PyTorch's caching allocator, plain ``um`` itself
+#: (so the oracle is never slower than plain Unified Memory).
 CANDIDATES: dict[str, dict] = {
     "none": {},
+    "um": {},
     "belady": {},
     "planner": {"headroom": 0.9},  # what umrt's runtime plans, minus its learning
     "planner-full": {"headroom": 0.97},  # a fuller GPU
@@ -394,6 +399,7 @@ CANDIDATES: dict[str, dict] = {
     RUNTIME: {},
 }
 BEST = "best"
+NO_CALLS = ("none", "um")  # the candidates that make no call
 
 
 class TemplateIds:
@@ -541,7 +547,7 @@ class OraclePolicy(Policy):
             ctx.layout.bind(self._make_layout(ctx))
         if self.choice == "belady":
             self._plan_belady(ctx.budget_bytes)
-        elif self.choice not in ("none", RUNTIME):
+        elif self.choice not in NO_CALLS + (RUNTIME,):
             options = dict(CANDIDATES[self.choice])
             keep_dead = not options.pop("discard", True)
             swap = options.pop("swap", True) and ctx.backend.swap.pinned_copies
@@ -555,6 +561,8 @@ class OraclePolicy(Policy):
     def _make_layout(self, ctx: PolicyContext) -> Layout:
         """The chosen plan's layout: umrt's pool, watched by the oracle or by the runtime it follows."""
         backend = self._layout_backend or ctx.backend
+        if self.choice == "um":
+            return super().make_layout(backend)  # PyTorch's caching allocator
         if self.choice == RUNTIME:
             self.runtime = _runtime()
             layout = self.runtime.make_layout(backend)
@@ -638,7 +646,7 @@ class OraclePolicy(Policy):
         if self.runtime is not None:
             self.runtime.on_event(event)
             return
-        if self.choice == "none":
+        if self.choice in NO_CALLS:
             return  # the empty plan: the driver alone
         if isinstance(event, IterationBoundary):
             self._boundary()
