@@ -674,7 +674,8 @@ SWAP_BUGS = {
 
 # Found until fa174bd only as "discard-before-copy-out": a real race (a discard not waiting for a
 # copy back still running) that the same sequences reached; with that fixed, 12,000 examples no
-# longer reach this bug's own consequences (a neighbour's partial page read after its discard).
+# longer reach this bug's own consequences (a neighbour's partial page read after its discard);
+# test_a_planted_copy_out_of_bytes_never_written_is_found_directly plants it where it bites.
 # "part of a range away moved alone": 1,000 examples do not reach it (the machine's runtime never
 # swaps a coalesced range of several objects out and then moves one of them alone, as the H100's
 # GPT-2 stream served live did); tests/test_native_steady.py::test_a_prefetch_of_part_of_a_range_
@@ -700,6 +701,32 @@ def test_the_machine_finds_planted_swap_bugs(monkeypatch, bug, copies, capsys):
     with capsys.disabled():
         print(f"\nplanted swap bug {bug!r} ({copies} copies): found in {time.perf_counter() - t0:.1f} s "
               f"({str(caught.value).split(':')[0]})")
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("copies", SWAP_COPIES)
+def test_a_planted_copy_out_of_bytes_never_written_is_found_directly(monkeypatch, planted, copies):
+    """The machine does not reach this planted bug (UNREACHED_SWAP_BUGS), so it is planted here
+    where it bites: an object that ends inside a page swapped out beside one allocated there and
+    not written yet. The swap path copies and discards the object's whole pages only; rounded
+    outward, the copy takes the neighbour's bytes, which hold nothing."""
+    (where, name, patched), error = SWAP_BUGS["copy out of bytes never written"]
+    if planted:
+        monkeypatch.setattr(where, name, patched)
+    gpu = FakeGpu()
+    rt = FakeBindingsRuntime(gpu)
+    backend = CudaBackend(0, api=BindingsApi(rt, sm_copy=rt.sm_copy_kernel), swap_copy=copies)
+    ptr = backend.malloc(2 * PAGE_ALIGN)
+    swapped = (ptr, PAGE_ALIGN + PAGE_ALIGN // 2)  # its neighbour: the second page's other half
+    gpu.kernel(backend.compute_stream, writes=(swapped,), name="writer")
+    backend.swap.reserve(2 * PAGE_ALIGN)
+    if not planted:
+        backend.swap.out([swapped])
+        assert backend.swap.out_bytes == PAGE_ALIGN and not gpu.violations  # the first page alone
+        return
+    with pytest.raises(PageStateError, match=error) as caught:
+        backend.swap.out([swapped])
+    assert caught.value.kind == "copy-out-unwritten"
 
 
 def test_the_machine_finds_a_planted_bug(monkeypatch):
