@@ -313,6 +313,28 @@ def test_the_memory_savings_table(report):
     assert (own[3], own[4]) == (main_um, main_umrt)
 
 
+def test_a_savings_cell_that_failed_says_why(tmp_path):
+    """A run too small for the simulator's shares: its cells say "failed" and a line says why."""
+    path = tmp_path / "tiny.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        opt = torch.optim.Adam(model.parameters())
+        for _ in range(4):
+            torch.nn.functional.cross_entropy(model(torch.randn(64, 64)), torch.randint(0, 10, (64,))).backward()
+            opt.step()
+            opt.zero_grad()
+        """))
+    lines: list[str] = []
+    assert run_shadow(str(path), [], profile="h100-pcie5-80g", gpu_memory="50%", out=lines.append) == 0
+    text = "\n".join(lines)
+    failed = re.findall(rf"│ +({SIZE}) │ +(\d+)% │ +failed │ +failed │", text)
+    assert failed and all(int(pct) < 50 for _, pct in failed)
+    for size, _ in failed:
+        assert re.search(rf"At {re.escape(size)}, um and umrt failed: GPU memory budget \d+ bytes is below one 2 MB block",
+                         text)
+
+
 def test_a_run_shorter_than_the_warm_up_is_steady_after_the_learning():
     """The steady figures leave out the live policy's warm-up; a run no longer than that leaves
     out the iterations it learned in (and always the run's first), and the report says so."""

@@ -312,7 +312,8 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
     ``own`` holds the report's rows at the run's own budget (``{"um": row, policy: row}``),
     reused rather than simulated again. Rows are ordered from the most memory to the least;
     each has ``fraction`` (of the footprint), ``budget_bytes``, ``own`` and, per policy,
-    ``{name}_s`` and ``{name}_x`` (over ideal), None where a run failed.
+    ``{name}_s`` and ``{name}_x`` (over ideal), None where a run failed, and then
+    ``{name}_failed``, why.
     """
     fp = budget.needs.footprint_bytes
     policies = list(dict.fromkeys(("um", policy)))
@@ -327,7 +328,9 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
             continue  # the run's own budget is that row already
         row = {"fraction": f, "budget_bytes": nbytes, "own": False}
         for name in policies:
-            row[f"{name}_s"] = _step_time(trace, live_events, prof, name, nbytes, skip, kinds)
+            row[f"{name}_s"], why = _step_time(trace, live_events, prof, name, nbytes, skip, kinds)
+            if why is not None:
+                row[f"{name}_failed"] = why
         rows.append(row)
     for row in rows:
         for name in policies:
@@ -337,19 +340,21 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
 
 
 def _step_time(trace: Trace, live_events: list[Event], prof: HardwareProfile, policy: str, nbytes: int,
-               skip: int, kinds: dict[int, Kind] | None) -> float | None:
+               skip: int, kinds: dict[int, Kind] | None) -> tuple[float | None, str | None]:
     """The steady training step time of ``policy`` at ``nbytes`` (as the report's rows): ``um``
     replayed from the trace, any other policy fed the live events (as the report's live row);
-    None when the run fails."""
+    where the run fails, None and why."""
     try:
         if policy == "um":
-            return _step_s(replay_run(trace, "um", prof, nbytes, skip))
+            return _step_s(replay_run(trace, "um", prof, nbytes, skip)), None
         run = drive_live(live_events, policy, prof, nbytes, kinds)
-        if run.error is not None or len(run.driver.marks) < 2:
-            return None
-        return _step_s(live_run(policy, run.driver, skip))
-    except UmrtError:
-        return None
+        if run.error is not None:
+            return None, str(run.error)
+        if len(run.driver.marks) < 2:
+            return None, "the run completed no iteration"
+        return _step_s(live_run(policy, run.driver, skip)), None
+    except UmrtError as exc:
+        return None, str(exc)
 
 
 def plot_savings(rows: list[dict], path: str, title: str) -> None:
@@ -516,6 +521,12 @@ def _savings_table(rep: dict):
     lines = [f"Each cell: the steady training step time at that GPU memory over ideal ({rep['ideal_time_s'] * 1e3:.2f} ms, "
              "unlimited memory), simulated from this run's recording: um replayed, "
              f"{rep['policy']} fed the run's events as the live row."]
+    for r in rows:  # a failed cell: why
+        failed: dict[str, list[str]] = {}  # why -> the policies
+        for n in names:
+            if f"{n}_failed" in r:
+                failed.setdefault(r[f"{n}_failed"], []).append(n)
+        lines += [f"At {format_bytes(r['budget_bytes'])}, {' and '.join(ns)} failed: {why}" for why, ns in failed.items()]
     return table, lines
 
 
