@@ -692,6 +692,29 @@ def test_a_no_grad_forward_before_the_first_step_is_set_up_not_a_phase():
     assert rec.trace().iteration_phases() == ["train", "train"]
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_called_from_the_loop_is_part_of_the_training_step(reentrant):
+    """Blocks checkpointed from the loop itself (no module around them): the reentrant checkpoint
+    runs each block's forward with gradients off, on inputs that need them, and again inside the
+    backward. Neither is an evaluation, nor opens an iteration (it took 8 steps for 60 iterations,
+    most of them evaluation batches)."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                     torch.nn.Linear(32, 16)) for _ in range(3))
+    opt = torch.optim.SGD(blocks.parameters(), lr=0.01)
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(4):
+            h = torch.randn(8, 16, requires_grad=True)
+            for b in blocks:
+                h = checkpoint(b, h, use_reentrant=reentrant)
+            h.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert rec.trace().iteration_phases() == ["train"] * 4
+
+
 def test_stop_after_counts_training_steps_not_evaluation_batches():
     model, opt = _mlp("cpu")
     rec = Recorder(steer=False, stop_after=3)

@@ -107,13 +107,20 @@ class LoopPhase:
         if phase == "train":
             self._leaving_eval = False
 
-    def model_forward(self, module: torch.nn.Module, open_iteration: Callable[[str], None]) -> None:
-        """A model starts a forward: ``open_iteration(phase)`` where it opens an
-        iteration (the capture emits the boundary, which calls :meth:`opened`)."""
+    def model_forward(self, module: torch.nn.Module, open_iteration: Callable[[str], None],
+                      args: tuple = ()) -> None:
+        """A model starts a forward on ``args``: ``open_iteration(phase)`` where it opens an
+        iteration (the capture emits the boundary, which calls :meth:`opened`). A forward the
+        backward runs, or with gradients off on inputs that need them (a block the loop itself
+        checkpoints, recomputed in the backward), is the running step's."""
         self._models.add(module)
         if self.steps == 0:
             return  # before the first step: set-up and the first iteration, whatever they run
-        phase = "eval" if not torch.is_grad_enabled() else self.now()
+        grad = torch.is_grad_enabled()
+        if torch._C._current_graph_task_id() != -1 or (
+                not grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return
+        phase = "eval" if not grad else self.now()
         if phase != self.iteration or (phase == "eval" and self._forwards):
             open_iteration(phase)
         self._forwards += 1

@@ -705,7 +705,7 @@ class RecorderHooks:
             with rec._lock:  # the model's forward: it may open an iteration of another phase
                 rec._flush()
                 if not rec._closed:
-                    rec.loop.model_forward(module, rec._emit_boundary)
+                    rec.loop.model_forward(module, rec._emit_boundary, args)
         if rec.model is None and self.current_module() is None:
             if rec._following:
                 with rec._lock:
