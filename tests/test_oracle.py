@@ -360,9 +360,11 @@ class ScriptedSimulator:
 
 
 def test_a_plan_fastest_where_its_warm_up_ends_but_not_yet_settled_is_timed_again_before_it_is_chosen():
-    """A candidate's time at its own warm-up's end can be a transient (a planner plan on a small
-    transformer at 25%: 67.4 ms there, 73.7-77.6 ms from then on, SIMULATED): ranked on it, the
-    oracle followed it and umrt's runtime, 70.6 ms, beat the oracle as reported."""
+    """A candidate's time at its own warm-up's end can be a transient: on
+    ``examples/train_small_checkpointed.py --width 512`` at 25% of its footprint (SIMULATED,
+    h100-pcie5-80g), planner-keep-dead took 67.4 ms there, 73.7 / 77.6 ms in turn from its 7th
+    iteration. Ranked on it, the oracle followed it and umrt's runtime, 70.6 ms, beat the oracle
+    as reported."""
     from umrt.hardware import load_profile
 
     trace = make_trace(iterations=4)
@@ -390,9 +392,11 @@ def test_a_settled_fastest_plan_is_timed_once_more_and_kept():
 
 
 def test_the_um_candidate_is_plain_unified_memory_so_the_oracle_is_never_slower():
-    """On small tensors a plan's calls cost more than the driver's batched faults: a 4-block
-    transformer 128 wide at 50% ran 27.3 ms a step under plain um, 33.7 ms with no call on umrt's
-    pool and 29.2 ms as umrt's runtime plans (SIMULATED), and the oracle had no plan as fast as um."""
+    """On small tensors a plan's calls cost more than the driver's batched faults:
+    ``examples/train_small_checkpointed.py`` at 50% ran 27.3 ms a step under plain um, 33.7 ms with
+    no call on umrt's pool and 29.2 ms as umrt's runtime plans (SIMULATED, h100-pcie5-80g;
+    ``umrt simulate --policy oracle --json`` of its trace lists every candidate's time), and the
+    oracle had no plan as fast as um."""
     from umrt.sim.replay import simulate
     from umrt.testing.synthetic import training_trace
 

@@ -335,6 +335,21 @@ def test_a_savings_cell_that_failed_says_why(tmp_path):
                          text)
 
 
+@pytest.mark.slow
+def test_on_a_small_model_the_guard_stops_acting_where_acting_loses(capsys):
+    """README, "Small models lose to plain Unified Memory while umrt finds out": on
+    examples/train_small_checkpointed.py umrt's acting steps are slower than doing nothing, and
+    the report says the guard stopped acting for training steps."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_small_checkpointed.py"
+    lines: list[str] = []
+    assert run_shadow(str(script), [], profile="h100-pcie5-80g", gpu_memory="50%", out=lines.append) == 0
+    text = " ".join(" ".join(lines).split())
+    stopped = re.search(r"umrt stopped acting in training steps: its last \d+ train iterations acting took "
+                        r"([\d.]+)x the time of an iteration held back doing nothing", text)
+    assert stopped and float(stopped.group(1)) > 1.05, text[-2000:]
+    assert "step 7: loss" in capsys.readouterr().out  # the script ran its 8 steps
+
+
 def test_a_run_shorter_than_the_warm_up_is_steady_after_the_learning():
     """The steady figures leave out the live policy's warm-up; a run no longer than that leaves
     out the iterations it learned in (and always the run's first), and the report says so."""
