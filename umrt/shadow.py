@@ -313,7 +313,7 @@ def memory_savings(trace: Trace, live_events: list[Event], prof: HardwareProfile
     reused rather than simulated again. Rows are ordered from the most memory to the least;
     each has ``fraction`` (of the footprint), ``budget_bytes``, ``own`` and, per policy,
     ``{name}_s`` and ``{name}_x`` (over ideal), None where a run failed, and then
-    ``{name}_failed``, why.
+    ``{name}_failed``, why (but on the run's own row: the report's notes say it).
     """
     fp = budget.needs.footprint_bytes
     policies = list(dict.fromkeys(("um", policy)))

@@ -593,20 +593,23 @@ class OraclePolicy(Policy):
 
         def timed(name: str, iterations: int | None = None) -> float:
             candidate = OraclePolicy(self.trace, plan=name, **self.options)
-            steady = recorded if whole_run else candidate.steady_iterations()
-            n = at[name] = iterations or (steady if repeatable or whole_run else min(recorded, steady))
-            result = ctx.simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=n)
+            if iterations is None:  # its own steady state
+                steady = candidate.steady_iterations()
+                iterations = recorded if whole_run else steady if repeatable else min(recorded, steady)
+            at[name] = iterations
+            result = ctx.simulate(self.trace, candidate, ctx.profile, int(ctx.budget_bytes), iterations=iterations)
             return sum(result.iteration_times_s) if whole_run else result.iteration_time_s
 
         self.candidate_times.update((name, timed(name)) for name in CANDIDATES)
+        if whole_run or not repeatable:
+            return min(self.candidate_times, key=self.candidate_times.__getitem__)
         # A plan can still be settling where its own warm-up ends: the fastest is timed again at
         # this oracle's steady iteration, until the fastest was timed there. So the oracle, as
         # reported there, is never slower than a candidate timed there (umrt's runtime is).
-        while True:
-            best = min(self.candidate_times, key=self.candidate_times.__getitem__)
-            if whole_run or not repeatable or at[best] == self.steady_iterations():
-                return best
-            self.candidate_times[best] = timed(best, self.steady_iterations())
+        reported = self.steady_iterations()
+        while at[best := min(self.candidate_times, key=self.candidate_times.__getitem__)] != reported:
+            self.candidate_times[best] = timed(best, reported)
+        return best
 
     def _plan_belady(self, budget_bytes: int) -> None:
         capacity = int(budget_bytes * (1.0 - self.headroom))
