@@ -715,6 +715,37 @@ def test_activation_checkpointing_called_from_the_loop_is_part_of_the_training_s
     assert rec.trace().iteration_phases() == ["train"] * 4
 
 
+def test_a_frozen_teacher_run_without_gradients_is_part_of_the_training_step():
+    """Distillation: every step runs a teacher no optimizer steps, in eval mode under
+    ``no_grad``, before the student. That is the step's, not an evaluation (12 steps were
+    reported as 34 iterations, a third of them evaluation batches). An evaluation of the
+    student, or of the teacher with the student in eval mode, still is one."""
+    torch.manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).eval()
+    student = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(3):
+            x = torch.randn(8, 16)
+            with torch.no_grad():
+                target = teacher(x)
+            (student(x) - target).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        student.eval()
+        with torch.no_grad():
+            for model in (student, teacher):
+                model(torch.randn(8, 16)).sum().item()
+        student.train()
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            target = teacher(x)
+        (student(x) - target).square().mean().backward()
+        opt.step()
+    assert rec.trace().iteration_phases() == ["train"] * 3 + ["eval"] * 2 + ["train"]
+
+
 def test_stop_after_counts_training_steps_not_evaluation_batches():
     model, opt = _mlp("cpu")
     rec = Recorder(steer=False, stop_after=3)

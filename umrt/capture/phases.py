@@ -75,11 +75,13 @@ class LoopPhase:
 
     The loop is in evaluation in inference mode or with every model seen (a
     root module with parameters) in eval mode; a forward of a model with
-    gradients off is an evaluation's too. Once training is under way (a step
-    has run), each forward of a model in another phase than the running
-    iteration's opens an iteration of its phase, and so does each forward of
-    an evaluation after the first (one iteration per batch); after an
-    evaluation, the first op that writes the device in training mode (the
+    gradients off is an evaluation's too, unless no optimizer steps that
+    model's parameters while a model is in train mode (a distillation teacher,
+    a reference model: the training step runs it). Once training is under way
+    (a step has run), each forward of a model in another phase than the
+    running iteration's opens an iteration of its phase, and so does each
+    forward of an evaluation after the first (one iteration per batch); after
+    an evaluation, the first op that writes the device in training mode (the
     next batch loaded) opens a training iteration again.
     """
 
@@ -90,6 +92,7 @@ class LoopPhase:
         self._forwards = 0  # forwards of a model in the running iteration
         self._leaving_eval = False  # an evaluation ran: training resumes at the next op in train mode
         self._models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def now(self) -> str:
         """The phase the loop is in now (see the class docstring)."""
@@ -99,6 +102,15 @@ class LoopPhase:
         if self.model is not None:
             models.append(self.model)
         return "eval" if models and not any(m.training for m in models) else "train"
+
+    def stepping(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` starts a step: the models holding its parameters are trained."""
+        self._optimizers.add(optimizer)
+
+    def trained(self, module: torch.nn.Module) -> bool:
+        """Whether an optimizer that stepped holds one of ``module``'s parameters."""
+        stepped = {id(p) for opt in self._optimizers for group in opt.param_groups for p in group["params"]}
+        return any(id(p) in stepped for p in module.parameters())
 
     def opened(self, phase: str) -> None:
         """An iteration of ``phase`` opens."""
@@ -112,13 +124,16 @@ class LoopPhase:
         """A model starts a forward on ``args``: ``open_iteration(phase)`` where it opens an
         iteration (the capture emits the boundary, which calls :meth:`opened`). A forward the
         backward runs, or with gradients off on inputs that need them (a block the loop itself
-        checkpoints, recomputed in the backward), is the running step's."""
+        checkpoints, recomputed in the backward), is the running step's, and so is a forward
+        with gradients off of a model no optimizer steps while training runs (a teacher)."""
         self._models.add(module)
         if self.steps == 0:
             return  # before the first step: set-up and the first iteration, whatever they run
         grad = torch.is_grad_enabled()
         if torch._C._current_graph_task_id() != -1 or (
                 not grad and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+            return
+        if not grad and self.iteration == "train" and self.now() == "train" and not self.trained(module):
             return
         phase = "eval" if not grad else self.now()
         if phase != self.iteration or (phase == "eval" and self._forwards):

@@ -764,6 +764,7 @@ class RecorderHooks:
                 rec._follow_to(p for group in opt.param_groups for p in group["params"])
             rec._flush()
             self.end_backward()
+            rec.loop.stepping(opt)
             # Facts about the optimizer's tensors (kinds) are for recorded ops; with
             # ops suspended they would cost a pass over every parameter each step.
             if (rec.optimizer is None or opt is rec.optimizer) and not rec._mode_switch.ops_off:
