@@ -381,42 +381,6 @@ def test_an_evaluations_allocations_take_best_fit_before_their_planned_places():
     assert pool.arena_ranges()["overflow"] == [] and pool.arena_ranges()["learning"] == []
 
 
-def test_a_regions_space_hands_out_planned_places_and_best_fits():
-    """The region's free list: a planned place is taken only where all of it is free, a miss
-    gets the smallest free block that holds it, and freed blocks coalesce."""
-    from umrt.memory.pool import _Online
-
-    space = _Online(None, "region")
-    space.adopt(0, 6 * MiB, [])
-    assert space.take(MiB, MiB) and not space.take(MiB + 512, 512)  # taken: in use
-    assert space.take(4 * MiB, 2 * MiB) and not space.take(3 * MiB, 2 * MiB)  # partly in use
-    assert space.fit(3 * MiB) is None  # the largest free block is 2 MiB: nothing is obtained
-    assert space.fit(MiB) == 0  # the smallest block that holds it (not [2, 4) MiB)
-    space.free(MiB)
-    space.free(0)
-    assert space.fit(2 * MiB) == 0  # the freed neighbours coalesced, and 0 comes first
-    assert sorted(space.free_blocks()) == [(2 * MiB, 2 * MiB)]
-
-
-def test_a_fit_on_the_gpu_takes_the_smallest_free_block_with_room_on_the_gpu():
-    """Free memory the caller took off the GPU would be populated again before its first
-    kernel: a fit on the GPU skips it while another free block has room on the GPU, and
-    takes what best fit takes where none has."""
-    from umrt.backends.ranges import RangeSet
-    from umrt.memory.pool import LifetimePool, _Online
-
-    space = _Online(LifetimePool(bump()), "region")
-    space.adopt(0, 8 * MiB, [(MiB, MiB), (3 * MiB + MiB // 2, MiB // 2)])  # free: [0,1) [2,3.5) [4,8)
-    off = RangeSet()
-    off.add(0, MiB)  # the smallest block that holds 1 MiB, discarded
-    off.add(2 * MiB, MiB // 2)
-    assert space.fit_on_gpu(MiB, off.gaps) == 2 * MiB + MiB // 2  # the room on the GPU in [2, 3.5)
-    assert space.fit_on_gpu(2 * MiB, off.gaps) == 4 * MiB
-    off.add(0, 8 * MiB)
-    assert space.fit_on_gpu(MiB, off.gaps) is None
-    assert space.fit(MiB) == 0  # best fit, the caller's fallback
-
-
 def test_an_evaluation_takes_free_memory_on_the_gpu_before_memory_taken_off_it():
     """The region's free memory a training step's dead left is partly off the GPU (the
     runtime discarded it). An evaluation's allocations go where the GPU still holds pages, as
@@ -438,17 +402,6 @@ def test_an_evaluation_takes_free_memory_on_the_gpu_before_memory_taken_off_it()
     assert batch and not any(off.overlaps(a, MiB) for a in batch.values())
     assert unmoved[(3, 0)] == plain._regions[0].short[0]  # where best fit alone puts it
     assert {k: a for (i, k), a in before.items() if i == 2} == {k: a for (i, k), a in before.items() if i == 1}
-
-
-def test_a_first_fit_takes_the_lowest_free_range_never_across_an_edge():
-    from umrt.memory.pool import LifetimePool, _Online
-
-    space = _Online(LifetimePool(bump()), "region")
-    space.adopt(0, 8 * MiB, [(MiB, MiB), (3 * MiB + MiB // 2, MiB // 2)])  # free: [0,1) [2,3.5) [4,8)
-    assert space.first_fit(MiB) == 0
-    assert space.first_fit(MiB, edges=(2 * MiB + MiB // 2,)) == 2 * MiB + MiB // 2  # [2,3) would cross it
-    assert space.first_fit(2 * MiB) == 4 * MiB  # (best fit: the same; [2,2.5) is too small)
-    assert space.first_fit(4 * MiB) is None
 
 
 def test_an_evaluation_with_no_free_memory_on_the_gpu_packs_its_batch_low(monkeypatch):

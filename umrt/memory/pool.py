@@ -16,13 +16,14 @@ described in ``umrt/memory/POOL.md``.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 from umrt.backends.base import BLOCK  # the UVM driver's VA block: its eviction unit (umrt/sim/MODEL.md)
+from umrt.memory.arena import Arena
 from umrt.memory.base import Layout
 from umrt.memory.caching import LayoutError
 from umrt.memory.smartpool import Lifetime, plan, quietest_point
@@ -43,8 +44,6 @@ _HINTED_PERSISTENT = frozenset({Kind.PARAMETER, Kind.OPTIMIZER_STATE})  # hints 
 # Live feed: allocations recorded in one iteration, at most (gpt2-xl makes ~3,600 per
 # step: this covers gradient accumulation over ~70 micro-batches; ~40 MB of records).
 _MAX_RECORDS = 1 << 18
-# Free blocks a fit on the GPU looks through (smallest first) before best fit takes any.
-_GPU_FIT_SCAN = 64
 # A plan replaced before it served this many training iterations was short-lived: the
 # program's allocations changed again right after the pool planned for them.
 SHORT_PLAN = 4
@@ -75,186 +74,6 @@ def _same_shape(a: dict[PlanKey, int], b: dict[PlanKey, int]) -> bool:
     ta, tb = sum(a.values()), sum(b.values())
     return bool(ta and tb) and (sum(n for k, n in a.items() if k in b) >= SAME_SHAPE * ta
                                 and sum(n for k, n in b.items() if k in a) >= SAME_SHAPE * tb)
-
-
-class _Online:
-    """Best-fit sub-allocator over block-aligned segments of one arena.
-
-    Blocks are split exactly and coalesced with free neighbours inside the
-    same segment; segments are kept until :meth:`release`. With ``slab``, a
-    miss for ``s`` bytes obtains room for up to ``k`` such objects (at most
-    ``slab`` bytes) when that wastes less of the last 2 MB block: model state
-    comes in runs of equal sizes (one tensor per layer, times parameters,
-    gradients and optimizer moments), and the room left is open to any size.
-    """
-
-    def __init__(self, pool: LifetimePool, name: str, slab: int = 0) -> None:
-        self.pool, self.name, self.slab = pool, name, slab
-        self.segments: list[tuple[int, int]] = []
-        self._seg_starts: set[int] = set()
-        self._seg_ends: set[int] = set()
-        self._free_keys: list[tuple[int, int]] = []  # sorted (size, ptr)
-        self._free_starts: list[int] = []  # sorted ptr
-        self._free_at: dict[int, int] = {}  # ptr -> size
-        self._free_end: dict[int, int] = {}  # end -> ptr
-        self.used: dict[int, int] = {}  # ptr -> size
-
-    def alloc(self, size: int) -> int:
-        ptr = self.fit(size)
-        if ptr is None:
-            seg = self._segment_size(size)
-            ptr = self.pool._malloc(seg)
-            self.segments.append((ptr, seg))
-            self._seg_starts.add(ptr)
-            self._seg_ends.add(ptr + seg)
-            self._add_free(ptr, seg)
-            ptr = self.fit(size)
-        return ptr
-
-    def fit(self, size: int) -> int | None:
-        """``size`` bytes at the start of the smallest free block that holds them, or None
-        (no segment is obtained)."""
-        i = bisect.bisect_left(self._free_keys, (size, -1))
-        if i == len(self._free_keys):
-            return None
-        fsize, ptr = self._free_keys[i]
-        self._del_free(ptr, fsize)
-        if fsize > size:
-            self._add_free(ptr + size, fsize - size)
-        self.used[ptr] = size
-        return ptr
-
-    def first_fit(self, size: int, edges: tuple[int, ...] = ()) -> int | None:
-        """``size`` bytes at the lowest address free, never across one of ``edges``; None if none."""
-        for start, end in ((s, s + self._free_at[s]) for s in self._free_starts):
-            for p in (start, *(e for e in edges if start < e < end)):
-                if p + size <= end and not any(p < e < p + size for e in edges):
-                    self.take(p, size)
-                    return p
-        return None
-
-    def fit_on_gpu(self, size: int, on_gpu: Callable[[int, int], list[tuple[int, int]]]) -> int | None:
-        """Like :meth:`fit`, in the smallest free block (of the first :data:`_GPU_FIT_SCAN`
-        that hold ``size``) with ``size`` aligned bytes that ``on_gpu`` (the parts of a range
-        on the GPU) says are all there; None if there is none."""
-        i = bisect.bisect_left(self._free_keys, (size, -1))
-        align = self.pool.alignment
-        for fsize, ptr in self._free_keys[i:i + _GPU_FIT_SCAN]:
-            for p, n in on_gpu(ptr, fsize):
-                start = _up(p, align)
-                if start + size <= p + n:
-                    self.take(start, size)
-                    return start
-        return None
-
-    def take(self, ptr: int, size: int) -> bool:
-        """``[ptr, ptr + size)`` if it lies inside one free block (a planned place); False,
-        doing nothing, if any of it is in use."""
-        i = bisect.bisect_right(self._free_starts, ptr) - 1
-        if i < 0:
-            return False
-        start = self._free_starts[i]
-        n = self._free_at[start]
-        if ptr + size > start + n:
-            return False
-        self._del_free(start, n)
-        if ptr > start:
-            self._add_free(start, ptr - start)
-        if start + n > ptr + size:
-            self._add_free(ptr + size, start + n - ptr - size)
-        self.used[ptr] = size
-        return True
-
-    def fits(self, size: int) -> bool:
-        """Whether a free block of ``size`` bytes is there (no new segment needed)."""
-        return bisect.bisect_left(self._free_keys, (size, -1)) < len(self._free_keys)
-
-    def free(self, ptr: int) -> int | None:
-        """Free the block at ``ptr``; the start of its segment if that is empty now, else None."""
-        size = self.used.pop(ptr)
-        end = ptr + size
-        if end not in self._seg_ends and end in self._free_at:
-            nsize = self._free_at[end]
-            self._del_free(end, nsize)
-            size += nsize
-        if ptr not in self._seg_starts and ptr in self._free_end:
-            pptr = self._free_end[ptr]
-            psize = self._free_at[pptr]
-            self._del_free(pptr, psize)
-            ptr, size = pptr, psize + size
-        self._add_free(ptr, size)
-        # Free blocks never span two segments: one from a segment's start to an end is all of it.
-        return ptr if ptr in self._seg_starts and ptr + size in self._seg_ends else None
-
-    def _segment_size(self, size: int) -> int:
-        block = self.pool.block
-        best = _up(size, block)
-        waste = (best - size) / best
-        for k in range(2, 9):
-            seg = _up(k * size, block)
-            if k * size > self.slab or waste <= 1 / 64:
-                break
-            if (seg - k * size) / seg < waste:
-                best, waste = seg, (seg - k * size) / seg
-        return best
-
-    def adopt(self, ptr: int, nbytes: int, used: list[tuple[int, int]]) -> None:
-        """Serve from the segment ``[ptr, ptr + nbytes)``, obtained elsewhere in the pool,
-        whose ``used`` blocks (``(ptr, size)``) stay live: the rest is free."""
-        self.segments.append((ptr, nbytes))
-        self._seg_starts.add(ptr)
-        self._seg_ends.add(ptr + nbytes)
-        cursor = ptr
-        for p, n in sorted(used):
-            if p > cursor:
-                self._add_free(cursor, p - cursor)
-            self.used[p] = n
-            cursor = max(cursor, p + n)
-        if cursor < ptr + nbytes:
-            self._add_free(cursor, ptr + nbytes - cursor)
-
-    def free_blocks(self) -> list[tuple[int, int]]:
-        """Every free block, ``(ptr, nbytes)``."""
-        return list(self._free_at.items())
-
-    def release(self) -> None:
-        """Return every segment to the backend (only when nothing is live)."""
-        assert not self.used
-        for ptr, _ in self.segments:
-            self.pool._release(ptr)
-        self.__init__(self.pool, self.name, self.slab)
-
-    def release_empty(self) -> None:
-        """Return the segments nothing lives in (a free block spans each of them)."""
-        empty = [(p, n) for p, n in self.segments if self._free_at.get(p) == n]
-        for ptr, n in empty:
-            self._drop(ptr, n)
-        if empty:
-            gone = {p for p, _ in empty}
-            self.segments = [sg for sg in self.segments if sg[0] not in gone]
-
-    def release_segment(self, ptr: int) -> None:
-        """Return the empty segment starting at ``ptr`` (as :meth:`free` reported it)."""
-        i = next(i for i, (p, _) in enumerate(self.segments) if p == ptr)
-        self._drop(*self.segments.pop(i))
-
-    def _drop(self, ptr: int, n: int) -> None:
-        self._del_free(ptr, n)
-        self._seg_starts.discard(ptr)
-        self._seg_ends.discard(ptr + n)
-        self.pool._release(ptr)
-
-    def _add_free(self, ptr: int, size: int) -> None:
-        bisect.insort(self._free_keys, (size, ptr))
-        bisect.insort(self._free_starts, ptr)
-        self._free_at[ptr] = size
-        self._free_end[ptr + size] = ptr
-
-    def _del_free(self, ptr: int, size: int) -> None:
-        del self._free_keys[bisect.bisect_left(self._free_keys, (size, ptr))]
-        del self._free_starts[bisect.bisect_left(self._free_starts, ptr)]
-        del self._free_at[ptr]
-        del self._free_end[ptr + size]
 
 
 def _twin(key: PlanKey) -> PlanKey:
@@ -300,14 +119,14 @@ class _Region:
     live: int = 0
     retired: bool = False
     # Which of its bytes are in use (planned places are taken from it, misses fit into it).
-    space: _Online | None = None
+    space: Arena | None = None
 
     def best_fit(self, size: int, keep_classes: bool = True, on_gpu: Callable[[int, int], list[tuple[int, int]]]
                  | None = None, lowest: bool = False) -> tuple[int, str] | None:
         """Best fit of ``size`` where nothing lives now, and the memory's class as planned;
         None where no free range fits (with ``keep_classes``, none that does not straddle
         the short-lived range's edge: a block would hold two classes). With ``on_gpu``,
-        free memory on the GPU first (:meth:`_Online.fit_on_gpu`); with ``lowest``, then the
+        free memory on the GPU first (:meth:`~umrt.memory.arena.Arena.fit_on_gpu`); with ``lowest``, then the
         lowest free range that holds it, not the smallest (an evaluation's batch in few blocks)."""
         lo, n = self.short
         edges = (lo, lo + n) if keep_classes and n else ()
@@ -450,10 +269,11 @@ class LifetimePool(Layout):
         self._raw: dict[int, tuple[int, int]] = {}  # aligned ptr -> (backend ptr, bytes)
         self._footprint = 0
         self.peak_footprint = 0
+        self._arena = partial(Arena, self._malloc, self._release, alignment=alignment, block=block)
         self._online = {
-            "persistent": _Online(self, "persistent", slab=32 * block),
-            "learning": _Online(self, "learning"),
-            "overflow": _Online(self, "overflow"),
+            "persistent": self._arena("persistent", slab=32 * block),
+            "learning": self._arena("learning"),
+            "overflow": self._arena("overflow"),
         }
         self._regions: list[_Region] = []
         self._live: dict[int, _Live] = {}
@@ -947,7 +767,7 @@ class LifetimePool(Layout):
                     region.short = (region.ptr + base, item.nbytes)
                 for r, off in zip(members, offsets, strict=True):
                     new_plan[r.key] = (region, base + off, name)
-            region.space = _Online(self, "region")
+            region.space = self._arena("region")
             region.space.adopt(region.ptr, region.nbytes, [])
 
         self._plan = new_plan
