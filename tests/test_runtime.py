@@ -105,6 +105,57 @@ def test_acting_without_launches_follows_alternating_shapes(variation):
     assert a.iteration_times()[-4:] == pytest.approx(b.iteration_times()[-4:], rel=2e-3)
 
 
+def test_a_second_optimizers_step_reads_gradients_the_plan_of_the_step_before_kept():
+    """Two optimizers stepped in turn: each training step is two iterations of two shapes, the
+    second reading gradients the first one's backward wrote. The first one's plan, made as if
+    the next iteration were of its shape, took those gradients for dead and dropped them (their
+    bytes were gone when the second optimizer read them). What survives a plan's iteration is
+    dropped only where that shape has been followed by itself alone."""
+    tr = training_trace(layers=6, steps=10, two_optimizers=True)
+    for budget in ("25%", "20%"):
+        for name in ("umrt", "oracle"):
+            simulate(tr, make_policy(name, tr), load_profile("h100-pcie5-80g"), resolve_budget(budget, tr).bytes,
+                     iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
+
+
+def test_two_optimizers_stepped_in_turn_lose_no_data():
+    """The loop of modded-nanogpt-style scripts (SGD with momentum for the blocks' matrices,
+    AdamW for the rest, stepped one after the other), recorded. Besides the dropped gradients
+    above: where a step was predicted to be the second optimizer's and was the first's, the
+    runtime switched plans mid-step; the plan switched to swapped the embedding out, and the
+    next step, of the plan first predicted, never brought it back (its AdamW read nothing)."""
+    import torch
+    import torch.nn.functional as F
+
+    from umrt.capture.recorder import Recorder
+
+    torch.manual_seed(0)
+    emb, head = torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 1024),
+                                                     torch.nn.GELU(), torch.nn.Linear(1024, 256)) for _ in range(4))
+    mats = [p for p in blocks.parameters() if p.dim() == 2]
+    rest = [*emb.parameters(), *head.parameters(), *(p for p in blocks.parameters() if p.dim() != 2)]
+    opts = torch.optim.SGD(mats, lr=0.02, momentum=0.9), torch.optim.AdamW(rest, lr=1e-3)
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(12):
+            x = torch.randint(0, 512, (8, 32))
+            h = emb(x)
+            for b in blocks:
+                h = h + b(h)
+            F.cross_entropy(head(h).flatten(0, 1), x.flatten()).backward()
+            for opt in opts:
+                opt.step()
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+    tr = rec.trace()
+    assert len(tr.iteration_spans()) == 24
+    for budget in ("50%", "33%"):
+        for name in ("umrt", "oracle"):
+            simulate(tr, make_policy(name, tr), load_profile("h100-pcie5-80g"), resolve_budget(budget, tr).bytes,
+                     iterations=24)
+
+
 def test_a_short_step_does_not_rebase_the_clock_of_the_steps_after_it():
     """A loop that holds each step's batch until the next one arrives frees it first thing
     in the next step, at the last step's length. First tried on the step after a short one,

@@ -295,6 +295,10 @@ class VariantTable:
         """Iterations of shape ``signature`` observed (0: none, or forgotten)."""
         return self._seen[signature]
 
+    def successors(self, signature: int) -> set[int]:
+        """The shapes seen right after one of shape ``signature``."""
+        return set(self._rows.get(signature) or ())
+
     def forget_last(self) -> None:
         """An iteration of unknown shape ran: predict as after the start of a run."""
         self._before = self.last = None

@@ -66,6 +66,7 @@ def training_trace(
     eval_batches: int = 0,
     flops_per_mb: int = 2 * 10**9,
     hold_batch: bool = False,
+    two_optimizers: bool = False,
 ) -> Trace:
     """A trace of ``steps`` training iterations (see the module docstring).
 
@@ -76,7 +77,10 @@ def training_trace(
     ``n`` iterations of the ``"eval"`` phase of their own (one forward each),
     as the recorder records an evaluation. With ``hold_batch`` a step's input lives on
     until the next step's has arrived, as in a loop that rebinds ``batch``: a step frees
-    the one before it's input first (of that step's length).
+    the one before it's input first (of that step's length). With ``two_optimizers`` the
+    second half of the layers has an optimizer of its own, stepped after the first one's:
+    each step is two iterations of two shapes (a step boundary each), the second reading
+    gradients the first one's backward wrote.
     """
     b = _Builder()
     P, A = param_mb * MIB, act_mb * MIB
@@ -112,6 +116,9 @@ def training_trace(
             if not grads:
                 grads = new
         for i in range(layers):
+            if two_optimizers and i == layers // 2:
+                b.events.append(IterationBoundary(index))
+                index += 1
             m1, m2 = states[i]
             b.launch("aten::_fused_adamw_.default", "", (P,),
                      [(grads[i], P)], [(params[i], P), (m1, P), (m2, P)], 10 * P // 4)

@@ -127,6 +127,9 @@ class Plan:
     discard: frozenset[int]  # keys whose range is discarded when they die
     stats: dict = field(default_factory=dict)
     swap: frozenset[int] = frozenset()  # keys the plan moves through the copy engines (Backend.swap: out / back)
+    # Dropped keys that survive the iteration: dead only if the next iteration is of this shape
+    # (two optimizers stepped in turn: the second one's step reads the first one's gradients).
+    carried_drops: frozenset[int] = frozenset()
     migration_only: Plan | None = None  # a plan that swaps: the same shape's plan by page migration alone
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
@@ -588,7 +591,9 @@ class Planner:
         resume: dict[int, tuple[int, int]] = {}
         if launch_free_end is not None:
             actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
+        carried_drops = frozenset(k for a in actions for k in a.drop if k in rec.carried)
         return Plan(rec.signature, n, actions, discard, stats, swap=swapped, remote=remote, read_mostly=mostly,
+                    carried_drops=carried_drops,
                     remote_at=remote_at, remote_fresh=fresh, remote_head=heads, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:

@@ -124,11 +124,7 @@ class Runtime(Policy):
 
     name = "umrt"
 
-    def __init__(
-        self,
-        trace: Trace | None = None,
-        **options: Any,
-    ) -> None:
+    def __init__(self, trace: Trace | None = None, **options: Any) -> None:
         # The knobs and their defaults: RuntimeOptions, validated there (one place for each).
         unknown = sorted(set(options) - set(RuntimeOptions.__dataclass_fields__))
         if unknown:
@@ -585,9 +581,7 @@ class Runtime(Policy):
         out["populate_calls"] = self._n_populate_calls
         out["populated_bytes"] = self._n_populated
         out.update(
-            mode=self._mode,
-            variants=len(self.plans),
-            correlation_rows=len(self._learner.correlation),
+            mode=self._mode, variants=len(self.plans), correlation_rows=len(self._learner.correlation),
             correlation_accuracy=round(self._learner.correlation.accuracy, 4),
             data_rows=len(self._learner.data),
             phases=self.phases.report(self._payoff.report()),
@@ -934,16 +928,19 @@ class Runtime(Policy):
         off_gpu = self._off_gpu
         if a.swap_out and destructive:
             ranges, moved, _ = self._ranges.resolve(a.swap_out, True, self._frozen)
-            if ranges:
+            if ranges:  # (the plan that swaps them out brings them back: a switched-to one, say)
+                self._swapped.signature = (self.plan.signature, True)
                 self._swapped.out(ranges, moved)
         if a.drop:
             # Dead data no launch reads again: its pages leave without a copy. Before the program
             # frees it only on a plan that ran whole (trusted): a plan still probed, or one the
             # guard switched to mid-iteration that has not run whole, may have been learned on
             # steps an exception cut short, whose objects died early. Else when freed.
-            if (self.record is None and destructive
-                    and self._learner.runs(self.plan.signature) >= PROBE_ITERATIONS):
-                ranges, moved, _ = self._ranges.resolve(a.drop, True, self._frozen)
+            sig, drop = self.plan.signature, a.drop
+            if self.plan.carried_drops and self.variants.successors(sig) != {sig}:  # (another shape may read them)
+                drop = tuple(k for k in drop if k not in self.plan.carried_drops)
+            if self.record is None and destructive and self._learner.runs(sig) >= PROBE_ITERATIONS:
+                ranges, moved, _ = self._ranges.resolve(drop, True, self._frozen)
                 if ranges:
                     self.backend.drop(ranges)
                     self._n_discard_calls += 1
@@ -952,7 +949,7 @@ class Runtime(Policy):
                         off_gpu.add(p, n)
                         self._free_off_gpu.add(p, n)  # dead data: no launch reads it again
             else:
-                self._drop_at_free.update(a.drop)
+                self._drop_at_free.update(drop)
         if a.evict:
             ranges, moved, _ = self._ranges.resolve(a.evict, True, self._frozen)
             if ranges:
