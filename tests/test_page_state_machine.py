@@ -246,12 +246,14 @@ class PageStateMachine(RuleBasedStateMachine):
         return max(64 * KiB, int(fraction * self.t.footprint()))
 
     # -- the program ---------------------------------------------------------------
-    def iteration(self, *, extra: bool = False, other: int = -1, input_scale: int = 1, cut: int = -1) -> None:
+    def iteration(self, *, extra: bool = False, other: int = -1, input_scale: int = 1, cut: int = -1,
+                  split: bool = False) -> None:
         """One step of the template (perturbed as asked); ``cut``: stop after that many
-        events and free what the step made, as an exception would."""
+        events and free what the step made, as an exception would; ``split``: the second
+        half of the layers' optimizer launches are a second optimizer's, after a boundary."""
         p = self.program
         made: list[int] = []
-        steps = self.steps(extra, other, input_scale, made)
+        steps = self.steps(extra, other, input_scale, made, split)
         for n, step in enumerate(steps):
             if n == cut:
                 for obj in made:
@@ -263,7 +265,7 @@ class PageStateMachine(RuleBasedStateMachine):
         self.iterations += 1
         SEEN["iterations"] += 1
 
-    def steps(self, extra: bool, other: int, input_scale: int, made: list[int]):
+    def steps(self, extra: bool, other: int, input_scale: int, made: list[int], split: bool = False):
         """The template's events as callables, in order (``made``: the objects born;
         ``other``: that launch runs another kernel on the same objects)."""
         p, t = self.program, self.t
@@ -338,6 +340,8 @@ class PageStateMachine(RuleBasedStateMachine):
                 free(f"g{i}")
                 out.append(lambda i=i: names.__setitem__(f"g{i}", names.pop(f"r{i}")))
         for i in range(len(t.params)):
+            if split and i == len(t.params) // 2:
+                out.append(p.boundary)  # the second optimizer's step: an iteration of its own
             state = (lambda i=i: self.states[i][0], lambda i=i: self.states[i][1]) if self.states else ()
             launch(50 + i, (get(f"g{i}"),), (lambda i=i: self.params[i], *state))
         if t.carry_grads:
@@ -351,6 +355,12 @@ class PageStateMachine(RuleBasedStateMachine):
     def iterations_of_the_template(self, n: int) -> None:
         for _ in range(n):
             self.iteration()
+
+    @rule(n=st.integers(1, 8))
+    def iterations_of_two_optimizers(self, n: int) -> None:
+        SEEN["iterations of two optimizers"] += n
+        for _ in range(n):
+            self.iteration(split=True)
 
     @rule(kind=st.sampled_from(("extra", "other kernel", "bigger input")), at=st.integers(0, 40))
     def perturbed_iteration(self, kind: str, at: int) -> None:
@@ -505,6 +515,28 @@ def test_a_plan_switched_to_mid_step_drops_nothing_before_it_is_freed(swap_copy)
         state.iteration_cut_short(cut=cut)
         state.nothing_lost_refaulted_or_raced()
     assert state.runtime.counters["switches"] >= 1
+    state.teardown()
+
+
+@pytest.mark.parametrize("swap_copy", SWAP_COPIES)
+@pytest.mark.parametrize(("params", "acts", "input_bytes", "carry_grads", "live", "budget"), [
+    ((1048576, 49152, 102400, 1572864), (102400, 65536, 524288, 262144), 262144, False, True, 0.406),
+    ((102400, 1572864, 102400, 102400), (1048576, 102400, 102400, 102400), 102400, True, False, 0.427)])
+def test_a_second_optimizers_step_reads_gradients_no_plan_dropped(swap_copy, params, acts, input_bytes,
+                                                                  carry_grads, live, budget):
+    """Found on a recorded two-optimizer loop, then here, on the CUDA path, with 150 random
+    templates stepped so: the second half of the layers' optimizer launches run after a step
+    boundary (a second optimizer), reading gradients the first iteration's backward wrote. Its
+    plan, made as if its own shape came next, dropped them as dead (a discarded read, or a
+    discard racing the kernel that reads them)."""
+    state = PageStateMachine()
+    state.start(template=Template(params=params, acts=acts, temps=(0,) * len(params), input_bytes=input_bytes,
+                                  host_input=False, carry_grads=carry_grads, optimizer_state=True),
+                budget=budget, stream="legacy", live=live, swap_copy=swap_copy, options={})
+    for _ in range(10):
+        state.iteration(split=True)
+        state.nothing_lost_refaulted_or_raced()
+    assert state.runtime.report()["acted"] >= 10
     state.teardown()
 
 
