@@ -8,8 +8,8 @@ Adam with the GAN betas, BCE-with-logits loss, random data, no download::
     umrt run --simulate h100-pcie5-80g --gpu-memory 50% examples/train_gan.py
 
 umrt sees a training step per optimizer step, of two shapes in strict turns. Its pool
-plans one of them, which misses every other step, and umrt loses to plain Unified Memory
-here until its guard stops acting (README, "Loops with two models").
+plans neither alone (each would miss every other step: umrt/memory/POOL.md); it keeps
+what the steps free, as a caching allocator does, and the runtime learns both shapes.
 """
 from __future__ import annotations
 

@@ -921,13 +921,16 @@ class DiscardingPolicy:
     """A policy as umrt's runtime acts in a live run: at each allocation or free, the
     blocks freed before it are discarded, and each new block is populated on the GPU
     before its first kernel (no refault). It follows a replayed window with its calls
-    muted, as the runtime does (``bridge.mute``)."""
+    muted, as the runtime does (``bridge.mute``), and once the bridge stopped (a quarantine)
+    it is fed nothing more, as the runtime is not (``LiveBridge.on_event`` after a failure)."""
 
     def __init__(self, backend, pool):
         self.backend, self.dead, self.bridge = backend, [], None
         pool.listeners.append(self.on_pool_event)
 
     def on_pool_event(self, what, ptr, n):
+        if self.bridge is not None and self.bridge.stopped is not None:
+            return
         calls = self.bridge is None or not self.bridge.mute
         dead = [(p, m) for p, m in self.dead if self.backend.allocation_of(p) is not None]  # (as ManagedOnly)
         if dead and calls:

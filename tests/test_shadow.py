@@ -351,17 +351,19 @@ def test_on_a_small_model_the_guard_stops_acting_where_acting_loses(capsys):
 
 
 @pytest.mark.slow
-def test_on_a_gan_whose_steps_take_turns_the_guard_stops_acting_where_acting_loses():
-    """README, "Loops with two models": examples/train_gan.py's discriminator and generator
-    steps take turns, umrt's pool plans one of the two shapes, and acting loses (169.47 ms over
-    the run against plain UM's 144.46, SIMULATED): the guard stops acting for training steps,
-    and every policy runs all 24 steps."""
+def test_a_gan_whose_steps_take_turns_runs_faster_than_plain_unified_memory():
+    """examples/train_gan.py: a discriminator step and a generator step in strict turns. The
+    pool's plan of one of the two shapes missed every other step, and took the other's places
+    too: umrt's whole run was 1.17x slower than plain UM's (169.47 against 144.46 ms,
+    SIMULATED) and its guard stopped acting. Served as a caching allocator serves them, its
+    steps keep their addresses two by two and acting pays (118.36 ms)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "train_gan.py"
     lines: list[str] = []
     assert run_shadow(str(script), [], profile="h100-pcie5-80g", gpu_memory="50%", out=lines.append) == 0
     text = " ".join(" ".join(lines).split())
-    assert "umrt stopped acting in training steps" in text, text[-2000:]
-    assert "over the whole run (24 iterations, simulated)" in text and "failed" not in text
+    said = re.search(r"and ([\d.]+)x (faster|slower) than plain Unified Memory over the whole run \(24 iterations", text)
+    assert said and said.group(2) == "faster", text[-2000:]
+    assert "umrt stopped acting" not in text
 
 
 def test_a_run_shorter_than_the_warm_up_is_steady_after_the_learning():

@@ -57,7 +57,9 @@ SAME_SHAPE = 0.9
 # first step, which makes the optimizer's state and runs the set-up, has a shape of its own:
 # planned from it, the pool would hold two regions, the learning iterations would run slower
 # than a caching allocator's, and the runtime would time doing nothing on them), but plans at
-# the latest from this many steps (loops whose steps take turns between shapes).
+# the latest from this many steps (loops whose steps take turns between shapes, unless two
+# shapes strictly alternate: a GAN's discriminator and generator steps; a plan of one of them
+# misses every other step, and the steps are served unplanned, as a caching allocator would).
 FIRST_PLAN_BY = 5
 
 log = logging.getLogger("umrt")
@@ -598,8 +600,11 @@ class LifetimePool(Layout):
             self._release_empty(st)
         if self._resume and self._records and self._training and self._recording:
             self._resume, self.planning, self.stopped_planning = False, True, None
-            self._make_plan(self._recurring_records())  # (a step served best-fit: its own layout)
-            return
+            if self.planned:
+                self._make_plan(self._recurring_records())  # (a step served best-fit: its own layout)
+                return
+            self._last_shape, self._unplanned_steps = {}, 0  # learning again from here (steps since missed)
+            self._recent_shapes.clear()
         if not self._records or not self._training or not self.planning:
             return
         if self.planned:
@@ -613,9 +618,13 @@ class LifetimePool(Layout):
             # not that of half the recent ones (bucketed lengths in a varying order: one of many
             # shapes, some of which repeat by chance) would have most of the next steps miss a
             # plan made from it.
-            repeated = sum(_same_shape(shape, s) for s in self._recent_shapes) * 2 >= len(self._recent_shapes)
-            self._recent_shapes.append(shape)
-            if same_shape or not self.live_feed or (self._unplanned_steps >= FIRST_PLAN_BY and repeated):
+            recent = self._recent_shapes
+            repeated = sum(_same_shape(shape, s) for s in recent) * 2 >= len(recent)
+            turns = len(recent) >= 3 and _same_shape(shape, recent[-2]) and _same_shape(recent[-1], recent[-3])
+            recent.append(shape)
+            if turns and self.live_feed and not same_shape:
+                self._fits_unplanned = True  # two shapes in strict turns: a caching allocator's cache
+            elif same_shape or not self.live_feed or (self._unplanned_steps >= FIRST_PLAN_BY and repeated):
                 if self.needs_plan is None or self.needs_plan(self.peak_footprint):
                     self._fits_unplanned = False  # (planned: the learning arena goes back once empty, as always)
                     self._make_plan(records)
