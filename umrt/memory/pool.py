@@ -603,7 +603,7 @@ class LifetimePool(Layout):
             if self.planned:
                 self._make_plan(self._recurring_records())  # (a step served best-fit: its own layout)
                 return
-            self._last_shape, self._unplanned_steps = {}, 0  # learning again from here (steps since missed)
+            self._last_shape, self._unplanned_steps = {}, 0  # never planned: its steps' shapes are learned again
             self._recent_shapes.clear()
         if not self._records or not self._training or not self.planning:
             return

@@ -850,7 +850,6 @@ class Runtime(Policy):
         path = (plan.signature, bool(plan.swap)) if plan is not None else None
         if self._swapped and path != self._swapped.signature:
             self.restore_swapped()  # another plan (or none, or its migration-only twin) would not bring them back
-        self._swapped.signature = path
         if plan is not None and plan.swap:
             # pinned staging for the most the plan keeps away at once (allocated once; a host
             # without that much memory is an error naming both figures, before anything moves)
@@ -928,9 +927,8 @@ class Runtime(Policy):
         off_gpu = self._off_gpu
         if a.swap_out and destructive:
             ranges, moved, _ = self._ranges.resolve(a.swap_out, True, self._frozen)
-            if ranges:  # (the plan that swaps them out brings them back: a switched-to one, say)
-                self._swapped.signature = (self.plan.signature, True)
-                self._swapped.out(ranges, moved)
+            if ranges:
+                self._swapped.out(ranges, moved, by=(self.plan.signature, True))
         if a.drop:
             # Dead data no launch reads again: its pages leave without a copy. Before the program
             # frees it only on a plan that ran whole (trusted): a plan still probed, or one the

@@ -39,8 +39,11 @@ class Swapped:
     def __bool__(self) -> bool:
         return bool(self.ranges) or bool(self.arriving)
 
-    def out(self, ranges: list[Range], nbytes: int) -> None:
-        """Copy ``ranges`` (``nbytes`` of objects) to pinned memory, then discard them on the GPU."""
+    def out(self, ranges: list[Range], nbytes: int, by: tuple[int, bool]) -> None:
+        """Copy ``ranges`` (``nbytes`` of objects) to pinned memory, then discard them on the GPU;
+        ``by``: the plan doing it (:attr:`signature`), the one that brings them back (a plan the
+        guard switched to mid-step, say, not the one the step started on)."""
+        self.signature = by
         self._swap.out(ranges)
         c = self._counters
         c["swap_calls"] += 1
