@@ -148,14 +148,15 @@ class Guard:
         acting.discard_keys = plan.discard
         acting.oversized = plan.remote_at
 
-    def deviate(self) -> None:
+    def deviate(self, nothing_held: bool = False) -> None:
         """The program left the plan: stop acting. Early in the iteration the
         probe record is still running, so the runtime learns this iteration
-        instead; later it waits for the next boundary."""
+        instead; later it waits for the next boundary. ``nothing_held``: the
+        plan had no decision to hold (its prediction was wrong, not early)."""
         acting = self.acting
         acting.counters["deviations"] += 1
         acting.unfreeze()
-        self.left_early = 2 * acting.next_action < len(acting.actions)
+        self.left_early = nothing_held or 2 * acting.next_action < len(acting.actions)
         if acting.next_action > 0:  # failed after it had started to hold: the guard counts that
             self.outcomes(self.phases.phase).append(False)
         self.left_launch_free = acting.acting_launch_free

@@ -628,6 +628,11 @@ class Runtime(Policy):
             c["switches"] += 1
             self._mode = "learn"
             self._left_plan = True
+        elif self._mode == "act" and self.record is None and self.n_launches > self.plan.n_launches:
+            # A trusted plan's iteration that ran launches it never saw, no decision telling it apart
+            # (a plan with nothing to do, as when an unfrozen backbone adds its backward): not of its
+            # shape, which the variant table must not learn. (Fewer tell nothing: a capture resumes late.)
+            self._guard.deviate(nothing_held=not self.actions)
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
