@@ -612,3 +612,45 @@ def test_an_oversized_launch_reads_a_newborn_that_holds_data_without_discarding_
     simulate(trace, chosen, "h100-sxm5-80g", 128 * MB, iterations=6)  # raises DataIntegrityError if C is lost
     plan = chosen.schedule if policy == "oracle-planner" else next(iter(chosen.plans.values()))
     assert plan.remote_at and not any(plan.remote_fresh.values())
+
+
+def test_a_run_that_makes_its_model_and_optimizer_again_loses_no_data():
+    """K-fold training (a new model and optimizer per fold, one process). The planner's
+    candidates follow the last fold's step, whose long-lived objects (weights, optimizer
+    state) are other objects than the first folds': a swap out resolved the first fold's
+    optimizer state at its reader, and the swap back, before any launch of the step named
+    it, resolved the last fold's (not alive yet) and brought nothing back. A long-lived
+    object is the one last seen playing its part."""
+    import torch
+    import torch.nn.functional as F
+
+    from umrt.capture.recorder import Recorder
+    from umrt.hardware import load_profile
+    from umrt.sim.budget import resolve_budget
+    from umrt.sim.replay import simulate
+
+    torch.manual_seed(0)
+    x = torch.randn(1536, 128)
+    y = (x[:, :10].sum(1) > 0).long()
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(2):
+            model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                        torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                        torch.nn.Linear(512, 2))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for _ in range(6):
+                idx = torch.randint(0, 1536, (128,))
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+            model.eval()
+            with torch.no_grad():  # the fold's validation
+                (model(x[:512]).argmax(1) == y[:512]).float().mean().item()
+            del model, opt
+    tr = rec.trace()
+    prof = load_profile("h100-pcie5-80g")
+    for name in ("planner", "planner-migrate"):
+        result = simulate(tr, OraclePolicy(tr, plan=name), prof, resolve_budget("50%", tr).bytes,
+                          iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
+        assert result.iteration_times_s

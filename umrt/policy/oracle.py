@@ -411,6 +411,9 @@ class TemplateIds:
         self.template = template
         self.current: dict[int, int] = {}  # template obj -> runtime obj, this iteration
         self.previous: dict[int, int] = {}  # same, previous iteration
+        # A long-lived template object -> the runtime object last seen playing its part (a
+        # run that makes its model or optimizer again, as k-fold training does, replaces them)
+        self.long_lived: dict[int, int] = {}
         self._carried_twin = {y: x for x, y in template.pair.items()}
 
     def next_iteration(self) -> None:
@@ -430,15 +433,18 @@ class TemplateIds:
         if op[0] == "A":
             self.current[op[1]] = event.obj
         elif op[0] == "L":
+            t = self.template
             for obj, access in zip(op[2], event.accesses, strict=True):
                 self.current[obj] = access.obj
+                if obj not in t.born and obj not in t.freed:
+                    self.long_lived[obj] = access.obj
 
     def resolve(self, uid: Uid) -> int | None:
         """The runtime id of a planned object in the current iteration (lap 1 of the plan)."""
         obj, lap = uid
         cur, prev = self.current, self.previous
         if lap is _PERSISTENT:
-            return cur.get(obj, prev.get(obj, obj))
+            return cur.get(obj, prev.get(obj, self.long_lived.get(obj, obj)))
         if lap == 1:
             if obj in cur or obj in self.template.born:
                 return cur.get(obj)
@@ -460,7 +466,7 @@ class TemplateIds:
         if key in t.freed:  # carried in: born in the previous iteration as its twin
             twin = t.pair.get(key)
             return self.previous.get(twin) if twin is not None else None
-        return key  # long-lived: its id never changes
+        return self.long_lived.get(key, key)  # long-lived: its id is kept (until the run makes it again)
 
 
 class OraclePolicy(Policy):
