@@ -120,7 +120,7 @@ class Guard:
         n = acting.n_launches - 1
         for sig in reversed(self.plans):
             plan = self.plans[sig]
-            if plan is acting.plan or not self.phases.in_phase(sig):
+            if plan is acting.plan or not self.phases.in_phase(sig) or plan.outlived(acting.keys.obj_of):
                 continue
             idx = plan.index_at(n)
             if idx is None:

@@ -107,6 +107,12 @@ class Learner:
             del self.plans[sig]
         return bool(stale)
 
+    def forget(self, signature: int) -> None:
+        """Drop the plan of ``signature``: its shape is learned again, and the new plan
+        probed before it is trusted."""
+        self.plans.pop(signature, None)
+        self.plan_runs.pop(signature, None)
+
     def phase_plans(self, phase: str) -> list[int]:
         """Signatures of the plans of ``phase``, least recently used first."""
         return [sig for sig in self.plans if self.phase_of.get(sig, "train") == phase]
@@ -127,9 +133,10 @@ class Learner:
         its own go): the many shapes of variable-length training steps never push
         out the evaluation's."""
         sig = rec.signature
-        if sig in self.plans:
+        if sig in self.plans and not self.plans[sig].outlived(self.keys.obj_of):
             self.plans.move_to_end(sig)
             return False
+        self.forget(sig)  # (a plan of objects the program made again: learned anew)
         plan = self.planner.plan(rec, fits=fits)
         if plan.swap and self.migration_planner is not None:
             plan.migration_only = self.migration_planner.plan(rec)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from umrt.backends.base import BLOCK, PAGE  # the driver's units (PAGE re-exported for the runtime)
@@ -130,6 +130,9 @@ class Plan:
     # Dropped keys that survive the iteration: dead only if the next iteration is of this shape
     # (two optimizers stepped in turn: the second one's step reads the first one's gradients).
     carried_drops: frozenset[int] = frozenset()
+    # Keys alive all through the iteration (weights, optimizer state) -> bytes: where most of
+    # them name no live object, the program made them again and the plan moves nothing of theirs.
+    persistent: dict[int, int] = field(default_factory=dict)
     migration_only: Plan | None = None  # a plan that swaps: the same shape's plan by page migration alone
     remote: frozenset[int] = frozenset()  # long-lived keys kept on the host, read over the link
     read_mostly: frozenset[int] = frozenset()  # long-lived keys only read until the optimizer step
@@ -192,6 +195,13 @@ class Plan:
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}
+
+    def outlived(self, live: Container[int]) -> bool:
+        """Whether at least half the bytes this plan keeps across iterations are under keys not
+        ``live`` now: the program made them again (a new model and optimizer for k-fold's next
+        fold, or a sweep's next trial), and this plan would move none of the new ones."""
+        total = sum(self.persistent.values())
+        return total > 0 and 2 * sum(n for k, n in self.persistent.items() if k not in live) >= total
 
     def index_at(self, launch: int) -> int | None:
         """Index of the action tied to launch ordinal ``launch``, if any."""
@@ -592,8 +602,9 @@ class Planner:
         if launch_free_end is not None:
             actions, resume = launch_free_points(rec.launch_free_clock, actions, sorted(remote_at))
         carried_drops = frozenset(k for a in actions for k in a.drop if k in rec.carried)
+        persistent = {k: rec.sizes.get(k, 0) for k in rec.start_live if k not in dead}
         return Plan(rec.signature, n, actions, discard, stats, swap=swapped, remote=remote, read_mostly=mostly,
-                    carried_drops=carried_drops,
+                    carried_drops=carried_drops, persistent=persistent,
                     remote_at=remote_at, remote_fresh=fresh, remote_head=heads, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:

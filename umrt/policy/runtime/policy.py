@@ -267,8 +267,7 @@ class Runtime(Policy):
         self.set_budget(ctx.budget_bytes)
 
     def set_budget(self, budget_bytes: int) -> None:
-        """Change the GPU memory the runtime plans for (plans are recompiled
-        lazily). Shadow mode sets it once the peak is known."""
+        """Change the GPU memory the runtime plans for (plans are recompiled lazily)."""
         self.ctx.budget_bytes = int(budget_bytes)
         self._learner.new_planner(budget_bytes, self.profile, op_level=self.options.op_level,
                                   swap=SWAP and self.ctx.backend.swap.pinned_copies)
@@ -778,14 +777,11 @@ class Runtime(Policy):
                 self.layout.stop_planning("umrt stopped acting in training steps", self.ctx.budget_bytes)
             return
         probing = False
-        if self._guard.cooling(phase):
-            pass
-        else:
+        if not self._guard.cooling(phase):
             if phase in learner.relearn:
-                # A shape no plan knew ran (and left no record): this iteration is recorded
-                # whatever it runs. Acting on the predicted plan meanwhile costs nothing if
-                # the shape is a known one (a short last batch was the stranger): only a
-                # deviation makes it a learned iteration.
+                # A shape no plan knew ran (and left no record): this iteration is recorded whatever it
+                # runs. Acting on the predicted plan meanwhile costs nothing if the shape is a known one
+                # (a short last batch was the stranger): only a deviation makes it a learned iteration.
                 probing = True
                 if learner.seek_left.get(phase, 0) > 1:
                     learner.seek_left[phase] -= 1
@@ -794,6 +790,10 @@ class Runtime(Policy):
                     learner.relearn.discard(phase)
             if learner.learned.get(phase, 0) >= self.options.learn_iterations:
                 plan = self.phases.predict(phase)
+                if plan is not None and plan.outlived(self.keys.obj_of):  # (its shape is learned again)
+                    learner.forget(plan.signature)
+                    self._clock.forget_plans()
+                    plan = None
                 if plan is not None:
                     plan = self._paths.pick(plan)
                 if plan is not None and not self.phases.opens_run and self._payoff.wants_baseline(phase):
