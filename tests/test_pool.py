@@ -741,6 +741,37 @@ def test_live_feed_serves_steps_of_two_shapes_in_strict_turns_as_a_caching_alloc
                check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
     assert made_at == [3]  # planned at the end of step 2, the first to repeat the one before
 
+def test_a_model_made_again_takes_the_blocks_the_dropped_one_freed():
+    """K-fold training drops each fold's model and optimizer and makes new ones. Where all the
+    pool holds fits the GPU (it serves as a caching allocator's cache), the new weights and
+    optimizer state, known as such when made, went to new memory beside the blocks the old
+    ones freed: examples/train_kfold.py's pool held 92 MiB where 46 fit, and at 100% of its
+    footprint umrt's whole run took 79.80 ms against plain UM's 24.90 (SIMULATED). They take
+    the freed blocks, as a caching allocator's would."""
+    pool = LifetimePool(bump(), live_feed=True, needs_plan=lambda nbytes: False)
+    sizes, ids = [(i + 1) * 300_000 for i in range(4)], itertools.count()
+    model: list[int] = []
+    for it in range(5):
+        pool.on_iteration_boundary(it)
+        # the first fold's model and optimizer state are made in its first step, then each step's
+        # gradients (kinds as a live feed first guesses them)
+        for n in sizes * 2 if it == 0 else ():
+            model.append(next(ids))
+            pool.alloc(model[-1], n, Kind.ACTIVATION)
+        grads = [next(ids) for _ in sizes]
+        for o, n in zip(grads, sizes, strict=True):
+            pool.alloc(o, n, Kind.ACTIVATION)
+        for o in grads:
+            pool.free(o)
+    assert not pool.planned
+    held = pool.footprint()
+    for o in model:  # the fold ends: its model and optimizer are dropped
+        pool.free(o)
+    for n in sizes * 2:  # the next fold's, known as such when made
+        pool.alloc(next(ids), n, Kind.PARAMETER)
+    assert pool.footprint() == held
+
+
 def test_live_feed_does_not_plan_steps_whose_shapes_never_repeat():
     """Bucketed lengths in a varying order: no step repeats an earlier one by FIRST_PLAN_BY, so
     a plan made from any of them would mostly miss (and spread the steps over more memory): the
