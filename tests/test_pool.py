@@ -741,13 +741,13 @@ def test_live_feed_serves_steps_of_two_shapes_in_strict_turns_as_a_caching_alloc
                check=lambda p, sizes: made_at.append(p._iteration) if p.planned and not made_at else None)
     assert made_at == [3]  # planned at the end of step 2, the first to repeat the one before
 
-def test_a_model_made_again_takes_the_blocks_the_dropped_one_freed():
+def test_a_model_made_again_does_not_grow_the_pool_beside_the_memory_the_dropped_one_freed():
     """K-fold training drops each fold's model and optimizer and makes new ones. Where all the
     pool holds fits the GPU (it serves as a caching allocator's cache), the new weights and
-    optimizer state, known as such when made, went to new memory beside the blocks the old
-    ones freed: examples/train_kfold.py's pool held 92 MiB where 46 fit, and at 100% of its
-    footprint umrt's whole run took 79.80 ms against plain UM's 24.90 (SIMULATED). They take
-    the freed blocks, as a caching allocator's would."""
+    optimizer state, known as such when made, went to new memory beside the segments the old
+    ones emptied: examples/train_kfold.py's pool held 92 MiB where 46 fit, and at 100% of its
+    footprint umrt's whole run took 79.80 ms against plain UM's 24.90 (SIMULATED). The emptied
+    segments go back first."""
     pool = LifetimePool(bump(), live_feed=True, needs_plan=lambda nbytes: False)
     sizes, ids = [(i + 1) * 300_000 for i in range(4)], itertools.count()
     model: list[int] = []
@@ -769,7 +769,7 @@ def test_a_model_made_again_takes_the_blocks_the_dropped_one_freed():
         pool.free(o)
     for n in sizes * 2:  # the next fold's, known as such when made
         pool.alloc(next(ids), n, Kind.PARAMETER)
-    assert pool.footprint() == held
+    assert pool.footprint() <= held
 
 
 def test_live_feed_does_not_plan_steps_whose_shapes_never_repeat():

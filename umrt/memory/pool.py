@@ -334,10 +334,9 @@ class LifetimePool(Layout):
         self._clock += 1
         if kind in _PERSISTENT and not (self.live_feed and kind is Kind.OTHER and self._iteration is not None):
             online = self._online
-            # (a caching allocator's cache: a model the program dropped left its blocks for the next, k-fold's)
-            name = "learning" if self._fits_unplanned and not self.planned and not online["persistent"].fits(
-                size) and online["learning"].fits(size) else "persistent"
-            live = _Live(name, online[name].alloc(size), size, nbytes)
+            if self._fits_unplanned and not self.planned and not online["persistent"].fits(size):
+                online["learning"].release_empty()  # (a model the program dropped: k-fold's next fold)
+            live = _Live("persistent", online["persistent"].alloc(size), size, nbytes)
         else:  # recurring, or (live feed, in an iteration) not known yet
             live = self._alloc_transient(size, nbytes, kind)
         self._live[obj] = live
@@ -551,11 +550,8 @@ class LifetimePool(Layout):
         if not self.planned:
             # Live feed, kind unknown: outside any module is where persistent state is born.
             name = "persistent" if self.live_feed and self._depth == 0 and kind is Kind.OTHER else "learning"
-            if name == "persistent" and not self._online[name].fits(size):
-                if not self._fits_unplanned:
-                    self._online["learning"].release_empty()  # what the layers freed, before more is obtained
-                elif self._online["learning"].fits(size):  # (a caching allocator's cache, as above)
-                    name = "learning"
+            if name == "persistent" and not self._online[name].fits(size) and not self._fits_unplanned:
+                self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
         if not self.planning:  # best fit in what the pool holds, as a caching allocator reuses its blocks
