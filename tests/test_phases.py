@@ -444,7 +444,7 @@ def test_a_plan_left_in_its_first_half_was_a_wrong_prediction(left_at, wrong):
 
     stopped = []
     acting = SimpleNamespace(counters={"deviations": 0}, unfreeze=lambda: None, next_action=left_at,
-                             actions=[object()] * 10, acting_launch_free=False, record=object(),
+                             actions=[object()] * 10, acting_launch_free=False, record=object(), plan=None,
                              stop_acting=lambda mode, wants_launches: stopped.append(mode))
     guard = Guard(acting, {}, SimpleNamespace(phase="train"))
     guard.deviate()

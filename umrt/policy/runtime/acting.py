@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from umrt.policy.runtime.planner import Action, IterationRecord, Plan
+    from umrt.predict.tables import ObjectKeys
 
 __all__ = ["Acting"]
 
@@ -22,6 +23,7 @@ class Acting(Protocol):
     """The runtime as its guard and launch-free clock see it."""
 
     counters: dict[str, int]
+    keys: ObjectKeys  # the live objects' keys (a plan whose long-lived keys are gone is not switched to)
     # The plan followed, its decisions and the next one, what it discards and host-maps.
     plan: Plan | None
     actions: list[Action]

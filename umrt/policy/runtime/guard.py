@@ -60,6 +60,12 @@ class Guard:
         self._cooldown_left: dict[str, int] = {}
         self.left_launch_free = False  # this iteration left its plan while acting without launches
         self.left_early = False  # this iteration left its plan before half its decision points
+        self.left_shape: int | None = None  # the signature of the plan this iteration left
+
+    def new_iteration(self) -> None:
+        """An iteration starts: it has left no plan yet."""
+        self.left_launch_free = self.left_early = False
+        self.left_shape = None
 
     # -- the misprediction guard -------------------------------------------------
 
@@ -160,6 +166,7 @@ class Guard:
         if acting.next_action > 0:  # failed after it had started to hold: the guard counts that
             self.outcomes(self.phases.phase).append(False)
         self.left_launch_free = acting.acting_launch_free
+        self.left_shape = acting.plan.signature if acting.plan is not None else None
         # the next iteration is learned
         acting.stop_acting("learn" if acting.record is not None else "off", wants_launches=True)
         acting.plan = None

@@ -79,15 +79,15 @@ class Learner:
             return prof.compute_time(flops, nbytes, precision)
         return max(flops / 100e12, nbytes / 1e12, 5e-6)  # no profile: a V100-class guess
 
-    def learn(self, rec: IterationRecord, phase: str, *, fits: str | None = None) -> bool:
+    def learn(self, rec: IterationRecord, phase: str, *, fits: str | None = None, left: int | None = None) -> bool:
         """A learned iteration of ``phase``: its plan (:meth:`compile`; ``fits``: see
-        :meth:`Planner.plan`); whether its shape was new. After a shape no plan knew ran
+        :meth:`Planner.plan`; ``left``: the plan the iteration left, if any); whether its shape was new. After a shape no plan knew ran
         without launches, the iterations of its phase after it are recorded until one is new
         (at most ``seek_left[phase]`` of them, see ``Runtime._start_iteration``): a new one
         ends the search."""
         self.learned[phase] = self.learned.get(phase, 0) + 1
         self.phase_of[rec.signature] = phase
-        new = self.compile(rec, fits=fits)
+        new = self.compile(rec, fits=fits, left=left)
         if new:  # the stranger was found: stop seeking it
             self.seek_left.pop(phase, None)
             self.relearn.discard(phase)
@@ -127,16 +127,21 @@ class Learner:
         """Iterations the plan of ``signature`` ran through (the runtime trusts it after its ``PROBE_ITERATIONS``)."""
         return self.plan_runs.get(signature, 0)
 
-    def compile(self, rec: IterationRecord, *, fits: str | None = None) -> bool:
+    def compile(self, rec: IterationRecord, *, fits: str | None = None, left: int | None = None) -> bool:
         """A plan for the learned iteration's shape; whether the shape was new. Each
         loop phase keeps its last :data:`MAX_VARIANTS` plans (the least recently used of
         its own go): the many shapes of variable-length training steps never push
-        out the evaluation's."""
+        out the evaluation's. A known shape keeps its plan (a short last batch, same launches
+        at other sizes, does not replace the full batch's), unless the plan's objects are gone
+        (:meth:`Plan.outlived`), or the plan ``left`` is this shape's and the iteration allocated
+        as it does: only what it freed differed, so the plan was learned on the first step after a
+        change of shape (a longer context), which freed the step before's tensors."""
         sig = rec.signature
-        if sig in self.plans and not self.plans[sig].outlived(self.keys.obj_of):
+        old = self.plans.get(sig)
+        if old is not None and not old.outlived(self.keys.obj_of) and not (left == sig and old.allocates(*rec.sizes_hash())):
             self.plans.move_to_end(sig)
             return False
-        self.forget(sig)  # (a plan of objects the program made again: learned anew)
+        self.forget(sig)
         plan = self.planner.plan(rec, fits=fits)
         if plan.swap and self.migration_planner is not None:
             plan.migration_only = self.migration_planner.plan(rec)

@@ -59,6 +59,13 @@ class IterationRecord:
     def __len__(self) -> int:
         return len(self.exec_ids)
 
+    def sizes_hash(self) -> tuple[int, int]:
+        """``(count, running hash)`` of the sizes the iteration allocated, in order (:meth:`Plan.allocates`)."""
+        h = 0
+        for _, key in self.allocs:
+            h = sizes_hash_step(h, self.sizes[key])
+        return len(self.allocs), h
+
     def add_alloc(self, at: int, key: int, ev: Alloc) -> None:
         """``key`` born before launch ``at``, by the allocation ``ev``."""
         self.allocs.append((at, key))
@@ -117,6 +124,11 @@ class Action:
     launch_free_from: int = -1
 
 
+def sizes_hash_step(h: int, nbytes: int) -> int:
+    """The running hash of an iteration's allocation sizes, after one of ``nbytes``."""
+    return ((h * 1000003) ^ nbytes) & HASH_MASK
+
+
 @dataclass
 class Plan:
     """A compiled schedule for one iteration shape."""
@@ -167,6 +179,7 @@ class Plan:
     _hashes: list[int] | None = field(default=None, repr=False, compare=False)
     _shape_hashes: list[int] | None = field(default=None, repr=False, compare=False)
     _alloc_sizes: list[int] | None = field(default=None, repr=False, compare=False)
+    _sizes_hash: int | None = field(default=None, repr=False, compare=False)
     _ordinal_of: dict[int, int] | None = field(default=None, repr=False, compare=False)
 
     def on_events(self, actions: list[Action], resume: dict[int, tuple[int, int]], tokens: Sequence[int],
@@ -192,6 +205,17 @@ class Plan:
             if 0 <= o < len(sizes):
                 out.append((o, sizes[o]))
         return out
+
+    def allocates(self, count: int, sizes_hash: int) -> bool:
+        """Whether an iteration that made ``count`` allocations, whose sizes in order have the
+        running hash ``sizes_hash`` (:func:`sizes_hash`), allocated as this shape does."""
+        if self._sizes_hash is None:
+            self.newborns(())
+            h = 0
+            for n in self._alloc_sizes or ():
+                h = sizes_hash_step(h, n)
+            self._sizes_hash = h
+        return count == len(self._alloc_sizes or ()) and sizes_hash == self._sizes_hash
 
     def action_at(self) -> dict[int, Action]:
         return {a.at: a for a in self.actions}

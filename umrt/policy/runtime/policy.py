@@ -200,6 +200,7 @@ class Runtime(Policy):
         self.events_hash = 0  # their running hash (sizes, freed sizes, module names)
         self.after_rare = False  # the iteration follows a rare shape of its phase: freed sizes do not count
         self.shape_hash = 0  # after a rare shape only: events_hash without freed sizes (Plan.events_match)
+        self.sizes_hash = 0  # the running hash of the sizes allocated this iteration (Plan.allocates)
         # Acting.
         self.plan: Plan | None = None
         self.actions: list[Action] = []
@@ -311,9 +312,8 @@ class Runtime(Policy):
         self._swapped.restore()
 
     def make_layout(self, backend: Backend, *, live_feed: bool = False) -> Layout:
-        """umrt's lifetime-aware pool (the caching-allocator model with
-        ``use_pool=False``); ``live_feed``: the pool as a live allocator feeds it
-        (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
+        """umrt's lifetime-aware pool (the caching-allocator model with ``use_pool=False``); ``live_feed``:
+        the pool as a live allocator feeds it (kinds unknown at allocation, see :class:`~umrt.memory.pool.LifetimePool`)."""
         self._held_known = True
         if self.options.use_pool:
             # The pool plans its layout for moves: none are needed while all it holds fits the GPU,
@@ -418,6 +418,7 @@ class Runtime(Policy):
             n_events = self.n_events  # the launch-free clock
             self.n_events = n_events + 1
             events_hash = self.events_hash = ((self.events_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
+            self.sizes_hash = ((self.sizes_hash * 1000003) ^ event.nbytes) & SIGNATURE_MASK  # (sizes_hash_step)
             if self.after_rare:
                 self.shape_hash = ((self.shape_hash * 1000003) ^ (event.nbytes << 1)) & SIGNATURE_MASK
             rec = self.record
@@ -595,8 +596,7 @@ class Runtime(Policy):
     # -- iteration boundaries -----------------------------------------------------
 
     def _boundary(self, index: int, phase: str) -> None:
-        """One iteration ends (its plan finished, its record compiled) and the next,
-        of loop phase ``phase``, starts."""
+        """One iteration ends (its plan finished, its record compiled); the next, of ``phase``, starts."""
         c = self.counters
         # The most managed memory the layout has held: while it fits the GPU nothing has to move.
         held, budget = self._peak_held if self._held_known else self.layout.peak_footprint_bytes(), self.ctx.budget_bytes
@@ -627,10 +627,11 @@ class Runtime(Policy):
             c["switches"] += 1
             self._mode = "learn"
             self._left_plan = True
-        elif self._mode == "act" and self.record is None and self.n_launches > self.plan.n_launches:
-            # A trusted plan's iteration that ran launches it never saw, no decision telling it apart
-            # (a plan with nothing to do, as when an unfrozen backbone adds its backward): not of its
-            # shape, which the variant table must not learn. (Fewer tell nothing: a capture resumes late.)
+        elif self._mode == "act" and self.record is None and (self.n_launches > self.plan.n_launches or not (
+                self.actions or self.plan.allocates(self.keys.ordinal, self.sizes_hash))):
+            # A trusted plan's iteration that ran launches it never saw, or, with no decision to tell it apart
+            # (an unfrozen backbone adds its backward, a longer context its sizes), allocated otherwise: not of
+            # its shape, which the variant table must not learn. (Fewer launches: a capture may resume late.)
             self._guard.deviate(nothing_held=not self.actions)
         if self._iteration is not None:
             c["iterations"] += 1
@@ -649,7 +650,7 @@ class Runtime(Policy):
             # in, nothing of it is evicted (issue 24: an evaluation that fits runs with nothing moved).
             fits = ("held" if held is not None and held <= budget else
                     "touched" if self._touched is not None and len(self._touched) * BLOCK <= budget else None)
-            if self._learner.learn(self.record, self.phases.phase, fits=fits):
+            if self._learner.learn(self.record, self.phases.phase, fits=fits, left=self._guard.left_shape):
                 self._payoff.new_shape(self.phases.phase)
         if held is not None and held > budget and self._learner.forget_held_fits():
             self._clock.forget_plans()  # the layout outgrew the GPU: plans that moved nothing move now
@@ -657,8 +658,7 @@ class Runtime(Policy):
         self._start_iteration()
 
     def _finish_iteration(self) -> None:
-        """Account for the iteration that ended: the guard's outcome, the plan's
-        runs, the reference addresses, a re-based launch-free clock, the log."""
+        """The iteration that ended: the guard's outcome, the plan's runs, reference addresses, the log."""
         mode, phase = self._mode, self.phases.phase
         entry = {"iteration": self._iteration, "mode": mode}
         # The addresses of a complete iteration of a known shape are the reference
@@ -744,11 +744,11 @@ class Runtime(Policy):
         single key, while every allocation is still checked against that
         reference (one that lands elsewhere ends freezing for the iteration).
         """
-        self._guard.left_launch_free = self._guard.left_early = False
+        self._guard.new_iteration()
         self.n_launches = 0
         self._n_frees = 0
         self.n_events = 0
-        self.events_hash = self.shape_hash = 0
+        self.events_hash = self.shape_hash = self.sizes_hash = 0
         self.after_rare = False
         self._moved = False
         self._deviations_before = self.counters["deviations"]
