@@ -416,6 +416,25 @@ def test_one_training_step_is_a_clear_error(script):
         run_shadow(str(script), ["1"], profile="h100-pcie5-80g", out=lambda s: None)
 
 
+def test_a_loop_that_updates_its_weights_by_hand_is_told_what_a_step_is(tmp_path, capsys):
+    """A tutorial-style loop with no torch.optim (``p -= lr * p.grad``) trains, and umrt sees no
+    step: the one line says where umrt finds one and what to change."""
+    from umrt.cli import main
+
+    path = tmp_path / "by_hand.py"
+    path.write_text("import torch\n"
+                    "w = torch.randn(64, 64, requires_grad=True)\n"
+                    "for _ in range(3):\n"
+                    "    (torch.randn(8, 64) @ w).square().mean().backward()\n"
+                    "    with torch.no_grad():\n"
+                    "        w -= 0.1 * w.grad\n"
+                    "        w.grad = None\n")
+    assert main(["run", "--simulate", "h100-pcie5-80g", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("umrt: error: the script made no optimizer step") and err.count("\n") == 1
+    assert "by hand (p -= lr * p.grad) makes none; step a torch.optim optimizer" in err
+
+
 def test_a_script_with_no_training_loop_exits_2_with_one_line(tmp_path, capsys):
     from umrt.cli import main
 

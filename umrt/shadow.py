@@ -69,7 +69,7 @@ from umrt.scripts import run_script
 from umrt.sim.backend import SimBackend
 from umrt.sim.budget import FOOTPRINT_DEFINITION, PEAK_LIVE_DEFINITION, Budget, resolve_budget
 from umrt.sim.warmup import warm_up
-from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind, Trace
+from umrt.trace.events import Alloc, Event, Free, IterationBoundary, Kind, Launch, Trace
 
 __all__ = ["run_shadow", "drive_live", "LiveRun", "memory_savings", "SAVINGS_FRACTIONS", "plot_savings"]
 
@@ -207,6 +207,9 @@ def run_shadow(
         message = (f"the script made {what}: shadow mode simulates a training loop's steps (one optimizer.step() "
                    f"to the next) and needs at least {MIN_STEPS} (the first builds the model and the optimizer's "
                    "state); nothing to simulate")
+        if made <= 0 and any(type(e) is Launch for e in live_events):  # it computed: a loop without torch.optim?
+            message += (". A step is a torch.optim optimizer's step(): a loop that updates its weights by hand "
+                        "(p -= lr * p.grad) makes none; step a torch.optim optimizer (torch.optim.SGD does the same)")
         if on_report is not None:
             on_report({"profile": prof.name, "policy": policy, "iterations": max(made, 0), "rows": [],
                        "notes": [message]}, int(status))
