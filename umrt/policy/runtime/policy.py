@@ -78,8 +78,7 @@ SWAP = True
 
 def _free_pieces(off_gpu: RangeSet, free: RangeSet, addresses: list[int],
                  newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of the allocations ``(ordinal, nbytes)`` at ``addresses[ordinal]`` that lie off
-    the GPU with nothing live in them, taken out of ``off_gpu`` and ``free``."""
+    """The parts of ``newborns`` ``(ordinal, nbytes)`` off the GPU with nothing live there, taken out of both sets."""
     pieces: list[tuple[int, int]] = []
     for o, nbytes in newborns:
         if o < len(addresses):
@@ -152,7 +151,7 @@ class Runtime(Policy):
         self._n_populated = 0
         self._populated_segments: dict[int, int] = {}  # pool segment -> bytes populated at its making
         self._segments: dict[int, int] = {}  # the layout's managed segments: ptr -> nbytes
-        self._peak_held = 0  # the most bytes they held at once
+        self._peak_held = 0  # the most bytes they held at once in this iteration
         self._held_known = False  # the layout is one make_layout made: its segments are counted
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
         self._predicted: int | None = None  # the running iteration's predicted plan (acted on or not)
@@ -600,6 +599,7 @@ class Runtime(Policy):
         c = self.counters
         # The most managed memory the layout has held: while it fits the GPU nothing has to move.
         held, budget = self._peak_held if self._held_known else self.layout.peak_footprint_bytes(), self.ctx.budget_bytes
+        self._peak_held = sum(self._segments.values())  # (the next iteration's peak starts at what is held now)
         # The dead ranges held for a step's newborns are discarded as the step ends, unless
         # an evaluation comes next: its newborns take them in place (the pool gives an
         # evaluation free memory on the GPU first), as plain Unified Memory reuses resident pages.
