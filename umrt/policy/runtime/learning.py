@@ -35,6 +35,7 @@ class Learner:
         self.seek_left: dict[str, int] = {}  # phase -> iterations still learned to find a shape that ran without launches
         self.phase_of: dict[int, str] = {}  # signature -> the phase its iterations belong to
         self.plan_runs: dict[int, int] = {}  # signature -> iterations its plan ran through
+        self._left_events: dict[int, int] = {}  # signature -> the events of the last step that left its plan
         self.planner: Planner | None = None
         self.migration_planner: Planner | None = None
         self.profile: HardwareProfile | None = None
@@ -112,6 +113,7 @@ class Learner:
         probed before it is trusted."""
         self.plans.pop(signature, None)
         self.plan_runs.pop(signature, None)
+        self._left_events.pop(signature, None)
 
     def phase_plans(self, phase: str) -> list[int]:
         """Signatures of the plans of ``phase``, least recently used first."""
@@ -133,12 +135,20 @@ class Learner:
         its own go): the many shapes of variable-length training steps never push
         out the evaluation's. A known shape keeps its plan (a short last batch, same launches
         at other sizes, does not replace the full batch's), unless the plan's objects are gone
-        (:meth:`Plan.outlived`), or the plan ``left`` is this shape's and the iteration allocated
-        as it does: only what it freed differed, so the plan was learned on the first step after a
-        change of shape (a longer context), which freed the step before's tensors."""
+        (:meth:`Plan.outlived`), or two steps that ``left`` this shape's plan allocated as it does
+        and ran the same events: the plan was learned on the first step after a change of shape
+        (a longer context), which freed the step before's tensors. (One such step is no reason:
+        another thread's frees may come late once, and a plan learned on that step would leave
+        the next.)"""
         sig = rec.signature
         old = self.plans.get(sig)
-        if old is not None and not old.outlived(self.keys.obj_of) and not (left == sig and old.allocates(*rec.sizes_hash())):
+        stale = False
+        if old is not None and left == sig and old.allocates(*rec.sizes_hash()):
+            events = hash(tuple(rec.tokens))
+            stale = self._left_events.pop(sig, None) == events
+            if not stale:
+                self._left_events[sig] = events
+        if old is not None and not old.outlived(self.keys.obj_of) and not stale:
             self.plans.move_to_end(sig)
             return False
         self.forget(sig)
