@@ -621,33 +621,12 @@ def test_a_run_that_makes_its_model_and_optimizer_again_loses_no_data():
     optimizer state at its reader, and the swap back, before any launch of the step named
     it, resolved the last fold's (not alive yet) and brought nothing back. A long-lived
     object is the one last seen playing its part."""
-    import torch
-    import torch.nn.functional as F
-
-    from umrt.capture.recorder import Recorder
+    from tests.recorded_loops import kfold
     from umrt.hardware import load_profile
     from umrt.sim.budget import resolve_budget
     from umrt.sim.replay import simulate
 
-    torch.manual_seed(0)
-    x = torch.randn(1536, 128)
-    y = (x[:, :10].sum(1) > 0).long()
-    rec = Recorder(steer=False)
-    with rec:
-        for _ in range(2):
-            model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                        torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                                        torch.nn.Linear(512, 2))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for _ in range(6):
-                idx = torch.randint(0, 1536, (128,))
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-            model.eval()
-            with torch.no_grad():  # the fold's validation
-                (model(x[:512]).argmax(1) == y[:512]).float().mean().item()
-            del model, opt
+    rec = kfold(folds=2, steps=6, width=512)
     tr = rec.trace()
     prof = load_profile("h100-pcie5-80g")
     for name in ("planner", "planner-migrate"):

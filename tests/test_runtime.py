@@ -168,9 +168,9 @@ def test_a_backbone_unfrozen_mid_run_is_not_taken_for_the_frozen_step():
     import torch
     import torch.nn.functional as F
 
+    from tests.recorded_loops import drive
     from umrt.capture.recorder import Recorder
     from umrt.phase_report import live_run, replay_run
-    from umrt.shadow import refined_kinds
 
     torch.manual_seed(0)
     backbone = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
@@ -188,16 +188,12 @@ def test_a_backbone_unfrozen_mid_run_is_not_taken_for_the_frozen_step():
             F.cross_entropy(model(torch.randn(64, 256)), torch.randint(0, 10, (64,))).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tr = rec.trace()
-    prof = load_profile("h100-pcie5-80g")
-    budget = resolve_budget("50%", tr).bytes
-    run = drive_live(list(rec.events), "umrt", prof, budget, refined_kinds(tr))
-    assert run.error is None
+    run, budget = drive(rec)
     log = run.driver.policy.log
     unfrozen = next(e["signature"] for e in log if e["iteration"] >= 7 and e["mode"] == "learn")
     acted = [e["signature"] for e in log if e["iteration"] >= 9 and e["mode"] == "act"]
     assert len(acted) >= 3 and set(acted) == {unfrozen}, log
-    umrt, um = live_run("umrt", run.driver, 0), replay_run(tr, "um", prof, budget, 0)
+    umrt, um = live_run("umrt", run.driver, 0), replay_run(rec.trace(), "um", load_profile("h100-pcie5-80g"), budget, 0)
     assert umrt.totals["time_s"] < um.totals["time_s"]
 
 
@@ -207,37 +203,12 @@ def test_a_new_folds_model_and_optimizer_are_learned_not_left_to_the_last_folds_
     and optimizer state, which no longer exist, and none of the new ones: the folds after
     the first ran their steps at 16 ms against the first's 4 (SIMULATED, 50%). A plan whose
     long-lived objects are gone is learned again."""
-    import torch
-    import torch.nn.functional as F
-
-    from umrt.capture.recorder import Recorder
+    from tests.recorded_loops import drive, kfold
     from umrt.phase_report import live_run
-    from umrt.shadow import refined_kinds
 
-    torch.manual_seed(0)
-    x = torch.randn(1536, 128)
-    y = (x[:, :10].sum(1) > 0).long()
-    rec = Recorder(steer=False)
-    with rec:
-        for _ in range(3):
-            model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                        torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
-                                        torch.nn.Linear(1024, 2))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for _ in range(8):
-                idx = torch.randint(0, 1536, (128,))
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-            model.eval()
-            with torch.no_grad():  # the fold's validation
-                (model(x[:512]).argmax(1) == y[:512]).float().mean().item()
-            del model, opt
-    tr = rec.trace()
-    assert len(tr.iteration_spans()) == 26  # (the last validation ends no iteration)
-    run = drive_live(list(rec.events), "umrt", load_profile("h100-pcie5-80g"), resolve_budget("50%", tr).bytes,
-                     refined_kinds(tr))
-    assert run.error is None
+    rec = kfold(folds=3, steps=8, width=1024)
+    assert len(rec.trace().iteration_spans()) == 26  # (the last validation ends no iteration)
+    run, _ = drive(rec)
     times = live_run("umrt", run.driver, 0).times
     first, last = sum(times[5:8]) / 3, sum(times[23:26]) / 3  # each fold's last three steps
     assert last < 2 * first, (first, last)
@@ -253,9 +224,9 @@ def test_a_context_that_grows_in_stages_acts_on_each_stages_plan():
     import torch
     import torch.nn.functional as F
 
+    from tests.recorded_loops import drive
     from umrt.capture.recorder import Recorder
     from umrt.phase_report import live_run, replay_run
-    from umrt.shadow import refined_kinds
 
     torch.manual_seed(0)
     emb, head = torch.nn.Embedding(512, 256), torch.nn.Linear(256, 512)
@@ -272,15 +243,11 @@ def test_a_context_that_grows_in_stages_acts_on_each_stages_plan():
             F.cross_entropy(head(h).flatten(0, 1), x.flatten()).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tr = rec.trace()
-    prof = load_profile("h100-pcie5-80g")
-    budget = resolve_budget("50%", tr).bytes
-    run = drive_live(list(rec.events), "umrt", prof, budget, refined_kinds(tr))
-    assert run.error is None
+    run, budget = drive(rec)
     log = run.driver.policy.log
     last = next(e["signature"] for e in log if e["iteration"] >= 10 and e["mode"] == "learn")
     assert [(e["mode"], e["signature"]) for e in log[-2:]] == [("act", last)] * 2, log
-    umrt, um = live_run("umrt", run.driver, 0), replay_run(tr, "um", prof, budget, 0)
+    umrt, um = live_run("umrt", run.driver, 0), replay_run(rec.trace(), "um", load_profile("h100-pcie5-80g"), budget, 0)
     assert umrt.totals["time_s"] < um.totals["time_s"]
 
 
