@@ -627,12 +627,12 @@ class Runtime(Policy):
             c["switches"] += 1
             self._mode = "learn"
             self._left_plan = True
-        elif self._mode == "act" and self.record is None and (self.n_launches > self.plan.n_launches or not (
-                self.actions or self.plan.allocates(self.keys.ordinal, self.sizes_hash))):
-            # A trusted plan's iteration that ran launches it never saw, or, with no decision to tell it apart
-            # (an unfrozen backbone adds its backward, a longer context its sizes), allocated otherwise: not of
-            # its shape, which the variant table must not learn. (Fewer launches: a capture may resume late.)
-            self._guard.deviate(nothing_held=not self.actions)
+        elif self._mode == "act" and self.record is None and not self.actions and (
+                self.n_launches > self.plan.n_launches or not self.plan.allocates(self.keys.ordinal, self.sizes_hash)):
+            # A trusted plan with no decision to tell the iteration apart, which ran launches the plan never saw (an
+            # unfrozen backbone's backward) or allocated otherwise (a longer context): not of its shape, which the
+            # variant table must not learn. (Fewer launches tell nothing: a capture may resume late.)
+            self._guard.deviate(nothing_held=True)
         if self._iteration is not None:
             c["iterations"] += 1
             self._finish_iteration()
