@@ -853,3 +853,35 @@ def test_a_data_loader_laid_out_otherwise_is_recorded_as_before(monkeypatch):
     with rec:
         batches = list(DataLoader(TensorDataset(torch.randn(6, 4)), batch_size=3))
     assert len(batches) == 2 and "_next_index" not in dl._BaseDataLoaderIter.__dict__
+
+
+def test_a_step_the_grad_scaler_skips_still_ends_its_iteration():
+    """fp16 training with a GradScaler: a step whose gradients overflow calls no
+    optimizer step, and the iteration ends there all the same (not merged with the next)."""
+    from umrt.capture.hooks import register_step_end_hook
+
+    model, opt = _mlp("cpu")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rec = Recorder(steer=False)
+    overflow = {2}
+    with rec:
+        for i in range(5):
+            x = torch.randn(8, 16)
+            loss = model(x).square().mean()
+            if i in overflow:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    tr = rec.trace()
+    assert tr.iteration_phases() == ["train"] * 5
+    ops = [[e.op for e in tr.events[a:b] if isinstance(e, Launch)] for a, b in tr.iteration_spans()]
+    stepped = [any("adam" in op or "lerp" in op for op in it) for it in ops]
+    assert stepped == [True, True, False, True, True], stepped
+    # the wrapper is gone once no hook wants it
+    original = torch.amp.GradScaler.__dict__["step"]
+    handle = register_step_end_hook(lambda *a: None)
+    assert torch.amp.GradScaler.__dict__["step"] is not original
+    handle.remove()
+    assert torch.amp.GradScaler.__dict__["step"] is original

@@ -224,9 +224,10 @@ def _keep_share(session: Session) -> None:
     session.share.watch()
     if "torch" not in sys.modules:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    # optional: the capture's hooks import torch, which a job that runs no torch never loads
+    from umrt.capture.hooks import register_step_end_hook
 
-    session.hooks.append(register_optimizer_step_post_hook(lambda *_: move_share(session)))
+    session.hooks.append(register_step_end_hook(lambda *_: move_share(session)))
 
 
 def move_share(session: Session) -> int | None:

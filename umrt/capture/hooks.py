@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -58,15 +59,79 @@ def output_tensors(x: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from output_tensors(y, depth + 1)
 
 
-def install_hooks(forward_pre: Callable, forward_post: Callable, step_pre: Callable, step_post: Callable) -> list:
-    """Register global module forward and optimizer step hooks; returns their handles."""
+def install_hooks(forward_pre: Callable, forward_post: Callable, step_pre: Callable, step_post: Callable,
+                  step_skipped: Callable) -> list:
+    """Register global module forward and optimizer step hooks (``step_skipped``: see
+    :func:`register_step_end_hook`); returns their handles."""
     mm = torch.nn.modules.module
     return [
         mm.register_module_forward_pre_hook(forward_pre),
         mm.register_module_forward_hook(forward_post, always_call=True),
         register_optimizer_step_pre_hook(step_pre),
-        register_optimizer_step_post_hook(step_post),
+        register_step_end_hook(step_post, skipped=step_skipped),
     ]
+
+
+class _StepCount(threading.local):
+    steps = 0  # optimizer steps whose post hooks ran on this thread
+
+
+_step_count = _StepCount()
+_skipped_hooks: list[Callable] = []
+_scaler_step: Callable | None = None  # GradScaler.step as torch defines it, while it is wrapped
+
+
+def _count_step(*_hook_args: Any) -> None:
+    _step_count.steps += 1
+
+
+def _scaler_step_seen(step: Callable) -> Callable:
+    @functools.wraps(step)
+    def scaler_step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _step_count.steps
+        out = step(self, optimizer, *args, **kwargs)
+        if _step_count.steps == before:  # inf or NaN gradients: the scaler skipped the optimizer's step
+            for hook in list(_skipped_hooks):
+                hook(optimizer, args, kwargs)
+        return out
+    return scaler_step
+
+
+class _StepEndHandle:
+    """The handle :func:`register_step_end_hook` returns."""
+
+    def __init__(self, post: Any, counter: Any, skipped: Callable) -> None:
+        self._handles = [post, counter]
+        self._skipped: Callable | None = skipped
+
+    def remove(self) -> None:
+        global _scaler_step
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self._skipped is None:
+            return
+        _skipped_hooks.remove(self._skipped)
+        self._skipped = None
+        if not _skipped_hooks and _scaler_step is not None:
+            torch.amp.GradScaler.step = _scaler_step
+            _scaler_step = None
+
+
+def register_step_end_hook(hook: Callable, *, skipped: Callable | None = None) -> _StepEndHandle:
+    """Call ``hook(optimizer, args, kwargs)`` after every optimizer step, and
+    ``skipped(optimizer, args, kwargs)`` (default: ``hook``) where a
+    ``torch.amp.GradScaler``'s ``step`` found inf or NaN gradients and skipped the
+    optimizer's: the loop's iteration ends there all the same. Returns a handle
+    whose ``remove()`` undoes both."""
+    global _scaler_step
+    skipped = skipped or hook
+    if _scaler_step is None:
+        _scaler_step = torch.amp.GradScaler.step
+        torch.amp.GradScaler.step = _scaler_step_seen(_scaler_step)
+    _skipped_hooks.append(skipped)
+    return _StepEndHandle(register_optimizer_step_post_hook(hook), register_optimizer_step_post_hook(_count_step),
+                          skipped)
 
 
 _loader_pauses: list[Callable[[], AbstractContextManager]] = []  # one per recorder that keeps loaders off

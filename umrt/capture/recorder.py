@@ -648,7 +648,8 @@ class RecorderHooks:
 
     def install(self) -> None:
         """Register the hooks; module paths are relative to the recorder's model."""
-        self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post)
+        self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post,
+                                      self._step_skipped)
         self._handles.append(pause_data_loaders(self.rec.paused))
         self.paths = ModulePaths(self.rec.model)
 
@@ -785,3 +786,9 @@ class RecorderHooks:
                 rec._mark_optimizer(opt, grads=False)
         if rec.auto_step:
             rec.step()
+
+    def _step_skipped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """A GradScaler skipped ``opt``'s step (inf or NaN gradients): the iteration ends
+        as at a step, with no optimizer launches in it."""
+        self._step_pre(opt, args, kwargs)
+        self._step_post(opt, args, kwargs)

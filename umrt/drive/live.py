@@ -20,6 +20,7 @@ from umrt import stats
 from umrt.backends.base import Advice, Backend, Range, SwapPath
 from umrt.backends.ranges import RangeSet
 from umrt.capture import Recorder
+from umrt.capture.hooks import register_step_end_hook
 from umrt.config import Config
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, StoppedActing
@@ -692,9 +693,7 @@ class LiveBridge:
         if self.steady is not None:
             self.steady.attach(self)
         if self.from_allocator:
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._step_hook = register_optimizer_step_post_hook(self._on_step)
+            self._step_hook = register_step_end_hook(self._on_step)
             self.pool.listeners.append(self.on_pool_event)
             self.pool.before_malloc.append(self._before_malloc)
         if self.from_allocator and self.clock is None:
@@ -708,9 +707,7 @@ class LiveBridge:
 
         stats.watch_phases(phases)
         if self.strict:  # after the recorder's: its step bookkeeping is done when this raises
-            from torch.optim.optimizer import register_optimizer_step_post_hook
-
-            self._strict_hook = register_optimizer_step_post_hook(self.raise_if_failed)
+            self._strict_hook = register_step_end_hook(self.raise_if_failed)
         if self.from_allocator:
             with self._lock:  # a policy may want no launches from the start
                 if self.failed is None:
