@@ -885,3 +885,26 @@ def test_a_step_the_grad_scaler_skips_still_ends_its_iteration():
     assert torch.amp.GradScaler.__dict__["step"] is not original
     handle.remove()
     assert torch.amp.GradScaler.__dict__["step"] is original
+
+
+def test_a_compiled_model_runs_eagerly_while_recording_and_fullgraph_does_not_raise(caplog):
+    """torch.compile does not run under a dispatch mode (with ``fullgraph=True`` it raises):
+    under the recorder compiled code runs eagerly, every op recorded, and the stance the
+    program had comes back when the recorder exits."""
+    from torch._dynamo import eval_frame
+
+    model, opt = _mlp("cpu")
+    compiled = torch.compile(model, fullgraph=True)
+    rec = Recorder(steer=False)
+    with caplog.at_level("WARNING", logger="umrt"), rec:
+        for _ in range(3):
+            compiled(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert eval_frame._stance.stance == "default"
+    tr = rec.trace()
+    assert tr.header.iterations == 3
+    ops = {e.op for e in tr.launches()}
+    assert "aten::addmm.default" in ops and any("adam" in op or "lerp" in op for op in ops), ops
+    told = [r.message for r in caplog.records if "torch.compile" in r.message]
+    assert len(told) == 1 and "Sequential" in told[0], told

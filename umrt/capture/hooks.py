@@ -1,14 +1,16 @@
 """Plumbing for torch's module, backward and optimizer hooks: dotted module paths,
-global hook registration, backward pre-hooks claimed once per output, a data loader's
-host-side work kept off the trace, and the guard that hands a hook's own failure to
-its capture (the recorder's hooks, :class:`~umrt.capture.recorder.RecorderHooks`, are
-built on them).
+global hook registration, the end of a step (a GradScaler's skipped one too),
+backward pre-hooks claimed once per output, a data loader's host-side work kept off
+the trace, torch.compile'd code run eagerly, and the guard that hands a hook's own
+failure to its capture (the recorder's hooks,
+:class:`~umrt.capture.recorder.RecorderHooks`, are built on them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -16,6 +18,11 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+try:
+    from torch.compiler import set_stance
+except ImportError:  # torch before 2.6
+    set_stance = None
 
 
 def guarded(method: Callable) -> Callable:
@@ -132,6 +139,24 @@ def register_step_end_hook(hook: Callable, *, skipped: Callable | None = None) -
     _skipped_hooks.append(skipped)
     return _StepEndHandle(register_optimizer_step_post_hook(hook), register_optimizer_step_post_hook(_count_step),
                           skipped)
+
+
+def compiled_code_eager() -> AbstractContextManager:
+    """Run ``torch.compile``'d code eagerly inside (``torch.compiler.set_stance("force_eager")``).
+
+    A capture records ops through a dispatch mode: torch.compile does not run under one
+    (it skips the frame for good, and with ``fullgraph=True`` raises), and the kernels it
+    compiles would hide the ops from the capture. Eager throughout, the program runs the
+    same ops while ops are recorded and while they are not, so a plan learned from them
+    holds. A torch without stances (before 2.6): nothing changes."""
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returned (torch's dynamo is
+    loaded by then; it is not imported here)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 _loader_pauses: list[Callable[[], AbstractContextManager]] = []  # one per recorder that keeps loaders off

@@ -44,6 +44,7 @@ hooks (:class:`RecorderHooks`, below) give layer events and iterations.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
@@ -53,7 +54,15 @@ import torch
 from umrt import __version__
 from umrt.capture import steer as steer_mod
 from umrt.capture.detect import insert_boundaries
-from umrt.capture.hooks import ModulePaths, claim_backward, guarded, install_hooks, pause_data_loaders
+from umrt.capture.hooks import (
+    ModulePaths,
+    claim_backward,
+    compiled_code_eager,
+    guarded,
+    install_hooks,
+    is_compiled_module,
+    pause_data_loaders,
+)
 from umrt.capture.identity import StorageObjects, TracedObject
 from umrt.capture.modestack import ModeSwitch, OpsMode
 from umrt.capture.ops import OpInfo, OpTable, extent, launch_flops, precision_of, tensors_in, tf32_switches
@@ -74,6 +83,7 @@ from umrt.trace.events import (
 )
 from umrt.trace.fileformat import FORMAT_VERSION
 
+log = logging.getLogger("umrt")
 Listener = Callable[[Event], None]
 
 
@@ -212,6 +222,7 @@ class Recorder:
         self._tf32 = tf32_switches()  # read once
         if self._steer:
             stack.enter_context(steer_mod.steered(self.paused, self._steer))
+        stack.enter_context(compiled_code_eager())
         self._hooks.install()
         self._setup()
         self._exit_stack = stack
@@ -645,6 +656,7 @@ class RecorderHooks:
         self._stack: list[str | None] = []  # running forwards (None: not recorded)
         self.backward_module: str | None = None
         self._handles: list[Any] = []
+        self._told_compiled = False  # that a compiled model runs eagerly (said once)
 
     def install(self) -> None:
         """Register the hooks; module paths are relative to the recorder's model."""
@@ -702,6 +714,10 @@ class RecorderHooks:
             with rec._lock:  # forward after a backward without a step (gradient accumulation)
                 self.end_backward()
         name = self.paths.name(module, self.current_module())
+        if self.current_module() is None and not self._told_compiled and is_compiled_module(module):
+            self._told_compiled = True
+            log.warning("umrt: %s is compiled (torch.compile); it runs eagerly while umrt runs: umrt plans from the "
+                        "operators it sees, which compiled kernels hide", type(module._orig_mod).__name__)
         if self.current_module() is None and next(module.parameters(), None) is not None:
             with rec._lock:  # the model's forward: it may open an iteration of another phase
                 rec._flush()
