@@ -908,3 +908,64 @@ def test_a_compiled_model_runs_eagerly_while_recording_and_fullgraph_does_not_ra
     assert "aten::addmm.default" in ops and any("adam" in op or "lerp" in op for op in ops), ops
     told = [r.message for r in caplog.records if "torch.compile" in r.message]
     assert len(told) == 1 and "Sequential" in told[0], told
+
+
+def _accesses_are_to_live_objects(tr):
+    alive = set()
+    for e in tr.events:
+        if isinstance(e, Alloc):
+            alive.add(e.obj)
+        elif isinstance(e, Free):
+            alive.discard(e.obj)
+        elif isinstance(e, Launch):
+            assert all(a.obj in alive for a in e.accesses), e.op
+
+
+def test_sparse_gradients_are_recorded_as_their_index_and_value_tensors():
+    """``nn.Embedding(sparse=True)`` makes a sparse gradient, which has no storage of its
+    own: its index and value tensors are what ops read and write (the recorder raised
+    ``Cannot access storage of SparseTensorImpl`` into the script)."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 16, sparse=True)
+    head = torch.nn.Linear(16, 1)
+    sparse_opt = torch.optim.SparseAdam(list(emb.parameters()))
+    dense_opt = torch.optim.Adam(head.parameters())
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(3):
+            head(emb(torch.randint(0, 1000, (32,)))).square().mean().backward()
+            sparse_opt.step()
+            dense_opt.step()
+            sparse_opt.zero_grad()
+            dense_opt.zero_grad()
+    tr = rec.trace()
+    _accesses_are_to_live_objects(tr)
+    ops = [e.op for e in tr.launches()]
+    assert any("sparse" in op for op in ops), sorted(set(ops))
+    assert any("coalesce" in op for op in ops), sorted(set(ops))
+
+
+def test_a_torch_func_transform_inside_the_step_is_recorded():
+    """Per-sample gradients with ``torch.func`` (``vmap`` over ``grad`` of a
+    ``functional_call``): the module hooks see the transform's wrapped parameters,
+    which have no storage (the recorder raised into the script)."""
+    from torch.func import functional_call, grad, vmap
+
+    model, opt = _mlp("cpu")
+
+    def loss_one(params, x):
+        return functional_call(model, params, (x.unsqueeze(0),)).square().mean()
+
+    rec = Recorder(steer=False)
+    with rec:
+        for _ in range(3):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            per_sample = vmap(grad(loss_one), in_dims=(None, 0))(params, torch.randn(8, 16))
+            for k, p in model.named_parameters():
+                p.grad = per_sample[k].mean(0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    tr = rec.trace()
+    assert tr.header.iterations == 3
+    _accesses_are_to_live_objects(tr)
+    assert sum(1 for _ in tr.launches()) > 30

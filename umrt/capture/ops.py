@@ -3,7 +3,7 @@ whether it runs a kernel, and its cost (FLOPs, bytes a view spans, precision).""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,13 +126,34 @@ def tf32_switches() -> tuple[bool, bool]:
     return (torch.get_float32_matmul_precision() != "highest", bool(torch.backends.cudnn.allow_tf32))
 
 
+_SPARSE_PARTS: dict[torch.layout, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
+def stored(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensors that hold ``t``'s memory, each with a storage: ``t`` itself; a sparse
+    tensor's index and value tensors (it has no storage of its own: ``nn.Embedding(sparse=True)``'s
+    gradient); none for a torch.func transform's wrapper (what it wraps is seen where ops use it)."""
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is not None:
+        yield from parts(t)
+    elif not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        yield t
+
+
 def tensors_in(x: Any) -> Iterator[torch.Tensor]:
-    """The tensors in an op's argument or result (nested lists and tuples)."""
+    """The tensors in an op's argument or result (nested lists and tuples), a sparse
+    tensor as its parts (:func:`stored`)."""
     if isinstance(x, torch.Tensor):
-        yield x
+        yield from stored(x)
     elif isinstance(x, (list, tuple)):
         for y in x:
             if isinstance(y, torch.Tensor):
-                yield y
+                yield from stored(y)
             elif isinstance(y, (list, tuple)):
                 yield from tensors_in(y)

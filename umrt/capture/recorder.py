@@ -65,7 +65,16 @@ from umrt.capture.hooks import (
 )
 from umrt.capture.identity import StorageObjects, TracedObject
 from umrt.capture.modestack import ModeSwitch, OpsMode
-from umrt.capture.ops import OpInfo, OpTable, extent, launch_flops, precision_of, tensors_in, tf32_switches
+from umrt.capture.ops import (
+    OpInfo,
+    OpTable,
+    extent,
+    launch_flops,
+    precision_of,
+    stored,
+    tensors_in,
+    tf32_switches,
+)
 from umrt.capture.phases import BACKWARD, FORWARD, STEP, LoopPhase, Phases, lifetime_kind
 from umrt.trace.events import (
     Access,
@@ -364,11 +373,12 @@ class Recorder:
         """Record a fact about a tensor's storage (announcing it if new)."""
         if not isinstance(t, torch.Tensor) or t.device.type != self.device:
             return
-        obj = self._obj_for(t.untyped_storage(), first_seen_kind=kind)
-        info = self._objects.objects[obj]
-        info.known = kind
-        if info.key is not None:
-            self._objects.learned[info.key] = kind
+        for part in stored(t):
+            obj = self._obj_for(part.untyped_storage(), first_seen_kind=kind)
+            info = self._objects.objects[obj]
+            info.known = kind
+            if info.key is not None:
+                self._objects.learned[info.key] = kind
 
     def _mark_optimizer(self, opt: torch.optim.Optimizer, *, grads: bool) -> None:
         for group in opt.param_groups:

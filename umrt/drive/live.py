@@ -21,6 +21,7 @@ from umrt.backends.base import Advice, Backend, Range, SwapPath
 from umrt.backends.ranges import RangeSet
 from umrt.capture import Recorder
 from umrt.capture.hooks import register_step_end_hook
+from umrt.capture.ops import stored
 from umrt.config import Config
 from umrt.drive.driver import Driver
 from umrt.errors import ConfigError, StoppedActing
@@ -542,7 +543,8 @@ class LiveBridge:
 
         def hint(t: Any, kind: Kind) -> None:
             if isinstance(t, torch.Tensor) and t.device.type == self._device:
-                self._hint(t.untyped_storage().data_ptr(), kind)
+                for part in stored(t):  # a sparse gradient: its parts
+                    self._hint(part.untyped_storage().data_ptr(), kind)
 
         for group in opt.param_groups:
             for p in group["params"]:
