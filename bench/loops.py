@@ -112,6 +112,8 @@ def record(loop: Loop, size: str = "bench") -> Recording:
     with tempfile.TemporaryDirectory(prefix="umrt-loop-") as scratch, mock.patch.object(tempfile, "tempdir", scratch):
         with rec, suppress(StopRecording):
             run_script(script, argv, passthrough=(StopRecording,))
+    if rec.failure is not None:
+        raise RuntimeError(f"{loop.name}: the recorder stopped: {rec.failure}")
     return Recording(rec.trace(), list(rec.events))
 
 

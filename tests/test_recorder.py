@@ -969,3 +969,29 @@ def test_a_torch_func_transform_inside_the_step_is_recorded():
     assert tr.header.iterations == 3
     _accesses_are_to_live_objects(tr)
     assert sum(1 for _ in tr.launches()) > 30
+
+
+def test_on_error_stop_ends_the_recording_and_never_the_program():
+    """``on_error="stop"`` (a script's recorder): the recorder's own failure ends the
+    recording, kept in ``failure`` with the op it was recording; the program runs on."""
+    model, opt = _mlp("cpu")
+    launches = []
+
+    def fail_at_the_tenth(e):
+        if isinstance(e, Launch):
+            launches.append(e)
+            if len(launches) == 10:
+                raise RuntimeError("planted")
+
+    rec = Recorder(steer=False, on_error="stop", listeners=[fail_at_the_tenth])
+    losses = []
+    with rec:
+        for _ in range(3):
+            loss = model(torch.randn(8, 16)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    assert len(losses) == 3
+    assert rec.failure is not None and rec.failure.startswith("RuntimeError: planted (recording aten::")
+    assert len(launches) == 10  # nothing recorded after it

@@ -460,6 +460,39 @@ def test_a_loop_that_updates_its_weights_by_hand_is_told_what_a_step_is(tmp_path
     assert "by hand (p -= lr * p.grad) makes none; step a torch.optim optimizer" in err
 
 
+def test_a_script_umrt_cannot_record_runs_to_its_end_and_is_told_so(tmp_path, capsys, monkeypatch):
+    """A failure of the recorder's own (planted: the 40th op it records) ends the recording,
+    never the script: the script prints every step, and umrt says in one line what stopped it
+    and that it is umrt's limit (it raised into the script before)."""
+    from umrt.capture.recorder import Recorder
+    from umrt.cli import main
+
+    record, calls = Recorder._record, []
+
+    def planted(self, *args):
+        calls.append(1)
+        if len(calls) == 40:
+            raise NotImplementedError("Cannot access storage of PlantedTensorImpl")
+        return record(self, *args)
+
+    monkeypatch.setattr(Recorder, "_record", planted)
+    path = tmp_path / "train.py"
+    path.write_text("import torch\n"
+                    "m = torch.nn.Linear(32, 32)\n"
+                    "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                    "for i in range(4):\n"
+                    "    m(torch.randn(8, 32)).square().mean().backward()\n"
+                    "    opt.step()\n"
+                    "    opt.zero_grad()\n"
+                    "    print('step', i)\n")
+    assert main(["run", "--simulate", "h100-pcie5-80g", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out.splitlines()[:4] == ["step 0", "step 1", "step 2", "step 3"]
+    assert out.err.startswith("umrt: error: umrt could not record the script (NotImplementedError: Cannot access "
+                              "storage of PlantedTensorImpl (recording aten::")
+    assert "ran on to its end unrecorded, and nothing was simulated" in out.err and out.err.count("\n") == 1
+
+
 def test_a_script_with_no_training_loop_exits_2_with_one_line(tmp_path, capsys):
     from umrt.cli import main
 

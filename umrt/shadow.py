@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from umrt.capture import StopRecording
-from umrt.capture.recorder import script_recorder
+from umrt.capture.recorder import not_recorded, script_recorder
 from umrt.config import SIMULATED_DEFAULT, Amount, format_bytes, parse_amount, simulated_amount
 from umrt.console import text_console
 from umrt.drive.driver import Driver
@@ -199,6 +199,15 @@ def run_shadow(
             status = run_script(str(path), list(argv), passthrough=(StopRecording,))
         except StopRecording:
             status = 0  # the steps asked for are recorded
+    if rec.failure is not None:
+        message = not_recorded(rec.failure, "nothing was simulated")
+        if on_report is not None:
+            on_report({"profile": prof.name, "policy": policy, "iterations": 0, "rows": [], "notes": [message]},
+                      int(status))
+        if status:
+            print(f"umrt: {message}", file=sys.stderr)
+            return status
+        raise UmrtError(message)
     live_events = list(rec.events)  # kinds as announced while the script ran
     trace = rec.trace()  # kinds refined: what a trace file of this run holds
     made = sum(type(e) is IterationBoundary for e in live_events) - 1  # boundary 0 opens the first step

@@ -47,7 +47,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -110,9 +110,18 @@ def script_recorder(command: Sequence[str], *, steps: int | None = None, device:
     steered (the script computes exactly what it computes without umrt), each optimizer step
     ending an iteration from the first one on (iteration 0 builds the model and the optimizer's
     lazy state), on the device the script uses unless ``device`` says; ``steps`` stops the
-    script (:class:`StopRecording`) once that many iterations are recorded."""
+    script (:class:`StopRecording`) once that many iterations are recorded. A failure of the
+    recorder's own ends the recording (:attr:`Recorder.failure`), never the script."""
     return Recorder(listeners=listeners, device=device, mark_start=True, stop_after=steps, steer=False,
-                    model_name=" ".join(command)[:200], meta={"argv": list(command), "steps": steps})
+                    model_name=" ".join(command)[:200], meta={"argv": list(command), "steps": steps},
+                    on_error="stop")
+
+
+def not_recorded(failure: str, then: str) -> str:
+    """What to tell the user of a script :func:`script_recorder` could not follow to its
+    end (``failure``: :attr:`Recorder.failure`), and ``then`` what came of it."""
+    return (f"umrt could not record the script ({failure}); the script ran on to its end unrecorded, and {then}. "
+            "The limit is umrt's, not the script's: please report it with this message")
 
 
 class EventLog:
@@ -167,7 +176,9 @@ class Recorder:
             (events are only passed on, so memory stays bounded).
         on_error: called with an exception the recorder's own bookkeeping
             raised (in an op, a hook, a finalizer), which then never reaches
-            the program: a live run must not stop for umrt's sake. Default:
+            the program: a live run must not stop for umrt's sake. ``"stop"``:
+            the first one ends the recording for good (kept in :attr:`failure`,
+            the program runs on unrecorded; its caller says so). Default:
             the exception propagates (a trace must not silently miss ops).
     """
 
@@ -185,7 +196,7 @@ class Recorder:
         steer: bool | Collection[str] = ("meta",),
         meta: dict | None = None,
         keep_events: bool = True,
-        on_error: Callable[[BaseException], None] | None = None,
+        on_error: Callable[[BaseException], None] | Literal["stop"] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -206,6 +217,7 @@ class Recorder:
 
         self._log = EventLog(self.listeners, keep_events)
         self._on_error = on_error
+        self.failure: str | None = None  # with on_error="stop": what ended the recording
         self._objects = StorageObjects()
         self._phases = Phases()
         self._ops = OpTable()
@@ -393,10 +405,16 @@ class Recorder:
                         continue  # a host step counter, as on CUDA (not capturable)
                     self._mark(v, Kind.OPTIMIZER_STATE)
 
-    def _error(self, exc: Exception) -> None:
-        """The recorder's own bookkeeping failed: re-raise, or hand it to ``on_error``."""
+    def _error(self, exc: Exception, during: str = "") -> None:
+        """The recorder's own bookkeeping failed (``during``: what it was recording):
+        re-raise, stop recording, or hand it to ``on_error``."""
         if self._on_error is None:
             raise exc
+        if self._on_error == "stop":
+            if self.failure is None:
+                self.failure = f"{type(exc).__name__}: {exc}" + (f" ({during})" if during else "")
+                self._close()
+            return
         self._on_error(exc)
 
     # ------------------------------------------------------------------ iterations
@@ -536,7 +554,7 @@ class Recorder:
             with self._lock:
                 self._record(func, info, args, kwargs, out)
         except Exception as exc:  # noqa: BLE001 - see on_error
-            self._error(exc)
+            self._error(exc, f"recording {info.name}, iteration {self._phases.iteration}")
         return out
 
     def _record(self, func: Any, info: OpInfo, args: tuple, kwargs: dict, out: Any) -> None:

@@ -150,7 +150,7 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
     from umrt.capture import StopRecording
 
     # optional: torch: not for `umrt --help`
-    from umrt.capture.recorder import script_recorder
+    from umrt.capture.recorder import not_recorded, script_recorder
 
     # optional: trace files need numpy; not for `umrt --help`
     from umrt.trace import fileformat
@@ -188,6 +188,8 @@ def _trace_script(cmd: list[str], args: argparse.Namespace) -> int:
                 status = run_script(argv[0], argv[1:], passthrough=(StopRecording,))
         except StopRecording:
             status = 0  # recorded the steps asked for
+    if rec.failure is not None:
+        raise UmrtError(not_recorded(rec.failure, "no trace was written"))
     if status:
         raise ScriptFailed(f"the script exited with status {status} before the trace was complete; "
                            "no trace written")
