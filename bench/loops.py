@@ -105,8 +105,7 @@ class Recording:
 
 
 def record(loop: Loop, size: str = "bench") -> Recording:
-    """The loop run once on the CPU under the recorder shadow mode uses, unsteered; the
-    checkpoints it saves (in folders it makes in the temporary directory) are removed after."""
+    """The loop run once on the CPU under shadow mode's recorder (its checkpoints removed after)."""
     argv, script = list(loop.args(size)), str(EXAMPLES / loop.script)
     rec = script_recorder([script, *argv])
     with tempfile.TemporaryDirectory(prefix="umrt-loop-") as scratch, mock.patch.object(tempfile, "tempdir", scratch):
@@ -129,8 +128,7 @@ def drive(recording: Recording, profile: str | HardwareProfile = "h100-pcie5-80g
         raise ValueError(f"layout 'caching' is umrt's option; {policy!r} places tensors as it does")
     prof = profile if isinstance(profile, HardwareProfile) else load_profile(profile)
     budget = resolve_budget(gpu_memory, recording.trace)
-    if layout == "caching":
-        policy = make_policy("umrt", use_pool=False)
+    policy = make_policy("umrt", use_pool=False) if layout == "caching" else policy
     run = drive_live(recording.events, policy, prof, budget.bytes, refined_kinds(recording.trace))
     if run.error is not None:
         raise run.error
