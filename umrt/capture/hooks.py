@@ -159,56 +159,68 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
-_loader_pauses: list[Callable[[], AbstractContextManager]] = []  # one per recorder that keeps loaders off
+_PauseEntry = tuple[Callable[[], AbstractContextManager], Callable[[Any], Any]]
+_loader_pauses: list[_PauseEntry] = []  # (paused, arrived): one per recorder that keeps loaders off
 _loader_originals: dict[tuple[type, str], Callable] = {}
 
 
-def _under_pauses(fn: Callable) -> Callable:
+def _under_pauses(fn: Callable, *, hands_a_batch: bool = False) -> Callable:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
-            for paused in list(_loader_pauses):
+            for paused, _ in list(_loader_pauses):
                 stack.enter_context(paused())
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        if hands_a_batch:
+            for _, arrived in list(_loader_pauses):
+                out = arrived(out)
+        return out
     return call
 
 
 class _LoaderPause:
     """The handle :func:`pause_data_loaders` returns."""
 
-    def __init__(self, paused: Callable[[], AbstractContextManager]) -> None:
-        self._paused: Callable[[], AbstractContextManager] | None = paused
+    def __init__(self, entry: _PauseEntry) -> None:
+        self._entry: _PauseEntry | None = entry
 
     def remove(self) -> None:
-        if self._paused is None:
+        if self._entry is None:
             return
-        _loader_pauses.remove(self._paused)
-        self._paused = None
+        _loader_pauses.remove(self._entry)
+        self._entry = None
         if not _loader_pauses:
             for (cls, name), fn in _loader_originals.items():
                 setattr(cls, name, fn)
             _loader_originals.clear()
 
 
-def pause_data_loaders(paused: Callable[[], AbstractContextManager]) -> _LoaderPause:
-    """Run a ``torch.utils.data.DataLoader``'s iterator creation and its sampler under
-    ``paused()`` until the returned handle's ``remove()``.
+def pause_data_loaders(paused: Callable[[], AbstractContextManager],
+                       arrived: Callable[[Any], Any] = lambda batch: batch) -> _LoaderPause:
+    """Run a ``torch.utils.data.DataLoader``'s iterator creation, its sampler and the
+    fetching of what its worker processes send under ``paused()``, and pass each batch
+    a worker sent through ``arrived`` (its return value is what the loop gets), until
+    the returned handle's ``remove()``.
 
     Traced on the CPU (shadow mode), everything is on the traced device; on a GPU the
     loader's seed (an 8-byte tensor each time an iterator is made, at every epoch) and
     its sampler's permutation (at an epoch's first batch) stay in host memory, so they
-    are kept off. Collating a batch stays on: its output is born written by an op,
-    where a GPU run's batch is born written by its copy to the device."""
+    are kept off, and so is the rebuilding of the batches workers send (in shared host
+    memory, whenever they arrive, ahead or out of order). Collating a batch in the main
+    process stays on: its output is born written by an op, as a GPU run's batch is
+    born written by its copy to the device (``arrived`` can do the same for a worker's)."""
     from torch.utils.data import dataloader
 
     if not _loader_originals:
-        for cls, name in ((dataloader.DataLoader, "__iter__"), (dataloader._BaseDataLoaderIter, "_next_index")):
+        for cls, name in ((dataloader.DataLoader, "__iter__"), (dataloader._BaseDataLoaderIter, "_next_index"),
+                          (dataloader._MultiProcessingDataLoaderIter, "_next_data")):
             fn = cls.__dict__.get(name)
             if fn is not None:  # (a torch whose loader is laid out otherwise: recorded as before)
                 _loader_originals[(cls, name)] = fn
-                setattr(cls, name, _under_pauses(fn))
-    _loader_pauses.append(paused)
-    return _LoaderPause(paused)
+                setattr(cls, name, _under_pauses(fn, hands_a_batch=name == "_next_data"))
+    entry = (paused, arrived)
+    _loader_pauses.append(entry)
+    return _LoaderPause(entry)
 
 
 class ModulePaths:
