@@ -153,8 +153,7 @@ def measure(recording: Recording, profile: str = "h100-pcie5-80g", gpu_memory: s
 def check(result: dict) -> list[str]:
     """Issue 24's targets (SIMULATED) that ``result`` misses, in words (empty: all met)."""
     by = {r.policy: r for r in result["runs"]}
-    umrt, um, oracle = by["umrt"], by["um"], by["oracle"]
-    missed = []
+    umrt, um, oracle, missed = by["umrt"], by["um"], by["oracle"], []
     if umrt.totals["time_s"] > um.totals["time_s"] * (1 + 1e-9):
         missed.append(f"whole run {umrt.totals['time_s'] * 1e3:.2f} ms > plain UM's {um.totals['time_s'] * 1e3:.2f} ms")
     for phase, figs in umrt.by_phase.items():
@@ -162,7 +161,7 @@ def check(result: dict) -> list[str]:
         if ref is not None and figs.steady_s > 1.15 * ref.steady_s:
             missed.append(f"{PHASE_LABELS.get(phase, phase)} steady {figs.steady_s * 1e3:.2f} ms > 1.15x the "
                           f"oracle's {ref.steady_s * 1e3:.2f} ms")
-    for i, ratio in resumed_after_evaluation(umrt):
+    for i, ratio in resumed_after_evaluation(umrt, by["ideal"].compute):
         if ratio > 1.05:
             missed.append(f"training step {i} after an evaluation took {ratio:.3f}x the step before it")
     learned = {e["iteration"] for e in result["log"] if e["mode"] == "learn"}
@@ -173,12 +172,13 @@ def check(result: dict) -> list[str]:
     return missed
 
 
-def resumed_after_evaluation(run: RunFigures) -> list[tuple[int, float]]:
+def resumed_after_evaluation(run: RunFigures, shapes: list[float] | None = None) -> list[tuple[int, float]]:
     """Each training iteration that follows an evaluation, with its time over that of the last
-    training iteration of its shape (its compute) before: a short last batch moves less than its
-    share of a full step. With none, over the last training step, each over its compute alone."""
-    out, trains = [], []
-    c = run.compute if len(run.compute) == len(run.times) and all(run.compute) else [1.0] * len(run.times)
+    training iteration of its shape (its compute in ``shapes``, the ideal run's: a plan's copies
+    change ``run.compute``) before: a short last batch moves less than its share of a full step.
+    With none, over the last training step, each over its compute alone."""
+    out, trains, c = [], [], run.compute if shapes is None else shapes
+    c = c if len(c) == len(run.times) and all(c) else [1.0] * len(run.times)
     for i, phase in enumerate(run.phases):
         if phase == "train":
             if trains and run.phases[i - 1] != "train":

@@ -3,8 +3,8 @@
 A ``LightningModule``-shaped class (``training_step``, ``validation_step``,
 ``configure_optimizers`` returning an optimizer and a warm-up-then-cosine
 scheduler stepped every step) and a small ``Trainer`` that runs it as
-Lightning's fit loop does: shuffled batches from a ``DataLoader`` (the
-dataset does not divide into batches: every epoch ends on a short one), a
+Lightning's fit loop does: shuffled batches from a ``DataLoader`` (``--num-workers``
+worker processes; the dataset does not divide into batches: every epoch ends on a short one), a
 validation every ``--val-check-interval`` steps and at each epoch's end
 (``model.eval()``, ``torch.no_grad()``), a ``ModelCheckpoint``-like save of
 the best weights and optimizer state, ``EarlyStopping`` on the validation
@@ -134,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     s = args.image_size
     train = TensorDataset(torch.randn(args.train_size, 3, s, s), torch.randint(0, 10, (args.train_size,)))
     val = TensorDataset(torch.randn(args.val_size, 3, s, s), torch.randint(0, 10, (args.val_size,)))
-    train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True)
-    val_loader = DataLoader(val, batch_size=args.batch_size)
+    loading = dict(num_workers=args.num_workers, persistent_workers=args.num_workers > 0,
+                   pin_memory=args.device.startswith("cuda"))
+    train_loader = DataLoader(train, batch_size=args.batch_size, shuffle=True, **loading)
+    val_loader = DataLoader(val, batch_size=args.batch_size, **loading)
     max_steps = args.max_epochs * len(train_loader)
     model = LitClassifier(args.width, 10, args.lr, warmup_steps=max(1, max_steps // 10), max_steps=max_steps)
     trainer = Trainer(args.max_epochs, args.val_check_interval, args.patience, gradient_clip_val=1.0,

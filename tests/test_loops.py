@@ -39,6 +39,8 @@ def test_a_step_after_an_evaluation_is_compared_with_the_last_step_of_its_shape(
               "faults": 0, "evictions": 0} for i in range(len(times) + 1)]
     run = RunFigures.of("umrt", "live", marks, phases, 0)
     assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 1.1), (6, 1.0), (8, 0.8)]
+    shapes, run.compute = compute, [c + 0.01 * i for i, c in enumerate(compute)]  # copies beside the kernels
+    assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run, shapes)] == [(3, 1.1), (6, 1.0), (8, 0.8)]
     run.compute = []  # (no compute known: every step one shape, time for time)
     assert [(i, round(r, 3)) for i, r in resumed_after_evaluation(run)] == [(3, 5.5), (6, 1.0), (8, 0.6)]
 
