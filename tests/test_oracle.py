@@ -633,3 +633,39 @@ def test_a_run_that_makes_its_model_and_optimizer_again_loses_no_data():
         result = simulate(tr, OraclePolicy(tr, plan=name), prof, resolve_budget("50%", tr).bytes,
                           iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
         assert result.iteration_times_s
+
+
+def test_a_step_that_hands_its_state_to_the_next_loses_no_data_where_the_script_ends():
+    """Truncated backprop through time: each step's LSTM state (detached) is read by the
+    next step. A script recorded to its end frees everything after its last step; the
+    planner's candidates took those frees for the step's own, so the state looked dead once
+    written, was dropped, and the next step read nothing (``holds no data``). A free after
+    the last step's last launch beyond the frees the step before made there is the
+    script's end, not the step's."""
+    import torch
+
+    from umrt.capture import Recorder
+    from umrt.hardware import load_profile
+    from umrt.sim.budget import resolve_budget
+    from umrt.sim.replay import simulate
+
+    torch.manual_seed(0)
+    rec = Recorder(steer=False, mark_start=True)
+    with rec:
+        lstm = torch.nn.LSTM(512, 512, num_layers=2, batch_first=True)  # a state of two 64 KB pages
+        head = torch.nn.Linear(512, 64)
+        opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()])
+        state = None
+        for _ in range(6):
+            out, state = lstm(torch.randn(32, 32, 512), state)
+            state = tuple(s.detach() for s in state)
+            head(out).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        del lstm, head, opt, state, out  # the script ends
+    tr = rec.trace()
+    prof = load_profile("h100-pcie5-80g")
+    for name in ("planner", "planner-full"):
+        result = simulate(tr, OraclePolicy(tr, plan=name), prof, resolve_budget("50%", tr).bytes,
+                          iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
+        assert result.iteration_times_s

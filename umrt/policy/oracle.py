@@ -128,6 +128,7 @@ class Template:
     freed: dict[int, int]  # obj -> position of its Free
     pair: dict[int, int]  # carried obj freed here -> the obj born here that plays its part next time
     kinds: dict[int, Kind] = field(default_factory=dict)
+    teardown: frozenset[int] = frozenset()  # freed after it as the script ended (:func:`teardown`)
 
     @classmethod
     def from_trace(cls, trace: Trace) -> Template:
@@ -137,7 +138,8 @@ class Template:
         sizes = {e.obj: e.nbytes for e in trace.events if isinstance(e, Alloc)}
         last = template_index(trace)
         iterations = [_ops(trace.events[a + 1 : b]) for a, b in spans[: last + 1]]
-        ops = iterations[-1]
+        gone = teardown(trace)
+        ops = [op for op in iterations[-1] if not (op[0] == "F" and op[1] in gone)]
         born = {op[1]: i for i, op in enumerate(ops) if op[0] == "A"}
         freed = {op[1]: i for i, op in enumerate(ops) if op[0] == "F"}
         # A carried object freed in this iteration was born in an earlier one
@@ -156,7 +158,7 @@ class Template:
                 if sizes.get(partner) == sizes.get(obj):
                     pair[obj] = partner
         kinds = {e.obj: e.kind for e in trace.events if isinstance(e, Alloc)}
-        return cls(ops, sizes, born, freed, pair, kinds)
+        return cls(ops, sizes, born, freed, pair, kinds, frozenset(gone))
 
     def uid(self, obj: int, lap: int) -> Uid:
         """The identity, across laps, of template object ``obj`` seen in lap ``lap``."""
@@ -328,6 +330,29 @@ def template_index(trace: Trace) -> int:
     return max((i for i, p in enumerate(phases) if p == "train"), default=len(phases) - 1)
 
 
+def teardown(trace: Trace) -> set[int]:
+    """The objects the template iteration frees as the script ends, not as a step does.
+
+    A script recorded to its end (shadow mode) frees its model and optimizer state, and
+    whatever its steps hand on (an RNN's hidden state), after its last step's last launch.
+    Those frees are the template's when it is the trace's last iteration: the ones after
+    its last launch beyond as many as the training step before it freed there. Planned as
+    the step's, they made what a step hands on look dead, and the oracle dropped an RNN's
+    state before the next step read it."""
+    spans, phases = trace.iteration_spans(), trace.iteration_phases()
+    last = template_index(trace)
+    before = max((i for i, p in enumerate(phases[:last]) if p == "train"), default=None)
+    if last != len(spans) - 1 or before is None:
+        return set()
+
+    def trailing_frees(span: tuple[int, int]) -> list[int]:
+        events = trace.events[span[0] + 1 : span[1]]
+        end = max((i for i, e in enumerate(events) if isinstance(e, Launch)), default=-1)
+        return [e.obj for e in events[end + 1 :] if isinstance(e, Free)]
+
+    return set(trailing_frees(spans[last])[len(trailing_frees(spans[before])):])
+
+
 def iteration_record(trace: Trace, template: Template, profile: HardwareProfile) -> IterationRecord:
     """The template iteration as umrt's runtime records one, known exactly from the trace.
 
@@ -346,7 +371,10 @@ def iteration_record(trace: Trace, template: Template, profile: HardwareProfile)
     for obj, e in live.items():
         rec.sizes[obj], rec.kinds[obj] = e.nbytes, e.kind
     launches = allocs = frees = 0
+    gone = teardown(trace)
     for e in trace.events[a + 1 : b]:
+        if isinstance(e, Free) and e.obj in gone:
+            continue
         if isinstance(e, Launch):
             rec.exec_ids.append(e.exec_id)
             rec.add_uses(e.accesses, lambda obj: obj if obj in rec.sizes else None)
@@ -591,7 +619,7 @@ class OraclePolicy(Policy):
         # not make and will not hand on (a script's teardown), is ranked on its own.
         recorded = len(self.trace.iteration_spans())
         t = self.template
-        repeatable = recorded >= 3 and not (set(t.freed) - set(t.born) - set(t.pair))
+        repeatable = recorded >= 3 and not t.teardown and not (set(t.freed) - set(t.born) - set(t.pair))
         # A loop of several phases (training steps and evaluation batches) has no one
         # steady iteration: each plan is ranked on the whole recorded run instead.
         whole_run = len(set(self.trace.iteration_phases())) > 1
@@ -721,7 +749,7 @@ class OraclePolicy(Policy):
             done = self._pos == len(self.template.ops) and not self._lost
             self.stats["matched_iterations" if done else "unmatched_iterations"] += 1
             t = self.template
-            if not done or set(t.freed) - set(t.born) - set(t.pair):
+            if not done or t.teardown or set(t.freed) - set(t.born) - set(t.pair):
                 # The next iteration may not play this one's part (this one strayed, or it frees
                 # what it did not make, as a script's last step does): nothing stays swapped out.
                 self._swapped.restore(self.ctx.backend, self._away)
