@@ -40,6 +40,9 @@ def fresh(monkeypatch):
     monkeypatch.setitem(ut._state, "shim", None)
     monkeypatch.setattr(torch.cuda, "empty_cache", torch.cuda.empty_cache)
     monkeypatch.setattr(torch.cuda.memory, "empty_cache", torch.cuda.memory.empty_cache)
+    for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
+        monkeypatch.setattr(torch.cuda.memory, name, getattr(torch.cuda.memory, name))
     calls = {}
 
     class Allocator:  # torch._C._CUDAPluggableAllocator's setter torch's recordStream calls through
@@ -145,6 +148,29 @@ def test_empty_cache_hook(fresh, pool, monkeypatch):
     ut.install(pool, shim=False)
     torch.cuda.empty_cache()
     assert released == [True]
+
+
+def test_torchs_memory_statistics_are_umrts(fresh, pool, fake_gpu, monkeypatch):
+    """A pluggable allocator has no statistics of torch's (torch raises), so a script that
+    logs ``torch.cuda.max_memory_allocated()`` stopped at its first log line: they are
+    umrt's, read through torch's own functions (``memory_stats`` flattens them)."""
+    ut.install(pool, shim=False)
+    monkeypatch.setitem(stats._sources, "pool", pool)  # (umrt.enable attaches it)
+    c_alloc, c_free = ut.ALLOC_FN(fresh["custom"][0]), ut.FREE_FN(fresh["custom"][1])
+    torch.cuda.reset_peak_memory_stats()
+    base = stats.memory_stats()["allocated_bytes"]
+    a, b = c_alloc(3 * MiB, 0, None), c_alloc(MiB, 0, None)
+    c_free(a, 3 * MiB, 0, None)
+    assert torch.cuda.memory_allocated() == base + MiB == stats.memory_stats()["allocated_bytes"]
+    assert torch.cuda.max_memory_allocated() == base + 4 * MiB
+    assert torch.cuda.memory_reserved() == stats.memory_stats()["reserved_bytes"] >= 4 * MiB
+    assert torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved()
+    flat = torch.cuda.memory_stats()
+    assert flat["allocation.all.current"] == stats.memory_stats()["allocation_count"]
+    assert flat["allocated_bytes.all.freed"] == flat["allocated_bytes.all.allocated"] - (base + MiB)
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == base + MiB
+    c_free(b, MiB, 0, None)
 
 
 def test_pool_errors_and_stream_segregation(pool, fake_gpu):

@@ -221,6 +221,12 @@ def memory_stats() -> dict[str, Any]:
         }
 
 
+def process_statistics() -> Statistics:
+    """A copy of the whole process's allocation counters (totals included)."""
+    with _lock:
+        return dataclasses.replace(_process)
+
+
 def reset_peak_memory_stats() -> None:
     """Set the process peak to the current allocated bytes (like torch's)."""
     with _lock:

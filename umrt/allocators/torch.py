@@ -35,7 +35,8 @@ umrt does about them:
 * It must run before the first CUDA allocation; afterwards torch refuses
   ("Can't swap an already initialized allocator") and :func:`install` raises
   :class:`AllocatorError` saying so.
-* torch's stats (``memory_allocated``...) raise "not supported": use
+* torch's stats (``memory_allocated``...) raise "not supported": umrt
+  answers them from its own counters (:func:`_patch_memory_stats`); more in
   :func:`umrt.memory_stats` / :func:`umrt.statistics`.
 * ``torch.cuda.empty_cache()`` does nothing for a pluggable allocator: umrt
   patches it to also empty umrt's pool (:func:`empty_cache`).
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from umrt import stats
 from umrt.errors import UmrtError
 from umrt.native.build import native_source
 from umrt.native.signatures import declare
@@ -280,6 +282,7 @@ def install(pool: Any, *, shim: bool = True, front: Any = None) -> None:
         _state["shim"] = loaded
         _state["installed"] = True
         _patch_empty_cache(torch)
+        _patch_memory_stats(torch)
 
 
 def _give_record_stream(torch: Any, allocator: Any, record_ptr: int) -> None:
@@ -308,6 +311,48 @@ def _patch_empty_cache(torch: Any) -> None:
     empty_cache_with_umrt.__doc__ = original.__doc__
     torch.cuda.empty_cache = empty_cache_with_umrt
     torch.cuda.memory.empty_cache = empty_cache_with_umrt
+
+
+def _patch_memory_stats(torch: Any) -> None:
+    """torch's memory statistics answered from umrt's: a pluggable allocator has none
+    (torch raises "CUDAPluggableAllocator does not yet support getDeviceStats"), so a
+    script that logs ``torch.cuda.max_memory_allocated()`` stopped at its first log.
+    ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
+    ``max_memory_reserved``, ``memory_stats`` and ``memory_summary`` read
+    :func:`umrt.memory_stats`'s counters (allocated: live tensors' requested bytes; reserved:
+    the managed memory umrt's pool holds, its peak the most these calls have seen), for the
+    whole process; ``reset_peak_memory_stats`` resets umrt's peak."""
+    mem, seen = torch.cuda.memory, {"reserved_peak": 0}
+
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        counts, totals = stats.memory_stats(), stats.process_statistics()
+        reserved = int(counts["reserved_bytes"])
+        seen["reserved_peak"] = max(seen["reserved_peak"], reserved)
+
+        def metric(current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[str, dict[str, int]]:
+            whole = {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+            return {"all": whole, "large_pool": dict(whole), "small_pool": dict.fromkeys(whole, 0)}
+
+        live = metric(totals.current_bytes, totals.peak_bytes, totals.total_bytes,
+                      totals.total_bytes - totals.current_bytes)
+        count = metric(totals.current_count, totals.peak_count, totals.total_count,
+                       totals.total_count - totals.current_count)
+        return {"allocated_bytes": live, "active_bytes": live, "requested_bytes": live,
+                "reserved_bytes": metric(reserved, seen["reserved_peak"]), "inactive_split_bytes": metric(0, 0),
+                "allocation": count, "active": count, "segment": metric(0, 0), "inactive_split": metric(0, 0),
+                "oversize_allocations": metric(0, 0)["all"], "oversize_segments": metric(0, 0)["all"],
+                "num_alloc_retries": 0, "num_ooms": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+                "num_device_free": 0, "max_split_size": -1}
+
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        stats.reset_peak_memory_stats()
+        seen["reserved_peak"] = 0
+
+    for name, fn in (("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
+                     ("reset_peak_memory_stats", reset_peak_memory_stats)):
+        fn.__doc__ = getattr(mem, name).__doc__
+        setattr(mem, name, fn)
+        setattr(torch.cuda, name, fn)
 
 
 def installed() -> bool:

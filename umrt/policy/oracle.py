@@ -333,12 +333,11 @@ def template_index(trace: Trace) -> int:
 def teardown(trace: Trace) -> set[int]:
     """The objects the template iteration frees as the script ends, not as a step does.
 
-    A script recorded to its end (shadow mode) frees its model and optimizer state, and
-    whatever its steps hand on (an RNN's hidden state), after its last step's last launch.
-    Those frees are the template's when it is the trace's last iteration: the ones after
-    its last launch beyond as many as the training step before it freed there. Planned as
-    the step's, they made what a step hands on look dead, and the oracle dropped an RNN's
-    state before the next step read it."""
+    A script recorded to its end (shadow mode) frees its model, its optimizer's state and
+    what its steps hand on (an RNN's hidden state) after its last step's last launch: in the
+    template, where it is the trace's last iteration, the frees after its last launch beyond
+    as many as the training step before made there. Planned as the step's, they made what
+    a step hands on look dead, and the oracle dropped an RNN's state before the next step."""
     spans, phases = trace.iteration_spans(), trace.iteration_phases()
     last = template_index(trace)
     before = max((i for i, p in enumerate(phases[:last]) if p == "train"), default=None)
