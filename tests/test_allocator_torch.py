@@ -40,7 +40,7 @@ def fresh(monkeypatch):
     monkeypatch.setitem(ut._state, "shim", None)
     monkeypatch.setattr(torch.cuda, "empty_cache", torch.cuda.empty_cache)
     monkeypatch.setattr(torch.cuda.memory, "empty_cache", torch.cuda.memory.empty_cache)
-    for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats"):
+    for name in ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "reset_accumulated_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, getattr(torch.cuda, name))
         monkeypatch.setattr(torch.cuda.memory, name, getattr(torch.cuda.memory, name))
     calls = {}
@@ -170,7 +170,10 @@ def test_torchs_memory_statistics_are_umrts(fresh, pool, fake_gpu, monkeypatch):
     assert flat["allocated_bytes.all.freed"] == flat["allocated_bytes.all.allocated"] - (base + MiB)
     torch.cuda.reset_peak_memory_stats()
     assert torch.cuda.max_memory_allocated() == base + MiB
+    torch.cuda.reset_accumulated_memory_stats()
+    assert torch.cuda.memory_stats()["allocated_bytes.all.freed"] == 0
     c_free(b, MiB, 0, None)
+    assert torch.cuda.memory_stats()["allocated_bytes.all.freed"] == MiB
 
 
 def test_pool_errors_and_stream_segregation(pool, fake_gpu):

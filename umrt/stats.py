@@ -227,6 +227,13 @@ def process_statistics() -> Statistics:
         return dataclasses.replace(_process)
 
 
+def reset_accumulated_memory_stats() -> None:
+    """Count the process's totals from now on (like torch's): what is live counts as made."""
+    with _lock:
+        _process.total_bytes = _process.current_bytes
+        _process.total_count = _process.current_count
+
+
 def reset_peak_memory_stats() -> None:
     """Set the process peak to the current allocated bytes (like torch's)."""
     with _lock:

@@ -321,7 +321,8 @@ def _patch_memory_stats(torch: Any) -> None:
     ``max_memory_reserved``, ``memory_stats`` and ``memory_summary`` read
     :func:`umrt.memory_stats`'s counters (allocated: live tensors' requested bytes; reserved:
     the managed memory umrt's pool holds, its peak the most these calls have seen), for the
-    whole process; ``reset_peak_memory_stats`` resets umrt's peak."""
+    whole process; ``reset_peak_memory_stats`` and ``reset_accumulated_memory_stats`` reset
+    umrt's peak and totals."""
     mem, seen = torch.cuda.memory, {"reserved_peak": 0}
 
     def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
@@ -348,8 +349,12 @@ def _patch_memory_stats(torch: Any) -> None:
         stats.reset_peak_memory_stats()
         seen["reserved_peak"] = 0
 
+    def reset_accumulated_memory_stats(device: Any = None) -> None:
+        stats.reset_accumulated_memory_stats()
+
     for name, fn in (("memory_stats_as_nested_dict", memory_stats_as_nested_dict),
-                     ("reset_peak_memory_stats", reset_peak_memory_stats)):
+                     ("reset_peak_memory_stats", reset_peak_memory_stats),
+                     ("reset_accumulated_memory_stats", reset_accumulated_memory_stats)):
         fn.__doc__ = getattr(mem, name).__doc__
         setattr(mem, name, fn)
         setattr(torch.cuda, name, fn)
