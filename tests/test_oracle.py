@@ -622,16 +622,21 @@ def test_a_run_that_makes_its_model_and_optimizer_again_loses_no_data():
     it, resolved the last fold's (not alive yet) and brought nothing back. A long-lived
     object is the one last seen playing its part."""
     from tests.recorded_loops import kfold
+
+    _each_plan_runs_to_the_end(kfold(folds=2, steps=6, width=512).trace(), ("planner", "planner-migrate"))
+
+
+def _each_plan_runs_to_the_end(tr, plans) -> None:
+    """Each oracle candidate in ``plans`` over the whole of ``tr`` at 50% of its footprint, on the
+    simulator (which raises where a launch reads bytes a plan lost)."""
     from umrt.hardware import load_profile
     from umrt.sim.budget import resolve_budget
     from umrt.sim.replay import simulate
 
-    rec = kfold(folds=2, steps=6, width=512)
-    tr = rec.trace()
     prof = load_profile("h100-pcie5-80g")
-    for name in ("planner", "planner-migrate"):
+    for name in plans:
         result = simulate(tr, OraclePolicy(tr, plan=name), prof, resolve_budget("50%", tr).bytes,
-                          iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
+                          iterations=len(tr.iteration_spans()))
         assert result.iteration_times_s
 
 
@@ -645,9 +650,6 @@ def test_a_step_that_hands_its_state_to_the_next_loses_no_data_where_the_script_
     import torch
 
     from umrt.capture import Recorder
-    from umrt.hardware import load_profile
-    from umrt.sim.budget import resolve_budget
-    from umrt.sim.replay import simulate
 
     torch.manual_seed(0)
     rec = Recorder(steer=False, mark_start=True)
@@ -663,9 +665,4 @@ def test_a_step_that_hands_its_state_to_the_next_loses_no_data_where_the_script_
             opt.step()
             opt.zero_grad(set_to_none=True)
         del lstm, head, opt, state, out  # the script ends
-    tr = rec.trace()
-    prof = load_profile("h100-pcie5-80g")
-    for name in ("planner", "planner-full"):
-        result = simulate(tr, OraclePolicy(tr, plan=name), prof, resolve_budget("50%", tr).bytes,
-                          iterations=len(tr.iteration_spans()))  # raises where a launch reads lost bytes
-        assert result.iteration_times_s
+    _each_plan_runs_to_the_end(rec.trace(), ("planner", "planner-full"))
