@@ -221,6 +221,12 @@ def memory_stats() -> dict[str, Any]:
         }
 
 
+def reserved_bytes() -> int:
+    """The managed memory umrt's pool holds (0 before a pool is attached)."""
+    pool: ReservesMemory | None = _sources["pool"]
+    return int(pool.reserved_bytes()) if pool is not None else 0
+
+
 def process_statistics() -> Statistics:
     """A copy of the whole process's allocation counters (totals included)."""
     with _lock:

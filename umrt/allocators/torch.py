@@ -326,8 +326,7 @@ def _patch_memory_stats(torch: Any) -> None:
     mem, seen = torch.cuda.memory, {"reserved_peak": 0}
 
     def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
-        counts, totals = stats.memory_stats(), stats.process_statistics()
-        reserved = int(counts["reserved_bytes"])
+        totals, reserved = stats.process_statistics(), stats.reserved_bytes()  # cheap: a script may log every step
         seen["reserved_peak"] = max(seen["reserved_peak"], reserved)
 
         def metric(current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[str, dict[str, int]]:
