@@ -370,9 +370,8 @@ def iteration_record(trace: Trace, template: Template, profile: HardwareProfile)
     for obj, e in live.items():
         rec.sizes[obj], rec.kinds[obj] = e.nbytes, e.kind
     launches = allocs = frees = 0
-    gone = teardown(trace)
     for e in trace.events[a + 1 : b]:
-        if isinstance(e, Free) and e.obj in gone:
+        if isinstance(e, Free) and e.obj in template.teardown:
             continue
         if isinstance(e, Launch):
             rec.exec_ids.append(e.exec_id)
