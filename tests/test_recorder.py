@@ -1028,3 +1028,27 @@ def test_batches_from_dataloader_workers_are_recorded_as_the_main_process_collat
     with_workers = _loader_steps(2)
     assert len(with_workers) == 11 and len(set(with_workers)) == 1
     assert with_workers == _loader_steps(0)
+
+
+def test_writes_in_place_after_a_step_stay_in_it_and_an_evaluation_opens_its_own():
+    """Gradients zeroed without being freed (``zero_grad(set_to_none=False)``) after the step,
+    then an evaluation: the zeroing writes in place what is already there, so it ends the step
+    instead of opening a training iteration of its own (one of a few ops, before each
+    evaluation: 24 training iterations for 20 steps in a probe)."""
+
+    def phases(set_to_none: bool) -> list[str]:
+        model, opt = _mlp("cpu")
+        rec = Recorder(steer=False)
+        with rec:
+            for step in range(4):
+                model.train()
+                model(torch.randn(8, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+                if step == 1:
+                    model.eval()
+                    with torch.no_grad():
+                        model(torch.randn(8, 16)).sum().item()
+        return rec.trace().iteration_phases()
+
+    assert phases(False) == phases(True) == ["train", "train", "eval", "train", "train"]

@@ -586,9 +586,13 @@ class Recorder:
             and all(t.dim() == 0 for t, _ in outs)
         ):
             return  # optimizer step counters: host scalars on CUDA too
-        if not self._pending_boundary or any(on for _, on in outs) or any(w and on for _, w, on in inputs):
-            # A launch that only reads the device (a copy to the host: .item(), a checkpoint's
-            # torch.save) belongs to the iteration it follows: it opens none.
+        if not self._pending_boundary or any(on and self._objects.find(t.untyped_storage()) is None
+                                                 for t, on in outs):
+            # After a step, the next iteration opens at the first op that makes a tensor (the next
+            # batch), or at a model's forward. A launch that only reads the device (a copy to the
+            # host: .item(), a checkpoint's torch.save) belongs to the iteration it follows, and so
+            # does one that writes in place what is already there (gradients zeroed without being
+            # freed, an EMA of the weights, a GradScaler's update): an evaluation next opens its own.
             self._flush()
             if self.loop.resuming_training():
                 self._emit_boundary("train")  # the next batch after an evaluation: training's

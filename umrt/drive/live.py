@@ -597,11 +597,8 @@ class LiveBridge:
         """A recorder event when objects come from the allocator: its own objects
         and boundaries give way to the allocator's and the bridge's."""
         t = type(ev)
-        if t is Launch:
-            launch = self._translate(ev)
-            if any(a.write for a in launch.accesses):  # a read of the device (a copy to the host) opens nothing
-                self._boundary_if_stepped()
-            self.driver.feed(launch)
+        if t is Launch:  # (it opens no iteration: the recorder's boundary before it does, if any)
+            self.driver.feed(self._translate(ev))
         elif t is LayerEnter or t is LayerExit:
             self._boundary_if_stepped()
             if self.steady is not None:  # kernels ran since the last pool event: a recorded window notes it
