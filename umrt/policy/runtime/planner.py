@@ -61,10 +61,7 @@ class IterationRecord:
 
     def sizes_hash(self) -> tuple[int, int]:
         """``(count, running hash)`` of the sizes the iteration allocated, in order (:meth:`Plan.allocates`)."""
-        h = 0
-        for _, key in self.allocs:
-            h = sizes_hash_step(h, self.sizes[key])
-        return len(self.allocs), h
+        return len(self.allocs), hash_of_sizes(self.sizes[key] for _, key in self.allocs)
 
     def add_alloc(self, at: int, key: int, ev: Alloc) -> None:
         """``key`` born before launch ``at``, by the allocation ``ev``."""
@@ -125,8 +122,17 @@ class Action:
 
 
 def sizes_hash_step(h: int, nbytes: int) -> int:
-    """The running hash of an iteration's allocation sizes, after one of ``nbytes``."""
+    """The running hash of an iteration's allocation sizes, after one of ``nbytes`` (the runtime
+    keeps it inline, per allocation: ``Runtime.sizes_hash``)."""
     return ((h * 1000003) ^ nbytes) & HASH_MASK
+
+
+def hash_of_sizes(sizes: Iterable[int]) -> int:
+    """The running hash (:func:`sizes_hash_step`) of allocation sizes, in order."""
+    h = 0
+    for nbytes in sizes:
+        h = sizes_hash_step(h, nbytes)
+    return h
 
 
 @dataclass
@@ -208,13 +214,10 @@ class Plan:
 
     def allocates(self, count: int, sizes_hash: int) -> bool:
         """Whether an iteration that made ``count`` allocations, whose sizes in order have the
-        running hash ``sizes_hash`` (:func:`sizes_hash`), allocated as this shape does."""
+        running hash ``sizes_hash`` (:func:`hash_of_sizes`), allocated as this shape does."""
         if self._sizes_hash is None:
-            self.newborns(())
-            h = 0
-            for n in self._alloc_sizes or ():
-                h = sizes_hash_step(h, n)
-            self._sizes_hash = h
+            self.newborns(())  # (fills _alloc_sizes)
+            self._sizes_hash = hash_of_sizes(self._alloc_sizes or ())
         return count == len(self._alloc_sizes or ()) and sizes_hash == self._sizes_hash
 
     def action_at(self) -> dict[int, Action]:
