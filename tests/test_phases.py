@@ -19,7 +19,7 @@ from umrt.sim.backend import SimBackend
 from umrt.sim.budget import resolve_budget
 from umrt.sim.replay import iteration_stream
 from umrt.testing.synthetic import training_trace
-from umrt.trace.events import IterationBoundary, Trace
+from umrt.trace.events import IterationBoundary, Launch, Trace
 
 PROFILE = "v100-pcie3-32g"
 
@@ -393,8 +393,10 @@ def test_predictions_that_keep_failing_are_only_checked_until_the_shapes_repeat(
     a plan acted on there moves data for a shape that then leaves. The first check that
     holds (the shapes repeat again) has umrt act from the next step."""
     from umrt.phase_report import named_iterations
+    from umrt.policy.runtime import rest
     from umrt.policy.runtime.guard import Guard
 
+    monkeypatch.setattr(rest, "REST_AFTER", 0)  # (twelve new shapes in a row would rest the phase: see below)
     seqs = [128, 96, 112, 80, 120, 88, 104, 72, 124, 92, 108, 76] + [100] * 6
     trace = training_trace(layers=8, steps=len(seqs), seqs=seqs)
     rt = Runtime()
@@ -413,6 +415,67 @@ def test_predictions_that_keep_failing_are_only_checked_until_the_shapes_repeat(
     rt = Runtime()
     _run(trace, rt)
     assert rt.counters["unsure_iterations"] == 0 and rt.counters["deviations"] >= 9
+
+
+def test_a_phase_whose_shapes_never_repeat_rests_unrecorded_until_one_comes_back():
+    """Every step another sequence length, never one again, then one length for good. After
+    eight steps in a row each learned a new shape, the training phase rests: its steps run as
+    plain Unified Memory, with no launch recorded (on a GPU each recorded op costs the CPU) and
+    no plan compiled. The second step of the settled length allocates as the first did: the
+    phase wakes, learns it and acts on it. Without resting, every step of the first twenty is
+    recorded and planned."""
+    from umrt.phase_report import named_iterations
+    from umrt.policy.runtime import rest
+
+    seqs = [64 + 4 * i for i in range(20)] + [100] * 6
+    trace = training_trace(layers=6, steps=len(seqs), seqs=seqs)
+    seen: dict[int, int] = {}  # iteration -> launches the runtime was shown
+
+    class Counting(Runtime):
+        def on_event(self, event):
+            if type(event) is Launch and self._iteration is not None:
+                seen[self._iteration] = seen.get(self._iteration, 0) + 1
+            super().on_event(event)
+
+    rt = Counting()
+    _run(trace, rt)
+    rested = [e["iteration"] for e in rt.log if e.get("rested")]
+    assert rt.counters["rested_iterations"] == len(rested) >= 8, rt.log
+    assert all(seen.get(i, 0) == 0 for i in rested)  # nothing recorded
+    assert min(rested) <= rest.REST_AFTER + 2 and max(rested) <= 22  # from the ninth new shape to the settled one's second
+    assert all(e["mode"] == "none" for e in rt.log if e.get("rested"))
+    assert [e["mode"] for e in rt.log][-3:] == ["act"] * 3  # woken: learned, then acted on
+    compiled = rt.counters["plans_compiled"]
+    named = named_iterations(rt.log)
+    assert [i for i, _ in named["rested"]] == rested and not set(rested) & {i for i, _ in named["held"]}
+    # Never resting, the runtime records every one of those steps and compiles a plan for each.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rest, "REST_AFTER", 0)
+        rt = Runtime()
+        _run(trace, rt)
+    assert rt.counters["rested_iterations"] == 0 and rt.counters["plans_compiled"] >= compiled + len(rested) - 2
+
+
+def test_rest_wakes_only_on_sizes_seen_before_and_counts_only_new_learned_shapes():
+    from umrt.policy.runtime.rest import Rest
+
+    r = Rest(after=3)
+    for h in (1, 2):
+        r.ran("train", h, learned=True)
+    r.ran("train", 3, learned=False)  # acted: the run of new shapes starts again
+    assert not r.resting("train")
+    for h in (4, 5, 6):
+        r.ran("train", h, learned=True)
+    assert r.resting("train") and not r.resting("eval")
+    r.ran("train", 7, learned=None)  # rested, new sizes: rests on
+    assert r.resting("train")
+    r.ran("train", 5, learned=None)  # sizes seen before: the shapes repeat
+    assert not r.resting("train") and r.wakes == 1
+    for h in (8, 9):
+        r.ran("train", h, learned=True)
+    r.ran("train", 4, learned=True)  # learned, but its sizes were seen: not new
+    assert not r.resting("train")
+    assert not Rest(after=0).resting("train")
 
 
 def test_a_prediction_checked_right_once_ends_the_doubt():

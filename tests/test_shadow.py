@@ -83,6 +83,44 @@ def test_the_report_explains_every_term(report):
     assert re.search(r"Deviations: \d+ — ", text) and ("Not an error" in text or "Deviations: 0" in text)
 
 
+VARYING = textwrap.dedent(
+    """
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                  for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(16):
+        x = torch.randn(8, 40 + 8 * step, 64)  # another length every step, none twice
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 8 == 3:
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(8, 40, 64))
+            model.train()
+    """
+)
+
+
+def test_a_loop_whose_shapes_never_repeat_is_told_so_and_counts_its_evaluation_batches(tmp_path):
+    """A step of another length every time: no plan learned on one fits the next. The report
+    says umrt rested those steps (ran them as plain Unified Memory, unrecorded) instead of
+    telling the user to run more steps to see it act, and counts training iterations and
+    evaluation batches apart."""
+    path = tmp_path / "varying.py"
+    path.write_text(VARYING)
+    lines: list[str] = []
+    assert run_shadow(str(path), [], profile="h100-pcie5-80g", gpu_memory="50%", out=lines.append) == 0
+    text = " ".join("\n".join(lines).split())
+    assert "the script ran 18 iterations (16 training, 2 evaluation batches) on the CPU" in text
+    assert "did not act in this run: the shapes of its iterations never repeated" in text, text
+    assert re.search(r"ran \d+ as plain Unified Memory, not recorded", text)
+    assert re.search(r"\d+ rested \(their shapes never repeated", text) and "run more training steps" not in text
+
+
 def test_script_exit_status_is_passed_on(script):
     rc = run_shadow(str(script), ["2", "3"], profile="h100-pcie5-80g", out=lambda s: None)
     assert rc == 3
@@ -94,7 +132,7 @@ def test_steps_stops_the_script_early(script, capsys):
     assert rc == 0
     assert "trained" not in capsys.readouterr().out
     text = "\n".join(lines)
-    assert "the script ran 2 training step(s)" in text
+    assert "the script ran 2 training iterations on the CPU" in text
     assert re.search(r"│ umrt +│ live, learning ", text)  # the steps run were simulated live: umrt still learned
     assert "umrt did not act in this run" in " ".join(text.split()) and "faster than plain" not in text
 

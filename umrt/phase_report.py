@@ -169,14 +169,16 @@ def phase_table(runs: Sequence[RunFigures], title: str) -> Table:
 #: What each kind of iteration in the runtime's log is called, in the order reports list them.
 _NAMED = (("learned", "learned"), ("recovered", "recovered after leaving a plan"),
           ("deviated", "deviated from their plan"), ("held", "held back (acting loses there)"),
-          ("unsure", "learned with their predicted plan only checked (predictions kept failing there)"))
+          ("unsure", "learned with their predicted plan only checked (predictions kept failing there)"),
+          ("rested", "rested (their shapes never repeated: run as plain Unified Memory, not recorded, "
+                     "until one came back)"))
 
 
 def named_iterations(log: Sequence[dict]) -> dict[str, list[tuple[int, str]]]:
     """The iterations umrt's runtime learned, recovered in (ran on after leaving a
-    plan, or re-based its launch-free clock on), deviated in, held back in, or learned
-    acting on no prediction (:meth:`~umrt.policy.runtime.guard.Guard.unsure`), each
-    as ``(index, phase)``, from its log (``Runtime.log``)."""
+    plan, or re-based its launch-free clock on), deviated in, held back in, learned
+    acting on no prediction (:meth:`~umrt.policy.runtime.guard.Guard.unsure`), or rested
+    in (:mod:`umrt.policy.runtime.rest`), each as ``(index, phase)``, from its log (``Runtime.log``)."""
     out: dict[str, list[tuple[int, str]]] = {name: [] for name, _ in _NAMED}
     for e in log:
         where = (e["iteration"], e.get("phase", "train"))
@@ -188,7 +190,7 @@ def named_iterations(log: Sequence[dict]) -> dict[str, list[tuple[int, str]]]:
         elif mode in ("off", "rebase"):
             out["recovered"].append(where)
         elif mode == "none":
-            out["held"].append(where)
+            out["rested" if e.get("rested") else "held"].append(where)
         if e.get("unsure"):
             out["unsure"].append(where)
     return out

@@ -436,8 +436,11 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
                       format_bytes(r["d2h_bytes"]), f"{r['faults']:,}", f"{r['evictions']:,}")
     runs = rep.get("_runs") or []
     phases = phase_table(runs, "Steady time per iteration, by phase of the loop (SIMULATED)") if runs else None
+    n, evals = (len(runs[0].phases), runs[0].phases.count("eval")) if runs else (rep["steps"], 0)
+    ran = (f"{n} iterations ({n - evals} training, {evals} evaluation batch{'es' if evals > 1 else ''})" if evals
+           else f"{n} training iterations")
     head = [
-        f"Measured on this machine: the script ran {rep['steps']} training step(s) on the CPU, unchanged (its "
+        f"Measured on this machine: the script ran {ran} on the CPU, unchanged (its "
         "losses are a plain run's). The step times it printed include umrt recording every op: they are not "
         "GPU times.",
         f"Simulated: a {rep['profile']} GPU whose memory is {format_bytes(rep['budget_bytes'])} = "
@@ -457,6 +460,11 @@ def _print(rep: dict, out: Callable[[str], None] | None) -> None:
         lines.append(f"In plain words: {rep['policy']} is {live['run_vs_ideal']:.1f}x slower than a GPU with enough "
                      f"memory, and {than} than plain Unified Memory over the whole run ({live['iterations']} "
                      "iterations, simulated).")
+    elif rep.get("acted") == 0 and rt.get("rested_iterations"):
+        lines.append(f"In plain words: {rep['policy']} did not act in this run: the shapes of its iterations never "
+                     f"repeated (a plan learned on one fits no other), so after learning {rt.get('learned', 0)} it "
+                     f"ran {rt['rested_iterations']} as plain Unified Memory, not recorded (recording costs the CPU "
+                     "on every op), ready to learn again once a shape comes back.")
     elif rep.get("acted") == 0:
         lines.append(f"In plain words: {rep['policy']} did not act in this run: it learns from the first "
                      f"{rt.get('learned', 2)} step(s) and acts from the next; run more training steps to see it "

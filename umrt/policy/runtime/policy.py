@@ -33,6 +33,8 @@ from umrt.policy.runtime.payoff import ACTING, BASELINE, Payoff
 from umrt.policy.runtime.phases import LoopPhases
 from umrt.policy.runtime.planner import PAGE, SPARE_KEY, Action, IterationRecord, Plan
 from umrt.policy.runtime.ranges import NO_ALLOC, AddressIndex, DecisionRanges, free_blocks, touch_blocks
+from umrt.policy.runtime.ranges import free_pieces as _free_pieces
+from umrt.policy.runtime.rest import Rest
 from umrt.policy.runtime.reuse import DeadRangeReuse, without
 from umrt.policy.runtime.swapped import Swapped
 from umrt.predict.tables import ObjectKeys, VariantTable
@@ -76,18 +78,6 @@ FREEZE = True
 SWAP = True
 
 
-def _free_pieces(off_gpu: RangeSet, free: RangeSet, addresses: list[int],
-                 newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of ``newborns`` ``(ordinal, nbytes)`` off the GPU with nothing live there, taken out of both sets."""
-    pieces: list[tuple[int, int]] = []
-    for o, nbytes in newborns:
-        if o < len(addresses):
-            for p, n in free.take(addresses[o], nbytes):
-                pieces += off_gpu.take(p, n)
-    pieces.sort()
-    return pieces
-
-
 def _reference_key(plan: Plan) -> tuple[int, bool]:
     """What an iteration's addresses (by allocation ordinal) are a reference for: the
     plan's shape, run with launches or as its launch-free variant (other ordinals)."""
@@ -105,9 +95,9 @@ class Runtime(Policy):
     compile a plan for its signature), ``act`` (follow the predicted shape's
     plan, see :meth:`_start_iteration`), ``rebase`` (see
     :meth:`LaunchFreeClock.mismatch`), ``off`` (after a deviation) or
-    ``none`` (acting was found to lose in this iteration's loop phase, or
-    this iteration is held back to check that it does: do nothing, see
-    :class:`~umrt.policy.runtime.payoff.Payoff`). Each loop phase
+    ``none`` (do nothing: acting loses in this loop phase, or this iteration is held back
+    to check that it does, see :class:`~umrt.policy.runtime.payoff.Payoff`; or the
+    phase rests, its shapes never repeating, :mod:`~umrt.policy.runtime.rest`). Each loop phase
     (``IterationBoundary.phase``: a training step, an evaluation batch) has its
     own plans, learned and predicted apart.
 
@@ -142,7 +132,7 @@ class Runtime(Policy):
             "evicted_bytes": 0, "discarded_bytes": 0, "unresolved": 0, "host_mapped_bytes": 0, "switches": 0,
             "discard_calls": 0, "launch_host_mapped_bytes": 0, "frozen_iterations": 0, "unfreezes": 0,
             "light_iterations": 0, "late_decisions": 0, "light_rebases": 0, "held_iterations": 0,
-            "unsure_iterations": 0, "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
+            "unsure_iterations": 0, "rested_iterations": 0, "stopped_acting": 0, "swapped_out_bytes": 0, "swapped_in_bytes": 0, "swap_calls": 0, "swap_restores": 0,
             "populated_ahead_bytes": 0,
         }
         self._n_discard_calls = 0  # hot counters as attributes (report() adds them up)
@@ -156,6 +146,7 @@ class Runtime(Policy):
         self.log: list[dict] = []  # one line per iteration: mode, signature, moves
         self._predicted: int | None = None  # the running iteration's predicted plan (acted on or not)
         self._dry = False  # that plan is only checked, not acted on (Guard.unsure)
+        self._rested = False  # this iteration rests: its phase's shapes never repeat (Rest)
 
         self.keys = ObjectKeys()
         self.variants = VariantTable()
@@ -183,6 +174,7 @@ class Runtime(Policy):
                                       self.variants, self._learner)
         self._checks_payoff = payoff.WINDOW > 0
         self._payoff = Payoff(payoff.WINDOW or 1, payoff.MARGIN)
+        self._rest = Rest()  # phases whose shapes never repeat: not recorded
         self._ranges = DecisionRanges(self.keys)
         # The mapper's collections, read on the hot path (never rebound).
         self._host_mapped = self._host.mapped
@@ -610,9 +602,8 @@ class Runtime(Policy):
         # or an evaluation opens after training: the driver has left the dead where it chose,
         # evicted with their bytes or resident, where a training plan assumes dead memory holds
         # nothing and an evaluation takes free memory umrt did not take off the GPU for resident.
-        # Where memory is short, every 2 MB block of the layout no live object touches is discarded:
-        # else the driver copies dead bytes out to make room, or back where a newborn lands.
-        # (Whole blocks: pages discarded among live ones scatter the next kernels' faults.)
+        # Where memory is short, every 2 MB block no live object touches is discarded (else the driver copies
+        # dead bytes out, or back where a newborn lands; pages among live ones would scatter the next faults).
         resumes = phase == "train" and not (self._mode == "act" and self.phases.phase == "train")
         if (resumes or (phase == "eval" and self.phases.phase == "train")) and self._iteration is not None and (
                 held is not None and held > budget and not isinstance(self._live_index, AddressIndex)):
@@ -684,6 +675,8 @@ class Runtime(Policy):
             entry["deviated"] = True
         if self._dry:
             entry["unsure"] = True
+        if self._rested:
+            entry["rested"] = True
         if self._predicted is not None:
             # Acted on: right unless the program left the plan in its first half (a plan that
             # held most of the way, or a shape that only ends otherwise, paid as far as it went).
@@ -722,8 +715,10 @@ class Runtime(Policy):
             role, shape = BASELINE, (self._learner.signature if mode == "learn" else self._held_shape)
         self._held_shape = 0
         self._payoff.iteration(self._iteration, phase, role, shape)
-        if mode == "none":
+        if mode == "none" and not entry.get("rested"):
             self.counters["held_iterations"] += 1
+        self._rest.ran(phase, self.sizes_hash, True if mode == "learn" and self.record is not None
+                       else False if mode == "act" else None)
         self.phases.finished(phase, entry.get("signature"))
         self.event_tokens = None
         self.token_objects = []
@@ -753,7 +748,7 @@ class Runtime(Policy):
         self._moved = False
         self._deviations_before = self.counters["deviations"]
         self._left_plan = False
-        self._dry = False
+        self._dry = self._rested = False
         phase = self.phases.phase
         self._learner.signature = _PHASE_SEED.get(phase, 0)  # shapes of two phases never share a plan
         self._drop_at_free.clear()
@@ -775,6 +770,11 @@ class Runtime(Policy):
                 # The pool's plan is the training step's, made for moves that no longer come:
                 # from now on it places as a caching allocator does, as plain Unified Memory runs.
                 self.layout.stop_planning("umrt stopped acting in training steps", self.ctx.budget_bytes)
+            return
+        if self._rest.resting(phase):  # its shapes never repeat: run as plain UM, not recorded (rest.py)
+            self.counters["rested_iterations"] += 1
+            self._rested = True
+            self.stop_acting("none", wants_launches=False)
             return
         probing = False
         if not self._guard.cooling(phase):

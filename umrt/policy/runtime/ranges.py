@@ -134,6 +134,18 @@ def whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
     return (start, end - start) if end > start else None
 
 
+def free_pieces(off_gpu: RangeSet, free: RangeSet, addresses: list[int],
+                 newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``newborns`` ``(ordinal, nbytes)`` off the GPU with nothing live there, taken out of both sets."""
+    pieces: list[tuple[int, int]] = []
+    for o, nbytes in newborns:
+        if o < len(addresses):
+            for p, n in free.take(addresses[o], nbytes):
+                pieces += off_gpu.take(p, n)
+    pieces.sort()
+    return pieces
+
+
 def free_blocks(segments: Mapping[int, int], live: Iterable[LiveRecord], off_gpu: RangeSet,
                 block: int) -> list[tuple[int, int]]:
     """The ``block``-aligned blocks of ``segments`` (``ptr -> nbytes``) that no ``live`` object
