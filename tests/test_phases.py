@@ -445,6 +445,7 @@ def test_a_phase_whose_shapes_never_repeat_rests_unrecorded_until_one_comes_back
     assert min(rested) <= rest.REST_AFTER + 2 and max(rested) <= 22  # from the ninth new shape to the settled one's second
     assert all(e["mode"] == "none" for e in rt.log if e.get("rested"))
     assert [e["mode"] for e in rt.log][-3:] == ["act"] * 3  # woken: learned, then acted on
+    assert rt.report()["phases"]["train"]["resting"] is False
     compiled = rt.counters["plans_compiled"]
     named = named_iterations(rt.log)
     assert [i for i, _ in named["rested"]] == rested and not set(rested) & {i for i, _ in named["held"]}
@@ -454,6 +455,10 @@ def test_a_phase_whose_shapes_never_repeat_rests_unrecorded_until_one_comes_back
         rt = Runtime()
         _run(trace, rt)
     assert rt.counters["rested_iterations"] == 0 and rt.counters["plans_compiled"] >= compiled + len(rested) - 2
+    # Cut before the settled length: still resting, as memory_stats()'s phases say.
+    rt = Runtime()
+    _run(training_trace(layers=6, steps=16, seqs=seqs[:16]), rt)
+    assert rt.report()["phases"]["train"]["resting"] is True
 
 
 def test_rest_wakes_only_on_sizes_seen_before_and_counts_only_new_learned_shapes():

@@ -181,7 +181,8 @@ def memory_stats() -> dict[str, Any]:
     phase), ``stopped_because``, ``baseline_ms`` and ``acting_ms`` (median
     iteration times measured with CUDA events doing nothing and acting),
     ``acting_vs_baseline``, ``learned``, ``plans``, ``unsure`` (True while predictions kept
-    failing there: umrt acts on none and only checks them); empty before the runtime runs). In the native
+    failing there: umrt acts on none and only checks them), ``resting`` (True while its shapes
+    never repeat: umrt records and plans none of its iterations); empty before the runtime runs). In the native
     steady state the byte and count keys advance at hand-backs only (they are
     the same at every step boundary while the schedule repeats); the
     :func:`statistics` totals count the allocations it served at each step. Diff

@@ -579,7 +579,7 @@ class Runtime(Policy):
             paths=self._paths.report(),  # shapes settled on swapping or on page migration
         )
         for phase, row in out["phases"].items():
-            row["unsure"] = self._guard.unsure(phase)  # acting on no prediction, only checking them
+            row.update(unsure=self._guard.unsure(phase), resting=self._rest.resting(phase))  # (see guard.py, rest.py)
         if self.plan is not None:
             out["plan"] = dict(self.plan.stats)
         return out
