@@ -817,13 +817,13 @@ def test_an_iterations_first_factory_op_is_no_parameter_because_the_models_first
 def test_a_data_loaders_host_side_work_stays_off_the_trace():
     """On a GPU a DataLoader's seed (8 bytes, each time an iterator is made) and its
     sampler's permutation stay in host memory; traced on the CPU they would be ops on the
-    traced device at every epoch's start. Its batch is born written by the collating op,
-    as a GPU run's is by its copy to the device. After the recorder closes, DataLoader is
-    as torch made it."""
+    traced device at every epoch's start. Its batch is born written by a copy where the loop
+    takes it, as a GPU run's is by its copy to the device. After the recorder closes,
+    DataLoader is as torch made it."""
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data import dataloader as dl
 
-    originals = (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index)
+    originals = (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index, dl._SingleProcessDataLoaderIter._next_data)
     loader = DataLoader(TensorDataset(torch.randn(30, 16)), batch_size=5, shuffle=True)
     rec = Recorder(steer=False)
     with rec:
@@ -833,12 +833,13 @@ def test_a_data_loaders_host_side_work_stays_off_the_trace():
                 model(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-    assert (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index) == originals
+    assert (DataLoader.__iter__, dl._BaseDataLoaderIter._next_index, dl._SingleProcessDataLoaderIter._next_data) == originals
     tr = rec.trace()
     assert not [e for e in tr.events if isinstance(e, Alloc) and e.nbytes in (8, 30 * 8)]  # seed, permutation
     assert not [e for e in tr.events if isinstance(e, Launch) and e.op.startswith(("aten::random", "aten::randperm"))]
-    stacks = [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]
-    assert len(stacks) == 12  # a batch each, born written
+    copies = [e for e in tr.events if isinstance(e, Launch) and e.op == "aten::clone.default"]
+    assert len(copies) == 12 and all(not e.reads for e in copies)  # a batch each, born written by its copy
+    assert not [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]  # (host work)
 
 
 def test_a_data_loader_laid_out_otherwise_is_recorded_as_before(monkeypatch):
@@ -1014,8 +1015,8 @@ def _loader_steps(workers: int):
     for a, b in tr.iteration_spans()[1:]:
         ops = [(type(e).__name__, getattr(e, "op", None), getattr(e, "nbytes", None), getattr(e, "launch", 0) >= 0)
                for e in tr.events[a:b] if isinstance(e, (Alloc, Launch))]
-        batch = {"aten::clone.default", "aten::stack.default"}  # a worker's batch copied, or collated here
-        shapes.append(tuple(("batch", *rest) if op in batch else (kind, op, *rest) for kind, op, *rest in ops))
+        shapes.append(tuple(("batch", *rest) if op == "aten::clone.default" else (kind, op, *rest)
+                            for kind, op, *rest in ops))  # (a batch: copied where the loop takes it)
     return shapes
 
 
@@ -1028,6 +1029,34 @@ def test_batches_from_dataloader_workers_are_recorded_as_the_main_process_collat
     with_workers = _loader_steps(2)
     assert len(with_workers) == 11 and len(set(with_workers)) == 1
     assert with_workers == _loader_steps(0)
+
+
+def test_a_dataset_a_main_process_dataloader_collates_from_stays_off_the_trace():
+    """On a GPU the dataset stays in host memory and each batch is born at its copy to the
+    device; traced on the CPU, a main-process DataLoader's collation read the dataset, which
+    made the whole dataset an object of device memory (its footprint, its faults) and the
+    stacked batch an op's output. Now the fetch is kept off and each batch is recorded as
+    copied where the loop takes it, as from worker processes."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 4))  # (as loaded from disk: no op made it)
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    with rec:
+        for step, (x, y) in enumerate(DataLoader(data, batch_size=8, shuffle=True)):
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 5:
+                break
+    tr = rec.trace()
+    launches = [e for e in tr.events if isinstance(e, Launch)]
+    assert not any(e.op.startswith("aten::stack") for e in launches)
+    sizes = {e.nbytes for e in tr.events if isinstance(e, Alloc)}
+    assert 4096 * 16 * 4 not in sizes and 4096 * 4 * 4 not in sizes  # the dataset is no object
+    copies = [e for e in launches if e.op == "aten::clone.default"]
+    assert len(copies) == 2 * 6 and all(not e.reads and len(e.writes) == 1 for e in copies)  # x and y, each step
 
 
 def test_writes_in_place_after_a_step_stay_in_it_and_an_evaluation_opens_its_own():

@@ -198,21 +198,22 @@ class _LoaderPause:
 def pause_data_loaders(paused: Callable[[], AbstractContextManager],
                        arrived: Callable[[Any], Any] = lambda batch: batch) -> _LoaderPause:
     """Run a ``torch.utils.data.DataLoader``'s iterator creation, its sampler and the
-    fetching of what its worker processes send under ``paused()``, and pass each batch
-    a worker sent through ``arrived`` (its return value is what the loop gets), until
-    the returned handle's ``remove()``.
+    fetching of each batch (in the main process, or what its worker processes send)
+    under ``paused()``, and pass each batch through ``arrived`` (its return value is what
+    the loop gets), until the returned handle's ``remove()``.
 
     Traced on the CPU (shadow mode), everything is on the traced device; on a GPU the
-    loader's seed (an 8-byte tensor each time an iterator is made, at every epoch) and
-    its sampler's permutation (at an epoch's first batch) stay in host memory, so they
-    are kept off, and so is the rebuilding of the batches workers send (in shared host
-    memory, whenever they arrive, ahead or out of order). Collating a batch in the main
-    process stays on: its output is born written by an op, as a GPU run's batch is
-    born written by its copy to the device (``arrived`` can do the same for a worker's)."""
+    loader's seed (an 8-byte tensor each time an iterator is made, at every epoch), its
+    sampler's permutation (at an epoch's first batch), the dataset and the batches
+    collated from it stay in host memory until the loop copies them to the device, so
+    they are kept off: the dataset read by a main-process collation, and the rebuilding
+    of the batches workers send (in shared host memory, whenever they arrive, ahead or
+    out of order). ``arrived`` records each batch as a GPU run's is born, at its copy."""
     from torch.utils.data import dataloader
 
     if not _loader_originals:
         for cls, name in ((dataloader.DataLoader, "__iter__"), (dataloader._BaseDataLoaderIter, "_next_index"),
+                          (dataloader._SingleProcessDataLoaderIter, "_next_data"),
                           (dataloader._MultiProcessingDataLoaderIter, "_next_data")):
             fn = cls.__dict__.get(name)
             if fn is not None:  # (a torch whose loader is laid out otherwise: recorded as before)

@@ -695,16 +695,17 @@ class RecorderHooks:
         """Register the hooks; module paths are relative to the recorder's model."""
         self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post,
                                       self._step_skipped)
-        self._handles.append(pause_data_loaders(self.rec.paused, self._batch_from_worker))
+        self._handles.append(pause_data_loaders(self.rec.paused, self._batch_arrived))
         self.paths = ModulePaths(self.rec.model)
 
-    def _batch_from_worker(self, batch: Any) -> Any:
-        """A batch a DataLoader worker process sent, as the loop gets it. Traced on the
-        CPU, each tensor is copied here (the values are the same) and the copy recorded
-        as born written by a launch that reads nothing traced: a GPU run's batch is born
-        at its copy to the device, from host memory. The shared memory it came in is
-        rebuilt whenever the worker's message arrives (ahead, or out of order), which a
-        GPU run's device memory never sees."""
+    def _batch_arrived(self, batch: Any) -> Any:
+        """A batch a DataLoader fetched (collated in the main process, or sent by a worker
+        process), as the loop gets it. Traced on the CPU, each tensor is copied here (the
+        values are the same) and the copy recorded as born written by a launch that reads
+        nothing traced: a GPU run's batch is born at its copy to the device, from host
+        memory, where the dataset it was collated from stays. (A worker's batch comes in
+        shared memory, rebuilt whenever the worker's message arrives, ahead or out of
+        order, which a GPU run's device memory never sees.)"""
         rec = self.rec
         if rec.device != "cpu" or not rec._recording or rec._closed or rec._paused or rec.ops_suspended:
             return batch
@@ -719,7 +720,7 @@ class RecorderHooks:
                 with rec._lock:
                     rec._record(clone, rec._ops.info(clone), (), {}, copy)
             except Exception as exc:  # noqa: BLE001 - see on_error
-                rec._error(exc, "recording a DataLoader worker's batch")
+                rec._error(exc, "recording a DataLoader's batch")
             return copy
 
         return tree_map_only(torch.Tensor, copied, batch)
