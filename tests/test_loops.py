@@ -78,11 +78,11 @@ def _trace(name: str):
 
 
 def test_memory_too_small_to_simulate_is_named_not_a_traceback(monkeypatch, capsys):
-    """At 50% of its small footprint (2 MiB) lightning-style's ci size cannot hold one fault batch."""
+    """At 34% of its small footprint (6 MiB: 2 MiB) lightning-style's ci size cannot hold one fault batch."""
     monkeypatch.setattr(loops, "record", lambda loop, size: _trace(loop.name))
-    assert loops.main(["--loops", "lightning-style", "--size", "ci", "--gpu-memory", "50%"]) == 2
+    assert loops.main(["--loops", "lightning-style", "--size", "ci", "--gpu-memory", "34%"]) == 2
     err = capsys.readouterr().err
-    assert "lightning-style: not simulated at 50%: GPU memory budget" in err and "one fault batch" in err
+    assert "lightning-style: not simulated at 34%: GPU memory budget" in err and "one fault batch" in err
 
 
 @pytest.mark.parametrize("name", [loop.name for loop in LOOPS])

@@ -1059,6 +1059,33 @@ def test_a_dataset_a_main_process_dataloader_collates_from_stays_off_the_trace()
     assert len(copies) == 2 * 6 and all(not e.reads and len(e.writes) == 1 for e in copies)  # x and y, each step
 
 
+def test_a_dataset_made_by_ops_while_recording_is_released_at_the_loaders_first_fetch():
+    """A synthetic dataset (``torch.randn`` under the recorder) is an object of the trace from
+    its making; on a GPU it is host memory the loop copies batches from. The loader's first
+    fetch reads it: it is released there (its Free), and no launch after touches it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model, opt = _mlp("cpu")
+    rec = Recorder(steer=False)
+    with rec:
+        data = TensorDataset(torch.randn(512, 16), torch.randn(512, 4))  # (made by ops: traced objects)
+        for step, (x, y) in enumerate(DataLoader(data, batch_size=8)):
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 3:
+                break
+    tr = rec.trace()
+    made = {e.obj for e in tr.events if isinstance(e, Alloc) and e.nbytes in (512 * 16 * 4, 512 * 4 * 4)}
+    assert len(made) == 2  # the dataset's two tensors, made by ops
+    first = next(i for i, e in enumerate(tr.events) if isinstance(e, IterationBoundary))
+    freed = [i for i, e in enumerate(tr.events) if isinstance(e, Free) and e.obj in made]
+    assert len(freed) == 2 and all(i < tr.iteration_spans()[1][0] for i in freed), (first, freed)
+    touched = [e for e in tr.events[max(freed):] if isinstance(e, Launch) and {a.obj for a in e.accesses} & made]
+    assert not touched
+
+
 def test_writes_in_place_after_a_step_stay_in_it_and_an_evaluation_opens_its_own():
     """Gradients zeroed without being freed (``zero_grad(set_to_none=False)``) after the step,
     then an evaluation: the zeroing writes in place what is already there, so it ends the step

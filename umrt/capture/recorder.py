@@ -231,6 +231,8 @@ class Recorder:
         self._closed = False
         self._recording = False
         self._paused = 0
+        # While a data loader fetches (RecorderHooks.fetching): traced objects it reads, by storage id
+        self.fetch_reads: dict[int, int] | None = None
         self._lock = threading.RLock()
         self._hooks = RecorderHooks(self)
         self._mode_switch = ModeSwitch(OpsMode(self._on_op), lambda: self._recording and not self._closed)
@@ -540,6 +542,13 @@ class Recorder:
     # ------------------------------------------------------------------ ops
     def _on_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if not self._recording or self._closed or self._paused or self._mode_switch.ops_off:
+            reads = self.fetch_reads
+            if reads is not None and self._paused:  # a data loader's fetch: note the traced objects it reads
+                for t in (*tensors_in(args), *tensors_in(tuple(kwargs.values()))):
+                    storage = t.untyped_storage()
+                    obj = self._objects.find(storage)
+                    if obj is not None:
+                        reads[id(storage)] = obj
             return func(*args, **kwargs)
         try:
             info = self._ops.info(func)
@@ -695,8 +704,29 @@ class RecorderHooks:
         """Register the hooks; module paths are relative to the recorder's model."""
         self._handles = install_hooks(self._forward_pre, self._forward_post, self._step_pre, self._step_post,
                                       self._step_skipped)
-        self._handles.append(pause_data_loaders(self.rec.paused, self._batch_arrived))
+        self._handles.append(pause_data_loaders(self.fetching, self._batch_arrived))
         self.paths = ModulePaths(self.rec.model)
+
+    @contextlib.contextmanager
+    def fetching(self) -> Iterator[None]:
+        """Run a data loader's own work (its iterator's making, its sampler, a batch's fetch)
+        unrecorded. The traced objects it reads are released at its end (their Free emitted;
+        an op that touches one later announces it again, as data already there): a dataset
+        made by ops while umrt records stays in host memory on a GPU, where the loop copies
+        each batch from it."""
+        rec = self.rec
+        outer = rec.fetch_reads
+        if outer is None:
+            rec.fetch_reads = {}
+        try:
+            with rec.paused():
+                yield
+        finally:
+            if outer is None:
+                reads, rec.fetch_reads = rec.fetch_reads, None
+                if rec._recording and not rec._closed:
+                    for sid, obj in reads.items():
+                        rec._objects.release(obj, sid, rec._on_free)
 
     def _batch_arrived(self, batch: Any) -> Any:
         """A batch a DataLoader fetched (collated in the main process, or sent by a worker
