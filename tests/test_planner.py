@@ -205,34 +205,6 @@ def test_bad_arguments(bad):
         Planner(**bad)
 
 
-def test_a_launch_that_fits_the_gpu_but_not_the_plans_room_faults_its_data_in():
-    """The plan keeps room beside what it holds (its capacity, 32 MB of a 40 MB budget); a
-    launch whose own data pass that but fit the GPU with two 2 MB blocks to spare (36 MB), and
-    move in less than ten times what the advice calls mapping them cost (45 MiB on this
-    profile), is faulted in as plain Unified Memory runs it (an evaluation batch's convolution
-    at 25% of lightning-style's footprint: mapped to the host, its advice calls took 5-8 ms a
-    batch where plain UM took 0.6-2.4). One that does not fit the GPU still reaches its data
-    over the link, and so does one in between whose bytes outweigh its calls."""
-    planner = Planner(40 * MB, load_profile("v100-pcie3-32g"))
-    assert planner.cap == 32 * MB
-
-    def with_last(n_params: int) -> IterationRecord:
-        rec = record(param=9 * MB // 2)  # 4.5 MB each: 8 of them, 36 MB
-        rec.exec_ids.append(99)
-        rec.uses.append(tuple(sorted(rec.start_live))[:n_params])
-        rec.times.append(1e-3)
-        rec.alloc_counts.append(len(rec.allocs))
-        rec.free_counts.append(len(rec.frees))
-        return rec
-
-    fits = with_last(8)  # 36 MB: over the plan's room, within the GPU
-    assert not planner.oversize(fits) and not planner.plan(fits).remote_at
-    big = Planner(30 * MB, load_profile("v100-pcie3-32g"))  # 36 MB over a 30 MB GPU: over the link
-    assert big.oversize(fits) == {len(fits) - 1}
-    planner.remote_min_bytes = 34 * MB  # (a slower link, or dearer calls): its bytes outweigh its calls
-    assert planner.oversize(fits) == {len(fits) - 1}
-
-
 def test_a_launch_larger_than_the_budget_reaches_data_over_the_link():
     rec = record()
     # one fused step over every parameter: 64 MB in a 40 MB budget

@@ -419,11 +419,6 @@ def _round(n: int) -> int:
     return max(PAGE, -(-n // PAGE) * PAGE)
 
 
-#: A launch over the plan's room that fits the GPU is mapped to the host only where moving its data takes this
-#: many times the advice calls around it (ADVICE_CALLS: the preferred location and accessed-by, set and unset).
-REMOTE_PAYBACK, ADVICE_CALLS = 10, 4
-
-
 class Planner:
     """Compiles :class:`IterationRecord` into :class:`Plan` for a budget.
 
@@ -489,18 +484,12 @@ class Planner:
         # 2 MB blocks shared between objects and arenas cost a few blocks of
         # room that object-level accounting does not see: keep 4 spare.
         self.cap = max(int(budget_bytes * headroom) // 2, min(int(budget_bytes * headroom), budget_bytes - 4 * BLOCK))
-        # A launch larger than the plan's room reaches its data over the link, with advice calls around it;
-        # one whose data fit the GPU with two blocks to spare (a fault batch's) and move in less time than
-        # REMOTE_PAYBACK times those calls take is faulted in instead, as plain UM runs it (see oversize).
-        self.launch_cap = max(self.cap, budget_bytes - 2 * BLOCK)
         self.profile = profile
         # Migration rates by direction (a prefetch call's data rate on the profile; the
         # H100 moved 48 GB/s to the GPU but 10-15 GB/s to the host): evictions take
         # four times as long as prefetches of the same bytes there.
         # Without a profile: 12 GB/s both ways (PCIe 3's practical rate).
         self.rate = float(profile.prefetch_h2d_rate) if profile is not None else 12e9
-        advise_s = float(profile.advise_call_s) if profile is not None else 0.0
-        self.remote_min_bytes = REMOTE_PAYBACK * ADVICE_CALLS * advise_s * self.rate
         self.d2h_rate = float(profile.prefetch_d2h_rate) if profile is not None else self.rate
         self.op_level = op_level
         self.swap = bool(swap and profile is not None)
@@ -648,14 +637,9 @@ class Planner:
                     remote_at=remote_at, remote_fresh=fresh, remote_head=heads, launch_free_end=launch_free_end, launch_free_resume=resume, tokens=tuple(rec.tokens))
 
     def oversize(self, rec: IterationRecord) -> set[int]:
-        """Launches that reach their data over the link (:meth:`over`)."""
-        return {i for i, keys in enumerate(rec.uses) if self.over(sum(_round(rec.sizes.get(k, 0)) for k in keys))}
-
-    def over(self, nbytes: int) -> bool:
-        """Whether a launch touching ``nbytes`` reaches them over the link: more than the GPU holds
-        with a fault batch's two blocks to spare, or more than the plan's room and enough that
-        moving them takes :data:`REMOTE_PAYBACK` times the advice calls mapping them costs."""
-        return nbytes > self.launch_cap or (nbytes > self.cap and nbytes >= self.remote_min_bytes)
+        """Launches whose own working set exceeds the plan's capacity."""
+        cap = self.cap
+        return {i for i, keys in enumerate(rec.uses) if sum(_round(rec.sizes.get(k, 0)) for k in keys) > cap}
 
     def remote_keys(self, rec: IterationRecord) -> frozenset[int]:
         """Long-lived keys to keep on the host and access over the link.
@@ -680,7 +664,7 @@ class Planner:
         remote = {k for k in persistent if rec.kinds.get(k) == Kind.OPTIMIZER_STATE and len(users.get(k, ())) == 1}
         for _ in range(4):
             over = {i for i, keys in enumerate(rec.uses)
-                    if self.over(sum(_round(rec.sizes.get(k, 0)) for k in keys if k not in remote))}
+                    if sum(_round(rec.sizes.get(k, 0)) for k in keys if k not in remote) > self.cap}
             more = {k for k, at in users.items() if k not in remote and all(i in over for i in at)}
             if not more:
                 break
