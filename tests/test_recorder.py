@@ -1086,6 +1086,26 @@ def test_a_dataset_made_by_ops_while_recording_is_released_at_the_loaders_first_
     assert not touched
 
 
+def test_a_dataset_on_the_traced_device_is_collated_by_recorded_kernels():
+    """Traced on a device (here meta, as CUDA would be), a dataset the program put there is
+    device memory: its collation is kernels reading it, recorded, and nothing of it is released."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, opt = _mlp("meta")
+    data = TensorDataset(torch.randn(64, 16, device="meta"), torch.randn(64, 4, device="meta"))
+    rec = Recorder(device="meta", steer=False)
+    with rec:
+        for x, y in DataLoader(data, batch_size=8):
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    tr = rec.trace()
+    stacks = [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]
+    assert len(stacks) == 2 * 8 and all(e.reads for e in stacks)  # x and y, each batch, from the dataset
+    dataset = {a.obj for e in stacks for a in e.reads}
+    assert not [e for e in tr.events if isinstance(e, Free) and e.obj in dataset]
+
+
 def test_writes_in_place_after_a_step_stay_in_it_and_an_evaluation_opens_its_own():
     """Gradients zeroed without being freed (``zero_grad(set_to_none=False)``) after the step,
     then an evaluation: the zeroing writes in place what is already there, so it ends the step

@@ -709,12 +709,17 @@ class RecorderHooks:
 
     @contextlib.contextmanager
     def fetching(self) -> Iterator[None]:
-        """Run a data loader's own work (its iterator's making, its sampler, a batch's fetch)
-        unrecorded. The traced objects it reads are released at its end (their Free emitted;
-        an op that touches one later announces it again, as data already there): a dataset
-        made by ops while umrt records stays in host memory on a GPU, where the loop copies
-        each batch from it."""
+        """Traced on the CPU, run a data loader's own work (its iterator's making, its sampler,
+        a batch's fetch) unrecorded. The traced objects it reads are released at its end (their
+        Free emitted; an op that touches one later announces it again, as data already there):
+        a dataset made by ops while umrt records stays in host memory on a GPU, where the loop
+        copies each batch from it. Traced on a device, the loader runs as the program wrote it:
+        its host work is recorded nowhere, and a dataset it keeps on the device is collated by
+        kernels that read device memory."""
         rec = self.rec
+        if rec.device != "cpu":
+            yield
+            return
         outer = rec.fetch_reads
         if outer is None:
             rec.fetch_reads = {}

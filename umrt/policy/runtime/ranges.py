@@ -135,7 +135,7 @@ def whole_pages(ptr: int, nbytes: int) -> tuple[int, int] | None:
 
 
 def free_pieces(off_gpu: RangeSet, free: RangeSet, addresses: list[int],
-                 newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+                newborns: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``newborns`` ``(ordinal, nbytes)`` off the GPU with nothing live there, taken out of both sets."""
     pieces: list[tuple[int, int]] = []
     for o, nbytes in newborns:

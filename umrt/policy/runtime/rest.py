@@ -1,7 +1,8 @@
 """Resting a loop phase whose shapes never repeat.
 
-Learning an iteration records every op it runs (on a GPU, the recorder's dispatch mode costs the
-CPU tens of microseconds per op) and compiles a plan at its end. Where a phase's steps take a new
+Learning an iteration records every op it runs (the recorder's dispatch mode runs Python for each:
+166-215 us of CPU per launch on the development machine, README "CPU cost"; not measured on a GPU
+host) and compiles a plan at its end. Where a phase's steps take a new
 shape each time (lengths that never repeat, not bucketed), no plan is ever used again, and that
 cost is paid on every step for nothing. After :data:`REST_AFTER` iterations of a phase in a row
 each learned a shape never seen before, the phase *rests*: its iterations run as plain Unified
