@@ -48,6 +48,19 @@ def test_a_fit_on_the_gpu_takes_the_smallest_free_block_with_room_on_the_gpu():
     assert space.fit(MiB) == 0  # best fit, the caller's fallback
 
 
+def test_a_fit_on_the_gpu_takes_the_smallest_part_on_the_gpu_not_the_first():
+    """A small object (an evaluation's next batch) goes into a fragment on the GPU, not at the start
+    of a large part a later large object needs whole: the smallest part that holds it."""
+    space = _space()
+    space.adopt(0, 8 * MiB, [(6 * MiB, MiB)])  # free: [0,6) [7,8)
+    off = RangeSet()
+    off.add(3 * MiB, 3 * MiB // 2)  # on the GPU: [0,3) [4.5,6) [7,8)
+    off.add(7 * MiB, MiB)
+    assert space.fit_on_gpu(MiB, off.gaps) == 4 * MiB + MiB // 2  # [4.5,6), not [0,3)
+    assert space.fit_on_gpu(3 * MiB, off.gaps) == 0  # what [0,3) was kept whole for
+    assert space.fit_on_gpu(MiB // 2, off.gaps) == 5 * MiB + MiB // 2  # the half MiB left of [4.5,6)
+
+
 def test_a_first_fit_takes_the_lowest_free_range_never_across_an_edge():
     space = _space()
     space.adopt(0, 8 * MiB, [(MiB, MiB), (3 * MiB + MiB // 2, MiB // 2)])  # free: [0,1) [2,3.5) [4,8)

@@ -74,17 +74,23 @@ class Arena:
         return None
 
     def fit_on_gpu(self, size: int, on_gpu: Callable[[int, int], list[tuple[int, int]]]) -> int | None:
-        """Like :meth:`fit`, in the smallest free block (of the first :data:`GPU_FIT_SCAN`
-        that hold ``size``) with ``size`` aligned bytes that ``on_gpu`` (the parts of a range
-        on the GPU) says are all there; None if there is none."""
+        """Like :meth:`fit`, in the smallest free block (of the first :data:`GPU_FIT_SCAN` that
+        hold ``size``) with ``size`` aligned bytes that ``on_gpu`` (the parts of a range on the
+        GPU) says are all there: at the start of the smallest such part of it, not the first (a
+        small object there would split a large part where a fragment would do: an evaluation's
+        next batch, fetched as its last batch ends, cut the room its first layers had); None if
+        there is none."""
         i = bisect.bisect_left(self._free_keys, (size, -1))
         align = self.alignment
         for fsize, ptr in self._free_keys[i:i + GPU_FIT_SCAN]:
+            best: tuple[int, int] | None = None  # (bytes of the part, where size goes in it)
             for p, n in on_gpu(ptr, fsize):
                 start = _up(p, align)
-                if start + size <= p + n:
-                    self.take(start, size)
-                    return start
+                if start + size <= p + n and (best is None or (n, start) < best):
+                    best = (n, start)
+            if best is not None:
+                self.take(best[1], size)
+                return best[1]
         return None
 
     def take(self, ptr: int, size: int) -> bool:
