@@ -2,8 +2,11 @@
 region's space, as the pool uses it."""
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from umrt.backends.ranges import RangeSet
-from umrt.memory.arena import Arena
+from umrt.memory.arena import GPU_FIT_SCAN, Arena
 from umrt.memory.pool import ALIGN, BLOCK
 
 MiB = 1 << 20
@@ -59,6 +62,42 @@ def test_a_fit_on_the_gpu_takes_the_smallest_part_on_the_gpu_not_the_first():
     assert space.fit_on_gpu(MiB, off.gaps) == 4 * MiB + MiB // 2  # [4.5,6), not [0,3)
     assert space.fit_on_gpu(3 * MiB, off.gaps) == 0  # what [0,3) was kept whole for
     assert space.fit_on_gpu(MiB // 2, off.gaps) == 5 * MiB + MiB // 2  # the half MiB left of [4.5,6)
+
+
+_KiB64 = 64 << 10
+_pieces = st.lists(st.tuples(st.integers(1, 24), st.booleans()), min_size=1, max_size=12)  # (64 KiB units, used)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_pieces, st.lists(st.tuples(st.integers(0, 200), st.integers(1, 24)), max_size=6), st.integers(1, 40))
+def test_a_fit_on_the_gpu_is_the_smallest_free_block_with_room_there_and_its_smallest_part(pieces, off, units):
+    """Against a model of the rule over random free lists and random memory off the GPU: the
+    place is aligned, free, all on the GPU, in the smallest free block (of those that hold it)
+    with such room, and in the smallest part on the GPU there that holds it; None where none has."""
+    space, cursor, used = _space(), 0, []
+    for n, in_use in pieces:
+        if in_use:
+            used.append((cursor, n * _KiB64))
+        cursor += n * _KiB64
+    space.adopt(0, cursor, used)
+    gone = RangeSet()
+    for start, n in off:
+        gone.add(start * _KiB64 // 2, n * _KiB64)
+    size = units * _KiB64 // 3 // ALIGN * ALIGN or ALIGN
+    fitting = []  # (block bytes, block start, [(part bytes, where size goes in it)])
+    for ptr, n in sorted(space.free_blocks(), key=lambda b: (b[1], b[0])):
+        if n < size:
+            continue
+        parts = [(m, -(-p // ALIGN) * ALIGN) for p, m in gone.gaps(ptr, n) if -(-p // ALIGN) * ALIGN + size <= p + m]
+        fitting.append((n, ptr, parts))
+    scanned = [f for f in fitting[:GPU_FIT_SCAN] if f[2]]
+    got = space.fit_on_gpu(size, gone.gaps)
+    if not scanned:
+        assert got is None
+        return
+    assert got == min(scanned[0][2])[1]
+    assert got % ALIGN == 0 and not gone.overlaps(got, size)
+    assert got in space.used and space.used[got] == size
 
 
 def test_a_first_fit_takes_the_lowest_free_range_never_across_an_edge():
