@@ -727,6 +727,9 @@ class MirrorPool:
     def resume_planning(self):
         self.layout.resume_planning()
 
+    def serve_unplanned(self, unplanned):
+        self.layout.serve_unplanned(unplanned)
+
     def tell(self, what, ptr, n):
         if what == "alloc":
             for hook in self.before_malloc:

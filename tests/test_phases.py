@@ -461,6 +461,48 @@ def test_a_phase_whose_shapes_never_repeat_rests_unrecorded_until_one_comes_back
     assert rt.report()["phases"]["train"]["resting"] is True
 
 
+def test_a_training_step_umrt_learns_after_acting_where_memory_is_short_is_placed_by_reuse(monkeypatch):
+    """Once umrt has acted on training steps, the pool serves a training step the runtime learns
+    (or only checks a prediction on), moving nothing, best-fit in what it holds where that is
+    more than the GPU, and keeps its plan for the steps the runtime acts on: with nothing moving,
+    the plan's places spread a step over more 2 MB blocks than reuse does. The learning steps
+    before any acting keep the plan's places (their times are the baseline acting is weighed
+    against, on the layout acting runs on; served best-fit, a synthetic loop's second step took
+    391.9 ms against 348.2, and acting that lost looked like winning in the mild-loss case above),
+    and so does every step where the pool's memory fits the GPU: served best-fit, the learned
+    steps after an optimizer swap outgrew the GPU and were planned as not fitting
+    (``tests/test_shadow.py::test_after_the_optimizer_is_swapped_for_a_smaller_one_steps_that_fit_move_nothing``
+    fails without that rule)."""
+    from umrt.policy.runtime import rest
+
+    monkeypatch.setattr(rest, "REST_AFTER", 0)
+    seqs = [64] * 5 + [128, 96, 112, 80, 120, 88, 104, 72] + [64] * 4  # steady, lengths that vary, steady
+    trace = training_trace(layers=6, steps=len(seqs), seqs=seqs)
+
+    told: list[tuple[bool, str]] = []  # per boundary: unplanned?, the runtime's mode as the step starts
+
+    class Watching(Runtime):
+        def make_layout(self, backend):
+            layout = super().make_layout(backend)
+            serve = layout.serve_unplanned
+
+            def watched(unplanned: bool) -> None:
+                told.append((unplanned, self._mode))
+                serve(unplanned)
+            layout.serve_unplanned = watched
+            return layout
+
+    rt = Watching()
+    _run(trace, rt)
+    assert len(told) >= len(rt.log)
+    first_act = next(i for i, (_, mode) in enumerate(told) if mode == "act")
+    assert all(not unplanned for unplanned, mode in told if mode == "act")
+    assert all(not unplanned for unplanned, _ in told[:first_act + 1])  # learning: the baseline
+    later = [unplanned for unplanned, mode in told[first_act + 2:] if mode != "act"]
+    assert later and all(later), told
+    assert [e["mode"] for e in rt.log][-2:] == ["act", "act"]  # the plan kept serves the steps acted on
+
+
 def test_rest_wakes_only_on_sizes_seen_before_and_counts_only_new_learned_shapes():
     from umrt.policy.runtime.rest import Rest
 

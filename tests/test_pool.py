@@ -505,6 +505,41 @@ def test_a_stopped_pool_goes_back_to_its_learning_layout_where_that_fit_the_gpu(
             assert pool.arena_of(-1) in ("short-lived", "long-lived") and pool.footprint() == held
 
 
+def test_a_step_served_unplanned_reuses_the_memory_held_and_keeps_the_plan_for_the_next():
+    """A training step the runtime moves nothing in is served best-fit in what the pool holds
+    (no planned place taken, no memory obtained), the plan kept: the step after it takes its
+    planned places again. A shape the plan does not know counts as missed there, so the pool
+    plans again from it as from planned steps (once two steps of it have run)."""
+    events = model_events(iterations=7)
+    pool = LifetimePool(bump())
+    at4, at5 = events.index(IterationBoundary(4)), events.index(IterationBoundary(5))
+    sizes: dict[int, int] = {}
+    feed(pool, events[:at4 + 1], sizes)
+    made, held = pool.plans_made, pool.footprint()
+    assert pool.planned and pool.planning
+    pool.serve_unplanned(True)
+    feed(pool, events[at4 + 1:at5 + 1], sizes)  # step 4, unplanned
+    st = pool.last_iteration_stats
+    assert st.hits == 0 and st.misses == 0 and st.eligible_bytes > 0
+    assert pool.footprint() == held and pool.plans_made == made and pool.planning
+    check_layout(pool, sizes)
+    pool.serve_unplanned(False)
+    feed(pool, events[at5 + 1:events.index(IterationBoundary(6)) + 1], sizes)  # step 5, planned
+    st = pool.last_iteration_stats
+    assert st.hits > 0 and st.misses == 0 and st.conflicts == 0 and pool.footprint() == held
+    check_layout(pool, sizes)
+
+    changed = model_events(iterations=7, change_at=4)  # the batch doubles from step 4 on
+    pool = LifetimePool(bump())
+    sizes = {}
+    feed(pool, changed[:changed.index(IterationBoundary(4)) + 1], sizes)
+    made = pool.plans_made
+    pool.serve_unplanned(True)
+    feed(pool, changed[changed.index(IterationBoundary(4)) + 1:changed.index(IterationBoundary(6)) + 1], sizes)
+    assert pool.last_iteration_stats.misses > 0 and pool.plans_made == made + 1  # (two steps of the new shape)
+    check_layout(pool, sizes)
+
+
 def test_a_pool_told_to_plan_again_plans_from_the_step_under_way():
     """Stopped to time a held step, then told acting won: the step under way runs to its
     end best-fit, the pool plans from its records (kept whatever served it), and the step

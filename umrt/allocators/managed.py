@@ -75,6 +75,7 @@ class ManagedPool:
         self.populate_limit = populate_limit
         self.stopped_planning: str | None = None  # why the layouts stopped planning (stop_planning)
         self._stopped_budget: int | None = None  # the GPU memory stop_planning was told of
+        self._unplanned = False  # the iteration now is served best-fit (serve_unplanned)
         self._populated: dict[int, int] = {}  # segment -> bytes populated at its making
         self._segments: dict[int, int] = {}  # segment -> bytes, of every layout
         self._held = self._peak_held = 0  # their bytes, now and at most
@@ -223,6 +224,8 @@ class ManagedPool:
                 layout.observe(event)
         if self.stopped_planning is not None and isinstance(layout, PlanningLayout):
             layout.stop_planning(self.stopped_planning, self._stopped_budget)
+        if self._unplanned and isinstance(layout, PlanningLayout):
+            layout.serve_unplanned(True)
         return layout
 
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
@@ -245,6 +248,15 @@ class ManagedPool:
             for layout in self._layouts.values():
                 if isinstance(layout, PlanningLayout):
                     layout.resume_planning()
+
+    def serve_unplanned(self, unplanned: bool) -> None:
+        """Whether every stream's layout that plans serves the iteration starting now
+        best-fit, its plan kept (:meth:`umrt.memory.pool.LifetimePool.serve_unplanned`)."""
+        with self._lock:
+            self._unplanned = unplanned
+            for layout in self._layouts.values():
+                if isinstance(layout, PlanningLayout):
+                    layout.serve_unplanned(unplanned)
 
     def hint_kind(self, ptr: int, kind: Kind) -> bool:
         """Tell the layout holding the live block that starts at ``ptr`` what it holds.

@@ -82,6 +82,9 @@ class LivePool(Protocol):
     def resume_planning(self) -> None:
         """The pool's layouts plan again (acting won over a step held back)."""
 
+    def serve_unplanned(self, unplanned: bool) -> None:
+        """Whether the pool's layouts serve the iteration starting now best-fit, plans kept."""
+
 
 class ManagedOnly(Backend):
     """The backend as the live policy sees it: ranges outside umrt's managed
@@ -294,6 +297,12 @@ class LiveLayout(Layout):
         doing nothing, and acting won); nothing without one."""
         if self.pool is not None:
             self.pool.resume_planning()
+
+    def serve_unplanned(self, unplanned: bool) -> None:
+        """The pool behind torch serves the iteration starting now best-fit, its plan kept
+        (a training step umrt learns, moving nothing); nothing without one."""
+        if self.pool is not None:
+            self.pool.serve_unplanned(unplanned)
 
 
 _FACT_STEPS = 2  # optimizer steps whose facts the bridge hints to the pool (it plans after the first)

@@ -86,3 +86,6 @@ class PlanningLayout(Protocol):
 
     def resume_planning(self) -> None:
         """Plan again after :meth:`stop_planning`, from the next training step's objects."""
+
+    def serve_unplanned(self, unplanned: bool) -> None:
+        """Whether the iteration starting now is served best-fit, its plan kept for the next."""

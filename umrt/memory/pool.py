@@ -289,6 +289,7 @@ class LifetimePool(Layout):
         self.stopped_planning: str | None = None
         self._drain = False  # stopped: the planned regions get nothing new (stop_planning)
         self._resume = False  # stopped, told to plan again: from the next training step's records
+        self._unplanned_now = False  # this iteration is served best-fit, its plan kept (serve_unplanned)
         self._learned_footprint = 0  # the most memory the pool held before its first plan
         self._fits_unplanned = False  # needs_plan said no: nothing planned, nothing handed back
         self._plan_served = 0  # training iterations the current plan served
@@ -554,7 +555,10 @@ class LifetimePool(Layout):
                 self._online["learning"].release_empty()  # what the layers freed, before more is obtained
             ptr = self._online[name].alloc(size)
             return _Live(name, ptr, size, nbytes, record=record, iteration=self._iteration)
-        if not self.planning:  # best fit in what the pool holds, as a caching allocator reuses its blocks
+        if not self.planning or self._unplanned_now:  # best fit in what the pool holds, as a caching allocator does
+            if self.planning and key is not None and key not in self._plan:  # (a new shape: planned again at its end)
+                stats.misses += 1
+                stats.missed_bytes += size
             for region in () if self._drain else reversed(self._regions):
                 fit = region.best_fit(size, keep_classes=False)  # (no plan to keep them for)
                 if fit is not None:
@@ -773,7 +777,9 @@ class LifetimePool(Layout):
         new_plan: dict[PlanKey, tuple[_Region, int, str]] = {}
         if units:
             outer = plan(items, alignments=aligns)
-            region = self._new_region(outer.footprint)
+            nbytes = _up(max(outer.footprint, 1), self.block)
+            region = _Region(self._malloc(nbytes), nbytes)
+            self._regions.append(region)
             for (members, offsets, name), base, item in zip(units, outer.offsets, items, strict=True):
                 if name == "short-lived":
                     region.short = (region.ptr + base, item.nbytes)
@@ -812,6 +818,13 @@ class LifetimePool(Layout):
             else:
                 region.retired = True
         log.info("umrt: the pool stopped planning: %s; it serves every allocation best-fit", why)
+
+    def serve_unplanned(self, unplanned: bool) -> None:
+        """Whether the iteration starting now is served best-fit in what the pool holds, as a
+        caching allocator reuses its blocks, its plan kept for the next ones: umrt's runtime
+        asks it for a training step it moves nothing in, once it has acted, where the pool
+        holds more than the GPU (see ``POOL.md``, "One step at a time")."""
+        self._unplanned_now = unplanned
 
     def resume_planning(self) -> None:
         """Plan again after :meth:`stop_planning`: from the records of the next training
@@ -852,12 +865,6 @@ class LifetimePool(Layout):
         if clean and self._clean_before and self.planning:  # (a caching allocator's cache stays)
             online["overflow"].release_empty()
         self._clean_before = clean
-
-    def _new_region(self, nbytes: int) -> _Region:
-        nbytes = _up(max(nbytes, 1), self.block)
-        region = _Region(self._malloc(nbytes), nbytes)
-        self._regions.append(region)
-        return region
 
     def _malloc(self, nbytes: int) -> int:
         """A block-aligned backend allocation of ``nbytes`` (a multiple of ``block``)."""

@@ -152,17 +152,15 @@ class Runtime(Policy):
         self.variants = VariantTable()
         self.plans: OrderedDict[int, Plan] = OrderedDict()
         self._alloc_of: dict[int, Alloc] = {}  # live obj -> its Alloc event (bytes, kind)
-        # Pages umrt itself took off the GPU (discarded, evicted, host-mapped) or that
-        # no one has populated yet (new pool segments): a newborn landing on them is
-        # prefetched to the GPU before its kernel (see _populate).
+        # Pages umrt itself took off the GPU (discarded, evicted, host-mapped) or that no one has populated
+        # yet (new pool segments): a newborn landing on them is prefetched to the GPU before its kernel.
         self._off_gpu = RangeSet()
         self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
         # The part of it no live object holds (dead ranges discarded, segments never populated):
         # a newborn's population takes in what of its 2 MB blocks lies there, in the same call.
         self._free_off_gpu = RangeSet()
-        # Live ranges umrt swapped out (their data is in the backend's pinned staging): each
-        # comes back with swap.back before a kernel reads it, or is released when it dies.
-        # (each range as swap.out was given it, ptr -> bytes: one allocation's whole pages).
+        # Live ranges umrt swapped out (their data in the backend's pinned staging, each range as swap.out
+        # was given it: one allocation's whole pages): back with swap.back before a kernel reads it, or released.
         self._swapped = Swapped(self.counters, self._off_gpu)
         self._paths = PathTrial()  # per shape: its swapping plan or its migration-only twin, by measured times
 
@@ -208,9 +206,8 @@ class Runtime(Policy):
         self.token_objects: list[int] = []  # the objects those allocation tokens announced
         self.keymap: tuple[int, ...] | None = None
         self.oversized: dict[int, tuple[int, ...]] = {}  # the acting plan's oversized launch -> keys
-        # Keys whose range is discarded when they die: the acting plan's (none while
-        # learning: without a plan there is no pressure to relieve, and a discarded
-        # range costs a prefetch before its next owner may use it).
+        # Keys whose range is discarded when they die: the acting plan's (none while learning: without a
+        # plan there is no pressure to relieve, and a discarded range costs a prefetch before its next owner).
         self.discard_keys: frozenset[int] = frozenset()
         self._drop_at_free: set[int] = set()  # keys the acting plan found dead: discarded when freed
         self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
@@ -528,6 +525,9 @@ class Runtime(Policy):
                 self._clock.on_due_event(n_events)
         elif t is IterationBoundary:
             self._boundary(event.index, event.phase)
+            if isinstance(self.layout, PlanningLayout):  # a training step umrt moves nothing in, memory short
+                self.layout.serve_unplanned(self._mode != "act" and event.phase == "train" and "train" in
+                                            self._payoff.acting and sum(self._segments.values()) > self.ctx.budget_bytes)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What a live object holds, learned after it was announced (a live
