@@ -400,6 +400,42 @@ def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_
     LiveLayout(lambda obj: 0, None, learn=False).resume_planning()
 
 
+def test_a_step_served_unplanned_reaches_every_stream_layout_and_the_ones_made_later(fake_gpu):
+    """A training step umrt moves nothing in, served best-fit by the pool behind torch: the live
+    bridge's layout tells every stream's lifetime pool, and a layout made during that step; the
+    next step's word undoes it."""
+    from umrt.drive.live import LiveLayout
+    from umrt.memory.pool import LifetimePool
+    from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
+
+    made = []
+
+    def factory(backend):
+        made.append(LifetimePool(backend, live_feed=True))
+        return made[-1]
+
+    pool = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), factory)
+    pool.malloc(2 * MiB)
+    side = pool.backend.api.create_stream()
+    pool.malloc(MiB, stream=side)
+    for it in range(3):
+        pool.observe(IterationBoundary(it))
+        pool.observe(LayerEnter("layer"))
+        act = pool.malloc(3 * MiB)
+        pool.observe(LayerExit("layer"))
+        pool.free(act)
+    assert made[0].planned
+    bridge = LiveLayout(lambda obj: 0, pool, learn=True)
+    bridge.serve_unplanned(True)
+    assert [m._unplanned_now for m in made] == [True, True]
+    pool.retire_layout(pool.stream)
+    pool.malloc(MiB)
+    assert len(made) == 3 and made[2]._unplanned_now
+    bridge.serve_unplanned(False)
+    assert not made[1]._unplanned_now and not made[2]._unplanned_now  # (made[0] is retired: it places nothing)
+    LiveLayout(lambda obj: 0, None, learn=False).serve_unplanned(True)  # a recorder-only bridge: nothing
+
+
 def test_before_malloc_hooks_run_before_the_block_is_placed(pool):
     seen = []
     pool.before_malloc.append(lambda n: seen.append((n, pool.reserved_bytes())))

@@ -77,7 +77,8 @@ class IndexedLayout(Protocol):
 
 @runtime_checkable
 class PlanningLayout(Protocol):
-    """A layout that plans where recurring objects go (umrt's pool), and can stop, or serve one step unplanned."""
+    """A layout that plans where recurring objects go (umrt's pool), and can stop, or serve
+    one step unplanned."""
 
     def stop_planning(self, why: str, budget_bytes: int | None = None) -> None:
         """Serve every allocation best-fit from now on, as a caching allocator does;

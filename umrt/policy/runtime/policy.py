@@ -152,15 +152,15 @@ class Runtime(Policy):
         self.variants = VariantTable()
         self.plans: OrderedDict[int, Plan] = OrderedDict()
         self._alloc_of: dict[int, Alloc] = {}  # live obj -> its Alloc event (bytes, kind)
-        # Pages umrt itself took off the GPU (discarded, evicted, host-mapped) or that no one has populated
-        # yet (new pool segments): a newborn landing on them is prefetched to the GPU before its kernel.
+        # Pages umrt itself took off the GPU (discarded, evicted, host-mapped) or that no one populated
+        # yet (new pool segments): a newborn landing there is prefetched to the GPU before its kernel.
         self._off_gpu = RangeSet()
         self._off_gpu_ends = self._off_gpu.ends  # empty while nothing is off the GPU (the hot path's test)
         # The part of it no live object holds (dead ranges discarded, segments never populated):
         # a newborn's population takes in what of its 2 MB blocks lies there, in the same call.
         self._free_off_gpu = RangeSet()
-        # Live ranges umrt swapped out (their data in the backend's pinned staging, each range as swap.out
-        # was given it: one allocation's whole pages): back with swap.back before a kernel reads it, or released.
+        # Live ranges umrt swapped out (data in the backend's pinned staging; each range as swap.out had
+        # it: one allocation's whole pages): back with swap.back before a kernel reads it, or released.
         self._swapped = Swapped(self.counters, self._off_gpu)
         self._paths = PathTrial()  # per shape: its swapping plan or its migration-only twin, by measured times
 
@@ -212,9 +212,8 @@ class Runtime(Policy):
         self._drop_at_free: set[int] = set()  # keys the acting plan found dead: discarded when freed
         self._pending_discards: list[tuple[int, int]] = []  # dead ranges to discard at the next allocation or boundary
         self._reuse = DeadRangeReuse()  # dead ranges a newborn takes at once: held for it
-        # Frozen: a trusted plan whose objects keep their addresses (checked at
-        # every allocation against the last iteration of the same shape) reuses
-        # its memoized decision ranges without resolving a key (DecisionRanges.resolve).
+        # Frozen: a trusted plan whose objects keep their addresses (checked at every allocation against
+        # the last iteration of the same shape) reuses its memoized decision ranges (DecisionRanges.resolve).
         self._frozen = False
         # The shape whose last iteration, just before this one, put every object where the one
         # before it had: where the newborns of this one will be (Action.populate), before their birth.
@@ -526,8 +525,9 @@ class Runtime(Policy):
         elif t is IterationBoundary:
             self._boundary(event.index, event.phase)
             if isinstance(self.layout, PlanningLayout):  # a training step umrt moves nothing in, memory short
-                self.layout.serve_unplanned(self._mode != "act" and event.phase == "train" and "train" in
-                                            self._payoff.acting and sum(self._segments.values()) > self.ctx.budget_bytes)
+                held = sum(self._segments.values()) if self._held_known else self.layout.footprint()
+                self.layout.serve_unplanned(self._mode != "act" and event.phase == "train" and "train"
+                                            in self._payoff.acting and held > self.ctx.budget_bytes)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What a live object holds, learned after it was announced (a live
