@@ -352,15 +352,13 @@ def test_events_and_kind_hints_reach_the_stream_layouts(fake_gpu):
     assert not caching.hint_kind(ptr, Kind.PARAMETER)
 
 
-def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_gpu):
-    """When umrt stops acting in training steps, the live bridge's layout tells the pool behind
-    torch: every stream's lifetime pool places best-fit from then on, a layout made later too,
-    and the blocks already live stay where they are."""
-    from umrt.drive.live import LiveLayout
+def _two_stream_pool(fake_gpu) -> tuple[ManagedPool, list, object]:
+    """A pool behind torch whose default stream's lifetime pool has planned three steps, and a
+    side stream's layout; the layouts it made, in order; the side stream."""
     from umrt.memory.pool import LifetimePool
     from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
 
-    made = []
+    made: list = []
 
     def factory(backend):
         made.append(LifetimePool(backend, live_feed=True))
@@ -376,6 +374,17 @@ def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_
         act = pool.malloc(3 * MiB)
         pool.observe(LayerExit("layer"))
         pool.free(act)
+    return pool, made, side
+
+
+def test_stop_planning_reaches_every_stream_layout_and_the_ones_made_later(fake_gpu):
+    """When umrt stops acting in training steps, the live bridge's layout tells the pool behind
+    torch: every stream's lifetime pool places best-fit from then on, a layout made later too,
+    and the blocks already live stay where they are."""
+    from umrt.drive.live import LiveLayout
+    from umrt.trace.events import IterationBoundary
+
+    pool, made, side = _two_stream_pool(fake_gpu)
     live = pool.malloc(2 * MiB)
     assert made[0].planned and made[0].planning
     before = pool.live_blocks()
@@ -405,25 +414,8 @@ def test_a_step_served_unplanned_reaches_every_stream_layout_and_the_ones_made_l
     bridge's layout tells every stream's lifetime pool, and a layout made during that step; the
     next step's word undoes it."""
     from umrt.drive.live import LiveLayout
-    from umrt.memory.pool import LifetimePool
-    from umrt.trace.events import IterationBoundary, LayerEnter, LayerExit
 
-    made = []
-
-    def factory(backend):
-        made.append(LifetimePool(backend, live_feed=True))
-        return made[-1]
-
-    pool = ManagedPool(CudaBackend(0, api=CupyApi(FakeCupyRuntime(fake_gpu))), factory)
-    pool.malloc(2 * MiB)
-    side = pool.backend.api.create_stream()
-    pool.malloc(MiB, stream=side)
-    for it in range(3):
-        pool.observe(IterationBoundary(it))
-        pool.observe(LayerEnter("layer"))
-        act = pool.malloc(3 * MiB)
-        pool.observe(LayerExit("layer"))
-        pool.free(act)
+    pool, made, _ = _two_stream_pool(fake_gpu)
     assert made[0].planned
     bridge = LiveLayout(lambda obj: 0, pool, learn=True)
     bridge.serve_unplanned(True)
