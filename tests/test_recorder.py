@@ -998,6 +998,16 @@ def test_on_error_stop_ends_the_recording_and_never_the_program():
     assert len(launches) == 10  # nothing recorded after it
 
 
+def _fit(model, opt, loader, steps: int | None = None) -> None:
+    """A regression loop over ``loader``'s ``(x, y)`` batches, ``steps`` of them at most."""
+    for step, (x, y) in enumerate(loader, 1):
+        (model(x) - y).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == steps:
+            break  # (before the loader fetches another)
+
+
 def _loader_steps(workers: int):
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -1006,10 +1016,7 @@ def _loader_steps(workers: int):
     loader = DataLoader(TensorDataset(torch.randn(96, 16), torch.randn(96, 4)), batch_size=8, num_workers=workers)
     rec = Recorder(steer=False)
     with rec:
-        for x, y in loader:
-            (model(x) - y).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _fit(model, opt, loader)
     tr = rec.trace()
     shapes = []
     for a, b in tr.iteration_spans()[1:]:
@@ -1044,12 +1051,7 @@ def test_a_dataset_a_main_process_dataloader_collates_from_stays_off_the_trace()
     model, opt = _mlp("cpu")
     rec = Recorder(steer=False)
     with rec:
-        for step, (x, y) in enumerate(DataLoader(data, batch_size=8, shuffle=True)):
-            (model(x) - y).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step == 5:
-                break
+        _fit(model, opt, DataLoader(data, batch_size=8, shuffle=True), steps=6)
     tr = rec.trace()
     launches = [e for e in tr.events if isinstance(e, Launch)]
     assert not any(e.op.startswith("aten::stack") for e in launches)
@@ -1070,12 +1072,7 @@ def test_a_dataset_made_by_ops_while_recording_is_released_at_the_loaders_first_
     rec = Recorder(steer=False)
     with rec:
         data = TensorDataset(torch.randn(512, 16), torch.randn(512, 4))  # (made by ops: traced objects)
-        for step, (x, y) in enumerate(DataLoader(data, batch_size=8)):
-            (model(x) - y).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step == 3:
-                break
+        _fit(model, opt, DataLoader(data, batch_size=8), steps=4)
     tr = rec.trace()
     made = {e.obj for e in tr.events if isinstance(e, Alloc) and e.nbytes in (512 * 16 * 4, 512 * 4 * 4)}
     assert len(made) == 2  # the dataset's two tensors, made by ops
@@ -1095,10 +1092,7 @@ def test_a_dataset_on_the_traced_device_is_collated_by_recorded_kernels():
     data = TensorDataset(torch.randn(64, 16, device="meta"), torch.randn(64, 4, device="meta"))
     rec = Recorder(device="meta", steer=False)
     with rec:
-        for x, y in DataLoader(data, batch_size=8):
-            (model(x) - y).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _fit(model, opt, DataLoader(data, batch_size=8))
     tr = rec.trace()
     stacks = [e for e in tr.events if isinstance(e, Launch) and e.op.startswith("aten::stack")]
     assert len(stacks) == 2 * 8 and all(e.reads for e in stacks)  # x and y, each batch, from the dataset
