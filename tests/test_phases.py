@@ -467,8 +467,8 @@ def test_a_training_step_umrt_learns_after_acting_where_memory_is_short_is_place
     more than the GPU, and keeps its plan for the steps the runtime acts on: with nothing moving,
     the plan's places spread a step over more 2 MB blocks than reuse does. The learning steps
     before any acting keep the plan's places (their times are the baseline acting is weighed
-    against, on the layout acting runs on; served best-fit, a synthetic loop's second step took
-    391.9 ms against 348.2, and acting that lost looked like winning in the mild-loss case above),
+    against, on the layout acting runs on: served best-fit, the mild-loss case above fails, acting
+    that lost looking like winning),
     and so does every step where the pool's memory fits the GPU: served best-fit, the learned
     steps after an optimizer swap outgrew the GPU and were planned as not fitting
     (``tests/test_shadow.py::test_after_the_optimizer_is_swapped_for_a_smaller_one_steps_that_fit_move_nothing``
