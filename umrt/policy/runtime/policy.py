@@ -525,9 +525,9 @@ class Runtime(Policy):
         elif t is IterationBoundary:
             self._boundary(event.index, event.phase)
             if isinstance(self.layout, PlanningLayout):  # a training step umrt moves nothing in, memory short
-                held = sum(self._segments.values()) if self._held_known else self.layout.footprint()
-                self.layout.serve_unplanned(self._mode != "act" and event.phase == "train" and "train"
-                                            in self._payoff.acting and held > self.ctx.budget_bytes)
+                self.layout.serve_unplanned(self._mode != "act" and event.phase == "train"
+                                            and "train" in self._payoff.acting
+                                            and self.layout.footprint() > self.ctx.budget_bytes)
 
     def hint_kind(self, obj: int, kind: Kind) -> None:
         """What a live object holds, learned after it was announced (a live
